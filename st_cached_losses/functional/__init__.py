@@ -1,0 +1,15 @@
+"""Pure-torch InfoNCE math: exact, chunked or tiled, with gradients wrt the embeddings.
+
+Imports nothing from sentence_transformers or accelerate.
+"""
+
+from st_cached_losses.functional.infonce import (
+    DEFAULT_MEMORY_BUDGET,
+    InfoNCEOutput,
+    Path,
+    Similarity,
+    infonce,
+    infonce_loss_and_grad,
+)
+
+__all__ = ["DEFAULT_MEMORY_BUDGET", "InfoNCEOutput", "Path", "Similarity", "infonce", "infonce_loss_and_grad"]

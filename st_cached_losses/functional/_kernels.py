@@ -1,0 +1,258 @@
+"""Blockwise InfoNCE kernels: statistics, gradients, and the fused one-pass loss-and-gradient.
+
+Everything here works on *prepared operands* (embeddings already validated, with the similarity's
+normalisation and the scale folded in per tile) and returns gradients with respect to the
+**normalised** embeddings. :mod:`st_cached_losses.functional.infonce` turns them into gradients of
+the raw embeddings. Nothing of size ``rows x candidates`` is ever held beyond one block.
+
+Notation used in the shape comments: ``b`` rows in a row tile, ``t`` candidates in a column tile,
+``d`` the embedding dimension, ``N`` the rows of one candidate column, ``K`` the number of columns.
+
+The loss is ``w_r * sum_i (lse_r[i] - pos[i]) + w_c * sum_j (lse_c[j] - pos[j])`` where
+``lse_r[i] = logsumexp_c S[i, c]`` over every candidate of every column, ``lse_c[j]`` (symmetric
+loss only) is the log-sum-exp of positive ``j`` against every row, and ``pos[i] = S[i, offset + i]``.
+Its gradient wrt the logits is ``w_r * (P_r - Y) + w_c * (P_c - Y)``; the one-hot ``Y`` part is a
+contiguous "diagonal" and is applied outside the tile loops (``_apply_positive_terms``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+NORM_EPS = 1e-12
+
+
+class Operand:
+    """An embedding matrix ``x (n, d)`` whose tiles come out as fp32, normalised and scaled.
+
+    With ``prenormalize=True`` one fp32 copy is made up front (the chunked path, where each chunk
+    spans whole columns and re-normalising them per chunk would repeat work); otherwise only the
+    per-row multipliers (``mult / ||x_i||``) are stored and each tile is normalised when it is read,
+    so memory stays ``O(n)`` beyond the input (the tiled path).
+    """
+
+    def __init__(self, x: Tensor, cosine: bool, mult: float, prenormalize: bool) -> None:
+        self.x = x
+        self.n = x.shape[0]
+        # fp32 accumulation for half types; fp64 stays fp64 (for gradcheck)
+        self.dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        self.cosine = cosine
+        # (n,) fp32: 1 / max(||x_i||, eps), the same clamp as F.normalize
+        self.inv_norm = (
+            torch.linalg.vector_norm(x, dim=1, dtype=self.dtype).clamp_min_(NORM_EPS).reciprocal_()
+            if cosine
+            else None
+        )
+        row_mult = self.inv_norm * mult if self.inv_norm is not None else None
+        if row_mult is None and mult != 1.0:
+            row_mult = torch.full((self.n,), mult, dtype=self.dtype, device=x.device)
+        if prenormalize and (row_mult is not None or x.dtype != self.dtype):
+            data = x.to(self.dtype)
+            if row_mult is not None:
+                data = data * row_mult[:, None]
+            self.data, self.row_mult = data, None
+        else:
+            self.data, self.row_mult = x, row_mult
+
+    def tile(self, i0: int, i1: int) -> Tensor:
+        """Rows ``i0:i1`` in the compute dtype, normalised and scaled: ``(i1 - i0, d)``."""
+        t = self.data[i0:i1].to(self.dtype)
+        if self.row_mult is not None:
+            return t * self.row_mult[i0:i1, None]
+        return t
+
+
+def spans(n: int, size: int) -> Iterator[tuple[int, int]]:
+    for i0 in range(0, n, size):
+        yield i0, min(i0 + size, n)
+
+
+def positive_logits(rows: Operand, pos_col: Operand, offset: int, row_tile: int) -> Tensor:
+    """``pos[i] = <rows_i, pos_col_{offset + i}>`` in fp32: ``(B,)``."""
+    out = torch.empty(rows.n, dtype=rows.dtype, device=rows.x.device)
+    for r0, r1 in spans(rows.n, row_tile):
+        out[r0:r1] = (rows.tile(r0, r1) * pos_col.tile(offset + r0, offset + r1)).sum(1)
+    return out
+
+
+@dataclass
+class Stats:
+    """Per-row (and per-positive) log-sum-exp of the logits, fp32."""
+
+    lse_rows: Tensor  # (B,)
+    lse_cols: Tensor | None  # (N,) symmetric only: positive j against every row
+
+
+def _online_lse_update(m: Tensor, s: Tensor, block: Tensor, dim: int, scratch: Tensor | None) -> None:
+    """Fold ``block`` into a running (max ``m``, sum-of-exp ``s``) along ``dim``, in place."""
+    m_new = torch.maximum(m, block.amax(dim))
+    s.mul_(torch.exp(m - m_new))
+    m_b = m_new[:, None] if dim == 1 else m_new[None, :]
+    if scratch is None:  # block may be destroyed
+        s.add_(block.sub_(m_b).exp_().sum(dim))
+    else:
+        s.add_(torch.sub(block, m_b, out=scratch).exp_().sum(dim))
+    m.copy_(m_new)
+
+
+def row_col_stats(
+    rows: Operand,
+    cols: list[Operand],
+    *,
+    column_direction: bool,
+    row_tile: int,
+    col_tile: int,
+) -> Stats:
+    """First pass: log-sum-exp of every row over all candidates, and, for the symmetric loss, of
+    every candidate of column 0 over all rows. One ``(b, t)`` logit tile alive at a time."""
+    dev = rows.x.device
+    n_pos = cols[0].n
+    m_r = torch.full((rows.n,), -torch.inf, dtype=rows.dtype, device=dev)
+    s_r = torch.zeros(rows.n, dtype=rows.dtype, device=dev)
+    m_c = torch.full((n_pos,), -torch.inf, dtype=rows.dtype, device=dev) if column_direction else None
+    s_c = torch.zeros(n_pos, dtype=rows.dtype, device=dev) if column_direction else None
+    scratch: Tensor | None = None
+    for r0, r1 in spans(rows.n, row_tile):
+        q = rows.tile(r0, r1)  # (b, d)
+        for k, col in enumerate(cols):
+            for c0, c1 in spans(col.n, col_tile):
+                block = q @ col.tile(c0, c1).T  # (b, d) @ (d, t) -> (b, t)
+                if k == 0 and m_c is not None and s_c is not None:
+                    if scratch is None or scratch.shape != block.shape:
+                        scratch = torch.empty_like(block)
+                    _online_lse_update(m_c[c0:c1], s_c[c0:c1], block, 0, scratch)
+                _online_lse_update(m_r[r0:r1], s_r[r0:r1], block, 1, None)
+    lse_c = m_c + s_c.log() if m_c is not None and s_c is not None else None
+    return Stats(lse_rows=m_r + s_r.log(), lse_cols=lse_c)
+
+
+@dataclass
+class Grads:
+    """Gradients wrt the normalised (unscaled) embeddings, fp32, and ``dL/dscale``."""
+
+    rows: Tensor  # (B, d)
+    cols: list[Tensor]  # K x (N, d)
+    scale: Tensor  # 0-d
+
+
+def _apply_positive_terms(
+    rows: Operand, cols: list[Operand], g_rows: Tensor, g_cols: list[Tensor], weight: float, offset: int, tile: int
+) -> None:
+    """The ``-weight * Y`` part of the logit gradient: pair ``(i, offset + i)`` of column 0."""
+    for r0, r1 in spans(rows.n, tile):
+        # d/dq_i of -w * <q_i, c_{off+i}> is -w * c_{off+i}; and symmetrically for c
+        g_rows[r0:r1].sub_(cols[0].tile(offset + r0, offset + r1), alpha=weight)
+        g_cols[0][offset + r0 : offset + r1].sub_(rows.tile(r0, r1), alpha=weight)
+
+
+def gradients(
+    rows: Operand,
+    cols: list[Operand],
+    stats: Stats,
+    pos: Tensor,
+    *,
+    scale: float,
+    w_rows: float,
+    w_cols: float,
+    offset: int,
+    row_tile: int,
+    col_tile: int,
+    need_scale_grad: bool,
+) -> Grads:
+    """Second pass: recompute each logit tile from the stored LSEs and accumulate the gradients.
+
+    ``rows`` carries the scale (its tiles are ``s * q_hat``), ``cols`` do not; so a logit tile is
+    ``q_s @ c^T`` and ``dL/dq_hat = s * G @ c``, ``dL/dc_hat = G^T @ q_s``.
+    """
+    dev = rows.x.device
+    d = rows.x.shape[1]
+    g_rows = torch.zeros(rows.n, d, dtype=rows.dtype, device=dev)
+    g_cols = [torch.zeros(c.n, d, dtype=rows.dtype, device=dev) for c in cols]
+    gs = torch.zeros((), dtype=torch.float64, device=dev)
+    lse_r, lse_c = stats.lse_rows, stats.lse_cols
+    for r0, r1 in spans(rows.n, row_tile):
+        q = rows.tile(r0, r1)  # (b, d), scaled
+        gq = g_rows[r0:r1]
+        for k, col in enumerate(cols):
+            for c0, c1 in spans(col.n, col_tile):
+                c = col.tile(c0, c1)  # (t, d)
+                logits = q @ c.T  # (b, t)
+                g = (logits - lse_r[r0:r1, None]).exp_().mul_(w_rows)  # w_r * P_r: (b, t)
+                if k == 0 and lse_c is not None:
+                    # + w_c * P_c; the logits are only needed afterwards for the scale's gradient
+                    p_c = (logits - lse_c[None, c0:c1]) if need_scale_grad else logits.sub_(lse_c[None, c0:c1])
+                    g.add_(p_c.exp_(), alpha=w_cols)
+                if need_scale_grad:
+                    gs += torch.vdot(g.reshape(-1), logits.reshape(-1)).double()
+                gq.addmm_(g, c)  # (b, t) @ (t, d)
+                g_cols[k][c0:c1].addmm_(g.T, q)  # (t, b) @ (b, d)
+    w_pos = w_rows + (w_cols if lse_c is not None else 0.0)
+    _apply_positive_terms(rows, cols, g_rows, g_cols, w_pos, offset, row_tile)
+    if need_scale_grad:
+        gs -= w_pos * pos.double().sum()
+    g_rows.mul_(scale)
+    return Grads(rows=g_rows, cols=g_cols, scale=(gs / scale).to(rows.dtype))
+
+
+def fused_one_direction(
+    rows: Operand,
+    cols: list[Operand],
+    pos: Tensor,
+    *,
+    scale: float,
+    weight: float,
+    offset: int,
+    chunk: int,
+    need_scale_grad: bool,
+) -> tuple[Tensor, Grads]:
+    """Loss and gradients of the one-directional loss in a single pass over row chunks.
+
+    Each chunk holds its logits against every candidate, ``(K, b, N)``, so the softmax is exact
+    there and then and nothing is recomputed: 6 * B * C * d flops in three GEMMs.
+    """
+    dev = rows.x.device
+    d = rows.x.shape[1]
+    n = cols[0].n
+    g_rows = torch.empty(rows.n, d, dtype=rows.dtype, device=dev)
+    g_cols = [torch.zeros(c.n, d, dtype=rows.dtype, device=dev) for c in cols]
+    loss = torch.zeros((), dtype=torch.float64, device=dev)
+    gs = torch.zeros((), dtype=torch.float64, device=dev)
+    buf = torch.empty(len(cols), min(chunk, rows.n), n, dtype=rows.dtype, device=dev)
+    col_tiles = [c.tile(0, c.n) for c in cols]  # K x (N, d); views when prenormalised
+    for r0, r1 in spans(rows.n, chunk):
+        q = rows.tile(r0, r1)  # (b, d), scaled
+        e = buf[:, : r1 - r0]  # (K, b, N)
+        for k, c in enumerate(col_tiles):
+            torch.mm(q, c.T, out=e[k])  # (b, d) @ (d, N)
+        m = e.amax(dim=(0, 2))  # (b,)
+        e.sub_(m[None, :, None])
+        if need_scale_grad:
+            # sum_c P * logits = sum_c P * (logits - m) + m, since each row of P sums to 1
+            shifted = e.clone()
+        e.exp_()
+        z = e.sum(dim=(0, 2))  # (b,)
+        loss += (m + z.log()).double().sum()
+        inv_z = z.reciprocal_()
+        if need_scale_grad:
+            gs += ((e * shifted).sum(dim=(0, 2)) * inv_z + m).double().sum()
+        gq = g_rows[r0:r1]
+        q_over_z = q * inv_z[:, None]  # (b, d): folds the softmax normaliser into the GEMMs
+        for k, c in enumerate(col_tiles):
+            if k == 0:
+                torch.mm(e[k], c, out=gq)  # (b, N) @ (N, d)
+            else:
+                gq.addmm_(e[k], c)
+            g_cols[k].addmm_(e[k].T, q_over_z)  # (N, b) @ (b, d)
+        gq.mul_(inv_z[:, None])
+    loss -= pos.double().sum()
+    _apply_positive_terms(rows, cols, g_rows, g_cols, 1.0, offset, chunk)
+    if need_scale_grad:
+        gs -= pos.double().sum()
+    g_rows.mul_(scale * weight)
+    for g in g_cols:
+        g.mul_(weight)
+    return loss * weight, Grads(rows=g_rows, cols=g_cols, scale=(gs * weight / scale).to(rows.dtype))

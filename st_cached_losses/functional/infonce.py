@@ -1,0 +1,520 @@
+"""Exact InfoNCE (one- and two-directional) without a ``rows x candidates`` matrix.
+
+Two entry points share one set of kernels (:mod:`._kernels`):
+
+* :func:`infonce` -- an autograd-capable loss (a ``torch.autograd.Function`` that saves only the
+  embeddings and the per-row / per-column log-sum-exp vectors and recomputes logit tiles in backward);
+* :func:`infonce_loss_and_grad` -- the loss together with its gradient wrt every embedding, for the
+  cache stage of GradCache, where the loss is the last node of its own graph. The one-directional
+  chunked path does it in one pass, without recomputation.
+
+Inputs, in the notation of the shape comments:
+
+* ``anchors``: ``(B, d)`` -- this process's rows (queries);
+* ``candidates``: one ``(N, d)`` tensor or a sequence of them (the positives first, then hard
+  negatives). ``N == B`` on one process; ``N == W * B`` when gathered from ``W`` ranks, with
+  ``row_offset`` the index of this rank's first positive in the gathered columns;
+* ``anchors_all``: ``(N, d)``, the gathered anchors, only for the symmetric loss across ranks.
+
+Row ``i``'s loss is ``logsumexp_c(s * <q_i, c>) - s * <q_i, p_{offset + i}>`` over every candidate
+of every column. The symmetric loss averages it with each positive's loss against the anchors.
+Similarities are computed in fp32 whatever the input dtype; gradients come back in the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from st_cached_losses.functional._kernels import (
+    Grads,
+    Operand,
+    Stats,
+    fused_one_direction,
+    gradients,
+    positive_logits,
+    row_col_stats,
+    spans,
+)
+
+Similarity = Literal["cosine", "dot"]
+Path = Literal["auto", "chunked", "tiled"]
+
+#: Bytes of logit blocks the loss stage may hold at once, when neither chunk nor tile size is given.
+DEFAULT_MEMORY_BUDGET = 256 * 2**20
+#: Largest tile side the tiled path picks on its own.
+MAX_TILE = 2048
+#: The chunked path is chosen by ``path="auto"`` when the budget allows chunks of at least this many rows.
+MIN_AUTO_CHUNK = 64
+
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "InfoNCEOutput",
+    "Path",
+    "Similarity",
+    "infonce",
+    "infonce_loss_and_grad",
+]
+
+
+@dataclass
+class InfoNCEOutput:
+    """What :func:`infonce_loss_and_grad` returns. Gradients are of ``grad_output * loss``."""
+
+    loss: Tensor  #: 0-d, fp32, detached
+    grad_anchors: Tensor  #: ``(B, d)``, the anchors' dtype
+    grad_candidates: list[Tensor]  #: one ``(N, d)`` per candidate column, their dtype
+    grad_anchors_all: Tensor | None  #: ``(N, d)`` when ``anchors_all`` was given
+    grad_scale: Tensor | None  #: 0-d, when ``scale`` is a tensor that requires grad
+
+
+@dataclass(frozen=True)
+class _Plan:
+    path: Literal["chunked", "tiled"]
+    row_tile: int
+    col_tile: int
+
+
+@dataclass
+class _Problem:
+    """One directional sub-problem: ``rows`` against ``cols``; positives at ``cols[0][offset + i]``."""
+
+    rows: Operand
+    cols: list[Operand]
+    offset: int
+    w_rows: float
+    w_cols: float  # > 0: also the direction "positive of column 0 -> every row" (shared tiles)
+    plan: _Plan
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _columns(candidates: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    if isinstance(candidates, Tensor):
+        return [candidates]
+    cols = list(candidates)
+    if not cols:
+        raise ValueError("candidates is empty: pass at least the positives, a (N, d) tensor.")
+    return cols
+
+
+def _check_positive_int(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1024 or None.")
+
+
+def _scale_value(scale: float | Tensor) -> float:
+    if isinstance(scale, Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"scale must be a float or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}.")
+        value = float(scale.detach())
+    else:
+        value = float(scale)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(
+            f"scale must be a finite positive number (1 / temperature), got {value}; typical values are 20 to 100."
+        )
+    return value
+
+
+def _validate(
+    anchors: Tensor,
+    cols: list[Tensor],
+    anchors_all: Tensor | None,
+    *,
+    similarity: str,
+    symmetric: bool,
+    row_offset: int,
+    chunk_size: int | None,
+    tile_size: int | None,
+    memory_budget: int,
+    path: str,
+    check_finite: bool,
+) -> None:
+    if similarity not in ("cosine", "dot"):
+        raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}.")
+    if path not in ("auto", "chunked", "tiled"):
+        raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {path!r}.")
+    _check_positive_int("chunk_size", chunk_size)
+    _check_positive_int("tile_size", tile_size)
+    _check_positive_int("memory_budget", memory_budget)
+    named = [("anchors", anchors)] + [(f"candidates[{k}]", c) for k, c in enumerate(cols)]
+    if anchors_all is not None:
+        named.append(("anchors_all", anchors_all))
+    for name, t in named:
+        if not isinstance(t, Tensor) or t.dim() != 2:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 2-D (rows, dim) tensor of embeddings, got {shape}.")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}.")
+        if t.shape[0] == 0:
+            raise ValueError(f"{name} is empty (0 rows): the loss needs at least one pair; skip empty batches.")
+        if t.device != anchors.device:
+            raise ValueError(f"{name} is on {t.device} but anchors are on {anchors.device}; move them to one device.")
+    dim = anchors.shape[1]
+    for name, t in named[1:]:
+        if t.shape[1] != dim:
+            raise ValueError(
+                f"{name} has embedding dim {t.shape[1]} but anchors have {dim}: every column must come from "
+                "encoders with the same output dimension."
+            )
+    n = cols[0].shape[0]
+    for k, c in enumerate(cols[1:], start=1):
+        if c.shape[0] != n:
+            raise ValueError(
+                f"candidates[{k}] has {c.shape[0]} rows but the positives have {n}: every candidate column "
+                "(positives, then each hard-negative column) needs one row per positive."
+            )
+    b = anchors.shape[0]
+    if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0 or row_offset + b > n:
+        raise ValueError(
+            f"row_offset={row_offset!r} puts the positives of the {b} anchors at candidate rows "
+            f"{row_offset}..{row_offset + b - 1 if isinstance(row_offset, int) else '?'}, outside the {n} candidate "
+            "rows; pass the index of this process's first row within the gathered columns (0 on one process)."
+        )
+    if symmetric:
+        if anchors_all is None and (n != b or row_offset != 0):
+            raise ValueError(
+                f"the symmetric loss scores every positive against every anchor, but {n} positives were given "
+                f"for {b} anchors (row_offset={row_offset}); pass anchors_all=<the gathered (N, d) anchors>."
+            )
+        if anchors_all is not None and anchors_all.shape[0] != n:
+            raise ValueError(
+                f"anchors_all has {anchors_all.shape[0]} rows but there are {n} positives: gather anchors and "
+                "positives the same way."
+            )
+    elif anchors_all is not None:
+        raise ValueError("anchors_all is only used by the symmetric loss; pass symmetric=True or drop it.")
+    if check_finite:
+        for name, t in named:
+            if not bool(torch.isfinite(t).all()):
+                raise ValueError(
+                    f"{name} contains NaN or inf: the encoder diverged or the inputs are corrupt; lower the learning "
+                    "rate, check the data, or use a loss scaler under fp16."
+                )
+
+
+# --------------------------------------------------------------------------- planning
+
+
+def _plan(
+    n_rows: int,
+    n_cols: int,
+    k: int,
+    *,
+    path: str,
+    chunk_size: int | None,
+    tile_size: int | None,
+    memory_budget: int,
+    buffers: int,
+) -> _Plan:
+    """Pick the path and block sizes: ``buffers`` fp32 blocks of ``rows x candidates-in-block`` live at once."""
+    row_bytes = 4 * buffers * k * n_cols
+    if path == "auto":
+        if chunk_size is not None:
+            path = "chunked"
+        elif tile_size is not None:
+            path = "tiled"
+        else:
+            path = "chunked" if memory_budget // row_bytes >= min(n_rows, MIN_AUTO_CHUNK) else "tiled"
+    if path == "chunked":
+        chunk = chunk_size if chunk_size is not None else max(1, memory_budget // row_bytes)
+        return _Plan("chunked", min(chunk, n_rows), n_cols)
+    tile = tile_size if tile_size is not None else min(MAX_TILE, max(1, math.isqrt(memory_budget // (4 * buffers))))
+    return _Plan("tiled", min(tile, n_rows), min(tile, n_cols))
+
+
+# --------------------------------------------------------------------------- assembly
+
+
+def _problems(
+    anchors: Tensor,
+    cols: list[Tensor],
+    anchors_all: Tensor | None,
+    *,
+    scale: float,
+    cosine: bool,
+    symmetric: bool,
+    row_offset: int,
+    path: str,
+    chunk_size: int | None,
+    tile_size: int | None,
+    memory_budget: int,
+    fused: bool,
+    need_scale_grad: bool,
+) -> list[_Problem]:
+    b, n, k = anchors.shape[0], cols[0].shape[0], len(cols)
+    # blocks alive at once: the fused one-directional pass keeps one (plus a copy for the scale's
+    # gradient); the two-pass path keeps the logits, the gradient block and a scratch block.
+    one_pass = fused and not (symmetric and anchors_all is None)
+    buffers = (2 if need_scale_grad else 1) if one_pass else 3
+    plan = _plan(b, n, k, path=path, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, buffers=buffers)
+    prenorm = plan.path == "chunked"
+    rows = Operand(anchors, cosine, scale, prenorm)
+    col_ops = [Operand(c, cosine, 1.0, prenorm) for c in cols]
+    if not symmetric:
+        return [_Problem(rows, col_ops, row_offset, 1.0 / b, 0.0, plan)]
+    if anchors_all is None:  # one process: both directions share every logit tile
+        return [_Problem(rows, col_ops, 0, 0.5 / b, 0.5 / n, plan)]
+    # across ranks: this rank's positives against every rank's anchors is a second one-way problem
+    pos_rows = Operand(cols[0][row_offset : row_offset + b], cosine, scale, prenorm)
+    plan2 = _plan(b, n, 1, path=path, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, buffers=buffers)
+    back = _Problem(pos_rows, [Operand(anchors_all, cosine, 1.0, prenorm)], row_offset, 0.5 / b, 0.0, plan2)
+    return [_Problem(rows, col_ops, row_offset, 0.5 / b, 0.0, plan), back]
+
+
+def _loss_from_stats(p: _Problem, stats: Stats, pos: Tensor) -> Tensor:
+    loss = p.w_rows * (stats.lse_rows.double().sum() - pos.double().sum())
+    if stats.lse_cols is not None:
+        loss = loss + p.w_cols * (stats.lse_cols.double().sum() - pos.double().sum())
+    return loss
+
+
+def _solve(p: _Problem, scale: float, need_grads: bool, need_scale_grad: bool) -> tuple[Tensor, Grads | None, Stats | None, Tensor]:
+    """Loss (fp64) and, if asked, gradients of one problem; also what backward would need."""
+    pos = positive_logits(p.rows, p.cols[0], p.offset, p.plan.row_tile)
+    if need_grads and p.plan.path == "chunked" and p.w_cols == 0.0:
+        loss, grads = fused_one_direction(
+            p.rows,
+            p.cols,
+            pos,
+            scale=scale,
+            weight=p.w_rows,
+            offset=p.offset,
+            chunk=p.plan.row_tile,
+            need_scale_grad=need_scale_grad,
+        )
+        return loss, grads, None, pos
+    stats = row_col_stats(
+        p.rows, p.cols, column_direction=p.w_cols > 0, row_tile=p.plan.row_tile, col_tile=p.plan.col_tile
+    )
+    grads = _grads(p, stats, pos, scale, 1.0, need_scale_grad) if need_grads else None
+    return _loss_from_stats(p, stats, pos), grads, stats, pos
+
+
+def _grads(p: _Problem, stats: Stats, pos: Tensor, scale: float, grad_output: float, need_scale_grad: bool) -> Grads:
+    return gradients(
+        p.rows,
+        p.cols,
+        stats,
+        pos,
+        scale=scale,
+        w_rows=p.w_rows * grad_output,
+        w_cols=p.w_cols * grad_output,
+        offset=p.offset,
+        row_tile=p.plan.row_tile,
+        col_tile=p.plan.col_tile,
+        need_scale_grad=need_scale_grad,
+    )
+
+
+def _raw_grad(op: Operand, g: Tensor, out_dtype: torch.dtype, tile: int) -> Tensor:
+    """Gradient wrt the raw embedding from the one wrt its normalised version, in place:
+    ``dL/dx = (g - x_hat <g, x_hat>) / ||x||``."""
+    if op.inv_norm is not None:
+        for r0, r1 in spans(op.n, tile):
+            inv = op.inv_norm[r0:r1, None]
+            x_hat = op.x[r0:r1].to(op.dtype) * inv  # (b, d)
+            gr = g[r0:r1]
+            gr.sub_(x_hat * (gr * x_hat).sum(1, keepdim=True)).mul_(inv)
+    return g.to(out_dtype)
+
+
+def _assemble(
+    problems: list[_Problem],
+    grads: list[Grads],
+    anchors: Tensor,
+    cols: list[Tensor],
+    anchors_all: Tensor | None,
+    grad_output: float,
+) -> tuple[Tensor, list[Tensor], Tensor | None, Tensor]:
+    """Map each problem's gradients back onto the caller's tensors (raw, in their dtypes)."""
+    main, g_main = problems[0], grads[0]
+    tile = main.plan.row_tile
+    g_cols = g_main.cols
+    scale_grad = g_main.scale * grad_output
+    g_all = None
+    if len(problems) == 2:
+        back, g_back = problems[1], grads[1]
+        # the back problem's rows are this rank's slice of the positives (same normalisation)
+        g_cols[0][back.offset : back.offset + back.rows.n].add_(g_back.rows)
+        g_all = _raw_grad(back.cols[0], g_back.cols[0].mul_(grad_output), anchors_all.dtype, tile)  # type: ignore[union-attr]
+        scale_grad = scale_grad + g_back.scale * grad_output
+    g_anchors = _raw_grad(main.rows, g_main.rows.mul_(grad_output), anchors.dtype, tile)
+    g_candidates = [_raw_grad(op, g.mul_(grad_output), c.dtype, tile) for op, g, c in zip(main.cols, g_cols, cols)]
+    return g_anchors, g_candidates, g_all, scale_grad
+
+
+# --------------------------------------------------------------------------- public API
+
+
+def infonce_loss_and_grad(
+    anchors: Tensor,
+    candidates: Tensor | Sequence[Tensor],
+    *,
+    scale: float | Tensor = 20.0,
+    similarity: Similarity = "cosine",
+    symmetric: bool = False,
+    anchors_all: Tensor | None = None,
+    row_offset: int = 0,
+    path: Path = "auto",
+    chunk_size: int | None = None,
+    tile_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    grad_output: float = 1.0,
+    check_finite: bool = True,
+) -> InfoNCEOutput:
+    """InfoNCE and its gradient wrt every embedding, without building a graph.
+
+    Args:
+        anchors: ``(B, d)`` anchor embeddings (this process's rows).
+        candidates: ``(N, d)`` or a sequence of ``(N, d)``: positives first, then hard negatives.
+            Row ``i``'s positive is ``candidates[0][row_offset + i]``; every row of every column is a
+            candidate for every anchor.
+        scale: ``1 / temperature``; a float or a 0-d tensor (its gradient is returned if it requires grad).
+        similarity: ``"cosine"`` (embeddings normalised once) or ``"dot"``.
+        symmetric: also score each of this process's positives against every anchor, and average.
+        anchors_all: ``(N, d)`` gathered anchors, for ``symmetric=True`` across processes.
+        row_offset: index of this process's first positive in the (gathered) candidate columns.
+        path: ``"chunked"`` (row chunks against all candidates; one pass for one direction),
+            ``"tiled"`` (Inf-CL-style tiles in both dimensions, memory ``O((B + N) d)`` plus one tile)
+            or ``"auto"`` (chunked when ``memory_budget`` allows chunks of at least 64 rows).
+        chunk_size: rows per chunk for the chunked path (default: from ``memory_budget``).
+        tile_size: tile side for the tiled path (default: from ``memory_budget``, at most 2048).
+        memory_budget: bytes of logit blocks to hold at once when sizes are not given.
+        grad_output: multiplies every gradient (the incoming gradient of the loss).
+        check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs).
+
+    Returns:
+        :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
+    """
+    cols = _columns(candidates)
+    _validate(
+        anchors,
+        cols,
+        anchors_all,
+        similarity=similarity,
+        symmetric=symmetric,
+        row_offset=row_offset,
+        chunk_size=chunk_size,
+        tile_size=tile_size,
+        memory_budget=memory_budget,
+        path=path,
+        check_finite=check_finite,
+    )
+    s = _scale_value(scale)
+    need_scale_grad = isinstance(scale, Tensor) and scale.requires_grad
+    with torch.no_grad():
+        problems = _problems(
+            anchors.detach(),
+            [c.detach() for c in cols],
+            anchors_all.detach() if anchors_all is not None else None,
+            scale=s,
+            cosine=similarity == "cosine",
+            symmetric=symmetric,
+            row_offset=row_offset,
+            path=path,
+            chunk_size=chunk_size,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
+            fused=True,
+            need_scale_grad=need_scale_grad,
+        )
+        losses, grads = [], []
+        for p in problems:
+            loss, g, _, _ = _solve(p, s, True, need_scale_grad)
+            losses.append(loss)
+            grads.append(g)
+        g_a, g_c, g_all, g_s = _assemble(problems, grads, anchors, cols, anchors_all, float(grad_output))
+    return InfoNCEOutput(
+        loss=sum(losses).to(problems[0].rows.dtype),  # type: ignore[union-attr]
+        grad_anchors=g_a,
+        grad_candidates=g_c,
+        grad_anchors_all=g_all,
+        grad_scale=g_s.to(scale.dtype) if need_scale_grad else None,  # type: ignore[union-attr]
+    )
+
+
+class _InfoNCEFunction(torch.autograd.Function):
+    """Forward: one statistics pass, saving the embeddings and LSE vectors. Backward: recompute tiles."""
+
+    @staticmethod
+    def forward(ctx: Any, cfg: dict[str, Any], scale: Tensor, anchors: Tensor, anchors_all: Tensor | None, *cols: Tensor) -> Tensor:
+        s = _scale_value(scale)
+        problems = _problems(anchors, list(cols), anchors_all, scale=s, fused=False, **cfg)
+        loss = torch.zeros((), dtype=torch.float64, device=anchors.device)
+        saved = []
+        for p in problems:
+            part, _, stats, pos = _solve(p, s, False, False)
+            loss += part
+            saved.append((stats, pos))
+        ctx.problems, ctx.saved, ctx.s, ctx.scale_dtype = problems, saved, s, scale.dtype
+        ctx.save_for_backward(anchors, anchors_all, *cols)
+        return loss.to(problems[0].rows.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
+        anchors, anchors_all, *cols = ctx.saved_tensors
+        go = float(grad_loss)
+        scale_dtype = ctx.scale_dtype
+        need_scale_grad = ctx.needs_input_grad[1]
+        grads = [_grads(p, st, pos, ctx.s, 1.0, need_scale_grad) for p, (st, pos) in zip(ctx.problems, ctx.saved)]
+        g_a, g_c, g_all, g_s = _assemble(ctx.problems, grads, anchors, cols, anchors_all, go)
+        ctx.problems = ctx.saved = None
+        return (None, g_s.to(scale_dtype) if need_scale_grad else None, g_a, g_all, *g_c)
+
+
+def infonce(
+    anchors: Tensor,
+    candidates: Tensor | Sequence[Tensor],
+    *,
+    scale: float | Tensor = 20.0,
+    similarity: Similarity = "cosine",
+    symmetric: bool = False,
+    anchors_all: Tensor | None = None,
+    row_offset: int = 0,
+    path: Path = "auto",
+    chunk_size: int | None = None,
+    tile_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    check_finite: bool = True,
+) -> Tensor:
+    """Mean InfoNCE loss as an autograd-capable 0-d fp32 tensor.
+
+    Same arguments as :func:`infonce_loss_and_grad`. Gradients flow to ``anchors``, every candidate
+    column, ``anchors_all`` and a tensor ``scale``. Saves only the inputs and ``O(B + N)`` LSE values;
+    backward recomputes each logit tile once.
+    """
+    cols = _columns(candidates)
+    _validate(
+        anchors,
+        cols,
+        anchors_all,
+        similarity=similarity,
+        symmetric=symmetric,
+        row_offset=row_offset,
+        chunk_size=chunk_size,
+        tile_size=tile_size,
+        memory_budget=memory_budget,
+        path=path,
+        check_finite=check_finite,
+    )
+    scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
+    _scale_value(scale_t)
+    cfg = {
+        "cosine": similarity == "cosine",
+        "symmetric": symmetric,
+        "row_offset": row_offset,
+        "path": path,
+        "chunk_size": chunk_size,
+        "tile_size": tile_size,
+        "memory_budget": memory_budget,
+        "need_scale_grad": scale_t.requires_grad,
+    }
+    return _InfoNCEFunction.apply(cfg, scale_t, anchors, anchors_all, *cols)

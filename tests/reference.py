@@ -1,0 +1,80 @@
+"""Naive dense InfoNCE: the oracle for every test and benchmark.
+
+Builds the full ``(B, C)`` logit matrix with plain autograd ops; nothing clever, nothing shared
+with the package. Computes in the inputs' dtype (so a bf16 call shows the naive bf16 error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _prep(x: Tensor, similarity: str) -> Tensor:
+    return F.normalize(x, dim=-1) if similarity == "cosine" else x
+
+
+def reference_infonce(
+    anchors: Tensor,
+    candidates: Tensor | Sequence[Tensor],
+    *,
+    scale: float | Tensor = 20.0,
+    similarity: str = "cosine",
+    symmetric: bool = False,
+    anchors_all: Tensor | None = None,
+    row_offset: int = 0,
+) -> Tensor:
+    """Mean InfoNCE of ``anchors (B, d)`` against ``cat(candidates) (K*N, d)``; positive of row i at
+    ``row_offset + i``. Symmetric: average with positives ``candidates[0][offset:offset+B]`` against
+    ``anchors_all`` (or ``anchors``)."""
+    cols = [candidates] if isinstance(candidates, Tensor) else list(candidates)
+    b = anchors.shape[0]
+    q = _prep(anchors, similarity)
+    c = _prep(torch.cat(cols, dim=0), similarity)
+    labels = torch.arange(b, device=anchors.device) + row_offset
+    logits = scale * q @ c.T  # (B, K*N)
+    loss = F.cross_entropy(logits, labels)
+    if not symmetric:
+        return loss
+    a_all = _prep(anchors if anchors_all is None else anchors_all, similarity)
+    p = _prep(cols[0][row_offset : row_offset + b], similarity)
+    back = F.cross_entropy(scale * p @ a_all.T, labels)  # (B, N)
+    return (loss + back) / 2
+
+
+def reference_infonce_blockwise_float64(
+    anchors: Tensor,
+    candidates: Tensor | Sequence[Tensor],
+    *,
+    scale: float = 20.0,
+    similarity: str = "cosine",
+    symmetric: bool = False,
+    block: int = 2048,
+) -> float:
+    """The same loss value in float64, a block of rows at a time (for batches whose dense logits do
+    not fit in memory). Value only, no gradients; single process (``N == B`` when symmetric)."""
+    cols = [candidates] if isinstance(candidates, Tensor) else list(candidates)
+    with torch.no_grad():
+        q = _prep(anchors.double(), similarity)
+        c = _prep(torch.cat(cols, dim=0).double(), similarity)
+        b = q.shape[0]
+        total = 0.0
+        for r0 in range(0, b, block):
+            r1 = min(r0 + block, b)
+            logits = scale * q[r0:r1] @ c.T
+            pos = logits[torch.arange(r1 - r0), torch.arange(r0, r1)]
+            total += float((torch.logsumexp(logits, dim=1) - pos).sum())
+        loss = total / b
+        if not symmetric:
+            return loss
+        p = c[: cols[0].shape[0]]
+        back = 0.0
+        for r0 in range(0, p.shape[0], block):
+            r1 = min(r0 + block, p.shape[0])
+            logits = scale * p[r0:r1] @ q.T
+            pos = logits[torch.arange(r1 - r0), torch.arange(r0, r1)]
+            back += float((torch.logsumexp(logits, dim=1) - pos).sum())
+        return (loss + back / p.shape[0]) / 2
