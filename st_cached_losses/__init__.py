@@ -1,7 +1,8 @@
 """Memory-efficient, exact contrastive losses for sentence-transformers."""
 
 from st_cached_losses import functional
+from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "functional"]
+__all__ = ["CachedCLIPLoss", "CachedMNRLoss", "__version__", "functional"]

@@ -140,7 +140,13 @@ class Grads:
 
 
 def _apply_positive_terms(
-    rows: Operand, cols: list[Operand], g_rows: Tensor, g_cols: list[Tensor], weight: float, offset: int, tile: int
+    rows: Operand,
+    cols: list[Operand],
+    g_rows: Tensor,
+    g_cols: list[Tensor],
+    weight: float,
+    offset: int,
+    tile: int,
 ) -> None:
     """The ``-weight * Y`` part of the logit gradient: pair ``(i, offset + i)`` of column 0."""
     for r0, r1 in spans(rows.n, tile):
@@ -184,7 +190,9 @@ def gradients(
                 g = (logits - lse_r[r0:r1, None]).exp_().mul_(w_rows)  # w_r * P_r: (b, t)
                 if k == 0 and lse_c is not None:
                     # + w_c * P_c; the logits are only needed afterwards for the scale's gradient
-                    p_c = (logits - lse_c[None, c0:c1]) if need_scale_grad else logits.sub_(lse_c[None, c0:c1])
+                    p_c = (
+                        (logits - lse_c[None, c0:c1]) if need_scale_grad else logits.sub_(lse_c[None, c0:c1])
+                    )
                     g.add_(p_c.exp_(), alpha=w_cols)
                 if need_scale_grad:
                     gs += torch.vdot(g.reshape(-1), logits.reshape(-1)).double()

@@ -112,7 +112,9 @@ def _check_positive_int(name: str, value: int | None) -> None:
 def _scale_value(scale: float | Tensor) -> float:
     if isinstance(scale, Tensor):
         if scale.numel() != 1:
-            raise ValueError(f"scale must be a float or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}.")
+            raise ValueError(
+                f"scale must be a float or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}."
+            )
         value = float(scale.detach())
     else:
         value = float(scale)
@@ -154,9 +156,13 @@ def _validate(
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}.")
         if t.shape[0] == 0:
-            raise ValueError(f"{name} is empty (0 rows): the loss needs at least one pair; skip empty batches.")
+            raise ValueError(
+                f"{name} is empty (0 rows): the loss needs at least one pair; skip empty batches."
+            )
         if t.device != anchors.device:
-            raise ValueError(f"{name} is on {t.device} but anchors are on {anchors.device}; move them to one device.")
+            raise ValueError(
+                f"{name} is on {t.device} but anchors are on {anchors.device}; move them to one device."
+            )
     dim = anchors.shape[1]
     for name, t in named[1:]:
         if t.shape[1] != dim:
@@ -172,7 +178,12 @@ def _validate(
                 "(positives, then each hard-negative column) needs one row per positive."
             )
     b = anchors.shape[0]
-    if isinstance(row_offset, bool) or not isinstance(row_offset, int) or row_offset < 0 or row_offset + b > n:
+    if (
+        isinstance(row_offset, bool)
+        or not isinstance(row_offset, int)
+        or row_offset < 0
+        or row_offset + b > n
+    ):
         raise ValueError(
             f"row_offset={row_offset!r} puts the positives of the {b} anchors at candidate rows "
             f"{row_offset}..{row_offset + b - 1 if isinstance(row_offset, int) else '?'}, outside the {n} candidate "
@@ -226,7 +237,11 @@ def _plan(
     if path == "chunked":
         chunk = chunk_size if chunk_size is not None else max(1, memory_budget // row_bytes)
         return _Plan("chunked", min(chunk, n_rows), n_cols)
-    tile = tile_size if tile_size is not None else min(MAX_TILE, max(1, math.isqrt(memory_budget // (4 * buffers))))
+    tile = (
+        tile_size
+        if tile_size is not None
+        else min(MAX_TILE, max(1, math.isqrt(memory_budget // (4 * buffers))))
+    )
     return _Plan("tiled", min(tile, n_rows), min(tile, n_cols))
 
 
@@ -254,7 +269,16 @@ def _problems(
     # gradient); the two-pass path keeps the logits, the gradient block and a scratch block.
     one_pass = fused and not (symmetric and anchors_all is None)
     buffers = (2 if need_scale_grad else 1) if one_pass else 3
-    plan = _plan(b, n, k, path=path, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, buffers=buffers)
+    plan = _plan(
+        b,
+        n,
+        k,
+        path=path,
+        chunk_size=chunk_size,
+        tile_size=tile_size,
+        memory_budget=memory_budget,
+        buffers=buffers,
+    )
     prenorm = plan.path == "chunked"
     rows = Operand(anchors, cosine, scale, prenorm)
     col_ops = [Operand(c, cosine, 1.0, prenorm) for c in cols]
@@ -264,7 +288,16 @@ def _problems(
         return [_Problem(rows, col_ops, 0, 0.5 / b, 0.5 / n, plan)]
     # across ranks: this rank's positives against every rank's anchors is a second one-way problem
     pos_rows = Operand(cols[0][row_offset : row_offset + b], cosine, scale, prenorm)
-    plan2 = _plan(b, n, 1, path=path, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, buffers=buffers)
+    plan2 = _plan(
+        b,
+        n,
+        1,
+        path=path,
+        chunk_size=chunk_size,
+        tile_size=tile_size,
+        memory_budget=memory_budget,
+        buffers=buffers,
+    )
     back = _Problem(pos_rows, [Operand(anchors_all, cosine, 1.0, prenorm)], row_offset, 0.5 / b, 0.0, plan2)
     return [_Problem(rows, col_ops, row_offset, 0.5 / b, 0.0, plan), back]
 
@@ -276,7 +309,9 @@ def _loss_from_stats(p: _Problem, stats: Stats, pos: Tensor) -> Tensor:
     return loss
 
 
-def _solve(p: _Problem, scale: float, need_grads: bool, need_scale_grad: bool) -> tuple[Tensor, Grads | None, Stats | None, Tensor]:
+def _solve(
+    p: _Problem, scale: float, need_grads: bool, need_scale_grad: bool
+) -> tuple[Tensor, Grads | None, Stats | None, Tensor]:
     """Loss (fp64) and, if asked, gradients of one problem; also what backward would need."""
     pos = positive_logits(p.rows, p.cols[0], p.offset, p.plan.row_tile)
     if need_grads and p.plan.path == "chunked" and p.w_cols == 0.0:
@@ -298,7 +333,9 @@ def _solve(p: _Problem, scale: float, need_grads: bool, need_scale_grad: bool) -
     return _loss_from_stats(p, stats, pos), grads, stats, pos
 
 
-def _grads(p: _Problem, stats: Stats, pos: Tensor, scale: float, grad_output: float, need_scale_grad: bool) -> Grads:
+def _grads(
+    p: _Problem, stats: Stats, pos: Tensor, scale: float, grad_output: float, need_scale_grad: bool
+) -> Grads:
     return gradients(
         p.rows,
         p.cols,
@@ -347,7 +384,9 @@ def _assemble(
         g_all = _raw_grad(back.cols[0], g_back.cols[0].mul_(grad_output), anchors_all.dtype, tile)  # type: ignore[union-attr]
         scale_grad = scale_grad + g_back.scale * grad_output
     g_anchors = _raw_grad(main.rows, g_main.rows.mul_(grad_output), anchors.dtype, tile)
-    g_candidates = [_raw_grad(op, g.mul_(grad_output), c.dtype, tile) for op, g, c in zip(main.cols, g_cols, cols)]
+    g_candidates = [
+        _raw_grad(op, g.mul_(grad_output), c.dtype, tile) for op, g, c in zip(main.cols, g_cols, cols)
+    ]
     return g_anchors, g_candidates, g_all, scale_grad
 
 
@@ -445,7 +484,14 @@ class _InfoNCEFunction(torch.autograd.Function):
     """Forward: one statistics pass, saving the embeddings and LSE vectors. Backward: recompute tiles."""
 
     @staticmethod
-    def forward(ctx: Any, cfg: dict[str, Any], scale: Tensor, anchors: Tensor, anchors_all: Tensor | None, *cols: Tensor) -> Tensor:
+    def forward(
+        ctx: Any,
+        cfg: dict[str, Any],
+        scale: Tensor,
+        anchors: Tensor,
+        anchors_all: Tensor | None,
+        *cols: Tensor,
+    ) -> Tensor:
         s = _scale_value(scale)
         problems = _problems(anchors, list(cols), anchors_all, scale=s, fused=False, **cfg)
         loss = torch.zeros((), dtype=torch.float64, device=anchors.device)
@@ -464,7 +510,9 @@ class _InfoNCEFunction(torch.autograd.Function):
         go = float(grad_loss)
         scale_dtype = ctx.scale_dtype
         need_scale_grad = ctx.needs_input_grad[1]
-        grads = [_grads(p, st, pos, ctx.s, 1.0, need_scale_grad) for p, (st, pos) in zip(ctx.problems, ctx.saved)]
+        grads = [
+            _grads(p, st, pos, ctx.s, 1.0, need_scale_grad) for p, (st, pos) in zip(ctx.problems, ctx.saved)
+        ]
         g_a, g_c, g_all, g_s = _assemble(ctx.problems, grads, anchors, cols, anchors_all, go)
         ctx.problems = ctx.saved = None
         return (None, g_s.to(scale_dtype) if need_scale_grad else None, g_a, g_all, *g_c)

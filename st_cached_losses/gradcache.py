@@ -1,0 +1,372 @@
+"""The GradCache engine: embed in mini-batches without a graph, cache the loss's gradient wrt every
+embedding, and replay the encoder mini-batch by mini-batch when the loss is back-propagated.
+
+No loss math lives here: a loss hands :meth:`GradCache.step` a callable that maps the embeddings of
+every column to ``(loss, gradients wrt those embeddings, gradients wrt extra tensors)``.
+
+What it does beyond GradCache (Gao et al., 2021):
+
+* rows of each column are sorted by length before they are cut into mini-batches, and each
+  mini-batch's trailing padding is trimmed; the loss does not care in which order rows are embedded,
+  so on text of varied length this removes most of the padding a plain batch carries;
+* mini-batches by row count or by a token budget (rows x padded length);
+* the RNG state (CPU and every initialised accelerator) is snapshotted per mini-batch and restored at
+  replay, so dropout masks are identical in both forwards; autocast settings are replayed too;
+* the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
+  forward), columns whose encoder is frozen are not replayed, and a batch that fits in one
+  mini-batch is not cached at all (the loss takes the plain autograd path);
+* under DDP every replay but the last runs in ``no_sync()``: one gradient all-reduce per step, and none
+  inside an outer ``no_sync`` (gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+Features = dict[str, Any]
+#: ``embeddings per column -> (loss, grads per column, grads wrt the extra tensors)``
+LossAndGrad = Callable[[list[Tensor]], tuple[Tensor, list[Tensor], list[Tensor | None]]]
+
+
+class RandState:
+    """The RNG state of the CPU and of every initialised CUDA device, replayable."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        devices = list(range(len(self.cuda))) if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices, enabled=True):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state_all(self.cuda)
+            yield
+
+
+@dataclass
+class MiniBatch:
+    column: int
+    rows: Tensor  # (m,) indices into the column, in the order they are embedded
+    features: Features  # this mini-batch's inputs, padding trimmed
+    rng: RandState | None = None
+    kept: Tensor | None = None  # the output with its graph, when kept from stage 1
+
+
+@dataclass
+class _Autocast:
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+    @classmethod
+    def current(cls, device_type: str) -> _Autocast:
+        if device_type not in ("cpu", "cuda", "xpu", "mps"):
+            return cls(device_type, False, torch.float32)
+        return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+    def __call__(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The SentenceTransformer inside a DDP (or similar) wrapper."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def _is_ddp(model: nn.Module) -> bool:
+    return isinstance(model, nn.parallel.DistributedDataParallel)
+
+
+def _batch_size(features: Features) -> int:
+    for key in ("input_ids", "attention_mask", "inputs_embeds", "pixel_values"):
+        value = features.get(key)
+        if isinstance(value, Tensor) and value.dim() >= 1:
+            return int(value.shape[0])
+    for value in features.values():
+        if isinstance(value, Tensor) and value.dim() >= 2:
+            return int(value.shape[0])
+    raise ValueError(
+        f"cannot tell the batch size of a column with keys {sorted(features)}: a cached loss needs tensor inputs "
+        "with a leading batch dimension (e.g. input_ids / attention_mask)."
+    )
+
+
+def check_splittable(features: Features) -> None:
+    """Refuse inputs without a batch dimension to split (e.g. StaticEmbedding's flat ids + offsets)."""
+    if (
+        "offsets" in features
+        and isinstance(features.get("input_ids"), Tensor)
+        and features["input_ids"].dim() == 1
+    ):
+        raise ValueError(
+            "this model's inputs (flat input_ids with offsets, as produced by StaticEmbedding) have no batch "
+            "dimension to split into mini-batches; a StaticEmbedding model is cheap enough to train with the "
+            "non-cached sentence_transformers.losses.MultipleNegativesRankingLoss."
+        )
+
+
+def slice_features(features: Features, rows: Tensor, batch_size: int) -> Features:
+    """The inputs of ``rows`` (``(m,)`` indices), with padding no row of them needs trimmed away.
+
+    Tensors whose first dim is the batch are indexed; of those, the ones laid out like the attention
+    mask ``(B, T, ...)`` are cut to the span of positions any selected row attends to (so both right-
+    and left-padding are handled). Everything else (e.g. a Router's task name) is passed through.
+    """
+    mask = features.get("attention_mask")
+    span: slice | None = None
+    seq_len = None
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        seq_len = mask.shape[1]
+        used = mask.index_select(0, rows).ne(0).any(0).nonzero()
+        if used.numel() > 0:
+            span = slice(int(used[0]), int(used[-1]) + 1)
+    out: Features = {}
+    for key, value in features.items():
+        if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
+            value = value.index_select(0, rows.to(value.device))
+            if span is not None and value.dim() >= 2 and value.shape[1] == seq_len:
+                value = value[:, span]
+        out[key] = value
+    return out
+
+
+def _lengths(features: Features, batch_size: int) -> Tensor | None:
+    mask = features.get("attention_mask")
+    if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size:
+        return mask.ne(0).sum(1).cpu()
+    return None
+
+
+@dataclass
+class _Session:
+    """Everything one forward needs for its backward; owned by the returned loss's graph node."""
+
+    engine: GradCache
+    model: nn.Module
+    batches: list[MiniBatch]
+    grads: list[Tensor]  # per column (B, d): dL/d embedding
+    extra_grads: list[Tensor | None]
+    frozen: set[int]
+    autocast: _Autocast
+    sync: bool  # whether this backward should trigger DDP's gradient all-reduce
+    done: bool = False
+
+    def backward(self, grad_output: float) -> list[Tensor | None]:
+        if self.done:
+            raise RuntimeError(
+                "this cached loss was already back-propagated; call the loss again for a new step."
+            )
+        self.done = True
+        todo = [mb for mb in self.batches if mb.column not in self.frozen]
+        kept = [mb for mb in todo if mb.kept is not None]
+        replay = [mb for mb in todo if mb.kept is None]
+        # the kept graph goes first, so its activations are freed before any replay allocates its own
+        for mb in kept:
+            out, mb.kept = mb.kept, None
+            torch.autograd.backward(out, self._grad_of(mb, grad_output, out))  # type: ignore[arg-type]
+        ddp = _is_ddp(self.model)
+        bar = tqdm(total=len(replay), desc="Replay", disable=not self.engine.show_progress_bar, leave=False)
+        for i, mb in enumerate(replay):
+            last = i == len(replay) - 1
+            no_sync = self.model.no_sync() if ddp and not (last and self.sync) else contextlib.nullcontext()  # type: ignore[operator]
+            with no_sync:
+                with mb.rng.replay() if mb.rng is not None else contextlib.nullcontext(), self.autocast():
+                    out = self.engine.encode(self.model, mb.features)
+                torch.autograd.backward(out, self._grad_of(mb, grad_output, out))
+            bar.update(1)
+        bar.close()
+        self.batches, self.grads = [], []
+        return [g * grad_output if g is not None else None for g in self.extra_grads]
+
+    def _grad_of(self, mb: MiniBatch, grad_output: float, out: Tensor) -> Tensor:
+        g = self.grads[mb.column].index_select(0, mb.rows.to(self.grads[mb.column].device))
+        return (g * grad_output).to(out.dtype)
+
+
+class _Replay(torch.autograd.Function):
+    """Carries the loss value; its backward replays the encoder and returns the extra tensors' grads."""
+
+    @staticmethod
+    def forward(ctx: Any, session: _Session, loss: Tensor, *extra: Tensor) -> Tensor:
+        ctx.session = session
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        session, ctx.session = ctx.session, None
+        with torch.enable_grad():  # autograd runs backward functions with grad mode off
+            extra = session.backward(float(grad))
+        return (None, None, *extra)
+
+
+@dataclass
+class GradCache:
+    """Mini-batch planning, the cached first stage and the replayed second stage.
+
+    Args:
+        mini_batch_size: rows per encoder mini-batch (an upper bound when ``mini_batch_num_tokens`` is set).
+        mini_batch_num_tokens: token budget per mini-batch (rows x padded length), or None.
+        sort_by_length: embed each column's rows from longest to shortest, so mini-batches pad little.
+        reuse_last_graph: keep the graph of the last first-stage mini-batch instead of replaying it.
+        show_progress_bar: tqdm bars over the mini-batches of both stages.
+    """
+
+    mini_batch_size: int = 32
+    mini_batch_num_tokens: int | None = None
+    sort_by_length: bool = True
+    reuse_last_graph: bool = True
+    show_progress_bar: bool = False
+    _validated: bool = field(default=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.mini_batch_size, bool)
+            or not isinstance(self.mini_batch_size, int)
+            or self.mini_batch_size <= 0
+        ):
+            raise ValueError(
+                f"mini_batch_size must be a positive integer, got {self.mini_batch_size!r}; e.g. 32."
+            )
+        if self.mini_batch_num_tokens is not None and (
+            not isinstance(self.mini_batch_num_tokens, int) or self.mini_batch_num_tokens <= 0
+        ):
+            raise ValueError(
+                f"mini_batch_num_tokens must be a positive integer or None, got {self.mini_batch_num_tokens!r}; e.g. 4096."
+            )
+
+    @staticmethod
+    def encode(model: nn.Module, features: Features) -> Tensor:
+        # a fresh dict: SentenceTransformer modules write their outputs into the one they get
+        return model(dict(features))["sentence_embedding"]
+
+    def plan(self, column: int, features: Features) -> list[MiniBatch]:
+        """Cut one column into mini-batches (longest rows first when sorting)."""
+        check_splittable(features)
+        b = _batch_size(features)
+        lengths = _lengths(features, b)
+        if self.sort_by_length and lengths is not None:
+            order = torch.argsort(lengths, descending=True, stable=True)
+        else:
+            order = torch.arange(b)
+        spans: list[tuple[int, int]] = []
+        i = 0
+        while i < b:
+            size = self.mini_batch_size
+            if self.mini_batch_num_tokens is not None and lengths is not None:
+                longest = max(int(lengths[order[i]]), 1)
+                if not self.sort_by_length:
+                    # the padded length is the longest row in the span: grow while the budget holds
+                    size, longest = 1, max(int(lengths[order[i]]), 1)
+                    while i + size < b and size < self.mini_batch_size:
+                        nxt = max(longest, int(lengths[order[i + size]]))
+                        if (size + 1) * nxt > self.mini_batch_num_tokens:
+                            break
+                        size, longest = size + 1, nxt
+                else:
+                    size = min(self.mini_batch_size, max(1, self.mini_batch_num_tokens // longest))
+            spans.append((i, min(i + size, b)))
+            i += size
+        return [MiniBatch(column, order[s:e], slice_features(features, order[s:e], b)) for s, e in spans]
+
+    def fits_in_one(self, columns: Sequence[Features]) -> bool:
+        """Whether every column is a single mini-batch (then caching buys nothing)."""
+        for features in columns:
+            b = _batch_size(features)
+            if b > self.mini_batch_size:
+                return False
+            lengths = _lengths(features, b)
+            budget = self.mini_batch_num_tokens
+            if budget is not None and lengths is not None and b > 1 and b * int(lengths.max()) > budget:
+                return False
+        return True
+
+    def embed(self, model: nn.Module, columns: Sequence[Features], desc: str = "Embed") -> list[Tensor]:
+        """Every column's embeddings, mini-batch by mini-batch, without a graph (evaluation)."""
+        out = []
+        with torch.no_grad():
+            for k, features in enumerate(columns):
+                batches = self.plan(k, features)
+                parts = [
+                    self.encode(model, mb.features).float()
+                    for mb in tqdm(batches, desc=desc, disable=not self.show_progress_bar, leave=False)
+                ]
+                out.append(_unsort(parts, batches, _batch_size(features)))
+        return out
+
+    def step(
+        self,
+        model: nn.Module,
+        columns: Sequence[Features],
+        loss_and_grad: LossAndGrad,
+        extra: Sequence[Tensor] = (),
+    ) -> Tensor:
+        """Stage 1 (embed without a graph), stage 2 (loss and gradients wrt the embeddings); returns the
+        loss as a tensor whose backward replays the encoder with the cached gradients (stage 3).
+
+        ``extra`` are tensors the loss depends on besides the embeddings (e.g. a learnable scale); the
+        third output of ``loss_and_grad`` gives their gradients.
+        """
+        ddp = _is_ddp(model)
+        sync = ddp and bool(getattr(model, "require_backward_grad_sync", True))
+        batches: list[MiniBatch] = []
+        embeddings: list[Tensor] = []
+        frozen: set[int] = set()
+        first_param = next(unwrap_model(model).parameters(), None)
+        device_type = first_param.device.type if first_param is not None else "cpu"
+        autocast = _Autocast.current(device_type)
+        bar = tqdm(desc="Embed", disable=not self.show_progress_bar, leave=False)
+        for k, features in enumerate(columns):
+            plan = self.plan(k, features)
+            bar.total = (bar.total or 0) + len(plan)
+            parts = []
+            for j, mb in enumerate(plan):
+                mb.rng = RandState()
+                if j == len(plan) - 1:
+                    # with a graph: tells whether this column's encoder is frozen, and the very last one
+                    # is kept for the backward (not under DDP sync, where the synced forward must come last)
+                    with model.no_sync() if ddp else contextlib.nullcontext():  # type: ignore[operator]
+                        out = self.encode(model, mb.features)
+                    if not out.requires_grad:
+                        frozen.add(k)
+                    elif self.reuse_last_graph and k == len(columns) - 1 and not sync:
+                        mb.kept = out
+                    parts.append(out.detach().float())
+                else:
+                    with torch.no_grad():
+                        parts.append(self.encode(model, mb.features).float())
+                bar.update(1)
+            batches.extend(plan)
+            embeddings.append(_unsort(parts, plan, _batch_size(features)))
+        bar.close()
+        loss, grads, extra_grads = loss_and_grad(embeddings)
+        session = _Session(self, model, batches, grads, list(extra_grads), frozen, autocast, sync)
+        if not extra or not any(t.requires_grad for t in extra):
+            extra = (torch.zeros((), device=loss.device, requires_grad=True),)
+            session.extra_grads = [None]
+        return _Replay.apply(session, loss, *extra)
+
+
+def _unsort(parts: list[Tensor], batches: list[MiniBatch], batch_size: int) -> Tensor:
+    """Put mini-batch outputs (embedded in plan order) back in the column's row order: ``(B, d)``."""
+    flat = torch.cat(parts, dim=0)
+    rows = torch.cat([mb.rows for mb in batches]).to(flat.device)
+    out = torch.empty((batch_size, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
+    out[rows] = flat
+    return out

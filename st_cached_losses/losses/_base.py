@@ -1,0 +1,268 @@
+"""Shared machinery of the cached InfoNCE losses: argument checks, the scale, and the three ways a
+forward runs (evaluation without a graph, a batch that fits in one mini-batch, the cached path)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from st_cached_losses.functional import (
+    DEFAULT_MEMORY_BUDGET,
+    Path,
+    Similarity,
+    infonce,
+    infonce_loss_and_grad,
+)
+from st_cached_losses.gradcache import GradCache, check_splittable, unwrap_model
+
+GRADCACHE_CITATION = """
+@misc{gao2021scaling,
+    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
+    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
+    year={2021},
+    eprint={2101.06983},
+    archivePrefix={arXiv},
+    primaryClass={cs.LG}
+}
+"""
+
+MNRL_CITATION = """
+@misc{henderson2017efficient,
+    title={Efficient Natural Language Response Suggestion for Smart Reply},
+    author={Matthew Henderson and Rami Al-Rfou and Brian Strope and Yun-hsuan Sung and Laszlo Lukacs and Ruiqi Guo and Sanjiv Kumar and Balint Miklos and Ray Kurzweil},
+    year={2017},
+    eprint={1705.00652},
+    archivePrefix={arXiv},
+    primaryClass={cs.CL}
+}
+"""
+
+CLIP_CITATION = """
+@inproceedings{radford2021learning,
+    title={Learning Transferable Visual Models From Natural Language Supervision},
+    author={Alec Radford and Jong Wook Kim and Chris Hallacy and Aditya Ramesh and Gabriel Goh and Sandhini Agarwal and Girish Sastry and Amanda Askell and Pamela Mishkin and Jack Clark and Gretchen Krueger and Ilya Sutskever},
+    booktitle={International Conference on Machine Learning},
+    year={2021},
+    eprint={2103.00020},
+    archivePrefix={arXiv}
+}
+"""
+
+INFCL_CITATION = """
+@misc{cheng2024breaking,
+    title={Breaking the Memory Barrier: Near Infinite Batch Size Scaling for Contrastive Loss},
+    author={Zesen Cheng and Hang Zhang and Kehan Li and Sicong Leng and Zhiqiang Hu and Fei Wu and Deli Zhao and Xin Li and Lidong Bing},
+    year={2024},
+    eprint={2410.17243},
+    archivePrefix={arXiv},
+    primaryClass={cs.CV}
+}
+"""
+
+
+def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarity:
+    """Map sentence-transformers' ``cos_sim`` / ``dot_score`` (or "cosine" / "dot") to the core's names.
+
+    Any other callable is refused: the loss never builds the full similarity matrix, so it cannot call
+    an arbitrary function on it.
+    """
+    if isinstance(similarity_fct, str):
+        name = similarity_fct.lower()
+        aliases = {
+            "cosine": "cosine",
+            "cos_sim": "cosine",
+            "cos": "cosine",
+            "dot": "dot",
+            "dot_score": "dot",
+            "dot_product": "dot",
+        }
+        if name in aliases:
+            return aliases[name]  # type: ignore[return-value]
+    else:
+        from sentence_transformers.util import cos_sim, dot_score
+
+        if similarity_fct is cos_sim:
+            return "cosine"
+        if similarity_fct is dot_score:
+            return "dot"
+    raise ValueError(
+        f"similarity_fct={similarity_fct!r} is not supported: the loss is computed in tiles and never builds the "
+        "similarity matrix, so it must know the similarity. Pass sentence_transformers.util.cos_sim, "
+        "sentence_transformers.util.dot_score, 'cosine' or 'dot'."
+    )
+
+
+def _has_static_embedding(model: nn.Module) -> bool:
+    try:
+        from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    except ImportError:  # pragma: no cover - layout of other versions
+        return False
+    return any(isinstance(m, StaticEmbedding) for m in unwrap_model(model).modules())
+
+
+class CachedInfoNCEBase(nn.Module):
+    """Base of :class:`CachedMNRLoss`, :class:`CachedCLIPLoss` and :class:`CachedTiledLoss`.
+
+    Subclasses set ``symmetric``, ``path`` and the docs; the forward logic is shared.
+    """
+
+    citation: str = GRADCACHE_CITATION
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float = 20.0,
+        similarity_fct: Callable[..., Tensor] | str = "cosine",
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
+        *,
+        symmetric: bool = False,
+        learnable_scale: bool = False,
+        max_scale: float = 100.0,
+        path: Path = "auto",
+        tile_size: int | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        gather_across_devices: bool = False,
+        sort_by_length: bool = True,
+        reuse_last_graph: bool = True,
+        show_progress_bar: bool = False,
+    ) -> None:
+        super().__init__()
+        if _has_static_embedding(model):
+            raise ValueError(
+                f"{type(self).__name__} cannot split a StaticEmbedding model's inputs (flat token ids with offsets, "
+                "no batch dimension) into mini-batches; use sentence_transformers.losses.MultipleNegativesRankingLoss, "
+                "which is cheap for such models."
+            )
+        self.similarity = resolve_similarity(similarity_fct)
+        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+            raise ValueError(f"scale must be a positive number (1 / temperature), got {scale!r}; e.g. 20.0.")
+        if learnable_scale and (not math.isfinite(max_scale) or max_scale < scale):
+            raise ValueError(f"max_scale must be >= scale, got max_scale={max_scale!r} and scale={scale!r}.")
+        self.model = model
+        self.cache = GradCache(
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+            show_progress_bar=show_progress_bar,
+        )
+        self.symmetric = symmetric
+        self.learnable_scale = learnable_scale
+        self.max_scale = float(max_scale)
+        self.path: Path = path
+        self.tile_size = tile_size
+        self.memory_budget = memory_budget
+        self.gather_across_devices = gather_across_devices
+        self._scale = float(scale)
+        if learnable_scale:
+            # CLIP's parametrisation: the log of the scale is learned, the scale is clamped at max_scale
+            self.logit_scale = nn.Parameter(torch.tensor(math.log(scale), dtype=torch.float32))
+
+    # ------------------------------------------------------------------ configuration
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.cache.mini_batch_size
+
+    @property
+    def show_progress_bar(self) -> bool:
+        return self.cache.show_progress_bar
+
+    @show_progress_bar.setter
+    def show_progress_bar(self, value: bool) -> None:
+        self.cache.show_progress_bar = value
+
+    @property
+    def scale(self) -> float:
+        """The current scale (1 / temperature), as a float."""
+        if self.learnable_scale:
+            return float(self.logit_scale.detach().exp().clamp(max=self.max_scale))
+        return self._scale
+
+    def scale_tensor(self) -> Tensor | float:
+        """The scale with its graph to ``logit_scale`` when learnable, else the float."""
+        if self.learnable_scale:
+            return self.logit_scale.float().exp().clamp(max=self.max_scale)
+        return self._scale
+
+    def get_config_dict(self) -> dict[str, Any]:
+        config: dict[str, Any] = {
+            "scale": self._scale,
+            "similarity_fct": {"cosine": "cos_sim", "dot": "dot_score"}[self.similarity],
+            "mini_batch_size": self.cache.mini_batch_size,
+        }
+        if self.cache.mini_batch_num_tokens is not None:
+            config["mini_batch_num_tokens"] = self.cache.mini_batch_num_tokens
+        if self.learnable_scale:
+            config.update(learnable_scale=True, max_scale=self.max_scale)
+        if self.gather_across_devices:
+            config["gather_across_devices"] = True
+        if self.tile_size is not None:
+            config["tile_size"] = self.tile_size
+        return config
+
+    # ------------------------------------------------------------------ forward
+
+    def _check_columns(self, sentence_features: Sequence[dict[str, Any]]) -> None:
+        if len(sentence_features) < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs at least two text columns, (anchor, positive[, negatives...]); got "
+                f"{len(sentence_features)}. Check the dataset's columns (a 'label'/'score' column is not a text column)."
+            )
+        sizes = []
+        for features in sentence_features:
+            check_splittable(features)
+            mask = features.get("attention_mask", features.get("input_ids"))
+            sizes.append(int(mask.shape[0]) if isinstance(mask, Tensor) else None)
+        known = {s for s in sizes if s is not None}
+        if len(known) > 1:
+            raise ValueError(
+                f"all columns must have the same number of rows, got {sizes}: every anchor needs one positive (and "
+                "one row in each hard-negative column)."
+            )
+
+    def _core_kwargs(self) -> dict[str, Any]:
+        return {
+            "similarity": self.similarity,
+            "symmetric": self.symmetric,
+            "path": self.path,
+            "tile_size": self.tile_size,
+            "memory_budget": self.memory_budget,
+        }
+
+    def loss_from_embeddings(self, embeddings: list[Tensor], scale: Tensor | float) -> Tensor:
+        """The loss of already computed embeddings, with autograd: ``embeddings[0]`` anchors ``(B, d)``,
+        then positives and hard-negative columns, each ``(B, d)``."""
+        return infonce(embeddings[0], embeddings[1:], scale=scale, **self._core_kwargs())
+
+    def _loss_and_grad(
+        self, embeddings: list[Tensor], scale: Tensor | float
+    ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
+        out = infonce_loss_and_grad(embeddings[0], embeddings[1:], scale=scale, **self._core_kwargs())
+        return out.loss, [out.grad_anchors, *out.grad_candidates], [out.grad_scale]
+
+    def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
+        features = list(sentence_features)
+        self._check_columns(features)
+        scale = self.scale_tensor()
+        if not torch.is_grad_enabled():
+            # evaluation: the same loss, mini-batched, no caching and no graph
+            embeddings = self.cache.embed(self.model, features)
+            return self.loss_from_embeddings(
+                embeddings, scale if isinstance(scale, float) else scale.detach()
+            )
+        if self.cache.fits_in_one(features):
+            embeddings = [self.cache.encode(self.model, f) for f in features]
+            return self.loss_from_embeddings(embeddings, scale)
+        if isinstance(scale, Tensor):
+            # the core sees a leaf; its gradient is handed back to `scale` (and so to logit_scale) by the replay
+            leaf = scale.detach().requires_grad_()
+            return self.cache.step(
+                self.model, features, lambda e: self._loss_and_grad(e, leaf), extra=[scale]
+            )
+        return self.cache.step(self.model, features, lambda e: self._loss_and_grad(e, scale))

@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, Path
+from st_cached_losses.losses._base import CLIP_CITATION, GRADCACHE_CITATION, CachedInfoNCEBase
+
+
+class CachedCLIPLoss(CachedInfoNCEBase):
+    citation = GRADCACHE_CITATION + CLIP_CITATION
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float = 20.0,
+        learnable_scale: bool = False,
+        max_scale: float = 100.0,
+        similarity_fct: Callable[..., Tensor] | str = "cosine",
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
+        gather_across_devices: bool = False,
+        show_progress_bar: bool = False,
+        *,
+        sort_by_length: bool = True,
+        reuse_last_graph: bool = True,
+        path: Path = "auto",
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    ) -> None:
+        """
+        Symmetric (CLIP-style) InfoNCE with GradCache: the mean of anchor -> candidates and positive -> anchors,
+        optionally with a learnable temperature, exact at any batch size with the memory of one mini-batch.
+
+        Each anchor picks its positive among all positives and hard negatives of the batch, and each positive
+        picks its anchor among all anchors; the two cross-entropies are averaged. With ``learnable_scale=True``
+        the log of the scale is an ``nn.Parameter`` (``logit_scale``, CLIP's parametrisation) clamped at
+        ``max_scale``: the stock ``SentenceTransformerTrainer`` optimises it, saves it in checkpoints and
+        restores it on ``resume_from_checkpoint``.
+
+        Args:
+            model: the SentenceTransformer to train.
+            scale: ``1 / temperature``, or its initial value when learnable (CLIP starts at 1/0.07 = 14.3).
+            learnable_scale: learn the scale (as ``logit_scale = log(scale)``).
+            max_scale: the clamp of a learned scale (CLIP: 100).
+            similarity_fct: ``cos_sim`` / ``"cosine"`` (default) or ``dot_score`` / ``"dot"``.
+            mini_batch_size: rows per encoder forward; sets the memory, not the result.
+            mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length).
+            gather_across_devices: score against the anchors and candidates of every process.
+            show_progress_bar: tqdm bars over the mini-batches of both passes.
+            sort_by_length: embed each column's rows longest first (less padding); never changes the result.
+            reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
+            path: the loss-stage algorithm, ``"auto"``, ``"chunked"`` or ``"tiled"``.
+            memory_budget: bytes of logit blocks the loss stage may hold at once.
+
+        References:
+            - Radford et al., Learning Transferable Visual Models From Natural Language Supervision, 2021:
+              https://huggingface.co/papers/2103.00020
+            - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
+              https://huggingface.co/papers/2101.06983
+
+        Requirements:
+            1. (anchor, positive) pairs, optionally with hard-negative columns (used in the anchor direction).
+            2. A model whose inputs have a batch dimension (not StaticEmbedding).
+
+        Inputs:
+            +-------------------------------------------------+--------+
+            | Texts                                           | Labels |
+            +=================================================+========+
+            | (anchor, positive) pairs                        | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative_1, ..., negative_n) | none   |
+            +-------------------------------------------------+--------+
+
+        Relations:
+            - Same loss as ``sentence_transformers.losses.MultipleNegativesSymmetricRankingLoss`` /
+              ``MultipleNegativesRankingLoss(directions=("query_to_doc", "doc_to_query"),
+              partition_mode="per_direction")``, cached, with an optional learnable temperature.
+            - :class:`CachedTiledLoss` (``symmetric=True``) computes the same loss without a chunk x C block.
+
+        Example:
+            ::
+
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                from st_cached_losses import CachedCLIPLoss
+
+                model = SentenceTransformer("all-MiniLM-L6-v2")
+                loss = CachedCLIPLoss(model, scale=1 / 0.07, learnable_scale=True, mini_batch_size=32)
+                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+                trainer.train()
+        """
+        super().__init__(
+            model,
+            scale=scale,
+            similarity_fct=similarity_fct,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            symmetric=True,
+            learnable_scale=learnable_scale,
+            max_scale=max_scale,
+            path=path,
+            memory_budget=memory_budget,
+            gather_across_devices=gather_across_devices,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+            show_progress_bar=show_progress_bar,
+        )

@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, Path
+from st_cached_losses.losses._base import GRADCACHE_CITATION, MNRL_CITATION, CachedInfoNCEBase
+
+
+class CachedMNRLoss(CachedInfoNCEBase):
+    citation = GRADCACHE_CITATION + MNRL_CITATION
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float = 20.0,
+        similarity_fct: Callable[..., Tensor] | str = "cosine",
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
+        gather_across_devices: bool = False,
+        show_progress_bar: bool = False,
+        *,
+        sort_by_length: bool = True,
+        reuse_last_graph: bool = True,
+        path: Path = "auto",
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    ) -> None:
+        """
+        Multiple-negatives ranking loss (InfoNCE with in-batch negatives) with GradCache: the gradients of a
+        batch of thousands with the memory of one encoder mini-batch, exactly.
+
+        Each anchor is scored against its positive, every hard negative, and every other row's positive and
+        negatives; the loss is the cross-entropy of picking the positive. The batch is embedded in mini-batches
+        without a graph, the loss and its gradient wrt every embedding are computed in chunks sized from a
+        memory budget (normalised once, one pass, no ``B x C`` matrix), and the encoder is replayed mini-batch
+        by mini-batch in backward with the cached gradients. Rows are embedded longest first so mini-batches
+        carry little padding, the last mini-batch's graph is kept instead of re-run, and a batch that fits in
+        one mini-batch is not cached at all.
+
+        Args:
+            model: the SentenceTransformer to train.
+            scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity.
+            similarity_fct: ``sentence_transformers.util.cos_sim`` / ``"cosine"`` (default) or
+                ``dot_score`` / ``"dot"``. Other callables are refused: the full matrix is never built.
+            mini_batch_size: rows per encoder forward; sets the memory, not the result.
+            mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length), for data of
+                very uneven length; ``mini_batch_size`` stays an upper bound.
+            gather_across_devices: score each process's anchors against the candidates of every process.
+            show_progress_bar: tqdm bars over the mini-batches of both passes.
+            sort_by_length: embed each column's rows longest first (less padding); never changes the result.
+            reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
+            path: the loss-stage algorithm, ``"auto"``, ``"chunked"`` or ``"tiled"``.
+            memory_budget: bytes of logit blocks the loss stage may hold at once.
+
+        References:
+            - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
+              https://huggingface.co/papers/2101.06983
+            - Henderson et al., Efficient Natural Language Response Suggestion for Smart Reply, 2017:
+              https://huggingface.co/papers/1705.00652
+
+        Requirements:
+            1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.
+            2. A model whose inputs have a batch dimension (not StaticEmbedding).
+
+        Inputs:
+            +-------------------------------------------------+--------+
+            | Texts                                           | Labels |
+            +=================================================+========+
+            | (anchor, positive) pairs                        | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative) triplets           | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative_1, ..., negative_n) | none   |
+            +-------------------------------------------------+--------+
+
+        Recommendations:
+            - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
+
+        Relations:
+            - Same loss and gradients as ``sentence_transformers.losses.MultipleNegativesRankingLoss``; same role
+              as its ``CachedMultipleNegativesRankingLoss``, with a loss stage that is several times faster.
+            - :class:`CachedCLIPLoss` adds the positive -> anchor direction; :class:`CachedTiledLoss` never holds
+              more than one logit tile.
+
+        Example:
+            ::
+
+                from datasets import Dataset
+                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+                from st_cached_losses import CachedMNRLoss
+
+                model = SentenceTransformer("all-MiniLM-L6-v2")
+                train_dataset = Dataset.from_dict({
+                    "anchor": ["It's nice weather outside today.", "He drove to work."],
+                    "positive": ["It's so sunny.", "He took the car to the office."],
+                })
+                loss = CachedMNRLoss(model, mini_batch_size=32)
+                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+                trainer.train()
+        """
+        super().__init__(
+            model,
+            scale=scale,
+            similarity_fct=similarity_fct,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            symmetric=False,
+            path=path,
+            memory_budget=memory_budget,
+            gather_across_devices=gather_across_devices,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+            show_progress_bar=show_progress_bar,
+        )

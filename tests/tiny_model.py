@@ -1,0 +1,45 @@
+"""A tiny random BERT SentenceTransformer, built offline in a temp dir, and text helpers for tests."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+from transformers import BertConfig, BertModel, BertTokenizerFast
+
+WORDS = [f"w{i}" for i in range(200)]
+
+
+def make_tiny_model(
+    path: Path, *, dropout: float = 0.0, hidden: int = 32, seed: int = 0, max_seq_length: int = 64
+):
+    """Write a 2-layer random BERT + tokenizer to ``path`` and load it as a mean-pooling SentenceTransformer."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS])}
+    # vocab= (not vocab_file=): transformers 5.x silently builds a 5-token vocabulary from a file here
+    tokenizer = BertTokenizerFast(vocab=vocab, do_lower_case=True)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=128,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    torch.manual_seed(seed)
+    BertModel(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    transformer = Transformer(str(path), max_seq_length=max_seq_length)
+    pooling = Pooling(transformer.get_word_embedding_dimension(), pooling_mode="mean")
+    return SentenceTransformer(modules=[transformer, pooling], device="cpu")
+
+
+def random_texts(n: int, *, seed: int, min_words: int = 1, max_words: int = 20) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]
