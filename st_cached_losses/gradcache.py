@@ -177,10 +177,14 @@ class _Session:
         todo = [mb for mb in self.batches if mb.column not in self.frozen]
         kept = [mb for mb in todo if mb.kept is not None]
         replay = [mb for mb in todo if mb.kept is None]
-        # the kept graph goes first, so its activations are freed before any replay allocates its own
-        for mb in kept:
-            out, mb.kept = mb.kept, None
-            torch.autograd.backward(out, self._grad_of(mb, grad_output, out))  # type: ignore[arg-type]
+        # kept graphs go first (in one call, like a plain loss's backward), so their activations are
+        # freed before any replay allocates its own
+        if kept:
+            outs = [mb.kept for mb in kept]
+            grads = [self._grad_of(mb, grad_output, out) for mb, out in zip(kept, outs)]  # type: ignore[arg-type]
+            for mb in kept:
+                mb.kept = None
+            torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
         ddp = _is_ddp(self.model)
         bar = tqdm(total=len(replay), desc="Replay", disable=not self.engine.show_progress_bar, leave=False)
         for i, mb in enumerate(replay):
@@ -325,32 +329,38 @@ class GradCache:
         """
         ddp = _is_ddp(model)
         sync = ddp and bool(getattr(model, "require_backward_grad_sync", True))
+        # a batch that fits in one mini-batch per column is not cached: every forward keeps its graph,
+        # exactly like the non-cached loss (and under DDP, like it, with synchronised forwards)
+        keep_all = self.fits_in_one(columns)
         batches: list[MiniBatch] = []
         embeddings: list[Tensor] = []
         frozen: set[int] = set()
         first_param = next(unwrap_model(model).parameters(), None)
         device_type = first_param.device.type if first_param is not None else "cpu"
         autocast = _Autocast.current(device_type)
-        bar = tqdm(desc="Embed", disable=not self.show_progress_bar, leave=False)
+        bar = tqdm(desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
         for k, features in enumerate(columns):
             plan = self.plan(k, features)
             bar.total = (bar.total or 0) + len(plan)
             parts = []
             for j, mb in enumerate(plan):
                 mb.rng = RandState()
-                if j == len(plan) - 1:
-                    # with a graph: tells whether this column's encoder is frozen, and the very last one
-                    # is kept for the backward (not under DDP sync, where the synced forward must come last)
+                if keep_all:
+                    out = self.encode(model, mb.features)
+                    mb.kept = out if out.requires_grad else None
+                elif j == len(plan) - 1:
+                    # with a graph: tells whether this column's encoder is frozen; the very last one is
+                    # kept for the backward (not under DDP sync, where the synced forward must come last)
                     with model.no_sync() if ddp else contextlib.nullcontext():  # type: ignore[operator]
                         out = self.encode(model, mb.features)
-                    if not out.requires_grad:
-                        frozen.add(k)
-                    elif self.reuse_last_graph and k == len(columns) - 1 and not sync:
+                    if self.reuse_last_graph and k == len(columns) - 1 and not sync and out.requires_grad:
                         mb.kept = out
-                    parts.append(out.detach().float())
                 else:
                     with torch.no_grad():
-                        parts.append(self.encode(model, mb.features).float())
+                        out = self.encode(model, mb.features)
+                if j == len(plan) - 1 and not out.requires_grad:
+                    frozen.add(k)
+                parts.append(out.detach().float())
                 bar.update(1)
             batches.extend(plan)
             embeddings.append(_unsort(parts, plan, _batch_size(features)))

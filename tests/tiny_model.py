@@ -36,7 +36,7 @@ def make_tiny_model(
     BertModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     transformer = Transformer(str(path), max_seq_length=max_seq_length)
-    pooling = Pooling(transformer.get_word_embedding_dimension(), pooling_mode="mean")
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="mean")
     return SentenceTransformer(modules=[transformer, pooling], device="cpu")
 
 

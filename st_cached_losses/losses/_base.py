@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from st_cached_losses.callbacks import attach_to_calling_trainer
 from st_cached_losses.functional import (
     DEFAULT_MEMORY_BUDGET,
     Path,
@@ -159,6 +160,8 @@ class CachedInfoNCEBase(nn.Module):
         self.memory_budget = memory_budget
         self.gather_across_devices = gather_across_devices
         self._scale = float(scale)
+        self._scale_grad: Tensor | None = None
+        self._attached = False
         if learnable_scale:
             # CLIP's parametrisation: the log of the scale is learned, the scale is clamped at max_scale
             self.logit_scale = nn.Parameter(torch.tensor(math.log(scale), dtype=torch.float32))
@@ -235,34 +238,63 @@ class CachedInfoNCEBase(nn.Module):
             "memory_budget": self.memory_budget,
         }
 
-    def loss_from_embeddings(self, embeddings: list[Tensor], scale: Tensor | float) -> Tensor:
-        """The loss of already computed embeddings, with autograd: ``embeddings[0]`` anchors ``(B, d)``,
-        then positives and hard-negative columns, each ``(B, d)``."""
-        return infonce(embeddings[0], embeddings[1:], scale=scale, **self._core_kwargs())
+    #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates
+    #: by replaying the encoder: Matryoshka then decorates :meth:`calculate_loss` instead of the model.
+    uses_gradient_cache = True
 
-    def _loss_and_grad(
-        self, embeddings: list[Tensor], scale: Tensor | float
+    def calculate_loss(
+        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+    ) -> Tensor:
+        """The loss of already computed embeddings (sentence-transformers' cached-loss interface).
+
+        Args:
+            reps: per column (anchors, positives, hard negatives...), a list of ``(m_j, d)`` pieces that
+                concatenate to the column's ``(B, d)`` embeddings in row order.
+            labels: unused (the positive of row ``i`` is row ``i`` of the second column).
+            with_backward: also put the gradient of the loss in each piece's ``.grad`` (the pieces must
+                be leaves that require grad) and return the detached loss. Without it the loss is returned
+                with autograd (or without a graph under ``torch.no_grad``).
+        """
+        embeddings = [torch.cat(r) if len(r) > 1 else r[0] for r in reps]
+        if not with_backward:
+            return infonce(embeddings[0], embeddings[1:], scale=self.scale_tensor(), **self._core_kwargs())
+        scale = self.scale_tensor()
+        leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) else scale
+        out = infonce_loss_and_grad(
+            embeddings[0].detach(), [e.detach() for e in embeddings[1:]], scale=leaf, **self._core_kwargs()
+        )
+        for pieces, grad in zip(reps, [out.grad_anchors, *out.grad_candidates]):
+            for piece, g in zip(pieces, grad.split([p.shape[0] for p in pieces])):
+                g = g.to(piece.dtype)
+                piece.grad = g if piece.grad is None else piece.grad + g
+        if out.grad_scale is not None:
+            # summed over calls: MatryoshkaLoss calls this once per dimension
+            self._scale_grad = (
+                out.grad_scale if self._scale_grad is None else self._scale_grad + out.grad_scale
+            )
+        return out.loss
+
+    def _stage2(
+        self, embeddings: list[Tensor], labels: Tensor | None
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
-        out = infonce_loss_and_grad(embeddings[0], embeddings[1:], scale=scale, **self._core_kwargs())
-        return out.loss, [out.grad_anchors, *out.grad_candidates], [out.grad_scale]
+        """GradCache's stage 2 through :meth:`calculate_loss`, so that a wrapper that decorates it works."""
+        reps = [[e.detach().requires_grad_()] for e in embeddings]
+        self._scale_grad = None
+        loss = self.calculate_loss(reps, labels, with_backward=True)
+        grads = [r[0].grad if r[0].grad is not None else torch.zeros_like(r[0]) for r in reps]
+        scale_grad, self._scale_grad = self._scale_grad, None
+        return loss.detach(), grads, [scale_grad]
 
     def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
         self._check_columns(features)
-        scale = self.scale_tensor()
+        if self.learnable_scale and not self._attached:
+            # the stock trainer saves only the model: have it checkpoint and log the scale too
+            self._attached = attach_to_calling_trainer(self)
         if not torch.is_grad_enabled():
             # evaluation: the same loss, mini-batched, no caching and no graph
             embeddings = self.cache.embed(self.model, features)
-            return self.loss_from_embeddings(
-                embeddings, scale if isinstance(scale, float) else scale.detach()
-            )
-        if self.cache.fits_in_one(features):
-            embeddings = [self.cache.encode(self.model, f) for f in features]
-            return self.loss_from_embeddings(embeddings, scale)
-        if isinstance(scale, Tensor):
-            # the core sees a leaf; its gradient is handed back to `scale` (and so to logit_scale) by the replay
-            leaf = scale.detach().requires_grad_()
-            return self.cache.step(
-                self.model, features, lambda e: self._loss_and_grad(e, leaf), extra=[scale]
-            )
-        return self.cache.step(self.model, features, lambda e: self._loss_and_grad(e, scale))
+            return self.calculate_loss([[e] for e in embeddings], labels)
+        scale = self.scale_tensor()
+        extra = [scale] if isinstance(scale, Tensor) else []
+        return self.cache.step(self.model, features, lambda e: self._stage2(e, labels), extra=extra)
