@@ -1,0 +1,202 @@
+"""Collectives for losses across processes: rank and world size, a gather whose gradient is summed
+over ranks, and a ring exchange of blocks. Every helper is a no-op without a process group (and with
+an initialised group of size 1).
+
+All collectives of this package go through :func:`_count`, so tests and benchmarks can see exactly
+how many calls and bytes one step costs (:data:`STATS`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "STATS",
+    "CollectiveStats",
+    "all_gather_rows",
+    "all_reduce_sum",
+    "gathered_sizes",
+    "is_distributed",
+    "rank",
+    "ring_pass",
+    "warn_no_process_group_once",
+    "world_size",
+]
+
+
+@dataclass
+class CollectiveStats:
+    """Calls and bytes (sent by this process, payload only) per collective kind."""
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.calls.clear()
+        self.bytes.clear()
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+STATS = CollectiveStats()
+
+
+def _count(kind: str, nbytes: int) -> None:
+    STATS.add(kind, nbytes)
+
+
+def is_distributed() -> bool:
+    """Whether a process group with more than one process is initialised."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    return dist.get_rank() if is_distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if is_distributed() else 1
+
+
+_warned: set[str] = set()
+
+
+def warn_no_process_group_once(owner: str) -> None:
+    if owner not in _warned:
+        _warned.add(owner)
+        warnings.warn(
+            f"{owner}: gather_across_devices=True but no process group with more than one process is initialised; "
+            "running as a single process. Launch with `accelerate launch` / `torchrun` to use every device's batch.",
+            stacklevel=3,
+        )
+
+
+def gathered_sizes(n: int, device: torch.device) -> list[int]:
+    """Every rank's row count (one small all-gather). Ranks may hold different batch sizes."""
+    if not is_distributed():
+        return [n]
+    mine = torch.tensor([n], dtype=torch.long, device=device)
+    out = [torch.empty_like(mine) for _ in range(world_size())]
+    _count("all_gather_sizes", mine.numel() * mine.element_size())
+    dist.all_gather(out, mine)
+    return [int(t) for t in out]
+
+
+def check_same_across_ranks(values: list[int], what: str, device: torch.device) -> None:
+    """Raise on *every* rank (no hang) when ranks disagree on small integers such as the column
+    count or the embedding dimension."""
+    if not is_distributed():
+        return
+    mine = torch.tensor(values, dtype=torch.long, device=device)
+    out = [torch.empty_like(mine) for _ in range(world_size())]
+    _count("all_gather_check", mine.numel() * mine.element_size())
+    dist.all_gather(out, mine)
+    table = [t.tolist() for t in out]
+    if any(row != table[0] for row in table):
+        raise ValueError(
+            f"processes disagree on {what}: {dict(enumerate(table))} (by rank). Every process must feed the loss the "
+            "same columns from the same model; check that each rank's dataset has the same columns."
+        )
+
+
+def all_gather_rows(x: Tensor, sizes: list[int]) -> Tensor:
+    """Concatenate every rank's ``(n_r, d)`` rows in rank order: ``(sum(sizes), d)``; no autograd.
+
+    Unequal sizes are padded to the largest for the collective and cut back afterwards.
+    """
+    if len(sizes) == 1:
+        return x
+    longest = max(sizes)
+    send = x if x.shape[0] == longest else torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
+    send = send.contiguous()
+    out = [torch.empty_like(send) for _ in sizes]
+    _count("all_gather", send.numel() * send.element_size())
+    dist.all_gather(out, send)
+    return torch.cat([t[:n] for t, n in zip(out, sizes)])
+
+
+def all_reduce_sum(x: Tensor, kind: str = "all_reduce") -> Tensor:
+    """Sum ``x`` over ranks, in place (returns it)."""
+    if is_distributed():
+        _count(kind, x.numel() * x.element_size())
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def own_rows(x: Tensor, sizes: list[int]) -> Tensor:
+    """This rank's rows of a ``(sum(sizes), d)`` tensor laid out in rank order."""
+    r = rank()
+    start = sum(sizes[:r])
+    return x[start : start + sizes[r]]
+
+
+class _GatherWithSummedGrad(torch.autograd.Function):
+    """``all_gather_rows`` whose backward sums the gradient over ranks and keeps this rank's slice
+    (the gradient of a loss that each rank computes on its rows against everyone's)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: list[int]) -> Tensor:  # type: ignore[override]
+        ctx.sizes = sizes
+        return all_gather_rows(x, sizes)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        grad = all_reduce_sum(grad.contiguous().clone(), "all_reduce_grad")
+        return own_rows(grad, ctx.sizes), None
+
+
+def gather_with_grad(x: Tensor, sizes: list[int]) -> Tensor:
+    """Autograd-aware gather: forward concatenates every rank's rows, backward sums over ranks."""
+    if len(sizes) == 1:
+        return x
+    return _GatherWithSummedGrad.apply(x, sizes)
+
+
+def ring_pass(blocks: list[Tensor], sizes: list[int]) -> Iterator[tuple[int, list[Tensor]]]:
+    """Pass a set of blocks around the ring: yields ``(owner_rank, blocks_of_owner)`` for every rank,
+    starting with this rank's own, then the previous rank's, and so on.
+
+    While the caller works on the blocks just yielded, the next ones are already in flight
+    (asynchronous send to the next rank, receive from the previous one), so transfer overlaps compute.
+    After the last yield, the blocks that were handed out to the caller have come back to their owner:
+    the caller may mutate yielded blocks (e.g. accumulate a gradient that travels with them) and the
+    final mutated version of this rank's own blocks is returned by the generator (``StopIteration.value``).
+    """
+    w = len(sizes)
+    me = rank()
+    current = blocks
+    owner = me
+    if w == 1:
+        yield owner, current
+        return current
+    nxt, prv = (me + 1) % w, (me - 1) % w
+    for step in range(w):
+        # start moving the current blocks on before working on them: every rank receives the blocks
+        # of its predecessor, which are those owned by (owner - 1)
+        if step < w:
+            incoming_owner = (owner - 1) % w
+            recv = [b.new_empty((sizes[incoming_owner], *b.shape[1:])) for b in current]
+            reqs = []
+            for b, r in zip(current, recv):
+                b = b.contiguous()
+                _count("ring_send", b.numel() * b.element_size())
+                reqs.append(dist.isend(b, nxt))
+                reqs.append(dist.irecv(r, prv))
+        yield owner, current
+        for req in reqs:
+            req.wait()
+        current, owner = recv, incoming_owner
+    # after w hops every block is back at its owner
+    return current
