@@ -9,7 +9,7 @@ how many calls and bytes one step costs (:data:`STATS`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +24,7 @@ __all__ = [
     "gathered_sizes",
     "is_distributed",
     "rank",
-    "ring_pass",
+    "ring_exchange",
     "warn_no_process_group_once",
     "world_size",
 ]
@@ -92,6 +92,24 @@ def gathered_sizes(n: int, device: torch.device) -> list[int]:
     _count("all_gather_sizes", mine.numel() * mine.element_size())
     dist.all_gather(out, mine)
     return [int(t) for t in out]
+
+
+def exchange_shapes(n: int, values: list[int], device: torch.device, what: str) -> list[int]:
+    """Every rank's row count, and a check that ``values`` (e.g. column count and embedding dim) agree,
+    in one small all-gather. Raises the same ``ValueError`` on every rank (no hang) on disagreement."""
+    if not is_distributed():
+        return [n]
+    mine = torch.tensor([n, *values], dtype=torch.long, device=device)
+    out = [torch.empty_like(mine) for _ in range(world_size())]
+    _count("all_gather_shapes", mine.numel() * mine.element_size())
+    dist.all_gather(out, mine)
+    table = [t.tolist() for t in out]
+    if any(row[1:] != table[0][1:] for row in table):
+        raise ValueError(
+            f"processes disagree on {what}: {[row[1:] for row in table]} (by rank). Every process must feed the loss "
+            "the same columns from the same model; check that each rank's dataset has the same columns."
+        )
+    return [row[0] for row in table]
 
 
 def check_same_across_ranks(values: list[int], what: str, device: torch.device) -> None:
@@ -164,39 +182,50 @@ def gather_with_grad(x: Tensor, sizes: list[int]) -> Tensor:
     return _GatherWithSummedGrad.apply(x, sizes)
 
 
-def ring_pass(blocks: list[Tensor], sizes: list[int]) -> Iterator[tuple[int, list[Tensor]]]:
-    """Pass a set of blocks around the ring: yields ``(owner_rank, blocks_of_owner)`` for every rank,
-    starting with this rank's own, then the previous rank's, and so on.
+def ring_exchange(
+    static: list[Tensor],
+    carried: list[Tensor],
+    sizes: list[int],
+    visit: Callable[[int, list[Tensor], list[Tensor]], None],
+) -> list[Tensor]:
+    """Pass every rank's blocks around the ring so that each rank visits every rank's blocks once.
 
-    While the caller works on the blocks just yielded, the next ones are already in flight
-    (asynchronous send to the next rank, receive from the previous one), so transfer overlaps compute.
-    After the last yield, the blocks that were handed out to the caller have come back to their owner:
-    the caller may mutate yielded blocks (e.g. accumulate a gradient that travels with them) and the
-    final mutated version of this rank's own blocks is returned by the generator (``StopIteration.value``).
+    ``static`` blocks (e.g. candidate embeddings, ``(n_r, ...)``) are read-only: the next ones are
+    already in flight (async send to the next rank, receive from the previous) while ``visit`` works on
+    the current ones, so transfer overlaps compute. ``carried`` blocks (e.g. a gradient or column
+    statistics accumulated by every rank) may be updated in place by ``visit`` and move on after it;
+    after a full circle they are back with their owner, who gets them as the return value.
+
+    ``visit(owner_rank, static_blocks, carried_blocks)`` is called ``W`` times, first with this rank's
+    own blocks, then its predecessor's, and so on. Memory: own blocks plus one set in flight.
     """
     w = len(sizes)
-    me = rank()
-    current = blocks
-    owner = me
     if w == 1:
-        yield owner, current
-        return current
+        visit(0, static, carried)
+        return carried
+    me = rank()
     nxt, prv = (me + 1) % w, (me - 1) % w
+    owner = me
     for step in range(w):
-        # start moving the current blocks on before working on them: every rank receives the blocks
-        # of its predecessor, which are those owned by (owner - 1)
-        if step < w:
-            incoming_owner = (owner - 1) % w
-            recv = [b.new_empty((sizes[incoming_owner], *b.shape[1:])) for b in current]
-            reqs = []
-            for b, r in zip(current, recv):
+        incoming = (owner - 1) % w
+        reqs = []
+        recv_static: list[Tensor] = []
+        if step < w - 1:
+            recv_static = [b.new_empty((sizes[incoming], *b.shape[1:])) for b in static]
+            for b, r in zip(static, recv_static):
                 b = b.contiguous()
                 _count("ring_send", b.numel() * b.element_size())
                 reqs.append(dist.isend(b, nxt))
                 reqs.append(dist.irecv(r, prv))
-        yield owner, current
+        visit(owner, static, carried)
+        # the accumulators move on after this rank's contribution; after the W-th hop they are home
+        recv_carried = [b.new_empty((sizes[incoming], *b.shape[1:])) for b in carried]
+        for b, r in zip(carried, recv_carried):
+            b = b.contiguous()
+            _count("ring_send", b.numel() * b.element_size())
+            reqs.append(dist.isend(b, nxt))
+            reqs.append(dist.irecv(r, prv))
         for req in reqs:
             req.wait()
-        current, owner = recv, incoming_owner
-    # after w hops every block is back at its owner
-    return current
+        static, carried, owner = recv_static, recv_carried, incoming
+    return carried

@@ -87,16 +87,110 @@ class Stats:
     lse_cols: Tensor | None  # (N,) symmetric only: positive j against every row
 
 
+@dataclass
+class DuplicateKeys:
+    """Hashes of the inputs, to mask false negatives: a candidate whose input equals a row's own
+    positive is not a negative of that row (and, in the column direction, an anchor equal to the
+    positive's own anchor is not a negative of that positive). The positive pair itself is kept.
+
+    ``row_pos``: ``(B,)`` key of each row's positive; ``cols``: one ``(N_k,)`` key vector per column;
+    ``row_self`` / ``col_anchor``: ``(B,)`` keys of the rows and ``(N,)`` keys of column 0's anchors, for
+    the column direction only.
+    """
+
+    row_pos: Tensor
+    cols: list[Tensor]
+    row_self: Tensor | None = None
+    col_anchor: Tensor | None = None
+
+
+def _masks(
+    keys: DuplicateKeys | None,
+    k: int,
+    r0: int,
+    r1: int,
+    c0: int,
+    c1: int,
+    diag: int | None,
+    column_direction: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Row- and column-direction masks of one ``(b, t)`` tile (True = not a candidate)."""
+    if keys is None:
+        return None, None
+    m_r = keys.row_pos[r0:r1, None] == keys.cols[k][None, c0:c1]
+    m_c = None
+    if k == 0 and column_direction and keys.row_self is not None and keys.col_anchor is not None:
+        m_c = keys.row_self[r0:r1, None] == keys.col_anchor[None, c0:c1]
+    if k == 0 and diag is not None:
+        # the positive pair (i, diag + i) is never masked
+        i = torch.arange(r0, r1, device=m_r.device)
+        j = i + diag - c0
+        ok = (j >= 0) & (j < c1 - c0)
+        m_r[(i - r0)[ok], j[ok]] = False
+        if m_c is not None:
+            m_c[(i - r0)[ok], j[ok]] = False
+    return m_r, m_c
+
+
 def _online_lse_update(m: Tensor, s: Tensor, block: Tensor, dim: int, scratch: Tensor | None) -> None:
-    """Fold ``block`` into a running (max ``m``, sum-of-exp ``s``) along ``dim``, in place."""
+    """Fold ``block`` into a running (max ``m``, sum-of-exp ``s``) along ``dim``, in place. Entries
+    may be -inf (masked), including whole rows of a tile."""
     m_new = torch.maximum(m, block.amax(dim))
-    s.mul_(torch.exp(m - m_new))
-    m_b = m_new[:, None] if dim == 1 else m_new[None, :]
+    m_safe = m_new.masked_fill(m_new == -torch.inf, 0.0)  # exp(-inf - -inf) would be nan
+    s.mul_(torch.exp(m - m_safe))
+    m_b = m_safe[:, None] if dim == 1 else m_safe[None, :]
     if scratch is None:  # block may be destroyed
         s.add_(block.sub_(m_b).exp_().sum(dim))
     else:
         s.add_(torch.sub(block, m_b, out=scratch).exp_().sum(dim))
     m.copy_(m_new)
+
+
+def init_stats(n: int, like: Operand) -> tuple[Tensor, Tensor]:
+    """A running (max, sum-of-exp) pair for ``n`` log-sum-exps."""
+    dev = like.x.device
+    return (
+        torch.full((n,), -torch.inf, dtype=like.dtype, device=dev),
+        torch.zeros(n, dtype=like.dtype, device=dev),
+    )
+
+
+def update_stats(
+    rows: Operand,
+    cols: list[Operand],
+    row_acc: tuple[Tensor, Tensor],
+    col_acc: tuple[Tensor, Tensor] | None,
+    *,
+    row_tile: int,
+    col_tile: int,
+    diag: int | None,
+    keys: DuplicateKeys | None = None,
+) -> None:
+    """Fold the logits of ``rows`` against ``cols`` into running row statistics and, when ``col_acc``
+    is given, into column 0's running statistics over these rows. One ``(b, t)`` tile at a time.
+    ``diag``: positive pairs are ``(i, diag + i)`` of column 0 (None when this block has none)."""
+    m_r, s_r = row_acc
+    scratch: Tensor | None = None
+    for r0, r1 in spans(rows.n, row_tile):
+        q = rows.tile(r0, r1)  # (b, d)
+        for k, col in enumerate(cols):
+            for c0, c1 in spans(col.n, col_tile):
+                block = q @ col.tile(c0, c1).T  # (b, d) @ (d, t) -> (b, t)
+                mask_r, mask_c = _masks(keys, k, r0, r1, c0, c1, diag, col_acc is not None)
+                if k == 0 and col_acc is not None:
+                    m_c, s_c = col_acc
+                    col_block = block if mask_c is None else block.masked_fill(mask_c, -torch.inf)
+                    if scratch is None or scratch.shape != block.shape:
+                        scratch = torch.empty_like(block)
+                    _online_lse_update(m_c[c0:c1], s_c[c0:c1], col_block, 0, scratch)
+                if mask_r is not None:
+                    block.masked_fill_(mask_r, -torch.inf)
+                _online_lse_update(m_r[r0:r1], s_r[r0:r1], block, 1, None)
+
+
+def finish_stats(acc: tuple[Tensor, Tensor]) -> Tensor:
+    m, s = acc
+    return m + s.log()
 
 
 def row_col_stats(
@@ -106,28 +200,15 @@ def row_col_stats(
     column_direction: bool,
     row_tile: int,
     col_tile: int,
+    diag: int | None = 0,
+    keys: DuplicateKeys | None = None,
 ) -> Stats:
     """First pass: log-sum-exp of every row over all candidates, and, for the symmetric loss, of
-    every candidate of column 0 over all rows. One ``(b, t)`` logit tile alive at a time."""
-    dev = rows.x.device
-    n_pos = cols[0].n
-    m_r = torch.full((rows.n,), -torch.inf, dtype=rows.dtype, device=dev)
-    s_r = torch.zeros(rows.n, dtype=rows.dtype, device=dev)
-    m_c = torch.full((n_pos,), -torch.inf, dtype=rows.dtype, device=dev) if column_direction else None
-    s_c = torch.zeros(n_pos, dtype=rows.dtype, device=dev) if column_direction else None
-    scratch: Tensor | None = None
-    for r0, r1 in spans(rows.n, row_tile):
-        q = rows.tile(r0, r1)  # (b, d)
-        for k, col in enumerate(cols):
-            for c0, c1 in spans(col.n, col_tile):
-                block = q @ col.tile(c0, c1).T  # (b, d) @ (d, t) -> (b, t)
-                if k == 0 and m_c is not None and s_c is not None:
-                    if scratch is None or scratch.shape != block.shape:
-                        scratch = torch.empty_like(block)
-                    _online_lse_update(m_c[c0:c1], s_c[c0:c1], block, 0, scratch)
-                _online_lse_update(m_r[r0:r1], s_r[r0:r1], block, 1, None)
-    lse_c = m_c + s_c.log() if m_c is not None and s_c is not None else None
-    return Stats(lse_rows=m_r + s_r.log(), lse_cols=lse_c)
+    every candidate of column 0 over all rows."""
+    row_acc = init_stats(rows.n, rows)
+    col_acc = init_stats(cols[0].n, rows) if column_direction else None
+    update_stats(rows, cols, row_acc, col_acc, row_tile=row_tile, col_tile=col_tile, diag=diag, keys=keys)
+    return Stats(lse_rows=finish_stats(row_acc), lse_cols=finish_stats(col_acc) if col_acc else None)
 
 
 @dataclass
@@ -139,7 +220,7 @@ class Grads:
     scale: Tensor  # 0-d
 
 
-def _apply_positive_terms(
+def apply_positive_terms(
     rows: Operand,
     cols: list[Operand],
     g_rows: Tensor,
@@ -155,6 +236,55 @@ def _apply_positive_terms(
         g_cols[0][offset + r0 : offset + r1].sub_(rows.tile(r0, r1), alpha=weight)
 
 
+def accumulate_gradients(
+    rows: Operand,
+    cols: list[Operand],
+    lse_rows: Tensor,
+    lse_cols: Tensor | None,
+    g_rows: Tensor,
+    g_cols: list[Tensor],
+    *,
+    w_rows: float,
+    w_cols: float,
+    row_tile: int,
+    col_tile: int,
+    need_scale_grad: bool,
+    diag: int | None,
+    keys: DuplicateKeys | None = None,
+) -> Tensor:
+    """Second pass over one set of columns: recompute each logit tile, turn it into the softmax part of
+    the logit gradient ``G = w_r * P_r (+ w_c * P_c)`` and accumulate ``G @ c`` into ``g_rows`` and
+    ``G^T @ q_s`` into ``g_cols``. Returns ``sum(G * logits)`` (for the scale's gradient; 0 if not
+    needed). ``rows`` carry the scale, ``cols`` do not."""
+    gs = torch.zeros((), dtype=torch.float64, device=rows.x.device)
+    for r0, r1 in spans(rows.n, row_tile):
+        q = rows.tile(r0, r1)  # (b, d), scaled
+        gq = g_rows[r0:r1]
+        for k, col in enumerate(cols):
+            for c0, c1 in spans(col.n, col_tile):
+                c = col.tile(c0, c1)  # (t, d)
+                logits = q @ c.T  # (b, t)
+                mask_r, mask_c = _masks(keys, k, r0, r1, c0, c1, diag, lse_cols is not None)
+                g = logits - lse_rows[r0:r1, None]
+                if mask_r is not None:
+                    g.masked_fill_(mask_r, -torch.inf)
+                g.exp_().mul_(w_rows)  # w_r * P_r: (b, t)
+                if k == 0 and lse_cols is not None:
+                    # + w_c * P_c; the logits are only needed afterwards for the scale's gradient
+                    if need_scale_grad or mask_c is not None:
+                        p_c = logits - lse_cols[None, c0:c1]
+                        if mask_c is not None:
+                            p_c.masked_fill_(mask_c, -torch.inf)
+                    else:
+                        p_c = logits.sub_(lse_cols[None, c0:c1])
+                    g.add_(p_c.exp_(), alpha=w_cols)
+                if need_scale_grad:
+                    gs += torch.vdot(g.reshape(-1), logits.reshape(-1)).double()
+                gq.addmm_(g, c)  # (b, t) @ (t, d)
+                g_cols[k][c0:c1].addmm_(g.T, q)  # (t, b) @ (b, d)
+    return gs
+
+
 def gradients(
     rows: Operand,
     cols: list[Operand],
@@ -168,38 +298,30 @@ def gradients(
     row_tile: int,
     col_tile: int,
     need_scale_grad: bool,
+    keys: DuplicateKeys | None = None,
 ) -> Grads:
-    """Second pass: recompute each logit tile from the stored LSEs and accumulate the gradients.
-
-    ``rows`` carries the scale (its tiles are ``s * q_hat``), ``cols`` do not; so a logit tile is
-    ``q_s @ c^T`` and ``dL/dq_hat = s * G @ c``, ``dL/dc_hat = G^T @ q_s``.
-    """
+    """Second pass of one process's problem: ``dL/dq_hat = s * G @ c``, ``dL/dc_hat = G^T @ q_s``."""
     dev = rows.x.device
     d = rows.x.shape[1]
     g_rows = torch.zeros(rows.n, d, dtype=rows.dtype, device=dev)
     g_cols = [torch.zeros(c.n, d, dtype=rows.dtype, device=dev) for c in cols]
-    gs = torch.zeros((), dtype=torch.float64, device=dev)
-    lse_r, lse_c = stats.lse_rows, stats.lse_cols
-    for r0, r1 in spans(rows.n, row_tile):
-        q = rows.tile(r0, r1)  # (b, d), scaled
-        gq = g_rows[r0:r1]
-        for k, col in enumerate(cols):
-            for c0, c1 in spans(col.n, col_tile):
-                c = col.tile(c0, c1)  # (t, d)
-                logits = q @ c.T  # (b, t)
-                g = (logits - lse_r[r0:r1, None]).exp_().mul_(w_rows)  # w_r * P_r: (b, t)
-                if k == 0 and lse_c is not None:
-                    # + w_c * P_c; the logits are only needed afterwards for the scale's gradient
-                    p_c = (
-                        (logits - lse_c[None, c0:c1]) if need_scale_grad else logits.sub_(lse_c[None, c0:c1])
-                    )
-                    g.add_(p_c.exp_(), alpha=w_cols)
-                if need_scale_grad:
-                    gs += torch.vdot(g.reshape(-1), logits.reshape(-1)).double()
-                gq.addmm_(g, c)  # (b, t) @ (t, d)
-                g_cols[k][c0:c1].addmm_(g.T, q)  # (t, b) @ (b, d)
-    w_pos = w_rows + (w_cols if lse_c is not None else 0.0)
-    _apply_positive_terms(rows, cols, g_rows, g_cols, w_pos, offset, row_tile)
+    gs = accumulate_gradients(
+        rows,
+        cols,
+        stats.lse_rows,
+        stats.lse_cols,
+        g_rows,
+        g_cols,
+        w_rows=w_rows,
+        w_cols=w_cols,
+        row_tile=row_tile,
+        col_tile=col_tile,
+        need_scale_grad=need_scale_grad,
+        diag=offset,
+        keys=keys,
+    )
+    w_pos = w_rows + (w_cols if stats.lse_cols is not None else 0.0)
+    apply_positive_terms(rows, cols, g_rows, g_cols, w_pos, offset, row_tile)
     if need_scale_grad:
         gs -= w_pos * pos.double().sum()
     g_rows.mul_(scale)
@@ -216,6 +338,7 @@ def fused_one_direction(
     offset: int,
     chunk: int,
     need_scale_grad: bool,
+    keys: DuplicateKeys | None = None,
 ) -> tuple[Tensor, Grads]:
     """Loss and gradients of the one-directional loss in a single pass over row chunks.
 
@@ -236,11 +359,14 @@ def fused_one_direction(
         e = buf[:, : r1 - r0]  # (K, b, N)
         for k, c in enumerate(col_tiles):
             torch.mm(q, c.T, out=e[k])  # (b, d) @ (d, N)
+            mask_r, _ = _masks(keys, k, r0, r1, 0, c.shape[0], offset, False)
+            if mask_r is not None:
+                e[k].masked_fill_(mask_r, -torch.inf)
         m = e.amax(dim=(0, 2))  # (b,)
         e.sub_(m[None, :, None])
         if need_scale_grad:
             # sum_c P * logits = sum_c P * (logits - m) + m, since each row of P sums to 1
-            shifted = e.clone()
+            shifted = e.clone() if keys is None else e.nan_to_num(neginf=0.0)
         e.exp_()
         z = e.sum(dim=(0, 2))  # (b,)
         loss += (m + z.log()).double().sum()
@@ -257,7 +383,7 @@ def fused_one_direction(
             g_cols[k].addmm_(e[k].T, q_over_z)  # (N, b) @ (b, d)
         gq.mul_(inv_z[:, None])
     loss -= pos.double().sum()
-    _apply_positive_terms(rows, cols, g_rows, g_cols, 1.0, offset, chunk)
+    apply_positive_terms(rows, cols, g_rows, g_cols, 1.0, offset, chunk)
     if need_scale_grad:
         gs -= pos.double().sum()
     g_rows.mul_(scale * weight)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional._kernels import (
+    DuplicateKeys,
     Grads,
     Operand,
     Stats,
@@ -90,6 +91,7 @@ class _Problem:
     w_rows: float
     w_cols: float  # > 0: also the direction "positive of column 0 -> every row" (shared tiles)
     plan: _Plan
+    keys: DuplicateKeys | None = None
 
 
 # --------------------------------------------------------------------------- validation
@@ -211,6 +213,47 @@ def _validate(
                 )
 
 
+def _keys(
+    anchor_keys: Tensor | None,
+    candidate_keys: Sequence[Tensor] | None,
+    anchors_all_keys: Tensor | None,
+    anchors: Tensor,
+    cols: list[Tensor],
+    anchors_all: Tensor | None,
+    symmetric: bool,
+) -> dict[str, Any]:
+    """Validate the duplicate keys against the embeddings they describe."""
+    if candidate_keys is None:
+        if anchor_keys is not None or anchors_all_keys is not None:
+            raise ValueError(
+                "anchor_keys / anchors_all_keys need candidate_keys (one key vector per column) too."
+            )
+        return {}
+    cand = list(candidate_keys)
+    if len(cand) != len(cols):
+        raise ValueError(
+            f"candidate_keys has {len(cand)} key vectors for {len(cols)} candidate columns; pass one per column."
+        )
+    named = [(f"candidate_keys[{k}]", key, c.shape[0]) for k, (key, c) in enumerate(zip(cand, cols))]
+    if symmetric and anchor_keys is None:
+        raise ValueError(
+            "the symmetric loss masks duplicate anchors too: pass anchor_keys with candidate_keys."
+        )
+    if anchor_keys is not None:
+        named.append(("anchor_keys", anchor_keys, anchors.shape[0]))
+    if anchors_all is not None:
+        if anchors_all_keys is None and symmetric:
+            raise ValueError("anchors_all is given with candidate_keys: pass anchors_all_keys as well.")
+        if anchors_all_keys is not None:
+            named.append(("anchors_all_keys", anchors_all_keys, anchors_all.shape[0]))
+    for name, key, n in named:
+        if not isinstance(key, Tensor) or key.dim() != 1 or key.shape[0] != n or key.is_floating_point():
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor with {n} entries (one key per embedding row)."
+            )
+    return {"anchor_keys": anchor_keys, "candidate_keys": cand, "anchors_all_keys": anchors_all_keys}
+
+
 # --------------------------------------------------------------------------- planning
 
 
@@ -263,6 +306,9 @@ def _problems(
     memory_budget: int,
     fused: bool,
     need_scale_grad: bool,
+    anchor_keys: Tensor | None = None,
+    candidate_keys: list[Tensor] | None = None,
+    anchors_all_keys: Tensor | None = None,
 ) -> list[_Problem]:
     b, n, k = anchors.shape[0], cols[0].shape[0], len(cols)
     # blocks alive at once: the fused one-directional pass keeps one (plus a copy for the scale's
@@ -282,10 +328,17 @@ def _problems(
     prenorm = plan.path == "chunked"
     rows = Operand(anchors, cosine, scale, prenorm)
     col_ops = [Operand(c, cosine, 1.0, prenorm) for c in cols]
+    keys = back_keys = None
+    if candidate_keys is not None:
+        all_anchor_keys = anchors_all_keys if anchors_all_keys is not None else anchor_keys
+        row_pos = candidate_keys[0][row_offset : row_offset + b]
+        keys = DuplicateKeys(row_pos, candidate_keys, anchor_keys, all_anchor_keys)
+        if all_anchor_keys is not None and anchor_keys is not None:
+            back_keys = DuplicateKeys(anchor_keys, [all_anchor_keys])
     if not symmetric:
-        return [_Problem(rows, col_ops, row_offset, 1.0 / b, 0.0, plan)]
+        return [_Problem(rows, col_ops, row_offset, 1.0 / b, 0.0, plan, keys)]
     if anchors_all is None:  # one process: both directions share every logit tile
-        return [_Problem(rows, col_ops, 0, 0.5 / b, 0.5 / n, plan)]
+        return [_Problem(rows, col_ops, 0, 0.5 / b, 0.5 / n, plan, keys)]
     # across ranks: this rank's positives against every rank's anchors is a second one-way problem
     pos_rows = Operand(cols[0][row_offset : row_offset + b], cosine, scale, prenorm)
     plan2 = _plan(
@@ -298,8 +351,10 @@ def _problems(
         memory_budget=memory_budget,
         buffers=buffers,
     )
-    back = _Problem(pos_rows, [Operand(anchors_all, cosine, 1.0, prenorm)], row_offset, 0.5 / b, 0.0, plan2)
-    return [_Problem(rows, col_ops, row_offset, 0.5 / b, 0.0, plan), back]
+    back = _Problem(
+        pos_rows, [Operand(anchors_all, cosine, 1.0, prenorm)], row_offset, 0.5 / b, 0.0, plan2, back_keys
+    )
+    return [_Problem(rows, col_ops, row_offset, 0.5 / b, 0.0, plan, keys), back]
 
 
 def _loss_from_stats(p: _Problem, stats: Stats, pos: Tensor) -> Tensor:
@@ -324,10 +379,17 @@ def _solve(
             offset=p.offset,
             chunk=p.plan.row_tile,
             need_scale_grad=need_scale_grad,
+            keys=p.keys,
         )
         return loss, grads, None, pos
     stats = row_col_stats(
-        p.rows, p.cols, column_direction=p.w_cols > 0, row_tile=p.plan.row_tile, col_tile=p.plan.col_tile
+        p.rows,
+        p.cols,
+        column_direction=p.w_cols > 0,
+        row_tile=p.plan.row_tile,
+        col_tile=p.plan.col_tile,
+        diag=p.offset,
+        keys=p.keys,
     )
     grads = _grads(p, stats, pos, scale, 1.0, need_scale_grad) if need_grads else None
     return _loss_from_stats(p, stats, pos), grads, stats, pos
@@ -348,6 +410,7 @@ def _grads(
         row_tile=p.plan.row_tile,
         col_tile=p.plan.col_tile,
         need_scale_grad=need_scale_grad,
+        keys=p.keys,
     )
 
 
@@ -408,6 +471,9 @@ def infonce_loss_and_grad(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     grad_output: float = 1.0,
     check_finite: bool = True,
+    anchor_keys: Tensor | None = None,
+    candidate_keys: Sequence[Tensor] | None = None,
+    anchors_all_keys: Tensor | None = None,
 ) -> InfoNCEOutput:
     """InfoNCE and its gradient wrt every embedding, without building a graph.
 
@@ -429,6 +495,11 @@ def infonce_loss_and_grad(
         memory_budget: bytes of logit blocks to hold at once when sizes are not given.
         grad_output: multiplies every gradient (the incoming gradient of the loss).
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs).
+        anchor_keys: ``(B,)`` integer keys (e.g. hashes of the token ids) of the anchors, with
+            ``candidate_keys`` (one ``(N,)`` per column) and, across processes, ``anchors_all_keys``
+            ``(N,)``: a candidate whose key equals the key of a row's own positive is masked out of that
+            row's softmax (a false negative), and for the symmetric loss an anchor whose key equals a
+            positive's own anchor is masked out of that positive's softmax. Positive pairs are never masked.
 
     Returns:
         :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
@@ -464,6 +535,7 @@ def infonce_loss_and_grad(
             memory_budget=memory_budget,
             fused=True,
             need_scale_grad=need_scale_grad,
+            **_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric),
         )
         losses, grads = [], []
         for p in problems:
@@ -532,6 +604,9 @@ def infonce(
     tile_size: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     check_finite: bool = True,
+    anchor_keys: Tensor | None = None,
+    candidate_keys: Sequence[Tensor] | None = None,
+    anchors_all_keys: Tensor | None = None,
 ) -> Tensor:
     """Mean InfoNCE loss as an autograd-capable 0-d fp32 tensor.
 
@@ -564,5 +639,6 @@ def infonce(
         "tile_size": tile_size,
         "memory_budget": memory_budget,
         "need_scale_grad": scale_t.requires_grad,
+        **_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric),
     }
     return _InfoNCEFunction.apply(cfg, scale_t, anchors, anchors_all, *cols)

@@ -1,5 +1,6 @@
-"""Shared machinery of the cached InfoNCE losses: argument checks, the scale, and the three ways a
-forward runs (evaluation without a graph, a batch that fits in one mini-batch, the cached path)."""
+"""Shared machinery of the cached InfoNCE losses: argument checks, the scale, the forward (evaluation
+without a graph, or the GradCache engine), and the loss stage on one process, gathered across
+processes, or by ring exchange."""
 
 from __future__ import annotations
 
@@ -11,14 +12,26 @@ import torch
 from torch import Tensor, nn
 
 from st_cached_losses.callbacks import attach_to_calling_trainer
+from st_cached_losses.distributed import (
+    all_gather_rows,
+    all_reduce_sum,
+    exchange_shapes,
+    gather_with_grad,
+    is_distributed,
+    own_rows,
+    rank,
+    warn_no_process_group_once,
+)
 from st_cached_losses.functional import (
     DEFAULT_MEMORY_BUDGET,
+    InfoNCEOutput,
     Path,
     Similarity,
     infonce,
     infonce_loss_and_grad,
 )
-from st_cached_losses.gradcache import GradCache, check_splittable, unwrap_model
+from st_cached_losses.gradcache import GradCache, check_splittable, input_hashes, unwrap_model
+from st_cached_losses.ring import ring_infonce
 
 GRADCACHE_CITATION = """
 @misc{gao2021scaling,
@@ -128,6 +141,7 @@ class CachedInfoNCEBase(nn.Module):
         tile_size: int | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         gather_across_devices: bool = False,
+        mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
         show_progress_bar: bool = False,
@@ -159,6 +173,8 @@ class CachedInfoNCEBase(nn.Module):
         self.tile_size = tile_size
         self.memory_budget = memory_budget
         self.gather_across_devices = gather_across_devices
+        self.mask_duplicates = mask_duplicates
+        self._keys: list[Tensor] | None = None
         self._scale = float(scale)
         self._scale_grad: Tensor | None = None
         self._attached = False
@@ -205,6 +221,8 @@ class CachedInfoNCEBase(nn.Module):
             config.update(learnable_scale=True, max_scale=self.max_scale)
         if self.gather_across_devices:
             config["gather_across_devices"] = True
+        if self.mask_duplicates:
+            config["mask_duplicates"] = True
         if self.tile_size is not None:
             config["tile_size"] = self.tile_size
         return config
@@ -229,8 +247,12 @@ class CachedInfoNCEBase(nn.Module):
                 "one row in each hard-negative column)."
             )
 
-    def _core_kwargs(self) -> dict[str, Any]:
+    def _core_kwargs(self, keys: list[Tensor] | None) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if keys is not None:
+            kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
         return {
+            **kwargs,
             "similarity": self.similarity,
             "symmetric": self.symmetric,
             "path": self.path,
@@ -254,16 +276,37 @@ class CachedInfoNCEBase(nn.Module):
             with_backward: also put the gradient of the loss in each piece's ``.grad`` (the pieces must
                 be leaves that require grad) and return the detached loss. Without it the loss is returned
                 with autograd (or without a graph under ``torch.no_grad``).
+
+        With ``gather_across_devices`` in a process group of ``W`` processes, each process scores its rows
+        against every process's candidates and returns ``W / B_global`` times the sum of its rows' losses:
+        the mean over processes is the global loss, and DDP's gradient average is the exact gradient of
+        the global batch, even when processes hold different numbers of rows.
         """
         embeddings = [torch.cat(r) if len(r) > 1 else r[0] for r in reps]
-        if not with_backward:
-            return infonce(embeddings[0], embeddings[1:], scale=self.scale_tensor(), **self._core_kwargs())
-        scale = self.scale_tensor()
-        leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) else scale
-        out = infonce_loss_and_grad(
-            embeddings[0].detach(), [e.detach() for e in embeddings[1:]], scale=leaf, **self._core_kwargs()
+        keys = (
+            self._keys
+            if self._keys is not None and self._keys[0].shape[0] == embeddings[0].shape[0]
+            else None
         )
-        for pieces, grad in zip(reps, [out.grad_anchors, *out.grad_candidates]):
+        sizes = self._process_sizes(embeddings)
+        scale = self.scale_tensor()
+        if sizes is None:
+            kwargs = self._core_kwargs(keys)
+            if not with_backward:
+                return infonce(embeddings[0], embeddings[1:], scale=scale, **kwargs)
+            leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) else scale
+            out = infonce_loss_and_grad(
+                embeddings[0].detach(), [e.detach() for e in embeddings[1:]], scale=leaf, **kwargs
+            )
+            grads = [out.grad_anchors, *out.grad_candidates]
+        else:
+            if not with_backward and torch.is_grad_enabled():
+                return self._gathered_autograd_loss(embeddings, scale, keys, sizes)
+            out = self._distributed_loss_and_grad(embeddings, scale, keys, sizes, with_backward)
+            if not with_backward:
+                return out.loss
+            grads = [out.grad_anchors, *out.grad_candidates]
+        for pieces, grad in zip(reps, grads):
             for piece, g in zip(pieces, grad.split([p.shape[0] for p in pieces])):
                 g = g.to(piece.dtype)
                 piece.grad = g if piece.grad is None else piece.grad + g
@@ -273,6 +316,113 @@ class CachedInfoNCEBase(nn.Module):
                 out.grad_scale if self._scale_grad is None else self._scale_grad + out.grad_scale
             )
         return out.loss
+
+    # ------------------------------------------------------------------ across processes
+
+    def _process_sizes(self, embeddings: list[Tensor]) -> list[int] | None:
+        """Every process's row count when gathering across a process group, else None."""
+        if not self.gather_across_devices:
+            return None
+        if not is_distributed():
+            warn_no_process_group_once(type(self).__name__)
+            return None
+        b, d = embeddings[0].shape
+        return exchange_shapes(
+            b, [len(embeddings), d], embeddings[0].device, "the number of columns and the embedding dim"
+        )
+
+    def _distributed_loss_and_grad(
+        self,
+        embeddings: list[Tensor],
+        scale: Tensor | float,
+        keys: list[Tensor] | None,
+        sizes: list[int],
+        with_grad: bool,
+    ) -> InfoNCEOutput:
+        w = len(sizes)
+        weight = w / sum(sizes)  # per row: the mean over processes of the local sums is the global mean
+        b = embeddings[0].shape[0]
+        leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) and with_grad else scale
+        anchors, cands = embeddings[0].detach(), [e.detach() for e in embeddings[1:]]
+        if self.path == "tiled":
+            return ring_infonce(
+                anchors,
+                cands,
+                sizes,
+                scale=leaf,
+                cosine=self.similarity == "cosine",
+                symmetric=self.symmetric,
+                weight=weight,
+                tile_size=self.tile_size,
+                memory_budget=self.memory_budget,
+                with_grad=with_grad,
+                anchor_keys=keys[0] if keys is not None else None,
+                candidate_keys=keys[1:] if keys is not None else None,
+            )
+        offset = sum(sizes[: rank()])
+        cands_all = [all_gather_rows(c, sizes) for c in cands]
+        anchors_all = all_gather_rows(anchors, sizes) if self.symmetric else None
+        kwargs = self._core_kwargs(None)
+        if keys is not None:
+            all_keys = all_gather_rows(torch.stack(keys, dim=1), sizes)  # (N, K+1): one collective
+            kwargs.update(
+                anchor_keys=keys[0],
+                candidate_keys=[all_keys[:, j + 1] for j in range(len(cands))],
+                anchors_all_keys=all_keys[:, 0] if self.symmetric else None,
+            )
+        factor = weight * b  # the core averages over local rows
+        if not with_grad:
+            value = infonce(
+                anchors, cands_all, scale=leaf, anchors_all=anchors_all, row_offset=offset, **kwargs
+            )
+            return InfoNCEOutput(value * factor, anchors, [], None, None)
+        out = infonce_loss_and_grad(
+            anchors,
+            cands_all,
+            scale=leaf,
+            anchors_all=anchors_all,
+            row_offset=offset,
+            grad_output=factor,
+            **kwargs,
+        )
+        # every process scored everyone's candidates: sum their gradients, keep this process's rows
+        g_cands = [own_rows(all_reduce_sum(g, "all_reduce_grad"), sizes) for g in out.grad_candidates]
+        g_anchors = out.grad_anchors
+        if out.grad_anchors_all is not None:
+            g_anchors = g_anchors + own_rows(all_reduce_sum(out.grad_anchors_all, "all_reduce_grad"), sizes)
+        g_scale = out.grad_scale
+        if g_scale is not None:
+            # the scale is not inside DDP: average its gradient here, or the processes drift apart
+            g_scale = all_reduce_sum(g_scale.reshape(1).clone(), "all_reduce_scale")[0] / w
+        return InfoNCEOutput(out.loss * factor, g_anchors, g_cands, None, g_scale)
+
+    def _gathered_autograd_loss(
+        self, embeddings: list[Tensor], scale: Tensor | float, keys: list[Tensor] | None, sizes: list[int]
+    ) -> Tensor:
+        """The gathered loss with a graph (when a caller asks for autograd rather than the cache)."""
+        w = len(sizes)
+        b = embeddings[0].shape[0]
+        if isinstance(scale, Tensor) and scale.requires_grad:
+            scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
+        cands_all = [gather_with_grad(c, sizes) for c in embeddings[1:]]
+        anchors_all = gather_with_grad(embeddings[0], sizes) if self.symmetric else None
+        kwargs = self._core_kwargs(None)
+        if keys is not None:
+            all_keys = all_gather_rows(torch.stack(keys, dim=1), sizes)
+            kwargs.update(
+                anchor_keys=keys[0],
+                candidate_keys=[all_keys[:, j + 1] for j in range(len(cands_all))],
+                anchors_all_keys=all_keys[:, 0] if self.symmetric else None,
+            )
+        loss = infonce(
+            embeddings[0],
+            cands_all,
+            scale=scale,
+            anchors_all=anchors_all,
+            row_offset=sum(sizes[: rank()]),
+            **kwargs,
+        )
+        return loss * (w * b / sum(sizes))
 
     def _stage2(
         self, embeddings: list[Tensor], labels: Tensor | None
@@ -291,10 +441,15 @@ class CachedInfoNCEBase(nn.Module):
         if self.learnable_scale and not self._attached:
             # the stock trainer saves only the model: have it checkpoint and log the scale too
             self._attached = attach_to_calling_trainer(self)
-        if not torch.is_grad_enabled():
-            # evaluation: the same loss, mini-batched, no caching and no graph
-            embeddings = self.cache.embed(self.model, features)
-            return self.calculate_loss([[e] for e in embeddings], labels)
-        scale = self.scale_tensor()
-        extra = [scale] if isinstance(scale, Tensor) else []
-        return self.cache.step(self.model, features, lambda e: self._stage2(e, labels), extra=extra)
+        # false negatives are recognised by their token ids (embeddings differ under dropout)
+        self._keys = [input_hashes(f) for f in features] if self.mask_duplicates else None
+        try:
+            if not torch.is_grad_enabled():
+                # evaluation: the same loss, mini-batched, no caching and no graph
+                embeddings = self.cache.embed(self.model, features)
+                return self.calculate_loss([[e] for e in embeddings], labels)
+            scale = self.scale_tensor()
+            extra = [scale] if isinstance(scale, Tensor) else []
+            return self.cache.step(self.model, features, lambda e: self._stage2(e, labels), extra=extra)
+        finally:
+            self._keys = None

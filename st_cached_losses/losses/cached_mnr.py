@@ -21,6 +21,7 @@ class CachedMNRLoss(CachedInfoNCEBase):
         gather_across_devices: bool = False,
         show_progress_bar: bool = False,
         *,
+        mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
         path: Path = "auto",
@@ -48,6 +49,9 @@ class CachedMNRLoss(CachedInfoNCEBase):
                 very uneven length; ``mini_batch_size`` stays an upper bound.
             gather_across_devices: score each process's anchors against the candidates of every process.
             show_progress_bar: tqdm bars over the mini-batches of both passes.
+            mask_duplicates: drop from each row's negatives the candidates whose input (token ids) equals
+                its positive's, on this process and across processes (a false negative the NO_DUPLICATES
+                sampler cannot see beyond one process's batch); off by default.
             sort_by_length: embed each column's rows longest first (less padding); never changes the result.
             reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
             path: the loss-stage algorithm, ``"auto"``, ``"chunked"`` or ``"tiled"``.
@@ -109,6 +113,7 @@ class CachedMNRLoss(CachedInfoNCEBase):
             path=path,
             memory_budget=memory_budget,
             gather_across_devices=gather_across_devices,
+            mask_duplicates=mask_duplicates,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
             show_progress_bar=show_progress_bar,

@@ -24,6 +24,7 @@ class CachedTiledLoss(CachedInfoNCEBase):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         mini_batch_num_tokens: int | None = None,
+        mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -50,6 +51,9 @@ class CachedTiledLoss(CachedInfoNCEBase):
             learnable_scale: learn the scale as ``logit_scale = log(scale)``, clamped at ``max_scale``.
             max_scale: the clamp of a learned scale.
             mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length).
+            mask_duplicates: drop from each row's negatives the candidates whose input (token ids) equals
+                its positive's, on this process and across processes (a false negative the NO_DUPLICATES
+                sampler cannot see beyond one process's batch); off by default.
             sort_by_length: embed each column's rows longest first (less padding); never changes the result.
             reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
             memory_budget: bytes of logit tiles the loss stage may hold at once when ``tile_size`` is None.
@@ -101,6 +105,7 @@ class CachedTiledLoss(CachedInfoNCEBase):
             tile_size=tile_size,
             memory_budget=memory_budget,
             gather_across_devices=gather_across_devices,
+            mask_duplicates=mask_duplicates,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
             show_progress_bar=show_progress_bar,
