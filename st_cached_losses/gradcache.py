@@ -94,6 +94,30 @@ def _is_ddp(model: nn.Module) -> bool:
     return isinstance(model, nn.parallel.DistributedDataParallel)
 
 
+@contextlib.contextmanager
+def unsynced(model: nn.Module) -> Iterator[None]:
+    """``model.no_sync()`` for DDP (nothing otherwise), usable for forward *and* backward.
+
+    In DDP's first static-graph iteration every forward output is routed through a node whose backward
+    queues the delayed all-reduce, which asserts outside synchronisation; hide those forwards from it
+    so that only the final, synchronised replay triggers the (single) all-reduce.
+    """
+    if not _is_ddp(model):
+        yield
+        return
+    hide = bool(getattr(model, "static_graph", False)) and not getattr(
+        model, "_static_graph_delay_allreduce_enqueued", True
+    )
+    if hide:
+        model._static_graph_delay_allreduce_enqueued = True
+    try:
+        with model.no_sync():  # type: ignore[operator]
+            yield
+    finally:
+        if hide:
+            model._static_graph_delay_allreduce_enqueued = False
+
+
 def _batch_size(features: Features) -> int:
     for key in ("input_ids", "attention_mask", "inputs_embeds", "pixel_values"):
         value = features.get(key)
@@ -185,12 +209,10 @@ class _Session:
             for mb in kept:
                 mb.kept = None
             torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
-        ddp = _is_ddp(self.model)
         bar = tqdm(total=len(replay), desc="Replay", disable=not self.engine.show_progress_bar, leave=False)
         for i, mb in enumerate(replay):
             last = i == len(replay) - 1
-            no_sync = self.model.no_sync() if ddp and not (last and self.sync) else contextlib.nullcontext()  # type: ignore[operator]
-            with no_sync:
+            with unsynced(self.model) if not (last and self.sync) else contextlib.nullcontext():
                 with mb.rng.replay() if mb.rng is not None else contextlib.nullcontext(), self.autocast():
                     out = self.engine.encode(self.model, mb.features)
                 torch.autograd.backward(out, self._grad_of(mb, grad_output, out))
@@ -257,6 +279,11 @@ class GradCache:
 
     @staticmethod
     def encode(model: nn.Module, features: Features) -> Tensor:
+        if _is_ddp(model):
+            # DDP broadcasts buffers at a forward that follows a synchronised one; ranks run different
+            # numbers of mini-batch forwards (unequal batches, token budgets), so such a collective would
+            # not line up across ranks and hang. Text encoders' buffers are constants (position ids).
+            model.require_forward_param_sync = False
         # a fresh dict: SentenceTransformer modules write their outputs into the one they get
         return model(dict(features))["sentence_embedding"]
 
@@ -330,8 +357,9 @@ class GradCache:
         ddp = _is_ddp(model)
         sync = ddp and bool(getattr(model, "require_backward_grad_sync", True))
         # a batch that fits in one mini-batch per column is not cached: every forward keeps its graph,
-        # exactly like the non-cached loss (and under DDP, like it, with synchronised forwards)
-        keep_all = self.fits_in_one(columns)
+        # exactly like the non-cached loss. Not under DDP synchronisation, where the one synchronised
+        # forward must be the last one before the backward (and ranks may differ in batch size).
+        keep_all = self.fits_in_one(columns) and not sync
         batches: list[MiniBatch] = []
         embeddings: list[Tensor] = []
         frozen: set[int] = set()
@@ -351,7 +379,7 @@ class GradCache:
                 elif j == len(plan) - 1:
                     # with a graph: tells whether this column's encoder is frozen; the very last one is
                     # kept for the backward (not under DDP sync, where the synced forward must come last)
-                    with model.no_sync() if ddp else contextlib.nullcontext():  # type: ignore[operator]
+                    with unsynced(model):
                         out = self.encode(model, mb.features)
                     if self.reuse_last_graph and k == len(columns) - 1 and not sync and out.requires_grad:
                         mb.kept = out
@@ -402,7 +430,8 @@ def input_hashes(features: Features) -> Tensor:
     )
     # left-align each row's valid tokens so left- and right-padded copies of one text agree
     order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
-    tokens = torch.gather(ids.long(), 1, order).masked_fill(~torch.gather(valid, 1, order), -1)
+    # padding becomes -2, so that (token + 2) is 0 there and the key does not depend on the padded length
+    tokens = torch.gather(ids.long(), 1, order).masked_fill(~torch.gather(valid, 1, order), -2)
     seq = tokens.shape[1]
     powers = torch.empty(seq, dtype=torch.long, device=ids.device)
     acc = 1

@@ -26,22 +26,39 @@ def reference_infonce(
     symmetric: bool = False,
     anchors_all: Tensor | None = None,
     row_offset: int = 0,
+    anchor_keys: Tensor | None = None,
+    candidate_keys: Sequence[Tensor] | None = None,
+    anchors_all_keys: Tensor | None = None,
 ) -> Tensor:
     """Mean InfoNCE of ``anchors (B, d)`` against ``cat(candidates) (K*N, d)``; positive of row i at
     ``row_offset + i``. Symmetric: average with positives ``candidates[0][offset:offset+B]`` against
-    ``anchors_all`` (or ``anchors``)."""
+    ``anchors_all`` (or ``anchors``). With keys, a candidate whose key equals row i's positive's key
+    (other than the positive itself) is set to -inf in row i (and likewise duplicate anchors in the
+    symmetric direction)."""
     cols = [candidates] if isinstance(candidates, Tensor) else list(candidates)
     b = anchors.shape[0]
     q = _prep(anchors, similarity)
     c = _prep(torch.cat(cols, dim=0), similarity)
     labels = torch.arange(b, device=anchors.device) + row_offset
+    rows = torch.arange(b, device=anchors.device)
     logits = scale * q @ c.T  # (B, K*N)
+    if candidate_keys is not None:
+        keys = torch.cat(list(candidate_keys))
+        dup = candidate_keys[0][labels][:, None] == keys[None, :]
+        dup[rows, labels] = False
+        logits = logits.masked_fill(dup, float("-inf"))
     loss = F.cross_entropy(logits, labels)
     if not symmetric:
         return loss
     a_all = _prep(anchors if anchors_all is None else anchors_all, similarity)
     p = _prep(cols[0][row_offset : row_offset + b], similarity)
-    back = F.cross_entropy(scale * p @ a_all.T, labels)  # (B, N)
+    back_logits = scale * p @ a_all.T  # (B, N)
+    if candidate_keys is not None and anchor_keys is not None:
+        all_keys = anchor_keys if anchors_all_keys is None else anchors_all_keys
+        dup = anchor_keys[:, None] == all_keys[None, :]
+        dup[rows, labels] = False
+        back_logits = back_logits.masked_fill(dup, float("-inf"))
+    back = F.cross_entropy(back_logits, labels)
     return (loss + back) / 2
 
 

@@ -272,3 +272,40 @@ def test_static_embedding_refused():
     static = SentenceTransformer(modules=[StaticEmbedding(tok, embedding_dim=8)], device="cpu")
     with pytest.raises(ValueError, match="StaticEmbedding"):
         CachedMNRLoss(static)
+
+
+def test_input_hashes_ignore_padding_and_side():
+    from st_cached_losses.gradcache import input_hashes
+
+    ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 0, 0], [0, 0, 5, 6, 7], [5, 6, 8, 0, 0]])
+    mask = (ids != 0).long()
+    keys = input_hashes({"input_ids": ids, "attention_mask": mask})
+    short = input_hashes({"input_ids": ids[:1, :3], "attention_mask": mask[:1, :3]})
+    assert keys[0] == keys[1] == keys[2] == short[0]
+    assert keys[3] != keys[0]
+
+
+@pytest.mark.parametrize(("cls", "symmetric"), LOSSES, ids=["mnr", "clip"])
+def test_mask_duplicates_matches_masked_reference(model, cls, symmetric):
+    from st_cached_losses.gradcache import input_hashes
+
+    texts = [random_texts(9, seed=40 + k) for k in range(3)]
+    texts[1][5] = texts[1][0]  # a duplicate positive
+    texts[2][3] = texts[1][0]  # a hard negative equal to row 0's positive
+    texts[0][7] = texts[0][2]  # a duplicate anchor (symmetric direction)
+    feats = [model.preprocess(t) for t in texts]
+    keys = [input_hashes(f) for f in feats]
+
+    def ref_fn(f):
+        embs = [model(dict(x))["sentence_embedding"] for x in f]
+        return reference_infonce(
+            embs[0], embs[1:], symmetric=symmetric, anchor_keys=keys[0], candidate_keys=keys[1:]
+        )
+
+    ref_loss, ref = param_grads(model, ref_fn, feats)
+    loss_fn = cls(model, mini_batch_size=4, mask_duplicates=True)
+    loss, ours = param_grads(model, lambda f: loss_fn(f, None), feats)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(ours, ref)
+    unmasked = reference_loss_fn(model, symmetric)(feats)
+    assert abs(unmasked.item() - ref_loss.item()) > 1e-3, "the test data must contain duplicates"
