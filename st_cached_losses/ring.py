@@ -71,7 +71,8 @@ def ring_infonce(
     rows = Operand(anchors, cosine, s, prenormalize=False)
     w = weight * (0.5 if symmetric else 1.0)
     # one message per pass for all columns: (b, K, d); the keys travel alongside
-    block = torch.stack(candidates, dim=1).contiguous()
+    block = candidates[0].unsqueeze(1) if k == 1 else torch.stack(candidates, dim=1)  # no copy for pairs
+    block = block.contiguous()
     masking = candidate_keys is not None
     key_block = torch.stack(candidate_keys, dim=1).contiguous() if candidate_keys is not None else None
     static = [block] + ([key_block] if key_block is not None else [])
