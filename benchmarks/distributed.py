@@ -106,7 +106,7 @@ def _worker(rank: int, world: int, model_dir: str, local: int, dim: int, repeats
     for name in contenders:
         loss = losses[name]
 
-        def reps():
+        def reps(name: str = name) -> list[list[torch.Tensor]]:
             if name == "st-cached":  # its format: per column, the mini-batch pieces
                 return [
                     [t.detach().clone().requires_grad_() for t in x.split(32)] for x in (anchors, positives)
