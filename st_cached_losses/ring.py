@@ -19,9 +19,9 @@ from torch import Tensor
 from st_cached_losses.distributed import all_reduce_sum, rank, ring_exchange
 from st_cached_losses.functional._kernels import (
     DuplicateKeys,
+    LogSumExp,
     Operand,
     accumulate_gradients,
-    apply_positive_terms,
     finish_stats,
     init_stats,
     positive_logits,
@@ -130,12 +130,12 @@ def ring_infonce(
     # pass 2: the visiting block's gradient accumulates in a buffer that travels with it
     g_rows = torch.zeros(b, d, dtype=dtype, device=anchors.device)
     gs_total = torch.zeros((), dtype=torch.float64, device=anchors.device)
-    static2 = [block] + ([lse_c] if lse_c is not None else []) + static[1:]
+    static2 = [block] + ([lse_c.stacked()] if lse_c is not None else []) + static[1:]
 
     def visit_grads(owner: int, statics: list[Tensor], carried: list[Tensor]) -> None:
         nonlocal gs_total
         blk = statics[0]
-        lse_c_owner = statics[1] if symmetric else None
+        lse_c_owner = LogSumExp.unstack(statics[1]) if symmetric else None
         key_statics = [blk, *statics[2:]] if symmetric else statics
         g_blk = carried[0]
         gs_total += accumulate_gradients(
@@ -157,12 +157,9 @@ def ring_infonce(
     g_block = torch.zeros(b, k, d, dtype=dtype, device=anchors.device)
     (g_block,) = ring_exchange(static2, [g_block], sizes, visit_grads)
     g_cols = [g_block[:, j].contiguous() for j in range(k)]
-    w_pos = w * (2.0 if symmetric else 1.0)
-    apply_positive_terms(rows, own_cols, g_rows, g_cols, w_pos, 0, tile)
     g_rows.mul_(s)
     grad_scale = None
     if need_scale_grad:
-        gs_total -= w_pos * pos.double().sum()
         # every process holds part of d(sum_r L_r)/ds = W dL/ds; the average is the true gradient
         gs = all_reduce_sum(gs_total.reshape(1), "all_reduce_scale") / len(sizes)
         grad_scale = (gs[0] / s).to(scale.dtype)  # type: ignore[union-attr]

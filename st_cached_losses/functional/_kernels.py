@@ -11,8 +11,10 @@ Notation used in the shape comments: ``b`` rows in a row tile, ``t`` candidates 
 The loss is ``w_r * sum_i (lse_r[i] - pos[i]) + w_c * sum_j (lse_c[j] - pos[j])`` where
 ``lse_r[i] = logsumexp_c S[i, c]`` over every candidate of every column, ``lse_c[j]`` (symmetric
 loss only) is the log-sum-exp of positive ``j`` against every row, and ``pos[i] = S[i, offset + i]``.
-Its gradient wrt the logits is ``w_r * (P_r - Y) + w_c * (P_c - Y)``; the one-hot ``Y`` part is a
-contiguous "diagonal" and is applied outside the tile loops (``_apply_positive_terms``).
+Its gradient wrt the logits is ``w_r * (P_r - Y) + w_c * (P_c - Y)``. The one-hot ``Y`` is subtracted
+inside the logit block, before the block meets the embeddings in a GEMM: where the positive's
+probability is close to 1, ``P - Y`` is small, and forming it first keeps the cancellation in one
+fp32 number rather than in the d-dimensional products (as accurate as the naive dense gradient).
 """
 
 from __future__ import annotations
@@ -80,11 +82,42 @@ def positive_logits(rows: Operand, pos_col: Operand, offset: int, row_tile: int)
 
 
 @dataclass
-class Stats:
-    """Per-row (and per-positive) log-sum-exp of the logits, fp32."""
+class LogSumExp:
+    """``m + log_s`` kept as its two parts: a softmax ``exp(x - m - log_s)`` is then accurate even
+    where the probability is close to 1 (``x - m`` is exact for nearby values, while ``x - lse`` would
+    inherit the fp32 rounding of a large ``lse``)."""
 
-    lse_rows: Tensor  # (B,)
-    lse_cols: Tensor | None  # (N,) symmetric only: positive j against every row
+    m: Tensor  # (n,) running max
+    log_s: Tensor  # (n,) log of the sum of exp(x - m)
+
+    def __getitem__(self, idx: slice) -> LogSumExp:
+        return LogSumExp(self.m[idx], self.log_s[idx])
+
+    def total(self) -> Tensor:
+        """``(n,)`` float64 log-sum-exp."""
+        return self.m.double() + self.log_s.double()
+
+    def stacked(self) -> Tensor:
+        """``(n, 2)``, to send it as one block."""
+        return torch.stack([self.m, self.log_s], dim=1)
+
+    @staticmethod
+    def unstack(t: Tensor) -> LogSumExp:
+        return LogSumExp(t[:, 0], t[:, 1])
+
+    def log_softmax(self, logits: Tensor, dim: int) -> Tensor:
+        """``logits - lse`` along ``dim`` of a ``(b, t)`` block, as a new tensor."""
+        if dim == 1:
+            return (logits - self.m[:, None]).sub_(self.log_s[:, None])
+        return (logits - self.m[None, :]).sub_(self.log_s[None, :])
+
+
+@dataclass
+class Stats:
+    """Per-row (and per-positive) log-sum-exp of the logits."""
+
+    lse_rows: LogSumExp  # (B,)
+    lse_cols: LogSumExp | None  # (N,) symmetric only: positive j against every row
 
 
 @dataclass
@@ -188,9 +221,9 @@ def update_stats(
                 _online_lse_update(m_r[r0:r1], s_r[r0:r1], block, 1, None)
 
 
-def finish_stats(acc: tuple[Tensor, Tensor]) -> Tensor:
+def finish_stats(acc: tuple[Tensor, Tensor]) -> LogSumExp:
     m, s = acc
-    return m + s.log()
+    return LogSumExp(m, s.log())
 
 
 def row_col_stats(
@@ -220,27 +253,19 @@ class Grads:
     scale: Tensor  # 0-d
 
 
-def apply_positive_terms(
-    rows: Operand,
-    cols: list[Operand],
-    g_rows: Tensor,
-    g_cols: list[Tensor],
-    weight: float,
-    offset: int,
-    tile: int,
-) -> None:
-    """The ``-weight * Y`` part of the logit gradient: pair ``(i, offset + i)`` of column 0."""
-    for r0, r1 in spans(rows.n, tile):
-        # d/dq_i of -w * <q_i, c_{off+i}> is -w * c_{off+i}; and symmetrically for c
-        g_rows[r0:r1].sub_(cols[0].tile(offset + r0, offset + r1), alpha=weight)
-        g_cols[0][offset + r0 : offset + r1].sub_(rows.tile(r0, r1), alpha=weight)
+def _subtract_positives(g: Tensor, r0: int, r1: int, c0: int, c1: int, diag: int, weight: float) -> None:
+    """``g[i, diag + i - c0] -= weight`` for the rows of this tile whose positive falls in it."""
+    lo, hi = max(r0, c0 - diag), min(r1, c1 - diag)
+    if lo < hi:
+        i = torch.arange(lo - r0, hi - r0, device=g.device)
+        g[i, i + r0 + diag - c0] -= weight
 
 
 def accumulate_gradients(
     rows: Operand,
     cols: list[Operand],
-    lse_rows: Tensor,
-    lse_cols: Tensor | None,
+    lse_rows: LogSumExp,
+    lse_cols: LogSumExp | None,
     g_rows: Tensor,
     g_cols: list[Tensor],
     *,
@@ -252,10 +277,12 @@ def accumulate_gradients(
     diag: int | None,
     keys: DuplicateKeys | None = None,
 ) -> Tensor:
-    """Second pass over one set of columns: recompute each logit tile, turn it into the softmax part of
-    the logit gradient ``G = w_r * P_r (+ w_c * P_c)`` and accumulate ``G @ c`` into ``g_rows`` and
-    ``G^T @ q_s`` into ``g_cols``. Returns ``sum(G * logits)`` (for the scale's gradient; 0 if not
-    needed). ``rows`` carry the scale, ``cols`` do not."""
+    """Second pass over one set of columns: recompute each logit tile, turn it into the logit gradient
+    ``G = w_r * (P_r - Y) (+ w_c * (P_c - Y))`` (``Y`` only where ``diag`` puts positives in these
+    columns) and accumulate ``G @ c`` into ``g_rows`` and ``G^T @ q_s`` into ``g_cols``. Returns
+    ``sum(G * logits)`` (for the scale's gradient; 0 if not needed). ``rows`` carry the scale, ``cols``
+    do not."""
+    w_pos = w_rows + (w_cols if lse_cols is not None else 0.0)
     gs = torch.zeros((), dtype=torch.float64, device=rows.x.device)
     for r0, r1 in spans(rows.n, row_tile):
         q = rows.tile(r0, r1)  # (b, d), scaled
@@ -265,19 +292,18 @@ def accumulate_gradients(
                 c = col.tile(c0, c1)  # (t, d)
                 logits = q @ c.T  # (b, t)
                 mask_r, mask_c = _masks(keys, k, r0, r1, c0, c1, diag, lse_cols is not None)
-                g = logits - lse_rows[r0:r1, None]
+                g = lse_rows[r0:r1].log_softmax(logits, 1)
                 if mask_r is not None:
                     g.masked_fill_(mask_r, -torch.inf)
                 g.exp_().mul_(w_rows)  # w_r * P_r: (b, t)
                 if k == 0 and lse_cols is not None:
                     # + w_c * P_c; the logits are only needed afterwards for the scale's gradient
-                    if need_scale_grad or mask_c is not None:
-                        p_c = logits - lse_cols[None, c0:c1]
-                        if mask_c is not None:
-                            p_c.masked_fill_(mask_c, -torch.inf)
-                    else:
-                        p_c = logits.sub_(lse_cols[None, c0:c1])
+                    p_c = lse_cols[c0:c1].log_softmax(logits, 0)
+                    if mask_c is not None:
+                        p_c.masked_fill_(mask_c, -torch.inf)
                     g.add_(p_c.exp_(), alpha=w_cols)
+                if k == 0 and diag is not None:
+                    _subtract_positives(g, r0, r1, c0, c1, diag, w_pos)
                 if need_scale_grad:
                     gs += torch.vdot(g.reshape(-1), logits.reshape(-1)).double()
                 gq.addmm_(g, c)  # (b, t) @ (t, d)
@@ -320,10 +346,6 @@ def gradients(
         diag=offset,
         keys=keys,
     )
-    w_pos = w_rows + (w_cols if stats.lse_cols is not None else 0.0)
-    apply_positive_terms(rows, cols, g_rows, g_cols, w_pos, offset, row_tile)
-    if need_scale_grad:
-        gs -= w_pos * pos.double().sum()
     g_rows.mul_(scale)
     return Grads(rows=g_rows, cols=g_cols, scale=(gs / scale).to(rows.dtype))
 
@@ -373,17 +395,16 @@ def fused_one_direction(
         inv_z = z.reciprocal_()
         if need_scale_grad:
             gs += ((e * shifted).sum(dim=(0, 2)) * inv_z + m).double().sum()
+        e.mul_(inv_z[None, :, None])  # P
+        _subtract_positives(e[0], r0, r1, 0, n, offset, 1.0)  # P - Y
         gq = g_rows[r0:r1]
-        q_over_z = q * inv_z[:, None]  # (b, d): folds the softmax normaliser into the GEMMs
         for k, c in enumerate(col_tiles):
             if k == 0:
                 torch.mm(e[k], c, out=gq)  # (b, N) @ (N, d)
             else:
                 gq.addmm_(e[k], c)
-            g_cols[k].addmm_(e[k].T, q_over_z)  # (N, b) @ (b, d)
-        gq.mul_(inv_z[:, None])
+            g_cols[k].addmm_(e[k].T, q)  # (N, b) @ (b, d)
     loss -= pos.double().sum()
-    apply_positive_terms(rows, cols, g_rows, g_cols, 1.0, offset, chunk)
     if need_scale_grad:
         gs -= pos.double().sum()
     g_rows.mul_(scale * weight)

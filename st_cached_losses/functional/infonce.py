@@ -358,9 +358,9 @@ def _problems(
 
 
 def _loss_from_stats(p: _Problem, stats: Stats, pos: Tensor) -> Tensor:
-    loss = p.w_rows * (stats.lse_rows.double().sum() - pos.double().sum())
+    loss = p.w_rows * (stats.lse_rows.total().sum() - pos.double().sum())
     if stats.lse_cols is not None:
-        loss = loss + p.w_cols * (stats.lse_cols.double().sum() - pos.double().sum())
+        loss = loss + p.w_cols * (stats.lse_cols.total().sum() - pos.double().sum())
     return loss
 
 
@@ -586,7 +586,6 @@ class _InfoNCEFunction(torch.autograd.Function):
             _grads(p, st, pos, ctx.s, 1.0, need_scale_grad) for p, (st, pos) in zip(ctx.problems, ctx.saved)
         ]
         g_a, g_c, g_all, g_s = _assemble(ctx.problems, grads, anchors, cols, anchors_all, go)
-        ctx.problems = ctx.saved = None
         return (None, g_s.to(scale_dtype) if need_scale_grad else None, g_a, g_all, *g_c)
 
 
