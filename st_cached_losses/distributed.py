@@ -182,6 +182,18 @@ def gather_with_grad(x: Tensor, sizes: list[int]) -> Tensor:
     return _GatherWithSummedGrad.apply(x, sizes)
 
 
+def _pass_on(blocks: list[Tensor], rows_in: int, nxt: int, prv: int, reqs: list[dist.Work]) -> list[Tensor]:
+    """Start sending ``blocks`` to the next rank and receiving the previous rank's (``rows_in`` rows
+    each) into new buffers; the requests are appended to ``reqs``."""
+    received = [b.new_empty((rows_in, *b.shape[1:])) for b in blocks]
+    for b, r in zip(blocks, received):
+        b = b.contiguous()
+        _count("ring_send", b.numel() * b.element_size())
+        reqs.append(dist.isend(b, nxt))
+        reqs.append(dist.irecv(r, prv))
+    return received
+
+
 def ring_exchange(
     static: list[Tensor],
     carried: list[Tensor],
@@ -208,23 +220,12 @@ def ring_exchange(
     owner = me
     for step in range(w):
         incoming = (owner - 1) % w
-        reqs = []
-        recv_static: list[Tensor] = []
-        if step < w - 1:
-            recv_static = [b.new_empty((sizes[incoming], *b.shape[1:])) for b in static]
-            for b, r in zip(static, recv_static):
-                b = b.contiguous()
-                _count("ring_send", b.numel() * b.element_size())
-                reqs.append(dist.isend(b, nxt))
-                reqs.append(dist.irecv(r, prv))
+        reqs: list[dist.Work] = []
+        # the static blocks need W - 1 hops: the next set is in flight while this one is visited
+        recv_static = _pass_on(static, sizes[incoming], nxt, prv, reqs) if step < w - 1 else []
         visit(owner, static, carried)
         # the accumulators move on after this rank's contribution; after the W-th hop they are home
-        recv_carried = [b.new_empty((sizes[incoming], *b.shape[1:])) for b in carried]
-        for b, r in zip(carried, recv_carried):
-            b = b.contiguous()
-            _count("ring_send", b.numel() * b.element_size())
-            reqs.append(dist.isend(b, nxt))
-            reqs.append(dist.irecv(r, prv))
+        recv_carried = _pass_on(carried, sizes[incoming], nxt, prv, reqs)
         for req in reqs:
             req.wait()
         static, carried, owner = recv_static, recv_carried, incoming

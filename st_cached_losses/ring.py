@@ -115,9 +115,9 @@ def ring_infonce(
         finish_stats((carried[0][:, 0].contiguous(), carried[0][:, 1].contiguous())) if symmetric else None
     )
     pos = positive_logits(rows, own_cols[0], 0, tile)
-    loss = w * (lse_r.double().sum() - pos.double().sum())
+    loss = w * (lse_r.total().sum() - pos.double().sum())
     if lse_c is not None:
-        loss = loss + w * (lse_c.double().sum() - pos.double().sum())
+        loss = loss + w * (lse_c.total().sum() - pos.double().sum())
     if not with_grad:
         return InfoNCEOutput(
             loss=loss.to(dtype),

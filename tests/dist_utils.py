@@ -6,6 +6,7 @@ group, asserts the world size, calls ``fn(rank, world_size, *args)`` and sends b
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -31,7 +32,11 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, queue) -> No
         )
         assert dist.get_world_size() == world_size, "the worker must see the whole group"
         result = fn(rank, world_size, *args)
-        queue.put((rank, "ok", result))
+        # serialised to bytes: a tensor sent as is travels as a shared-memory handle, which dies with
+        # this process (a race with the parent's read)
+        buffer = io.BytesIO()
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException as exc:
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
@@ -54,7 +59,7 @@ def run_distributed(fn, world_size: int, *args: Any, timeout: float = 300.0) -> 
     for _ in range(world_size):
         rank, status, payload = queue.get()
         if status == "ok":
-            results[rank] = payload
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
             errors.append(f"rank {rank}: {payload}")
     for p in procs:

@@ -315,16 +315,8 @@ def _problems(
     # gradient); the two-pass path keeps the logits, the gradient block and a scratch block.
     one_pass = fused and not (symmetric and anchors_all is None)
     buffers = (2 if need_scale_grad else 1) if one_pass else 3
-    plan = _plan(
-        b,
-        n,
-        k,
-        path=path,
-        chunk_size=chunk_size,
-        tile_size=tile_size,
-        memory_budget=memory_budget,
-        buffers=buffers,
-    )
+    sizing = {"path": path, "chunk_size": chunk_size, "tile_size": tile_size, "memory_budget": memory_budget}
+    plan = _plan(b, n, k, buffers=buffers, **sizing)
     prenorm = plan.path == "chunked"
     rows = Operand(anchors, cosine, scale, prenorm)
     col_ops = [Operand(c, cosine, 1.0, prenorm) for c in cols]
@@ -341,16 +333,7 @@ def _problems(
         return [_Problem(rows, col_ops, 0, 0.5 / b, 0.5 / n, plan, keys)]
     # across ranks: this rank's positives against every rank's anchors is a second one-way problem
     pos_rows = Operand(cols[0][row_offset : row_offset + b], cosine, scale, prenorm)
-    plan2 = _plan(
-        b,
-        n,
-        1,
-        path=path,
-        chunk_size=chunk_size,
-        tile_size=tile_size,
-        memory_budget=memory_budget,
-        buffers=buffers,
-    )
+    plan2 = _plan(b, n, 1, buffers=buffers, **sizing)
     back = _Problem(
         pos_rows, [Operand(anchors_all, cosine, 1.0, prenorm)], row_offset, 0.5 / b, 0.0, plan2, back_keys
     )

@@ -362,14 +362,7 @@ class CachedInfoNCEBase(nn.Module):
         offset = sum(sizes[: rank()])
         cands_all = [all_gather_rows(c, sizes) for c in cands]
         anchors_all = all_gather_rows(anchors, sizes) if self.symmetric else None
-        kwargs = self._core_kwargs(None)
-        if keys is not None:
-            all_keys = all_gather_rows(torch.stack(keys, dim=1), sizes)  # (N, K+1): one collective
-            kwargs.update(
-                anchor_keys=keys[0],
-                candidate_keys=[all_keys[:, j + 1] for j in range(len(cands))],
-                anchors_all_keys=all_keys[:, 0] if self.symmetric else None,
-            )
+        kwargs = self._gathered_core_kwargs(keys, sizes)
         factor = weight * b  # the core averages over local rows
         if not with_grad:
             value = infonce(
@@ -396,6 +389,18 @@ class CachedInfoNCEBase(nn.Module):
             g_scale = all_reduce_sum(g_scale.reshape(1).clone(), "all_reduce_scale")[0] / w
         return InfoNCEOutput(out.loss * factor, g_anchors, g_cands, None, g_scale)
 
+    def _gathered_core_kwargs(self, keys: list[Tensor] | None, sizes: list[int]) -> dict[str, Any]:
+        """Core arguments for a loss against gathered columns; duplicate keys gathered in one collective."""
+        kwargs = self._core_kwargs(None)
+        if keys is not None:
+            all_keys = all_gather_rows(torch.stack(keys, dim=1), sizes)  # (N, K + 1)
+            kwargs.update(
+                anchor_keys=keys[0],
+                candidate_keys=[all_keys[:, j] for j in range(1, len(keys))],
+                anchors_all_keys=all_keys[:, 0] if self.symmetric else None,
+            )
+        return kwargs
+
     def _gathered_autograd_loss(
         self, embeddings: list[Tensor], scale: Tensor | float, keys: list[Tensor] | None, sizes: list[int]
     ) -> Tensor:
@@ -406,14 +411,7 @@ class CachedInfoNCEBase(nn.Module):
             scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
         cands_all = [gather_with_grad(c, sizes) for c in embeddings[1:]]
         anchors_all = gather_with_grad(embeddings[0], sizes) if self.symmetric else None
-        kwargs = self._core_kwargs(None)
-        if keys is not None:
-            all_keys = all_gather_rows(torch.stack(keys, dim=1), sizes)
-            kwargs.update(
-                anchor_keys=keys[0],
-                candidate_keys=[all_keys[:, j + 1] for j in range(len(cands_all))],
-                anchors_all_keys=all_keys[:, 0] if self.symmetric else None,
-            )
+        kwargs = self._gathered_core_kwargs(keys, sizes)
         loss = infonce(
             embeddings[0],
             cands_all,
