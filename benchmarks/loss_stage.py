@@ -39,12 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from st_cached_losses.functional import infonce_loss_and_grad  # noqa: E402
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad  # noqa: E402
 from st_cached_losses.memory import PeakMemory  # noqa: E402
 from tests.reference import reference_infonce, reference_infonce_blockwise_float64  # noqa: E402
 
 DENSE_LIMIT_BYTES = 12 * 2**30  # three B x C fp32 matrices must fit
-CHUNK_BUDGET = 256 * 2**20
+CHUNK_BUDGET = DEFAULT_MEMORY_BUDGET  # the matmul bound is chunked like ours
 
 
 def _inputs(b: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

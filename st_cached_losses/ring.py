@@ -36,7 +36,13 @@ def _tile(tile_size: int | None, memory_budget: int) -> int:
     return min(2048, max(1, int((memory_budget // 12) ** 0.5)))
 
 
-def ring_infonce(
+def ring_infonce(*args: object, **kwargs: object) -> InfoNCEOutput:
+    """See :func:`_ring_infonce` (run without autograd)."""
+    with torch.no_grad():
+        return _ring_infonce(*args, **kwargs)  # type: ignore[arg-type]
+
+
+def _ring_infonce(
     anchors: Tensor,
     candidates: list[Tensor],
     sizes: list[int],

@@ -47,7 +47,7 @@ Similarity = Literal["cosine", "dot"]
 Path = Literal["auto", "chunked", "tiled"]
 
 #: Bytes of logit blocks the loss stage may hold at once, when neither chunk nor tile size is given.
-DEFAULT_MEMORY_BUDGET = 256 * 2**20
+DEFAULT_MEMORY_BUDGET = 64 * 2**20
 #: Largest tile side the tiled path picks on its own.
 MAX_TILE = 2048
 #: The chunked path is chosen by ``path="auto"`` when the budget allows chunks of at least this many rows.
