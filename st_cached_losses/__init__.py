@@ -1,8 +1,9 @@
 """Memory-efficient, exact contrastive losses for sentence-transformers."""
 
 from st_cached_losses import functional
+from st_cached_losses.callbacks import LossStateCallback
 from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
 
 __version__ = "0.1.0"
 
-__all__ = ["CachedCLIPLoss", "CachedMNRLoss", "CachedTiledLoss", "__version__", "functional"]
+__all__ = ["CachedCLIPLoss", "CachedMNRLoss", "CachedTiledLoss", "LossStateCallback", "__version__", "functional"]
