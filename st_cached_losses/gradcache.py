@@ -60,9 +60,16 @@ class RandState:
 class MiniBatch:
     column: int
     rows: Tensor  # (m,) indices into the column, in the order they are embedded
-    features: Features  # this mini-batch's inputs, padding trimmed
+    source: Features  # the whole column's inputs
+    batch_size: int  # rows of the whole column
     rng: RandState | None = None
     kept: Tensor | None = None  # the output with its graph, when kept from stage 1
+
+    @property
+    def features(self) -> Features:
+        """This mini-batch's inputs, padding trimmed; sliced when needed, so that no copy of the
+        whole batch's inputs stays alive between the two stages."""
+        return slice_features(self.source, self.rows, self.batch_size)
 
 
 @dataclass
@@ -314,7 +321,7 @@ class GradCache:
                     size = min(self.mini_batch_size, max(1, self.mini_batch_num_tokens // longest))
             spans.append((i, min(i + size, b)))
             i += size
-        return [MiniBatch(column, order[s:e], slice_features(features, order[s:e], b)) for s, e in spans]
+        return [MiniBatch(column, order[s:e], features, b) for s, e in spans]
 
     def fits_in_one(self, columns: Sequence[Features]) -> bool:
         """Whether every column is a single mini-batch (then caching buys nothing)."""
