@@ -6,4 +6,11 @@ from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLo
 
 __version__ = "0.1.0"
 
-__all__ = ["CachedCLIPLoss", "CachedMNRLoss", "CachedTiledLoss", "LossStateCallback", "__version__", "functional"]
+__all__ = [
+    "CachedCLIPLoss",
+    "CachedMNRLoss",
+    "CachedTiledLoss",
+    "LossStateCallback",
+    "__version__",
+    "functional",
+]
