@@ -21,8 +21,10 @@ __all__ = [
     "CollectiveStats",
     "all_gather_rows",
     "all_reduce_sum",
-    "gathered_sizes",
+    "exchange_shapes",
+    "gather_with_grad",
     "is_distributed",
+    "own_rows",
     "rank",
     "ring_exchange",
     "warn_no_process_group_once",
@@ -83,17 +85,6 @@ def warn_no_process_group_once(owner: str) -> None:
         )
 
 
-def gathered_sizes(n: int, device: torch.device) -> list[int]:
-    """Every rank's row count (one small all-gather). Ranks may hold different batch sizes."""
-    if not is_distributed():
-        return [n]
-    mine = torch.tensor([n], dtype=torch.long, device=device)
-    out = [torch.empty_like(mine) for _ in range(world_size())]
-    _count("all_gather_sizes", mine.numel() * mine.element_size())
-    dist.all_gather(out, mine)
-    return [int(t) for t in out]
-
-
 def exchange_shapes(n: int, values: list[int], device: torch.device, what: str) -> list[int]:
     """Every rank's row count, and a check that ``values`` (e.g. column count and embedding dim) agree,
     in one small all-gather. Raises the same ``ValueError`` on every rank (no hang) on disagreement."""
@@ -110,23 +101,6 @@ def exchange_shapes(n: int, values: list[int], device: torch.device, what: str) 
             "the same columns from the same model; check that each rank's dataset has the same columns."
         )
     return [row[0] for row in table]
-
-
-def check_same_across_ranks(values: list[int], what: str, device: torch.device) -> None:
-    """Raise on *every* rank (no hang) when ranks disagree on small integers such as the column
-    count or the embedding dimension."""
-    if not is_distributed():
-        return
-    mine = torch.tensor(values, dtype=torch.long, device=device)
-    out = [torch.empty_like(mine) for _ in range(world_size())]
-    _count("all_gather_check", mine.numel() * mine.element_size())
-    dist.all_gather(out, mine)
-    table = [t.tolist() for t in out]
-    if any(row != table[0] for row in table):
-        raise ValueError(
-            f"processes disagree on {what}: {dict(enumerate(table))} (by rank). Every process must feed the loss the "
-            "same columns from the same model; check that each rank's dataset has the same columns."
-        )
 
 
 def all_gather_rows(x: Tensor, sizes: list[int]) -> Tensor:
