@@ -1,144 +1,479 @@
 """Configure a cached loss through TrainingArguments (command line, JSON or YAML via HfArgumentParser).
 
 ``CachedLossTrainingArguments`` adds the loss choice and every loss hyperparameter to
-sentence-transformers' ``SentenceTransformerTrainingArguments``; invalid combinations fail when the
-arguments are built, naming the field, before any training starts. ``build_loss(model, args)`` builds
-the loss. The settings are saved with every checkpoint (they are part of the TrainingArguments).
+sentence-transformers' ``SentenceTransformerTrainingArguments``. Invalid combinations fail when the
+arguments are built, naming the field, before any model is loaded or any training step runs;
+``build_loss(model, args)`` builds the loss, and ``check_dataset_columns(dataset, args)`` checks a
+dataset against it. The settings are saved with every checkpoint (``training_args.bin``, they are part
+of the TrainingArguments) and listed in the model card (with :class:`CachedLossCardCallback` also among
+its "non-default hyperparameters").
+
+Example::
+
+    from transformers import HfArgumentParser
+
+    from st_cached_losses import CachedLossTrainingArguments, build_loss
+
+    (args,) = HfArgumentParser(CachedLossTrainingArguments).parse_yaml_file("run.yaml")
+    loss = build_loss(model, args)
 """
 
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import json
+import math
+import sys
+import warnings
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Optional  # HfArgumentParser needs runtime-resolvable annotations
+from pathlib import Path
+from typing import Any, Optional  # Optional: HfArgumentParser reads these annotations at run time
 
 from sentence_transformers import SentenceTransformerTrainingArguments
 from torch import nn
+from transformers import HfArgumentParser, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
 
-LOSS_NAMES = {
-    "mnr": CachedMNRLoss,
-    "cachedmnrloss": CachedMNRLoss,
-    "clip": CachedCLIPLoss,
-    "cachedcliploss": CachedCLIPLoss,
-    "tiled": CachedTiledLoss,
-    "cachedtiledloss": CachedTiledLoss,
+#: canonical loss name -> class
+LOSSES: dict[str, type[nn.Module]] = {"mnr": CachedMNRLoss, "clip": CachedCLIPLoss, "tiled": CachedTiledLoss}
+#: every accepted spelling (case-insensitive) -> canonical name
+LOSS_ALIASES: dict[str, str] = {
+    **{name: name for name in LOSSES},
+    **{cls.__name__.lower(): name for name, cls in LOSSES.items()},
 }
+SIMILARITY_ALIASES = {
+    "cosine": "cosine",
+    "cos_sim": "cosine",
+    "cos": "cosine",
+    "dot": "dot",
+    "dot_score": "dot",
+}
+DEFAULT_SCALE = 20.0
+#: the label columns sentence-transformers' data collator takes out of a batch (the first one found)
+LABEL_COLUMNS = ("label", "labels", "score", "scores")
+#: the fields this class adds to SentenceTransformerTrainingArguments
+LOSS_FIELDS = (
+    "loss",
+    "scale",
+    "temperature",
+    "learnable_scale",
+    "max_scale",
+    "similarity",
+    "mini_batch_size",
+    "mini_batch_num_tokens",
+    "tile_size",
+    "symmetric",
+    "gather_across_devices",
+    "mask_duplicates",
+    "loss_show_progress_bar",
+)
+
+
+def _suggest(word: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 @dataclass
 class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
-    """``SentenceTransformerTrainingArguments`` plus the cached loss and its hyperparameters."""
+    """``SentenceTransformerTrainingArguments`` plus the choice of cached loss and all its hyperparameters.
+
+    Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
+    file through ``HfArgumentParser``. Invalid combinations raise a ``ValueError`` naming the field
+    when the arguments are built; a ``mini_batch_size`` that is not smaller than
+    ``per_device_train_batch_size`` only warns (the batch then fits in one mini-batch: caching is off).
+    """
 
     loss: str = field(
         default="mnr",
         metadata={
-            "help": "Which cached loss: 'mnr' (CachedMNRLoss), 'clip' (CachedCLIPLoss) or 'tiled' (CachedTiledLoss)."
+            "help": "Which cached loss: 'mnr' (CachedMNRLoss, InfoNCE anchor -> candidates), 'clip' "
+            "(CachedCLIPLoss, symmetric InfoNCE) or 'tiled' (CachedTiledLoss, Inf-CL-style tiles, ring across "
+            "processes). The class names are accepted too."
         },
     )
     scale: Optional[float] = field(  # noqa: UP045
-        default=None, metadata={"help": "1 / temperature (default 20). Give scale or temperature, not both."}
+        default=None,
+        metadata={
+            "help": f"Similarity scale = 1 / temperature (default {DEFAULT_SCALE:g}); the initial value when "
+            "learnable. Give scale or temperature; both only if they agree."
+        },
     )
     temperature: Optional[float] = field(  # noqa: UP045
         default=None,
-        metadata={"help": "Softmax temperature (= 1 / scale). Give scale or temperature, not both."},
+        metadata={"help": "Softmax temperature = 1 / scale, e.g. 0.05. Give scale or temperature."},
     )
     learnable_scale: bool = field(
-        default=False, metadata={"help": "Learn the scale (as log(scale)); 'clip' and 'tiled' only."}
+        default=False,
+        metadata={
+            "help": "Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale ('clip' and "
+            "'tiled' only)."
+        },
     )
-    max_scale: float = field(default=100.0, metadata={"help": "Clamp of a learnable scale."})
-    similarity: str = field(default="cosine", metadata={"help": "'cosine' or 'dot'."})
+    max_scale: float = field(
+        default=100.0, metadata={"help": "Upper clamp of a learnable scale (CLIP uses 100)."}
+    )
+    similarity: str = field(
+        default="cosine", metadata={"help": "Similarity of embeddings: 'cosine' or 'dot' (dot product)."}
+    )
     mini_batch_size: int = field(
-        default=32, metadata={"help": "Rows per encoder forward: sets the memory, not the result."}
+        default=32,
+        metadata={
+            "help": "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Should be "
+            "smaller than per_device_train_batch_size, or caching is off."
+        },
     )
     mini_batch_num_tokens: Optional[int] = field(  # noqa: UP045
         default=None,
-        metadata={"help": "Token budget per encoder mini-batch (rows x padded length), optional."},
+        metadata={
+            "help": "Optional token budget per encoder mini-batch (rows x padded length) instead of a fixed "
+            "row count: long texts get smaller mini-batches."
+        },
     )
     tile_size: Optional[int] = field(  # noqa: UP045
         default=None,
-        metadata={"help": "Logit tile side of the 'tiled' loss (default from its memory budget)."},
+        metadata={
+            "help": "'tiled' only: side of a logit tile (default: from a memory budget, at most 2048)."
+        },
     )
     symmetric: Optional[bool] = field(  # noqa: UP045
-        default=None, metadata={"help": "'tiled' only: also the positive -> anchor direction (CLIP-style)."}
+        default=None,
+        metadata={
+            "help": "'tiled' only: also the positive -> anchors direction, averaged (the CLIP loss); default "
+            "false. ('mnr' is one-directional, 'clip' always symmetric.)"
+        },
     )
     gather_across_devices: bool = field(
         default=False,
-        metadata={"help": "Use every process's candidates as negatives (multi-GPU / multi-node)."},
+        metadata={
+            "help": "Score each process's rows against every process's candidates (multi-GPU / multi-node, "
+            "exact global-batch gradients); 'tiled' passes them around a ring instead of gathering."
+        },
     )
     mask_duplicates: bool = field(
         default=False,
         metadata={
-            "help": "Drop candidates whose text equals a row's positive from its negatives, across processes."
+            "help": "Drop from a row's negatives the candidates whose text equals its positive (false "
+            "negatives), also across processes."
         },
     )
     loss_show_progress_bar: bool = field(
-        default=False, metadata={"help": "Progress bars over the loss's encoder mini-batches."}
+        default=False, metadata={"help": "Show tqdm bars over the loss's encoder mini-batches."}
     )
 
     def __post_init__(self) -> None:
+        # ours first: a wrong loss setting is reported before anything else is set up
+        self._validate_loss_fields()
         super().__post_init__()
-        key = self.loss.lower()
-        if key not in LOSS_NAMES:
+
+    # ------------------------------------------------------------------ validation
+
+    def _validate_loss_fields(self) -> None:
+        key = str(self.loss).lower()
+        if key not in LOSS_ALIASES:
             raise ValueError(
-                f"loss={self.loss!r} is not a cached loss; choose one of 'mnr', 'clip' or 'tiled'."
+                f"loss={self.loss!r} is not a cached loss; choose one of 'mnr', 'clip' or 'tiled' (or a class name: "
+                f"CachedMNRLoss, CachedCLIPLoss, CachedTiledLoss).{_suggest(key, list(LOSS_ALIASES))}"
             )
-        self.loss = {CachedMNRLoss: "mnr", CachedCLIPLoss: "clip", CachedTiledLoss: "tiled"}[LOSS_NAMES[key]]
+        self.loss = LOSS_ALIASES[key]
+
+        for name in ("scale", "temperature", "max_scale"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
         if (
             self.scale is not None
             and self.temperature is not None
-            and abs(self.scale * self.temperature - 1.0) > 1e-6
+            and not math.isclose(self.scale * self.temperature, 1.0, rel_tol=1e-6)
         ):
             raise ValueError(
-                f"scale={self.scale} and temperature={self.temperature} disagree (scale = 1 / temperature); give one."
+                f"scale={self.scale} and temperature={self.temperature} disagree (scale = 1 / temperature = "
+                f"{1 / self.temperature:g}); set only one of scale and temperature."
             )
-        for name in ("scale", "temperature", "max_scale"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}.")
         if self.learnable_scale and self.loss == "mnr":
-            raise ValueError("learnable_scale is supported by loss='clip' or loss='tiled', not loss='mnr'.")
+            raise ValueError(
+                "learnable_scale=True is supported by loss='clip' or loss='tiled', not loss='mnr' (a fixed scale)."
+            )
+        if self.learnable_scale and self.max_scale < self.loss_scale:
+            raise ValueError(
+                f"max_scale={self.max_scale} must be >= the initial scale {self.loss_scale:g} with learnable_scale."
+            )
         if self.symmetric is not None and self.loss != "tiled":
             raise ValueError(
                 f"symmetric applies to loss='tiled' only ('mnr' is one-directional, 'clip' always symmetric); "
-                f"got loss={self.loss!r}."
+                f"got loss={self.loss!r}. Remove symmetric, or use loss='tiled'."
             )
         if self.tile_size is not None and self.loss != "tiled":
-            raise ValueError(f"tile_size applies to loss='tiled' only, got loss={self.loss!r}.")
+            raise ValueError(
+                f"tile_size applies to loss='tiled' only, got loss={self.loss!r}. Remove tile_size, or use loss='tiled'."
+            )
         for name in ("mini_batch_size", "mini_batch_num_tokens", "tile_size"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value}.")
-        if self.similarity not in ("cosine", "dot"):
-            raise ValueError(f"similarity must be 'cosine' or 'dot', got {self.similarity!r}.")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        similarity = SIMILARITY_ALIASES.get(str(self.similarity).lower())
+        if similarity is None:
+            raise ValueError(
+                f"similarity must be 'cosine' or 'dot', got {self.similarity!r}: the cached losses never build "
+                "the similarity matrix, so only these two are possible."
+            )
+        self.similarity = similarity
+        if self.mask_duplicates and "mask_duplicates" not in _constructor_parameters(self.loss_class):
+            raise ValueError(
+                f"mask_duplicates=True is not supported by {self.loss_class.__name__} in this version."
+            )
+        batch = self.per_device_train_batch_size
+        if self.mini_batch_num_tokens is None and self.mini_batch_size >= batch:
+            warnings.warn(
+                f"mini_batch_size={self.mini_batch_size} >= per_device_train_batch_size={batch}: every batch fits in "
+                "one encoder mini-batch, so caching is off (same result and memory as the non-cached loss). Use a "
+                "mini_batch_size smaller than the batch to save memory.",
+                UserWarning,
+                stacklevel=4,
+            )
+
+    # ------------------------------------------------------------------ derived settings
 
     @property
     def loss_scale(self) -> float:
+        """The scale the loss starts from: ``scale``, else ``1 / temperature``, else 20."""
         if self.scale is not None:
-            return self.scale
+            return float(self.scale)
         if self.temperature is not None:
             return 1.0 / self.temperature
-        return 20.0
+        return DEFAULT_SCALE
+
+    @property
+    def loss_class(self) -> type[nn.Module]:
+        """The loss class ``loss`` names."""
+        return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the loss constructor (besides the model), only those it accepts."""
+        kwargs: dict[str, Any] = {
+            "scale": self.loss_scale,
+            "similarity_fct": self.similarity,
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "gather_across_devices": self.gather_across_devices,
+            "show_progress_bar": self.loss_show_progress_bar,
+        }
+        if self.mask_duplicates:
+            kwargs["mask_duplicates"] = True
+        if self.loss in ("clip", "tiled"):
+            kwargs.update(learnable_scale=self.learnable_scale, max_scale=self.max_scale)
+        if self.loss == "tiled":
+            kwargs.update(symmetric=bool(self.symmetric), tile_size=self.tile_size)
+        accepted = _constructor_parameters(self.loss_class)
+        return {k: v for k, v in kwargs.items() if k in accepted}
+
+    def loss_settings(self) -> dict[str, Any]:
+        """This class's own fields and their values (what the model card lists for the loss choice)."""
+        return {name: getattr(self, name) for name in LOSS_FIELDS}
 
 
-def build_loss(model: nn.Module, args: CachedLossTrainingArguments) -> nn.Module:
-    """The loss ``args`` describe, for ``model``."""
-    common = {
-        "scale": args.loss_scale,
-        "similarity_fct": args.similarity,
-        "mini_batch_size": args.mini_batch_size,
-        "mini_batch_num_tokens": args.mini_batch_num_tokens,
-        "gather_across_devices": args.gather_across_devices,
-        "show_progress_bar": args.loss_show_progress_bar,
-        "mask_duplicates": args.mask_duplicates,
-    }
-    if args.loss == "mnr":
-        return CachedMNRLoss(model, **common)
-    if args.loss == "clip":
-        return CachedCLIPLoss(model, learnable_scale=args.learnable_scale, max_scale=args.max_scale, **common)
-    return CachedTiledLoss(
-        model,
-        symmetric=bool(args.symmetric),
-        tile_size=args.tile_size,
-        learnable_scale=args.learnable_scale,
-        max_scale=args.max_scale,
-        **common,
-    )
+def _constructor_parameters(cls: type) -> set[str]:
+    return set(inspect.signature(cls.__init__).parameters)
+
+
+def build_loss(
+    model: nn.Module, args: CachedLossTrainingArguments, train_dataset: Any | None = None
+) -> nn.Module:
+    """The cached loss ``args`` describe, for ``model`` (pass it as ``loss=`` to the trainer).
+
+    Args:
+        model: the SentenceTransformer to train.
+        args: the run's arguments; ``args.loss`` picks the class, the other loss fields its settings.
+        train_dataset: optional; when given, checked against the loss with :func:`check_dataset_columns`,
+            so that a dataset with too few text columns fails here rather than in the first training step.
+
+    Returns:
+        A :class:`CachedMNRLoss`, :class:`CachedCLIPLoss` or :class:`CachedTiledLoss`.
+    """
+    if not isinstance(args, CachedLossTrainingArguments):
+        raise TypeError(
+            f"build_loss needs CachedLossTrainingArguments, got {type(args).__name__}; parse the run's arguments "
+            "with HfArgumentParser(CachedLossTrainingArguments)."
+        )
+    if train_dataset is not None:
+        check_dataset_columns(train_dataset, args)
+    return args.loss_class(model, **args.loss_kwargs())
+
+
+def _text_columns(column_names: Sequence[str]) -> list[str]:
+    """The columns sentence-transformers' collator hands to the loss: all but one label column and
+    ``dataset_name``."""
+    columns = [c for c in column_names if c != "dataset_name"]
+    for label in LABEL_COLUMNS:
+        if label in columns:
+            columns.remove(label)
+            break
+    return columns
+
+
+def check_dataset_columns(
+    dataset: Any, args: CachedLossTrainingArguments, name: str = "train_dataset"
+) -> None:
+    """Check, before any training step, that ``dataset`` suits the loss ``args`` describe.
+
+    The cached losses need at least two text columns, ``(anchor, positive[, negative_1, ...])``; a label
+    or score column is not one. A ``DatasetDict`` (or a dict of datasets, one loss for all) is checked
+    dataset by dataset. A dataset smaller than one batch only warns.
+
+    Args:
+        dataset: a ``datasets.Dataset``, ``IterableDataset`` or a dict of them.
+        args: the run's arguments.
+        name: how to call the dataset in messages.
+
+    Raises:
+        ValueError: naming the dataset, its columns and the loss.
+    """
+    if isinstance(dataset, Mapping):
+        for key, part in dataset.items():
+            check_dataset_columns(part, args, name=f"{name}[{key!r}]")
+        return
+    column_names = getattr(dataset, "column_names", None)
+    if column_names is None:  # an IterableDataset whose features are unknown until iterated
+        return
+    texts = _text_columns(list(column_names))
+    loss_name = args.loss_class.__name__
+    if len(texts) < 2:
+        raise ValueError(
+            f"{name} has columns {list(column_names)}, so {loss_name} (loss={args.loss!r}) would get "
+            f"{len(texts)} text column(s) {texts}; it needs at least two: (anchor, positive[, negative_1, ...]). "
+            "A 'label'/'score' column is not a text column. Add a positive column, e.g. "
+            "dataset.add_column('positive', ...)."
+        )
+    num_rows = getattr(dataset, "num_rows", None)
+    if num_rows == 0:
+        raise ValueError(f"{name} is empty: there is nothing to train {loss_name} on.")
+    if num_rows is not None and num_rows < args.per_device_train_batch_size * max(args.world_size, 1):
+        warnings.warn(
+            f"{name} has {num_rows} rows, fewer than one global batch "
+            f"({args.per_device_train_batch_size} x {args.world_size} processes): each step sees fewer in-batch "
+            "negatives than configured.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+
+class CachedLossCardCallback(TrainerCallback):
+    """Lists the loss fields of :class:`CachedLossTrainingArguments` that differ from their defaults among
+    the model card's "non-default hyperparameters".
+
+    sentence-transformers compares the arguments with a default ``SentenceTransformerTrainingArguments``,
+    which has none of these fields, so it shows them only under "all hyperparameters". Pass it as
+    ``callbacks=[CachedLossCardCallback()]`` to the trainer.
+    """
+
+    def _update(self, args: TrainingArguments, model: Any) -> None:
+        if not isinstance(args, CachedLossTrainingArguments) or model is None:
+            return
+        card = getattr(model, "model_card_data", None)
+        if card is None:
+            return
+        defaults = {f.name: f.default for f in dataclasses.fields(CachedLossTrainingArguments)}
+        changed = {k: v for k, v in args.loss_settings().items() if v != defaults.get(k)}
+        # the loss choice always, so the card says which loss these settings belong to
+        card.non_default_hyperparameters = {"loss": args.loss, **changed, **card.non_default_hyperparameters}
+
+    def on_step_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # after the trainer's model card callback filled the hyperparameters in on_train_begin
+        self._update(args, kwargs.get("model"))
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._update(args, kwargs.get("model"))
+
+
+def parse_args(
+    dataclass_types: Sequence[type] = (CachedLossTrainingArguments,),
+    argv: Sequence[str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    description: str | None = None,
+) -> tuple[Any, ...]:
+    """Parse a run's arguments from the command line, a YAML or a JSON file, or a file plus overrides.
+
+    Accepted forms::
+
+        script.py --loss clip --per_device_train_batch_size 1024 ...
+        script.py run.yaml                      # or run.json: every field from the file
+        script.py --config run.yaml --max_steps 10   # the file, then command-line overrides
+
+    Unknown keys in a file are rejected with the closest field name; every dataclass validates its
+    own fields when built (``CachedLossTrainingArguments`` before any training).
+
+    Args:
+        dataclass_types: the dataclasses to fill (e.g. a script's own arguments and
+            ``CachedLossTrainingArguments``).
+        argv: the arguments (default ``sys.argv[1:]``).
+        defaults: defaults that replace the dataclasses' own (a script's tiny CPU defaults).
+        description: shown by ``--help``.
+
+    Returns:
+        One instance per dataclass, in order.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = HfArgumentParser(list(dataclass_types), description=description)
+    known = {f.name for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init}
+    values: dict[str, Any] = dict(defaults or {})
+    config: str | None = None
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ValueError("--config needs a path to a .yaml, .yml or .json file.")
+        config = argv[i + 1]
+        argv = argv[:i] + argv[i + 2 :]
+    elif argv and argv[0].endswith((".yaml", ".yml", ".json")) and not argv[0].startswith("-"):
+        config, argv = argv[0], argv[1:]
+    if config is not None:
+        values.update(load_config(config, known))
+    unknown_defaults = set(values) - known
+    if unknown_defaults:
+        raise ValueError(f"unknown argument(s) {sorted(unknown_defaults)}.")
+    parser.set_defaults(**values)
+    # a field the file (or a script default) sets is no longer required on the command line
+    for action in parser._actions:
+        if action.dest in values:
+            action.required = False
+    outputs = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
+    *parsed, remaining = outputs
+    if remaining:
+        raise ValueError(
+            f"unknown command-line argument(s) {remaining}; see --help for the fields."
+            + (_suggest(remaining[0].lstrip("-"), sorted(known)) if remaining[0].startswith("--") else "")
+        )
+    return tuple(parsed)
+
+
+def load_config(path: str | Path, known: set[str] | None = None) -> dict[str, Any]:
+    """The mapping in a YAML or JSON file, checked against the ``known`` field names.
+
+    Raises:
+        ValueError: for a file that is not a mapping, or an unknown key (with the closest field name).
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        data = yaml.safe_load(text)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of field names to values, got {type(data).__name__}.")
+    if known is not None:
+        unknown = sorted(set(data) - known)
+        if unknown:
+            hints = "".join(_suggest(key, sorted(known)) for key in unknown)
+            raise ValueError(f"{path}: unknown field(s) {unknown}; see --help for the fields.{hints}")
+    return data

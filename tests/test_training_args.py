@@ -10,7 +10,12 @@ import yaml
 from transformers import HfArgumentParser
 
 from st_cached_losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
-from st_cached_losses.training_args import CachedLossTrainingArguments, build_loss
+from st_cached_losses.training_args import (
+    CachedLossTrainingArguments,
+    build_loss,
+    check_dataset_columns,
+    parse_args,
+)
 from tests.tiny_model import make_tiny_model
 
 BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none"}
@@ -101,3 +106,86 @@ def test_unknown_yaml_field_is_rejected(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**BASE, "loss": "mnr", "mini_bach_size": 8}))
     with pytest.raises(ValueError, match="mini_bach_size"):
         HfArgumentParser(CachedLossTrainingArguments).parse_yaml_file(str(tmp_path / "bad.yaml"))
+
+
+def test_mini_batch_not_smaller_than_batch_warns_caching_off():
+    with pytest.warns(UserWarning, match="caching is off"):
+        args = CachedLossTrainingArguments(**BASE, per_device_train_batch_size=8, mini_batch_size=8)
+    assert args.mini_batch_size == 8  # allowed: a warning, not an error
+
+
+def test_dataset_with_too_few_columns_is_rejected_before_training():
+    from datasets import Dataset
+
+    args = CachedLossTrainingArguments(**BASE, loss="clip", per_device_train_batch_size=4, mini_batch_size=2)
+    pairs = Dataset.from_dict({"anchor": ["a", "b"], "positive": ["c", "d"]})
+    with pytest.warns(UserWarning, match="fewer than one global batch"):
+        check_dataset_columns(pairs, args)
+    one_text = Dataset.from_dict({"anchor": ["a", "b"], "label": [1.0, 0.0]})
+    with pytest.raises(ValueError, match=r"CachedCLIPLoss.*1 text column.*at least two"):
+        check_dataset_columns(one_text, args)
+    with pytest.raises(ValueError, match=r"train_dataset\['b'\]"):
+        check_dataset_columns({"a": pairs, "b": one_text}, args)
+
+
+def test_build_loss_checks_the_dataset_it_is_given(tmp_path):
+    from datasets import Dataset
+
+    model = make_tiny_model(tmp_path / "m")
+    args = CachedLossTrainingArguments(**BASE, loss="mnr", per_device_train_batch_size=2, mini_batch_size=1)
+    one_text = Dataset.from_dict({"anchor": ["a", "b"], "score": [1.0, 0.0]})
+    with pytest.raises(ValueError, match=r"CachedMNRLoss.*\['anchor'\].*at least two"):
+        build_loss(model, args, train_dataset=one_text)
+    triplets = Dataset.from_dict({"anchor": ["a", "b"], "positive": ["c", "d"], "negative": ["e", "f"]})
+    assert isinstance(build_loss(model, args, train_dataset=triplets), CachedMNRLoss)
+
+
+def test_parse_args_file_then_overrides(tmp_path):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({**BASE, "loss": "clip", "mini_batch_size": 4}))
+    (args,) = parse_args(argv=["--config", str(tmp_path / "run.yaml"), "--mini_batch_size", "2"])
+    assert (args.loss, args.mini_batch_size) == ("clip", 2)
+    (args,) = parse_args(argv=[str(tmp_path / "run.yaml")])
+    assert args.mini_batch_size == 4
+    with pytest.raises(ValueError, match=r"mini_bach_size.*Did you mean 'mini_batch_size'"):
+        parse_args(argv=[str(tmp_path / "run.yaml"), "--mini_bach_size", "2"])
+
+
+@pytest.mark.slow
+def test_training_run_driven_only_by_a_yaml_file(tmp_path):
+    """A whole run from one YAML file (the demo's entry point, a tiny model): the loss the file names is
+    trained with its settings, which are saved with the model's card and the training arguments."""
+    import torch
+
+    from st_cached_losses.demo import main
+
+    model_dir = tmp_path / "model"
+    make_tiny_model(tmp_path / "bert").save(str(model_dir))
+    config = {
+        "model_name_or_path": str(model_dir),
+        "output_dir": str(tmp_path / "out"),
+        "train_pairs": 32,
+        "eval_pairs": 16,
+        "max_seq_length": 24,
+        "loss": "tiled",
+        "symmetric": True,
+        "tile_size": 8,
+        "temperature": 0.1,
+        "per_device_train_batch_size": 16,
+        "mini_batch_size": 4,
+        "max_steps": 2,
+        "learning_rate": 1e-3,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "disable_tqdm": True,
+        "loss_show_progress_bar": False,
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    summary = main([str(tmp_path / "run.yaml")])
+    assert summary["loss"] == "CachedTiledLoss" and summary["steps"] == 2 and summary["batch_size"] == 16
+    assert summary["loss_config"]["symmetric"] is True and summary["loss_config"]["scale"] == pytest.approx(
+        10.0
+    )
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "loss:CachedTiledLoss" in card and "cheng2024breaking" in card and "- `tile_size`: 8" in card
+    saved = torch.load(tmp_path / "out" / "checkpoint-2" / "training_args.bin", weights_only=False)
+    assert (saved.loss, saved.tile_size, saved.symmetric, saved.loss_scale) == ("tiled", 8, True, 10.0)
