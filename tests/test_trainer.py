@@ -138,6 +138,39 @@ def test_matryoshka_wrapping_matches_non_cached(tmp_path):
     assert len(train_losses(trainer)) == 3
 
 
+def test_matryoshka_weights_the_learnable_scale_gradient(tmp_path):
+    """Inside MatryoshkaLoss, a learnable scale's gradient is the weighted sum over dimensions, like the
+    embeddings' (dense reference with autograd on the same logit_scale)."""
+    from sentence_transformers.sentence_transformer.losses.matryoshka import shrink
+
+    from tests.reference import reference_infonce
+
+    feats_texts = [random_texts(10, seed=s) for s in (4, 5)]
+    dims, weights = [32, 16, 8], [1.0, 0.5, 0.25]
+    model = make_tiny_model(tmp_path / "m")
+    inner = CachedCLIPLoss(model, scale=10.0, learnable_scale=True, mini_batch_size=3)
+    loss = st_losses.MatryoshkaLoss(model, inner, matryoshka_dims=dims, matryoshka_weights=weights)
+    value = loss([model.preprocess(t) for t in feats_texts], None)
+    value.backward()
+    ours_scale = inner.logit_scale.grad.clone()
+    ours_params = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    model.zero_grad()
+    logit_scale = torch.nn.Parameter(torch.tensor(10.0).log())
+    embs = [model(model.preprocess(t))["sentence_embedding"] for t in feats_texts]
+    ref = sum(
+        w
+        * reference_infonce(shrink(embs[0], d), [shrink(embs[1], d)], scale=logit_scale.exp(), symmetric=True)
+        for d, w in zip(dims, weights)
+    )
+    ref.backward()
+    ref_params = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    torch.testing.assert_close(value.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    assert logit_scale.grad.abs() > 1e-4  # a gradient worth comparing
+    torch.testing.assert_close(ours_scale, logit_scale.grad, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(ours_params, ref_params, rtol=1e-4, atol=1e-5 * ref_params.abs().max().item())
+
+
 @pytest.mark.parametrize(
     "options",
     [

@@ -176,7 +176,8 @@ class CachedInfoNCEBase(nn.Module):
         self.mask_duplicates = mask_duplicates
         self._keys: list[Tensor] | None = None
         self._scale = float(scale)
-        self._scale_grad: Tensor | None = None
+        # the scale as a leaf during GradCache's stage 2 (see _stage2)
+        self._scale_leaf: Tensor | None = None
         self._attached = False
         if learnable_scale:
             # CLIP's parametrisation: the log of the scale is learned, the scale is clamped at max_scale
@@ -274,8 +275,12 @@ class CachedInfoNCEBase(nn.Module):
                 concatenate to the column's ``(B, d)`` embeddings in row order.
             labels: unused (the positive of row ``i`` is row ``i`` of the second column).
             with_backward: also put the gradient of the loss in each piece's ``.grad`` (the pieces must
-                be leaves that require grad) and return the detached loss. Without it the loss is returned
-                with autograd (or without a graph under ``torch.no_grad``).
+                be leaves that require grad) and return the loss without a graph to the embeddings. (With
+                a learnable scale, inside GradCache's stage 2, the returned loss keeps a graph to a leaf
+                standing for the scale that carries exactly the scale's gradient: a wrapper that weighs
+                and sums several calls, like MatryoshkaLoss, thus weighs the scale's gradient too.)
+                Without it the loss is returned with autograd (or without a graph under
+                ``torch.no_grad``).
 
         With ``gather_across_devices`` in a process group of ``W`` processes, each process scores its rows
         against every process's candidates and returns ``W / B_global`` times the sum of its rows' losses:
@@ -294,9 +299,11 @@ class CachedInfoNCEBase(nn.Module):
             kwargs = self._core_kwargs(keys)
             if not with_backward:
                 return infonce(embeddings[0], embeddings[1:], scale=scale, **kwargs)
-            leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) else scale
             out = infonce_loss_and_grad(
-                embeddings[0].detach(), [e.detach() for e in embeddings[1:]], scale=leaf, **kwargs
+                embeddings[0].detach(),
+                [e.detach() for e in embeddings[1:]],
+                scale=self._scale_for_grad(scale),
+                **kwargs,
             )
             grads = [out.grad_anchors, *out.grad_candidates]
         else:
@@ -310,12 +317,18 @@ class CachedInfoNCEBase(nn.Module):
             for piece, g in zip(pieces, grad.split([p.shape[0] for p in pieces])):
                 g = g.to(piece.dtype)
                 piece.grad = g if piece.grad is None else piece.grad + g
-        if out.grad_scale is not None:
-            # summed over calls: MatryoshkaLoss calls this once per dimension
-            self._scale_grad = (
-                out.grad_scale if self._scale_grad is None else self._scale_grad + out.grad_scale
-            )
-        return out.loss
+        loss = out.loss.detach()
+        if out.grad_scale is not None and self._scale_leaf is not None:
+            # the value of the loss, with d/d(leaf) = the scale's gradient: a caller's weights reach it
+            leaf = self._scale_leaf
+            loss = loss + (leaf - leaf.detach()) * out.grad_scale.detach().to(leaf.dtype)
+        return loss
+
+    def _scale_for_grad(self, scale: Tensor | float) -> Tensor | float:
+        """The scale the core differentiates: stage 2's leaf when there is one, else a fresh leaf."""
+        if not isinstance(scale, Tensor):
+            return scale
+        return self._scale_leaf if self._scale_leaf is not None else scale.detach().requires_grad_()
 
     # ------------------------------------------------------------------ across processes
 
@@ -342,7 +355,7 @@ class CachedInfoNCEBase(nn.Module):
         w = len(sizes)
         weight = w / sum(sizes)  # per row: the mean over processes of the local sums is the global mean
         b = embeddings[0].shape[0]
-        leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) and with_grad else scale
+        leaf = self._scale_for_grad(scale) if with_grad else scale
         anchors, cands = embeddings[0].detach(), [e.detach() for e in embeddings[1:]]
         if self.path == "tiled":
             return ring_infonce(
@@ -427,10 +440,17 @@ class CachedInfoNCEBase(nn.Module):
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
         """GradCache's stage 2 through :meth:`calculate_loss`, so that a wrapper that decorates it works."""
         reps = [[e.detach().requires_grad_()] for e in embeddings]
-        self._scale_grad = None
-        loss = self.calculate_loss(reps, labels, with_backward=True)
+        scale = self.scale_tensor()
+        self._scale_leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) else None
+        try:
+            loss = self.calculate_loss(reps, labels, with_backward=True)
+            scale_grad = None
+            if self._scale_leaf is not None and loss.requires_grad:
+                # through whatever a wrapper did with the returned losses (e.g. Matryoshka's weights)
+                (scale_grad,) = torch.autograd.grad(loss, self._scale_leaf)
+        finally:
+            self._scale_leaf = None
         grads = [r[0].grad if r[0].grad is not None else torch.zeros_like(r[0]) for r in reps]
-        scale_grad, self._scale_grad = self._scale_grad, None
         return loss.detach(), grads, [scale_grad]
 
     def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
