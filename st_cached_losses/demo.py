@@ -421,6 +421,16 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "data_seed": 0,
 }
 
+#: the examples' tiny CPU defaults; each script sets its loss fields on top
+EXAMPLE_DEFAULTS: dict[str, Any] = {
+    **COMMON_DEFAULTS,
+    "per_device_train_batch_size": 64,
+    "mini_batch_size": 16,
+    "train_pairs": 256,
+    "eval_pairs": 256,
+    "max_seq_length": 64,
+}
+
 DEMO_DEFAULTS: dict[str, Any] = {
     **COMMON_DEFAULTS,
     "output_dir": "output/demo",

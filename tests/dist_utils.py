@@ -9,7 +9,9 @@ from __future__ import annotations
 import io
 import os
 import socket
+import sys
 import traceback
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -69,3 +71,23 @@ def run_distributed(fn, world_size: int, *args: Any, timeout: float = 300.0) -> 
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world_size)]
+
+
+def accelerate_launch(num_processes: int = 2) -> list[str]:
+    """The ``accelerate launch`` command line for ``num_processes`` gloo processes on this machine.
+
+    accelerate's ``--cpu`` launcher starts a single process unless MPI is configured; the multi-process
+    launcher (torchrun underneath) runs gloo on CPU when no GPU is present."""
+    return [
+        str(Path(sys.executable).parent / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(num_processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+    ]

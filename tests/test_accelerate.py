@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.dist_utils import accelerate_launch
 from tests.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,22 +31,9 @@ def test_accelerate_launch_two_processes_matches_one(tmp_path):
     model = make_tiny_model(tmp_path / "bert")
     model.save(str(tmp_path / "st"))
     args = ["--model", str(tmp_path / "st"), "--global-batch", "8", "--steps", "3"]
-    accelerate = Path(sys.executable).parent / "accelerate"
-    # accelerate's `--cpu` launcher starts a single process unless MPI is configured; the multi-process
-    # launcher (torchrun underneath) runs gloo on CPU when no GPU is present
     two = _run(
         [
-            str(accelerate),
-            "launch",
-            "--multi_gpu",
-            "--num_processes",
-            "2",
-            "--num_machines",
-            "1",
-            "--mixed_precision",
-            "no",
-            "--dynamo_backend",
-            "no",
+            *accelerate_launch(2),
             str(SCRIPT),
             *args,
             "--out",

@@ -1,0 +1,288 @@
+"""The examples and the demo end to end on a tiny offline model: each trains, evaluates, writes its model
+card (loss, its config, citations, the TrainingArguments' loss fields), and explains its fields in
+``--help``; the multi-process example goes through ``accelerate launch``; the push_to_hub dry run
+produces the folder (and card) a real push would upload, without a network."""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from st_cached_losses.demo import _stdlib_pairs, push_to_hub_dry_run
+from tests.dist_utils import accelerate_launch
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+TINY = [
+    "--max_steps",
+    "2",
+    "--train_pairs",
+    "48",
+    "--eval_pairs",
+    "24",
+    "--per_device_train_batch_size",
+    "16",
+    "--mini_batch_size",
+    "4",
+    "--max_seq_length",
+    "32",
+    "--disable_tqdm",
+    "true",
+    "--learning_rate",
+    "1e-3",
+]
+
+
+def make_text_model(path: Path):
+    """A 2-layer random BERT whose word vocabulary comes from the standard library's docstrings and code,
+    so that stdlib texts are not all [UNK] (hard-negative mining needs distinct embeddings)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import BertConfig, BertModel, BertTokenizerFast
+
+    counts: collections.Counter[str] = collections.Counter()
+    for query, document in _stdlib_pairs(0)[:1500]:
+        counts.update(re.findall(r"[a-z]+|[0-9]+|[^\sa-z0-9]", (query + " " + document).lower()))
+    words = [w for w, _ in counts.most_common(1500)]
+    vocab = {
+        tok: i for i, tok in enumerate(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    # vocab= (not vocab_file=): transformers 5.x silently builds a 5-token vocabulary from a file here
+    BertTokenizerFast(vocab=vocab, do_lower_case=True).save_pretrained(path / "bert")
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    BertModel(config).save_pretrained(path / "bert")
+    transformer = Transformer(str(path / "bert"), max_seq_length=64)
+    model = SentenceTransformer(
+        modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")], device="cpu"
+    )
+    model.save(str(path / "st"))
+    return str(path / "st")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return make_text_model(tmp_path_factory.mktemp("tiny"))
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while they are built
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_card(card: str, loss_class: str, citations: list[str], settings: dict) -> None:
+    assert f"loss:{loss_class}" in card and "st_cached_losses.losses" in card and loss_class in card
+    for key in citations:
+        assert "@" in card and key in card, key
+    # the loss's own config (get_config_dict) and the TrainingArguments' loss fields
+    assert '"mini_batch_size": 4' in card
+    for key, value in settings.items():
+        assert f"- `{key}`: {value}" in card, (key, value)
+    assert "## Cached loss training" in card and "| before |" in card and "| after |" in card
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "extra", "loss_class", "citations", "settings"),
+    [
+        (
+            "train_cached_mnr",
+            ["--hard_negatives", "1", "--mining_margin", "0"],
+            "CachedMNRLoss",
+            ["gao2021scaling", "henderson2017efficient"],
+            {"loss": "mnr"},
+        ),
+        (
+            "train_cached_clip",
+            [],
+            "CachedCLIPLoss",
+            ["gao2021scaling", "radford2021learning"],
+            {"loss": "clip", "learnable_scale": True, "temperature": 0.05},
+        ),
+        (
+            "train_cached_tiled",
+            [],
+            "CachedTiledLoss",
+            ["gao2021scaling", "cheng2024breaking", "radford2021learning"],
+            {"loss": "tiled", "symmetric": True, "tile_size": 32},
+        ),
+    ],
+)
+def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, citations, settings):
+    module = load_example(name)
+    out = tmp_path / "out"
+    summary = module.main(
+        [
+            "--model_name_or_path",
+            tiny_model,
+            "--output_dir",
+            str(out),
+            "--card_copy",
+            str(tmp_path / "card.md"),
+            *TINY,
+            *extra,
+        ]
+    )
+    rows = summary["metrics"]
+    assert set(rows) == {"before", "after"} and 0 <= rows["after"]["MRR@10"] <= 1
+    assert summary["steps"] == 2 and summary["batch_size"] == 16 and summary["loss"] == loss_class
+    card = (out / "README.md").read_text()
+    assert (tmp_path / "card.md").read_text() == card
+    check_card(card, loss_class, citations, settings)
+    assert (out / "model.safetensors").is_file()
+    if name == "train_cached_mnr":  # trained on mined triplets
+        assert "<code>negative_1</code>" in card
+
+
+@pytest.mark.slow
+def test_accelerate_example_two_processes(tmp_path, tiny_model):
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        *accelerate_launch(2),
+        str(EXAMPLES / "train_accelerate.py"),
+        "--model_name_or_path",
+        tiny_model,
+        "--output_dir",
+        str(out),
+        *TINY,
+        "--per_device_train_batch_size",
+        "8",
+        "--loss",
+        "tiled",
+        "--symmetric",
+        "true",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "2 process(es)" in proc.stdout and "global batch 16" in proc.stdout
+    card = (out / "README.md").read_text()
+    assert "CachedTiledLoss" in card and "- `gather_across_devices`: True" in card
+    assert "batch 16 (2 process(es))" in card
+
+
+@pytest.mark.parametrize(
+    "name", ["train_cached_mnr", "train_cached_clip", "train_cached_tiled", "train_accelerate"]
+)
+def test_example_help_explains_the_fields(name, capsys):
+    module = load_example(name)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for snippet in (
+        "--loss",
+        "'mnr' (CachedMNRLoss",
+        "--mini_batch_size",
+        "sets the memory, never the result",
+        "--temperature",
+        "--tile_size",
+        "--gather_across_devices",
+        "--model_name_or_path",
+        "--train_pairs",
+    ):
+        assert snippet in text, snippet
+
+
+def test_example_rejects_a_bad_config_before_training(tmp_path, tiny_model):
+    module = load_example("train_cached_clip")
+    (tmp_path / "bad.yaml").write_text(f"model_name_or_path: {tiny_model}\nloss: clip\nsymetric: true\n")
+    with pytest.raises(ValueError, match=r"symetric.*Did you mean 'symmetric'"):
+        module.main([str(tmp_path / "bad.yaml")])
+    with pytest.raises(ValueError, match="symmetric applies to loss='tiled' only"):
+        module.main(["--model_name_or_path", tiny_model, "--symmetric", "true"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--loss", "nmr"], "loss='nmr' is not a cached loss; choose one of 'mnr', 'clip' or 'tiled'"),
+        (["{bad_yaml}"], "unknown field(s) ['mini_bach_size']; see --help for the fields. Did you mean"),
+        (["--learnable_scale", "true"], "learnable_scale=True is supported by loss='clip' or loss='tiled'"),
+    ],
+)
+def test_command_line_errors_are_one_line_before_training(tmp_path, argv, message):
+    """From a shell, a bad configuration is one 'error:' line and exit status 2 (no traceback), before any
+    model is loaded."""
+    (tmp_path / "bad.yaml").write_text("loss: mnr\nmini_bach_size: 4\n")
+    argv = [a.replace("{bad_yaml}", str(tmp_path / "bad.yaml")) for a in argv]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_cached_mnr.py"), *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Loading weights" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and message in error_lines[0], proc.stderr[-2000:]
+
+
+def test_push_to_hub_dry_run_uploads_the_saved_card(tmp_path, tiny_model):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(tiny_model, device="cpu")
+    model.save_pretrained(str(tmp_path / "saved"))
+    (tmp_path / "saved" / "README.md").write_text("# my card\n")
+    folder = push_to_hub_dry_run(
+        model, "me/my-model", tmp_path / "upload", local_model_path=str(tmp_path / "saved")
+    )
+    assert (folder / "README.md").read_text() == "# my card\n"
+    assert (folder / "model.safetensors").is_file()
+    # without a local folder: sentence-transformers saves the model and writes the card for the repo id
+    folder = push_to_hub_dry_run(model, "me/my-model", tmp_path / "upload2")
+    assert 'SentenceTransformer("me/my-model")' in (folder / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_demo_runs_on_a_tiny_model_with_hub_dry_run(tmp_path, tiny_model):
+    from st_cached_losses.demo import main
+
+    out = tmp_path / "demo"
+    summary = main(
+        [
+            "--model_name_or_path",
+            tiny_model,
+            "--output_dir",
+            str(out),
+            "--hub_dry_run",
+            "me/stdlib-demo",
+            "--loss_show_progress_bar",
+            "false",
+            *TINY,
+        ]
+    )
+    assert summary["steps"] == 2 and summary["batch_size"] == 16
+    assert set(summary["metrics"]) == {"before", "after"}
+    uploaded = Path(summary["hub_upload"])
+    card = (uploaded / "README.md").read_text()
+    assert card == (out / "README.md").read_text()
+    assert 'SentenceTransformer("me/stdlib-demo")' in card
+    check_card(card, "CachedMNRLoss", ["gao2021scaling", "henderson2017efficient"], {"loss": "mnr"})
+    settings = json.loads(
+        card.split("Loss settings (`CachedLossTrainingArguments`):")[1].split("```json")[1].split("```")[0]
+    )
+    assert settings["loss"] == "mnr" and settings["mini_batch_size"] == 4
