@@ -8,7 +8,7 @@ export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint format demo bench clean
+.PHONY: install test lint format demo bench model-cards clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,19 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/loss_stage.py
+
+# The model cards in model_cards/, regenerated from the demo and the examples (about 10 minutes on 2 CPU
+# cores). The demo also runs the push_to_hub dry run: nothing is sent, the folder a real push would
+# upload lands in output/demo_hub_upload.
+ACCELERATE_2 := $(VENV)/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
+	--mixed_precision no --dynamo_backend no
+model-cards: $(STAMP)
+	$(PY) -m st_cached_losses.demo --disable_tqdm true --loss_show_progress_bar false \
+		--hub_dry_run your-username/all-MiniLM-L6-v2-stdlib-cached-mnr --card_copy model_cards/demo.md
+	$(PY) examples/train_cached_mnr.py --disable_tqdm true --card_copy model_cards/cached_mnr.md
+	$(PY) examples/train_cached_clip.py --disable_tqdm true --card_copy model_cards/cached_clip.md
+	$(PY) examples/train_cached_tiled.py --disable_tqdm true --card_copy model_cards/cached_tiled.md
+	$(ACCELERATE_2) examples/train_accelerate.py --disable_tqdm true --card_copy model_cards/accelerate.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -17,7 +17,7 @@ Launch (every option is a field of ``CachedLossTrainingArguments`` or of the dat
     # one process also works (gather_across_devices then warns once and does nothing):
     python examples/train_accelerate.py --max_steps 2
 
-Defaults: the packaged all-MiniLM-L6-v2, 256 training pairs from the Python standard library, 256
+Defaults: the packaged all-MiniLM-L6-v2, 512 training pairs from the Python standard library, 256
 held-out pairs, 32 rows per process, mini-batch 8, CachedMNRLoss with duplicate masking, 64 tokens, one
 epoch. Writes to ``output/examples/accelerate`` (main process).
 """

@@ -13,7 +13,7 @@ of sentence-transformers' training arguments) or of the data arguments; ``--help
     python examples/train_cached_mnr.py examples/configs/cached_mnr.yaml  # everything from a YAML file
     python examples/train_cached_mnr.py --config examples/configs/cached_mnr.yaml --max_steps 2
 
-Defaults: the packaged all-MiniLM-L6-v2, 256 training pairs from the Python standard library
+Defaults: the packaged all-MiniLM-L6-v2, 512 training pairs from the Python standard library
 (docstring summary -> function source) with one hard negative each, 256 held-out pairs, batch 64,
 mini-batch 16, 64 tokens, one epoch. Writes the model and its card to ``output/examples/cached_mnr``.
 """

@@ -13,7 +13,7 @@ Every option is a field of ``CachedLossTrainingArguments`` or of the data argume
         --tile_size 1024 --train_pairs 4096
     python examples/train_cached_tiled.py examples/configs/cached_tiled.yaml
 
-Defaults: the packaged all-MiniLM-L6-v2, 256 training pairs from the Python standard library, 256
+Defaults: the packaged all-MiniLM-L6-v2, 512 training pairs from the Python standard library, 256
 held-out pairs, batch 64, mini-batch 16, tiles of 32 (tiny, to make the tiling visible at batch 64; use
 1024-2048 for real batches, or leave ``tile_size`` unset to size tiles from the memory budget), 64
 tokens, one epoch. Writes the model and its card to ``output/examples/cached_tiled``.

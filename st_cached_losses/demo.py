@@ -426,7 +426,7 @@ EXAMPLE_DEFAULTS: dict[str, Any] = {
     **COMMON_DEFAULTS,
     "per_device_train_batch_size": 64,
     "mini_batch_size": 16,
-    "train_pairs": 256,
+    "train_pairs": 512,
     "eval_pairs": 256,
     "max_seq_length": 64,
 }
@@ -470,7 +470,19 @@ def run(
     summary = train_and_evaluate(data_args, args, title=title, prepare=hook)
     if args.process_index == 0:
         print_summary(summary)
+    leave_process_group()
     return summary
+
+
+def leave_process_group() -> None:
+    """Under ``accelerate launch``: wait until every process is done (the main one saves the model and
+    its card last), then leave the process group. A process that exits while gloo still holds the group
+    can abort (``terminate called without an active exception``) and fail the whole launch."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _prepare_with(prepare: Callable[..., Any], extra: list[Any], model: Any, dataset: Any) -> Any:

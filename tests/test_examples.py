@@ -152,6 +152,9 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
     assert (out / "model.safetensors").is_file()
     if name == "train_cached_mnr":  # trained on mined triplets
         assert "<code>negative_1</code>" in card
+    if name == "train_cached_clip":  # the temperature was learned, at its own learning rate
+        assert summary["learnable_scale"] and abs(summary["scale"] - 20.0) > 1e-3
+        assert "- `learning_rate_mapping`: {'logit_scale': 0.01}" in card
 
 
 @pytest.mark.slow
@@ -175,6 +178,8 @@ def test_accelerate_example_two_processes(tmp_path, tiny_model):
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # every process left the process group cleanly (no abort at exit while the main one was saving)
+    assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr
     assert "2 process(es)" in proc.stdout and "global batch 16" in proc.stdout
     card = (out / "README.md").read_text()
     assert "CachedTiledLoss" in card and "- `gather_across_devices`: True" in card
