@@ -37,7 +37,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/loss_stage.py
 
-# The model cards in model_cards/, regenerated from the demo and the examples (about 10 minutes on 2 CPU
+# The model cards in model_cards/, regenerated from the demo and the examples (about 4.5 minutes on 2 CPU
 # cores). The demo also runs the push_to_hub dry run: nothing is sent, the folder a real push would
 # upload lands in output/demo_hub_upload.
 ACCELERATE_2 := $(VENV)/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \

@@ -39,11 +39,10 @@ from st_cached_losses.training_args import (
     CachedLossCardCallback,
     CachedLossTrainingArguments,
     build_loss,
-    check_dataset_columns,
     parse_args,
 )
 
-#: the model card section the demo and the examples add under the generated one
+#: the retrieval metrics the demo and the examples report: (label, evaluator key suffix)
 METRICS = (
     ("recall@1", "cosine_recall@1"),
     ("recall@10", "cosine_recall@10"),
@@ -262,7 +261,6 @@ def save_outputs(
         model.model_card_data.set_model_id(data_args.hub_dry_run)  # the card's usage snippet
     model.save_pretrained(str(out))
     card = out / "README.md"
-    n_eval = data_args.eval_pairs if rows else 0
     body = (
         f"Trained by `{title}` (st_cached_losses) with `{type(loss).__name__}`: "
         f"{len(trainer.train_dataset)} training pairs, batch {global_batch_size(args)} "
@@ -271,7 +269,7 @@ def save_outputs(
     )
     if rows:
         body += (
-            f" Retrieval on {n_eval} held-out pairs (each docstring summary against all held-out function "
+            f" Retrieval on {data_args.eval_pairs} held-out pairs (each docstring summary against all held-out function "
             "sources):\n\n" + format_table(rows)
         )
     body += (
@@ -321,18 +319,16 @@ def train_and_evaluate(
     train_dataset, held_out = stdlib_data(
         data_args.train_pairs, data_args.eval_pairs, data_args.data_seed_pairs
     )
-    # the dataset is checked against the loss before anything is loaded or trained
-    check_dataset_columns(train_dataset, args)
     model = load_model(data_args.model_name_or_path, data_args.max_seq_length)
     if prepare is not None:
         train_dataset = prepare(model, train_dataset)
-        check_dataset_columns(train_dataset, args)
     model.model_card_data.model_name = (
         f"{Path(data_args.model_name_or_path or BASE_MODEL_ID).name} fine-tuned with "
         f"{args.loss_class.__name__} on Python standard library code search"
     )
     model.model_card_data.train_datasets = [{"name": DATASET_NAME}]
-    loss = build_loss(model, args)
+    # the (prepared) dataset is checked against the loss here, before any training step
+    loss = build_loss(model, args, train_dataset=train_dataset)
     evaluator = retrieval_evaluator(held_out, show_progress_bar=not args.disable_tqdm) if held_out else None
     trainer = SentenceTransformerTrainer(
         model=model,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 import json
 import math
 import sys
@@ -37,6 +36,7 @@ from torch import nn
 from transformers import HfArgumentParser, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
+from st_cached_losses.losses._base import resolve_similarity
 
 #: canonical loss name -> class
 LOSSES: dict[str, type[nn.Module]] = {"mnr": CachedMNRLoss, "clip": CachedCLIPLoss, "tiled": CachedTiledLoss}
@@ -45,32 +45,9 @@ LOSS_ALIASES: dict[str, str] = {
     **{name: name for name in LOSSES},
     **{cls.__name__.lower(): name for name, cls in LOSSES.items()},
 }
-SIMILARITY_ALIASES = {
-    "cosine": "cosine",
-    "cos_sim": "cosine",
-    "cos": "cosine",
-    "dot": "dot",
-    "dot_score": "dot",
-}
 DEFAULT_SCALE = 20.0
 #: the label columns sentence-transformers' data collator takes out of a batch (the first one found)
 LABEL_COLUMNS = ("label", "labels", "score", "scores")
-#: the fields this class adds to SentenceTransformerTrainingArguments
-LOSS_FIELDS = (
-    "loss",
-    "scale",
-    "temperature",
-    "learnable_scale",
-    "max_scale",
-    "similarity",
-    "mini_batch_size",
-    "mini_batch_num_tokens",
-    "tile_size",
-    "symmetric",
-    "gather_across_devices",
-    "mask_duplicates",
-    "loss_show_progress_bar",
-)
 
 
 def _suggest(word: str, choices: Sequence[str]) -> str:
@@ -215,17 +192,13 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        similarity = SIMILARITY_ALIASES.get(str(self.similarity).lower())
-        if similarity is None:
+        try:  # the names the losses themselves accept
+            self.similarity = resolve_similarity(str(self.similarity))
+        except ValueError:
             raise ValueError(
                 f"similarity must be 'cosine' or 'dot', got {self.similarity!r}: the cached losses never build "
                 "the similarity matrix, so only these two are possible."
-            )
-        self.similarity = similarity
-        if self.mask_duplicates and "mask_duplicates" not in _constructor_parameters(self.loss_class):
-            raise ValueError(
-                f"mask_duplicates=True is not supported by {self.loss_class.__name__} in this version."
-            )
+            ) from None
         batch = self.per_device_train_batch_size
         if self.mini_batch_num_tokens is None and self.mini_batch_size >= batch:
             warnings.warn(
@@ -253,31 +226,33 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
 
     def loss_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the loss constructor (besides the model), only those it accepts."""
+        """Keyword arguments of the loss constructor (besides the model)."""
         kwargs: dict[str, Any] = {
             "scale": self.loss_scale,
             "similarity_fct": self.similarity,
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "gather_across_devices": self.gather_across_devices,
+            "mask_duplicates": self.mask_duplicates,
             "show_progress_bar": self.loss_show_progress_bar,
         }
-        if self.mask_duplicates:
-            kwargs["mask_duplicates"] = True
         if self.loss in ("clip", "tiled"):
             kwargs.update(learnable_scale=self.learnable_scale, max_scale=self.max_scale)
         if self.loss == "tiled":
             kwargs.update(symmetric=bool(self.symmetric), tile_size=self.tile_size)
-        accepted = _constructor_parameters(self.loss_class)
-        return {k: v for k, v in kwargs.items() if k in accepted}
+        return kwargs
 
     def loss_settings(self) -> dict[str, Any]:
         """This class's own fields and their values (what the model card lists for the loss choice)."""
         return {name: getattr(self, name) for name in LOSS_FIELDS}
 
 
-def _constructor_parameters(cls: type) -> set[str]:
-    return set(inspect.signature(cls.__init__).parameters)
+_INHERITED = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
+#: the fields CachedLossTrainingArguments adds to SentenceTransformerTrainingArguments, and their defaults
+LOSS_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(CachedLossTrainingArguments) if f.name not in _INHERITED
+}
+LOSS_FIELDS = tuple(LOSS_DEFAULTS)
 
 
 def build_loss(
@@ -374,17 +349,17 @@ class CachedLossCardCallback(TrainerCallback):
         if not isinstance(args, CachedLossTrainingArguments) or model is None:
             return
         card = getattr(model, "model_card_data", None)
-        if card is None:
-            return
-        defaults = {f.name: f.default for f in dataclasses.fields(CachedLossTrainingArguments)}
-        changed = {k: v for k, v in args.loss_settings().items() if v != defaults.get(k)}
+        if card is None or card.non_default_hyperparameters.get("loss") == args.loss:
+            return  # no card, or listed already since the trainer last filled the hyperparameters in
+        changed = {k: v for k, v in args.loss_settings().items() if v != LOSS_DEFAULTS[k]}
         # the loss choice always, so the card says which loss these settings belong to
         card.non_default_hyperparameters = {"loss": args.loss, **changed, **card.non_default_hyperparameters}
 
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        # after the trainer's model card callback filled the hyperparameters in on_train_begin
+        # not on_train_begin: the trainer's own model card callback, which comes after the user's callbacks,
+        # refills the hyperparameters there; from then on one update per run is enough
         self._update(args, kwargs.get("model"))
 
     def on_train_end(

@@ -15,10 +15,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from st_cached_losses.demo import _stdlib_pairs, push_to_hub_dry_run
 from tests.dist_utils import accelerate_launch
+from tests.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -42,37 +42,15 @@ TINY = [
 ]
 
 
-def make_text_model(path: Path):
-    """A 2-layer random BERT whose word vocabulary comes from the standard library's docstrings and code,
-    so that stdlib texts are not all [UNK] (hard-negative mining needs distinct embeddings)."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-    from transformers import BertConfig, BertModel, BertTokenizerFast
-
+def make_text_model(path: Path) -> str:
+    """A tiny random BERT whose word vocabulary comes from the standard library's docstrings and code,
+    so that stdlib texts are not all [UNK] (hard-negative mining needs distinct embeddings); saved as a
+    SentenceTransformer folder."""
     counts: collections.Counter[str] = collections.Counter()
     for query, document in _stdlib_pairs(0)[:1500]:
         counts.update(re.findall(r"[a-z]+|[0-9]+|[^\sa-z0-9]", (query + " " + document).lower()))
     words = [w for w, _ in counts.most_common(1500)]
-    vocab = {
-        tok: i for i, tok in enumerate(dict.fromkeys(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]))
-    }
-    path.mkdir(parents=True, exist_ok=True)
-    # vocab= (not vocab_file=): transformers 5.x silently builds a 5-token vocabulary from a file here
-    BertTokenizerFast(vocab=vocab, do_lower_case=True).save_pretrained(path / "bert")
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=128,
-    )
-    torch.manual_seed(0)
-    BertModel(config).save_pretrained(path / "bert")
-    transformer = Transformer(str(path / "bert"), max_seq_length=64)
-    model = SentenceTransformer(
-        modules=[transformer, Pooling(transformer.get_embedding_dimension(), "mean")], device="cpu"
-    )
+    model = make_tiny_model(path / "bert", words=words, dropout=0.1)
     model.save(str(path / "st"))
     return str(path / "st")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -12,14 +13,23 @@ WORDS = [f"w{i}" for i in range(200)]
 
 
 def make_tiny_model(
-    path: Path, *, dropout: float = 0.0, hidden: int = 32, seed: int = 0, max_seq_length: int = 64
+    path: Path,
+    *,
+    dropout: float = 0.0,
+    hidden: int = 32,
+    seed: int = 0,
+    max_seq_length: int = 64,
+    words: Sequence[str] = WORDS,
 ):
-    """Write a 2-layer random BERT + tokenizer to ``path`` and load it as a mean-pooling SentenceTransformer."""
+    """Write a 2-layer random BERT + tokenizer to ``path`` and load it as a mean-pooling SentenceTransformer.
+
+    ``words`` are the tokenizer's vocabulary besides the special tokens (default: ``w0`` ... ``w199``)."""
     from sentence_transformers import SentenceTransformer
     from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
 
     path.mkdir(parents=True, exist_ok=True)
-    vocab = {tok: i for i, tok in enumerate(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS])}
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys([*specials, *words]))}
     # vocab= (not vocab_file=): transformers 5.x silently builds a 5-token vocabulary from a file here
     tokenizer = BertTokenizerFast(vocab=vocab, do_lower_case=True)
     config = BertConfig(

@@ -325,10 +325,11 @@ class CachedInfoNCEBase(nn.Module):
         return loss
 
     def _scale_for_grad(self, scale: Tensor | float) -> Tensor | float:
-        """The scale the core differentiates: stage 2's leaf when there is one, else a fresh leaf."""
+        """The scale the core differentiates: stage 2's leaf. Outside stage 2 nobody reads the scale's
+        gradient, so the core gets it detached and does not compute one."""
         if not isinstance(scale, Tensor):
             return scale
-        return self._scale_leaf if self._scale_leaf is not None else scale.detach().requires_grad_()
+        return self._scale_leaf if self._scale_leaf is not None else scale.detach()
 
     # ------------------------------------------------------------------ across processes
 
