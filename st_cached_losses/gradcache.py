@@ -101,28 +101,38 @@ def _is_ddp(model: nn.Module) -> bool:
     return isinstance(model, nn.parallel.DistributedDataParallel)
 
 
+def _is_static_graph(model: nn.Module) -> bool:
+    return _is_ddp(model) and bool(getattr(model, "static_graph", False))
+
+
 @contextlib.contextmanager
 def unsynced(model: nn.Module) -> Iterator[None]:
-    """``model.no_sync()`` for DDP (nothing otherwise), usable for forward *and* backward.
-
-    In DDP's first static-graph iteration every forward output is routed through a node whose backward
-    queues the delayed all-reduce, which asserts outside synchronisation; hide those forwards from it
-    so that only the final, synchronised replay triggers the (single) all-reduce.
-    """
+    """``model.no_sync()`` for DDP (nothing otherwise), usable for forward *and* backward."""
     if not _is_ddp(model):
         yield
         return
-    hide = bool(getattr(model, "static_graph", False)) and not getattr(
-        model, "_static_graph_delay_allreduce_enqueued", True
-    )
-    if hide:
-        model._static_graph_delay_allreduce_enqueued = True
-    try:
-        with model.no_sync():  # type: ignore[operator]
-            yield
-    finally:
-        if hide:
-            model._static_graph_delay_allreduce_enqueued = False
+    with model.no_sync():  # type: ignore[operator]
+        yield
+
+
+def _accumulate_locally(outs: Sequence[Tensor], grads: Sequence[Tensor], params: Sequence[Tensor]) -> None:
+    """Back-propagate ``outs`` into the parameters' ``.grad`` without firing their AccumulateGrad hooks.
+
+    DDP with ``static_graph=True`` counts, in its first iteration, every gradient hook of every backward
+    until the step's all-reduce (``no_sync`` does not stop the count), and from then on waits for that
+    many hooks per parameter before it reduces: replays seen by the reducer would make every later
+    step skip its all-reduce. ``torch.autograd.grad`` does not run the hooks, so the reducer sees only
+    the final, synchronised replay; the sum below is what ``no_sync`` would have accumulated.
+    """
+    computed = torch.autograd.grad(list(outs), list(params), list(grads), allow_unused=True)
+    with torch.no_grad():
+        for p, g in zip(params, computed):
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad.add_(g)
 
 
 def _batch_size(features: Features) -> int:
@@ -186,6 +196,38 @@ def _lengths(features: Features, batch_size: int) -> Tensor | None:
 
 
 @dataclass
+class _LocalBackward:
+    """Forwards and backwards hidden from a DDP ``static_graph`` reducer (see :func:`_accumulate_locally`):
+    the wrapped module is called directly and gradients are summed into ``.grad`` by hand."""
+
+    module: nn.Module
+    params: list[Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> _LocalBackward | None:
+        if not _is_static_graph(model):
+            return None
+        inner = model.module
+        return cls(inner, [p for p in inner.parameters() if p.requires_grad])  # type: ignore[union-attr]
+
+    def backward(self, outs: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+        _accumulate_locally(outs, grads, self.params)
+
+    def synced_backward(self, out: Tensor, grad: Tensor) -> None:
+        """The final replay's backward, which the reducer sees: it must reach every parameter that has a
+        gradient in this step, or a parameter reached only by earlier replays (a Router's other route)
+        would count as unused in the first static-graph iteration and keep its local gradient. A zero
+        term on each such parameter makes its hook fire exactly once (AccumulateGrad runs once per
+        backward, whatever number of paths lead to it)."""
+        touched = [p for p in self.params if p.grad is not None]
+        if not touched:
+            torch.autograd.backward(out, grad)
+            return
+        zero = torch.stack([p.reshape(-1)[0].float() for p in touched]).sum() * 0.0
+        torch.autograd.backward([out, zero], [grad, torch.ones_like(zero)])
+
+
+@dataclass
 class _Session:
     """Everything one forward needs for its backward; owned by the returned loss's graph node."""
 
@@ -208,6 +250,7 @@ class _Session:
         todo = [mb for mb in self.batches if mb.column not in self.frozen]
         kept = [mb for mb in todo if mb.kept is not None]
         replay = [mb for mb in todo if mb.kept is None]
+        local = _LocalBackward.of(self.model)
         # kept graphs go first (in one call, like a plain loss's backward), so their activations are
         # freed before any replay allocates its own
         if kept:
@@ -215,14 +258,28 @@ class _Session:
             grads = [self._grad_of(mb, grad_output, out) for mb, out in zip(kept, outs)]  # type: ignore[arg-type]
             for mb in kept:
                 mb.kept = None
-            torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
+            if local is not None:
+                local.backward(outs, grads)  # type: ignore[arg-type]
+            else:
+                torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
         bar = tqdm(total=len(replay), desc="Replay", disable=not self.engine.show_progress_bar, leave=False)
         for i, mb in enumerate(replay):
-            last = i == len(replay) - 1
-            with unsynced(self.model) if not (last and self.sync) else contextlib.nullcontext():
-                with mb.rng.replay() if mb.rng is not None else contextlib.nullcontext(), self.autocast():
-                    out = self.engine.encode(self.model, mb.features)
-                torch.autograd.backward(out, self._grad_of(mb, grad_output, out))
+            synced = self.sync and i == len(replay) - 1
+            with mb.rng.replay() if mb.rng is not None else contextlib.nullcontext():
+                if local is not None and not synced:
+                    # static graph: the reducer must see only the final, synchronised replay
+                    with self.autocast():
+                        out = self.engine.encode(local.module, mb.features)
+                    local.backward([out], [self._grad_of(mb, grad_output, out)])
+                elif local is not None:
+                    with self.autocast():
+                        out = self.engine.encode(self.model, mb.features)
+                    local.synced_backward(out, self._grad_of(mb, grad_output, out))
+                else:
+                    with unsynced(self.model) if not synced else contextlib.nullcontext():
+                        with self.autocast():
+                            out = self.engine.encode(self.model, mb.features)
+                        torch.autograd.backward(out, self._grad_of(mb, grad_output, out))
             bar.update(1)
         bar.close()
         self.batches, self.grads = [], []
@@ -244,6 +301,10 @@ class _Replay(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         session, ctx.session = ctx.session, None
+        if session is None:
+            raise RuntimeError(
+                "this cached loss was already back-propagated; call the loss again for a new step."
+            )
         with torch.enable_grad():  # autograd runs backward functions with grad mode off
             extra = session.backward(float(grad))
         return (None, None, *extra)
@@ -373,6 +434,9 @@ class GradCache:
         first_param = next(unwrap_model(model).parameters(), None)
         device_type = first_param.device.type if first_param is not None else "cpu"
         autocast = _Autocast.current(device_type)
+        local = _LocalBackward.of(model)
+        # forwards whose graph may be back-propagated: hidden from a static-graph reducer (see _LocalBackward)
+        graph_model = local.module if local is not None else model
         bar = tqdm(desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
         for k, features in enumerate(columns):
             plan = self.plan(k, features)
@@ -381,13 +445,13 @@ class GradCache:
             for j, mb in enumerate(plan):
                 mb.rng = RandState()
                 if keep_all:
-                    out = self.encode(model, mb.features)
+                    out = self.encode(graph_model, mb.features)
                     mb.kept = out if out.requires_grad else None
                 elif j == len(plan) - 1:
                     # with a graph: tells whether this column's encoder is frozen; the very last one is
                     # kept for the backward (not under DDP sync, where the synced forward must come last)
                     with unsynced(model):
-                        out = self.encode(model, mb.features)
+                        out = self.encode(graph_model, mb.features)
                     if self.reuse_last_graph and k == len(columns) - 1 and not sync and out.requires_grad:
                         mb.kept = out
                 else:

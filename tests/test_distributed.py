@@ -101,17 +101,20 @@ def reference_step(path: str, name: str, texts: list[list[str]], mask: bool = Fa
     }
 
 
+#: steps per DDP instance: DDP's state across steps (static graph, bucket rebuilds) is part of what is tested
+STEPS = 3
+
+
 def _step_worker(
     rank: int, world: int, path: str, names: list[str], sizes: list[int], mask: bool, ddp_kwargs: dict
 ):
+    """Per loss: one DDP instance, ``STEPS`` steps on different global batches (no optimizer step, the
+    gradients zeroed in between); per step the loss, parameter gradients, collectives and all-reduces."""
     from st_cached_losses.distributed import STATS
 
     results = {}
     for name in names:
         n_cols = CONFIGS[name][2]
-        texts = global_texts(sum(sizes), n_cols, duplicates=mask)
-        start = sum(sizes[:rank])
-        local = [t[start : start + sizes[rank]] for t in texts]
         model = load_model(path)
         ddp = DDP(model, **ddp_kwargs)
         hooks = [0]
@@ -123,45 +126,60 @@ def _step_worker(
         ddp.register_comm_hook(None, counting_hook)
         loss = make_loss(name, model, mask_duplicates=mask)
         loss.model = ddp  # what sentence-transformers' trainer does with a wrapped model
-        feats = [model.preprocess(t) for t in local]
-        STATS.reset()
-        value = loss(feats, None)
-        value.backward()
-        scale_grad = None
-        if getattr(loss, "learnable_scale", False):
-            # d/dlogit_scale = s * dL/ds: compare as dL/ds * s with the reference
-            scale_grad = float(loss.logit_scale.grad)
-        results[name] = {
-            "loss": value.item(),
-            "grads": flat_grads(model),
-            "calls": dict(STATS.calls),
-            "bytes": STATS.total_bytes,
-            "hooks": hooks[0],
-            "scale_grad": scale_grad,
-            "scale": loss.scale,
-        }
+        per_step = []
+        for step in range(STEPS):
+            texts = global_texts(sum(sizes), n_cols, seed=step, duplicates=mask)
+            start = sum(sizes[:rank])
+            local = [t[start : start + sizes[rank]] for t in texts]
+            feats = [model.preprocess(t) for t in local]
+            ddp.zero_grad(set_to_none=True)
+            if getattr(loss, "learnable_scale", False):
+                loss.logit_scale.grad = None
+            STATS.reset()
+            hooks[0] = 0
+            value = loss(feats, None)
+            value.backward()
+            scale_grad = None
+            if getattr(loss, "learnable_scale", False):
+                # d/dlogit_scale = s * dL/ds: compare as dL/ds * s with the reference
+                scale_grad = float(loss.logit_scale.grad)
+            per_step.append(
+                {
+                    "loss": value.item(),
+                    "grads": flat_grads(model),
+                    "calls": dict(STATS.calls),
+                    "bytes": STATS.total_bytes,
+                    "hooks": hooks[0],
+                    "scale_grad": scale_grad,
+                    "scale": loss.scale,
+                }
+            )
+        results[name] = per_step
     return results
 
 
 def _check_against_reference(model_dir, names, sizes, per_rank, mask=False):
+    """Every rank, every step: the single-process gradient of that step's global batch."""
     for name in names:
-        ref = reference_step(
-            model_dir, name, global_texts(sum(sizes), CONFIGS[name][2], duplicates=mask), mask
-        )
-        assert ref["grads"].abs().max() > 0
-        tol = 1e-5 * ref["grads"].abs().max().item()
-        losses = [r[name]["loss"] for r in per_rank]
-        assert sum(losses) / len(losses) == pytest.approx(ref["loss"], rel=1e-5), name
-        for rank, r in enumerate(per_rank):
-            err = (r[name]["grads"] - ref["grads"]).abs().max().item()
-            assert err <= tol, f"{name} rank {rank}: max grad error {err:.2e} > {tol:.2e}"
-            assert r[name]["hooks"] == 1, f"{name}: DDP must all-reduce exactly once per step"
-            if r[name]["scale_grad"] is not None:
-                assert r[name]["scale_grad"] == pytest.approx(ref["scale_grad"], rel=1e-4, abs=1e-7), name
-        if per_rank[0][name]["scale_grad"] is not None:
-            assert len({r[name]["scale_grad"] for r in per_rank}) == 1, (
-                "every rank must get the same scale gradient"
-            )
+        for step in range(STEPS):
+            texts = global_texts(sum(sizes), CONFIGS[name][2], seed=step, duplicates=mask)
+            ref = reference_step(model_dir, name, texts, mask)
+            assert ref["grads"].abs().max() > 0
+            tol = 1e-5 * ref["grads"].abs().max().item()
+            results = [r[name][step] for r in per_rank]
+            where = f"{name} step {step}"
+            losses = [r["loss"] for r in results]
+            assert sum(losses) / len(losses) == pytest.approx(ref["loss"], rel=1e-5), where
+            for rank, r in enumerate(results):
+                err = (r["grads"] - ref["grads"]).abs().max().item()
+                assert err <= tol, f"{where} rank {rank}: max grad error {err:.2e} > {tol:.2e}"
+                assert r["hooks"] == 1, f"{where}: DDP must all-reduce exactly once per step"
+                if r["scale_grad"] is not None:
+                    assert r["scale_grad"] == pytest.approx(ref["scale_grad"], rel=1e-4, abs=1e-7), where
+            if results[0]["scale_grad"] is not None:
+                assert len({r["scale_grad"] for r in results}) == 1, (
+                    "every rank must get the same scale gradient"
+                )
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -174,9 +192,9 @@ def test_ddp_gradients_equal_single_process_global_batch(model_dir, world):
     _check_against_reference(model_dir, names, sizes, per_rank)
     # one all-gather per gathered tensor and one gradient reduction per gathered tensor
     for rank_result in per_rank:
-        calls = rank_result["mnr_2neg"]["calls"]
+        calls = rank_result["mnr_2neg"][-1]["calls"]
         assert calls == {"all_gather_shapes": 1, "all_gather": 3, "all_reduce_grad": 3}, calls
-        calls = rank_result["clip_learnable"]["calls"]
+        calls = rank_result["clip_learnable"][-1]["calls"]
         assert calls == {
             "all_gather_shapes": 1,
             "all_gather": 2,
@@ -184,16 +202,20 @@ def test_ddp_gradients_equal_single_process_global_batch(model_dir, world):
             "all_reduce_scale": 1,
         }, calls
         # the ring never gathers embeddings
-        calls = rank_result["tiled_ring_sym"]["calls"]
+        calls = rank_result["tiled_ring_sym"][-1]["calls"]
         assert "all_gather" not in calls and calls["ring_send"] > 0, calls
 
 
-def test_unequal_batches_and_ddp_options(model_dir):
-    sizes = [2, 5, 3]
-    names = ["mnr_2neg", "clip_learnable", "tiled_ring_sym"]
-    for ddp_kwargs in ({"find_unused_parameters": True}, {"static_graph": True}):
-        per_rank = run_distributed(_step_worker, 3, model_dir, names, sizes, False, ddp_kwargs)
-        _check_against_reference(model_dir, names, sizes, per_rank)
+@pytest.mark.parametrize(
+    "ddp_kwargs",
+    [{}, {"find_unused_parameters": True}, {"static_graph": True}],
+    ids=["default", "unused", "static"],
+)
+@pytest.mark.parametrize("sizes", [[3, 1], [2, 5, 3]], ids=["w2", "w3"])
+def test_unequal_batches_and_ddp_options(model_dir, sizes, ddp_kwargs):
+    names = list(CONFIGS) if len(sizes) == 2 else ["mnr_2neg", "clip_learnable", "tiled_ring_sym"]
+    per_rank = run_distributed(_step_worker, len(sizes), model_dir, names, sizes, False, ddp_kwargs)
+    _check_against_reference(model_dir, names, sizes, per_rank)
 
 
 def test_ring_and_gather_agree(model_dir):
@@ -201,12 +223,11 @@ def test_ring_and_gather_agree(model_dir):
     sizes = [4, 2]
     per_rank = run_distributed(_step_worker, 2, model_dir, ["clip", "tiled_ring_sym"], sizes, False, {})
     for r in per_rank:
-        ref = r["clip"]["grads"]
-        assert ref.abs().max() > 0
-        torch.testing.assert_close(
-            r["tiled_ring_sym"]["grads"], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()
-        )
-        assert r["clip"]["loss"] == pytest.approx(r["tiled_ring_sym"]["loss"], rel=1e-6)
+        for clip, ring in zip(r["clip"], r["tiled_ring_sym"]):
+            ref = clip["grads"]
+            assert ref.abs().max() > 0
+            torch.testing.assert_close(ring["grads"], ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+            assert clip["loss"] == pytest.approx(ring["loss"], rel=1e-6)
 
 
 def test_duplicates_masked_across_processes(model_dir):
@@ -216,7 +237,7 @@ def test_duplicates_masked_across_processes(model_dir):
     _check_against_reference(model_dir, names, sizes, per_rank, mask=True)
     # and masking changes the result (the test data does contain cross-process duplicates)
     unmasked = reference_step(model_dir, "clip", global_texts(6, 2, duplicates=True))
-    assert sum(r["clip"]["loss"] for r in per_rank) / 2 != pytest.approx(unmasked["loss"], rel=1e-4)
+    assert sum(r["clip"][0]["loss"] for r in per_rank) / 2 != pytest.approx(unmasked["loss"], rel=1e-4)
 
 
 def _accumulation_worker(rank: int, world: int, path: str):
@@ -296,3 +317,57 @@ def test_gather_without_process_group_warns_once(model_dir):
 
 def test_model_dir_fixture_is_reusable(model_dir):
     assert (Path(model_dir) / "modules.json").is_file()
+
+
+def _router_worker(rank: int, world: int, path: str, sizes: list[int], ddp_kwargs: dict):
+    """A query / document Router: each column's mini-batches reach only one route's parameters."""
+    model = load_router(path)
+    ddp = DDP(model, **ddp_kwargs)
+    loss = make_loss("clip", model)
+    loss.model = ddp
+    out = []
+    for step in range(STEPS):
+        texts = global_texts(sum(sizes), 2, seed=step)
+        start = sum(sizes[:rank])
+        local = [t[start : start + sizes[rank]] for t in texts]
+        ddp.zero_grad(set_to_none=True)
+        feats = [model.preprocess(local[0], task="query"), model.preprocess(local[1], task="document")]
+        value = loss(feats, None)
+        value.backward()
+        out.append({"loss": value.item(), "grads": flat_grads(model)})
+    return out
+
+
+def load_router(path: str):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Router
+
+    query, document = load_model(path)[0], load_model(path)[0]
+    with torch.no_grad():  # two different encoders
+        for p in document.parameters():
+            p.mul_(0.9)
+    router = Router.for_query_document(query_modules=[query], document_modules=[document])
+    return SentenceTransformer(modules=[router, Pooling(query.get_embedding_dimension())], device="cpu")
+
+
+@pytest.mark.parametrize(
+    "ddp_kwargs", [{"find_unused_parameters": True}, {"static_graph": True}], ids=["unused", "static"]
+)
+def test_router_model_every_step(model_dir, ddp_kwargs):
+    sizes = [3, 2]
+    per_rank = run_distributed(_router_worker, 2, model_dir, sizes, ddp_kwargs)
+    torch.manual_seed(0)
+    model = load_router(model_dir)
+    for step in range(STEPS):
+        texts = global_texts(sum(sizes), 2, seed=step)
+        model.zero_grad(set_to_none=True)
+        feats = [model.preprocess(texts[0], task="query"), model.preprocess(texts[1], task="document")]
+        embs = [model(dict(f))["sentence_embedding"] for f in feats]
+        ref_loss = reference_infonce(embs[0], embs[1:], scale=20.0, symmetric=True)
+        ref_loss.backward()
+        ref = flat_grads(model)
+        assert ref.abs().max() > 0
+        for rank, r in enumerate(per_rank):
+            err = (r[step]["grads"] - ref).abs().max().item()
+            assert err <= 1e-5 * ref.abs().max().item(), f"step {step} rank {rank}: max grad error {err:.2e}"
+        assert sum(r[step]["loss"] for r in per_rank) / 2 == pytest.approx(ref_loss.item(), rel=1e-5)

@@ -4,6 +4,7 @@ reference and against sentence-transformers' own losses, dropout replay, and the
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -309,3 +310,37 @@ def test_mask_duplicates_matches_masked_reference(model, cls, symmetric):
     assert_grads_close(ours, ref)
     unmasked = reference_loss_fn(model, symmetric)(feats)
     assert abs(unmasked.item() - ref_loss.item()) > 1e-3, "the test data must contain duplicates"
+
+
+def test_clamped_learnable_scale_recovers_through_an_optimizer_step(tmp_path):
+    """A scale above ``max_scale`` is used at the limit, with the gradient it has there, and one SGD
+    step on a loss that wants a smaller scale brings it back below the limit."""
+    from st_cached_losses import CachedCLIPLoss
+
+    model = make_tiny_model(tmp_path / "m")
+    loss = CachedCLIPLoss(model, scale=20.0, learnable_scale=True, max_scale=50.0, mini_batch_size=2)
+    with torch.no_grad():
+        loss.logit_scale.fill_(math.log(60.0))
+    assert loss.scale == pytest.approx(50.0)
+    texts = [random_texts(6, seed=1), random_texts(6, seed=2)]  # unrelated pairs: a lower scale fits better
+    feats = [model.preprocess(t) for t in texts]
+    value = loss(feats, None)
+    value.backward()
+    grad = float(loss.logit_scale.grad)
+    assert grad > 0, "the loss must pull the scale down, and its gradient must not vanish at the limit"
+    # the gradient is the one of the unclamped loss at s = 50
+    embs = [model(dict(f))["sentence_embedding"] for f in feats]
+    s = torch.tensor(50.0, requires_grad=True)
+    reference_infonce(embs[0], embs[1:], scale=s, symmetric=True).backward()
+    assert grad == pytest.approx(float(s.grad) * 50.0, rel=1e-3)
+    torch.optim.SGD([loss.logit_scale], lr=1e-2).step()
+    assert loss.scale < 50.0 and float(loss.logit_scale) < math.log(50.0)
+
+
+def test_second_backward_says_already_back_propagated(tmp_path):
+    model = make_tiny_model(tmp_path / "m")
+    loss = CachedMNRLoss(model, mini_batch_size=2)
+    value = loss([model.preprocess(random_texts(5, seed=s)) for s in (1, 2)], None)
+    value.backward()
+    with pytest.raises(RuntimeError, match="already back-propagated"):
+        value.backward()

@@ -205,9 +205,16 @@ class CachedInfoNCEBase(nn.Module):
         return self._scale
 
     def scale_tensor(self) -> Tensor | float:
-        """The scale with its graph to ``logit_scale`` when learnable, else the float."""
+        """The scale with its graph to ``logit_scale`` when learnable, else the float.
+
+        A learnable scale is kept at most ``max_scale`` by clamping the parameter itself (as CLIP does
+        after each optimizer step), not its image: a clamp inside the graph would have no gradient above
+        the limit, so a scale that one step carried past it could never come back.
+        """
         if self.learnable_scale:
-            return self.logit_scale.float().exp().clamp(max=self.max_scale)
+            with torch.no_grad():
+                self.logit_scale.clamp_(max=math.log(self.max_scale))
+            return self.logit_scale.float().exp()
         return self._scale
 
     def get_config_dict(self) -> dict[str, Any]:
@@ -411,7 +418,8 @@ class CachedInfoNCEBase(nn.Module):
             kwargs.update(
                 anchor_keys=keys[0],
                 candidate_keys=[all_keys[:, j] for j in range(1, len(keys))],
-                anchors_all_keys=all_keys[:, 0] if self.symmetric else None,
+                # every positive's anchor: duplicate anchors are masked in both directions
+                anchors_all_keys=all_keys[:, 0],
             )
         return kwargs
 
