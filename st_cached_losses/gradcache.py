@@ -7,7 +7,8 @@ every column to ``(loss, gradients wrt those embeddings, gradients wrt extra ten
 What it does beyond GradCache (Gao et al., 2021):
 
 * rows of each column are sorted by length before they are cut into mini-batches, and each
-  mini-batch's trailing padding is trimmed; the loss does not care in which order rows are embedded,
+  mini-batch's padding is trimmed (leading padding only where positions are shift-invariant); the loss
+  does not care in which order rows are embedded,
   so on text of varied length this removes most of the padding a plain batch carries;
 * mini-batches by row count or by a token budget (rows x padded length);
 * the RNG state (CPU and every initialised accelerator) is snapshotted per mini-batch and restored at
@@ -29,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
+
+from st_cached_losses.functional import check_positive_int
 
 Features = dict[str, Any]
 #: ``embeddings per column -> (loss, grads per column, grads wrt the extra tensors)``
@@ -62,6 +65,7 @@ class MiniBatch:
     rows: Tensor  # (m,) indices into the column, in the order they are embedded
     source: Features  # the whole column's inputs
     batch_size: int  # rows of the whole column
+    trim_leading: bool = True  # whether leading padding may be cut (see position_shift_invariant)
     rng: RandState | None = None
     kept: Tensor | None = None  # the output with its graph, when kept from stage 1
 
@@ -69,7 +73,7 @@ class MiniBatch:
     def features(self) -> Features:
         """This mini-batch's inputs, padding trimmed; sliced when needed, so that no copy of the
         whole batch's inputs stays alive between the two stages."""
-        return slice_features(self.source, self.rows, self.batch_size)
+        return slice_features(self.source, self.rows, self.batch_size, trim_leading=self.trim_leading)
 
 
 @dataclass
@@ -163,12 +167,17 @@ def check_splittable(features: Features) -> None:
         )
 
 
-def slice_features(features: Features, rows: Tensor, batch_size: int) -> Features:
+def slice_features(
+    features: Features, rows: Tensor, batch_size: int, *, trim_leading: bool = True
+) -> Features:
     """The inputs of ``rows`` (``(m,)`` indices), with padding no row of them needs trimmed away.
 
     Tensors whose first dim is the batch are indexed; of those, the ones laid out like the attention
-    mask ``(B, T, ...)`` are cut to the span of positions any selected row attends to (so both right-
-    and left-padding are handled). Everything else (e.g. a Router's task name) is passed through.
+    mask ``(B, T, ...)`` are cut to the span of positions any selected row attends to: trailing padding
+    always, leading (left) padding only with ``trim_leading``. A model with absolute positions numbers
+    a left-padded row's tokens after its padding, so cutting that padding would change its embedding
+    (and make the result depend on the mini-batch). Everything else (e.g. a Router's task name) is
+    passed through.
     """
     mask = features.get("attention_mask")
     span: slice | None = None
@@ -177,7 +186,7 @@ def slice_features(features: Features, rows: Tensor, batch_size: int) -> Feature
         seq_len = mask.shape[1]
         used = mask.index_select(0, rows).ne(0).any(0).nonzero()
         if used.numel() > 0:
-            span = slice(int(used[0]), int(used[-1]) + 1)
+            span = slice(int(used[0]) if trim_leading else 0, int(used[-1]) + 1)
     out: Features = {}
     for key, value in features.items():
         if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
@@ -188,11 +197,44 @@ def slice_features(features: Features, rows: Tensor, batch_size: int) -> Feature
     return out
 
 
-def _lengths(features: Features, batch_size: int) -> Tensor | None:
+def _lengths(features: Features, batch_size: int, trim_leading: bool = True) -> Tensor | None:
+    """Per row, the positions it occupies once trimmed as :func:`slice_features` trims: ``(B,)``."""
     mask = features.get("attention_mask")
-    if isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size:
-        return mask.ne(0).sum(1).cpu()
-    return None
+    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
+        return None
+    used = mask.ne(0).cpu()
+    pos = torch.arange(used.shape[1])
+    end = torch.where(used, pos, -1).amax(1) + 1
+    if not trim_leading:
+        return end
+    start = torch.where(used, pos, used.shape[1]).amin(1)
+    return (end - start).clamp(min=0)
+
+
+#: names under which transformers models keep a learned table of absolute positions
+_ABSOLUTE_POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
+
+
+def position_shift_invariant(model: nn.Module) -> bool:
+    """Whether shifting every token's position by the same amount leaves the embeddings unchanged.
+
+    True for rotary models (attention scores depend on position differences only) without a table of
+    absolute positions: there, cutting a left-padded row's leading padding is exact. False whenever
+    unsure (BERT-style absolute positions, unknown models): padding is then kept as it came.
+    """
+    rotary = False
+    for module in unwrap_model(model).modules():
+        for name in _ABSOLUTE_POSITION_TABLES:
+            if isinstance(getattr(module, name, None), nn.Embedding):
+                return False
+        config = getattr(module, "config", None)
+        if config is not None and any(
+            getattr(config, key, None) for key in ("rope_parameters", "rope_theta", "rope_scaling")
+        ):
+            rotary = True
+        if hasattr(module, "rotary_emb"):
+            rotary = True
+    return rotary
 
 
 @dataclass
@@ -330,20 +372,10 @@ class GradCache:
     _validated: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.mini_batch_size, bool)
-            or not isinstance(self.mini_batch_size, int)
-            or self.mini_batch_size <= 0
-        ):
-            raise ValueError(
-                f"mini_batch_size must be a positive integer, got {self.mini_batch_size!r}; e.g. 32."
-            )
-        if self.mini_batch_num_tokens is not None and (
-            not isinstance(self.mini_batch_num_tokens, int) or self.mini_batch_num_tokens <= 0
-        ):
-            raise ValueError(
-                f"mini_batch_num_tokens must be a positive integer or None, got {self.mini_batch_num_tokens!r}; e.g. 4096."
-            )
+        if self.mini_batch_size is None:
+            raise ValueError("mini_batch_size must be a positive integer, got None; e.g. 32.")
+        check_positive_int("mini_batch_size", self.mini_batch_size)
+        check_positive_int("mini_batch_num_tokens", self.mini_batch_num_tokens)
 
     @staticmethod
     def encode(model: nn.Module, features: Features) -> Tensor:
@@ -355,11 +387,11 @@ class GradCache:
         # a fresh dict: SentenceTransformer modules write their outputs into the one they get
         return model(dict(features))["sentence_embedding"]
 
-    def plan(self, column: int, features: Features) -> list[MiniBatch]:
+    def plan(self, column: int, features: Features, *, trim_leading: bool = True) -> list[MiniBatch]:
         """Cut one column into mini-batches (longest rows first when sorting)."""
         check_splittable(features)
         b = _batch_size(features)
-        lengths = _lengths(features, b)
+        lengths = _lengths(features, b, trim_leading)
         if self.sort_by_length and lengths is not None:
             order = torch.argsort(lengths, descending=True, stable=True)
         else:
@@ -382,15 +414,15 @@ class GradCache:
                     size = min(self.mini_batch_size, max(1, self.mini_batch_num_tokens // longest))
             spans.append((i, min(i + size, b)))
             i += size
-        return [MiniBatch(column, order[s:e], features, b) for s, e in spans]
+        return [MiniBatch(column, order[s:e], features, b, trim_leading) for s, e in spans]
 
-    def fits_in_one(self, columns: Sequence[Features]) -> bool:
+    def fits_in_one(self, columns: Sequence[Features], *, trim_leading: bool = True) -> bool:
         """Whether every column is a single mini-batch (then caching buys nothing)."""
         for features in columns:
             b = _batch_size(features)
             if b > self.mini_batch_size:
                 return False
-            lengths = _lengths(features, b)
+            lengths = _lengths(features, b, trim_leading)
             budget = self.mini_batch_num_tokens
             if budget is not None and lengths is not None and b > 1 and b * int(lengths.max()) > budget:
                 return False
@@ -399,9 +431,10 @@ class GradCache:
     def embed(self, model: nn.Module, columns: Sequence[Features], desc: str = "Embed") -> list[Tensor]:
         """Every column's embeddings, mini-batch by mini-batch, without a graph (evaluation)."""
         out = []
+        trim = position_shift_invariant(model)
         with torch.no_grad():
             for k, features in enumerate(columns):
-                batches = self.plan(k, features)
+                batches = self.plan(k, features, trim_leading=trim)
                 parts = [
                     self.encode(model, mb.features).float()
                     for mb in tqdm(batches, desc=desc, disable=not self.show_progress_bar, leave=False)
@@ -427,7 +460,8 @@ class GradCache:
         # a batch that fits in one mini-batch per column is not cached: every forward keeps its graph,
         # exactly like the non-cached loss. Not under DDP synchronisation, where the one synchronised
         # forward must be the last one before the backward (and ranks may differ in batch size).
-        keep_all = self.fits_in_one(columns) and not sync
+        trim = position_shift_invariant(model)
+        keep_all = self.fits_in_one(columns, trim_leading=trim) and not sync
         batches: list[MiniBatch] = []
         embeddings: list[Tensor] = []
         frozen: set[int] = set()
@@ -439,7 +473,7 @@ class GradCache:
         graph_model = local.module if local is not None else model
         bar = tqdm(desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
         for k, features in enumerate(columns):
-            plan = self.plan(k, features)
+            plan = self.plan(k, features, trim_leading=trim)
             bar.total = (bar.total or 0) + len(plan)
             parts = []
             for j, mb in enumerate(plan):

@@ -66,7 +66,13 @@ def _ring_infonce(
             requires grad).
         weight: multiplies the summed per-row losses (and so every gradient).
         with_grad: also compute the gradients (pass 2); else only the loss.
-        anchor_keys / candidate_keys: ``(b,)`` integer keys to mask duplicates (see ``infonce``).
+        anchor_keys / candidate_keys: ``(b,)`` integer keys to mask duplicates, the same rule as
+            ``infonce`` (pairs sharing an anchor or a positive, in both directions).
+
+    No finiteness check here: a rank raising on its own NaN in the middle of the ring would leave its
+    peers blocked in a send / receive. The caller agrees on finiteness first, in the shape exchange
+    (:func:`~st_cached_losses.distributed.exchange_shapes` with ``nonfinite``), where every rank
+    raises together.
     """
     me = rank()
     s = float(scale.detach()) if isinstance(scale, Tensor) else float(scale)
@@ -82,8 +88,8 @@ def _ring_infonce(
     masking = candidate_keys is not None
     key_block = torch.stack(candidate_keys, dim=1).contiguous() if candidate_keys is not None else None
     static = [block] + ([key_block] if key_block is not None else [])
-    if masking and symmetric and anchor_keys is not None:
-        # the column direction masks anchors equal to a positive's own anchor: its key travels too
+    if masking and anchor_keys is not None:
+        # pairs sharing an anchor are duplicates too (in both directions): the anchors' keys travel too
         static.append(anchor_keys.contiguous())
 
     def columns(blk: Tensor) -> list[Operand]:
@@ -94,8 +100,8 @@ def _ring_infonce(
             return None
         own_pos = candidate_keys[0]  # type: ignore[index]
         kb = statics[1]
-        col_anchor = statics[2] if len(statics) > 2 else None
-        return DuplicateKeys(own_pos, [kb[:, j] for j in range(k)], anchor_keys, col_anchor)
+        col_pair = statics[2] if len(statics) > 2 else None
+        return DuplicateKeys(own_pos, [kb[:, j] for j in range(k)], anchor_keys, col_pair)
 
     # pass 1: row statistics stay here; column statistics of each positive travel with its block
     row_acc = init_stats(b, rows)

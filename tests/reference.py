@@ -32,9 +32,12 @@ def reference_infonce(
 ) -> Tensor:
     """Mean InfoNCE of ``anchors (B, d)`` against ``cat(candidates) (K*N, d)``; positive of row i at
     ``row_offset + i``. Symmetric: average with positives ``candidates[0][offset:offset+B]`` against
-    ``anchors_all`` (or ``anchors``). With keys, a candidate whose key equals row i's positive's key
-    (other than the positive itself) is set to -inf in row i (and likewise duplicate anchors in the
-    symmetric direction)."""
+    ``anchors_all`` (or ``anchors``).
+
+    With keys, pairs ``i != j`` sharing an anchor key or a positive key are duplicates: row i's logit
+    of positive j and, symmetric, positive i's logit of anchor j are set to -inf; so is row i's logit
+    of any candidate whose key equals its positive's. ``anchors_all_keys`` (or ``anchor_keys``): the
+    ``(N,)`` keys of every positive's anchor."""
     cols = [candidates] if isinstance(candidates, Tensor) else list(candidates)
     b = anchors.shape[0]
     q = _prep(anchors, similarity)
@@ -42,22 +45,24 @@ def reference_infonce(
     labels = torch.arange(b, device=anchors.device) + row_offset
     rows = torch.arange(b, device=anchors.device)
     logits = scale * q @ c.T  # (B, K*N)
+    same = None  # (B, N): pair j duplicates pair i (one mask for both directions)
     if candidate_keys is not None:
-        keys = torch.cat(list(candidate_keys))
-        dup = candidate_keys[0][labels][:, None] == keys[None, :]
-        dup[rows, labels] = False
-        logits = logits.masked_fill(dup, float("-inf"))
+        pos_keys = candidate_keys[0][labels]  # (B,)
+        same = pos_keys[:, None] == candidate_keys[0][None, :]
+        if anchor_keys is not None:
+            all_keys = anchor_keys if anchors_all_keys is None else anchors_all_keys
+            same = same | (anchor_keys[:, None] == all_keys[None, :])
+        same[rows, labels] = False
+        negs = [pos_keys[:, None] == key[None, :] for key in candidate_keys[1:]]
+        logits = logits.masked_fill(torch.cat([same, *negs], dim=1), float("-inf"))
     loss = F.cross_entropy(logits, labels)
     if not symmetric:
         return loss
     a_all = _prep(anchors if anchors_all is None else anchors_all, similarity)
     p = _prep(cols[0][row_offset : row_offset + b], similarity)
     back_logits = scale * p @ a_all.T  # (B, N)
-    if candidate_keys is not None and anchor_keys is not None:
-        all_keys = anchor_keys if anchors_all_keys is None else anchors_all_keys
-        dup = anchor_keys[:, None] == all_keys[None, :]
-        dup[rows, labels] = False
-        back_logits = back_logits.masked_fill(dup, float("-inf"))
+    if same is not None:
+        back_logits = back_logits.masked_fill(same, float("-inf"))
     back = F.cross_entropy(back_logits, labels)
     return (loss + back) / 2
 

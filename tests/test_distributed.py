@@ -371,3 +371,140 @@ def test_router_model_every_step(model_dir, ddp_kwargs):
             err = (r[step]["grads"] - ref).abs().max().item()
             assert err <= 1e-5 * ref.abs().max().item(), f"step {step} rank {rank}: max grad error {err:.2e}"
         assert sum(r[step]["loss"] for r in per_rank) / 2 == pytest.approx(ref_loss.item(), rel=1e-5)
+
+
+# --------------------------------------------------------------------------- non-finite embeddings
+
+
+def _poison(model, rank: int, poisoned_rank: int, column: int, rows_per_rank: int, mini_batch_size: int):
+    """On ``poisoned_rank``, make one row of ``column``'s embeddings NaN: a forward hook on the pooling
+    poisons the first mini-batch of that column (GradCache embeds column by column)."""
+    if rank != poisoned_rank:
+        return None
+    per_column = -(-rows_per_rank // mini_batch_size)
+    calls = [0]
+
+    def hook(module, inputs, output):
+        call = calls[0]
+        calls[0] += 1
+        if call != column * per_column:
+            return output
+        emb = output["sentence_embedding"].clone()
+        emb[0] = float("nan")
+        output["sentence_embedding"] = emb
+        return output
+
+    return model[1].register_forward_hook(hook), calls
+
+
+def _nonfinite_worker(rank: int, world: int, path: str, cases: list[tuple[str, int]], poisoned_rank: int):
+    """Per case (loss config, poisoned column): a training step under DDP and an evaluation pass with
+    NaN in one column of one rank; what each raised, how long it took, which collectives ran before;
+    then a clean step, which shows that no rank was left inside a collective."""
+    import time
+
+    from st_cached_losses.distributed import STATS
+
+    rows = 3
+    out = {}
+    for name, column in cases:
+        n_cols = CONFIGS[name][2]
+        model = load_model(path)
+        ddp = DDP(model)
+        loss = make_loss(name, model)
+        loss.model = ddp
+        texts = global_texts(rows * world, n_cols)
+        feats = [model.preprocess(t[rank * rows : (rank + 1) * rows]) for t in texts]
+        handle, _ = _poison(model, rank, poisoned_rank, column, rows, loss.mini_batch_size) or (None, None)
+        result = {}
+        for mode in ("train", "eval"):
+            STATS.reset()
+            start = time.perf_counter()
+            try:
+                if mode == "train":
+                    loss(feats, None).backward()
+                else:
+                    with torch.no_grad():
+                        loss(feats, None)
+                result[mode] = ("no error", None)
+            except ValueError as exc:
+                result[mode] = (str(exc), dict(STATS.calls))
+            result[f"{mode}_seconds"] = time.perf_counter() - start
+            if handle is not None and mode == "train":
+                # the evaluation pass embeds column by column again: poison it afresh
+                handle.remove()
+                handle, _ = _poison(model, rank, poisoned_rank, column, rows, loss.mini_batch_size)
+        if handle is not None:
+            handle.remove()
+        ddp.zero_grad(set_to_none=True)
+        clean = loss(feats, None)
+        clean.backward()
+        result["clean_loss"] = clean.item()
+        result["clean_grads_finite"] = bool(torch.isfinite(flat_grads(model)).all())
+        out[name] = result
+    return out
+
+
+def _check_nonfinite_reports(per_rank, cases, poisoned_rank: int, world: int) -> None:
+    column_names = {0: "column 0 (anchors)", 1: "column 1 (positives)", 2: "column 2 (hard negatives #1)"}
+    for name, column in cases:
+        results = [r[name] for r in per_rank]
+        for mode in ("train", "eval"):
+            messages = {res[mode][0] for res in results}
+            assert len(messages) == 1, f"{name} {mode}: every rank must raise the same error: {messages}"
+            (msg,) = messages
+            prefix = "non-finite (NaN or inf) values in the embeddings of 1 of"
+            assert msg.startswith(prefix), (name, mode, msg)
+            assert f"rank {poisoned_rank}: {column_names[column]}" in msg, (name, mode, msg)
+            for other in set(range(world)) - {poisoned_rank}:
+                assert f"rank {other}:" not in msg, (name, mode, msg)
+            assert "learning rate" in msg and "bf16" in msg and "inputs" in msg, msg
+            for rank, res in enumerate(results):
+                # raised at the shape exchange, before any other collective of the step
+                assert res[mode][1] == {"all_gather_shapes": 1}, (name, mode, rank, res[mode][1])
+                assert res[f"{mode}_seconds"] < 30, (name, mode, rank, res[f"{mode}_seconds"])
+        clean = [res["clean_loss"] for res in results]
+        assert bool(torch.isfinite(torch.tensor(clean)).all()), (name, clean)
+        assert all(res["clean_grads_finite"] for res in results), name
+
+
+NONFINITE_GATHER_CASES = [("mnr_2neg", 2), ("clip", 0)]
+NONFINITE_RING_CASES = [("tiled_ring_sym", 1), ("tiled_ring_2neg", 0)]
+
+
+@pytest.mark.parametrize(
+    ("world", "cases"),
+    [(2, NONFINITE_GATHER_CASES), (2, NONFINITE_RING_CASES), (3, NONFINITE_RING_CASES[:1])],
+    ids=["gather_w2", "ring_w2", "ring_w3"],
+)
+def test_nonfinite_on_one_rank_raises_same_error_on_every_rank(model_dir, world, cases):
+    """NaN in one column of rank 1 only: every rank raises the same ValueError naming rank 1 and the
+    column, at the shape exchange, in bounded time (no 'Connection closed by peer', no NaN loss on some
+    ranks and a finite one on others), in training and in evaluation; the next clean step works."""
+    import time
+
+    start = time.monotonic()
+    per_rank = run_distributed(_nonfinite_worker, world, model_dir, cases, 1, timeout=120)
+    assert time.monotonic() - start < 120
+    _check_nonfinite_reports(per_rank, cases, 1, world)
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["local", "gather_no_group"])
+def test_nonfinite_single_process_raises_same_error(model_dir, gather):
+    """One process (with or without gather_across_devices): the same ValueError, naming the column."""
+    from st_cached_losses import CachedCLIPLoss
+
+    model = load_model(model_dir)
+    loss = CachedCLIPLoss(model, mini_batch_size=2, gather_across_devices=gather)
+    feats = [model.preprocess(t) for t in global_texts(3, 2)]
+    handle, _ = _poison(model, 0, 0, 1, 3, 2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(ValueError) as info:
+                loss(feats, None)
+    finally:
+        handle.remove()
+    msg = str(info.value)
+    assert msg.startswith("non-finite (NaN or inf) values in column 1 (positives) of the embeddings"), msg
+    assert "rank" not in msg and "learning rate" in msg and "bf16" in msg, msg

@@ -334,3 +334,207 @@ def test_bad_input_raises_value_error_naming_the_fix(entry, name, make, match):
     with pytest.raises(ValueError, match=match) as info:
         entry(*args, **kwargs)
     assert len(str(info.value)) > 40, "the message must say what to do, not only what is wrong"
+
+
+# --------------------------------------------------------------------------- duplicate masking
+#
+# Pairs i != j sharing an anchor or a positive are duplicates, in both directions: positive j is not a
+# negative of anchor i, and (symmetric) anchor j is not a negative of positive i. A hard negative equal
+# to a row's positive is not one of its negatives either.
+
+
+def duplicate_case(n_rank: int, n_neg: int, b: int = 4, d: int = 6, seed: int = 3):
+    """Global float64 pairs and keys with false negatives, across ranks when ``n_rank > 1``: pairs 0 and
+    N-1 share a positive, pairs 1 and N-2 share an anchor, a hard negative of pair N-3 repeats pair 0's
+    positive. Identical inputs have identical embeddings, as from an encoder."""
+    g = torch.Generator().manual_seed(seed)
+    n = n_rank * b
+    anchors = torch.randn(n, d, generator=g, dtype=torch.float64)
+    a_keys = torch.arange(n)
+    anchors[n - 2], a_keys[n - 2] = anchors[1], a_keys[1]
+    # each positive near its anchor: a duplicate anchor's two positives are both close to it
+    cols = [anchors + 0.7 * torch.randn(n, d, generator=g, dtype=torch.float64)]
+    cols += [torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(n_neg)]
+    c_keys = [torch.arange(n) + 1000 * (k + 1) for k in range(1 + n_neg)]
+    cols[0][n - 1], c_keys[0][n - 1] = cols[0][0], c_keys[0][0]
+    if n_neg:
+        cols[1][n - 3], c_keys[1][n - 3] = cols[0][0], c_keys[0][0]
+    return anchors, cols, a_keys, c_keys
+
+
+def rank_problem(anchors, cols, a_keys, c_keys, n_rank, rank, symmetric):
+    """One rank's arguments (fresh float64 leaves) for the core and the reference."""
+    b = anchors.shape[0] // n_rank
+    off = rank * b
+    gathered = n_rank > 1
+    leaf = lambda t: t.detach().clone().requires_grad_()  # noqa: E731
+    kwargs = {
+        "anchors": leaf(anchors[off : off + b]),
+        "candidates": [leaf(c) for c in cols],
+        "anchors_all": leaf(anchors) if symmetric and gathered else None,
+        "row_offset": off,
+        "anchor_keys": a_keys[off : off + b],
+        "candidate_keys": c_keys,
+        "anchors_all_keys": a_keys if gathered else None,
+    }
+    return kwargs
+
+
+def _grads_of(kwargs, loss, scale):
+    out = [kwargs["anchors"], *kwargs["candidates"], scale]
+    if kwargs["anchors_all"] is not None:
+        out.append(kwargs["anchors_all"])
+    return torch.autograd.grad(loss, out)
+
+
+@pytest.mark.parametrize("entry", ["autograd", "fused"])
+@pytest.mark.parametrize("path", ["chunked", "tiled"])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize(("n_rank", "rank"), [(1, 0), (2, 0), (2, 1)], ids=["one", "gathered0", "gathered1"])
+@pytest.mark.parametrize("n_neg", [0, 1])
+def test_duplicates_masked_in_both_directions_match_reference(entry, path, symmetric, n_rank, rank, n_neg):
+    data = duplicate_case(n_rank, n_neg)
+    scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
+    ref_kwargs = rank_problem(*data, n_rank, rank, symmetric)
+    ref_loss = reference_infonce(**ref_kwargs, scale=scale, symmetric=symmetric)
+    ref_grads = _grads_of(ref_kwargs, ref_loss, scale)
+    kwargs = rank_problem(*data, n_rank, rank, symmetric)
+    # blocks of 3 split the 4 rows and 4 or 8 candidates unevenly: masks cross tile borders
+    sizes = {"chunk_size": 3} if path == "chunked" else {"tile_size": 3}
+    core = dict(kwargs, scale=scale, symmetric=symmetric, path=path, **sizes)
+    if entry == "fused":
+        out = infonce_loss_and_grad(**core)
+        loss = out.loss
+        grads = [out.grad_anchors, *out.grad_candidates, out.grad_scale]
+        if out.grad_anchors_all is not None:
+            grads.append(out.grad_anchors_all)
+    else:
+        loss = infonce(**core)
+        grads = _grads_of(kwargs, loss, scale)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-12)
+    assert len(grads) == len(ref_grads)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize(("n_rank", "rank"), [(1, 0), (2, 0), (2, 1)], ids=["one", "gathered0", "gathered1"])
+def test_duplicate_masking_changes_each_direction(symmetric, n_rank, rank):
+    """Non-vacuous: each clause of the rule moves the loss. The row direction masks the positive of a
+    pair with the same anchor (not only candidates equal to the row's positive); the symmetric
+    direction masks the anchor of a pair with the same positive (not only equal anchors)."""
+    anchors, cols, a_keys, c_keys = duplicate_case(n_rank, 1)
+    kw = rank_problem(anchors, cols, a_keys, c_keys, n_rank, rank, symmetric)
+    masked = float(infonce(**kw, symmetric=symmetric, scale=7.0, path="tiled", tile_size=3))
+    plain = {k: v for k, v in kw.items() if "keys" not in k}
+    assert masked != pytest.approx(
+        float(reference_infonce(**plain, symmetric=symmetric, scale=7.0)), abs=1e-3
+    )
+    if not symmetric:
+        # the positives' keys alone leave duplicate anchors' positives among the negatives
+        pos_only = dict(plain, candidate_keys=c_keys)
+        assert masked != pytest.approx(float(reference_infonce(**pos_only, scale=7.0)), abs=1e-3)
+        return
+    # the anchor -> candidates direction masked, positive -> anchors left alone: the loss before the fix
+    b = kw["anchors"].shape[0]
+    off = kw["row_offset"]
+    forward = reference_infonce(**{k: v for k, v in kw.items() if k != "anchors_all"}, scale=7.0)
+    backward = reference_infonce(cols[0][off : off + b], [anchors], row_offset=off, scale=7.0)
+    assert masked != pytest.approx(float((forward + backward) / 2), abs=1e-3)
+
+
+def test_shared_positive_rule_spelled_out():
+    """Rows 0 and 1 share a positive (the issue's case), by hand: row 0 does not see d0_1, row 1 not d0_0,
+    positive 0 does not see anchor 1 and positive 1 not anchor 0; nothing else is masked."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.nn.functional.normalize(torch.randn(4, 8, generator=g, dtype=torch.float64), dim=1)
+    p = torch.nn.functional.normalize(q + torch.randn(4, 8, generator=g, dtype=torch.float64), dim=1)
+    p[1] = p[0]
+    s = 5.0
+    a_keys, p_keys = torch.arange(4), torch.tensor([10, 10, 12, 13])
+    logits = s * q @ p.T
+    drop = {(0, 1), (1, 0)}
+    keep = lambda i: [j for j in range(4) if (i, j) not in drop]  # noqa: E731
+    fwd = [torch.logsumexp(logits[i, keep(i)], 0) - logits[i, i] for i in range(4)]
+    bwd = [torch.logsumexp(logits[keep(i), i], 0) - logits[i, i] for i in range(4)]
+    expected = float(sum(fwd) + sum(bwd)) / 8
+    for path in ("chunked", "tiled"):
+        out = infonce_loss_and_grad(
+            q, p, scale=s, symmetric=True, path=path, anchor_keys=a_keys, candidate_keys=[p_keys]
+        )
+        assert float(out.loss) == pytest.approx(expected, rel=1e-12)
+    ref = reference_infonce(q, p, scale=s, symmetric=True, anchor_keys=a_keys, candidate_keys=[p_keys])
+    assert float(ref) == pytest.approx(expected, rel=1e-12)
+
+
+def test_gathered_anchor_keys_need_every_positives_anchor():
+    anchors, cols, a_keys, c_keys = duplicate_case(2, 0)
+    with pytest.raises(ValueError, match="anchors_all_keys"):
+        infonce(anchors[4:], cols, row_offset=4, anchor_keys=a_keys[4:], candidate_keys=c_keys)
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_ring_masks_duplicates_like_reference_one_process(symmetric):
+    """The ring's own-block path (no process group: one visit) under the same rule."""
+    from st_cached_losses.ring import ring_infonce
+
+    anchors, cols, a_keys, c_keys = duplicate_case(1, 1)
+    scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
+    kw = rank_problem(anchors, cols, a_keys, c_keys, 1, 0, symmetric)
+    ref_loss = reference_infonce(**kw, scale=scale, symmetric=symmetric)
+    ref_grads = _grads_of(kw, ref_loss, scale)
+    b = anchors.shape[0]
+    out = ring_infonce(
+        anchors, cols, [b], scale=scale, cosine=True, symmetric=symmetric, weight=1.0 / b, tile_size=3,
+        memory_budget=2**20, with_grad=True, anchor_keys=a_keys, candidate_keys=c_keys,
+    )  # fmt: skip
+    assert float(out.loss) == pytest.approx(float(ref_loss), rel=1e-12)
+    for g, r in zip([out.grad_anchors, *out.grad_candidates, out.grad_scale], ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
+def _ring_duplicates_worker(rank: int, world: int, symmetric: bool):
+    from st_cached_losses.ring import ring_infonce
+
+    anchors, cols, a_keys, c_keys = duplicate_case(world, 1)
+    b = anchors.shape[0] // world
+    own = slice(rank * b, (rank + 1) * b)
+    scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
+    out = ring_infonce(
+        anchors[own], [c[own] for c in cols], [b] * world, scale=scale, cosine=True, symmetric=symmetric,
+        weight=1.0 / b, tile_size=3, memory_budget=2**20, with_grad=True,
+        anchor_keys=a_keys[own], candidate_keys=[k[own] for k in c_keys],
+    )  # fmt: skip
+    return {
+        "loss": out.loss,
+        "anchors": out.grad_anchors,
+        "cols": out.grad_candidates,
+        "scale": out.grad_scale,
+    }
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_ring_masks_duplicates_across_processes(symmetric):
+    """Two gloo processes; every duplicate of :func:`duplicate_case` spans the two ranks, so only the
+    keys that travel around the ring can mask them."""
+    from tests.dist_utils import run_distributed
+
+    per_rank = run_distributed(_ring_duplicates_worker, 2, symmetric)
+    # weight W / B_global as in the losses: the processes' losses and gradients sum to W times the
+    # global ones (DDP averages them), the scale's gradient is already averaged
+    anchors, cols, a_keys, c_keys = duplicate_case(2, 1)
+    scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
+    kw = rank_problem(anchors, cols, a_keys, c_keys, 1, 0, symmetric)  # the whole batch at once
+    ref_loss = reference_infonce(**kw, scale=scale, symmetric=symmetric)
+    ref_grads = _grads_of(kw, ref_loss, scale)
+    assert float(sum(r["loss"] for r in per_rank)) / 2 == pytest.approx(float(ref_loss), rel=1e-12)
+    ours = [
+        torch.cat([r["anchors"] for r in per_rank]) / 2,
+        *[torch.cat([r["cols"][k] for r in per_rank]) / 2 for k in range(len(cols))],
+        per_rank[0]["scale"],
+    ]
+    assert len(ours) == len(ref_grads)
+    for g, r in zip(ours, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    unmasked = reference_infonce(anchors, cols, scale=7.0, symmetric=symmetric)
+    assert float(ref_loss) != pytest.approx(float(unmasked), abs=1e-3)

@@ -344,3 +344,118 @@ def test_second_backward_says_already_back_propagated(tmp_path):
     value.backward()
     with pytest.raises(RuntimeError, match="already back-propagated"):
         value.backward()
+
+
+def _left_padded_columns(model, b: int = 12):
+    texts = [random_texts(b, seed=40 + k, min_words=1, max_words=25) for k in range(2)]
+    feats = [model.preprocess(t) for t in texts]
+    mask = feats[0]["attention_mask"]
+    assert (mask[:, 0] == 0).any() and (mask[:, -1] == 1).all(), "the columns must be left-padded"
+    return feats
+
+
+@pytest.mark.parametrize("mini_batch_size", [1, 4, 12])
+def test_left_padding_absolute_positions_independent_of_mini_batch(tmp_path_factory, mini_batch_size):
+    """BERT numbers positions from the first (padding) token: a left-padded row keeps the padding it
+    came with, so every mini-batch size gives sentence-transformers' non-cached result."""
+    from st_cached_losses.gradcache import position_shift_invariant
+
+    model = make_tiny_model(tmp_path_factory.mktemp("left") / "bert")
+    model[0].tokenizer.padding_side = "left"
+    model.eval()
+    assert not position_shift_invariant(model)
+    feats = _left_padded_columns(model)
+    st_loss = st_losses.MultipleNegativesRankingLoss(model)
+    ref_loss, ref = param_grads(model, lambda f: st_loss(f, None), feats)
+    loss, ours = param_grads(
+        model, lambda f: CachedMNRLoss(model, mini_batch_size=mini_batch_size)(f, None), feats
+    )
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(ours, ref)
+
+
+def test_left_padding_rotary_decoder_trims_and_stays_exact(tmp_path_factory):
+    """Rotary positions only see differences: leading padding is cut (fewer positions embedded) and the
+    result still equals the non-cached loss."""
+    from st_cached_losses.gradcache import GradCache, position_shift_invariant
+    from tests.tiny_model import make_tiny_decoder
+
+    model = make_tiny_decoder(tmp_path_factory.mktemp("dec") / "qwen2")
+    model.eval()
+    assert position_shift_invariant(model)
+    feats = _left_padded_columns(model)
+    width = feats[0]["attention_mask"].shape[1]
+    shortest = GradCache(mini_batch_size=4).plan(0, feats[0])[-1].features["attention_mask"].shape[1]
+    assert shortest < width, "the shortest rows' mini-batch must not carry the longest row's padding"
+    st_loss = st_losses.MultipleNegativesRankingLoss(model)
+    ref_loss, ref = param_grads(model, lambda f: st_loss(f, None), feats)
+    for size in (1, 4):
+        loss, ours = param_grads(
+            model, lambda f, size=size: CachedMNRLoss(model, mini_batch_size=size)(f, None), feats
+        )
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+        assert_grads_close(ours, ref)
+
+
+def test_scale_accepts_real_scalars_and_counts_refuse_booleans(model):
+    import numpy as np
+
+    for scale in (torch.tensor(20.0), np.float32(20.0), np.int64(20), 20):
+        assert CachedMNRLoss(model, scale=scale).scale == pytest.approx(20.0)
+    for bad in ("20", True, float("nan"), -1.0, torch.ones(2)):
+        with pytest.raises(ValueError, match="scale"):
+            CachedMNRLoss(model, scale=bad)
+    for name in ("mini_batch_size", "mini_batch_num_tokens"):
+        with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+            CachedMNRLoss(model, **{name: True})
+
+
+def _masked_symmetric(make_kwargs):
+    def make(model):
+        from st_cached_losses import CachedTiledLoss
+
+        cls = CachedTiledLoss if "symmetric" in make_kwargs else CachedCLIPLoss
+        return cls(model, mini_batch_size=4, mask_duplicates=True, **make_kwargs)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _masked_symmetric({"path": "chunked"}),
+        _masked_symmetric({"path": "tiled"}),
+        _masked_symmetric({"symmetric": True, "tile_size": 3}),
+    ],
+    ids=["clip-chunked", "clip-tiled", "tiled-symmetric"],
+)
+def test_shared_positive_masked_in_both_directions(model, make):
+    """Rows 0 and 1 share their positive text: d0_1 is not a negative of q_0 (nor d0_0 of q_1), and q_1 is
+    not a negative of d0_0 (nor q_0 of d0_1), as in the reference with both directions masked."""
+    from st_cached_losses.gradcache import input_hashes
+
+    texts = [random_texts(9, seed=60 + k) for k in range(2)]
+    texts[1][1] = texts[1][0]
+    feats = [model.preprocess(t) for t in texts]
+    keys = [input_hashes(f) for f in feats]
+    assert len(set(keys[0].tolist())) == 9 and len(set(keys[1].tolist())) == 8, "one shared positive only"
+
+    def ref_fn(f):
+        embs = [model(dict(x))["sentence_embedding"] for x in f]
+        return reference_infonce(
+            embs[0], embs[1], symmetric=True, anchor_keys=keys[0], candidate_keys=keys[1:]
+        )
+
+    ref_loss, ref = param_grads(model, ref_fn, feats)
+    loss_fn = make(model)
+    loss, ours = param_grads(model, lambda f: loss_fn(f, None), feats)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(ours, ref)
+    with torch.no_grad():
+        # evaluation: the core's autograd entry, without a graph
+        torch.testing.assert_close(loss_fn(feats, None), ref_loss, rtol=1e-5, atol=1e-6)
+        # non-vacuous: with the positive -> anchors direction left unmasked the loss is another one
+        embs = [model(dict(x))["sentence_embedding"] for x in feats]
+        forward = reference_infonce(embs[0], embs[1], anchor_keys=keys[0], candidate_keys=keys[1:])
+        one_direction = (forward + reference_infonce(embs[1], embs[0])) / 2
+    assert abs(one_direction.item() - ref_loss.item()) > 1e-3

@@ -53,3 +53,34 @@ def make_tiny_model(
 def random_texts(n: int, *, seed: int, min_words: int = 1, max_words: int = 20) -> list[str]:
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(min_words, max_words))) for _ in range(n)]
+
+
+def make_tiny_decoder(path: Path, *, hidden: int = 32, seed: int = 0, words: Sequence[str] = WORDS):
+    """A 2-layer random Qwen2 (rotary positions) with last-token pooling and a left-padding tokenizer,
+    the layout of decoder embedding models."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+    from transformers import Qwen2Config, Qwen2Model
+
+    path.mkdir(parents=True, exist_ok=True)
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys([*specials, *words]))}
+    tokenizer = BertTokenizerFast(vocab=vocab, do_lower_case=True, padding_side="left")
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    torch.manual_seed(seed)
+    Qwen2Model(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    transformer = Transformer(str(path), max_seq_length=64)
+    # AutoTokenizer would pick Qwen2's tokenizer class for this config: use the word-level one
+    transformer.processor = tokenizer
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
+    return SentenceTransformer(modules=[transformer, pooling], device="cpu")

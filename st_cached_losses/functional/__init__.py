@@ -8,8 +8,19 @@ from st_cached_losses.functional.infonce import (
     InfoNCEOutput,
     Path,
     Similarity,
+    check_positive_int,
     infonce,
     infonce_loss_and_grad,
+    scale_value,
 )
 
-__all__ = ["DEFAULT_MEMORY_BUDGET", "InfoNCEOutput", "Path", "Similarity", "infonce", "infonce_loss_and_grad"]
+__all__ = [
+    "DEFAULT_MEMORY_BUDGET",
+    "InfoNCEOutput",
+    "Path",
+    "Similarity",
+    "check_positive_int",
+    "infonce",
+    "infonce_loss_and_grad",
+    "scale_value",
+]

@@ -135,19 +135,25 @@ class Stats:
 
 @dataclass
 class DuplicateKeys:
-    """Hashes of the inputs, to mask false negatives: a candidate whose input equals a row's own
-    positive is not a negative of that row (and, in the column direction, an anchor equal to the
-    positive's own anchor is not a negative of that positive). The positive pair itself is kept.
+    """Hashes of the inputs, to mask false negatives (True in a mask = not a candidate).
 
-    ``row_pos``: ``(B,)`` key of each row's positive; ``cols``: one ``(N_k,)`` key vector per column;
-    ``row_self`` / ``col_anchor``: ``(B,)`` keys of the rows and ``(N,)`` keys of column 0's anchors, for
-    the column direction only.
+    Rows are pairs ``(row_i, target_i)`` whose target sits in column 0. Pair ``j`` is a duplicate of
+    pair ``i`` when their targets are equal or their rows are equal: then ``j``'s column-0 entry is not a
+    negative of row ``i``, and, for the symmetric loss, row ``i`` is not a negative of ``j``'s entry
+    (the relation is symmetric, so both directions use one mask). A later column's entry equal to a
+    row's target is not a negative of that row either. The positive pair itself is never masked.
+
+    ``row_pos``: ``(B,)`` key of each row's target (its positive); ``cols``: one ``(N_k,)`` key vector per
+    column; ``row_self``: ``(B,)`` keys of the rows themselves and ``col_pair``: ``(N,)`` keys of the rows
+    that column 0's entries are the targets of (both None: only equal targets are duplicates). For the
+    positive -> anchors problem across processes the roles swap: the rows are positives, their targets
+    anchors.
     """
 
     row_pos: Tensor
     cols: list[Tensor]
     row_self: Tensor | None = None
-    col_anchor: Tensor | None = None
+    col_pair: Tensor | None = None
 
 
 def _masks(
@@ -164,18 +170,16 @@ def _masks(
     if keys is None:
         return None, None
     m_r = keys.row_pos[r0:r1, None] == keys.cols[k][None, c0:c1]
-    m_c = None
-    if k == 0 and column_direction and keys.row_self is not None and keys.col_anchor is not None:
-        m_c = keys.row_self[r0:r1, None] == keys.col_anchor[None, c0:c1]
+    if k == 0 and keys.row_self is not None and keys.col_pair is not None:
+        m_r |= keys.row_self[r0:r1, None] == keys.col_pair[None, c0:c1]
     if k == 0 and diag is not None:
         # the positive pair (i, diag + i) is never masked
         i = torch.arange(r0, r1, device=m_r.device)
         j = i + diag - c0
         ok = (j >= 0) & (j < c1 - c0)
         m_r[(i - r0)[ok], j[ok]] = False
-        if m_c is not None:
-            m_c[(i - r0)[ok], j[ok]] = False
-    return m_r, m_c
+    # duplicate pairs are duplicates both ways: the column direction masks the same entries
+    return m_r, m_r if k == 0 and column_direction else None
 
 
 def _online_lse_update(m: Tensor, s: Tensor, block: Tensor, dim: int, scratch: Tensor | None) -> None:

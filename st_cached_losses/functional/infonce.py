@@ -106,12 +106,17 @@ def _columns(candidates: Tensor | Sequence[Tensor]) -> list[Tensor]:
     return cols
 
 
-def _check_positive_int(name: str, value: int | None) -> None:
+def check_positive_int(name: str, value: int | None) -> None:
+    """``value`` is None or a positive ``int`` (``True`` is refused: it is an int to Python only)."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1024 or None.")
 
 
-def _scale_value(scale: float | Tensor) -> float:
+def scale_value(scale: float | Tensor) -> float:
+    """The scale (1 / temperature) as a float: any real number (Python, NumPy) or one-element tensor,
+    finite and positive."""
+    if isinstance(scale, (bool, str)):
+        raise ValueError(f"scale must be a positive number (1 / temperature), got {scale!r}; e.g. 20.0.")
     if isinstance(scale, Tensor):
         if scale.numel() != 1:
             raise ValueError(
@@ -119,12 +124,30 @@ def _scale_value(scale: float | Tensor) -> float:
             )
         value = float(scale.detach())
     else:
-        value = float(scale)
+        try:
+            value = float(scale)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"scale must be a positive number (1 / temperature), got {scale!r}; e.g. 20.0."
+            ) from None
     if not math.isfinite(value) or value <= 0:
         raise ValueError(
             f"scale must be a finite positive number (1 / temperature), got {value}; typical values are 20 to 100."
         )
     return value
+
+
+def nonfinite_error(where: str) -> ValueError:
+    """The one error for NaN / inf embeddings, whichever path (one process, gathered, ring) finds them.
+
+    A non-finite embedding makes the loss and every gradient NaN without any other symptom, so every
+    path refuses it with the same words: a user gets the same advice on one process and on many.
+    """
+    return ValueError(
+        f"non-finite (NaN or inf) values in {where}: the encoder diverged or its inputs are corrupt. Check the "
+        "inputs, lower the learning rate, and under fp16 use a loss scaler or train in bf16 (fp16 overflows "
+        "above 65504)."
+    )
 
 
 def _validate(
@@ -145,9 +168,9 @@ def _validate(
         raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}.")
     if path not in ("auto", "chunked", "tiled"):
         raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {path!r}.")
-    _check_positive_int("chunk_size", chunk_size)
-    _check_positive_int("tile_size", tile_size)
-    _check_positive_int("memory_budget", memory_budget)
+    check_positive_int("chunk_size", chunk_size)
+    check_positive_int("tile_size", tile_size)
+    check_positive_int("memory_budget", memory_budget)
     named = [("anchors", anchors)] + [(f"candidates[{k}]", c) for k, c in enumerate(cols)]
     if anchors_all is not None:
         named.append(("anchors_all", anchors_all))
@@ -207,10 +230,7 @@ def _validate(
     if check_finite:
         for name, t in named:
             if not bool(torch.isfinite(t).all()):
-                raise ValueError(
-                    f"{name} contains NaN or inf: the encoder diverged or the inputs are corrupt; lower the learning "
-                    "rate, check the data, or use a loss scaler under fp16."
-                )
+                raise nonfinite_error(name)
 
 
 def _keys(
@@ -235,17 +255,23 @@ def _keys(
             f"candidate_keys has {len(cand)} key vectors for {len(cols)} candidate columns; pass one per column."
         )
     named = [(f"candidate_keys[{k}]", key, c.shape[0]) for k, (key, c) in enumerate(zip(cand, cols))]
+    n_pos = cols[0].shape[0]
     if symmetric and anchor_keys is None:
         raise ValueError(
             "the symmetric loss masks duplicate anchors too: pass anchor_keys with candidate_keys."
         )
     if anchor_keys is not None:
         named.append(("anchor_keys", anchor_keys, anchors.shape[0]))
-    if anchors_all is not None:
-        if anchors_all_keys is None and symmetric:
-            raise ValueError("anchors_all is given with candidate_keys: pass anchors_all_keys as well.")
-        if anchors_all_keys is not None:
-            named.append(("anchors_all_keys", anchors_all_keys, anchors_all.shape[0]))
+        # pairs are compared by their anchors too, so every positive's anchor needs a key
+        if anchors_all_keys is None and (anchors_all is not None or n_pos != anchors.shape[0]):
+            raise ValueError(
+                f"anchor_keys with {n_pos} gathered candidate rows: pass anchors_all_keys, the ({n_pos},) "
+                "keys of the anchors of every positive (gathered like the candidates)."
+            )
+    if anchors_all_keys is not None:
+        if anchor_keys is None:
+            raise ValueError("anchors_all_keys needs anchor_keys (this process's anchors' keys) too.")
+        named.append(("anchors_all_keys", anchors_all_keys, n_pos))
     for name, key, n in named:
         if not isinstance(key, Tensor) or key.dim() != 1 or key.shape[0] != n or key.is_floating_point():
             raise ValueError(
@@ -322,11 +348,13 @@ def _problems(
     col_ops = [Operand(c, cosine, 1.0, prenorm) for c in cols]
     keys = back_keys = None
     if candidate_keys is not None:
+        # pairs sharing an anchor or a positive are duplicates in both directions (see DuplicateKeys)
         all_anchor_keys = anchors_all_keys if anchors_all_keys is not None else anchor_keys
         row_pos = candidate_keys[0][row_offset : row_offset + b]
         keys = DuplicateKeys(row_pos, candidate_keys, anchor_keys, all_anchor_keys)
         if all_anchor_keys is not None and anchor_keys is not None:
-            back_keys = DuplicateKeys(anchor_keys, [all_anchor_keys])
+            # positives -> anchors: the rows are this rank's positives, their targets the anchors
+            back_keys = DuplicateKeys(anchor_keys, [all_anchor_keys], row_pos, candidate_keys[0])
     if not symmetric:
         return [_Problem(rows, col_ops, row_offset, 1.0 / b, 0.0, plan, keys)]
     if anchors_all is None:  # one process: both directions share every logit tile
@@ -479,10 +507,14 @@ def infonce_loss_and_grad(
         grad_output: multiplies every gradient (the incoming gradient of the loss).
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs).
         anchor_keys: ``(B,)`` integer keys (e.g. hashes of the token ids) of the anchors, with
-            ``candidate_keys`` (one ``(N,)`` per column) and, across processes, ``anchors_all_keys``
-            ``(N,)``: a candidate whose key equals the key of a row's own positive is masked out of that
-            row's softmax (a false negative), and for the symmetric loss an anchor whose key equals a
-            positive's own anchor is masked out of that positive's softmax. Positive pairs are never masked.
+            ``candidate_keys`` (one ``(N,)`` per column) and, when ``N != B`` (across processes),
+            ``anchors_all_keys`` ``(N,)``, the keys of every positive's anchor; they mask false
+            negatives. Pairs ``i != j`` are duplicates when their anchors' keys or their positives' keys
+            are equal; then positive ``j`` is masked out of row ``i``'s softmax and, for the symmetric
+            loss, anchor ``j`` out of positive ``i``'s softmax. Any candidate (hard negatives included)
+            whose key equals row ``i``'s positive's is masked out of row ``i``'s softmax too. Positive
+            pairs are never masked. Without ``anchor_keys`` (one-directional loss only) only equal
+            positives make duplicates.
 
     Returns:
         :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
@@ -501,7 +533,7 @@ def infonce_loss_and_grad(
         path=path,
         check_finite=check_finite,
     )
-    s = _scale_value(scale)
+    s = scale_value(scale)
     need_scale_grad = isinstance(scale, Tensor) and scale.requires_grad
     with torch.no_grad():
         problems = _problems(
@@ -547,7 +579,7 @@ class _InfoNCEFunction(torch.autograd.Function):
         anchors_all: Tensor | None,
         *cols: Tensor,
     ) -> Tensor:
-        s = _scale_value(scale)
+        s = scale_value(scale)
         problems = _problems(anchors, list(cols), anchors_all, scale=s, fused=False, **cfg)
         loss = torch.zeros((), dtype=torch.float64, device=anchors.device)
         saved = []
@@ -611,7 +643,7 @@ def infonce(
         check_finite=check_finite,
     )
     scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
-    _scale_value(scale_t)
+    scale_value(scale_t)
     cfg = {
         "cosine": similarity == "cosine",
         "symmetric": symmetric,

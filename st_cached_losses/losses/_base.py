@@ -18,7 +18,9 @@ from st_cached_losses.distributed import (
     exchange_shapes,
     gather_with_grad,
     is_distributed,
+    nonfinite_columns,
     own_rows,
+    raise_if_nonfinite,
     rank,
     warn_no_process_group_once,
 )
@@ -29,6 +31,7 @@ from st_cached_losses.functional import (
     Similarity,
     infonce,
     infonce_loss_and_grad,
+    scale_value,
 )
 from st_cached_losses.gradcache import GradCache, check_splittable, input_hashes, unwrap_model
 from st_cached_losses.ring import ring_infonce
@@ -154,8 +157,7 @@ class CachedInfoNCEBase(nn.Module):
                 "which is cheap for such models."
             )
         self.similarity = resolve_similarity(similarity_fct)
-        if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-            raise ValueError(f"scale must be a positive number (1 / temperature), got {scale!r}; e.g. 20.0.")
+        scale = scale_value(scale)
         if learnable_scale and (not math.isfinite(max_scale) or max_scale < scale):
             raise ValueError(f"max_scale must be >= scale, got max_scale={max_scale!r} and scale={scale!r}.")
         self.model = model
@@ -266,6 +268,8 @@ class CachedInfoNCEBase(nn.Module):
             "path": self.path,
             "tile_size": self.tile_size,
             "memory_budget": self.memory_budget,
+            # checked once per step by _process_sizes, on every rank together
+            "check_finite": False,
         }
 
     #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates
@@ -341,15 +345,28 @@ class CachedInfoNCEBase(nn.Module):
     # ------------------------------------------------------------------ across processes
 
     def _process_sizes(self, embeddings: list[Tensor]) -> list[int] | None:
-        """Every process's row count when gathering across a process group, else None."""
-        if not self.gather_across_devices:
-            return None
-        if not is_distributed():
-            warn_no_process_group_once(type(self).__name__)
+        """Every process's row count when gathering across a process group, else None; and the check,
+        on every path, that the embeddings are finite.
+
+        NaN / inf embeddings would give a NaN loss and NaN gradients with no other symptom. Across
+        processes the check rides on the shape exchange, the first collective of the step, so every
+        rank raises the same ``ValueError`` naming the culprit ranks before any other collective (a
+        rank raising alone would leave the others waiting; the ring would spread the NaN silently).
+        On one process the same error is raised here, with the same column names.
+        """
+        nonfinite = nonfinite_columns(embeddings)
+        if not self.gather_across_devices or not is_distributed():
+            if self.gather_across_devices:
+                warn_no_process_group_once(type(self).__name__)
+            raise_if_nonfinite([int(nonfinite)])
             return None
         b, d = embeddings[0].shape
         return exchange_shapes(
-            b, [len(embeddings), d], embeddings[0].device, "the number of columns and the embedding dim"
+            b,
+            [len(embeddings), d],
+            embeddings[0].device,
+            "the number of columns and the embedding dim",
+            nonfinite=nonfinite,
         )
 
     def _distributed_loss_and_grad(

@@ -49,9 +49,12 @@ class CachedCLIPLoss(CachedInfoNCEBase):
             mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length).
             gather_across_devices: score against the anchors and candidates of every process.
             show_progress_bar: tqdm bars over the mini-batches of both passes.
-            mask_duplicates: drop from each row's negatives the candidates whose input (token ids) equals
-                its positive's, on this process and across processes (a false negative the NO_DUPLICATES
-                sampler cannot see beyond one process's batch); off by default.
+            mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
+                across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).
+                Rows sharing their anchor or their positive are duplicates, masked in both directions: a
+                row's negatives lose the positives of its duplicates (and any candidate equal to its own
+                positive), and a positive's negatives lose the anchors of its row's duplicates. Off by
+                default.
             sort_by_length: embed each column's rows longest first (less padding); never changes the result.
             reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
             path: the loss-stage algorithm, ``"auto"``, ``"chunked"`` or ``"tiled"``.

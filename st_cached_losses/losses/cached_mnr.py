@@ -49,9 +49,11 @@ class CachedMNRLoss(CachedInfoNCEBase):
                 very uneven length; ``mini_batch_size`` stays an upper bound.
             gather_across_devices: score each process's anchors against the candidates of every process.
             show_progress_bar: tqdm bars over the mini-batches of both passes.
-            mask_duplicates: drop from each row's negatives the candidates whose input (token ids) equals
-                its positive's, on this process and across processes (a false negative the NO_DUPLICATES
-                sampler cannot see beyond one process's batch); off by default.
+            mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
+                across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).
+                Rows sharing their anchor or their positive are duplicates: a row's negatives lose the
+                positives of its duplicates, and any candidate (hard negatives included) equal to its own
+                positive. Off by default.
             sort_by_length: embed each column's rows longest first (less padding); never changes the result.
             reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
             path: the loss-stage algorithm, ``"auto"``, ``"chunked"`` or ``"tiled"``.

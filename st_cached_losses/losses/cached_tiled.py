@@ -51,9 +51,12 @@ class CachedTiledLoss(CachedInfoNCEBase):
             learnable_scale: learn the scale as ``logit_scale = log(scale)``, clamped at ``max_scale``.
             max_scale: the clamp of a learned scale.
             mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length).
-            mask_duplicates: drop from each row's negatives the candidates whose input (token ids) equals
-                its positive's, on this process and across processes (a false negative the NO_DUPLICATES
-                sampler cannot see beyond one process's batch); off by default.
+            mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
+                across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).
+                Rows sharing their anchor or their positive are duplicates: a row's negatives lose the
+                positives of its duplicates (and any candidate equal to its own positive); with
+                ``symmetric``, a positive's negatives lose the anchors of its row's duplicates too, so
+                both directions are masked alike. Off by default.
             sort_by_length: embed each column's rows longest first (less padding); never changes the result.
             reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
             memory_budget: bytes of logit tiles the loss stage may hold at once when ``tile_size`` is None.
