@@ -1,14 +1,30 @@
-"""Memory-efficient, exact contrastive losses for sentence-transformers."""
+"""Memory-efficient, exact contrastive losses for sentence-transformers.
 
-from st_cached_losses import functional
-from st_cached_losses.callbacks import LossStateCallback
-from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
-from st_cached_losses.training_args import CachedLossTrainingArguments, build_loss
+The top-level names load on first use (PEP 562), so that ``import st_cached_losses.functional`` (pure
+torch) does not pull in sentence-transformers, transformers and accelerate.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+#: public name -> the module that defines it
+_EXPORTS = {
+    "CachedCLIPLoss": "st_cached_losses.losses",
+    "CachedMNRLoss": "st_cached_losses.losses",
+    "CachedTiledLoss": "st_cached_losses.losses",
+    "LossStateCallback": "st_cached_losses.callbacks",
+    "CachedLossTrainingArguments": "st_cached_losses.training_args",
+    "build_loss": "st_cached_losses.training_args",
+    "CachedLossArgumentParser": "st_cached_losses.cli",
+}
+
 __all__ = [
     "CachedCLIPLoss",
+    "CachedLossArgumentParser",
     "CachedLossTrainingArguments",
     "CachedMNRLoss",
     "CachedTiledLoss",
@@ -17,3 +33,24 @@ __all__ = [
     "build_loss",
     "functional",
 ]
+
+if TYPE_CHECKING:
+    from st_cached_losses import functional
+    from st_cached_losses.callbacks import LossStateCallback
+    from st_cached_losses.cli import CachedLossArgumentParser
+    from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
+    from st_cached_losses.training_args import CachedLossTrainingArguments, build_loss
+
+
+def __getattr__(name: str) -> Any:
+    if name == "functional":
+        return importlib.import_module("st_cached_losses.functional")
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value  # later look-ups skip this function
+        return value
+    raise AttributeError(f"module 'st_cached_losses' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

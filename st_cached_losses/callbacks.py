@@ -2,28 +2,50 @@
 
 sentence-transformers' trainer already puts a loss's parameters in the optimizer, but it saves and
 restores only the model: a learned ``logit_scale`` would be lost by ``resume_from_checkpoint`` and
-never appear in the logs. :class:`LossStateCallback` fills the gap: it writes the losses' state into
-every checkpoint folder, restores it when training resumes, and adds the current scale to each log.
+never appear in the logs. :class:`LossStateCallback` fills the gap: it saves the losses' scale with
+every checkpoint, restores it when training resumes, and adds the current scale to each log.
 
-A loss with a learnable scale attaches the callback to the trainer that calls it by itself (on its
-first call, found on the call stack), so users need no custom trainer and no extra argument; passing
-``callbacks=[LossStateCallback(loss)]`` explicitly works too and takes precedence.
+Where the scale is kept: no callback event is told which folder ``resume_from_checkpoint`` named
+(``on_train_begin`` gets ``args`` and ``state`` only, and ``args.resume_from_checkpoint`` is not
+filled in by ``Trainer.train``), and guessing ``output_dir/checkpoint-<step>`` restores the wrong
+scale, or none, when a run resumes from another run's folder. What the trainer does load from the
+very checkpoint it resumes from is its :class:`~transformers.TrainerState` (``trainer_state.json``),
+whose documented ``stateful_callbacks`` dict is saved with every checkpoint and handed to every
+callback. The scale is kept there, under :data:`STATE_KEY`; a copy is also written next to the
+checkpoint as :data:`STATE_FILE` for inspection and for checkpoints that predate the state entry.
+(``ExportableState`` is not used: with ``restore_callback_states_from_checkpoint`` the trainer would
+rebuild the callback from JSON, without the loss it must update.)
+
+A loss with a learnable scale attaches the callback to the trainer that calls it by itself (found on
+the call stack, since the trainer hands a loss no reference to itself), so users need no custom
+trainer and no extra argument; passing ``callbacks=[LossStateCallback(loss)]`` explicitly works too
+and takes precedence.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
-from typing import Any
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+if TYPE_CHECKING:
+    from transformers import Trainer
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "st_cached_losses_state.pt"
+"""The losses' state, written into each checkpoint folder (a copy of the trainer-state entry)."""
+STATE_KEY = "st_cached_losses.LossStateCallback"
+"""The entry of ``TrainerState.stateful_callbacks`` holding the losses' ``logit_scale`` values; not a
+class name, so that ``restore_callback_states_from_checkpoint`` never tries to rebuild a callback
+from it."""
 
 
 def _named_losses(losses: nn.Module | dict[str, nn.Module] | list[nn.Module]) -> dict[str, nn.Module]:
@@ -32,6 +54,17 @@ def _named_losses(losses: nn.Module | dict[str, nn.Module] | list[nn.Module]) ->
     if isinstance(losses, nn.Module):
         return {"": losses}
     return {str(i): loss for i, loss in enumerate(losses)}
+
+
+def _contains(losses: Any, loss: nn.Module) -> bool:
+    """Whether ``loss`` is one of ``losses`` (a loss, a list or a dict of them) or inside one of them,
+    as the loss wrapped by a MatryoshkaLoss is."""
+    if isinstance(losses, (dict, list, tuple, nn.Module)):
+        named = _named_losses(losses)  # type: ignore[arg-type]
+        return any(
+            m is loss for value in named.values() if isinstance(value, nn.Module) for m in value.modules()
+        )
+    return False
 
 
 def _stateful(loss: nn.Module) -> list[nn.Module]:
@@ -49,22 +82,94 @@ class LossStateCallback(TrainerCallback):
 
     def __init__(self, losses: nn.Module | dict[str, nn.Module] | list[nn.Module]) -> None:
         self.losses = _named_losses(losses)
-
-    def _modules(self) -> dict[str, nn.Module]:
-        out = {}
+        # found once: walking the losses means walking the whole model they hold, and the scale is read
+        # after every step (a loss's submodules do not change once it is built)
+        self._stateful_modules: dict[str, nn.Module] = {}
         for name, loss in self.losses.items():
             for i, module in enumerate(_stateful(loss)):
-                out[f"{name}.{i}" if name else str(i)] = module
-        return out
+                self._stateful_modules[f"{name}.{i}" if name else str(i)] = module
+
+    def _modules(self) -> dict[str, nn.Module]:
+        return self._stateful_modules
 
     def state_dict(self) -> dict[str, Any]:
         return {key: module.logit_scale.detach().cpu().clone() for key, module in self._modules().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = []
         for key, module in self._modules().items():
-            if key in state:
-                with torch.no_grad():
-                    module.logit_scale.copy_(state[key].to(module.logit_scale.device))
+            if key not in state:
+                missing.append(f"{key} ({type(module).__name__})")
+                continue
+            value = torch.as_tensor(state[key], dtype=module.logit_scale.dtype)
+            with torch.no_grad():
+                module.logit_scale.copy_(value.to(module.logit_scale.device))
+        if missing:
+            # a loss added (or renamed in the dict of losses) since the checkpoint was saved
+            logger.warning(
+                "The saved losses' state holds no learnable scale for %s (it has %s): those restart from their "
+                "current value. Give LossStateCallback the same losses, under the same names, as the run that "
+                "saved the checkpoint.",
+                ", ".join(missing),
+                sorted(state) or "none",
+            )
+
+    def covers(self, loss: nn.Module) -> bool:
+        """Whether this callback saves the scale of ``loss`` (one of its losses, or inside one of them).
+        Asked on every call of a loss with a learnable scale, hence the look-up among the few modules
+        that carry one rather than a walk through the model."""
+        return any(module is loss for module in self._stateful_modules.values())
+
+    def scales(self) -> dict[str, float]:
+        """The current ``logit_scale`` values as plain floats, for ``trainer_state.json`` (a float32
+        value survives the JSON round trip exactly)."""
+        return {key: float(module.logit_scale.detach()) for key, module in self._modules().items()}
+
+    def record(self, state: TrainerState) -> None:
+        """Put the current scale into ``state``, which the trainer writes into the next checkpoint.
+
+        Called after every optimizer step: the trainer saves right after ``on_step_end`` (or after an
+        evaluation that found a best model, or at the epoch's end) and tells no callback beforehand, and
+        ``on_save`` comes after ``trainer_state.json`` is written.
+        """
+        if isinstance(state.stateful_callbacks, dict):
+            state.stateful_callbacks[STATE_KEY] = self.scales()
+
+    def restore(self, args: TrainingArguments, state: TrainerState) -> bool:
+        """Restore the scale saved with the checkpoint the trainer resumed from; warn if there is none.
+
+        ``state`` is the trainer state loaded from that checkpoint, wherever it lies, so its entry is the
+        right one even when the checkpoint is outside ``args.output_dir``. Checkpoints without the entry
+        (saved by an earlier st_cached_losses) are read from their :data:`STATE_FILE` when their folder
+        can be told for sure.
+        """
+        saved = (
+            state.stateful_callbacks.get(STATE_KEY) if isinstance(state.stateful_callbacks, dict) else None
+        )
+        if isinstance(saved, dict):
+            self.load_state_dict(saved)
+            logger.info(
+                "Restored the losses' learnable scale of step %d from the trainer state", state.global_step
+            )
+            return True
+        folder = _resumed_checkpoint_folder(args, state)
+        if folder is not None and self.restore_from(folder):
+            return True
+        current = ", ".join(f"{key}: {value:.6g}" for key, value in self.scales().items())
+        logger.warning(
+            "Training resumed at step %d from a checkpoint that holds no learnable scale (no %r entry in its "
+            "trainer_state.json, no %s found beside it): the logit_scale restarts from its current value (%s) "
+            "instead of the one it had reached, so this run will not match an uninterrupted one. Checkpoints "
+            "hold the scale when they were saved with LossStateCallback active (a loss with learnable_scale=True "
+            "attaches it by itself); to continue such a run, set loss.logit_scale to the log of the scale logged "
+            "at step %d before calling train().",
+            state.global_step,
+            STATE_KEY,
+            STATE_FILE,
+            current,
+            state.global_step,
+        )
+        return False
 
     def restore_from(self, checkpoint: str) -> bool:
         path = os.path.join(checkpoint, STATE_FILE)
@@ -77,8 +182,15 @@ class LossStateCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        # train() starts from a fresh state unless it resumes, so a step past 0 means a resumed run
         if state.global_step > 0:
-            self.restore_from(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"))
+            self.restore(args, state)
+        self.record(state)
+
+    def on_step_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self.record(state)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -111,44 +223,85 @@ class LossStateCallback(TrainerCallback):
             state.log_history[-1].update(scales)
 
 
-def attach_to_calling_trainer(loss: nn.Module) -> bool:
-    """Find the trainer whose ``compute_loss`` is calling ``loss`` and give it a :class:`LossStateCallback`.
+def _resumed_checkpoint_folder(args: TrainingArguments, state: TrainerState) -> str | None:
+    """The folder the trainer resumed from, where it can be told for sure without being told.
 
-    Returns whether the trainer was found (or already had one). When training already began (a resumed
-    run calls the loss for the first time), the checkpoint's state is restored right away.
+    Candidates are ``args.resume_from_checkpoint`` (set by scripts that follow transformers' examples)
+    and ``output_dir/checkpoint-<step>``; one is accepted only if its ``trainer_state.json`` is the one
+    loaded (same step, and its log history is where the current one starts), so that another run's
+    checkpoint of the same step, left in ``output_dir``, is never mistaken for it.
+    """
+    candidates = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
+    if isinstance(args.resume_from_checkpoint, str):
+        candidates.insert(0, args.resume_from_checkpoint)
+    for folder in candidates:
+        try:
+            with open(os.path.join(folder, "trainer_state.json"), encoding="utf-8") as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            continue
+        history = saved.get("log_history") or []
+        if saved.get("global_step") == state.global_step and state.log_history[: len(history)] == history:
+            return folder
+    return None
+
+
+def _calling_trainer(max_depth: int = 64) -> Trainer | None:
+    """The innermost trainer on the call stack: the ``self`` of the Trainer method (``compute_loss``)
+    that called the loss.
+
+    The trainer hands a loss no reference to itself and no callback event reaches a loss, so the stack
+    is the only way to find it. Only the ``self`` of a bound method is read, a convention that holds in
+    every transformers version, not the name of any argument or local variable of the trainer's.
     """
     from transformers import Trainer
 
-    frame = sys._getframe(1)
-    trainer = None
-    resume = None
-    depth = 0
-    while frame is not None and depth < 40:
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, Trainer):
-            trainer = trainer or candidate
-            value = frame.f_locals.get("resume_from_checkpoint")
-            if isinstance(value, str):
-                resume = value
+    frame = sys._getframe(2)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        if "self" in frame.f_code.co_varnames:
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, Trainer):
+                return candidate
         frame = frame.f_back
-        depth += 1
+    return None
+
+
+# trainers already warned that their explicit LossStateCallback leaves a loss out
+_warned_uncovered: weakref.WeakSet[Trainer] = weakref.WeakSet()
+
+
+def attach_to_calling_trainer(loss: nn.Module) -> bool:
+    """Make sure the trainer whose ``compute_loss`` is calling ``loss`` has a :class:`LossStateCallback`
+    covering it; returns whether a trainer was found.
+
+    Meant to be called on every call of the loss, as the same loss may be given to a second trainer
+    (to resume an interrupted run in a notebook, say): attaching once per loss would leave that one
+    without the callback, and its scale neither restored nor saved. When the callback is attached while
+    training already runs (the first call of a resumed run), the scale is restored right away from the
+    trainer state loaded from the checkpoint, as ``on_train_begin`` would have.
+    """
+    trainer = _calling_trainer()
     if trainer is None:
         return False
     callbacks = trainer.callback_handler.callbacks
-    if any(isinstance(cb, LossStateCallback) for cb in callbacks):
+    present = [cb for cb in callbacks if isinstance(cb, LossStateCallback)]
+    if present:
+        if not any(cb.covers(loss) for cb in present) and trainer not in _warned_uncovered:
+            _warned_uncovered.add(trainer)
+            logger.warning(
+                "The LossStateCallback given to the trainer does not cover this %s, so its learnable scale is "
+                "neither saved with checkpoints, restored on resume nor logged. Give it every loss: "
+                "callbacks=[LossStateCallback(loss)] with the same loss (or dict of losses) as the trainer's.",
+                type(loss).__name__,
+            )
         return True
-    callback = LossStateCallback(trainer.loss)  # type: ignore[arg-type]
+    trainer_loss = getattr(trainer, "loss", None)
+    callback = LossStateCallback(trainer_loss if _contains(trainer_loss, loss) else loss)
     # first in line, so that the progress printer and the reporting integrations see the logged scale
     callbacks.insert(0, callback)
     if trainer.state.global_step > 0:
-        checkpoint = resume or os.path.join(
-            trainer.args.output_dir, f"checkpoint-{trainer.state.global_step}"
-        )
-        if not callback.restore_from(checkpoint):
-            logger.warning(
-                "Training resumed at step %d but no saved scale was found in %s; the learnable scale restarts "
-                "from its current value.",
-                trainer.state.global_step,
-                checkpoint,
-            )
+        callback.restore(trainer.args, trainer.state)
+    callback.record(trainer.state)
     return True

@@ -9,14 +9,12 @@ how many calls and bytes one step costs (:data:`STATS`).
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-from st_cached_losses.functional.infonce import nonfinite_error
 
 __all__ = [
     "STATS",
@@ -26,9 +24,7 @@ __all__ = [
     "exchange_shapes",
     "gather_with_grad",
     "is_distributed",
-    "nonfinite_columns",
     "own_rows",
-    "raise_if_nonfinite",
     "rank",
     "ring_exchange",
     "warn_no_process_group_once",
@@ -89,73 +85,21 @@ def warn_no_process_group_once(owner: str) -> None:
         )
 
 
-#: Column ``j`` sets bit ``min(j, _LAST_BIT)`` of the non-finite mask (the mask is one int64).
-_LAST_BIT = 62
-
-
-def nonfinite_columns(columns: Sequence[Tensor]) -> Tensor:
-    """A 0-d int64 tensor on the columns' device: bit ``j`` is set when ``columns[j]`` holds NaN or inf
-    (columns from ``_LAST_BIT`` on share the last bit).
-
-    It stays on the device (no host sync) so that it can travel in :func:`exchange_shapes`' all-gather,
-    which the step does anyway: agreeing on finiteness then costs no extra collective.
-    """
-    bad = torch.stack([~torch.isfinite(c).all() for c in columns]).long()
-    low = bad[:_LAST_BIT]
-    mask = (low << torch.arange(low.numel(), device=low.device)).sum()
-    if bad.numel() > _LAST_BIT:
-        mask = mask | (bad[_LAST_BIT:].amax() << _LAST_BIT)
-    return mask
-
-
-def _column_name(j: int) -> str:
-    """A column of a loss's inputs: (anchors, positives, hard negatives...)."""
-    if j >= _LAST_BIT:
-        return f"{j} or later"
-    return f"{j} ({'anchors' if j == 0 else 'positives' if j == 1 else f'hard negatives #{j - 1}'})"
-
-
-def raise_if_nonfinite(masks: Sequence[int]) -> None:
-    """Raise :func:`~st_cached_losses.functional.infonce.nonfinite_error` naming every rank and column
-    with NaN / inf embeddings, given every rank's :func:`nonfinite_columns` mask in rank order.
-
-    Every rank calls it with the same masks (after the shape exchange), so every rank raises the same
-    error at the same point, before any other collective of the step: none is left waiting on a peer
-    that has already raised.
-    """
-    bad = {r: m for r, m in enumerate(masks) if m}
-    if not bad:
-        return
-    parts = []
-    for r, m in bad.items():
-        cols = [_column_name(j) for j in range(_LAST_BIT + 1) if m >> j & 1]
-        what = f"column{'s' if len(cols) > 1 else ''} {', '.join(cols)}"
-        parts.append(what if len(masks) == 1 else f"rank {r}: {what}")
-    if len(masks) == 1:
-        raise nonfinite_error(f"{parts[0]} of the embeddings")
-    raise nonfinite_error(
-        f"the embeddings of {len(bad)} of {len(masks)} processes ({'; '.join(parts)}; every rank stops with "
-        "this error)"
-    )
-
-
 def exchange_shapes(
-    n: int, values: list[int], device: torch.device, what: str, nonfinite: Tensor | None = None
-) -> list[int]:
-    """Every rank's row count, and a check that ``values`` (e.g. column count and embedding dim) agree,
-    in one small all-gather. Raises the same ``ValueError`` on every rank (no hang) on disagreement.
+    n: int, values: list[int], device: torch.device, what: str, flag: Tensor | None = None
+) -> tuple[list[int], list[int]]:
+    """Every rank's row count and ``flag``, and a check that ``values`` (e.g. column count and embedding
+    dim) agree, in one small all-gather. Raises the same ``ValueError`` on every rank (no hang) on
+    disagreement.
 
-    ``nonfinite`` (this rank's :func:`nonfinite_columns` mask) rides along, so that NaN / inf
-    embeddings on any rank make every rank raise the same error here, before any other collective:
-    a rank raising alone would leave its peers waiting in the next collective until the connection
-    drops, and a ring step would quietly spread NaN to every rank's loss and gradients.
+    ``flag`` (a 0-d integer tensor, e.g. which columns hold NaN) rides along so that a caller can agree
+    on it without a collective of its own; it is returned per rank, in rank order.
     """
-    flag = nonfinite if nonfinite is not None else torch.zeros((), dtype=torch.long, device=device)
+    mine_flag = flag if flag is not None else torch.zeros((), dtype=torch.long, device=device)
     if not is_distributed():
-        raise_if_nonfinite([int(flag)])
-        return [n]
+        return [n], [int(mine_flag)]
     sent = torch.tensor([n, *values], dtype=torch.long, device=device)
-    mine = torch.cat([sent, flag.to(device=device, dtype=torch.long).reshape(1)])
+    mine = torch.cat([sent, mine_flag.to(device=device, dtype=torch.long).reshape(1)])
     out = [torch.empty_like(mine) for _ in range(world_size())]
     _count("all_gather_shapes", mine.numel() * mine.element_size())
     dist.all_gather(out, mine)
@@ -166,8 +110,7 @@ def exchange_shapes(
             f"processes disagree on {what}: {shapes} (by rank). Every process must feed the loss "
             "the same columns from the same model; check that each rank's dataset has the same columns."
         )
-    raise_if_nonfinite([row[-1] for row in table])
-    return [row[0] for row in table]
+    return [row[0] for row in table], [row[-1] for row in table]
 
 
 def all_gather_rows(x: Tensor, sizes: list[int]) -> Tensor:

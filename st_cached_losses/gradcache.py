@@ -31,9 +31,17 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from st_cached_losses.features import (
+    Features,
+    batch_size_of,
+    check_splittable,
+    position_shift_invariant,
+    row_lengths,
+    slice_features,
+    unwrap_model,
+)
 from st_cached_losses.functional import check_positive_int
 
-Features = dict[str, Any]
 #: ``embeddings per column -> (loss, grads per column, grads wrt the extra tensors)``
 LossAndGrad = Callable[[list[Tensor]], tuple[Tensor, list[Tensor], list[Tensor | None]]]
 
@@ -94,13 +102,6 @@ class _Autocast:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The SentenceTransformer inside a DDP (or similar) wrapper."""
-    while hasattr(model, "module") and isinstance(model.module, nn.Module):
-        model = model.module
-    return model
-
-
 def _is_ddp(model: nn.Module) -> bool:
     return isinstance(model, nn.parallel.DistributedDataParallel)
 
@@ -137,104 +138,6 @@ def _accumulate_locally(outs: Sequence[Tensor], grads: Sequence[Tensor], params:
                 p.grad = g
             else:
                 p.grad.add_(g)
-
-
-def _batch_size(features: Features) -> int:
-    for key in ("input_ids", "attention_mask", "inputs_embeds", "pixel_values"):
-        value = features.get(key)
-        if isinstance(value, Tensor) and value.dim() >= 1:
-            return int(value.shape[0])
-    for value in features.values():
-        if isinstance(value, Tensor) and value.dim() >= 2:
-            return int(value.shape[0])
-    raise ValueError(
-        f"cannot tell the batch size of a column with keys {sorted(features)}: a cached loss needs tensor inputs "
-        "with a leading batch dimension (e.g. input_ids / attention_mask)."
-    )
-
-
-def check_splittable(features: Features) -> None:
-    """Refuse inputs without a batch dimension to split (e.g. StaticEmbedding's flat ids + offsets)."""
-    if (
-        "offsets" in features
-        and isinstance(features.get("input_ids"), Tensor)
-        and features["input_ids"].dim() == 1
-    ):
-        raise ValueError(
-            "this model's inputs (flat input_ids with offsets, as produced by StaticEmbedding) have no batch "
-            "dimension to split into mini-batches; a StaticEmbedding model is cheap enough to train with the "
-            "non-cached sentence_transformers.losses.MultipleNegativesRankingLoss."
-        )
-
-
-def slice_features(
-    features: Features, rows: Tensor, batch_size: int, *, trim_leading: bool = True
-) -> Features:
-    """The inputs of ``rows`` (``(m,)`` indices), with padding no row of them needs trimmed away.
-
-    Tensors whose first dim is the batch are indexed; of those, the ones laid out like the attention
-    mask ``(B, T, ...)`` are cut to the span of positions any selected row attends to: trailing padding
-    always, leading (left) padding only with ``trim_leading``. A model with absolute positions numbers
-    a left-padded row's tokens after its padding, so cutting that padding would change its embedding
-    (and make the result depend on the mini-batch). Everything else (e.g. a Router's task name) is
-    passed through.
-    """
-    mask = features.get("attention_mask")
-    span: slice | None = None
-    seq_len = None
-    if isinstance(mask, Tensor) and mask.dim() == 2:
-        seq_len = mask.shape[1]
-        used = mask.index_select(0, rows).ne(0).any(0).nonzero()
-        if used.numel() > 0:
-            span = slice(int(used[0]) if trim_leading else 0, int(used[-1]) + 1)
-    out: Features = {}
-    for key, value in features.items():
-        if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
-            value = value.index_select(0, rows.to(value.device))
-            if span is not None and value.dim() >= 2 and value.shape[1] == seq_len:
-                value = value[:, span]
-        out[key] = value
-    return out
-
-
-def _lengths(features: Features, batch_size: int, trim_leading: bool = True) -> Tensor | None:
-    """Per row, the positions it occupies once trimmed as :func:`slice_features` trims: ``(B,)``."""
-    mask = features.get("attention_mask")
-    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
-        return None
-    used = mask.ne(0).cpu()
-    pos = torch.arange(used.shape[1])
-    end = torch.where(used, pos, -1).amax(1) + 1
-    if not trim_leading:
-        return end
-    start = torch.where(used, pos, used.shape[1]).amin(1)
-    return (end - start).clamp(min=0)
-
-
-#: names under which transformers models keep a learned table of absolute positions
-_ABSOLUTE_POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
-
-
-def position_shift_invariant(model: nn.Module) -> bool:
-    """Whether shifting every token's position by the same amount leaves the embeddings unchanged.
-
-    True for rotary models (attention scores depend on position differences only) without a table of
-    absolute positions: there, cutting a left-padded row's leading padding is exact. False whenever
-    unsure (BERT-style absolute positions, unknown models): padding is then kept as it came.
-    """
-    rotary = False
-    for module in unwrap_model(model).modules():
-        for name in _ABSOLUTE_POSITION_TABLES:
-            if isinstance(getattr(module, name, None), nn.Embedding):
-                return False
-        config = getattr(module, "config", None)
-        if config is not None and any(
-            getattr(config, key, None) for key in ("rope_parameters", "rope_theta", "rope_scaling")
-        ):
-            rotary = True
-        if hasattr(module, "rotary_emb"):
-            rotary = True
-    return rotary
 
 
 @dataclass
@@ -390,8 +293,8 @@ class GradCache:
     def plan(self, column: int, features: Features, *, trim_leading: bool = True) -> list[MiniBatch]:
         """Cut one column into mini-batches (longest rows first when sorting)."""
         check_splittable(features)
-        b = _batch_size(features)
-        lengths = _lengths(features, b, trim_leading)
+        b = batch_size_of(features)
+        lengths = row_lengths(features, b, trim_leading)
         if self.sort_by_length and lengths is not None:
             order = torch.argsort(lengths, descending=True, stable=True)
         else:
@@ -419,10 +322,10 @@ class GradCache:
     def fits_in_one(self, columns: Sequence[Features], *, trim_leading: bool = True) -> bool:
         """Whether every column is a single mini-batch (then caching buys nothing)."""
         for features in columns:
-            b = _batch_size(features)
+            b = batch_size_of(features)
             if b > self.mini_batch_size:
                 return False
-            lengths = _lengths(features, b, trim_leading)
+            lengths = row_lengths(features, b, trim_leading)
             budget = self.mini_batch_num_tokens
             if budget is not None and lengths is not None and b > 1 and b * int(lengths.max()) > budget:
                 return False
@@ -439,7 +342,7 @@ class GradCache:
                     self.encode(model, mb.features).float()
                     for mb in tqdm(batches, desc=desc, disable=not self.show_progress_bar, leave=False)
                 ]
-                out.append(_unsort(parts, batches, _batch_size(features)))
+                out.append(_unsort(parts, batches, batch_size_of(features)))
         return out
 
     def step(
@@ -496,7 +399,7 @@ class GradCache:
                 parts.append(out.detach().float())
                 bar.update(1)
             batches.extend(plan)
-            embeddings.append(_unsort(parts, plan, _batch_size(features)))
+            embeddings.append(_unsort(parts, plan, batch_size_of(features)))
         bar.close()
         loss, grads, extra_grads = loss_and_grad(embeddings)
         session = _Session(self, model, batches, grads, list(extra_grads), frozen, autocast, sync)
@@ -513,34 +416,3 @@ def _unsort(parts: list[Tensor], batches: list[MiniBatch], batch_size: int) -> T
     out = torch.empty((batch_size, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
     out[rows] = flat
     return out
-
-
-_HASH_MULT = 0x5851F42D4C957F2D  # odd 64-bit multiplier (as in PCG); int64 products wrap around
-
-
-def input_hashes(features: Features) -> Tensor:
-    """A 64-bit key per row of a column's inputs: equal token ids (ignoring padding) give equal keys.
-
-    Used to mask false negatives (the same text as a row's positive, elsewhere in the batch); computed
-    from the token ids rather than the embeddings, which differ under dropout. ``(B,)`` int64.
-    """
-    ids = features.get("input_ids")
-    if not isinstance(ids, Tensor) or ids.dim() != 2:
-        raise ValueError("mask_duplicates needs token ids (a 2-D input_ids) to recognise identical inputs.")
-    mask = features.get("attention_mask")
-    valid = (
-        mask.ne(0)
-        if isinstance(mask, Tensor) and mask.shape == ids.shape
-        else torch.ones_like(ids, dtype=torch.bool)
-    )
-    # left-align each row's valid tokens so left- and right-padded copies of one text agree
-    order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
-    # padding becomes -2, so that (token + 2) is 0 there and the key does not depend on the padded length
-    tokens = torch.gather(ids.long(), 1, order).masked_fill(~torch.gather(valid, 1, order), -2)
-    seq = tokens.shape[1]
-    powers = torch.empty(seq, dtype=torch.long, device=ids.device)
-    acc = 1
-    for t in range(seq):
-        powers[t] = acc - (1 << 64) if acc >= (1 << 63) else acc
-        acc = (acc * _HASH_MULT) % (1 << 64)
-    return ((tokens + 2) * powers).sum(1)

@@ -81,7 +81,7 @@ def flat_grads(model) -> torch.Tensor:
 
 def reference_step(path: str, name: str, texts: list[list[str]], mask: bool = False) -> dict:
     """Single process, whole global batch, naive dense loss."""
-    from st_cached_losses.gradcache import input_hashes
+    from st_cached_losses.functional.keys import input_hashes
 
     _, kwargs, _, symmetric = CONFIGS[name]
     model = load_model(path)

@@ -15,8 +15,20 @@ from st_cached_losses.memory import PeakMemory
 from tests.reference import reference_infonce, reference_infonce_blockwise_float64
 
 
-def make_inputs(b, n_rank, d, n_neg, rank, symmetric, seed, dtype=torch.float32):
-    """Anchors (b, d) of one rank out of n_rank; gathered candidate columns (n_rank * b, d)."""
+def on(device, x):
+    """``x`` (a tensor, or tuples / lists / dicts of them) moved to ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, (tuple, list)):
+        return type(x)(on(device, v) for v in x)
+    if isinstance(x, dict):
+        return {k: on(device, v) for k, v in x.items()}
+    return x
+
+
+def make_inputs(b, n_rank, d, n_neg, rank, symmetric, seed, dtype=torch.float32, device="cpu"):
+    """Anchors (b, d) of one rank out of n_rank; gathered candidate columns (n_rank * b, d), on
+    ``device`` (drawn on the CPU: the same values on every device)."""
     g = torch.Generator().manual_seed(seed)
     n = n_rank * b
     anchors_all = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -24,7 +36,7 @@ def make_inputs(b, n_rank, d, n_neg, rank, symmetric, seed, dtype=torch.float32)
     cols = [positives] + [torch.randn(n, d, generator=g, dtype=torch.float64) for _ in range(n_neg)]
     off = rank * b
     anchors = anchors_all[off : off + b]
-    to = lambda t: t.to(dtype).clone().requires_grad_()  # noqa: E731
+    to = lambda t: t.to(device=device, dtype=dtype).clone().requires_grad_()  # noqa: E731
     inputs = {
         "anchors": to(anchors),
         "candidates": [to(c) for c in cols],
@@ -95,14 +107,16 @@ CASES = st.fixed_dictionaries(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=CASES)
-def test_values_and_gradients_match_reference(case):
+def test_values_and_gradients_match_reference(device, case):
     symmetric = case["symmetric"]
     n_rank = case["n_rank"]
     rank = case["seed"] % n_rank
-    inputs = make_inputs(case["b"], n_rank, case["d"], case["n_neg"], rank, symmetric, case["seed"])
+    inputs = make_inputs(
+        case["b"], n_rank, case["d"], case["n_neg"], rank, symmetric, case["seed"], device=device
+    )
     # dot products of random vectors with large scales are huge: keep the logits in a sane range
     scale_value = case["scale"] if case["similarity"] == "cosine" else case["scale"] / (10 * case["d"])
-    scale = torch.tensor(scale_value, requires_grad=True) if case["learnable"] else scale_value
+    scale = torch.tensor(scale_value, requires_grad=True, device=device) if case["learnable"] else scale_value
     kwargs = {
         "scale": scale,
         "similarity": case["similarity"],
@@ -152,11 +166,19 @@ def test_values_and_gradients_match_reference(case):
 @pytest.mark.parametrize("path", ["chunked", "tiled"])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("gathered", [False, True])
-def test_gradcheck_float64(path, symmetric, gathered):
+def test_gradcheck_float64(path, symmetric, gathered, device):
     inputs = make_inputs(
-        3, 2 if gathered else 1, 4, 1, 1 if gathered else 0, symmetric, seed=1, dtype=torch.float64
+        3,
+        2 if gathered else 1,
+        4,
+        1,
+        1 if gathered else 0,
+        symmetric,
+        seed=1,
+        dtype=torch.float64,
+        device=device,
     )
-    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True)
+    scale = torch.tensor(3.0, dtype=torch.float64, requires_grad=True, device=device)
     names = ["anchors", "candidates0", "candidates1"] + (
         ["anchors_all"] if inputs["anchors_all"] is not None else []
     )
@@ -183,8 +205,8 @@ def test_gradcheck_float64(path, symmetric, gathered):
 
 @pytest.mark.parametrize("path", ["chunked", "tiled"])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_bf16_error_no_worse_than_twice_naive(path, symmetric):
-    inputs32 = make_inputs(64, 1, 32, 1, 0, symmetric, seed=5)
+def test_bf16_error_no_worse_than_twice_naive(path, symmetric, device):
+    inputs32 = make_inputs(64, 1, 32, 1, 0, symmetric, seed=5, device=device)
     inputs16 = {
         "anchors": inputs32["anchors"].detach().bfloat16().requires_grad_(),
         "candidates": [c.detach().bfloat16().requires_grad_() for c in inputs32["candidates"]],
@@ -216,9 +238,9 @@ def test_bf16_error_no_worse_than_twice_naive(path, symmetric):
 
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("path", ["chunked", "tiled"])
-def test_grad_output_scales_gradients(fused, path):
-    inputs = make_inputs(7, 1, 5, 2, 0, True, seed=3)
-    scale = torch.tensor(15.0, requires_grad=True)
+def test_grad_output_scales_gradients(fused, path, device):
+    inputs = make_inputs(7, 1, 5, 2, 0, True, seed=3, device=device)
+    scale = torch.tensor(15.0, requires_grad=True, device=device)
     kwargs = {**inputs, "scale": scale, "symmetric": True, "path": path, "chunk_size": 3, "tile_size": 3}
     if path == "chunked":
         kwargs.pop("tile_size")
@@ -242,13 +264,13 @@ def test_grad_output_scales_gradients(fused, path):
 
 @pytest.mark.parametrize("path", ["chunked", "tiled"])
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_finite_at_scale_100_with_cosines_near_one(path, symmetric):
+def test_finite_at_scale_100_with_cosines_near_one(path, symmetric, device):
     b, d = 256, 64
     g = torch.Generator().manual_seed(0)
     direction = torch.randn(d, generator=g)
     # every pair of embeddings has cosine >= 0.999
-    anchors = direction + 0.02 * torch.randn(b, d, generator=g)
-    positives = direction + 0.02 * torch.randn(b, d, generator=g)
+    anchors = (direction + 0.02 * torch.randn(b, d, generator=g)).to(device)
+    positives = (direction + 0.02 * torch.randn(b, d, generator=g)).to(device)
     cos = torch.nn.functional.normalize(anchors, dim=1) @ torch.nn.functional.normalize(positives, dim=1).T
     assert cos.min() > 0.999
     # the naive computation without max-subtraction (Inf-CL's torch path) overflows in fp32 here
@@ -263,34 +285,55 @@ def test_finite_at_scale_100_with_cosines_near_one(path, symmetric):
     assert float(loss) == pytest.approx(float(exact), rel=1e-5)
 
 
-def test_equals_blockwise_float64_reference_at_moderate_batch():
+def test_equals_blockwise_float64_reference_at_moderate_batch(device):
     g = torch.Generator().manual_seed(2)
     anchors = torch.randn(3000, 16, generator=g)
     positives = anchors + torch.randn(3000, 16, generator=g)
+    anchors, positives = anchors.to(device), positives.to(device)
     out = infonce_loss_and_grad(anchors, positives, symmetric=True, path="tiled", tile_size=512)
     exact = reference_infonce_blockwise_float64(anchors, positives, symmetric=True, block=700)
     assert float(out.loss) == pytest.approx(exact, rel=1e-5)
     assert math.isfinite(exact) and exact > 0
 
 
-def test_tiled_memory_is_far_below_dense_logits():
+# The CUDA caching allocator rounds every block up to 512 bytes and reduction kernels take scratch
+# space the dispatcher does not see: its peak may exceed the live tensor bytes by this much.
+CUDA_ALLOCATOR_SLACK = 128 * 2**10
+
+
+def peaks(device, fn):
+    """Peak bytes of ``fn()``: live tensor bytes (the dispatcher's count, any device); on CUDA also the
+    caching allocator's peak (``torch.cuda.max_memory_allocated``) less ``CUDA_ALLOCATOR_SLACK``, after
+    a warm-up call that allocates the libraries' one-off workspaces."""
+    if device != "cpu":
+        fn()
+    with PeakMemory(device) as mem:
+        fn()
+    if mem.cuda_peak_bytes is None:
+        return [mem.peak_bytes]
+    return [mem.peak_bytes, mem.cuda_peak_bytes - CUDA_ALLOCATOR_SLACK]
+
+
+def test_tiled_memory_is_far_below_dense_logits(device):
     b, d = 2048, 32
-    anchors, positives = torch.randn(b, d), torch.randn(b, d)
-    with PeakMemory() as mem:
-        infonce_loss_and_grad(anchors, positives, symmetric=True, path="tiled", tile_size=128)
+    anchors, positives = torch.randn(b, d).to(device), torch.randn(b, d).to(device)
     dense = b * b * 4
-    assert mem.peak_bytes < dense / 8, f"{mem.peak_bytes} bytes"
-    # the peak is the returned gradients, the normalisation vectors and a handful of tiles
-    assert mem.peak_bytes < 2 * b * d * 4 + 8 * 128 * 128 * 4 + 16 * b * 4 + 4 * b * d * 4
+    for peak in peaks(
+        device, lambda: infonce_loss_and_grad(anchors, positives, symmetric=True, path="tiled", tile_size=128)
+    ):
+        assert peak < dense / 8, f"{peak} bytes"
+        # the peak is the returned gradients, the normalisation vectors and a handful of tiles
+        assert peak < 2 * b * d * 4 + 8 * 128 * 128 * 4 + 16 * b * 4 + 4 * b * d * 4
 
 
-def test_chunked_memory_is_bounded_by_its_chunk():
+def test_chunked_memory_is_bounded_by_its_chunk(device):
     b, d, chunk = 2048, 32, 64
-    anchors, positives = torch.randn(b, d), torch.randn(b, d)
-    with PeakMemory() as mem:
-        infonce_loss_and_grad(anchors, positives, path="chunked", chunk_size=chunk)
-    assert mem.peak_bytes < 3 * chunk * b * 4 + 8 * b * d * 4
-    assert mem.peak_bytes < b * b * 4 / 4
+    anchors, positives = torch.randn(b, d).to(device), torch.randn(b, d).to(device)
+    for peak in peaks(
+        device, lambda: infonce_loss_and_grad(anchors, positives, path="chunked", chunk_size=chunk)
+    ):
+        assert peak < 3 * chunk * b * 4 + 8 * b * d * 4
+        assert peak < b * b * 4 / 4
 
 
 BAD = [
@@ -329,8 +372,8 @@ BAD = [
 
 @pytest.mark.parametrize("entry", [infonce, infonce_loss_and_grad], ids=["autograd", "fused"])
 @pytest.mark.parametrize(("name", "make", "match"), BAD, ids=[b[0] for b in BAD])
-def test_bad_input_raises_value_error_naming_the_fix(entry, name, make, match):
-    args, kwargs = make()
+def test_bad_input_raises_value_error_naming_the_fix(entry, name, make, match, device):
+    args, kwargs = on(device, make())
     with pytest.raises(ValueError, match=match) as info:
         entry(*args, **kwargs)
     assert len(str(info.value)) > 40, "the message must say what to do, not only what is wrong"
@@ -343,10 +386,11 @@ def test_bad_input_raises_value_error_naming_the_fix(entry, name, make, match):
 # to a row's positive is not one of its negatives either.
 
 
-def duplicate_case(n_rank: int, n_neg: int, b: int = 4, d: int = 6, seed: int = 3):
+def duplicate_case(n_rank: int, n_neg: int, b: int = 4, d: int = 6, seed: int = 3, device="cpu"):
     """Global float64 pairs and keys with false negatives, across ranks when ``n_rank > 1``: pairs 0 and
     N-1 share a positive, pairs 1 and N-2 share an anchor, a hard negative of pair N-3 repeats pair 0's
-    positive. Identical inputs have identical embeddings, as from an encoder."""
+    positive. Identical inputs have identical embeddings, as from an encoder. Drawn on the CPU, returned
+    on ``device``."""
     g = torch.Generator().manual_seed(seed)
     n = n_rank * b
     anchors = torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -359,7 +403,7 @@ def duplicate_case(n_rank: int, n_neg: int, b: int = 4, d: int = 6, seed: int = 
     cols[0][n - 1], c_keys[0][n - 1] = cols[0][0], c_keys[0][0]
     if n_neg:
         cols[1][n - 3], c_keys[1][n - 3] = cols[0][0], c_keys[0][0]
-    return anchors, cols, a_keys, c_keys
+    return on(device, (anchors, cols, a_keys, c_keys))
 
 
 def rank_problem(anchors, cols, a_keys, c_keys, n_rank, rank, symmetric):
@@ -392,9 +436,11 @@ def _grads_of(kwargs, loss, scale):
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize(("n_rank", "rank"), [(1, 0), (2, 0), (2, 1)], ids=["one", "gathered0", "gathered1"])
 @pytest.mark.parametrize("n_neg", [0, 1])
-def test_duplicates_masked_in_both_directions_match_reference(entry, path, symmetric, n_rank, rank, n_neg):
-    data = duplicate_case(n_rank, n_neg)
-    scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
+def test_duplicates_masked_in_both_directions_match_reference(
+    entry, path, symmetric, n_rank, rank, n_neg, device
+):
+    data = duplicate_case(n_rank, n_neg, device=device)
+    scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True, device=device)
     ref_kwargs = rank_problem(*data, n_rank, rank, symmetric)
     ref_loss = reference_infonce(**ref_kwargs, scale=scale, symmetric=symmetric)
     ref_grads = _grads_of(ref_kwargs, ref_loss, scale)
@@ -419,11 +465,11 @@ def test_duplicates_masked_in_both_directions_match_reference(entry, path, symme
 
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize(("n_rank", "rank"), [(1, 0), (2, 0), (2, 1)], ids=["one", "gathered0", "gathered1"])
-def test_duplicate_masking_changes_each_direction(symmetric, n_rank, rank):
+def test_duplicate_masking_changes_each_direction(symmetric, n_rank, rank, device):
     """Non-vacuous: each clause of the rule moves the loss. The row direction masks the positive of a
     pair with the same anchor (not only candidates equal to the row's positive); the symmetric
     direction masks the anchor of a pair with the same positive (not only equal anchors)."""
-    anchors, cols, a_keys, c_keys = duplicate_case(n_rank, 1)
+    anchors, cols, a_keys, c_keys = duplicate_case(n_rank, 1, device=device)
     kw = rank_problem(anchors, cols, a_keys, c_keys, n_rank, rank, symmetric)
     masked = float(infonce(**kw, symmetric=symmetric, scale=7.0, path="tiled", tile_size=3))
     plain = {k: v for k, v in kw.items() if "keys" not in k}
@@ -443,7 +489,7 @@ def test_duplicate_masking_changes_each_direction(symmetric, n_rank, rank):
     assert masked != pytest.approx(float((forward + backward) / 2), abs=1e-3)
 
 
-def test_shared_positive_rule_spelled_out():
+def test_shared_positive_rule_spelled_out(device):
     """Rows 0 and 1 share a positive (the issue's case), by hand: row 0 does not see d0_1, row 1 not d0_0,
     positive 0 does not see anchor 1 and positive 1 not anchor 0; nothing else is masked."""
     g = torch.Generator().manual_seed(5)
@@ -458,6 +504,7 @@ def test_shared_positive_rule_spelled_out():
     fwd = [torch.logsumexp(logits[i, keep(i)], 0) - logits[i, i] for i in range(4)]
     bwd = [torch.logsumexp(logits[keep(i), i], 0) - logits[i, i] for i in range(4)]
     expected = float(sum(fwd) + sum(bwd)) / 8
+    q, p, a_keys, p_keys = on(device, (q, p, a_keys, p_keys))
     for path in ("chunked", "tiled"):
         out = infonce_loss_and_grad(
             q, p, scale=s, symmetric=True, path=path, anchor_keys=a_keys, candidate_keys=[p_keys]
@@ -474,19 +521,19 @@ def test_gathered_anchor_keys_need_every_positives_anchor():
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_ring_masks_duplicates_like_reference_one_process(symmetric):
+def test_ring_masks_duplicates_like_reference_one_process(symmetric, device):
     """The ring's own-block path (no process group: one visit) under the same rule."""
-    from st_cached_losses.ring import ring_infonce
+    from st_cached_losses.functional.parallel import ring_loss_and_grad
 
-    anchors, cols, a_keys, c_keys = duplicate_case(1, 1)
-    scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
+    anchors, cols, a_keys, c_keys = duplicate_case(1, 1, device=device)
+    scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True, device=device)
     kw = rank_problem(anchors, cols, a_keys, c_keys, 1, 0, symmetric)
     ref_loss = reference_infonce(**kw, scale=scale, symmetric=symmetric)
     ref_grads = _grads_of(kw, ref_loss, scale)
     b = anchors.shape[0]
-    out = ring_infonce(
-        anchors, cols, [b], scale=scale, cosine=True, symmetric=symmetric, weight=1.0 / b, tile_size=3,
-        memory_budget=2**20, with_grad=True, anchor_keys=a_keys, candidate_keys=c_keys,
+    out = ring_loss_and_grad(
+        anchors, cols, [b], scale=scale, symmetric=symmetric, tile_size=3, memory_budget=2**20,
+        anchor_keys=a_keys, candidate_keys=c_keys,
     )  # fmt: skip
     assert float(out.loss) == pytest.approx(float(ref_loss), rel=1e-12)
     for g, r in zip([out.grad_anchors, *out.grad_candidates, out.grad_scale], ref_grads):
@@ -494,16 +541,15 @@ def test_ring_masks_duplicates_like_reference_one_process(symmetric):
 
 
 def _ring_duplicates_worker(rank: int, world: int, symmetric: bool):
-    from st_cached_losses.ring import ring_infonce
+    from st_cached_losses.functional.parallel import ring_loss_and_grad
 
     anchors, cols, a_keys, c_keys = duplicate_case(world, 1)
     b = anchors.shape[0] // world
     own = slice(rank * b, (rank + 1) * b)
     scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True)
-    out = ring_infonce(
-        anchors[own], [c[own] for c in cols], [b] * world, scale=scale, cosine=True, symmetric=symmetric,
-        weight=1.0 / b, tile_size=3, memory_budget=2**20, with_grad=True,
-        anchor_keys=a_keys[own], candidate_keys=[k[own] for k in c_keys],
+    out = ring_loss_and_grad(
+        anchors[own], [c[own] for c in cols], [b] * world, scale=scale, symmetric=symmetric,
+        tile_size=3, memory_budget=2**20, anchor_keys=a_keys[own], candidate_keys=[k[own] for k in c_keys],
     )  # fmt: skip
     return {
         "loss": out.loss,
@@ -538,3 +584,44 @@ def test_ring_masks_duplicates_across_processes(symmetric):
         torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
     unmasked = reference_infonce(anchors, cols, scale=7.0, symmetric=symmetric)
     assert float(ref_loss) != pytest.approx(float(unmasked), abs=1e-3)
+
+
+# --------------------------------------------------------------------------- autograd memory
+#
+# ``infonce`` saves the raw inputs (references) and O(B + N) statistics; backward renormalises the
+# inputs and recomputes the logit tiles. Nothing derived from the embeddings (the chunked path's
+# normalised fp32 copy of every matrix) may outlive the forward.
+
+AUTOGRAD_PATHS = [("chunked", {"chunk_size": 32}), ("tiled", {"tile_size": 64})]
+
+
+@pytest.mark.parametrize(("path", "sizes"), AUTOGRAD_PATHS, ids=[p for p, _ in AUTOGRAD_PATHS])
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_autograd_memory_is_inputs_plus_lse_between_passes_and_bounded_by_blocks(path, sizes, symmetric):
+    b, d, n_neg = 512, 32, 1
+    g = torch.Generator().manual_seed(0)
+    anchors = torch.randn(b, d, generator=g, requires_grad=True)
+    cols = [torch.randn(b, d, generator=g, requires_grad=True) for _ in range(1 + n_neg)]
+    with PeakMemory() as mem:
+        loss = infonce(anchors, cols, symmetric=symmetric, path=path, **sizes)
+        between = mem.live
+        grads = torch.autograd.grad(loss, [anchors, *cols])
+    assert all(gr.abs().max() > 0 for gr in grads)
+    # held by the graph: positive logits (B,), row LSE as max and log-sum (2B), column LSE (2N) for the
+    # symmetric loss, and the 0-d loss -- not one (B, d) matrix
+    assert between <= 4 * (3 * b + (2 * b if symmetric else 0)) + 64, f"{between} bytes between passes"
+    inputs = (1 + len(cols)) * b * d * 4
+    dense = b * len(cols) * b * 4
+    # three fp32 logit blocks, as the planner counts them: (chunk, K * N) or (tile, tile)
+    block = sizes["chunk_size"] * len(cols) * b * 4 if path == "chunked" else sizes["tile_size"] ** 2 * 4
+    # backward: the returned gradients, a normalised copy and fp32 gradients of every input, the blocks
+    assert mem.peak_bytes <= 3 * inputs + 3 * block + 64 * (b + len(cols) * b), f"{mem.peak_bytes} bytes"
+    assert mem.peak_bytes < dense / 2
+
+
+def test_autograd_saves_nothing_without_grad():
+    anchors, positives = torch.randn(256, 16), torch.randn(256, 16)
+    with PeakMemory() as mem:
+        loss = infonce(anchors, positives, symmetric=True, path="chunked", chunk_size=32)
+        assert loss.grad_fn is None
+        assert mem.live <= 64, f"{mem.live} bytes kept with the loss"

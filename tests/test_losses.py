@@ -276,7 +276,7 @@ def test_static_embedding_refused():
 
 
 def test_input_hashes_ignore_padding_and_side():
-    from st_cached_losses.gradcache import input_hashes
+    from st_cached_losses.functional.keys import input_hashes
 
     ids = torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 0, 0], [0, 0, 5, 6, 7], [5, 6, 8, 0, 0]])
     mask = (ids != 0).long()
@@ -288,7 +288,7 @@ def test_input_hashes_ignore_padding_and_side():
 
 @pytest.mark.parametrize(("cls", "symmetric"), LOSSES, ids=["mnr", "clip"])
 def test_mask_duplicates_matches_masked_reference(model, cls, symmetric):
-    from st_cached_losses.gradcache import input_hashes
+    from st_cached_losses.functional.keys import input_hashes
 
     texts = [random_texts(9, seed=40 + k) for k in range(3)]
     texts[1][5] = texts[1][0]  # a duplicate positive
@@ -358,7 +358,7 @@ def _left_padded_columns(model, b: int = 12):
 def test_left_padding_absolute_positions_independent_of_mini_batch(tmp_path_factory, mini_batch_size):
     """BERT numbers positions from the first (padding) token: a left-padded row keeps the padding it
     came with, so every mini-batch size gives sentence-transformers' non-cached result."""
-    from st_cached_losses.gradcache import position_shift_invariant
+    from st_cached_losses.features import position_shift_invariant
 
     model = make_tiny_model(tmp_path_factory.mktemp("left") / "bert")
     model[0].tokenizer.padding_side = "left"
@@ -377,7 +377,8 @@ def test_left_padding_absolute_positions_independent_of_mini_batch(tmp_path_fact
 def test_left_padding_rotary_decoder_trims_and_stays_exact(tmp_path_factory):
     """Rotary positions only see differences: leading padding is cut (fewer positions embedded) and the
     result still equals the non-cached loss."""
-    from st_cached_losses.gradcache import GradCache, position_shift_invariant
+    from st_cached_losses.features import position_shift_invariant
+    from st_cached_losses.gradcache import GradCache
     from tests.tiny_model import make_tiny_decoder
 
     model = make_tiny_decoder(tmp_path_factory.mktemp("dec") / "qwen2")
@@ -432,7 +433,7 @@ def _masked_symmetric(make_kwargs):
 def test_shared_positive_masked_in_both_directions(model, make):
     """Rows 0 and 1 share their positive text: d0_1 is not a negative of q_0 (nor d0_0 of q_1), and q_1 is
     not a negative of d0_0 (nor q_0 of d0_1), as in the reference with both directions masked."""
-    from st_cached_losses.gradcache import input_hashes
+    from st_cached_losses.functional.keys import input_hashes
 
     texts = [random_texts(9, seed=60 + k) for k in range(2)]
     texts[1][1] = texts[1][0]

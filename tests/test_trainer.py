@@ -302,3 +302,149 @@ def test_config_dict_is_json(tmp_path):
     config = CachedCLIPLoss(model, learnable_scale=True, mini_batch_num_tokens=512).get_config_dict()
     assert json.loads(json.dumps(config)) == config
     assert config["learnable_scale"] is True and config["mini_batch_num_tokens"] == 512
+
+
+# ---------------------------------------------------------------- resuming the learnable scale elsewhere
+
+
+class _StopAt(TrainerCallback):
+    """Interrupts training after a step, as a crash would, with the schedule of the full run."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+
+
+def _scale_run(
+    out: Path,
+    *,
+    stop_at: int | None = None,
+    resume: Path | None = None,
+    explicit: bool = False,
+    model=None,
+    loss=None,
+):
+    """A 4-step run with a learnable scale saving at steps 2 and 4 (the scale moves enough to tell a
+    restored scale from a restarted one), optionally interrupted, resumed, or with an explicit callback."""
+    from st_cached_losses import LossStateCallback
+
+    model = model if model is not None else make_tiny_model(out.parent / f"model_{out.name}")
+    if loss is None:
+        loss = CachedCLIPLoss(model, scale=10.0, learnable_scale=True, mini_batch_size=3)
+    args = make_args(out, max_steps=4, learning_rate=5e-2, save_strategy="steps", save_steps=2)
+    callbacks = ([_StopAt(stop_at)] if stop_at else []) + ([LossStateCallback(loss)] if explicit else [])
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=make_dataset(64), loss=loss, callbacks=callbacks or None
+    )
+    trainer.train(resume_from_checkpoint=str(resume) if resume else None)
+    return trainer, loss, model
+
+
+def _strip_state_entry(checkpoint: Path) -> None:
+    """Make ``checkpoint`` look saved by an earlier st_cached_losses: no scale in trainer_state.json."""
+    from st_cached_losses.callbacks import STATE_KEY
+
+    path = checkpoint / "trainer_state.json"
+    state = json.loads(path.read_text())
+    del state["stateful_callbacks"][STATE_KEY]
+    path.write_text(json.dumps(state))
+
+
+@pytest.fixture(scope="module")
+def scale_runs(tmp_path_factory):
+    """An uninterrupted run (automatic callback) and one interrupted after step 2 (explicit callback),
+    both saving checkpoint-2; the resume tests compare with the first."""
+    root = tmp_path_factory.mktemp("scale_runs")
+    _, full_loss, full_model = _scale_run(root / "full")
+    _, stopped_loss, _ = _scale_run(root / "stopped", stop_at=2, explicit=True)
+    assert full_loss.scale != pytest.approx(10.0) and stopped_loss.scale != pytest.approx(full_loss.scale)
+    return {
+        "root": root,
+        "scale": full_loss.scale,
+        "params": flat_params(full_model).clone(),
+        # the uninterrupted run's checkpoint was written by the automatic callback, the other's by the explicit one
+        "auto_checkpoint": root / "full" / "checkpoint-2",
+        "explicit_checkpoint": root / "stopped" / "checkpoint-2",
+    }
+
+
+def _assert_matches_uninterrupted(scale_runs, loss, model) -> None:
+    assert loss.scale == pytest.approx(scale_runs["scale"], rel=1e-6)
+    torch.testing.assert_close(flat_params(model), scale_runs["params"], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("callback", ["explicit", "automatic"])
+def test_learnable_scale_resumes_from_a_checkpoint_in_another_folder(tmp_path, scale_runs, callback):
+    """Issue 10: resuming from another run's checkpoint-2 restored no scale with an explicit
+    LossStateCallback (it looked in its own output_dir/checkpoint-2); each kind of callback resumes from
+    a checkpoint saved by the other kind."""
+    from st_cached_losses import LossStateCallback
+
+    explicit = callback == "explicit"
+    source = scale_runs["auto_checkpoint"] if explicit else scale_runs["explicit_checkpoint"]
+    out = tmp_path / "resumed"
+    trainer, loss, model = _scale_run(out, resume=source, explicit=explicit)
+    assert not (out / "checkpoint-2").exists(), "the scale cannot have come from output_dir"
+    assert sum(isinstance(cb, LossStateCallback) for cb in trainer.callback_handler.callbacks) == 1
+    _assert_matches_uninterrupted(scale_runs, loss, model)
+    # the resumed run's own checkpoint carries the scale on
+    assert (out / "checkpoint-4" / STATE_FILE).is_file()
+    logged = [log["scale"] for log in trainer.state.log_history if "loss" in log]
+    assert len(logged) == 4 and logged[-1] == pytest.approx(loss.scale)
+
+
+def test_same_loss_handed_to_a_second_trainer_resumes_its_scale(tmp_path, scale_runs):
+    """A notebook resume: the interrupted run's model and loss given to a new trainer. The callback is
+    attached to the new trainer too (not once per loss) and restores the checkpoint's scale over
+    whatever the loss holds."""
+    from st_cached_losses import LossStateCallback
+
+    _, loss, model = _scale_run(tmp_path / "first", stop_at=2)
+    with torch.no_grad():
+        loss.logit_scale.fill_(torch.tensor(10.0).log())
+    trainer, _, _ = _scale_run(
+        tmp_path / "second", resume=tmp_path / "first" / "checkpoint-2", model=model, loss=loss
+    )
+    assert any(
+        isinstance(cb, LossStateCallback) and cb.covers(loss) for cb in trainer.callback_handler.callbacks
+    )
+    _assert_matches_uninterrupted(scale_runs, loss, model)
+
+
+def test_resume_without_saved_scale_warns_and_old_checkpoints_are_read(tmp_path, scale_runs, caplog):
+    """A checkpoint without the trainer-state entry (as saved by an earlier st_cached_losses) is read
+    from its scale file when it is provably the resumed one (output_dir/checkpoint-<step>); else the
+    run warns, naming the step, rather than restarting the scale silently, and another run's
+    checkpoint-2 in output_dir is not mistaken for it."""
+    import shutil
+
+    # the old layout, resumed in place
+    legacy = tmp_path / "legacy"
+    shutil.copytree(scale_runs["explicit_checkpoint"], legacy / "checkpoint-2")
+    _strip_state_entry(legacy / "checkpoint-2")
+    with caplog.at_level(logging.WARNING, logger="st_cached_losses"):
+        _, loss, model = _scale_run(legacy, resume=legacy / "checkpoint-2")
+    assert not [r for r in caplog.records if "holds no learnable scale" in r.getMessage()]
+    _assert_matches_uninterrupted(scale_runs, loss, model)
+
+    # no scale anywhere, and a decoy of another run at output_dir/checkpoint-2
+    bare = tmp_path / "bare" / "checkpoint-2"
+    shutil.copytree(scale_runs["explicit_checkpoint"], bare)
+    _strip_state_entry(bare)
+    (bare / STATE_FILE).unlink()
+    decoy = tmp_path / "other" / "checkpoint-2"
+    shutil.copytree(scale_runs["auto_checkpoint"], decoy)
+    decoy_state = json.loads((decoy / "trainer_state.json").read_text())
+    decoy_state["log_history"][0]["loss"] += 1.0
+    (decoy / "trainer_state.json").write_text(json.dumps(decoy_state))
+    torch.save({"0": torch.tensor(3.0).log()}, decoy / STATE_FILE)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="st_cached_losses"):
+        _, loss, _ = _scale_run(tmp_path / "other", resume=bare)
+    warnings = [r.getMessage() for r in caplog.records if "holds no learnable scale" in r.getMessage()]
+    assert len(warnings) == 1 and "resumed at step 2" in warnings[0] and "logit_scale" in warnings[0]
+    assert loss.scale != pytest.approx(scale_runs["scale"], rel=1e-3)
+    assert loss.scale > 5.0, "the decoy's scale (3.0) must not be restored"

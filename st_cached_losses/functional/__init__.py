@@ -3,21 +3,20 @@
 Imports nothing from sentence_transformers or accelerate.
 """
 
+from st_cached_losses.functional.checks import check_positive_int, scale_value
 from st_cached_losses.functional.infonce import (
     DEFAULT_MEMORY_BUDGET,
     InfoNCEOutput,
-    Path,
+    LossPath,
     Similarity,
-    check_positive_int,
     infonce,
     infonce_loss_and_grad,
-    scale_value,
 )
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "InfoNCEOutput",
-    "Path",
+    "LossPath",
     "Similarity",
     "check_positive_int",
     "infonce",

@@ -10,7 +10,7 @@ Notation used in the shape comments: ``b`` rows in a row tile, ``t`` candidates 
 
 The loss is ``w_r * sum_i (lse_r[i] - pos[i]) + w_c * sum_j (lse_c[j] - pos[j])`` where
 ``lse_r[i] = logsumexp_c S[i, c]`` over every candidate of every column, ``lse_c[j]`` (symmetric
-loss only) is the log-sum-exp of positive ``j`` against every row, and ``pos[i] = S[i, offset + i]``.
+loss only) is the log-sum-exp of positive ``j`` against every row, and ``pos[i] = S[i, row_offset + i]``.
 Its gradient wrt the logits is ``w_r * (P_r - Y) + w_c * (P_c - Y)``. The one-hot ``Y`` is subtracted
 inside the logit block, before the block meets the embeddings in a GEMM: where the positive's
 probability is close to 1, ``P - Y`` is small, and forming it first keeps the cancellation in one
@@ -86,11 +86,11 @@ def spans(n: int, size: int) -> Iterator[tuple[int, int]]:
         yield i0, min(i0 + size, n)
 
 
-def positive_logits(rows: Operand, pos_col: Operand, offset: int, row_tile: int) -> Tensor:
-    """``pos[i] = <rows_i, pos_col_{offset + i}>`` in fp32: ``(B,)``."""
+def positive_logits(rows: Operand, pos_col: Operand, row_offset: int, row_tile: int) -> Tensor:
+    """``pos[i] = <rows_i, pos_col_{row_offset + i}>`` in fp32: ``(B,)``."""
     out = torch.empty(rows.n, dtype=rows.dtype, device=rows.x.device)
     for r0, r1 in spans(rows.n, row_tile):
-        out[r0:r1] = (rows.tile(r0, r1) * pos_col.tile(offset + r0, offset + r1)).sum(1)
+        out[r0:r1] = (rows.tile(r0, r1) * pos_col.tile(row_offset + r0, row_offset + r1)).sum(1)
     return out
 
 
@@ -163,7 +163,7 @@ def _masks(
     r1: int,
     c0: int,
     c1: int,
-    diag: int | None,
+    row_offset: int | None,
     column_direction: bool,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Row- and column-direction masks of one ``(b, t)`` tile (True = not a candidate)."""
@@ -172,10 +172,10 @@ def _masks(
     m_r = keys.row_pos[r0:r1, None] == keys.cols[k][None, c0:c1]
     if k == 0 and keys.row_self is not None and keys.col_pair is not None:
         m_r |= keys.row_self[r0:r1, None] == keys.col_pair[None, c0:c1]
-    if k == 0 and diag is not None:
-        # the positive pair (i, diag + i) is never masked
+    if k == 0 and row_offset is not None:
+        # the positive pair (i, row_offset + i) is never masked
         i = torch.arange(r0, r1, device=m_r.device)
-        j = i + diag - c0
+        j = i + row_offset - c0
         ok = (j >= 0) & (j < c1 - c0)
         m_r[(i - r0)[ok], j[ok]] = False
     # duplicate pairs are duplicates both ways: the column direction masks the same entries
@@ -213,12 +213,12 @@ def update_stats(
     *,
     row_tile: int,
     col_tile: int,
-    diag: int | None,
+    row_offset: int | None,
     keys: DuplicateKeys | None = None,
 ) -> None:
     """Fold the logits of ``rows`` against ``cols`` into running row statistics and, when ``col_acc``
     is given, into column 0's running statistics over these rows. One ``(b, t)`` tile at a time.
-    ``diag``: positive pairs are ``(i, diag + i)`` of column 0 (None when this block has none)."""
+    ``row_offset``: positive pairs are ``(i, row_offset + i)`` of column 0 (None when this block has none)."""
     m_r, s_r = row_acc
     scratch: Tensor | None = None
     for r0, r1 in spans(rows.n, row_tile):
@@ -226,7 +226,7 @@ def update_stats(
         for k, col in enumerate(cols):
             for c0, c1 in spans(col.n, col_tile):
                 block = q @ col.tile(c0, c1).T  # (b, d) @ (d, t) -> (b, t)
-                mask_r, mask_c = _masks(keys, k, r0, r1, c0, c1, diag, col_acc is not None)
+                mask_r, mask_c = _masks(keys, k, r0, r1, c0, c1, row_offset, col_acc is not None)
                 if k == 0 and col_acc is not None:
                     m_c, s_c = col_acc
                     col_block = block if mask_c is None else block.masked_fill(mask_c, -torch.inf)
@@ -250,14 +250,14 @@ def row_col_stats(
     column_direction: bool,
     row_tile: int,
     col_tile: int,
-    diag: int | None = 0,
+    row_offset: int | None = 0,
     keys: DuplicateKeys | None = None,
 ) -> Stats:
     """First pass: log-sum-exp of every row over all candidates, and, for the symmetric loss, of
     every candidate of column 0 over all rows."""
     row_acc = init_stats(rows.n, rows)
     col_acc = init_stats(cols[0].n, rows) if column_direction else None
-    update_stats(rows, cols, row_acc, col_acc, row_tile=row_tile, col_tile=col_tile, diag=diag, keys=keys)
+    update_stats(rows, cols, row_acc, col_acc, row_tile=row_tile, col_tile=col_tile, row_offset=row_offset, keys=keys)
     return Stats(lse_rows=finish_stats(row_acc), lse_cols=finish_stats(col_acc) if col_acc else None)
 
 
@@ -270,12 +270,12 @@ class Grads:
     scale: Tensor  # 0-d
 
 
-def _subtract_positives(g: Tensor, r0: int, r1: int, c0: int, c1: int, diag: int, weight: float) -> None:
-    """``g[i, diag + i - c0] -= weight`` for the rows of this tile whose positive falls in it."""
-    lo, hi = max(r0, c0 - diag), min(r1, c1 - diag)
+def _subtract_positives(g: Tensor, r0: int, r1: int, c0: int, c1: int, row_offset: int, weight: float) -> None:
+    """``g[i, row_offset + i - c0] -= weight`` for the rows of this tile whose positive falls in it."""
+    lo, hi = max(r0, c0 - row_offset), min(r1, c1 - row_offset)
     if lo < hi:
         i = torch.arange(lo - r0, hi - r0, device=g.device)
-        g[i, i + r0 + diag - c0] -= weight
+        g[i, i + r0 + row_offset - c0] -= weight
 
 
 def accumulate_gradients(
@@ -291,11 +291,11 @@ def accumulate_gradients(
     row_tile: int,
     col_tile: int,
     need_scale_grad: bool,
-    diag: int | None,
+    row_offset: int | None,
     keys: DuplicateKeys | None = None,
 ) -> Tensor:
     """Second pass over one set of columns: recompute each logit tile, turn it into the logit gradient
-    ``G = w_r * (P_r - Y) (+ w_c * (P_c - Y))`` (``Y`` only where ``diag`` puts positives in these
+    ``G = w_r * (P_r - Y) (+ w_c * (P_c - Y))`` (``Y`` only where ``row_offset`` puts positives in these
     columns) and accumulate ``G @ c`` into ``g_rows`` and ``G^T @ q_s`` into ``g_cols``. Returns
     ``sum(G * logits)`` (for the scale's gradient; 0 if not needed). ``rows`` carry the scale, ``cols``
     do not."""
@@ -308,7 +308,7 @@ def accumulate_gradients(
             for c0, c1 in spans(col.n, col_tile):
                 c = col.tile(c0, c1)  # (t, d)
                 logits = q @ c.T  # (b, t)
-                mask_r, mask_c = _masks(keys, k, r0, r1, c0, c1, diag, lse_cols is not None)
+                mask_r, mask_c = _masks(keys, k, r0, r1, c0, c1, row_offset, lse_cols is not None)
                 g = lse_rows[r0:r1].log_softmax(logits, 1)
                 if mask_r is not None:
                     g.masked_fill_(mask_r, -torch.inf)
@@ -319,8 +319,8 @@ def accumulate_gradients(
                     if mask_c is not None:
                         p_c.masked_fill_(mask_c, -torch.inf)
                     g.add_(_exp_flushed_(p_c), alpha=w_cols)
-                if k == 0 and diag is not None:
-                    _subtract_positives(g, r0, r1, c0, c1, diag, w_pos)
+                if k == 0 and row_offset is not None:
+                    _subtract_positives(g, r0, r1, c0, c1, row_offset, w_pos)
                 if need_scale_grad:
                     gs += torch.vdot(g.reshape(-1), logits.reshape(-1)).double()
                 gq.addmm_(g, c)  # (b, t) @ (t, d)
@@ -337,7 +337,7 @@ def gradients(
     scale: float,
     w_rows: float,
     w_cols: float,
-    offset: int,
+    row_offset: int,
     row_tile: int,
     col_tile: int,
     need_scale_grad: bool,
@@ -360,7 +360,7 @@ def gradients(
         row_tile=row_tile,
         col_tile=col_tile,
         need_scale_grad=need_scale_grad,
-        diag=offset,
+        row_offset=row_offset,
         keys=keys,
     )
     g_rows.mul_(scale)
@@ -374,7 +374,7 @@ def fused_one_direction(
     *,
     scale: float,
     weight: float,
-    offset: int,
+    row_offset: int,
     chunk: int,
     need_scale_grad: bool,
     keys: DuplicateKeys | None = None,
@@ -398,7 +398,7 @@ def fused_one_direction(
         e = buf[:, : r1 - r0]  # (K, b, N)
         for k, c in enumerate(col_tiles):
             torch.mm(q, c.T, out=e[k])  # (b, d) @ (d, N)
-            mask_r, _ = _masks(keys, k, r0, r1, 0, c.shape[0], offset, False)
+            mask_r, _ = _masks(keys, k, r0, r1, 0, c.shape[0], row_offset, False)
             if mask_r is not None:
                 e[k].masked_fill_(mask_r, -torch.inf)
         m = e.amax(dim=(0, 2))  # (b,)
@@ -413,7 +413,7 @@ def fused_one_direction(
         if need_scale_grad:
             gs += ((e * shifted).sum(dim=(0, 2)) * inv_z + m).double().sum()
         e.mul_(inv_z[None, :, None])  # P
-        _subtract_positives(e[0], r0, r1, 0, n, offset, 1.0)  # P - Y
+        _subtract_positives(e[0], r0, r1, 0, n, row_offset, 1.0)  # P - Y
         gq = g_rows[r0:r1]
         for k, c in enumerate(col_tiles):
             if k == 0:
@@ -428,3 +428,26 @@ def fused_one_direction(
     for g in g_cols:
         g.mul_(weight)
     return loss * weight, Grads(rows=g_rows, cols=g_cols, scale=(gs * weight / scale).to(rows.dtype))
+
+
+def raw_grad(op: Operand, g: Tensor, out_dtype: torch.dtype, tile: int) -> Tensor:
+    """Gradient wrt the raw embedding from the one wrt its normalised version, in place:
+    ``dL/dx = (g - x_hat <g, x_hat>) / ||x||``."""
+    if op.inv_norm is not None:
+        for r0, r1 in spans(op.n, tile):
+            inv = op.inv_norm[r0:r1, None]
+            x_hat = op.x[r0:r1].to(op.dtype) * inv  # (b, d)
+            gr = g[r0:r1]
+            gr.sub_(x_hat * (gr * x_hat).sum(1, keepdim=True)).mul_(inv)
+    return g.to(out_dtype)
+
+
+def infonce_from_stats(
+    lse_rows: LogSumExp, lse_cols: LogSumExp | None, pos: Tensor, w_rows: float, w_cols: float
+) -> Tensor:
+    """The (weighted, summed) InfoNCE of finished statistics: each row's log-sum-exp minus its positive
+    logit, and for the symmetric loss each positive's column log-sum-exp minus the same logit. fp64."""
+    loss = w_rows * (lse_rows.total().sum() - pos.double().sum())
+    if lse_cols is not None:
+        loss = loss + w_cols * (lse_cols.total().sum() - pos.double().sum())
+    return loss

@@ -16,7 +16,7 @@ Inputs, in the notation of the shape comments:
   ``row_offset`` the index of this rank's first positive in the gathered columns;
 * ``anchors_all``: ``(N, d)``, the gathered anchors, only for the symmetric loss across ranks.
 
-Row ``i``'s loss is ``logsumexp_c(s * <q_i, c>) - s * <q_i, p_{offset + i}>`` over every candidate
+Row ``i``'s loss is ``logsumexp_c(s * <q_i, c>) - s * <q_i, p_{row_offset + i}>`` over every candidate
 of every column. The symmetric loss averages it with each positive's loss against the anchors.
 Similarities are computed in fp32 whatever the input dtype; gradients come back in the input dtype.
 """
@@ -34,17 +34,20 @@ from torch import Tensor
 from st_cached_losses.functional._kernels import (
     DuplicateKeys,
     Grads,
+    LogSumExp,
     Operand,
     Stats,
     fused_one_direction,
     gradients,
+    infonce_from_stats,
     positive_logits,
+    raw_grad,
     row_col_stats,
-    spans,
 )
+from st_cached_losses.functional.checks import check_positive_int, nonfinite_error, scale_value
 
 Similarity = Literal["cosine", "dot"]
-Path = Literal["auto", "chunked", "tiled"]
+LossPath = Literal["auto", "chunked", "tiled"]
 
 #: Bytes of logit blocks the loss stage may hold at once, when neither chunk nor tile size is given.
 DEFAULT_MEMORY_BUDGET = 64 * 2**20
@@ -56,7 +59,7 @@ MIN_AUTO_CHUNK = 64
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "InfoNCEOutput",
-    "Path",
+    "LossPath",
     "Similarity",
     "infonce",
     "infonce_loss_and_grad",
@@ -67,9 +70,9 @@ __all__ = [
 class InfoNCEOutput:
     """What :func:`infonce_loss_and_grad` returns. Gradients are of ``grad_output * loss``."""
 
-    loss: Tensor  #: 0-d, fp32, detached
-    grad_anchors: Tensor  #: ``(B, d)``, the anchors' dtype
-    grad_candidates: list[Tensor]  #: one ``(N, d)`` per candidate column, their dtype
+    loss: Tensor  #: 0-d, detached; fp32 (fp64 for fp64 inputs)
+    grad_anchors: Tensor | None  #: ``(B, d)``, the anchors' dtype (None when only the loss was asked for)
+    grad_candidates: list[Tensor]  #: one ``(N, d)`` per candidate column, their dtype (empty: loss only)
     grad_anchors_all: Tensor | None  #: ``(N, d)`` when ``anchors_all`` was given
     grad_scale: Tensor | None  #: 0-d, when ``scale`` is a tensor that requires grad
 
@@ -83,11 +86,11 @@ class _Plan:
 
 @dataclass
 class _Problem:
-    """One directional sub-problem: ``rows`` against ``cols``; positives at ``cols[0][offset + i]``."""
+    """One directional sub-problem: ``rows`` against ``cols``; positives at ``cols[0][row_offset + i]``."""
 
     rows: Operand
     cols: list[Operand]
-    offset: int
+    row_offset: int
     w_rows: float
     w_cols: float  # > 0: also the direction "positive of column 0 -> every row" (shared tiles)
     plan: _Plan
@@ -104,50 +107,6 @@ def _columns(candidates: Tensor | Sequence[Tensor]) -> list[Tensor]:
     if not cols:
         raise ValueError("candidates is empty: pass at least the positives, a (N, d) tensor.")
     return cols
-
-
-def check_positive_int(name: str, value: int | None) -> None:
-    """``value`` is None or a positive ``int`` (``True`` is refused: it is an int to Python only)."""
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1024 or None.")
-
-
-def scale_value(scale: float | Tensor) -> float:
-    """The scale (1 / temperature) as a float: any real number (Python, NumPy) or one-element tensor,
-    finite and positive."""
-    if isinstance(scale, (bool, str)):
-        raise ValueError(f"scale must be a positive number (1 / temperature), got {scale!r}; e.g. 20.0.")
-    if isinstance(scale, Tensor):
-        if scale.numel() != 1:
-            raise ValueError(
-                f"scale must be a float or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}."
-            )
-        value = float(scale.detach())
-    else:
-        try:
-            value = float(scale)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"scale must be a positive number (1 / temperature), got {scale!r}; e.g. 20.0."
-            ) from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"scale must be a finite positive number (1 / temperature), got {value}; typical values are 20 to 100."
-        )
-    return value
-
-
-def nonfinite_error(where: str) -> ValueError:
-    """The one error for NaN / inf embeddings, whichever path (one process, gathered, ring) finds them.
-
-    A non-finite embedding makes the loss and every gradient NaN without any other symptom, so every
-    path refuses it with the same words: a user gets the same advice on one process and on many.
-    """
-    return ValueError(
-        f"non-finite (NaN or inf) values in {where}: the encoder diverged or its inputs are corrupt. Check the "
-        "inputs, lower the learning rate, and under fp16 use a loss scaler or train in bf16 (fp16 overflows "
-        "above 65504)."
-    )
 
 
 def _validate(
@@ -306,12 +265,16 @@ def _plan(
     if path == "chunked":
         chunk = chunk_size if chunk_size is not None else max(1, memory_budget // row_bytes)
         return _Plan("chunked", min(chunk, n_rows), n_cols)
-    tile = (
-        tile_size
-        if tile_size is not None
-        else min(MAX_TILE, max(1, math.isqrt(memory_budget // (4 * buffers))))
-    )
+    tile = tile_side(tile_size, memory_budget, buffers)
     return _Plan("tiled", min(tile, n_rows), min(tile, n_cols))
+
+
+def tile_side(tile_size: int | None, memory_budget: int, buffers: int) -> int:
+    """The side of a square tile: ``tile_size`` if given, else the largest (up to ``MAX_TILE``) for which
+    ``buffers`` fp32 tiles fit in ``memory_budget`` bytes."""
+    if tile_size is not None:
+        return tile_size
+    return min(MAX_TILE, max(1, math.isqrt(memory_budget // (4 * buffers))))
 
 
 # --------------------------------------------------------------------------- assembly
@@ -369,17 +332,14 @@ def _problems(
 
 
 def _loss_from_stats(p: _Problem, stats: Stats, pos: Tensor) -> Tensor:
-    loss = p.w_rows * (stats.lse_rows.total().sum() - pos.double().sum())
-    if stats.lse_cols is not None:
-        loss = loss + p.w_cols * (stats.lse_cols.total().sum() - pos.double().sum())
-    return loss
+    return infonce_from_stats(stats.lse_rows, stats.lse_cols, pos, p.w_rows, p.w_cols)
 
 
 def _solve(
     p: _Problem, scale: float, need_grads: bool, need_scale_grad: bool
 ) -> tuple[Tensor, Grads | None, Stats | None, Tensor]:
     """Loss (fp64) and, if asked, gradients of one problem; also what backward would need."""
-    pos = positive_logits(p.rows, p.cols[0], p.offset, p.plan.row_tile)
+    pos = positive_logits(p.rows, p.cols[0], p.row_offset, p.plan.row_tile)
     if need_grads and p.plan.path == "chunked" and p.w_cols == 0.0:
         loss, grads = fused_one_direction(
             p.rows,
@@ -387,7 +347,7 @@ def _solve(
             pos,
             scale=scale,
             weight=p.w_rows,
-            offset=p.offset,
+            row_offset=p.row_offset,
             chunk=p.plan.row_tile,
             need_scale_grad=need_scale_grad,
             keys=p.keys,
@@ -399,7 +359,7 @@ def _solve(
         column_direction=p.w_cols > 0,
         row_tile=p.plan.row_tile,
         col_tile=p.plan.col_tile,
-        diag=p.offset,
+        row_offset=p.row_offset,
         keys=p.keys,
     )
     grads = _grads(p, stats, pos, scale, 1.0, need_scale_grad) if need_grads else None
@@ -417,24 +377,12 @@ def _grads(
         scale=scale,
         w_rows=p.w_rows * grad_output,
         w_cols=p.w_cols * grad_output,
-        offset=p.offset,
+        row_offset=p.row_offset,
         row_tile=p.plan.row_tile,
         col_tile=p.plan.col_tile,
         need_scale_grad=need_scale_grad,
         keys=p.keys,
     )
-
-
-def _raw_grad(op: Operand, g: Tensor, out_dtype: torch.dtype, tile: int) -> Tensor:
-    """Gradient wrt the raw embedding from the one wrt its normalised version, in place:
-    ``dL/dx = (g - x_hat <g, x_hat>) / ||x||``."""
-    if op.inv_norm is not None:
-        for r0, r1 in spans(op.n, tile):
-            inv = op.inv_norm[r0:r1, None]
-            x_hat = op.x[r0:r1].to(op.dtype) * inv  # (b, d)
-            gr = g[r0:r1]
-            gr.sub_(x_hat * (gr * x_hat).sum(1, keepdim=True)).mul_(inv)
-    return g.to(out_dtype)
 
 
 def _assemble(
@@ -454,12 +402,12 @@ def _assemble(
     if len(problems) == 2:
         back, g_back = problems[1], grads[1]
         # the back problem's rows are this rank's slice of the positives (same normalisation)
-        g_cols[0][back.offset : back.offset + back.rows.n].add_(g_back.rows)
-        g_all = _raw_grad(back.cols[0], g_back.cols[0].mul_(grad_output), anchors_all.dtype, tile)  # type: ignore[union-attr]
+        g_cols[0][back.row_offset : back.row_offset + back.rows.n].add_(g_back.rows)
+        g_all = raw_grad(back.cols[0], g_back.cols[0].mul_(grad_output), anchors_all.dtype, tile)  # type: ignore[union-attr]
         scale_grad = scale_grad + g_back.scale * grad_output
-    g_anchors = _raw_grad(main.rows, g_main.rows.mul_(grad_output), anchors.dtype, tile)
+    g_anchors = raw_grad(main.rows, g_main.rows.mul_(grad_output), anchors.dtype, tile)
     g_candidates = [
-        _raw_grad(op, g.mul_(grad_output), c.dtype, tile) for op, g, c in zip(main.cols, g_cols, cols)
+        raw_grad(op, g.mul_(grad_output), c.dtype, tile) for op, g, c in zip(main.cols, g_cols, cols)
     ]
     return g_anchors, g_candidates, g_all, scale_grad
 
@@ -476,7 +424,7 @@ def infonce_loss_and_grad(
     symmetric: bool = False,
     anchors_all: Tensor | None = None,
     row_offset: int = 0,
-    path: Path = "auto",
+    path: LossPath = "auto",
     chunk_size: int | None = None,
     tile_size: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -567,41 +515,111 @@ def infonce_loss_and_grad(
     )
 
 
+@dataclass(frozen=True)
+class _Options:
+    """Everything :class:`_InfoNCEFunction` needs besides the differentiable tensors, fixed at the call.
+
+    The duplicate keys are the caller's integer tensors (references, no copies); the forward and the
+    backward build the same problems from them and the saved embeddings.
+    """
+
+    cosine: bool
+    symmetric: bool
+    row_offset: int
+    path: LossPath
+    chunk_size: int | None
+    tile_size: int | None
+    memory_budget: int
+    need_scale_grad: bool
+    anchor_keys: Tensor | None = None
+    candidate_keys: tuple[Tensor, ...] | None = None
+    anchors_all_keys: Tensor | None = None
+
+    def problems(
+        self, scale: float, anchors: Tensor, cols: Sequence[Tensor], anchors_all: Tensor | None
+    ) -> list[_Problem]:
+        return _problems(
+            anchors,
+            list(cols),
+            anchors_all,
+            scale=scale,
+            cosine=self.cosine,
+            symmetric=self.symmetric,
+            row_offset=self.row_offset,
+            path=self.path,
+            chunk_size=self.chunk_size,
+            tile_size=self.tile_size,
+            memory_budget=self.memory_budget,
+            fused=False,
+            need_scale_grad=self.need_scale_grad,
+            anchor_keys=self.anchor_keys,
+            candidate_keys=list(self.candidate_keys) if self.candidate_keys is not None else None,
+            anchors_all_keys=self.anchors_all_keys,
+        )
+
+
+def _flat_stats(stats: Stats, pos: Tensor) -> list[Tensor]:
+    """One problem's ``O(B + N)`` backward state as tensors: ``pos``, then the row (and column) LSE."""
+    out = [pos, stats.lse_rows.m, stats.lse_rows.log_s]
+    if stats.lse_cols is not None:
+        out += [stats.lse_cols.m, stats.lse_cols.log_s]
+    return out
+
+
+def _unflat_stats(problems: list[_Problem], flat: Sequence[Tensor]) -> list[tuple[Stats, Tensor]]:
+    """Inverse of :func:`_flat_stats` over every problem (a problem has column LSE when ``w_cols > 0``)."""
+    out, i = [], 0
+    for p in problems:
+        pos, rows = flat[i], LogSumExp(flat[i + 1], flat[i + 2])
+        cols = LogSumExp(flat[i + 3], flat[i + 4]) if p.w_cols > 0 else None
+        i += 5 if cols is not None else 3
+        out.append((Stats(rows, cols), pos))
+    return out
+
+
 class _InfoNCEFunction(torch.autograd.Function):
-    """Forward: one statistics pass, saving the embeddings and LSE vectors. Backward: recompute tiles."""
+    """Forward: one statistics pass. Saves the input embeddings (no copies) and the ``O(B + N)``
+    positive logits and LSE vectors, and only when some input needs a gradient. Backward: rebuilds
+    the operands from the saved inputs (the normalisation is ``O((B + N) d)``, negligible next to the
+    ``O(B N d)`` tiles) and recomputes each logit tile once."""
 
     @staticmethod
     def forward(
         ctx: Any,
-        cfg: dict[str, Any],
+        options: _Options,
         scale: Tensor,
         anchors: Tensor,
         anchors_all: Tensor | None,
         *cols: Tensor,
     ) -> Tensor:
         s = scale_value(scale)
-        problems = _problems(anchors, list(cols), anchors_all, scale=s, fused=False, **cfg)
+        problems = options.problems(s, anchors, cols, anchors_all)
         loss = torch.zeros((), dtype=torch.float64, device=anchors.device)
-        saved = []
+        state: list[Tensor] = []
         for p in problems:
             part, _, stats, pos = _solve(p, s, False, False)
             loss += part
-            saved.append((stats, pos))
-        ctx.problems, ctx.saved, ctx.s, ctx.scale_dtype = problems, saved, s, scale.dtype
-        ctx.save_for_backward(anchors, anchors_all, *cols)
+            state += _flat_stats(stats, pos)  # type: ignore[arg-type]
+        if any(ctx.needs_input_grad):
+            # nothing derived from the embeddings (a normalised copy in the chunked path) outlives forward
+            ctx.options, ctx.s, ctx.scale_dtype = options, s, scale.dtype
+            ctx.save_for_backward(anchors, anchors_all, *cols, *state)
+            ctx.n_cols = len(cols)
+        # fp64 inputs keep fp64 (for gradcheck); everything else is computed and returned in fp32
         return loss.to(problems[0].rows.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        anchors, anchors_all, *cols = ctx.saved_tensors
-        go = float(grad_loss)
-        scale_dtype = ctx.scale_dtype
+        anchors, anchors_all, *rest = ctx.saved_tensors
+        cols, state = rest[: ctx.n_cols], rest[ctx.n_cols :]
         need_scale_grad = ctx.needs_input_grad[1]
+        problems = ctx.options.problems(ctx.s, anchors, cols, anchors_all)
         grads = [
-            _grads(p, st, pos, ctx.s, 1.0, need_scale_grad) for p, (st, pos) in zip(ctx.problems, ctx.saved)
+            _grads(p, st, pos, ctx.s, 1.0, need_scale_grad)
+            for p, (st, pos) in zip(problems, _unflat_stats(problems, state))
         ]
-        g_a, g_c, g_all, g_s = _assemble(ctx.problems, grads, anchors, cols, anchors_all, go)
-        return (None, g_s.to(scale_dtype) if need_scale_grad else None, g_a, g_all, *g_c)
+        g_a, g_c, g_all, g_s = _assemble(problems, grads, anchors, cols, anchors_all, float(grad_loss))
+        return (None, g_s.to(ctx.scale_dtype) if need_scale_grad else None, g_a, g_all, *g_c)
 
 
 def infonce(
@@ -613,7 +631,7 @@ def infonce(
     symmetric: bool = False,
     anchors_all: Tensor | None = None,
     row_offset: int = 0,
-    path: Path = "auto",
+    path: LossPath = "auto",
     chunk_size: int | None = None,
     tile_size: int | None = None,
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
@@ -622,11 +640,14 @@ def infonce(
     candidate_keys: Sequence[Tensor] | None = None,
     anchors_all_keys: Tensor | None = None,
 ) -> Tensor:
-    """Mean InfoNCE loss as an autograd-capable 0-d fp32 tensor.
+    """Mean InfoNCE loss as an autograd-capable 0-d tensor: fp32 for fp32, bf16 and fp16 anchors
+    (the similarities and log-sum-exps are computed in fp32), fp64 for fp64 anchors.
 
     Same arguments as :func:`infonce_loss_and_grad`. Gradients flow to ``anchors``, every candidate
-    column, ``anchors_all`` and a tensor ``scale``. Saves only the inputs and ``O(B + N)`` LSE values;
-    backward recomputes each logit tile once.
+    column, ``anchors_all`` and a tensor ``scale``, each in its own dtype. Between forward and
+    backward the graph holds only references to the inputs and ``O(B + N)`` positive logits and
+    log-sum-exp values, nothing when no input requires grad; backward renormalises the inputs and
+    recomputes each logit tile once, holding one block of logits at a time.
     """
     cols = _columns(candidates)
     _validate(
@@ -644,15 +665,18 @@ def infonce(
     )
     scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
     scale_value(scale_t)
-    cfg = {
-        "cosine": similarity == "cosine",
-        "symmetric": symmetric,
-        "row_offset": row_offset,
-        "path": path,
-        "chunk_size": chunk_size,
-        "tile_size": tile_size,
-        "memory_budget": memory_budget,
-        "need_scale_grad": scale_t.requires_grad,
-        **_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric),
-    }
-    return _InfoNCEFunction.apply(cfg, scale_t, anchors, anchors_all, *cols)
+    keys = _keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric)
+    options = _Options(
+        cosine=similarity == "cosine",
+        symmetric=symmetric,
+        row_offset=row_offset,
+        path=path,
+        chunk_size=chunk_size,
+        tile_size=tile_size,
+        memory_budget=memory_budget,
+        need_scale_grad=scale_t.requires_grad,
+        anchor_keys=keys.get("anchor_keys"),
+        candidate_keys=tuple(keys["candidate_keys"]) if "candidate_keys" in keys else None,
+        anchors_all_keys=keys.get("anchors_all_keys"),
+    )
+    return _InfoNCEFunction.apply(options, scale_t, anchors, anchors_all, *cols)

@@ -12,73 +12,26 @@ import torch
 from torch import Tensor, nn
 
 from st_cached_losses.callbacks import attach_to_calling_trainer
-from st_cached_losses.distributed import (
-    all_gather_rows,
-    all_reduce_sum,
-    exchange_shapes,
-    gather_with_grad,
-    is_distributed,
-    nonfinite_columns,
-    own_rows,
-    raise_if_nonfinite,
-    rank,
-    warn_no_process_group_once,
-)
+from st_cached_losses.distributed import is_distributed, warn_no_process_group_once
+from st_cached_losses.features import check_splittable, unwrap_model
 from st_cached_losses.functional import (
     DEFAULT_MEMORY_BUDGET,
     InfoNCEOutput,
-    Path,
+    LossPath,
     Similarity,
     infonce,
     infonce_loss_and_grad,
     scale_value,
 )
-from st_cached_losses.gradcache import GradCache, check_splittable, input_hashes, unwrap_model
-from st_cached_losses.ring import ring_infonce
-
-GRADCACHE_CITATION = """
-@misc{gao2021scaling,
-    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
-    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
-    year={2021},
-    eprint={2101.06983},
-    archivePrefix={arXiv},
-    primaryClass={cs.LG}
-}
-"""
-
-MNRL_CITATION = """
-@misc{henderson2017efficient,
-    title={Efficient Natural Language Response Suggestion for Smart Reply},
-    author={Matthew Henderson and Rami Al-Rfou and Brian Strope and Yun-hsuan Sung and Laszlo Lukacs and Ruiqi Guo and Sanjiv Kumar and Balint Miklos and Ray Kurzweil},
-    year={2017},
-    eprint={1705.00652},
-    archivePrefix={arXiv},
-    primaryClass={cs.CL}
-}
-"""
-
-CLIP_CITATION = """
-@inproceedings{radford2021learning,
-    title={Learning Transferable Visual Models From Natural Language Supervision},
-    author={Alec Radford and Jong Wook Kim and Chris Hallacy and Aditya Ramesh and Gabriel Goh and Sandhini Agarwal and Girish Sastry and Amanda Askell and Pamela Mishkin and Jack Clark and Gretchen Krueger and Ilya Sutskever},
-    booktitle={International Conference on Machine Learning},
-    year={2021},
-    eprint={2103.00020},
-    archivePrefix={arXiv}
-}
-"""
-
-INFCL_CITATION = """
-@misc{cheng2024breaking,
-    title={Breaking the Memory Barrier: Near Infinite Batch Size Scaling for Contrastive Loss},
-    author={Zesen Cheng and Hang Zhang and Kehan Li and Sicong Leng and Zhiqiang Hu and Fei Wu and Deli Zhao and Xin Li and Lidong Bing},
-    year={2024},
-    eprint={2410.17243},
-    archivePrefix={arXiv},
-    primaryClass={cs.CV}
-}
-"""
+from st_cached_losses.functional.keys import input_hashes
+from st_cached_losses.functional.parallel import (
+    agree_on_sizes,
+    gathered_infonce,
+    gathered_loss_and_grad,
+    ring_loss_and_grad,
+)
+from st_cached_losses.gradcache import GradCache
+from st_cached_losses.losses.citations import GRADCACHE_CITATION
 
 
 def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarity:
@@ -140,7 +93,7 @@ class CachedInfoNCEBase(nn.Module):
         symmetric: bool = False,
         learnable_scale: bool = False,
         max_scale: float = 100.0,
-        path: Path = "auto",
+        path: LossPath = "auto",
         tile_size: int | None = None,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         gather_across_devices: bool = False,
@@ -171,7 +124,7 @@ class CachedInfoNCEBase(nn.Module):
         self.symmetric = symmetric
         self.learnable_scale = learnable_scale
         self.max_scale = float(max_scale)
-        self.path: Path = path
+        self.path: LossPath = path
         self.tile_size = tile_size
         self.memory_budget = memory_budget
         self.gather_across_devices = gather_across_devices
@@ -319,7 +272,10 @@ class CachedInfoNCEBase(nn.Module):
             grads = [out.grad_anchors, *out.grad_candidates]
         else:
             if not with_backward and torch.is_grad_enabled():
-                return self._gathered_autograd_loss(embeddings, scale, keys, sizes)
+                # a caller asking for autograd rather than the cache
+                return gathered_infonce(
+                    embeddings[0], embeddings[1:], sizes, scale=scale, **self._strategy_kwargs(keys)
+                )
             out = self._distributed_loss_and_grad(embeddings, scale, keys, sizes, with_backward)
             if not with_backward:
                 return out.loss
@@ -345,29 +301,18 @@ class CachedInfoNCEBase(nn.Module):
     # ------------------------------------------------------------------ across processes
 
     def _process_sizes(self, embeddings: list[Tensor]) -> list[int] | None:
-        """Every process's row count when gathering across a process group, else None; and the check,
-        on every path, that the embeddings are finite.
+        """Every process's row count when gathering across a process group, else None (and, on every
+        path, the finiteness check that every process agrees on: see ``agree_on_sizes``)."""
+        if self.gather_across_devices and not is_distributed():
+            warn_no_process_group_once(type(self).__name__)
+        return agree_on_sizes(embeddings, self.gather_across_devices)
 
-        NaN / inf embeddings would give a NaN loss and NaN gradients with no other symptom. Across
-        processes the check rides on the shape exchange, the first collective of the step, so every
-        rank raises the same ``ValueError`` naming the culprit ranks before any other collective (a
-        rank raising alone would leave the others waiting; the ring would spread the NaN silently).
-        On one process the same error is raised here, with the same column names.
-        """
-        nonfinite = nonfinite_columns(embeddings)
-        if not self.gather_across_devices or not is_distributed():
-            if self.gather_across_devices:
-                warn_no_process_group_once(type(self).__name__)
-            raise_if_nonfinite([int(nonfinite)])
-            return None
-        b, d = embeddings[0].shape
-        return exchange_shapes(
-            b,
-            [len(embeddings), d],
-            embeddings[0].device,
-            "the number of columns and the embedding dim",
-            nonfinite=nonfinite,
-        )
+    def _strategy_kwargs(self, keys: list[Tensor] | None) -> dict[str, Any]:
+        kwargs = self._core_kwargs(None)
+        del kwargs["check_finite"]  # the strategies never check: agree_on_sizes did, on every process
+        if keys is not None:
+            kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
+        return kwargs
 
     def _distributed_loss_and_grad(
         self,
@@ -377,89 +322,15 @@ class CachedInfoNCEBase(nn.Module):
         sizes: list[int],
         with_grad: bool,
     ) -> InfoNCEOutput:
-        w = len(sizes)
-        weight = w / sum(sizes)  # per row: the mean over processes of the local sums is the global mean
-        b = embeddings[0].shape[0]
-        leaf = self._scale_for_grad(scale) if with_grad else scale
-        anchors, cands = embeddings[0].detach(), [e.detach() for e in embeddings[1:]]
-        if self.path == "tiled":
-            return ring_infonce(
-                anchors,
-                cands,
-                sizes,
-                scale=leaf,
-                cosine=self.similarity == "cosine",
-                symmetric=self.symmetric,
-                weight=weight,
-                tile_size=self.tile_size,
-                memory_budget=self.memory_budget,
-                with_grad=with_grad,
-                anchor_keys=keys[0] if keys is not None else None,
-                candidate_keys=keys[1:] if keys is not None else None,
-            )
-        offset = sum(sizes[: rank()])
-        cands_all = [all_gather_rows(c, sizes) for c in cands]
-        anchors_all = all_gather_rows(anchors, sizes) if self.symmetric else None
-        kwargs = self._gathered_core_kwargs(keys, sizes)
-        factor = weight * b  # the core averages over local rows
-        if not with_grad:
-            value = infonce(
-                anchors, cands_all, scale=leaf, anchors_all=anchors_all, row_offset=offset, **kwargs
-            )
-            return InfoNCEOutput(value * factor, anchors, [], None, None)
-        out = infonce_loss_and_grad(
-            anchors,
-            cands_all,
-            scale=leaf,
-            anchors_all=anchors_all,
-            row_offset=offset,
-            grad_output=factor,
-            **kwargs,
+        strategy = ring_loss_and_grad if self.path == "tiled" else gathered_loss_and_grad
+        return strategy(
+            embeddings[0].detach(),
+            [e.detach() for e in embeddings[1:]],
+            sizes,
+            scale=self._scale_for_grad(scale) if with_grad else scale,
+            with_grad=with_grad,
+            **self._strategy_kwargs(keys),
         )
-        # every process scored everyone's candidates: sum their gradients, keep this process's rows
-        g_cands = [own_rows(all_reduce_sum(g, "all_reduce_grad"), sizes) for g in out.grad_candidates]
-        g_anchors = out.grad_anchors
-        if out.grad_anchors_all is not None:
-            g_anchors = g_anchors + own_rows(all_reduce_sum(out.grad_anchors_all, "all_reduce_grad"), sizes)
-        g_scale = out.grad_scale
-        if g_scale is not None:
-            # the scale is not inside DDP: average its gradient here, or the processes drift apart
-            g_scale = all_reduce_sum(g_scale.reshape(1).clone(), "all_reduce_scale")[0] / w
-        return InfoNCEOutput(out.loss * factor, g_anchors, g_cands, None, g_scale)
-
-    def _gathered_core_kwargs(self, keys: list[Tensor] | None, sizes: list[int]) -> dict[str, Any]:
-        """Core arguments for a loss against gathered columns; duplicate keys gathered in one collective."""
-        kwargs = self._core_kwargs(None)
-        if keys is not None:
-            all_keys = all_gather_rows(torch.stack(keys, dim=1), sizes)  # (N, K + 1)
-            kwargs.update(
-                anchor_keys=keys[0],
-                candidate_keys=[all_keys[:, j] for j in range(1, len(keys))],
-                # every positive's anchor: duplicate anchors are masked in both directions
-                anchors_all_keys=all_keys[:, 0],
-            )
-        return kwargs
-
-    def _gathered_autograd_loss(
-        self, embeddings: list[Tensor], scale: Tensor | float, keys: list[Tensor] | None, sizes: list[int]
-    ) -> Tensor:
-        """The gathered loss with a graph (when a caller asks for autograd rather than the cache)."""
-        w = len(sizes)
-        b = embeddings[0].shape[0]
-        if isinstance(scale, Tensor) and scale.requires_grad:
-            scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
-        cands_all = [gather_with_grad(c, sizes) for c in embeddings[1:]]
-        anchors_all = gather_with_grad(embeddings[0], sizes) if self.symmetric else None
-        kwargs = self._gathered_core_kwargs(keys, sizes)
-        loss = infonce(
-            embeddings[0],
-            cands_all,
-            scale=scale,
-            anchors_all=anchors_all,
-            row_offset=sum(sizes[: rank()]),
-            **kwargs,
-        )
-        return loss * (w * b / sum(sizes))
 
     def _stage2(
         self, embeddings: list[Tensor], labels: Tensor | None
@@ -482,8 +353,9 @@ class CachedInfoNCEBase(nn.Module):
     def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
         self._check_columns(features)
-        if self.learnable_scale and not self._attached:
-            # the stock trainer saves only the model: have it checkpoint and log the scale too
+        if self.learnable_scale:
+            # the stock trainer saves only the model: have the trainer calling us checkpoint, restore and log
+            # the scale too; on every call, as the same loss may be handed to a second trainer to resume
             self._attached = attach_to_calling_trainer(self)
         # false negatives are recognised by their token ids (embeddings differ under dropout)
         self._keys = [input_hashes(f) for f in features] if self.mask_duplicates else None

@@ -4,8 +4,9 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, Path
-from st_cached_losses.losses._base import GRADCACHE_CITATION, MNRL_CITATION, CachedInfoNCEBase
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
+from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 
 
 class CachedMNRLoss(CachedInfoNCEBase):
@@ -24,7 +25,7 @@ class CachedMNRLoss(CachedInfoNCEBase):
         mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
-        path: Path = "auto",
+        path: LossPath = "auto",
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         """

@@ -6,7 +6,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.losses._base import CLIP_CITATION, GRADCACHE_CITATION, INFCL_CITATION, CachedInfoNCEBase
+from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION, INFCL_CITATION
 
 
 class CachedTiledLoss(CachedInfoNCEBase):

@@ -1,0 +1,127 @@
+"""A batch's inputs as the caching engine sees them: the row count of a column, the inputs of some of
+its rows with the padding they do not need cut away, each row's length, and whether a model's
+positions allow cutting leading padding. No model is run here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+Features = dict[str, Any]
+
+__all__ = [
+    "Features",
+    "batch_size_of",
+    "check_splittable",
+    "position_shift_invariant",
+    "row_lengths",
+    "slice_features",
+    "unwrap_model",
+]
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The SentenceTransformer inside a DDP (or similar) wrapper."""
+    while hasattr(model, "module") and isinstance(model.module, nn.Module):
+        model = model.module
+    return model
+
+
+def batch_size_of(features: Features) -> int:
+    for key in ("input_ids", "attention_mask", "inputs_embeds", "pixel_values"):
+        value = features.get(key)
+        if isinstance(value, Tensor) and value.dim() >= 1:
+            return int(value.shape[0])
+    for value in features.values():
+        if isinstance(value, Tensor) and value.dim() >= 2:
+            return int(value.shape[0])
+    raise ValueError(
+        f"cannot tell the batch size of a column with keys {sorted(features)}: a cached loss needs tensor inputs "
+        "with a leading batch dimension (e.g. input_ids / attention_mask)."
+    )
+
+
+def check_splittable(features: Features) -> None:
+    """Refuse inputs without a batch dimension to split (e.g. StaticEmbedding's flat ids + offsets)."""
+    if (
+        "offsets" in features
+        and isinstance(features.get("input_ids"), Tensor)
+        and features["input_ids"].dim() == 1
+    ):
+        raise ValueError(
+            "this model's inputs (flat input_ids with offsets, as produced by StaticEmbedding) have no batch "
+            "dimension to split into mini-batches; a StaticEmbedding model is cheap enough to train with the "
+            "non-cached sentence_transformers.losses.MultipleNegativesRankingLoss."
+        )
+
+
+def slice_features(
+    features: Features, rows: Tensor, batch_size: int, *, trim_leading: bool = True
+) -> Features:
+    """The inputs of ``rows`` (``(m,)`` indices), with padding no row of them needs trimmed away.
+
+    Tensors whose first dim is the batch are indexed; of those, the ones laid out like the attention
+    mask ``(B, T, ...)`` are cut to the span of positions any selected row attends to: trailing padding
+    always, leading (left) padding only with ``trim_leading``. A model with absolute positions numbers
+    a left-padded row's tokens after its padding, so cutting that padding would change its embedding
+    (and make the result depend on the mini-batch). Everything else (e.g. a Router's task name) is
+    passed through.
+    """
+    mask = features.get("attention_mask")
+    span: slice | None = None
+    seq_len = None
+    if isinstance(mask, Tensor) and mask.dim() == 2:
+        seq_len = mask.shape[1]
+        used = mask.index_select(0, rows).ne(0).any(0).nonzero()
+        if used.numel() > 0:
+            span = slice(int(used[0]) if trim_leading else 0, int(used[-1]) + 1)
+    out: Features = {}
+    for key, value in features.items():
+        if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
+            value = value.index_select(0, rows.to(value.device))
+            if span is not None and value.dim() >= 2 and value.shape[1] == seq_len:
+                value = value[:, span]
+        out[key] = value
+    return out
+
+
+def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) -> Tensor | None:
+    """Per row, the positions it occupies once trimmed as :func:`slice_features` trims: ``(B,)``."""
+    mask = features.get("attention_mask")
+    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
+        return None
+    used = mask.ne(0).cpu()
+    pos = torch.arange(used.shape[1])
+    end = torch.where(used, pos, -1).amax(1) + 1
+    if not trim_leading:
+        return end
+    start = torch.where(used, pos, used.shape[1]).amin(1)
+    return (end - start).clamp(min=0)
+
+
+#: names under which transformers models keep a learned table of absolute positions
+_ABSOLUTE_POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
+
+
+def position_shift_invariant(model: nn.Module) -> bool:
+    """Whether shifting every token's position by the same amount leaves the embeddings unchanged.
+
+    True for rotary models (attention scores depend on position differences only) without a table of
+    absolute positions: there, cutting a left-padded row's leading padding is exact. False whenever
+    unsure (BERT-style absolute positions, unknown models): padding is then kept as it came.
+    """
+    rotary = False
+    for module in unwrap_model(model).modules():
+        for name in _ABSOLUTE_POSITION_TABLES:
+            if isinstance(getattr(module, name, None), nn.Embedding):
+                return False
+        config = getattr(module, "config", None)
+        if config is not None and any(
+            getattr(config, key, None) for key in ("rope_parameters", "rope_theta", "rope_scaling")
+        ):
+            rotary = True
+        if hasattr(module, "rotary_emb"):
+            rotary = True
+    return rotary

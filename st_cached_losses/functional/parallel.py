@@ -1,0 +1,398 @@
+"""InfoNCE across processes: each process scores its own rows against every process's candidates.
+
+Two strategies behind one signature: both take this process's embeddings and every process's row
+count ``sizes`` (rank order), and return this process's share of the loss with its gradients wrt this
+process's embeddings, as an :class:`~st_cached_losses.functional.infonce.InfoNCEOutput`:
+
+* :func:`gathered_loss_and_grad`: the candidates (and, symmetric, the anchors) are all-gathered once;
+  every process's gradients wrt the gathered rows are summed over processes (the gather's true
+  backward, seed 002) and each keeps its own slice. Memory ``O(B_global x d)`` per process.
+* :func:`ring_loss_and_grad`: candidate blocks travel around a ring (Inf-CL); nothing is gathered.
+  Memory ``O(local B x d)`` per process, whatever the number of processes.
+
+Weighting: process ``r`` returns ``W / B_global * sum_{i in r} loss_i``, so the mean over processes is
+the global mean loss and DDP's gradient average is the exact full-batch gradient, even when processes
+hold different numbers of rows. A tensor scale lives outside DDP: its gradient is averaged here.
+
+:func:`agree_on_sizes` is the step's first collective (row counts, shapes and finiteness in one small
+all-gather); :func:`gathered_infonce` is the gathered loss with autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from st_cached_losses.distributed import (
+    all_gather_rows,
+    all_reduce_sum,
+    exchange_shapes,
+    gather_with_grad,
+    is_distributed,
+    own_rows,
+    rank,
+    ring_exchange,
+)
+from st_cached_losses.functional._kernels import (
+    DuplicateKeys,
+    LogSumExp,
+    Operand,
+    accumulate_gradients,
+    finish_stats,
+    infonce_from_stats,
+    init_stats,
+    positive_logits,
+    raw_grad,
+    update_stats,
+)
+from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, scale_value
+from st_cached_losses.functional.infonce import (
+    DEFAULT_MEMORY_BUDGET,
+    InfoNCEOutput,
+    LossPath,
+    Similarity,
+    infonce,
+    infonce_loss_and_grad,
+    tile_side,
+)
+
+__all__ = ["agree_on_sizes", "gathered_infonce", "gathered_loss_and_grad", "ring_loss_and_grad"]
+
+
+def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[int] | None:
+    """Every process's row count (``across_processes`` in a group of more than one process), else None;
+    and, on every path, the check that the embeddings ``columns`` (``K + 1`` of ``(b, d)``) are finite.
+
+    NaN / inf embeddings give a NaN loss and NaN gradients with no other symptom. Across processes the
+    check rides on the shape exchange, the first collective of the step, so every process raises the
+    same ``ValueError`` naming the culprits before any other collective (a process raising alone would
+    leave the others waiting; the ring would spread the NaN silently).
+    """
+    flags = nonfinite_columns(columns)
+    if not across_processes or not is_distributed():
+        raise_if_nonfinite([int(flags)])
+        return None
+    b, d = columns[0].shape
+    sizes, all_flags = exchange_shapes(
+        b, [len(columns), d], columns[0].device, "the number of columns and the embedding dim", flags
+    )
+    raise_if_nonfinite(all_flags)
+    return sizes
+
+
+def _weight(sizes: Sequence[int]) -> float:
+    """Per row: the mean over processes of the weighted local sums is the global mean."""
+    return len(sizes) / sum(sizes)
+
+
+def _gathered_keys(
+    anchor_keys: Tensor | None, candidate_keys: Sequence[Tensor] | None, sizes: list[int]
+) -> dict[str, object]:
+    """The duplicate keys of the gathered columns, every column's keys in one collective."""
+    if candidate_keys is None or anchor_keys is None:
+        return {}
+    all_keys = all_gather_rows(torch.stack([anchor_keys, *candidate_keys], dim=1), sizes)  # (N, K + 1)
+    return {
+        "anchor_keys": anchor_keys,
+        "candidate_keys": [all_keys[:, j] for j in range(1, all_keys.shape[1])],
+        "anchors_all_keys": all_keys[:, 0],
+    }
+
+
+def gathered_loss_and_grad(
+    anchors: Tensor,
+    candidates: Sequence[Tensor],
+    sizes: list[int],
+    *,
+    scale: float | Tensor,
+    similarity: Similarity = "cosine",
+    symmetric: bool = False,
+    path: LossPath = "auto",
+    tile_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    anchor_keys: Tensor | None = None,
+    candidate_keys: Sequence[Tensor] | None = None,
+    with_grad: bool = True,
+) -> InfoNCEOutput:
+    """This process's share of the global InfoNCE, against all-gathered candidates.
+
+    Args:
+        anchors: ``(b, d)`` this process's anchors; ``candidates``: ``K x (b, d)``, its positives then
+            hard negatives; ``sizes``: every process's ``b`` in rank order (:func:`agree_on_sizes`).
+        scale: a float, or a 0-d tensor whose gradient (averaged over processes) is returned when it
+            requires grad.
+        anchor_keys / candidate_keys: ``(b,)`` integer keys to mask duplicates (see ``infonce``);
+            gathered here with the embeddings.
+        with_grad: also the gradients wrt this process's embeddings; else the loss only.
+
+    Collectives: one all-gather per gathered tensor (the keys in one), and with ``with_grad`` one
+    all-reduce per gathered tensor (and one for a tensor scale's gradient).
+    """
+    w, b = len(sizes), anchors.shape[0]
+    factor = _weight(sizes) * b  # the core averages over local rows
+    kwargs = {
+        "similarity": similarity,
+        "symmetric": symmetric,
+        "path": path,
+        "tile_size": tile_size,
+        "memory_budget": memory_budget,
+        "row_offset": sum(sizes[: rank()]),
+        "check_finite": False,  # agreed on by every process in agree_on_sizes
+        **_gathered_keys(anchor_keys, candidate_keys, sizes),
+    }
+    cands_all = [all_gather_rows(c, sizes) for c in candidates]
+    anchors_all = all_gather_rows(anchors, sizes) if symmetric else None
+    if not with_grad:
+        value = infonce(anchors, cands_all, scale=scale, anchors_all=anchors_all, **kwargs)  # type: ignore[arg-type]
+        return InfoNCEOutput(value * factor, None, [], None, None)
+    out = infonce_loss_and_grad(
+        anchors,
+        cands_all,
+        scale=scale,
+        anchors_all=anchors_all,
+        grad_output=factor,
+        **kwargs,  # type: ignore[arg-type]
+    )
+    # every process scored everyone's candidates: sum their gradients, keep this process's rows
+    g_cands = [own_rows(all_reduce_sum(g, "all_reduce_grad"), sizes) for g in out.grad_candidates]
+    g_anchors = out.grad_anchors
+    if out.grad_anchors_all is not None and g_anchors is not None:
+        g_anchors = g_anchors + own_rows(all_reduce_sum(out.grad_anchors_all, "all_reduce_grad"), sizes)
+    return InfoNCEOutput(out.loss * factor, g_anchors, g_cands, None, _mean_scale_grad(out.grad_scale, w))
+
+
+def _mean_scale_grad(grad: Tensor | None, w: int) -> Tensor | None:
+    """The scale is not inside DDP: average its gradient here, or the processes drift apart."""
+    if grad is None:
+        return None
+    return all_reduce_sum(grad.reshape(1).clone(), "all_reduce_scale")[0] / w
+
+
+def gathered_infonce(
+    anchors: Tensor,
+    candidates: Sequence[Tensor],
+    sizes: list[int],
+    *,
+    scale: float | Tensor,
+    similarity: Similarity = "cosine",
+    symmetric: bool = False,
+    path: LossPath = "auto",
+    tile_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    anchor_keys: Tensor | None = None,
+    candidate_keys: Sequence[Tensor] | None = None,
+) -> Tensor:
+    """:func:`gathered_loss_and_grad`'s loss with autograd: the gather's backward sums over processes,
+    and a tensor scale's gradient is averaged over processes by a hook."""
+    w, b = len(sizes), anchors.shape[0]
+    if isinstance(scale, Tensor) and scale.requires_grad:
+        scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
+    cands_all = [gather_with_grad(c, sizes) for c in candidates]
+    anchors_all = gather_with_grad(anchors, sizes) if symmetric else None
+    loss = infonce(
+        anchors,
+        cands_all,
+        scale=scale,
+        similarity=similarity,
+        symmetric=symmetric,
+        anchors_all=anchors_all,
+        row_offset=sum(sizes[: rank()]),
+        path=path,
+        tile_size=tile_size,
+        memory_budget=memory_budget,
+        check_finite=False,
+        **_gathered_keys(anchor_keys, candidate_keys, sizes),  # type: ignore[arg-type]
+    )
+    return loss * (_weight(sizes) * b)
+
+
+# --------------------------------------------------------------------------- the ring
+
+
+@dataclass
+class _RingPayload:
+    """What travels around the ring with a process's candidates (read-only for the visitors).
+
+    ``block``: ``(b, K, d)`` the candidate columns side by side (one message per hop for all columns);
+    ``keys``: ``(b, K)`` their duplicate keys and ``pair_keys``: ``(b,)`` the keys of the anchors they
+    belong to (masking only); ``lse_cols``: ``(b, 2)`` the finished column statistics of the
+    positives (symmetric loss, gradient pass only)."""
+
+    block: Tensor
+    keys: Tensor | None = None
+    pair_keys: Tensor | None = None
+    lse_cols: Tensor | None = None
+
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.block, self.keys, self.pair_keys, self.lse_cols) if t is not None]
+
+    def like(self, tensors: list[Tensor]) -> _RingPayload:
+        """The payload of the same layout made of ``tensors`` (as received from another process)."""
+        it = iter(tensors)
+        return _RingPayload(
+            next(it),
+            next(it) if self.keys is not None else None,
+            next(it) if self.pair_keys is not None else None,
+            next(it) if self.lse_cols is not None else None,
+        )
+
+
+def ring_loss_and_grad(
+    anchors: Tensor,
+    candidates: Sequence[Tensor],
+    sizes: list[int],
+    *,
+    scale: float | Tensor,
+    similarity: Similarity = "cosine",
+    symmetric: bool = False,
+    path: LossPath = "auto",
+    tile_size: int | None = None,
+    memory_budget: int = DEFAULT_MEMORY_BUDGET,
+    anchor_keys: Tensor | None = None,
+    candidate_keys: Sequence[Tensor] | None = None,
+    with_grad: bool = True,
+) -> InfoNCEOutput:
+    """:func:`gathered_loss_and_grad` by ring exchange (same arguments; ``path`` must be "auto" or
+    "tiled": the ring is tiled by construction).
+
+    Each process keeps its own anchors; every process's candidate block visits it once per pass, the
+    next one already in flight while the current one is scored. Pass 1 accumulates each row's
+    log-sum-exp, and for the symmetric loss each positive's column statistics travel with its block,
+    so they are complete when the block comes home. Pass 2 recomputes each tile and accumulates the
+    visiting block's gradient into a buffer that travels with it.
+
+    No finiteness check inside: a process raising on its own NaN in the middle of the ring would leave
+    its peers blocked in a send / receive; :func:`agree_on_sizes` checks every process first.
+    """
+    if path not in ("auto", "tiled"):
+        raise ValueError(
+            f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {path!r}."
+        )
+    with torch.no_grad():
+        return _ring(
+            anchors,
+            list(candidates),
+            sizes,
+            scale=scale,
+            cosine=similarity == "cosine",
+            symmetric=symmetric,
+            tile=tile_side(tile_size, memory_budget, buffers=3),
+            anchor_keys=anchor_keys,
+            candidate_keys=list(candidate_keys) if candidate_keys is not None else None,
+            with_grad=with_grad,
+        )
+
+
+def _ring(
+    anchors: Tensor,
+    candidates: list[Tensor],
+    sizes: list[int],
+    *,
+    scale: float | Tensor,
+    cosine: bool,
+    symmetric: bool,
+    tile: int,
+    anchor_keys: Tensor | None,
+    candidate_keys: list[Tensor] | None,
+    with_grad: bool,
+) -> InfoNCEOutput:
+    me = rank()
+    s = scale_value(scale)
+    need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
+    k, (b, d) = len(candidates), anchors.shape
+    rows = Operand(anchors, cosine, s, prenormalize=False)
+    dtype = rows.dtype  # the compute dtype: fp64 for fp64 inputs, else fp32
+    w = _weight(sizes) * (0.5 if symmetric else 1.0)
+    masking = candidate_keys is not None
+    own = _RingPayload(
+        # (b, K, d): no copy for pairs
+        (candidates[0].unsqueeze(1) if k == 1 else torch.stack(candidates, dim=1)).contiguous(),
+        torch.stack(candidate_keys, dim=1).contiguous() if candidate_keys is not None else None,
+        # pairs sharing an anchor are duplicates too (in both directions): the anchors' keys travel
+        anchor_keys.contiguous() if masking and anchor_keys is not None else None,
+    )
+
+    def columns(blk: Tensor) -> list[Operand]:
+        return [Operand(blk[:, j], cosine, 1.0, prenormalize=False) for j in range(k)]
+
+    def keys_of(visitor: _RingPayload) -> DuplicateKeys | None:
+        if candidate_keys is None or visitor.keys is None:
+            return None
+        cols = [visitor.keys[:, j] for j in range(k)]
+        return DuplicateKeys(candidate_keys[0], cols, anchor_keys, visitor.pair_keys)
+
+    # pass 1: row statistics stay here; column statistics of each positive travel with its block
+    row_acc = init_stats(b, rows)
+    carried = [torch.stack(init_stats(b, rows), dim=1)] if symmetric else []
+
+    def visit_stats(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
+        visitor = own.like(tensors)
+        col_acc = (carried[0][:, 0], carried[0][:, 1]) if symmetric else None
+        update_stats(
+            rows,
+            columns(visitor.block),
+            row_acc,
+            col_acc,
+            row_tile=tile,
+            col_tile=tile,
+            row_offset=0 if owner == me else None,
+            keys=keys_of(visitor),
+        )
+
+    carried = ring_exchange(own.tensors(), carried, sizes, visit_stats)
+    own_cols = columns(own.block)
+    lse_r = finish_stats(row_acc)
+    lse_c = (
+        finish_stats((carried[0][:, 0].contiguous(), carried[0][:, 1].contiguous())) if symmetric else None
+    )
+    loss = infonce_from_stats(lse_r, lse_c, positive_logits(rows, own_cols[0], 0, tile), w, w)
+    if not with_grad:
+        return InfoNCEOutput(loss.to(dtype), None, [], None, None)
+
+    # pass 2: the visiting block's gradient accumulates in a buffer that travels with it
+    g_rows = torch.zeros(b, d, dtype=dtype, device=anchors.device)
+    gs_total = torch.zeros((), dtype=torch.float64, device=anchors.device)
+    own2 = _RingPayload(own.block, own.keys, own.pair_keys, lse_c.stacked() if lse_c is not None else None)
+
+    def visit_grads(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
+        nonlocal gs_total
+        visitor = own2.like(tensors)
+        g_blk = carried[0]
+        gs_total += accumulate_gradients(
+            rows,
+            columns(visitor.block),
+            lse_r,
+            LogSumExp.unstack(visitor.lse_cols) if visitor.lse_cols is not None else None,
+            g_rows,
+            [g_blk[:, j] for j in range(k)],
+            w_rows=w,
+            w_cols=w,
+            row_tile=tile,
+            col_tile=tile,
+            need_scale_grad=need_scale_grad,
+            row_offset=0 if owner == me else None,
+            keys=keys_of(visitor),
+        )
+
+    g_block = torch.zeros(b, k, d, dtype=dtype, device=anchors.device)
+    (g_block,) = ring_exchange(own2.tensors(), [g_block], sizes, visit_grads)
+    g_rows.mul_(s)
+    grad_scale = None
+    if need_scale_grad:
+        # every process holds part of d(sum_r L_r)/ds = W dL/ds; the average is the true gradient
+        gs = _mean_scale_grad(gs_total, len(sizes))
+        grad_scale = (gs / s).to(scale.dtype)  # type: ignore[operator, union-attr]
+    g_candidates = [
+        raw_grad(op, g_block[:, j].contiguous(), c.dtype, tile)
+        for j, (op, c) in enumerate(zip(own_cols, candidates))
+    ]
+    return InfoNCEOutput(
+        loss=loss.to(dtype),
+        grad_anchors=raw_grad(rows, g_rows, anchors.dtype, tile),
+        grad_candidates=g_candidates,
+        grad_anchors_all=None,
+        grad_scale=grad_scale,
+    )

@@ -1,0 +1,45 @@
+"""BibTeX entries for the model cards that sentence-transformers writes (a loss's ``citation``)."""
+
+GRADCACHE_CITATION = """
+@misc{gao2021scaling,
+    title={Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup},
+    author={Luyu Gao and Yunyi Zhang and Jiawei Han and Jamie Callan},
+    year={2021},
+    eprint={2101.06983},
+    archivePrefix={arXiv},
+    primaryClass={cs.LG}
+}
+"""
+
+MNRL_CITATION = """
+@misc{henderson2017efficient,
+    title={Efficient Natural Language Response Suggestion for Smart Reply},
+    author={Matthew Henderson and Rami Al-Rfou and Brian Strope and Yun-hsuan Sung and Laszlo Lukacs and Ruiqi Guo and Sanjiv Kumar and Balint Miklos and Ray Kurzweil},
+    year={2017},
+    eprint={1705.00652},
+    archivePrefix={arXiv},
+    primaryClass={cs.CL}
+}
+"""
+
+CLIP_CITATION = """
+@inproceedings{radford2021learning,
+    title={Learning Transferable Visual Models From Natural Language Supervision},
+    author={Alec Radford and Jong Wook Kim and Chris Hallacy and Aditya Ramesh and Gabriel Goh and Sandhini Agarwal and Girish Sastry and Amanda Askell and Pamela Mishkin and Jack Clark and Gretchen Krueger and Ilya Sutskever},
+    booktitle={International Conference on Machine Learning},
+    year={2021},
+    eprint={2103.00020},
+    archivePrefix={arXiv}
+}
+"""
+
+INFCL_CITATION = """
+@misc{cheng2024breaking,
+    title={Breaking the Memory Barrier: Near Infinite Batch Size Scaling for Contrastive Loss},
+    author={Zesen Cheng and Hang Zhang and Kehan Li and Sicong Leng and Zhiqiang Hu and Fei Wu and Deli Zhao and Xin Li and Lidong Bing},
+    year={2024},
+    eprint={2410.17243},
+    archivePrefix={arXiv},
+    primaryClass={cs.CV}
+}
+"""
