@@ -18,7 +18,9 @@ minutes per step, so only ours run there; the tiled symmetric loss is checked ag
 blockwise recomputation.
 
 Run: ``.venv/bin/python benchmarks/loss_stage.py`` (``--quick`` for a smoke run). Writes
-``benchmarks/results/loss_stage.{csv,md,png}``.
+``benchmarks/results/loss_stage.{csv,md,png}``. ``--device cuda`` runs the same code on a GPU (inputs
+drawn on the CPU, then moved; timings synchronise the device) and adds the CUDA allocator's peak
+(``torch.cuda.max_memory_allocated``) to the tables; ``make gpu-check`` runs it with GPU-sized settings.
 """
 
 from __future__ import annotations
@@ -47,10 +49,23 @@ DENSE_LIMIT_BYTES = 12 * 2**30  # three B x C fp32 matrices must fit
 CHUNK_BUDGET = DEFAULT_MEMORY_BUDGET  # the matmul bound is chunked like ours
 
 
-def _inputs(b: int, d: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _inputs(b: int, d: int, seed: int = 0, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(b, d, generator=g)
-    return q, q + 3.0 * torch.randn(b, d, generator=g)
+    p = q + 3.0 * torch.randn(b, d, generator=g)
+    return q.to(device), p.to(device)
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA is asynchronous), so that a clock read means done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"{torch.get_num_threads()} CPU threads"
 
 
 def _st_loss(symmetric: bool):
@@ -83,8 +98,8 @@ def contenders(b: int, symmetric: bool, q: torch.Tensor, p: torch.Tensor, st_los
 
     def matmul_bound():
         chunk = max(1, CHUNK_BUDGET // (4 * b))
-        gq = torch.empty(b, d)
-        gp = torch.zeros(b, d)
+        gq = torch.empty(b, d, device=q.device)
+        gp = torch.zeros(b, d, device=q.device)
         for r0 in range(0, b, chunk):
             qs = q[r0 : r0 + chunk]
             s = qs @ p.T  # (c, d) @ (d, B)
@@ -121,14 +136,20 @@ def main(argv: list[str] | None = None) -> None:
         help="largest B for sentence-transformers' symmetric loss (34 s per step at 4096 here, ~16x that at 16384)",
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
+    parser.add_argument(
+        "--device", default="cpu", help="torch device to run on: cpu (default), cuda, cuda:1, ..."
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is available to torch {torch.__version__}")
     if args.quick:
         args.sizes, args.dim, args.repeats, args.st_max, args.st_max_symmetric = "512,1024", 64, 1, 1024, 1024
 
     rows = []
     for b in [int(x) for x in args.sizes.split(",")]:
-        q, p = _inputs(b, args.dim)
+        q, p = _inputs(b, args.dim, device=args.device)
         for symmetric in (False, True):
             direction = "symmetric" if symmetric else "one-direction"
             st_limit = args.st_max_symmetric if symmetric else args.st_max
@@ -145,12 +166,14 @@ def main(argv: list[str] | None = None) -> None:
                     if name == "st-cached" and b > 4096 and times[name]:
                         continue
                     gc.collect()
+                    _sync(device)
                     t0 = time.perf_counter()
                     fn()
+                    _sync(device)
                     times[name].append(time.perf_counter() - t0)
             for name, fn in fns.items():
                 gc.collect()
-                with PeakMemory() as mem:
+                with PeakMemory(device) as mem:
                     fn()
                 row = {
                     "B": b,
@@ -160,6 +183,8 @@ def main(argv: list[str] | None = None) -> None:
                     "peak_mib": mem.peak_bytes / 2**20,
                     "peak_x_Bd4": mem.peak_bytes / (b * args.dim * 4),
                 }
+                if mem.cuda_peak_bytes is not None:
+                    row["allocator_peak_mib"] = mem.cuda_peak_bytes / 2**20
                 rows.append(row)
                 print(
                     f"B={b:6d} {direction:13s} {name:13s} {row['seconds']:9.3f} s   peak {row['peak_mib']:9.1f} MiB "
@@ -187,10 +212,10 @@ def main(argv: list[str] | None = None) -> None:
                     "peak_x_Bd4": 0,
                 }
             )
-    write(rows, Path(args.out), "loss_stage_quick" if args.quick else "loss_stage", args.dim)
+    write(rows, Path(args.out), "loss_stage_quick" if args.quick else "loss_stage", args.dim, device)
 
 
-def write(rows: list[dict], out: Path, stem: str, dim: int) -> None:
+def write(rows: list[dict], out: Path, stem: str, dim: int, device: torch.device | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = [r for r in rows if r["direction"] != "check"]
     checks = [r["contender"] for r in rows if r["direction"] == "check"]
@@ -198,11 +223,13 @@ def write(rows: list[dict], out: Path, stem: str, dim: int) -> None:
         writer = csv.DictWriter(f, fieldnames=list(data[0]))
         writer.writeheader()
         writer.writerows(data)
+    allocator = "allocator_peak_mib" in data[0]  # CUDA: the caching allocator's peak too
     lines = [
-        f"Loss stage (loss + gradient wrt every embedding), d = {dim}, {torch.get_num_threads()} CPU threads, median of repeats.",
+        f"Loss stage (loss + gradient wrt every embedding), d = {dim}, {describe_device(device or torch.device('cpu'))}, median of repeats.",
         "",
-        "| B = C | direction | contender | time (s) | vs matmul bound | peak extra memory (MiB) | x (B·d·4 bytes) |",
-        "|---|---|---|---|---|---|---|",
+        "| B = C | direction | contender | time (s) | vs matmul bound | peak extra memory (MiB) | x (B·d·4 bytes) |"
+        + (" CUDA allocator peak (MiB) |" if allocator else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if allocator else ""),
     ]
     for r in data:
         bound = next(
@@ -213,6 +240,7 @@ def write(rows: list[dict], out: Path, stem: str, dim: int) -> None:
         lines.append(
             f"| {r['B']} | {r['direction']} | {r['contender']} | {r['seconds']:.3f} | {r['seconds'] / bound:.2f}x | "
             f"{r['peak_mib']:.1f} | {r['peak_x_Bd4']:.2f} |"
+            + (f" {r['allocator_peak_mib']:.1f} |" if allocator else "")
         )
     targets = []
     for b in sorted({r["B"] for r in data}):

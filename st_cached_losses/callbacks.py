@@ -29,6 +29,7 @@ import logging
 import os
 import sys
 import weakref
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -73,6 +74,13 @@ def _stateful(loss: nn.Module) -> list[nn.Module]:
     return [m for m in loss.modules() if getattr(m, "learnable_scale", False) and hasattr(m, "logit_scale")]
 
 
+def _logit_scale(module: nn.Module) -> torch.Tensor:
+    """A stateful loss's ``logit_scale`` parameter (typed: ``nn.Module.__getattr__`` is not)."""
+    value = module.logit_scale
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
 class LossStateCallback(TrainerCallback):
     """Saves / restores the learnable scale of the given losses with each checkpoint, and logs it.
 
@@ -93,7 +101,7 @@ class LossStateCallback(TrainerCallback):
         return self._stateful_modules
 
     def state_dict(self) -> dict[str, Any]:
-        return {key: module.logit_scale.detach().cpu().clone() for key, module in self._modules().items()}
+        return {key: _logit_scale(module).detach().cpu().clone() for key, module in self._modules().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = []
@@ -101,9 +109,9 @@ class LossStateCallback(TrainerCallback):
             if key not in state:
                 missing.append(f"{key} ({type(module).__name__})")
                 continue
-            value = torch.as_tensor(state[key], dtype=module.logit_scale.dtype)
+            value = torch.as_tensor(state[key], dtype=_logit_scale(module).dtype)
             with torch.no_grad():
-                module.logit_scale.copy_(value.to(module.logit_scale.device))
+                _logit_scale(module).copy_(value.to(_logit_scale(module).device))
         if missing:
             # a loss added (or renamed in the dict of losses) since the checkpoint was saved
             logger.warning(
@@ -123,7 +131,7 @@ class LossStateCallback(TrainerCallback):
     def scales(self) -> dict[str, float]:
         """The current ``logit_scale`` values as plain floats, for ``trainer_state.json`` (a float32
         value survives the JSON round trip exactly)."""
-        return {key: float(module.logit_scale.detach()) for key, module in self._modules().items()}
+        return {key: float(_logit_scale(module).detach()) for key, module in self._modules().items()}
 
     def record(self, state: TrainerState) -> None:
         """Put the current scale into ``state``, which the trainer writes into the next checkpoint.
@@ -197,7 +205,7 @@ class LossStateCallback(TrainerCallback):
     ) -> None:
         if not state.is_world_process_zero:
             return
-        folder = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        folder = os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
         if os.path.isdir(folder):
             torch.save(self.state_dict(), os.path.join(folder, STATE_FILE))
 
@@ -231,7 +239,7 @@ def _resumed_checkpoint_folder(args: TrainingArguments, state: TrainerState) -> 
     loaded (same step, and its log history is where the current one starts), so that another run's
     checkpoint of the same step, left in ``output_dir``, is never mistaken for it.
     """
-    candidates = [os.path.join(args.output_dir, f"checkpoint-{state.global_step}")]
+    candidates = [os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")]
     if isinstance(args.resume_from_checkpoint, str):
         candidates.insert(0, args.resume_from_checkpoint)
     for folder in candidates:
@@ -256,7 +264,7 @@ def _calling_trainer(max_depth: int = 64) -> Trainer | None:
     """
     from transformers import Trainer
 
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(max_depth):
         if frame is None:
             return None
@@ -298,7 +306,9 @@ def attach_to_calling_trainer(loss: nn.Module) -> bool:
             )
         return True
     trainer_loss = getattr(trainer, "loss", None)
-    callback = LossStateCallback(trainer_loss if _contains(trainer_loss, loss) else loss)
+    # the trainer's losses (a loss, list or dict) when they hold this one, so that all are checkpointed
+    losses: Any = trainer_loss if _contains(trainer_loss, loss) else loss
+    callback = LossStateCallback(losses)
     # first in line, so that the progress printer and the reporting integrations see the logged scale
     callbacks.insert(0, callback)
     if trainer.state.global_step > 0:

@@ -14,33 +14,31 @@ The main job, on an embedded default and without a network:
 
 Every setting is a field of :class:`DemoArguments` or :class:`CachedLossTrainingArguments`: pass them on
 the command line (``--loss clip --per_device_train_batch_size 1024``), or a YAML / JSON file
-(``python -m st_cached_losses.demo run.yaml``). ``--help`` lists them all.
+(``python -m st_cached_losses.demo run.yaml``). ``--help`` lists them all, the loss fields first.
+``--hub_model_id your-username/my-model`` writes the card for that repository.
 
-The helpers here (model, data, evaluator, table, hub dry run) are reused by ``examples/``.
+The scripts in ``examples/`` do the same, each on its own, as code to copy.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import os
-import shutil
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional  # Optional: HfArgumentParser reads these annotations at run time
-from unittest import mock
 
 import torch
 
-from st_cached_losses.training_args import (
+from st_cached_losses.cli import CachedLossArgumentParser
+from st_cached_losses.model_card import (
     CachedLossCardCallback,
-    CachedLossTrainingArguments,
-    build_loss,
-    parse_args,
+    add_training_section,
+    global_batch_size,
+    metrics_table,
 )
+from st_cached_losses.training_args import CachedLossTrainingArguments, build_loss
 
 #: the retrieval metrics the demo and the examples report: (label, evaluator key suffix)
 METRICS = (
@@ -55,7 +53,7 @@ DATASET_NAME = "Python standard library: docstring summary -> function source"
 
 @dataclass
 class DemoArguments:
-    """What the run trains on and where its outputs go (the training itself: CachedLossTrainingArguments)."""
+    """What the demo trains on (the training itself: CachedLossTrainingArguments)."""
 
     model_name_or_path: Optional[str] = field(  # noqa: UP045
         default=None,
@@ -79,16 +77,6 @@ class DemoArguments:
     )
     data_seed_pairs: int = field(
         default=0, metadata={"help": "Seed of the shuffle before the train/eval split."}
-    )
-    card_copy: Optional[str] = field(  # noqa: UP045
-        default=None, metadata={"help": "Also copy the generated model card (README.md) to this path."}
-    )
-    hub_dry_run: Optional[str] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "A repo id (user/name): run model.push_to_hub with the Hub calls intercepted, and keep the "
-            "folder that would be uploaded in <output_dir>_hub_upload. Nothing is sent."
-        },
     )
 
 
@@ -184,132 +172,19 @@ def pick_metrics(results: dict[str, float]) -> dict[str, float]:
 
 def format_table(rows: dict[str, dict[str, float]]) -> str:
     """A markdown table: one row per run ("before", "after", ...), one column per metric."""
-    labels = [label for label, _ in METRICS]
-    lines = ["| | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-    for name, metrics in rows.items():
-        lines.append(
-            f"| {name} | " + " | ".join(f"{metrics.get(m, float('nan')):.4f}" for m in labels) + " |"
-        )
-    return "\n".join(lines)
-
-
-class _RecordingHfApi:
-    """Stands in for ``huggingface_hub.HfApi`` during a dry run: records what would be uploaded."""
-
-    def __init__(self, target: Path, token: str | None = None) -> None:
-        self.target = target
-
-    def create_repo(self, repo_id: str, **kwargs: Any) -> Any:
-        return mock.Mock(repo_id=repo_id, url=f"https://huggingface.co/{repo_id}")
-
-    def create_branch(self, **kwargs: Any) -> None:
-        return None
-
-    def upload_folder(self, repo_id: str, folder_path: str, **kwargs: Any) -> Any:
-        if self.target.exists():
-            shutil.rmtree(self.target)
-        shutil.copytree(folder_path, self.target)
-        return mock.Mock(
-            commit_url=f"https://huggingface.co/{repo_id}/commit/dry-run", pr_url=None, repo_id=repo_id
-        )
-
-
-def push_to_hub_dry_run(model: Any, repo_id: str, folder: str | Path, **kwargs: Any) -> Path:
-    """Run ``model.push_to_hub(repo_id, ...)`` with the Hub client replaced by a recorder.
-
-    Everything sentence-transformers does before the upload runs (saving the model, generating the
-    model card for ``repo_id``); the folder it would upload is copied to ``folder`` instead, and nothing
-    leaves the machine. Returns ``folder``; its ``README.md`` is the card the Hub would show.
-    """
-    target = Path(folder)
-    with mock.patch("sentence_transformers.base.model.HfApi", lambda token=None: _RecordingHfApi(target)):
-        # replace_model_card: do not ask the Hub whether the repository already has a README
-        model.push_to_hub(repo_id, replace_model_card=True, **kwargs)
-    return target
-
-
-def append_card_section(path: Path, title: str, body: str) -> None:
-    """Add a section to a saved model card (before its citations)."""
-    text = path.read_text(encoding="utf-8")
-    section = f"## {title}\n\n{body.strip()}\n\n"
-    marker = "## Citation"
-    text = text.replace(marker, section + marker, 1) if marker in text else text + "\n" + section
-    path.write_text(text, encoding="utf-8")
-
-
-def global_batch_size(args: CachedLossTrainingArguments) -> int:
-    """Pairs per optimizer step: per-device batch x processes x accumulation steps."""
-    return args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
-
-
-def save_outputs(
-    trainer: Any,
-    data_args: DemoArguments,
-    args: CachedLossTrainingArguments,
-    rows: dict[str, dict[str, float]],
-    title: str,
-    train_seconds: float,
-) -> dict[str, str]:
-    """On the main process: save the model with its card in ``output_dir``, add this run's section to
-    the card (before / after table, loss settings), copy the card to ``card_copy`` and run the
-    ``push_to_hub`` dry run (``hub_dry_run``). Returns the paths written."""
-    if not trainer.is_world_process_zero():
-        return {}
-    model, loss = trainer.model, trainer.loss
-    out = Path(args.output_dir)
-    if data_args.hub_dry_run:
-        model.model_card_data.set_model_id(data_args.hub_dry_run)  # the card's usage snippet
-    model.save_pretrained(str(out))
-    card = out / "README.md"
-    body = (
-        f"Trained by `{title}` (st_cached_losses) with `{type(loss).__name__}`: "
-        f"{len(trainer.train_dataset)} training pairs, batch {global_batch_size(args)} "
-        f"({args.world_size} process(es)), encoder mini-batch {args.mini_batch_size}, "
-        f"{trainer.state.global_step} optimizer steps ({train_seconds:.0f} s, {os.cpu_count()} CPU cores)."
+    return metrics_table(
+        {
+            name: {label: metrics.get(label, float("nan")) for label, _ in METRICS}
+            for name, metrics in rows.items()
+        }
     )
-    if rows:
-        body += (
-            f" Retrieval on {data_args.eval_pairs} held-out pairs (each docstring summary against all held-out function "
-            "sources):\n\n" + format_table(rows)
-        )
-    body += (
-        "\n\nLoss settings (`CachedLossTrainingArguments`):\n\n```json\n"
-        + json.dumps(args.loss_settings(), indent=4)
-        + "\n```"
-    )
-    append_card_section(card, "Cached loss training", body)
-    written = {"card": str(card)}
-    if data_args.card_copy:
-        Path(data_args.card_copy).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(card, data_args.card_copy)
-        written["card_copy"] = data_args.card_copy
-    if data_args.hub_dry_run:
-        # the saved folder (its card included) is what a real push would upload
-        upload = push_to_hub_dry_run(
-            model, data_args.hub_dry_run, out.parent / f"{out.name}_hub_upload", local_model_path=str(out)
-        )
-        written["hub_upload"] = str(upload)
-        print(f"push_to_hub dry run: the folder that would go to {data_args.hub_dry_run} is in {upload}")
-    return written
 
 
 # ---------------------------------------------------------------------------------------------- the run
 
 
-def train_and_evaluate(
-    data_args: DemoArguments,
-    args: CachedLossTrainingArguments,
-    title: str = "demo",
-    prepare: Callable[[Any, Any], Any] | None = None,
-) -> dict[str, Any]:
+def train_and_evaluate(data_args: DemoArguments, args: CachedLossTrainingArguments) -> dict[str, Any]:
     """Load, evaluate, train with the cached loss ``args`` describe, evaluate, save with the model card.
-
-    Args:
-        data_args: the data, the model and where the card goes.
-        args: the training arguments, the loss fields included.
-        title: what the card and the summary say trained the model.
-        prepare: optional ``prepare(model, dataset) -> dataset`` run on the training pairs before
-            training (e.g. hard-negative mining); the result is checked against the loss.
 
     Returns a summary: the before / after metrics, the times, the paths of the saved model and card.
     """
@@ -320,14 +195,12 @@ def train_and_evaluate(
         data_args.train_pairs, data_args.eval_pairs, data_args.data_seed_pairs
     )
     model = load_model(data_args.model_name_or_path, data_args.max_seq_length)
-    if prepare is not None:
-        train_dataset = prepare(model, train_dataset)
     model.model_card_data.model_name = (
         f"{Path(data_args.model_name_or_path or BASE_MODEL_ID).name} fine-tuned with "
         f"{args.loss_class.__name__} on Python standard library code search"
     )
     model.model_card_data.train_datasets = [{"name": DATASET_NAME}]
-    # the (prepared) dataset is checked against the loss here, before any training step
+    # the dataset is checked against the loss here, before any training step
     loss = build_loss(model, args, train_dataset=train_dataset)
     evaluator = retrieval_evaluator(held_out, show_progress_bar=not args.disable_tqdm) if held_out else None
     trainer = SentenceTransformerTrainer(
@@ -376,7 +249,16 @@ def train_and_evaluate(
         "learnable_scale": bool(getattr(loss, "learnable_scale", False)),
         "model_dir": args.output_dir,
     }
-    summary.update(save_outputs(trainer, data_args, args, rows, title=title, train_seconds=t_train))
+    if trainer.is_world_process_zero():
+        model.save_pretrained(args.output_dir)
+        caption = (
+            f"Retrieval on {len(held_out)} held-out pairs (each docstring summary against all held-out "
+            "function sources)"
+        )
+        card = add_training_section(
+            str(args.output_dir), trainer, rows, trained_by="make demo", metrics_caption=caption
+        )
+        summary["card"] = str(card)
     summary["total_seconds"] = round(time.perf_counter() - t_start, 1)
     return summary
 
@@ -400,8 +282,13 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(f"model and model card saved in {summary['model_dir']} ({summary['card']})")
 
 
-#: what the demo and every example start from (each overrides some; the command line overrides all)
-COMMON_DEFAULTS: dict[str, Any] = {
+#: what the demo starts from; a YAML / JSON file and the command line override it
+DEMO_DEFAULTS: dict[str, Any] = {
+    "output_dir": "output/demo",
+    "loss": "mnr",
+    "per_device_train_batch_size": 256,
+    "mini_batch_size": 32,
+    "loss_show_progress_bar": True,
     # without a GPU, each process `accelerate launch --multi_gpu` starts must be told to use the CPU (gloo)
     "use_cpu": not torch.cuda.is_available(),
     "dataloader_pin_memory": torch.cuda.is_available(),
@@ -417,58 +304,6 @@ COMMON_DEFAULTS: dict[str, Any] = {
     "data_seed": 0,
 }
 
-#: the examples' tiny CPU defaults; each script sets its loss fields on top
-EXAMPLE_DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "per_device_train_batch_size": 64,
-    "mini_batch_size": 16,
-    "train_pairs": 512,
-    "eval_pairs": 256,
-    "max_seq_length": 64,
-}
-
-DEMO_DEFAULTS: dict[str, Any] = {
-    **COMMON_DEFAULTS,
-    "output_dir": "output/demo",
-    "loss": "mnr",
-    "per_device_train_batch_size": 256,
-    "mini_batch_size": 32,
-    "loss_show_progress_bar": True,
-}
-
-
-def run(
-    argv: Sequence[str] | None,
-    defaults: dict[str, Any],
-    description: str | None,
-    title: str,
-    extra_arguments: Sequence[type] = (),
-    prepare: Callable[..., Any] | None = None,
-) -> dict[str, Any]:
-    """Parse a script's arguments (command line, YAML or JSON over ``defaults``), train and evaluate,
-    print the table on the main process; returns the summary of :func:`train_and_evaluate`.
-
-    ``extra_arguments`` are a script's own dataclasses, parsed too and passed to
-    ``prepare(model, dataset, *extra)``. A configuration error raises ``ValueError`` when ``argv`` is
-    given; when it comes from ``sys.argv`` (a command line), it is printed as one ``error:`` line and
-    the process exits with status 2, as argparse does.
-    """
-    try:
-        data_args, *extra, args = parse_args(
-            (DemoArguments, *extra_arguments, CachedLossTrainingArguments), argv, defaults, description
-        )
-    except ValueError as err:
-        if argv is not None:
-            raise
-        print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from None
-    hook = None if prepare is None else functools.partial(_prepare_with, prepare, extra)
-    summary = train_and_evaluate(data_args, args, title=title, prepare=hook)
-    if args.process_index == 0:
-        print_summary(summary)
-    leave_process_group()
-    return summary
-
 
 def leave_process_group() -> None:
     """Under ``accelerate launch``: wait until every process is done (the main one saves the model and
@@ -481,13 +316,20 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _prepare_with(prepare: Callable[..., Any], extra: list[Any], model: Any, dataset: Any) -> Any:
-    return prepare(model, dataset, *extra)
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``make demo``: the run above with :data:`DEMO_DEFAULTS`; returns the summary."""
-    return run(argv, DEMO_DEFAULTS, __doc__, title="make demo")
+    """``make demo``: parse the arguments over :data:`DEMO_DEFAULTS`, train and evaluate, print the
+    table on the main process; returns the summary of :func:`train_and_evaluate`.
+
+    A configuration error raises ``ValueError`` when ``argv`` is given; from the command line it is
+    one ``error:`` line and exit status 2.
+    """
+    parser = CachedLossArgumentParser((DemoArguments, CachedLossTrainingArguments), description=__doc__)
+    data_args, args = parser.parse_command_line(argv, defaults=DEMO_DEFAULTS)
+    summary = train_and_evaluate(data_args, args)
+    if args.process_index == 0:
+        print_summary(summary)
+    leave_process_group()
+    return summary
 
 
 if __name__ == "__main__":

@@ -1,45 +1,49 @@
-"""Configure a cached loss through TrainingArguments (command line, JSON or YAML via HfArgumentParser).
+"""Configure a cached loss through TrainingArguments: the arguments class and the loss factory.
 
 ``CachedLossTrainingArguments`` adds the loss choice and every loss hyperparameter to
 sentence-transformers' ``SentenceTransformerTrainingArguments``. Invalid combinations fail when the
 arguments are built, naming the field, before any model is loaded or any training step runs;
 ``build_loss(model, args)`` builds the loss, and ``check_dataset_columns(dataset, args)`` checks a
 dataset against it. The settings are saved with every checkpoint (``training_args.bin``, they are part
-of the TrainingArguments) and listed in the model card (with :class:`CachedLossCardCallback` also among
-its "non-default hyperparameters").
+of the TrainingArguments) and listed in the model card.
+
+Two jobs that need this class live above it, each in a module of its own: reading it from the command
+line, a YAML or a JSON file (:class:`st_cached_losses.cli.CachedLossArgumentParser`, which names the
+closest field for a typo) and listing its loss fields in the model card
+(:class:`st_cached_losses.model_card.CachedLossCardCallback`).
 
 Example::
 
-    from transformers import HfArgumentParser
+    from st_cached_losses import CachedLossArgumentParser, build_loss
 
-    from st_cached_losses import CachedLossTrainingArguments, build_loss
-
-    (args,) = HfArgumentParser(CachedLossTrainingArguments).parse_yaml_file("run.yaml")
-    loss = build_loss(model, args)
+    (args,) = CachedLossArgumentParser().parse_yaml_file("run.yaml")
+    loss = build_loss(model, args, train_dataset=train_dataset)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
+import inspect
 import math
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional  # Optional: HfArgumentParser reads these annotations at run time
 
 from sentence_transformers import SentenceTransformerTrainingArguments
 from torch import nn
-from transformers import HfArgumentParser, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
-from st_cached_losses.losses._base import resolve_similarity
+from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses.options import resolve_similarity
 
 #: canonical loss name -> class
-LOSSES: dict[str, type[nn.Module]] = {"mnr": CachedMNRLoss, "clip": CachedCLIPLoss, "tiled": CachedTiledLoss}
+LOSSES: dict[str, type[CachedInfoNCEBase]] = {
+    "mnr": CachedMNRLoss,
+    "clip": CachedCLIPLoss,
+    "tiled": CachedTiledLoss,
+}
 #: every accepted spelling (case-insensitive) -> canonical name
 LOSS_ALIASES: dict[str, str] = {
     **{name: name for name in LOSSES},
@@ -50,9 +54,35 @@ DEFAULT_SCALE = 20.0
 LABEL_COLUMNS = ("label", "labels", "score", "scores")
 
 
-def _suggest(word: str, choices: Sequence[str]) -> str:
+def closest_name_hint(word: str, choices: Sequence[str]) -> str:
+    """``" Did you mean 'x'?"`` for the choice closest to a misspelt ``word``, or ``""`` if none is close."""
     close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
     return f" Did you mean {close[0]!r}?" if close else ""
+
+
+# frames that build the arguments on the user's behalf: a warning skips them to point at the user's line
+_BUILDER_PACKAGES = ("transformers", "sentence_transformers")
+_BUILDER_MODULES = (__name__, "st_cached_losses.cli")
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that makes the caller's ``warnings.warn`` point at the user's line.
+
+    The arguments are built by the user's own ``CachedLossTrainingArguments(...)`` call, or inside
+    ``CachedLossArgumentParser`` / ``HfArgumentParser`` (through the ``__init__`` dataclasses generate),
+    so a fixed stacklevel points into a library on one of the routes; this skips those frames.
+    """
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # the function that warns: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_back is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        generated_init = frame.f_code.co_filename.startswith("<") and frame.f_code.co_name == "__init__"
+        if not (generated_init or module.split(".")[0] in _BUILDER_PACKAGES or module in _BUILDER_MODULES):
+            break
+        frame = frame.f_back
+        level += 1
+    return level
 
 
 @dataclass
@@ -60,9 +90,10 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
     """``SentenceTransformerTrainingArguments`` plus the choice of cached loss and all its hyperparameters.
 
     Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
-    file through ``HfArgumentParser``. Invalid combinations raise a ``ValueError`` naming the field
-    when the arguments are built; a ``mini_batch_size`` that is not smaller than
-    ``per_device_train_batch_size`` only warns (the batch then fits in one mini-batch: caching is off).
+    file through :class:`~st_cached_losses.cli.CachedLossArgumentParser` (or ``HfArgumentParser``).
+    Invalid combinations raise a ``ValueError`` naming the field when the arguments are built; a
+    ``mini_batch_size`` that is not smaller than ``per_device_train_batch_size`` only warns (the batch
+    then fits in one mini-batch: caching is off), at the user's line.
     """
 
     loss: str = field(
@@ -154,7 +185,7 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         if key not in LOSS_ALIASES:
             raise ValueError(
                 f"loss={self.loss!r} is not a cached loss; choose one of 'mnr', 'clip' or 'tiled' (or a class name: "
-                f"CachedMNRLoss, CachedCLIPLoss, CachedTiledLoss).{_suggest(key, list(LOSS_ALIASES))}"
+                f"CachedMNRLoss, CachedCLIPLoss, CachedTiledLoss).{closest_name_hint(key, list(LOSS_ALIASES))}"
             )
         self.loss = LOSS_ALIASES[key]
 
@@ -206,7 +237,7 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
                 "one encoder mini-batch, so caching is off (same result and memory as the non-cached loss). Use a "
                 "mini_batch_size smaller than the batch to save memory.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=_user_stacklevel(),
             )
 
     # ------------------------------------------------------------------ derived settings
@@ -221,7 +252,7 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         return DEFAULT_SCALE
 
     @property
-    def loss_class(self) -> type[nn.Module]:
+    def loss_class(self) -> type[CachedInfoNCEBase]:
         """The loss class ``loss`` names."""
         return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
 
@@ -257,7 +288,7 @@ LOSS_FIELDS = tuple(LOSS_DEFAULTS)
 
 def build_loss(
     model: nn.Module, args: CachedLossTrainingArguments, train_dataset: Any | None = None
-) -> nn.Module:
+) -> CachedInfoNCEBase:
     """The cached loss ``args`` describe, for ``model`` (pass it as ``loss=`` to the trainer).
 
     Args:
@@ -272,7 +303,7 @@ def build_loss(
     if not isinstance(args, CachedLossTrainingArguments):
         raise TypeError(
             f"build_loss needs CachedLossTrainingArguments, got {type(args).__name__}; parse the run's arguments "
-            "with HfArgumentParser(CachedLossTrainingArguments)."
+            "with st_cached_losses.CachedLossArgumentParser, or build CachedLossTrainingArguments(...) directly."
         )
     if train_dataset is not None:
         check_dataset_columns(train_dataset, args)
@@ -332,123 +363,5 @@ def check_dataset_columns(
             f"({args.per_device_train_batch_size} x {args.world_size} processes): each step sees fewer in-batch "
             "negatives than configured.",
             UserWarning,
-            stacklevel=2,
+            stacklevel=_user_stacklevel(),
         )
-
-
-class CachedLossCardCallback(TrainerCallback):
-    """Lists the loss fields of :class:`CachedLossTrainingArguments` that differ from their defaults among
-    the model card's "non-default hyperparameters".
-
-    sentence-transformers compares the arguments with a default ``SentenceTransformerTrainingArguments``,
-    which has none of these fields, so it shows them only under "all hyperparameters". Pass it as
-    ``callbacks=[CachedLossCardCallback()]`` to the trainer.
-    """
-
-    def _update(self, args: TrainingArguments, model: Any) -> None:
-        if not isinstance(args, CachedLossTrainingArguments) or model is None:
-            return
-        card = getattr(model, "model_card_data", None)
-        if card is None or card.non_default_hyperparameters.get("loss") == args.loss:
-            return  # no card, or listed already since the trainer last filled the hyperparameters in
-        changed = {k: v for k, v in args.loss_settings().items() if v != LOSS_DEFAULTS[k]}
-        # the loss choice always, so the card says which loss these settings belong to
-        card.non_default_hyperparameters = {"loss": args.loss, **changed, **card.non_default_hyperparameters}
-
-    def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        # not on_train_begin: the trainer's own model card callback, which comes after the user's callbacks,
-        # refills the hyperparameters there; from then on one update per run is enough
-        self._update(args, kwargs.get("model"))
-
-    def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self._update(args, kwargs.get("model"))
-
-
-def parse_args(
-    dataclass_types: Sequence[type] = (CachedLossTrainingArguments,),
-    argv: Sequence[str] | None = None,
-    defaults: Mapping[str, Any] | None = None,
-    description: str | None = None,
-) -> tuple[Any, ...]:
-    """Parse a run's arguments from the command line, a YAML or a JSON file, or a file plus overrides.
-
-    Accepted forms::
-
-        script.py --loss clip --per_device_train_batch_size 1024 ...
-        script.py run.yaml                      # or run.json: every field from the file
-        script.py --config run.yaml --max_steps 10   # the file, then command-line overrides
-
-    Unknown keys in a file are rejected with the closest field name; every dataclass validates its
-    own fields when built (``CachedLossTrainingArguments`` before any training).
-
-    Args:
-        dataclass_types: the dataclasses to fill (e.g. a script's own arguments and
-            ``CachedLossTrainingArguments``).
-        argv: the arguments (default ``sys.argv[1:]``).
-        defaults: defaults that replace the dataclasses' own (a script's tiny CPU defaults).
-        description: shown by ``--help``.
-
-    Returns:
-        One instance per dataclass, in order.
-    """
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = HfArgumentParser(list(dataclass_types), description=description)
-    known = {f.name for dtype in dataclass_types for f in dataclasses.fields(dtype) if f.init}
-    values: dict[str, Any] = dict(defaults or {})
-    config: str | None = None
-    if "--config" in argv:
-        i = argv.index("--config")
-        if i + 1 >= len(argv):
-            raise ValueError("--config needs a path to a .yaml, .yml or .json file.")
-        config = argv[i + 1]
-        argv = argv[:i] + argv[i + 2 :]
-    elif argv and argv[0].endswith((".yaml", ".yml", ".json")) and not argv[0].startswith("-"):
-        config, argv = argv[0], argv[1:]
-    if config is not None:
-        values.update(load_config(config, known))
-    unknown_defaults = set(values) - known
-    if unknown_defaults:
-        raise ValueError(f"unknown argument(s) {sorted(unknown_defaults)}.")
-    parser.set_defaults(**values)
-    # a field the file (or a script default) sets is no longer required on the command line
-    for action in parser._actions:
-        if action.dest in values:
-            action.required = False
-    outputs = parser.parse_args_into_dataclasses(args=argv, return_remaining_strings=True)
-    *parsed, remaining = outputs
-    if remaining:
-        raise ValueError(
-            f"unknown command-line argument(s) {remaining}; see --help for the fields."
-            + (_suggest(remaining[0].lstrip("-"), sorted(known)) if remaining[0].startswith("--") else "")
-        )
-    return tuple(parsed)
-
-
-def load_config(path: str | Path, known: set[str] | None = None) -> dict[str, Any]:
-    """The mapping in a YAML or JSON file, checked against the ``known`` field names.
-
-    Raises:
-        ValueError: for a file that is not a mapping, or an unknown key (with the closest field name).
-    """
-    path = Path(path)
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        data = json.loads(text)
-    else:
-        import yaml
-
-        data = yaml.safe_load(text)
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a mapping of field names to values, got {type(data).__name__}.")
-    if known is not None:
-        unknown = sorted(set(data) - known)
-        if unknown:
-            hints = "".join(_suggest(key, sorted(known)) for key in unknown)
-            raise ValueError(f"{path}: unknown field(s) {unknown}; see --help for the fields.{hints}")
-    return data

@@ -1,11 +1,14 @@
 """The examples and the demo end to end on a tiny offline model: each trains, evaluates, writes its model
 card (loss, its config, citations, the TrainingArguments' loss fields), and explains its fields in
-``--help``; the multi-process example goes through ``accelerate launch``; the push_to_hub dry run
-produces the folder (and card) a real push would upload, without a network."""
+``--help``, the loss fields first; the multi-process example goes through ``accelerate launch``; the
+push_to_hub dry run (``tests/hub_recorder.py``) produces the folder (and card) a real push would
+upload, without a network. The examples are self-contained scripts: no ``sys.path`` edits, no demo."""
 
 from __future__ import annotations
 
+import ast
 import collections
+import functools
 import importlib.util
 import json
 import os
@@ -16,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from st_cached_losses.demo import _stdlib_pairs, push_to_hub_dry_run
+import st_cached_losses.data
+from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments
+from st_cached_losses.data import stdlib_pairs
+from tests import hub_recorder
 from tests.dist_utils import accelerate_launch
 from tests.tiny_model import make_tiny_model
 
@@ -42,12 +48,29 @@ TINY = [
 ]
 
 
+@functools.lru_cache(maxsize=1)
+def all_stdlib_pairs() -> tuple[tuple[str, str], ...]:
+    return tuple(stdlib_pairs(seed=0))
+
+
+@pytest.fixture(autouse=True)
+def parse_the_standard_library_once(monkeypatch):
+    """Parsing the standard library takes seconds: the examples and the demo in this process share one
+    parse (``stdlib_pairs(limit=n)`` is the first n of the same shuffle)."""
+
+    def cached(limit: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
+        assert seed == 0
+        return list(all_stdlib_pairs()[:limit])
+
+    monkeypatch.setattr(st_cached_losses.data, "stdlib_pairs", cached)
+
+
 def make_text_model(path: Path) -> str:
     """A tiny random BERT whose word vocabulary comes from the standard library's docstrings and code,
     so that stdlib texts are not all [UNK] (hard-negative mining needs distinct embeddings); saved as a
     SentenceTransformer folder."""
     counts: collections.Counter[str] = collections.Counter()
-    for query, document in _stdlib_pairs(0)[:1500]:
+    for query, document in all_stdlib_pairs()[:1500]:
         counts.update(re.findall(r"[a-z]+|[0-9]+|[^\sa-z0-9]", (query + " " + document).lower()))
     words = [w for w, _ in counts.most_common(1500)]
     model = make_tiny_model(path / "bert", words=words, dropout=0.1)
@@ -83,12 +106,12 @@ def check_card(card: str, loss_class: str, citations: list[str], settings: dict)
 @pytest.mark.parametrize(
     ("name", "extra", "loss_class", "citations", "settings"),
     [
-        (
+        (  # --temperature over a script whose loss has a scale: the user's temperature wins
             "train_cached_mnr",
-            ["--hard_negatives", "1", "--mining_margin", "0"],
+            ["--hard_negatives", "1", "--mining_margin", "0", "--temperature", "0.07"],
             "CachedMNRLoss",
             ["gao2021scaling", "henderson2017efficient"],
-            {"loss": "mnr"},
+            {"loss": "mnr", "temperature": 0.07},
         ),
         (
             "train_cached_clip",
@@ -96,6 +119,13 @@ def check_card(card: str, loss_class: str, citations: list[str], settings: dict)
             "CachedCLIPLoss",
             ["gao2021scaling", "radford2021learning"],
             {"loss": "clip", "learnable_scale": True, "temperature": 0.05},
+        ),
+        (  # a fixed --scale over the defaults' learnable temperature (and its learning rate)
+            "train_cached_clip",
+            ["--learnable_scale", "false", "--scale", "30"],
+            "CachedCLIPLoss",
+            ["gao2021scaling", "radford2021learning"],
+            {"loss": "clip", "scale": 30.0},
         ),
         (
             "train_cached_tiled",
@@ -109,30 +139,61 @@ def check_card(card: str, loss_class: str, citations: list[str], settings: dict)
 def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, citations, settings):
     module = load_example(name)
     out = tmp_path / "out"
-    summary = module.main(
-        [
-            "--model_name_or_path",
-            tiny_model,
-            "--output_dir",
-            str(out),
-            "--card_copy",
-            str(tmp_path / "card.md"),
-            *TINY,
-            *extra,
-        ]
+    trainer, metrics = module.main(
+        ["--model_name_or_path", tiny_model, "--output_dir", str(out), *TINY, *extra]
     )
-    rows = summary["metrics"]
-    assert set(rows) == {"before", "after"} and 0 <= rows["after"]["MRR@10"] <= 1
-    assert summary["steps"] == 2 and summary["batch_size"] == 16 and summary["loss"] == loss_class
+    assert set(metrics) == {"before", "after"} and 0 <= metrics["after"]["MRR@10"] <= 1
+    assert trainer.state.global_step == 2 and type(trainer.loss).__name__ == loss_class
     card = (out / "README.md").read_text()
-    assert (tmp_path / "card.md").read_text() == card
     check_card(card, loss_class, citations, settings)
+    assert "batch 16 (1 process(es))" in card and "2 optimizer steps" in card
     assert (out / "model.safetensors").is_file()
-    if name == "train_cached_mnr":  # trained on mined triplets
+    if name == "train_cached_mnr":  # trained on mined triplets, at the command line's temperature
         assert "<code>negative_1</code>" in card
-    if name == "train_cached_clip":  # the temperature was learned, at its own learning rate
-        assert summary["learnable_scale"] and abs(summary["scale"] - 20.0) > 1e-3
+        assert trainer.loss.scale == pytest.approx(1 / 0.07)
+    if name == "train_cached_clip" and not extra:  # the temperature was learned, at its own learning rate
+        assert trainer.loss.learnable_scale and abs(float(trainer.loss.scale) - 20.0) > 1e-3
         assert "- `learning_rate_mapping`: {'logit_scale': 0.01}" in card
+    if name == "train_cached_clip" and extra:  # fixed at the command line's scale, no temperature left
+        assert not trainer.loss.learnable_scale and float(trainer.loss.scale) == 30.0
+        assert "- `temperature`: None" in card and "- `temperature`: 0.05" not in card
+
+
+@pytest.mark.parametrize(
+    ("name", "argv", "expected"),
+    [
+        ("train_cached_clip", ["--learnable_scale", "false", "--scale", "30"], (30.0, None, 30.0)),
+        ("train_cached_mnr", ["--temperature", "0.07"], (None, 0.07, 1 / 0.07)),
+        (
+            "train_cached_clip",
+            ["--config", "examples/configs/cached_clip.yaml", "--scale", "30"],
+            (30.0, None, 30.0),
+        ),
+        ("train_cached_tiled", ["examples/configs/cached_tiled.yaml", "--temp", "0.1"], (None, 0.1, 10.0)),
+    ],
+)
+def test_scale_or_temperature_from_the_command_line_replaces_the_defaults_one(name, argv, expected):
+    """`--scale 30` on a script (or file) whose defaults name a temperature, and the other way round,
+    used to fail with "scale and temperature disagree"."""
+    module = load_example(name)
+    parser = CachedLossArgumentParser((module.ExampleArguments, CachedLossTrainingArguments))
+    _, args = parser.parse_command_line(
+        [a.replace("examples/", f"{EXAMPLES}/") for a in argv], module.DEFAULTS
+    )
+    assert (args.scale, args.temperature) == expected[:2]
+    assert args.loss_scale == pytest.approx(expected[2])
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
+def test_examples_are_self_contained(path):
+    """A user copies an example: it imports the package's public API, never the demo or tests, and does
+    not edit sys.path."""
+    source = path.read_text()
+    assert "sys.path" not in source and len(source.splitlines()) <= 160
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            assert node.module.split(".")[0] != "tests" and "demo" not in node.module, node.module
+            assert not any(alias.name.startswith("_") for alias in node.names), node.module
 
 
 @pytest.mark.slow
@@ -165,14 +226,18 @@ def test_accelerate_example_two_processes(tmp_path, tiny_model):
 
 
 @pytest.mark.parametrize(
-    "name", ["train_cached_mnr", "train_cached_clip", "train_cached_tiled", "train_accelerate"]
+    "name", ["train_cached_mnr", "train_cached_clip", "train_cached_tiled", "train_accelerate", "demo"]
 )
 def test_example_help_explains_the_fields(name, capsys):
-    module = load_example(name)
+    if name == "demo":
+        from st_cached_losses.demo import main
+    else:
+        main = load_example(name).main
     with pytest.raises(SystemExit) as exit_info:
-        module.main(["--help"])
+        main(["--help"])
     assert exit_info.value.code == 0
-    text = " ".join(capsys.readouterr().out.split())
+    raw = capsys.readouterr().out
+    text = " ".join(raw.split())
     for snippet in (
         "--loss",
         "'mnr' (CachedMNRLoss",
@@ -185,6 +250,12 @@ def test_example_help_explains_the_fields(name, capsys):
         "--train_pairs",
     ):
         assert snippet in text, snippet
+    # a one-line usage, the docstring's lines kept, and the loss fields before the ~120 training arguments
+    assert raw.splitlines()[0].startswith("usage:") and "[--FIELD VALUE ...]" in raw.splitlines()[0]
+    assert "\n    python examples/" in raw or "\n1. real text pairs" in raw
+    fields = raw[raw.index("\noptions:") :]
+    assert fields.index("--loss ") < fields.index("--model_name_or_path") < fields.index("--output_dir")
+    assert fields.index("--symmetric") < fields.index("--learning_rate")
 
 
 def test_example_rejects_a_bad_config_before_training(tmp_path, tiny_model):
@@ -230,18 +301,20 @@ def test_push_to_hub_dry_run_uploads_the_saved_card(tmp_path, tiny_model):
     model = SentenceTransformer(tiny_model, device="cpu")
     model.save_pretrained(str(tmp_path / "saved"))
     (tmp_path / "saved" / "README.md").write_text("# my card\n")
-    folder = push_to_hub_dry_run(
+    folder = hub_recorder.push_to_hub_dry_run(
         model, "me/my-model", tmp_path / "upload", local_model_path=str(tmp_path / "saved")
     )
     assert (folder / "README.md").read_text() == "# my card\n"
     assert (folder / "model.safetensors").is_file()
     # without a local folder: sentence-transformers saves the model and writes the card for the repo id
-    folder = push_to_hub_dry_run(model, "me/my-model", tmp_path / "upload2")
+    folder = hub_recorder.push_to_hub_dry_run(model, "me/my-model", tmp_path / "upload2")
     assert 'SentenceTransformer("me/my-model")' in (folder / "README.md").read_text()
 
 
 @pytest.mark.slow
-def test_demo_runs_on_a_tiny_model_with_hub_dry_run(tmp_path, tiny_model):
+def test_demo_runs_on_a_tiny_model_then_a_hub_dry_run(tmp_path, tiny_model):
+    """The demo writes its card for the repository named by --hub_model_id; the dry run of its push
+    (what `make model-cards` records) uploads exactly the saved folder, card included."""
     from st_cached_losses.demo import main
 
     out = tmp_path / "demo"
@@ -251,7 +324,7 @@ def test_demo_runs_on_a_tiny_model_with_hub_dry_run(tmp_path, tiny_model):
             tiny_model,
             "--output_dir",
             str(out),
-            "--hub_dry_run",
+            "--hub_model_id",
             "me/stdlib-demo",
             "--loss_show_progress_bar",
             "false",
@@ -260,7 +333,8 @@ def test_demo_runs_on_a_tiny_model_with_hub_dry_run(tmp_path, tiny_model):
     )
     assert summary["steps"] == 2 and summary["batch_size"] == 16
     assert set(summary["metrics"]) == {"before", "after"}
-    uploaded = Path(summary["hub_upload"])
+    uploaded = hub_recorder.main([str(out), "me/stdlib-demo"])
+    assert uploaded == tmp_path / "demo_hub_upload" and (uploaded / "model.safetensors").is_file()
     card = (uploaded / "README.md").read_text()
     assert card == (out / "README.md").read_text()
     assert 'SentenceTransformer("me/stdlib-demo")' in card

@@ -1,21 +1,19 @@
-"""CachedLossTrainingArguments: parsing from the command line, JSON and YAML; invalid combinations
-rejected before training, naming the field; build_loss for each loss."""
+"""CachedLossTrainingArguments: parsing from the command line, JSON and YAML (CachedLossArgumentParser:
+the closest field named before anything is built, the loss fields first in --help, a file plus
+overrides); invalid combinations rejected before training, naming the field; warnings at the user's
+line; build_loss for each loss."""
 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import yaml
 from transformers import HfArgumentParser
 
-from st_cached_losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
-from st_cached_losses.training_args import (
-    CachedLossTrainingArguments,
-    build_loss,
-    check_dataset_columns,
-    parse_args,
-)
+from st_cached_losses import CachedCLIPLoss, CachedLossArgumentParser, CachedMNRLoss, CachedTiledLoss
+from st_cached_losses.training_args import CachedLossTrainingArguments, build_loss, check_dataset_columns
 from tests.tiny_model import make_tiny_model
 
 BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none"}
@@ -108,10 +106,56 @@ def test_unknown_yaml_field_is_rejected(tmp_path):
         HfArgumentParser(CachedLossTrainingArguments).parse_yaml_file(str(tmp_path / "bad.yaml"))
 
 
-def test_mini_batch_not_smaller_than_batch_warns_caching_off():
-    with pytest.warns(UserWarning, match="caching is off"):
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_the_readme_parser_names_the_closest_field_before_building_anything(tmp_path, suffix):
+    """HfArgumentParser builds the arguments before it looks at unknown keys: with the default
+    mini_batch_size (32) >= the batch, a typo'd mini_batch_size warned that caching is off, then failed
+    without a suggestion. CachedLossArgumentParser (README's route) names the field first, alone."""
+    config = {**BASE, "per_device_train_batch_size": 8, "mini_bach_size": 4}
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(yaml.safe_dump(config) if suffix == ".yaml" else json.dumps(config))
+    parser = CachedLossArgumentParser()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning comes before the error
+        with pytest.raises(
+            ValueError,
+            match=r"bad\.\w+: unknown field\(s\) \['mini_bach_size'\].*Did you mean 'mini_batch_size'",
+        ):
+            parser.parse_yaml_file(path) if suffix == ".yaml" else parser.parse_json_file(path)
+        with pytest.raises(ValueError, match="Did you mean 'mini_batch_size'"):
+            parser.parse_dict(config)
+        with pytest.raises(ValueError, match=r"--mini_bach_size.*Did you mean 'mini_batch_size'"):
+            parser.parse_args_into_dataclasses(["--output_dir", "x", "--mini_bach_size", "4"])
+    (args,) = parser.parse_yaml_file(path, allow_extra_keys=True)
+    assert args.per_device_train_batch_size == 8
+
+
+def test_mini_batch_not_smaller_than_batch_warns_caching_off_at_the_users_line(tmp_path):
+    with pytest.warns(UserWarning, match="caching is off") as record:
         args = CachedLossTrainingArguments(**BASE, per_device_train_batch_size=8, mini_batch_size=8)
     assert args.mini_batch_size == 8  # allowed: a warning, not an error
+    assert record[0].filename == __file__
+    # through the parser too: the warning points at the line that parses, not into transformers
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump({**BASE, "per_device_train_batch_size": 8, "mini_batch_size": 8})
+    )
+    with pytest.warns(UserWarning, match="caching is off") as record:
+        CachedLossArgumentParser().parse_yaml_file(tmp_path / "run.yaml")
+    assert record[0].filename == __file__
+
+
+def test_help_lists_the_loss_fields_first():
+    parser = CachedLossArgumentParser(description="first line\n\n    python train.py --loss clip\n")
+    text = parser.format_help()
+    usage = text.splitlines()[0]  # one line, not the ~130 fields
+    assert usage.startswith("usage: ") and usage.endswith(
+        "[CONFIG.yaml | --config CONFIG.yaml] [--FIELD VALUE ...]"
+    )
+    assert "\n    python train.py --loss clip\n" in text  # the description's lines are kept
+    loss_section = text.index("cached loss (CachedLossTrainingArguments):")
+    assert (
+        loss_section < text.index("--mini_batch_size") < text.index("training (") < text.index("--output_dir")
+    )
 
 
 def test_dataset_with_too_few_columns_is_rejected_before_training():
@@ -140,14 +184,46 @@ def test_build_loss_checks_the_dataset_it_is_given(tmp_path):
     assert isinstance(build_loss(model, args, train_dataset=triplets), CachedMNRLoss)
 
 
-def test_parse_args_file_then_overrides(tmp_path):
+def test_parse_command_line_file_then_overrides(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump({**BASE, "loss": "clip", "mini_batch_size": 4}))
-    (args,) = parse_args(argv=["--config", str(tmp_path / "run.yaml"), "--mini_batch_size", "2"])
+    parse = CachedLossArgumentParser().parse_command_line
+    (args,) = parse(["--config", str(tmp_path / "run.yaml"), "--mini_batch_size", "2"])
     assert (args.loss, args.mini_batch_size) == ("clip", 2)
-    (args,) = parse_args(argv=[str(tmp_path / "run.yaml")])
+    (args,) = parse([str(tmp_path / "run.yaml")])
     assert args.mini_batch_size == 4
+    (args,) = parse([f"--config={tmp_path / 'run.yaml'}"], defaults={"mini_batch_size": 8, "loss": "tiled"})
+    assert (args.loss, args.mini_batch_size) == ("clip", 4)  # the file over the defaults
     with pytest.raises(ValueError, match=r"mini_bach_size.*Did you mean 'mini_batch_size'"):
-        parse_args(argv=[str(tmp_path / "run.yaml"), "--mini_bach_size", "2"])
+        parse([str(tmp_path / "run.yaml"), "--mini_bach_size", "2"])
+    with pytest.raises(ValueError, match="--config needs a path"):
+        parse(["--config"])
+
+
+@pytest.mark.parametrize(
+    ("defaults", "config", "argv", "expected"),
+    [
+        ({"temperature": 0.05}, None, ["--scale", "30"], (30.0, None)),
+        ({"scale": 20.0}, None, ["--temperature", "0.07"], (None, 0.07)),
+        ({"scale": 20.0}, {"temperature": 0.1}, [], (None, 0.1)),
+        ({}, {"scale": 20.0}, ["--temperature", "0.05"], (None, 0.05)),
+        ({"temperature": 0.05}, None, ["--scale", "20", "--temperature", "0.05"], (20.0, 0.05)),
+    ],
+)
+def test_scale_or_temperature_replaces_the_other_from_a_lower_source(
+    tmp_path, defaults, config, argv, expected
+):
+    """Script defaults < file < command line; setting scale drops a lower source's temperature and the
+    other way round, so they never "disagree" unless one source gives both."""
+    if config is not None:
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump({**BASE, **config}))
+        argv = [str(tmp_path / "run.yaml"), *argv]
+    defaults = {**BASE, "per_device_train_batch_size": 64, **defaults}
+    (args,) = CachedLossArgumentParser().parse_command_line(argv, defaults=defaults)
+    assert (args.scale, args.temperature) == expected
+    with pytest.raises(ValueError, match="disagree"):
+        CachedLossArgumentParser().parse_command_line(
+            ["--scale", "30", "--temperature", "0.05"], defaults=BASE
+        )
 
 
 @pytest.mark.slow

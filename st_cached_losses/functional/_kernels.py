@@ -23,7 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 NORM_EPS = 1e-12
@@ -78,7 +77,7 @@ FLUSH_BELOW = -64.0
 
 def _exp_flushed_(x: Tensor) -> Tensor:
     """``exp`` in place, with entries below :data:`FLUSH_BELOW` (including -inf) giving exactly 0."""
-    return F.threshold_(x, FLUSH_BELOW, -torch.inf).exp_()
+    return torch.threshold_(x, FLUSH_BELOW, -torch.inf).exp_()
 
 
 def spans(n: int, size: int) -> Iterator[tuple[int, int]]:
@@ -257,7 +256,9 @@ def row_col_stats(
     every candidate of column 0 over all rows."""
     row_acc = init_stats(rows.n, rows)
     col_acc = init_stats(cols[0].n, rows) if column_direction else None
-    update_stats(rows, cols, row_acc, col_acc, row_tile=row_tile, col_tile=col_tile, row_offset=row_offset, keys=keys)
+    update_stats(
+        rows, cols, row_acc, col_acc, row_tile=row_tile, col_tile=col_tile, row_offset=row_offset, keys=keys
+    )
     return Stats(lse_rows=finish_stats(row_acc), lse_cols=finish_stats(col_acc) if col_acc else None)
 
 
@@ -270,7 +271,9 @@ class Grads:
     scale: Tensor  # 0-d
 
 
-def _subtract_positives(g: Tensor, r0: int, r1: int, c0: int, c1: int, row_offset: int, weight: float) -> None:
+def _subtract_positives(
+    g: Tensor, r0: int, r1: int, c0: int, c1: int, row_offset: int, weight: float
+) -> None:
     """``g[i, row_offset + i - c0] -= weight`` for the rows of this tile whose positive falls in it."""
     lo, hi = max(r0, c0 - row_offset), min(r1, c1 - row_offset)
     if lo < hi:

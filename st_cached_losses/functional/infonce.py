@@ -23,6 +23,7 @@ Similarities are computed in fp32 whatever the input dtype; gradients come back 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -304,8 +305,15 @@ def _problems(
     # gradient); the two-pass path keeps the logits, the gradient block and a scratch block.
     one_pass = fused and not (symmetric and anchors_all is None)
     buffers = (2 if need_scale_grad else 1) if one_pass else 3
-    sizing = {"path": path, "chunk_size": chunk_size, "tile_size": tile_size, "memory_budget": memory_budget}
-    plan = _plan(b, n, k, buffers=buffers, **sizing)
+    sizing = functools.partial(
+        _plan,
+        path=path,
+        chunk_size=chunk_size,
+        tile_size=tile_size,
+        memory_budget=memory_budget,
+        buffers=buffers,
+    )
+    plan = sizing(b, n, k)
     prenorm = plan.path == "chunked"
     rows = Operand(anchors, cosine, scale, prenorm)
     col_ops = [Operand(c, cosine, 1.0, prenorm) for c in cols]
@@ -324,7 +332,7 @@ def _problems(
         return [_Problem(rows, col_ops, 0, 0.5 / b, 0.5 / n, plan, keys)]
     # across ranks: this rank's positives against every rank's anchors is a second one-way problem
     pos_rows = Operand(cols[0][row_offset : row_offset + b], cosine, scale, prenorm)
-    plan2 = _plan(b, n, 1, buffers=buffers, **sizing)
+    plan2 = sizing(b, n, 1)
     back = _Problem(
         pos_rows, [Operand(anchors_all, cosine, 1.0, prenorm)], row_offset, 0.5 / b, 0.0, plan2, back_keys
     )
@@ -362,8 +370,8 @@ def _solve(
         row_offset=p.row_offset,
         keys=p.keys,
     )
-    grads = _grads(p, stats, pos, scale, 1.0, need_scale_grad) if need_grads else None
-    return _loss_from_stats(p, stats, pos), grads, stats, pos
+    two_pass = _grads(p, stats, pos, scale, 1.0, need_scale_grad) if need_grads else None
+    return _loss_from_stats(p, stats, pos), two_pass, stats, pos
 
 
 def _grads(
@@ -503,6 +511,7 @@ def infonce_loss_and_grad(
         losses, grads = [], []
         for p in problems:
             loss, g, _, _ = _solve(p, s, True, need_scale_grad)
+            assert g is not None  # asked for
             losses.append(loss)
             grads.append(g)
         g_a, g_c, g_all, g_s = _assemble(problems, grads, anchors, cols, anchors_all, float(grad_output))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,7 +60,13 @@ from st_cached_losses.functional.infonce import (
     tile_side,
 )
 
-__all__ = ["agree_on_sizes", "gathered_infonce", "gathered_loss_and_grad", "ring_loss_and_grad"]
+__all__ = [
+    "agree_on_sizes",
+    "gathered_infonce",
+    "gathered_loss_and_grad",
+    "loss_and_grad",
+    "ring_loss_and_grad",
+]
 
 
 def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[int] | None:
@@ -162,6 +169,29 @@ def gathered_loss_and_grad(
     if out.grad_anchors_all is not None and g_anchors is not None:
         g_anchors = g_anchors + own_rows(all_reduce_sum(out.grad_anchors_all, "all_reduce_grad"), sizes)
     return InfoNCEOutput(out.loss * factor, g_anchors, g_cands, None, _mean_scale_grad(out.grad_scale, w))
+
+
+def loss_and_grad(
+    anchors: Tensor,
+    candidates: Sequence[Tensor],
+    sizes: list[int] | None,
+    *,
+    ring: bool = False,
+    with_grad: bool = True,
+    **options: Any,
+) -> InfoNCEOutput:
+    """The loss stage wherever the rows are: one process (``sizes`` None: ``infonce_loss_and_grad``),
+    gathered, or by ring exchange (``ring``); ``options`` are :func:`gathered_loss_and_grad`'s keywords.
+    Finiteness must have been checked by :func:`agree_on_sizes`."""
+    anchors, candidates = anchors.detach(), [c.detach() for c in candidates]
+    if sizes is not None:
+        strategy = ring_loss_and_grad if ring else gathered_loss_and_grad
+        return strategy(anchors, candidates, sizes, with_grad=with_grad, **options)
+    if with_grad:
+        return infonce_loss_and_grad(anchors, candidates, check_finite=False, **options)
+    with torch.no_grad():
+        loss = infonce(anchors, candidates, check_finite=False, **options)
+    return InfoNCEOutput(loss, None, [], None, None)
 
 
 def _mean_scale_grad(grad: Tensor | None, w: int) -> Tensor | None:

@@ -5,7 +5,7 @@ processes, or by ring exchange."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -13,65 +13,17 @@ from torch import Tensor, nn
 
 from st_cached_losses.callbacks import attach_to_calling_trainer
 from st_cached_losses.distributed import is_distributed, warn_no_process_group_once
-from st_cached_losses.features import check_splittable, unwrap_model
 from st_cached_losses.functional import (
     DEFAULT_MEMORY_BUDGET,
-    InfoNCEOutput,
     LossPath,
-    Similarity,
     infonce,
-    infonce_loss_and_grad,
     scale_value,
 )
 from st_cached_losses.functional.keys import input_hashes
-from st_cached_losses.functional.parallel import (
-    agree_on_sizes,
-    gathered_infonce,
-    gathered_loss_and_grad,
-    ring_loss_and_grad,
-)
+from st_cached_losses.functional.parallel import agree_on_sizes, gathered_infonce, loss_and_grad
 from st_cached_losses.gradcache import GradCache
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
-
-
-def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarity:
-    """Map sentence-transformers' ``cos_sim`` / ``dot_score`` (or "cosine" / "dot") to the core's names.
-
-    Any other callable is refused: the loss never builds the full similarity matrix, so it cannot call
-    an arbitrary function on it.
-    """
-    if isinstance(similarity_fct, str):
-        name = similarity_fct.lower()
-        aliases = {
-            "cosine": "cosine",
-            "cos_sim": "cosine",
-            "cos": "cosine",
-            "dot": "dot",
-            "dot_score": "dot",
-            "dot_product": "dot",
-        }
-        if name in aliases:
-            return aliases[name]  # type: ignore[return-value]
-    else:
-        from sentence_transformers.util import cos_sim, dot_score
-
-        if similarity_fct is cos_sim:
-            return "cosine"
-        if similarity_fct is dot_score:
-            return "dot"
-    raise ValueError(
-        f"similarity_fct={similarity_fct!r} is not supported: the loss is computed in tiles and never builds the "
-        "similarity matrix, so it must know the similarity. Pass sentence_transformers.util.cos_sim, "
-        "sentence_transformers.util.dot_score, 'cosine' or 'dot'."
-    )
-
-
-def _has_static_embedding(model: nn.Module) -> bool:
-    try:
-        from sentence_transformers.sentence_transformer.modules import StaticEmbedding
-    except ImportError:  # pragma: no cover - layout of other versions
-        return False
-    return any(isinstance(m, StaticEmbedding) for m in unwrap_model(model).modules())
+from st_cached_losses.losses.options import check_columns, check_splittable_model, resolve_similarity
 
 
 class CachedInfoNCEBase(nn.Module):
@@ -103,12 +55,7 @@ class CachedInfoNCEBase(nn.Module):
         show_progress_bar: bool = False,
     ) -> None:
         super().__init__()
-        if _has_static_embedding(model):
-            raise ValueError(
-                f"{type(self).__name__} cannot split a StaticEmbedding model's inputs (flat token ids with offsets, "
-                "no batch dimension) into mini-batches; use sentence_transformers.losses.MultipleNegativesRankingLoss, "
-                "which is cheap for such models."
-            )
+        check_splittable_model(model, type(self).__name__)
         self.similarity = resolve_similarity(similarity_fct)
         scale = scale_value(scale)
         if learnable_scale and (not math.isfinite(max_scale) or max_scale < scale):
@@ -192,24 +139,6 @@ class CachedInfoNCEBase(nn.Module):
 
     # ------------------------------------------------------------------ forward
 
-    def _check_columns(self, sentence_features: Sequence[dict[str, Any]]) -> None:
-        if len(sentence_features) < 2:
-            raise ValueError(
-                f"{type(self).__name__} needs at least two text columns, (anchor, positive[, negatives...]); got "
-                f"{len(sentence_features)}. Check the dataset's columns (a 'label'/'score' column is not a text column)."
-            )
-        sizes = []
-        for features in sentence_features:
-            check_splittable(features)
-            mask = features.get("attention_mask", features.get("input_ids"))
-            sizes.append(int(mask.shape[0]) if isinstance(mask, Tensor) else None)
-        known = {s for s in sizes if s is not None}
-        if len(known) > 1:
-            raise ValueError(
-                f"all columns must have the same number of rows, got {sizes}: every anchor needs one positive (and "
-                "one row in each hard-negative column)."
-            )
-
     def _core_kwargs(self, keys: list[Tensor] | None) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
         if keys is not None:
@@ -221,8 +150,6 @@ class CachedInfoNCEBase(nn.Module):
             "path": self.path,
             "tile_size": self.tile_size,
             "memory_budget": self.memory_budget,
-            # checked once per step by _process_sizes, on every rank together
-            "check_finite": False,
         }
 
     #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates
@@ -246,40 +173,29 @@ class CachedInfoNCEBase(nn.Module):
                 Without it the loss is returned with autograd (or without a graph under
                 ``torch.no_grad``).
 
-        With ``gather_across_devices`` in a process group of ``W`` processes, each process scores its rows
-        against every process's candidates and returns ``W / B_global`` times the sum of its rows' losses:
-        the mean over processes is the global loss, and DDP's gradient average is the exact gradient of
-        the global batch, even when processes hold different numbers of rows.
+        With ``gather_across_devices``, each process returns its share of the global loss (see
+        ``st_cached_losses.functional.parallel``): DDP's gradient average is the full batch's gradient.
         """
         embeddings = [torch.cat(r) if len(r) > 1 else r[0] for r in reps]
-        keys = (
-            self._keys
-            if self._keys is not None and self._keys[0].shape[0] == embeddings[0].shape[0]
-            else None
+        keys = self._keys if self._keys is not None and len(self._keys[0]) == len(embeddings[0]) else None
+        if self.gather_across_devices and not is_distributed():
+            warn_no_process_group_once(type(self).__name__)
+        # also the finiteness check, agreed on by every process
+        sizes = agree_on_sizes(embeddings, self.gather_across_devices)
+        scale, kwargs = self.scale_tensor(), self._core_kwargs(keys)
+        if not with_backward and torch.is_grad_enabled():  # a caller asking for autograd, not the cache
+            if sizes is None:
+                return infonce(embeddings[0], embeddings[1:], scale=scale, check_finite=False, **kwargs)
+            return gathered_infonce(embeddings[0], embeddings[1:], sizes, scale=scale, **kwargs)
+        scale = self._scale_for_grad(scale) if with_backward else scale
+        ring = self.path == "tiled"
+        out = loss_and_grad(
+            embeddings[0], embeddings[1:], sizes, ring=ring, with_grad=with_backward, scale=scale, **kwargs
         )
-        sizes = self._process_sizes(embeddings)
-        scale = self.scale_tensor()
-        if sizes is None:
-            kwargs = self._core_kwargs(keys)
-            if not with_backward:
-                return infonce(embeddings[0], embeddings[1:], scale=scale, **kwargs)
-            out = infonce_loss_and_grad(
-                embeddings[0].detach(),
-                [e.detach() for e in embeddings[1:]],
-                scale=self._scale_for_grad(scale),
-                **kwargs,
-            )
-            grads = [out.grad_anchors, *out.grad_candidates]
-        else:
-            if not with_backward and torch.is_grad_enabled():
-                # a caller asking for autograd rather than the cache
-                return gathered_infonce(
-                    embeddings[0], embeddings[1:], sizes, scale=scale, **self._strategy_kwargs(keys)
-                )
-            out = self._distributed_loss_and_grad(embeddings, scale, keys, sizes, with_backward)
-            if not with_backward:
-                return out.loss
-            grads = [out.grad_anchors, *out.grad_candidates]
+        if not with_backward:
+            return out.loss
+        assert out.grad_anchors is not None  # asked for
+        grads = [out.grad_anchors, *out.grad_candidates]
         for pieces, grad in zip(reps, grads):
             for piece, g in zip(pieces, grad.split([p.shape[0] for p in pieces])):
                 g = g.to(piece.dtype)
@@ -297,40 +213,6 @@ class CachedInfoNCEBase(nn.Module):
         if not isinstance(scale, Tensor):
             return scale
         return self._scale_leaf if self._scale_leaf is not None else scale.detach()
-
-    # ------------------------------------------------------------------ across processes
-
-    def _process_sizes(self, embeddings: list[Tensor]) -> list[int] | None:
-        """Every process's row count when gathering across a process group, else None (and, on every
-        path, the finiteness check that every process agrees on: see ``agree_on_sizes``)."""
-        if self.gather_across_devices and not is_distributed():
-            warn_no_process_group_once(type(self).__name__)
-        return agree_on_sizes(embeddings, self.gather_across_devices)
-
-    def _strategy_kwargs(self, keys: list[Tensor] | None) -> dict[str, Any]:
-        kwargs = self._core_kwargs(None)
-        del kwargs["check_finite"]  # the strategies never check: agree_on_sizes did, on every process
-        if keys is not None:
-            kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
-        return kwargs
-
-    def _distributed_loss_and_grad(
-        self,
-        embeddings: list[Tensor],
-        scale: Tensor | float,
-        keys: list[Tensor] | None,
-        sizes: list[int],
-        with_grad: bool,
-    ) -> InfoNCEOutput:
-        strategy = ring_loss_and_grad if self.path == "tiled" else gathered_loss_and_grad
-        return strategy(
-            embeddings[0].detach(),
-            [e.detach() for e in embeddings[1:]],
-            sizes,
-            scale=self._scale_for_grad(scale) if with_grad else scale,
-            with_grad=with_grad,
-            **self._strategy_kwargs(keys),
-        )
 
     def _stage2(
         self, embeddings: list[Tensor], labels: Tensor | None
@@ -352,7 +234,7 @@ class CachedInfoNCEBase(nn.Module):
 
     def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
-        self._check_columns(features)
+        check_columns(features, type(self).__name__)
         if self.learnable_scale:
             # the stock trainer saves only the model: have the trainer calling us checkpoint, restore and log
             # the scale too; on every call, as the same loss may be handed to a second trainer to resume
