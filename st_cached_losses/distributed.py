@@ -19,6 +19,7 @@ from torch import Tensor
 __all__ = [
     "STATS",
     "CollectiveStats",
+    "agree_counts",
     "all_gather_rows",
     "all_reduce_sum",
     "exchange_shapes",
@@ -113,6 +114,59 @@ def exchange_shapes(
     return [row[0] for row in table], [row[-1] for row in table]
 
 
+def agree_counts(counts: list[int], device: torch.device, error: str | None = None) -> list[int]:
+    """The largest of every rank's ``counts`` (e.g. mini-batches per column), in one small all-gather.
+
+    ``error`` is what went wrong on this rank before the collective (e.g. an input that cannot be cut
+    into mini-batches): it is raised here, and every other rank raises a ``RuntimeError`` naming this
+    one, instead of waiting forever in a collective this rank will never join. Ranks must pass the same
+    number of counts (the same columns); a disagreement raises the same ``ValueError`` on every rank.
+    """
+    if len(counts) > _MAX_AGREED_COUNTS and error is None:
+        error = f"at most {_MAX_AGREED_COUNTS} columns can be planned together, got {len(counts)}."
+    if not is_distributed():
+        if error is not None:
+            raise ValueError(error)
+        return list(counts)
+    counts = list(counts)[:_MAX_AGREED_COUNTS]
+    mine = torch.tensor([int(error is not None), len(counts), *counts], dtype=torch.long, device=device)
+    # a fixed-size message, so that ranks with different column counts still meet in one collective
+    # (and are told so) instead of failing on mismatched buffer sizes
+    fixed = 2 + _MAX_AGREED_COUNTS
+    send = torch.cat([mine, mine.new_zeros(fixed - mine.numel())])
+    out = [torch.empty_like(send) for _ in range(world_size())]
+    _count("all_gather_counts", send.numel() * send.element_size())
+    dist.all_gather(out, send)
+    table = [t.tolist() for t in out]
+    failed = [r for r, row in enumerate(table) if row[0]]
+    if failed:
+        # a rank whose part of the all-gather is done may leave (and exit) while another still receives:
+        # meet once more, so that every rank has read the table before any raises
+        try:
+            _count("barrier", 0)
+            dist.barrier()
+        except RuntimeError:  # a failed rank that already left closes its connections
+            pass
+        if error is not None:
+            raise ValueError(error)
+        raise RuntimeError(
+            f"rank(s) {failed} failed before this step's encoder forwards (see their error); "
+            "every rank stops here instead of waiting for them in a collective."
+        )
+    widths = {row[1] for row in table}
+    if len(widths) != 1:
+        raise ValueError(
+            f"processes disagree on the number of columns: {[row[1] for row in table]} (by rank). Every "
+            "process must feed the loss the same columns; check that each rank's dataset has the same columns."
+        )
+    n = table[0][1]
+    return [max(row[2 + k] for row in table) for k in range(n)]
+
+
+#: columns :func:`agree_counts` can agree on in its fixed-size message
+_MAX_AGREED_COUNTS = 62
+
+
 def all_gather_rows(x: Tensor, sizes: list[int]) -> Tensor:
     """Concatenate every rank's ``(n_r, d)`` rows in rank order: ``(sum(sizes), d)``; no autograd.
 
@@ -149,12 +203,12 @@ class _GatherWithSummedGrad(torch.autograd.Function):
     (the gradient of a loss that each rank computes on its rows against everyone's)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, sizes: list[int]) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, sizes: list[int]) -> Tensor:
         ctx.sizes = sizes
         return all_gather_rows(x, sizes)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
         grad = all_reduce_sum(grad.contiguous().clone(), "all_reduce_grad")
         return own_rows(grad, ctx.sizes), None
 
@@ -173,8 +227,9 @@ def _pass_on(blocks: list[Tensor], rows_in: int, nxt: int, prv: int, reqs: list[
     for b, r in zip(blocks, received):
         b = b.contiguous()
         _count("ring_send", b.numel() * b.element_size())
-        reqs.append(dist.isend(b, nxt))
-        reqs.append(dist.irecv(r, prv))
+        for work in (dist.isend(b, nxt), dist.irecv(r, prv)):
+            if work is not None:  # None only when this rank is not in the group
+                reqs.append(work)
     return received
 
 

@@ -17,7 +17,13 @@ What it does beyond GradCache (Gao et al., 2021):
   forward), columns whose encoder is frozen are not replayed, and a batch that fits in one
   mini-batch is not cached at all (the loss takes the plain autograd path);
 * under DDP every replay but the last runs in ``no_sync()``: one gradient all-reduce per step, and none
-  inside an outer ``no_sync`` (gradient accumulation).
+  inside an outer ``no_sync`` (gradient accumulation); likewise FSDP2 (``set_requires_gradient_sync``:
+  one reduce-scatter per step), FSDP1 (``no_sync()``) and DeepSpeed (its accumulation boundary);
+* under a sharded wrapper (FSDP1, FSDP2, DeepSpeed), whose forwards and backwards are collectives,
+  every process runs the same number of mini-batch forwards and replays in the same order, whatever
+  its batch size or token budget: the processes agree once per step on the mini-batches per column
+  (one small all-gather), rows are spread over that many, and a process with too few rows embeds one
+  of them again in a mini-batch whose output is not used and whose gradient is exactly zero.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from st_cached_losses.distributed import agree_counts, is_distributed
 from st_cached_losses.features import (
     Features,
     batch_size_of,
@@ -41,6 +48,7 @@ from st_cached_losses.features import (
     unwrap_model,
 )
 from st_cached_losses.functional import check_positive_int
+from st_cached_losses.sync import LocalBackward, grad_sync_on, is_ddp, is_sharded, is_wrapped, unsynced
 
 #: ``embeddings per column -> (loss, grads per column, grads wrt the extra tensors)``
 LossAndGrad = Callable[[list[Tensor]], tuple[Tensor, list[Tensor], list[Tensor | None]]]
@@ -76,6 +84,9 @@ class MiniBatch:
     trim_leading: bool = True  # whether leading padding may be cut (see position_shift_invariant)
     rng: RandState | None = None
     kept: Tensor | None = None  # the output with its graph, when kept from stage 1
+    # a stand-in forward that keeps collectives in step with other processes (see GradCache.plan):
+    # its output is not an embedding and its gradient is zero
+    filler: bool = False
 
     @property
     def features(self) -> Features:
@@ -102,76 +113,6 @@ class _Autocast:
         return torch.autocast(self.device_type, dtype=self.dtype)
 
 
-def _is_ddp(model: nn.Module) -> bool:
-    return isinstance(model, nn.parallel.DistributedDataParallel)
-
-
-def _is_static_graph(model: nn.Module) -> bool:
-    return _is_ddp(model) and bool(getattr(model, "static_graph", False))
-
-
-@contextlib.contextmanager
-def unsynced(model: nn.Module) -> Iterator[None]:
-    """``model.no_sync()`` for DDP (nothing otherwise), usable for forward *and* backward."""
-    if not _is_ddp(model):
-        yield
-        return
-    with model.no_sync():  # type: ignore[operator]
-        yield
-
-
-def _accumulate_locally(outs: Sequence[Tensor], grads: Sequence[Tensor], params: Sequence[Tensor]) -> None:
-    """Back-propagate ``outs`` into the parameters' ``.grad`` without firing their AccumulateGrad hooks.
-
-    DDP with ``static_graph=True`` counts, in its first iteration, every gradient hook of every backward
-    until the step's all-reduce (``no_sync`` does not stop the count), and from then on waits for that
-    many hooks per parameter before it reduces: replays seen by the reducer would make every later
-    step skip its all-reduce. ``torch.autograd.grad`` does not run the hooks, so the reducer sees only
-    the final, synchronised replay; the sum below is what ``no_sync`` would have accumulated.
-    """
-    computed = torch.autograd.grad(list(outs), list(params), list(grads), allow_unused=True)
-    with torch.no_grad():
-        for p, g in zip(params, computed):
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad.add_(g)
-
-
-@dataclass
-class _LocalBackward:
-    """Forwards and backwards hidden from a DDP ``static_graph`` reducer (see :func:`_accumulate_locally`):
-    the wrapped module is called directly and gradients are summed into ``.grad`` by hand."""
-
-    module: nn.Module
-    params: list[Tensor]
-
-    @classmethod
-    def of(cls, model: nn.Module) -> _LocalBackward | None:
-        if not _is_static_graph(model):
-            return None
-        inner = model.module
-        return cls(inner, [p for p in inner.parameters() if p.requires_grad])  # type: ignore[union-attr]
-
-    def backward(self, outs: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
-        _accumulate_locally(outs, grads, self.params)
-
-    def synced_backward(self, out: Tensor, grad: Tensor) -> None:
-        """The final replay's backward, which the reducer sees: it must reach every parameter that has a
-        gradient in this step, or a parameter reached only by earlier replays (a Router's other route)
-        would count as unused in the first static-graph iteration and keep its local gradient. A zero
-        term on each such parameter makes its hook fire exactly once (AccumulateGrad runs once per
-        backward, whatever number of paths lead to it)."""
-        touched = [p for p in self.params if p.grad is not None]
-        if not touched:
-            torch.autograd.backward(out, grad)
-            return
-        zero = torch.stack([p.reshape(-1)[0].float() for p in touched]).sum() * 0.0
-        torch.autograd.backward([out, zero], [grad, torch.ones_like(zero)])
-
-
 @dataclass
 class _Session:
     """Everything one forward needs for its backward; owned by the returned loss's graph node."""
@@ -195,7 +136,7 @@ class _Session:
         todo = [mb for mb in self.batches if mb.column not in self.frozen]
         kept = [mb for mb in todo if mb.kept is not None]
         replay = [mb for mb in todo if mb.kept is None]
-        local = _LocalBackward.of(self.model)
+        local = LocalBackward.of(self.model)
         # kept graphs go first (in one call, like a plain loss's backward), so their activations are
         # freed before any replay allocates its own
         if kept:
@@ -231,6 +172,8 @@ class _Session:
         return [g * grad_output if g is not None else None for g in self.extra_grads]
 
     def _grad_of(self, mb: MiniBatch, grad_output: float, out: Tensor) -> Tensor:
+        if mb.filler:
+            return torch.zeros_like(out)
         g = self.grads[mb.column].index_select(0, mb.rows.to(self.grads[mb.column].device))
         return (g * grad_output).to(out.dtype)
 
@@ -265,6 +208,9 @@ class GradCache:
         sort_by_length: embed each column's rows from longest to shortest, so mini-batches pad little.
         reuse_last_graph: keep the graph of the last first-stage mini-batch instead of replaying it.
         show_progress_bar: tqdm bars over the mini-batches of both stages.
+        agree_mini_batches: whether the processes agree on the mini-batches per column each step (one
+            small all-gather) and all run that many (see :meth:`plan`). None: when the model's forwards
+            are collectives (FSDP1, FSDP2, DeepSpeed); True: also under DDP, whose forwards are not.
     """
 
     mini_batch_size: int = 32
@@ -272,6 +218,7 @@ class GradCache:
     sort_by_length: bool = True
     reuse_last_graph: bool = True
     show_progress_bar: bool = False
+    agree_mini_batches: bool | None = None
     _validated: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -282,16 +229,25 @@ class GradCache:
 
     @staticmethod
     def encode(model: nn.Module, features: Features) -> Tensor:
-        if _is_ddp(model):
+        if is_ddp(model):
             # DDP broadcasts buffers at a forward that follows a synchronised one; ranks run different
             # numbers of mini-batch forwards (unequal batches, token budgets), so such a collective would
             # not line up across ranks and hang. Text encoders' buffers are constants (position ids).
-            model.require_forward_param_sync = False
+            model.require_forward_param_sync = False  # type: ignore[assignment]
         # a fresh dict: SentenceTransformer modules write their outputs into the one they get
         return model(dict(features))["sentence_embedding"]
 
-    def plan(self, column: int, features: Features, *, trim_leading: bool = True) -> list[MiniBatch]:
-        """Cut one column into mini-batches (longest rows first when sorting)."""
+    def plan(
+        self, column: int, features: Features, *, trim_leading: bool = True, count: int | None = None
+    ) -> list[MiniBatch]:
+        """Cut one column into mini-batches (longest rows first when sorting).
+
+        ``count`` (at least the number this process would cut on its own, see :meth:`agreed_counts`)
+        makes it exactly that many: the largest mini-batches are halved while rows allow (a token
+        budget only gets easier), then filler mini-batches (one row, the shortest, embedded again;
+        its output unused and its gradient zero) come first, so that the column's last forward, the
+        one that keeps its graph, is a real one.
+        """
         check_splittable(features)
         b = batch_size_of(features)
         lengths = row_lengths(features, b, trim_leading)
@@ -317,10 +273,44 @@ class GradCache:
                     size = min(self.mini_batch_size, max(1, self.mini_batch_num_tokens // longest))
             spans.append((i, min(i + size, b)))
             i += size
-        return [MiniBatch(column, order[s:e], features, b, trim_leading) for s, e in spans]
+        fillers: list[MiniBatch] = []
+        if count is not None and count > len(spans):
+            spans = _spread(spans, count)
+            shortest = order[b - 1 : b]
+            fillers = [
+                MiniBatch(column, shortest, features, b, trim_leading, filler=True)
+                for _ in range(count - len(spans))
+            ]
+        return fillers + [MiniBatch(column, order[s:e], features, b, trim_leading) for s, e in spans]
 
-    def fits_in_one(self, columns: Sequence[Features], *, trim_leading: bool = True) -> bool:
-        """Whether every column is a single mini-batch (then caching buys nothing)."""
+    def agreed_counts(
+        self, model: nn.Module, columns: Sequence[Features], trim_leading: bool
+    ) -> list[int] | None:
+        """Mini-batches per column, the largest over processes, when ``model``'s forwards are collectives
+        (FSDP1, FSDP2, DeepSpeed; DDP too with ``agree_mini_batches=True``) in a process group of more
+        than one: one small all-gather. None when every process may plan on its own. A column this process cannot
+        cut (e.g. inputs without a batch dimension) raises here on every process, not in a collective
+        the others would wait in forever."""
+        wanted = is_sharded(model) if self.agree_mini_batches is None else self.agree_mini_batches
+        if not (wanted and is_distributed() and is_wrapped(model)):
+            return None
+        counts: list[int] = []
+        error = None
+        try:
+            counts = [len(self.plan(k, f, trim_leading=trim_leading)) for k, f in enumerate(columns)]
+        except ValueError as exc:
+            error = str(exc)
+        first_param = next(unwrap_model(model).parameters(), None)
+        device = first_param.device if first_param is not None else torch.device("cpu")
+        return agree_counts(counts, device, error)
+
+    def fits_in_one(
+        self, columns: Sequence[Features], *, trim_leading: bool = True, counts: Sequence[int] | None = None
+    ) -> bool:
+        """Whether every column is a single mini-batch (then caching buys nothing); with agreed
+        ``counts``, whether those are all one."""
+        if counts is not None:
+            return all(c == 1 for c in counts)
         for features in columns:
             b = batch_size_of(features)
             if b > self.mini_batch_size:
@@ -335,13 +325,16 @@ class GradCache:
         """Every column's embeddings, mini-batch by mini-batch, without a graph (evaluation)."""
         out = []
         trim = position_shift_invariant(model)
+        # forwards of a sharded model are collectives, in evaluation too
+        counts = self.agreed_counts(model, columns, trim)
         with torch.no_grad():
             for k, features in enumerate(columns):
-                batches = self.plan(k, features, trim_leading=trim)
-                parts = [
-                    self.encode(model, mb.features).float()
-                    for mb in tqdm(batches, desc=desc, disable=not self.show_progress_bar, leave=False)
-                ]
+                batches = self.plan(k, features, trim_leading=trim, count=counts[k] if counts else None)
+                parts = []
+                for mb in tqdm(batches, desc=desc, disable=not self.show_progress_bar, leave=False):
+                    out_mb = self.encode(model, mb.features).float()
+                    if not mb.filler:
+                        parts.append(out_mb)
                 out.append(_unsort(parts, batches, batch_size_of(features)))
         return out
 
@@ -358,25 +351,27 @@ class GradCache:
         ``extra`` are tensors the loss depends on besides the embeddings (e.g. a learnable scale); the
         third output of ``loss_and_grad`` gives their gradients.
         """
-        ddp = _is_ddp(model)
-        sync = ddp and bool(getattr(model, "require_backward_grad_sync", True))
-        # a batch that fits in one mini-batch per column is not cached: every forward keeps its graph,
-        # exactly like the non-cached loss. Not under DDP synchronisation, where the one synchronised
-        # forward must be the last one before the backward (and ranks may differ in batch size).
+        sync = is_wrapped(model) and grad_sync_on(model)
         trim = position_shift_invariant(model)
-        keep_all = self.fits_in_one(columns, trim_leading=trim) and not sync
+        # under a sharded wrapper every process runs this many mini-batches per column (see plan)
+        counts = self.agreed_counts(model, columns, trim)
+        # a batch that fits in one mini-batch per column is not cached: every forward keeps its graph,
+        # exactly like the non-cached loss. Not under gradient synchronisation, where the one
+        # synchronised forward must be the last one before the backward (and ranks may differ in
+        # batch size).
+        keep_all = self.fits_in_one(columns, trim_leading=trim, counts=counts) and not sync
         batches: list[MiniBatch] = []
         embeddings: list[Tensor] = []
         frozen: set[int] = set()
         first_param = next(unwrap_model(model).parameters(), None)
         device_type = first_param.device.type if first_param is not None else "cpu"
         autocast = _Autocast.current(device_type)
-        local = _LocalBackward.of(model)
-        # forwards whose graph may be back-propagated: hidden from a static-graph reducer (see _LocalBackward)
+        local = LocalBackward.of(model)
+        # forwards whose graph may be back-propagated: hidden from a static-graph reducer (see LocalBackward)
         graph_model = local.module if local is not None else model
         bar = tqdm(desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
         for k, features in enumerate(columns):
-            plan = self.plan(k, features, trim_leading=trim)
+            plan = self.plan(k, features, trim_leading=trim, count=counts[k] if counts else None)
             bar.total = (bar.total or 0) + len(plan)
             parts = []
             for j, mb in enumerate(plan):
@@ -395,8 +390,10 @@ class GradCache:
                     with torch.no_grad():
                         out = self.encode(model, mb.features)
                 if j == len(plan) - 1 and not out.requires_grad:
+                    # the same on every process (same model, same column): no agreement needed
                     frozen.add(k)
-                parts.append(out.detach().float())
+                if not mb.filler:
+                    parts.append(out.detach().float())
                 bar.update(1)
             batches.extend(plan)
             embeddings.append(_unsort(parts, plan, batch_size_of(features)))
@@ -409,10 +406,24 @@ class GradCache:
         return _Replay.apply(session, loss, *extra)
 
 
+def _spread(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """Halve the largest spans until there are ``count`` of them or every span is one row."""
+    spans = list(spans)
+    while len(spans) < count:
+        i = max(range(len(spans)), key=lambda k: spans[k][1] - spans[k][0])
+        start, end = spans[i]
+        if end - start < 2:
+            break
+        mid = start + (end - start + 1) // 2
+        spans[i : i + 1] = [(start, mid), (mid, end)]
+    return spans
+
+
 def _unsort(parts: list[Tensor], batches: list[MiniBatch], batch_size: int) -> Tensor:
-    """Put mini-batch outputs (embedded in plan order) back in the column's row order: ``(B, d)``."""
+    """Put mini-batch outputs (embedded in plan order) back in the column's row order: ``(B, d)``;
+    ``parts`` has one entry per mini-batch that is not a filler."""
     flat = torch.cat(parts, dim=0)
-    rows = torch.cat([mb.rows for mb in batches]).to(flat.device)
+    rows = torch.cat([mb.rows for mb in batches if not mb.filler]).to(flat.device)
     out = torch.empty((batch_size, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
     out[rows] = flat
     return out

@@ -105,7 +105,14 @@ def test_trainer_matches_non_cached_loss_step_by_step(tmp_path, accumulation):
         results.append((train_losses(trainer), flat_params(model)))
     (ours, p_ours), (theirs, p_theirs) = results
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(p_ours, p_theirs, rtol=1e-4, atol=1e-5)
+    # the updates, with one tolerance over the whole vector: Adam divides by the root of the squared
+    # gradient, so an analytically zero gradient (BERT's attention key bias) turns rounding noise into
+    # an update of the learning rate's size, in either implementation
+    p_init = flat_params(make_tiny_model(tmp_path / "init"))
+    ours_update, theirs_update = p_ours - p_init, p_theirs - p_init
+    assert theirs_update.abs().max() > 0
+    rel = ((ours_update - theirs_update).norm() / theirs_update.norm()).item()
+    assert rel < 1e-3, f"relative difference of the parameter updates {rel:.2e}"
 
 
 def test_matryoshka_wrapping_matches_non_cached(tmp_path):

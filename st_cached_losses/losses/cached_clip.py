@@ -1,29 +1,34 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
-from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses._base import TWO_DIRECTIONS, CachedInfoNCEBase
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION
 
 
 class CachedCLIPLoss(CachedInfoNCEBase):
-    citation = GRADCACHE_CITATION + CLIP_CITATION
+    _citations = (GRADCACHE_CITATION, CLIP_CITATION)
 
     def __init__(
         self,
         model: nn.Module,
         scale: float = 20.0,
-        learnable_scale: bool = False,
-        max_scale: float = 100.0,
-        similarity_fct: Callable[..., Tensor] | str = "cosine",
+        similarity_fct: Callable[..., Tensor] | str = cos_sim,
         mini_batch_size: int = 32,
         mini_batch_num_tokens: int | None = None,
         gather_across_devices: bool = False,
+        directions: Sequence[str] = TWO_DIRECTIONS,
+        partition_mode: str = "per_direction",
         show_progress_bar: bool = False,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
         *,
+        learnable_scale: bool = False,
+        max_scale: float = 100.0,
         mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
@@ -42,14 +47,22 @@ class CachedCLIPLoss(CachedInfoNCEBase):
 
         Args:
             model: the SentenceTransformer to train.
-            scale: ``1 / temperature``, or its initial value when learnable (CLIP starts at 1/0.07 = 14.3).
+            scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity. The initial value when learnable (CLIP starts at 1/0.07 = 14.3).
+            similarity_fct: ``sentence_transformers.util.cos_sim`` / ``"cosine"`` (default) or
+                ``dot_score`` / ``"dot"``. Other callables are refused: the full matrix is never built.
+            mini_batch_size: rows per encoder forward; sets the memory, not the result.
+            mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length), for data of
+                very uneven length; ``mini_batch_size`` stays an upper bound.
+            gather_across_devices: score each process's anchors against the candidates of every process (anchors too, for the symmetric direction).
+            directions: as sentence-transformers' ``CachedMultipleNegativesRankingLoss``; supported so far:
+                ``("query_to_doc",)`` and ``("query_to_doc", "doc_to_query")`` with
+                ``partition_mode="per_direction"`` (the symmetric loss). Other valid values raise ``ValueError``. The default is the symmetric loss.
+            partition_mode: ``"joint"`` or ``"per_direction"`` (the same for one direction).
+            show_progress_bar: tqdm bars over the mini-batches of both passes.
+            hardness_mode: only ``None`` is supported so far (any other value raises ``ValueError``).
+            hardness_strength: non-negative; unused while ``hardness_mode`` is None, as in sentence-transformers.
             learnable_scale: learn the scale (as ``logit_scale = log(scale)``).
             max_scale: the clamp of a learned scale (CLIP: 100).
-            similarity_fct: ``cos_sim`` / ``"cosine"`` (default) or ``dot_score`` / ``"dot"``.
-            mini_batch_size: rows per encoder forward; sets the memory, not the result.
-            mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length).
-            gather_across_devices: score against the anchors and candidates of every process.
-            show_progress_bar: tqdm bars over the mini-batches of both passes.
             mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
                 across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).
                 Rows sharing their anchor or their positive are duplicates, masked in both directions: a
@@ -99,18 +112,21 @@ class CachedCLIPLoss(CachedInfoNCEBase):
         """
         super().__init__(
             model,
-            scale=scale,
-            similarity_fct=similarity_fct,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            symmetric=True,
+            scale,
+            similarity_fct,
+            mini_batch_size,
+            mini_batch_num_tokens,
+            gather_across_devices,
+            directions,
+            partition_mode,
+            show_progress_bar,
+            hardness_mode,
+            hardness_strength,
             learnable_scale=learnable_scale,
             max_scale=max_scale,
             path=path,
             memory_budget=memory_budget,
-            gather_across_devices=gather_across_devices,
             mask_duplicates=mask_duplicates,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
-            show_progress_bar=show_progress_bar,
         )

@@ -1,26 +1,31 @@
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
-from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses._base import ONE_DIRECTION, CachedInfoNCEBase
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 
 
 class CachedMNRLoss(CachedInfoNCEBase):
-    citation = GRADCACHE_CITATION + MNRL_CITATION
+    _citations = (GRADCACHE_CITATION, MNRL_CITATION)
 
     def __init__(
         self,
         model: nn.Module,
         scale: float = 20.0,
-        similarity_fct: Callable[..., Tensor] | str = "cosine",
+        similarity_fct: Callable[..., Tensor] | str = cos_sim,
         mini_batch_size: int = 32,
         mini_batch_num_tokens: int | None = None,
         gather_across_devices: bool = False,
+        directions: Sequence[str] = ONE_DIRECTION,
+        partition_mode: str = "joint",
         show_progress_bar: bool = False,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
         *,
         mask_duplicates: bool = False,
         sort_by_length: bool = True,
@@ -49,7 +54,13 @@ class CachedMNRLoss(CachedInfoNCEBase):
             mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length), for data of
                 very uneven length; ``mini_batch_size`` stays an upper bound.
             gather_across_devices: score each process's anchors against the candidates of every process.
+            directions: as sentence-transformers' ``CachedMultipleNegativesRankingLoss``; supported so far:
+                ``("query_to_doc",)`` and ``("query_to_doc", "doc_to_query")`` with
+                ``partition_mode="per_direction"`` (the symmetric loss). Other valid values raise ``ValueError``.
+            partition_mode: ``"joint"`` or ``"per_direction"`` (the same for one direction).
             show_progress_bar: tqdm bars over the mini-batches of both passes.
+            hardness_mode: only ``None`` is supported so far (any other value raises ``ValueError``).
+            hardness_strength: non-negative; unused while ``hardness_mode`` is None, as in sentence-transformers.
             mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
                 across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).
                 Rows sharing their anchor or their positive are duplicates: a row's negatives lose the
@@ -108,16 +119,19 @@ class CachedMNRLoss(CachedInfoNCEBase):
         """
         super().__init__(
             model,
-            scale=scale,
-            similarity_fct=similarity_fct,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            symmetric=False,
+            scale,
+            similarity_fct,
+            mini_batch_size,
+            mini_batch_num_tokens,
+            gather_across_devices,
+            directions,
+            partition_mode,
+            show_progress_bar,
+            hardness_mode,
+            hardness_strength,
             path=path,
             memory_budget=memory_budget,
-            gather_across_devices=gather_across_devices,
             mask_duplicates=mask_duplicates,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
-            show_progress_bar=show_progress_bar,
         )

@@ -1,12 +1,12 @@
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
 
+from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses._base import ONE_DIRECTION, TWO_DIRECTIONS, CachedInfoNCEBase
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION, INFCL_CITATION
 
 
@@ -15,16 +15,20 @@ class CachedTiledLoss(CachedInfoNCEBase):
         self,
         model: nn.Module,
         scale: float = 20.0,
-        symmetric: bool = False,
-        tile_size: int | None = None,
+        similarity_fct: Callable[..., Tensor] | str = cos_sim,
         mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
         gather_across_devices: bool = False,
+        directions: Sequence[str] = ONE_DIRECTION,
+        partition_mode: str = "joint",
         show_progress_bar: bool = False,
+        hardness_mode: str | None = None,
+        hardness_strength: float = 0.0,
         *,
-        similarity_fct: Callable[..., Tensor] | str = "cosine",
+        symmetric: bool | None = None,
+        tile_size: int | None = None,
         learnable_scale: bool = False,
         max_scale: float = 100.0,
-        mini_batch_num_tokens: int | None = None,
         mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
@@ -42,16 +46,26 @@ class CachedTiledLoss(CachedInfoNCEBase):
 
         Args:
             model: the SentenceTransformer to train.
-            scale: ``1 / temperature`` (initial value when learnable).
-            symmetric: also the positive -> anchors direction, averaged (the CLIP loss).
-            tile_size: side of a logit tile (default: from ``memory_budget``, at most 2048).
+            scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity. The initial value when learnable.
+            similarity_fct: ``sentence_transformers.util.cos_sim`` / ``"cosine"`` (default) or
+                ``dot_score`` / ``"dot"``. Other callables are refused: the full matrix is never built.
             mini_batch_size: rows per encoder forward; sets the memory, not the result.
-            gather_across_devices: score against the candidates of every process (ring exchange).
+            mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length), for data of
+                very uneven length; ``mini_batch_size`` stays an upper bound.
+            gather_across_devices: score each process's anchors against the candidates of every process (by ring exchange).
+            directions: as sentence-transformers' ``CachedMultipleNegativesRankingLoss``; supported so far:
+                ``("query_to_doc",)`` and ``("query_to_doc", "doc_to_query")`` with
+                ``partition_mode="per_direction"`` (the symmetric loss). Other valid values raise ``ValueError``.
+            partition_mode: ``"joint"`` or ``"per_direction"`` (the same for one direction).
             show_progress_bar: tqdm bars over the mini-batches of both passes.
-            similarity_fct: ``cos_sim`` / ``"cosine"`` (default) or ``dot_score`` / ``"dot"``.
+            hardness_mode: only ``None`` is supported so far (any other value raises ``ValueError``).
+            hardness_strength: non-negative; unused while ``hardness_mode`` is None, as in sentence-transformers.
+            symmetric: shorthand: True for ``directions=("query_to_doc", "doc_to_query")``,
+                ``partition_mode="per_direction"`` (the CLIP loss), False for ``("query_to_doc",)``; None
+                (default): as ``directions`` say.
+            tile_size: side of a logit tile (default: from ``memory_budget``, at most 2048).
             learnable_scale: learn the scale as ``logit_scale = log(scale)``, clamped at ``max_scale``.
             max_scale: the clamp of a learned scale.
-            mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length).
             mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
                 across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).
                 Rows sharing their anchor or their positive are duplicates: a row's negatives lose the
@@ -96,30 +110,35 @@ class CachedTiledLoss(CachedInfoNCEBase):
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
         """
+        if symmetric is not None:
+            wanted = (TWO_DIRECTIONS, "per_direction") if symmetric else (ONE_DIRECTION, partition_mode)
+            if (tuple(directions), partition_mode) not in {wanted, (ONE_DIRECTION, partition_mode)}:
+                raise ValueError(
+                    f"symmetric={symmetric!r} contradicts directions={tuple(directions)!r} with "
+                    f"partition_mode={partition_mode!r}; pass one or the other."
+                )
+            directions, partition_mode = wanted
         super().__init__(
             model,
-            scale=scale,
-            similarity_fct=similarity_fct,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            symmetric=symmetric,
+            scale,
+            similarity_fct,
+            mini_batch_size,
+            mini_batch_num_tokens,
+            gather_across_devices,
+            directions,
+            partition_mode,
+            show_progress_bar,
+            hardness_mode,
+            hardness_strength,
             learnable_scale=learnable_scale,
             max_scale=max_scale,
             path="tiled",
             tile_size=tile_size,
             memory_budget=memory_budget,
-            gather_across_devices=gather_across_devices,
             mask_duplicates=mask_duplicates,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
-            show_progress_bar=show_progress_bar,
         )
 
-    @property
-    def citation(self) -> str:  # type: ignore[override]
-        return GRADCACHE_CITATION + INFCL_CITATION + (CLIP_CITATION if self.symmetric else "")
-
-    def get_config_dict(self) -> dict[str, Any]:
-        config = super().get_config_dict()
-        config["symmetric"] = self.symmetric
-        return config
+    def _citation_parts(self) -> tuple[str, ...]:
+        return (GRADCACHE_CITATION, INFCL_CITATION, *((CLIP_CITATION,) if self.symmetric else ()))

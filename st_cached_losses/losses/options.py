@@ -3,6 +3,7 @@ model (it must be splittable into mini-batches) and the columns a step receives.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,8 +18,8 @@ __all__ = ["check_columns", "check_splittable_model", "resolve_similarity"]
 def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarity:
     """Map sentence-transformers' ``cos_sim`` / ``dot_score`` (or "cosine" / "dot") to the core's names.
 
-    Any other callable is refused: the loss never builds the full similarity matrix, so it cannot call
-    an arbitrary function on it.
+    A ``functools.partial`` of either with nothing bound counts as the function. Any other callable is
+    refused: the loss never builds the full similarity matrix, so it cannot call an arbitrary function on it.
     """
     if isinstance(similarity_fct, str):
         name = similarity_fct.lower()
@@ -35,6 +36,12 @@ def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarit
     else:
         from sentence_transformers.util import cos_sim, dot_score
 
+        if (
+            isinstance(similarity_fct, functools.partial)
+            and not similarity_fct.args
+            and not similarity_fct.keywords
+        ):
+            similarity_fct = similarity_fct.func  # a bare partial(cos_sim) is cos_sim
         if similarity_fct is cos_sim:
             return "cosine"
         if similarity_fct is dot_score:
