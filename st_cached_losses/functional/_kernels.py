@@ -431,26 +431,3 @@ def fused_one_direction(
     for g in g_cols:
         g.mul_(weight)
     return loss * weight, Grads(rows=g_rows, cols=g_cols, scale=(gs * weight / scale).to(rows.dtype))
-
-
-def raw_grad(op: Operand, g: Tensor, out_dtype: torch.dtype, tile: int) -> Tensor:
-    """Gradient wrt the raw embedding from the one wrt its normalised version, in place:
-    ``dL/dx = (g - x_hat <g, x_hat>) / ||x||``."""
-    if op.inv_norm is not None:
-        for r0, r1 in spans(op.n, tile):
-            inv = op.inv_norm[r0:r1, None]
-            x_hat = op.x[r0:r1].to(op.dtype) * inv  # (b, d)
-            gr = g[r0:r1]
-            gr.sub_(x_hat * (gr * x_hat).sum(1, keepdim=True)).mul_(inv)
-    return g.to(out_dtype)
-
-
-def infonce_from_stats(
-    lse_rows: LogSumExp, lse_cols: LogSumExp | None, pos: Tensor, w_rows: float, w_cols: float
-) -> Tensor:
-    """The (weighted, summed) InfoNCE of finished statistics: each row's log-sum-exp minus its positive
-    logit, and for the symmetric loss each positive's column log-sum-exp minus the same logit. fp64."""
-    loss = w_rows * (lse_rows.total().sum() - pos.double().sum())
-    if lse_cols is not None:
-        loss = loss + w_cols * (lse_cols.total().sum() - pos.double().sum())
-    return loss

@@ -6,16 +6,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 __all__ = [
+    "candidate_columns",
     "check_positive_int",
     "nonfinite_columns",
     "nonfinite_error",
     "raise_if_nonfinite",
     "scale_value",
+    "validate_inputs",
+    "validate_keys",
 ]
 
 
@@ -111,3 +115,142 @@ def raise_if_nonfinite(masks: Sequence[int]) -> None:
         f"the embeddings of {len(bad)} of {len(masks)} processes ({'; '.join(parts)}; every rank stops with "
         "this error)"
     )
+
+
+def candidate_columns(candidates: Tensor | Sequence[Tensor]) -> list[Tensor]:
+    if isinstance(candidates, Tensor):
+        return [candidates]
+    cols = list(candidates)
+    if not cols:
+        raise ValueError("candidates is empty: pass at least the positives, a (N, d) tensor.")
+    return cols
+
+
+def validate_inputs(
+    anchors: Tensor,
+    cols: list[Tensor],
+    anchors_all: Tensor | None,
+    *,
+    similarity: str,
+    symmetric: bool,
+    row_offset: int,
+    chunk_size: int | None,
+    tile_size: int | None,
+    memory_budget: int,
+    path: str,
+    check_finite: bool,
+) -> None:
+    if similarity not in ("cosine", "dot"):
+        raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}.")
+    if path not in ("auto", "chunked", "tiled"):
+        raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {path!r}.")
+    check_positive_int("chunk_size", chunk_size)
+    check_positive_int("tile_size", tile_size)
+    check_positive_int("memory_budget", memory_budget)
+    named = [("anchors", anchors)] + [(f"candidates[{k}]", c) for k, c in enumerate(cols)]
+    if anchors_all is not None:
+        named.append(("anchors_all", anchors_all))
+    for name, t in named:
+        if not isinstance(t, Tensor) or t.dim() != 2:
+            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 2-D (rows, dim) tensor of embeddings, got {shape}.")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}.")
+        if t.shape[0] == 0:
+            raise ValueError(
+                f"{name} is empty (0 rows): the loss needs at least one pair; skip empty batches."
+            )
+        if t.device != anchors.device:
+            raise ValueError(
+                f"{name} is on {t.device} but anchors are on {anchors.device}; move them to one device."
+            )
+    dim = anchors.shape[1]
+    for name, t in named[1:]:
+        if t.shape[1] != dim:
+            raise ValueError(
+                f"{name} has embedding dim {t.shape[1]} but anchors have {dim}: every column must come from "
+                "encoders with the same output dimension."
+            )
+    n = cols[0].shape[0]
+    for k, c in enumerate(cols[1:], start=1):
+        if c.shape[0] != n:
+            raise ValueError(
+                f"candidates[{k}] has {c.shape[0]} rows but the positives have {n}: every candidate column "
+                "(positives, then each hard-negative column) needs one row per positive."
+            )
+    b = anchors.shape[0]
+    if (
+        isinstance(row_offset, bool)
+        or not isinstance(row_offset, int)
+        or row_offset < 0
+        or row_offset + b > n
+    ):
+        raise ValueError(
+            f"row_offset={row_offset!r} puts the positives of the {b} anchors at candidate rows "
+            f"{row_offset}..{row_offset + b - 1 if isinstance(row_offset, int) else '?'}, outside the {n} candidate "
+            "rows; pass the index of this process's first row within the gathered columns (0 on one process)."
+        )
+    if symmetric:
+        if anchors_all is None and (n != b or row_offset != 0):
+            raise ValueError(
+                f"the symmetric loss scores every positive against every anchor, but {n} positives were given "
+                f"for {b} anchors (row_offset={row_offset}); pass anchors_all=<the gathered (N, d) anchors>."
+            )
+        if anchors_all is not None and anchors_all.shape[0] != n:
+            raise ValueError(
+                f"anchors_all has {anchors_all.shape[0]} rows but there are {n} positives: gather anchors and "
+                "positives the same way."
+            )
+    elif anchors_all is not None:
+        raise ValueError("anchors_all is only used by the symmetric loss; pass symmetric=True or drop it.")
+    if check_finite:
+        for name, t in named:
+            if not bool(torch.isfinite(t).all()):
+                raise nonfinite_error(name)
+
+
+def validate_keys(
+    anchor_keys: Tensor | None,
+    candidate_keys: Sequence[Tensor] | None,
+    anchors_all_keys: Tensor | None,
+    anchors: Tensor,
+    cols: list[Tensor],
+    anchors_all: Tensor | None,
+    symmetric: bool,
+) -> dict[str, Any]:
+    """Validate the duplicate keys against the embeddings they describe."""
+    if candidate_keys is None:
+        if anchor_keys is not None or anchors_all_keys is not None:
+            raise ValueError(
+                "anchor_keys / anchors_all_keys need candidate_keys (one key vector per column) too."
+            )
+        return {}
+    cand = list(candidate_keys)
+    if len(cand) != len(cols):
+        raise ValueError(
+            f"candidate_keys has {len(cand)} key vectors for {len(cols)} candidate columns; pass one per column."
+        )
+    named = [(f"candidate_keys[{k}]", key, c.shape[0]) for k, (key, c) in enumerate(zip(cand, cols))]
+    n_pos = cols[0].shape[0]
+    if symmetric and anchor_keys is None:
+        raise ValueError(
+            "the symmetric loss masks duplicate anchors too: pass anchor_keys with candidate_keys."
+        )
+    if anchor_keys is not None:
+        named.append(("anchor_keys", anchor_keys, anchors.shape[0]))
+        # pairs are compared by their anchors too, so every positive's anchor needs a key
+        if anchors_all_keys is None and (anchors_all is not None or n_pos != anchors.shape[0]):
+            raise ValueError(
+                f"anchor_keys with {n_pos} gathered candidate rows: pass anchors_all_keys, the ({n_pos},) "
+                "keys of the anchors of every positive (gathered like the candidates)."
+            )
+    if anchors_all_keys is not None:
+        if anchor_keys is None:
+            raise ValueError("anchors_all_keys needs anchor_keys (this process's anchors' keys) too.")
+        named.append(("anchors_all_keys", anchors_all_keys, n_pos))
+    for name, key, n in named:
+        if not isinstance(key, Tensor) or key.dim() != 1 or key.shape[0] != n or key.is_floating_point():
+            raise ValueError(
+                f"{name} must be a 1-D integer tensor with {n} entries (one key per embedding row)."
+            )
+    return {"anchor_keys": anchor_keys, "candidate_keys": cand, "anchors_all_keys": anchors_all_keys}

@@ -23,8 +23,6 @@ Similarities are computed in fp32 whatever the input dtype; gradients come back 
 
 from __future__ import annotations
 
-import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,30 +31,23 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional._kernels import (
-    DuplicateKeys,
-    Grads,
     LogSumExp,
-    Operand,
     Stats,
-    fused_one_direction,
-    gradients,
-    infonce_from_stats,
-    positive_logits,
-    raw_grad,
-    row_col_stats,
 )
-from st_cached_losses.functional.checks import check_positive_int, nonfinite_error, scale_value
+from st_cached_losses.functional.checks import candidate_columns, scale_value, validate_inputs, validate_keys
+from st_cached_losses.functional.problems import (
+    Problem,
+    assemble,
+    build_problems,
+    problem_grads,
+    solve,
+)
 
 Similarity = Literal["cosine", "dot"]
 LossPath = Literal["auto", "chunked", "tiled"]
 
 #: Bytes of logit blocks the loss stage may hold at once, when neither chunk nor tile size is given.
 DEFAULT_MEMORY_BUDGET = 64 * 2**20
-#: Largest tile side the tiled path picks on its own.
-MAX_TILE = 2048
-#: The chunked path is chosen by ``path="auto"`` when the budget allows chunks of at least this many rows.
-MIN_AUTO_CHUNK = 64
-
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
     "InfoNCEOutput",
@@ -76,348 +67,6 @@ class InfoNCEOutput:
     grad_candidates: list[Tensor]  #: one ``(N, d)`` per candidate column, their dtype (empty: loss only)
     grad_anchors_all: Tensor | None  #: ``(N, d)`` when ``anchors_all`` was given
     grad_scale: Tensor | None  #: 0-d, when ``scale`` is a tensor that requires grad
-
-
-@dataclass(frozen=True)
-class _Plan:
-    path: Literal["chunked", "tiled"]
-    row_tile: int
-    col_tile: int
-
-
-@dataclass
-class _Problem:
-    """One directional sub-problem: ``rows`` against ``cols``; positives at ``cols[0][row_offset + i]``."""
-
-    rows: Operand
-    cols: list[Operand]
-    row_offset: int
-    w_rows: float
-    w_cols: float  # > 0: also the direction "positive of column 0 -> every row" (shared tiles)
-    plan: _Plan
-    keys: DuplicateKeys | None = None
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def _columns(candidates: Tensor | Sequence[Tensor]) -> list[Tensor]:
-    if isinstance(candidates, Tensor):
-        return [candidates]
-    cols = list(candidates)
-    if not cols:
-        raise ValueError("candidates is empty: pass at least the positives, a (N, d) tensor.")
-    return cols
-
-
-def _validate(
-    anchors: Tensor,
-    cols: list[Tensor],
-    anchors_all: Tensor | None,
-    *,
-    similarity: str,
-    symmetric: bool,
-    row_offset: int,
-    chunk_size: int | None,
-    tile_size: int | None,
-    memory_budget: int,
-    path: str,
-    check_finite: bool,
-) -> None:
-    if similarity not in ("cosine", "dot"):
-        raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}.")
-    if path not in ("auto", "chunked", "tiled"):
-        raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {path!r}.")
-    check_positive_int("chunk_size", chunk_size)
-    check_positive_int("tile_size", tile_size)
-    check_positive_int("memory_budget", memory_budget)
-    named = [("anchors", anchors)] + [(f"candidates[{k}]", c) for k, c in enumerate(cols)]
-    if anchors_all is not None:
-        named.append(("anchors_all", anchors_all))
-    for name, t in named:
-        if not isinstance(t, Tensor) or t.dim() != 2:
-            shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a 2-D (rows, dim) tensor of embeddings, got {shape}.")
-        if not t.is_floating_point():
-            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}.")
-        if t.shape[0] == 0:
-            raise ValueError(
-                f"{name} is empty (0 rows): the loss needs at least one pair; skip empty batches."
-            )
-        if t.device != anchors.device:
-            raise ValueError(
-                f"{name} is on {t.device} but anchors are on {anchors.device}; move them to one device."
-            )
-    dim = anchors.shape[1]
-    for name, t in named[1:]:
-        if t.shape[1] != dim:
-            raise ValueError(
-                f"{name} has embedding dim {t.shape[1]} but anchors have {dim}: every column must come from "
-                "encoders with the same output dimension."
-            )
-    n = cols[0].shape[0]
-    for k, c in enumerate(cols[1:], start=1):
-        if c.shape[0] != n:
-            raise ValueError(
-                f"candidates[{k}] has {c.shape[0]} rows but the positives have {n}: every candidate column "
-                "(positives, then each hard-negative column) needs one row per positive."
-            )
-    b = anchors.shape[0]
-    if (
-        isinstance(row_offset, bool)
-        or not isinstance(row_offset, int)
-        or row_offset < 0
-        or row_offset + b > n
-    ):
-        raise ValueError(
-            f"row_offset={row_offset!r} puts the positives of the {b} anchors at candidate rows "
-            f"{row_offset}..{row_offset + b - 1 if isinstance(row_offset, int) else '?'}, outside the {n} candidate "
-            "rows; pass the index of this process's first row within the gathered columns (0 on one process)."
-        )
-    if symmetric:
-        if anchors_all is None and (n != b or row_offset != 0):
-            raise ValueError(
-                f"the symmetric loss scores every positive against every anchor, but {n} positives were given "
-                f"for {b} anchors (row_offset={row_offset}); pass anchors_all=<the gathered (N, d) anchors>."
-            )
-        if anchors_all is not None and anchors_all.shape[0] != n:
-            raise ValueError(
-                f"anchors_all has {anchors_all.shape[0]} rows but there are {n} positives: gather anchors and "
-                "positives the same way."
-            )
-    elif anchors_all is not None:
-        raise ValueError("anchors_all is only used by the symmetric loss; pass symmetric=True or drop it.")
-    if check_finite:
-        for name, t in named:
-            if not bool(torch.isfinite(t).all()):
-                raise nonfinite_error(name)
-
-
-def _keys(
-    anchor_keys: Tensor | None,
-    candidate_keys: Sequence[Tensor] | None,
-    anchors_all_keys: Tensor | None,
-    anchors: Tensor,
-    cols: list[Tensor],
-    anchors_all: Tensor | None,
-    symmetric: bool,
-) -> dict[str, Any]:
-    """Validate the duplicate keys against the embeddings they describe."""
-    if candidate_keys is None:
-        if anchor_keys is not None or anchors_all_keys is not None:
-            raise ValueError(
-                "anchor_keys / anchors_all_keys need candidate_keys (one key vector per column) too."
-            )
-        return {}
-    cand = list(candidate_keys)
-    if len(cand) != len(cols):
-        raise ValueError(
-            f"candidate_keys has {len(cand)} key vectors for {len(cols)} candidate columns; pass one per column."
-        )
-    named = [(f"candidate_keys[{k}]", key, c.shape[0]) for k, (key, c) in enumerate(zip(cand, cols))]
-    n_pos = cols[0].shape[0]
-    if symmetric and anchor_keys is None:
-        raise ValueError(
-            "the symmetric loss masks duplicate anchors too: pass anchor_keys with candidate_keys."
-        )
-    if anchor_keys is not None:
-        named.append(("anchor_keys", anchor_keys, anchors.shape[0]))
-        # pairs are compared by their anchors too, so every positive's anchor needs a key
-        if anchors_all_keys is None and (anchors_all is not None or n_pos != anchors.shape[0]):
-            raise ValueError(
-                f"anchor_keys with {n_pos} gathered candidate rows: pass anchors_all_keys, the ({n_pos},) "
-                "keys of the anchors of every positive (gathered like the candidates)."
-            )
-    if anchors_all_keys is not None:
-        if anchor_keys is None:
-            raise ValueError("anchors_all_keys needs anchor_keys (this process's anchors' keys) too.")
-        named.append(("anchors_all_keys", anchors_all_keys, n_pos))
-    for name, key, n in named:
-        if not isinstance(key, Tensor) or key.dim() != 1 or key.shape[0] != n or key.is_floating_point():
-            raise ValueError(
-                f"{name} must be a 1-D integer tensor with {n} entries (one key per embedding row)."
-            )
-    return {"anchor_keys": anchor_keys, "candidate_keys": cand, "anchors_all_keys": anchors_all_keys}
-
-
-# --------------------------------------------------------------------------- planning
-
-
-def _plan(
-    n_rows: int,
-    n_cols: int,
-    k: int,
-    *,
-    path: str,
-    chunk_size: int | None,
-    tile_size: int | None,
-    memory_budget: int,
-    buffers: int,
-) -> _Plan:
-    """Pick the path and block sizes: ``buffers`` fp32 blocks of ``rows x candidates-in-block`` live at once."""
-    row_bytes = 4 * buffers * k * n_cols
-    if path == "auto":
-        if chunk_size is not None:
-            path = "chunked"
-        elif tile_size is not None:
-            path = "tiled"
-        else:
-            path = "chunked" if memory_budget // row_bytes >= min(n_rows, MIN_AUTO_CHUNK) else "tiled"
-    if path == "chunked":
-        chunk = chunk_size if chunk_size is not None else max(1, memory_budget // row_bytes)
-        return _Plan("chunked", min(chunk, n_rows), n_cols)
-    tile = tile_side(tile_size, memory_budget, buffers)
-    return _Plan("tiled", min(tile, n_rows), min(tile, n_cols))
-
-
-def tile_side(tile_size: int | None, memory_budget: int, buffers: int) -> int:
-    """The side of a square tile: ``tile_size`` if given, else the largest (up to ``MAX_TILE``) for which
-    ``buffers`` fp32 tiles fit in ``memory_budget`` bytes."""
-    if tile_size is not None:
-        return tile_size
-    return min(MAX_TILE, max(1, math.isqrt(memory_budget // (4 * buffers))))
-
-
-# --------------------------------------------------------------------------- assembly
-
-
-def _problems(
-    anchors: Tensor,
-    cols: list[Tensor],
-    anchors_all: Tensor | None,
-    *,
-    scale: float,
-    cosine: bool,
-    symmetric: bool,
-    row_offset: int,
-    path: str,
-    chunk_size: int | None,
-    tile_size: int | None,
-    memory_budget: int,
-    fused: bool,
-    need_scale_grad: bool,
-    anchor_keys: Tensor | None = None,
-    candidate_keys: list[Tensor] | None = None,
-    anchors_all_keys: Tensor | None = None,
-) -> list[_Problem]:
-    b, n, k = anchors.shape[0], cols[0].shape[0], len(cols)
-    # blocks alive at once: the fused one-directional pass keeps one (plus a copy for the scale's
-    # gradient); the two-pass path keeps the logits, the gradient block and a scratch block.
-    one_pass = fused and not (symmetric and anchors_all is None)
-    buffers = (2 if need_scale_grad else 1) if one_pass else 3
-    sizing = functools.partial(
-        _plan,
-        path=path,
-        chunk_size=chunk_size,
-        tile_size=tile_size,
-        memory_budget=memory_budget,
-        buffers=buffers,
-    )
-    plan = sizing(b, n, k)
-    prenorm = plan.path == "chunked"
-    rows = Operand(anchors, cosine, scale, prenorm)
-    col_ops = [Operand(c, cosine, 1.0, prenorm) for c in cols]
-    keys = back_keys = None
-    if candidate_keys is not None:
-        # pairs sharing an anchor or a positive are duplicates in both directions (see DuplicateKeys)
-        all_anchor_keys = anchors_all_keys if anchors_all_keys is not None else anchor_keys
-        row_pos = candidate_keys[0][row_offset : row_offset + b]
-        keys = DuplicateKeys(row_pos, candidate_keys, anchor_keys, all_anchor_keys)
-        if all_anchor_keys is not None and anchor_keys is not None:
-            # positives -> anchors: the rows are this rank's positives, their targets the anchors
-            back_keys = DuplicateKeys(anchor_keys, [all_anchor_keys], row_pos, candidate_keys[0])
-    if not symmetric:
-        return [_Problem(rows, col_ops, row_offset, 1.0 / b, 0.0, plan, keys)]
-    if anchors_all is None:  # one process: both directions share every logit tile
-        return [_Problem(rows, col_ops, 0, 0.5 / b, 0.5 / n, plan, keys)]
-    # across ranks: this rank's positives against every rank's anchors is a second one-way problem
-    pos_rows = Operand(cols[0][row_offset : row_offset + b], cosine, scale, prenorm)
-    plan2 = sizing(b, n, 1)
-    back = _Problem(
-        pos_rows, [Operand(anchors_all, cosine, 1.0, prenorm)], row_offset, 0.5 / b, 0.0, plan2, back_keys
-    )
-    return [_Problem(rows, col_ops, row_offset, 0.5 / b, 0.0, plan, keys), back]
-
-
-def _loss_from_stats(p: _Problem, stats: Stats, pos: Tensor) -> Tensor:
-    return infonce_from_stats(stats.lse_rows, stats.lse_cols, pos, p.w_rows, p.w_cols)
-
-
-def _solve(
-    p: _Problem, scale: float, need_grads: bool, need_scale_grad: bool
-) -> tuple[Tensor, Grads | None, Stats | None, Tensor]:
-    """Loss (fp64) and, if asked, gradients of one problem; also what backward would need."""
-    pos = positive_logits(p.rows, p.cols[0], p.row_offset, p.plan.row_tile)
-    if need_grads and p.plan.path == "chunked" and p.w_cols == 0.0:
-        loss, grads = fused_one_direction(
-            p.rows,
-            p.cols,
-            pos,
-            scale=scale,
-            weight=p.w_rows,
-            row_offset=p.row_offset,
-            chunk=p.plan.row_tile,
-            need_scale_grad=need_scale_grad,
-            keys=p.keys,
-        )
-        return loss, grads, None, pos
-    stats = row_col_stats(
-        p.rows,
-        p.cols,
-        column_direction=p.w_cols > 0,
-        row_tile=p.plan.row_tile,
-        col_tile=p.plan.col_tile,
-        row_offset=p.row_offset,
-        keys=p.keys,
-    )
-    two_pass = _grads(p, stats, pos, scale, 1.0, need_scale_grad) if need_grads else None
-    return _loss_from_stats(p, stats, pos), two_pass, stats, pos
-
-
-def _grads(
-    p: _Problem, stats: Stats, pos: Tensor, scale: float, grad_output: float, need_scale_grad: bool
-) -> Grads:
-    return gradients(
-        p.rows,
-        p.cols,
-        stats,
-        pos,
-        scale=scale,
-        w_rows=p.w_rows * grad_output,
-        w_cols=p.w_cols * grad_output,
-        row_offset=p.row_offset,
-        row_tile=p.plan.row_tile,
-        col_tile=p.plan.col_tile,
-        need_scale_grad=need_scale_grad,
-        keys=p.keys,
-    )
-
-
-def _assemble(
-    problems: list[_Problem],
-    grads: list[Grads],
-    anchors: Tensor,
-    cols: list[Tensor],
-    anchors_all: Tensor | None,
-    grad_output: float,
-) -> tuple[Tensor, list[Tensor], Tensor | None, Tensor]:
-    """Map each problem's gradients back onto the caller's tensors (raw, in their dtypes)."""
-    main, g_main = problems[0], grads[0]
-    tile = main.plan.row_tile
-    g_cols = g_main.cols
-    scale_grad = g_main.scale * grad_output
-    g_all = None
-    if len(problems) == 2:
-        back, g_back = problems[1], grads[1]
-        # the back problem's rows are this rank's slice of the positives (same normalisation)
-        g_cols[0][back.row_offset : back.row_offset + back.rows.n].add_(g_back.rows)
-        g_all = raw_grad(back.cols[0], g_back.cols[0].mul_(grad_output), anchors_all.dtype, tile)  # type: ignore[union-attr]
-        scale_grad = scale_grad + g_back.scale * grad_output
-    g_anchors = raw_grad(main.rows, g_main.rows.mul_(grad_output), anchors.dtype, tile)
-    g_candidates = [
-        raw_grad(op, g.mul_(grad_output), c.dtype, tile) for op, g, c in zip(main.cols, g_cols, cols)
-    ]
-    return g_anchors, g_candidates, g_all, scale_grad
 
 
 # --------------------------------------------------------------------------- public API
@@ -475,8 +124,8 @@ def infonce_loss_and_grad(
     Returns:
         :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
     """
-    cols = _columns(candidates)
-    _validate(
+    cols = candidate_columns(candidates)
+    validate_inputs(
         anchors,
         cols,
         anchors_all,
@@ -492,7 +141,7 @@ def infonce_loss_and_grad(
     s = scale_value(scale)
     need_scale_grad = isinstance(scale, Tensor) and scale.requires_grad
     with torch.no_grad():
-        problems = _problems(
+        problems = build_problems(
             anchors.detach(),
             [c.detach() for c in cols],
             anchors_all.detach() if anchors_all is not None else None,
@@ -506,15 +155,17 @@ def infonce_loss_and_grad(
             memory_budget=memory_budget,
             fused=True,
             need_scale_grad=need_scale_grad,
-            **_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric),
+            **validate_keys(
+                anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric
+            ),
         )
         losses, grads = [], []
         for p in problems:
-            loss, g, _, _ = _solve(p, s, True, need_scale_grad)
+            loss, g, _, _ = solve(p, s, True, need_scale_grad)
             assert g is not None  # asked for
             losses.append(loss)
             grads.append(g)
-        g_a, g_c, g_all, g_s = _assemble(problems, grads, anchors, cols, anchors_all, float(grad_output))
+        g_a, g_c, g_all, g_s = assemble(problems, grads, anchors, cols, anchors_all, float(grad_output))
     return InfoNCEOutput(
         loss=sum(losses).to(problems[0].rows.dtype),  # type: ignore[union-attr]
         grad_anchors=g_a,
@@ -546,8 +197,8 @@ class _Options:
 
     def problems(
         self, scale: float, anchors: Tensor, cols: Sequence[Tensor], anchors_all: Tensor | None
-    ) -> list[_Problem]:
-        return _problems(
+    ) -> list[Problem]:
+        return build_problems(
             anchors,
             list(cols),
             anchors_all,
@@ -575,7 +226,7 @@ def _flat_stats(stats: Stats, pos: Tensor) -> list[Tensor]:
     return out
 
 
-def _unflat_stats(problems: list[_Problem], flat: Sequence[Tensor]) -> list[tuple[Stats, Tensor]]:
+def _unflat_stats(problems: list[Problem], flat: Sequence[Tensor]) -> list[tuple[Stats, Tensor]]:
     """Inverse of :func:`_flat_stats` over every problem (a problem has column LSE when ``w_cols > 0``)."""
     out, i = [], 0
     for p in problems:
@@ -606,7 +257,7 @@ class _InfoNCEFunction(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float64, device=anchors.device)
         state: list[Tensor] = []
         for p in problems:
-            part, _, stats, pos = _solve(p, s, False, False)
+            part, _, stats, pos = solve(p, s, False, False)
             loss += part
             state += _flat_stats(stats, pos)  # type: ignore[arg-type]
         if any(ctx.needs_input_grad):
@@ -624,10 +275,10 @@ class _InfoNCEFunction(torch.autograd.Function):
         need_scale_grad = ctx.needs_input_grad[1]
         problems = ctx.options.problems(ctx.s, anchors, cols, anchors_all)
         grads = [
-            _grads(p, st, pos, ctx.s, 1.0, need_scale_grad)
+            problem_grads(p, st, pos, ctx.s, 1.0, need_scale_grad)
             for p, (st, pos) in zip(problems, _unflat_stats(problems, state))
         ]
-        g_a, g_c, g_all, g_s = _assemble(problems, grads, anchors, cols, anchors_all, float(grad_loss))
+        g_a, g_c, g_all, g_s = assemble(problems, grads, anchors, cols, anchors_all, float(grad_loss))
         return (None, g_s.to(ctx.scale_dtype) if need_scale_grad else None, g_a, g_all, *g_c)
 
 
@@ -658,8 +309,8 @@ def infonce(
     log-sum-exp values, nothing when no input requires grad; backward renormalises the inputs and
     recomputes each logit tile once, holding one block of logits at a time.
     """
-    cols = _columns(candidates)
-    _validate(
+    cols = candidate_columns(candidates)
+    validate_inputs(
         anchors,
         cols,
         anchors_all,
@@ -674,7 +325,7 @@ def infonce(
     )
     scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
     scale_value(scale_t)
-    keys = _keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric)
+    keys = validate_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric)
     options = _Options(
         cosine=similarity == "cosine",
         symmetric=symmetric,

@@ -43,10 +43,8 @@ from st_cached_losses.functional._kernels import (
     Operand,
     accumulate_gradients,
     finish_stats,
-    infonce_from_stats,
     init_stats,
     positive_logits,
-    raw_grad,
     update_stats,
 )
 from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, scale_value
@@ -57,8 +55,8 @@ from st_cached_losses.functional.infonce import (
     Similarity,
     infonce,
     infonce_loss_and_grad,
-    tile_side,
 )
+from st_cached_losses.functional.problems import infonce_from_stats, raw_grad, tile_side
 
 __all__ = [
     "agree_on_sizes",

@@ -6,8 +6,9 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
-from st_cached_losses.losses._base import TWO_DIRECTIONS, CachedInfoNCEBase
+from st_cached_losses.losses._base import CachedInfoNCEBase
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION
+from st_cached_losses.losses.options import TWO_DIRECTIONS
 
 
 class CachedCLIPLoss(CachedInfoNCEBase):

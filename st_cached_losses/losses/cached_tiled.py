@@ -6,8 +6,9 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.losses._base import ONE_DIRECTION, TWO_DIRECTIONS, CachedInfoNCEBase
+from st_cached_losses.losses._base import CachedInfoNCEBase
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION, INFCL_CITATION
+from st_cached_losses.losses.options import ONE_DIRECTION, TWO_DIRECTIONS
 
 
 class CachedTiledLoss(CachedInfoNCEBase):

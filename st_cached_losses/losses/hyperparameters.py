@@ -1,0 +1,338 @@
+"""The hyperparameters of the cached losses as properties: each can be read and set after construction
+(as sentence-transformers' losses allow), and setting one checks it again, so an assignment is never
+silently ignored nor accepted when invalid. Also the config for the model card and the citation."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from st_cached_losses.functional import LossPath, Similarity, scale_value
+from st_cached_losses.functional.checks import check_positive_int
+from st_cached_losses.gradcache import GradCache
+from st_cached_losses.losses.citations import GRADCACHE_CITATION
+from st_cached_losses.losses.options import (
+    ONE_DIRECTION,
+    TWO_DIRECTIONS,
+    ConfigTuple,
+    check_bool,
+    check_directions,
+    check_hardness,
+    resolve_similarity,
+)
+
+__all__ = ["CachedLossHyperparameters"]
+
+
+class CachedLossHyperparameters(nn.Module):
+    """The settable hyperparameters of :class:`~st_cached_losses.losses._base.CachedInfoNCEBase`; the
+    values live in private attributes (and in the engine, ``self.cache``) set by its constructor."""
+
+    _citations: tuple[str, ...] = (GRADCACHE_CITATION,)
+    cache: GradCache
+    logit_scale: nn.Parameter
+    _scale: float
+    _learnable_scale: bool
+    _max_scale: float
+    _similarity_fct: Callable[..., Tensor] | str
+    _similarity: Similarity
+    _directions: tuple[str, ...]
+    _partition_mode: str
+    _hardness_mode: str | None
+    _hardness_strength: float
+    _gather_across_devices: bool
+    _mask_duplicates: bool
+    _path: LossPath
+    _tile_size: int | None
+    _memory_budget: int
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a property's setter, whatever the value: nn.Module would file an nn.Module value (e.g. a similarity
+        # module) or a Parameter under _modules / _parameters, where the setter never sees it
+        if isinstance(getattr(type(self), name, None), property):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
+    # ------------------------------------------------------------------ configuration
+
+    @staticmethod
+    def _max_scale_value(value: float) -> float:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
+            raise ValueError(f"max_scale must be a finite positive number, got {value!r}; e.g. 100.0.")
+        return float(value)
+
+    @staticmethod
+    def _path_value(value: str) -> LossPath:
+        if value not in ("auto", "chunked", "tiled"):
+            raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {value!r}.")
+        return value  # type: ignore[return-value]
+
+    @staticmethod
+    def _memory_budget_value(value: int) -> int:
+        if value is None:
+            raise ValueError("memory_budget must be a positive integer (bytes), got None; e.g. 64 * 2**20.")
+        check_positive_int("memory_budget", value)
+        return value
+
+    @property
+    def scale(self) -> float:
+        """The current scale (1 / temperature), as a float; the learned value when learnable."""
+        if self.learnable_scale:
+            return float(self.logit_scale.detach().exp().clamp(max=self.max_scale))
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        value = scale_value(value)
+        if self.learnable_scale:
+            if value > self.max_scale:
+                raise ValueError(
+                    f"scale must be <= max_scale={self.max_scale!r} with learnable_scale, got {value!r}."
+                )
+            with torch.no_grad():
+                self.logit_scale.fill_(math.log(value))
+        self._scale = value
+
+    @property
+    def temperature(self) -> float:
+        """``1 / scale``."""
+        return 1.0 / self.scale
+
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        self.scale = 1.0 / scale_value(value)
+
+    @property
+    def learnable_scale(self) -> bool:
+        """Whether the scale is learned, as CLIP's ``logit_scale = log(scale)`` parameter, clamped at
+        ``max_scale``. Turning it on after the optimizer was built leaves the new parameter out of it."""
+        return self._learnable_scale
+
+    @learnable_scale.setter
+    def learnable_scale(self, value: bool) -> None:
+        if check_bool("learnable_scale", value) == self._learnable_scale:
+            return
+        if value:
+            if self.max_scale < self._scale:
+                raise ValueError(
+                    f"max_scale must be >= scale, got max_scale={self.max_scale!r} and scale={self._scale!r}."
+                )
+            # CLIP's parametrisation: the log of the scale is learned, the scale is clamped at max_scale
+            self.logit_scale = nn.Parameter(torch.tensor(math.log(self._scale), dtype=torch.float32))
+        else:
+            self._scale = self.scale
+            del self.logit_scale
+        self._learnable_scale = value
+
+    @property
+    def max_scale(self) -> float:
+        return self._max_scale
+
+    @max_scale.setter
+    def max_scale(self, value: float) -> None:
+        value = self._max_scale_value(value)
+        if self.learnable_scale and value < self.scale:
+            raise ValueError(f"max_scale must be >= scale, got max_scale={value!r} and scale={self.scale!r}.")
+        self._max_scale = value
+
+    @property
+    def similarity_fct(self) -> Callable[..., Tensor] | str:
+        """What was given: ``cos_sim`` / ``dot_score`` (or ``"cosine"`` / ``"dot"``)."""
+        return self._similarity_fct
+
+    @similarity_fct.setter
+    def similarity_fct(self, value: Callable[..., Tensor] | str) -> None:
+        self._similarity = resolve_similarity(value)
+        self._similarity_fct = value
+
+    @property
+    def similarity(self) -> Similarity:
+        """The core's name of the similarity: ``"cosine"`` or ``"dot"``."""
+        return self._similarity
+
+    @property
+    def mini_batch_size(self) -> int:
+        return self.cache.mini_batch_size
+
+    @mini_batch_size.setter
+    def mini_batch_size(self, value: int) -> None:
+        if value is None:
+            raise ValueError("mini_batch_size must be a positive integer, got None; e.g. 32.")
+        check_positive_int("mini_batch_size", value)
+        self.cache.mini_batch_size = value
+
+    @property
+    def mini_batch_num_tokens(self) -> int | None:
+        return self.cache.mini_batch_num_tokens
+
+    @mini_batch_num_tokens.setter
+    def mini_batch_num_tokens(self, value: int | None) -> None:
+        check_positive_int("mini_batch_num_tokens", value)
+        self.cache.mini_batch_num_tokens = value
+
+    @property
+    def gather_across_devices(self) -> bool:
+        return self._gather_across_devices
+
+    @gather_across_devices.setter
+    def gather_across_devices(self, value: bool) -> None:
+        self._gather_across_devices = check_bool("gather_across_devices", value)
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return self._directions
+
+    @directions.setter
+    def directions(self, value: Sequence[str]) -> None:
+        self._directions = check_directions(value, self._partition_mode, type(self).__name__)
+
+    @property
+    def partition_mode(self) -> str:
+        return self._partition_mode
+
+    @partition_mode.setter
+    def partition_mode(self, value: str) -> None:
+        check_directions(self._directions, value, type(self).__name__)
+        self._partition_mode = value
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether the loss has the positive -> anchors direction too (``directions=('query_to_doc',
+        'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two."""
+        return len(self._directions) == 2
+
+    @symmetric.setter
+    def symmetric(self, value: bool) -> None:
+        if check_bool("symmetric", value):
+            self._directions, self._partition_mode = TWO_DIRECTIONS, "per_direction"
+        else:
+            self._directions = ONE_DIRECTION
+
+    @property
+    def hardness_mode(self) -> str | None:
+        return self._hardness_mode
+
+    @hardness_mode.setter
+    def hardness_mode(self, value: str | None) -> None:
+        check_hardness(value, self._hardness_strength, type(self).__name__)
+        self._hardness_mode = value
+
+    @property
+    def hardness_strength(self) -> float:
+        return self._hardness_strength
+
+    @hardness_strength.setter
+    def hardness_strength(self, value: float) -> None:
+        check_hardness(self._hardness_mode, value, type(self).__name__)
+        self._hardness_strength = value
+
+    @property
+    def show_progress_bar(self) -> bool:
+        return self.cache.show_progress_bar
+
+    @show_progress_bar.setter
+    def show_progress_bar(self, value: bool) -> None:
+        self.cache.show_progress_bar = check_bool("show_progress_bar", value)
+
+    @property
+    def sort_by_length(self) -> bool:
+        return self.cache.sort_by_length
+
+    @sort_by_length.setter
+    def sort_by_length(self, value: bool) -> None:
+        self.cache.sort_by_length = check_bool("sort_by_length", value)
+
+    @property
+    def reuse_last_graph(self) -> bool:
+        return self.cache.reuse_last_graph
+
+    @reuse_last_graph.setter
+    def reuse_last_graph(self, value: bool) -> None:
+        self.cache.reuse_last_graph = check_bool("reuse_last_graph", value)
+
+    @property
+    def mask_duplicates(self) -> bool:
+        return self._mask_duplicates
+
+    @mask_duplicates.setter
+    def mask_duplicates(self, value: bool) -> None:
+        self._mask_duplicates = check_bool("mask_duplicates", value)
+
+    @property
+    def path(self) -> LossPath:
+        return self._path
+
+    @path.setter
+    def path(self, value: LossPath) -> None:
+        self._path = self._path_value(value)
+
+    @property
+    def tile_size(self) -> int | None:
+        return self._tile_size
+
+    @tile_size.setter
+    def tile_size(self, value: int | None) -> None:
+        check_positive_int("tile_size", value)
+        self._tile_size = value
+
+    @property
+    def memory_budget(self) -> int:
+        return self._memory_budget
+
+    @memory_budget.setter
+    def memory_budget(self, value: int) -> None:
+        self._memory_budget = self._memory_budget_value(value)
+
+    def _citation_parts(self) -> tuple[str, ...]:
+        return self._citations
+
+    @property
+    def citation(self) -> str:
+        """BibTeX for the model card."""
+        return "".join(self._citation_parts())
+
+    def scale_tensor(self) -> Tensor | float:
+        """The scale with its graph to ``logit_scale`` when learnable, else the float.
+
+        A learnable scale is kept at most ``max_scale`` by clamping the parameter itself (as CLIP does
+        after each optimizer step), not its image: a clamp inside the graph would have no gradient above
+        the limit, so a scale that one step carried past it could never come back.
+        """
+        if self.learnable_scale:
+            with torch.no_grad():
+                self.logit_scale.clamp_(max=math.log(self.max_scale))
+            return self.logit_scale.float().exp()
+        return self._scale
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """sentence-transformers' nine keys (same values for the same settings; ``scale`` is the current,
+        learned value), then ``symmetric`` and the extras that differ from their defaults."""
+        config: dict[str, Any] = {
+            "scale": self.scale,
+            "similarity_fct": {"cosine": "cos_sim", "dot": "dot_score"}[self.similarity],
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "gather_across_devices": self.gather_across_devices,
+            "directions": ConfigTuple(self.directions),
+            "partition_mode": self.partition_mode,
+            "hardness_mode": self.hardness_mode,
+            "hardness_strength": self.hardness_strength,
+            "symmetric": self.symmetric,
+        }
+        if self.learnable_scale:
+            config.update(learnable_scale=True, max_scale=self.max_scale)
+        if self.mask_duplicates:
+            config["mask_duplicates"] = True
+        if self.tile_size is not None:
+            config["tile_size"] = self.tile_size
+        return config
