@@ -76,7 +76,8 @@ def stdlib_pairs(limit: int | None = None, seed: int = 0) -> list[tuple[str, str
 def split_pairs(
     pairs: list[tuple[str, str]], n_eval: int
 ) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """Held-out evaluation pairs first, training pairs after."""
+    """``(training pairs, held-out pairs)``: the first ``n_eval`` pairs are held out for evaluation, the
+    rest are for training."""
     if n_eval >= len(pairs):
         raise ValueError(
             f"asked for {n_eval} held-out pairs but only {len(pairs)} were found (Python {sys.version})."

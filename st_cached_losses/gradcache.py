@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -219,7 +219,6 @@ class GradCache:
     reuse_last_graph: bool = True
     show_progress_bar: bool = False
     agree_mini_batches: bool | None = None
-    _validated: bool = field(default=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.mini_batch_size is None:
@@ -263,7 +262,7 @@ class GradCache:
                 longest = max(int(lengths[order[i]]), 1)
                 if not self.sort_by_length:
                     # the padded length is the longest row in the span: grow while the budget holds
-                    size, longest = 1, max(int(lengths[order[i]]), 1)
+                    size = 1
                     while i + size < b and size < self.mini_batch_size:
                         nxt = max(longest, int(lengths[order[i + size]]))
                         if (size + 1) * nxt > self.mini_batch_num_tokens:
@@ -321,7 +320,7 @@ class GradCache:
                 return False
         return True
 
-    def embed(self, model: nn.Module, columns: Sequence[Features], desc: str = "Embed") -> list[Tensor]:
+    def embed(self, model: nn.Module, columns: Sequence[Features]) -> list[Tensor]:
         """Every column's embeddings, mini-batch by mini-batch, without a graph (evaluation)."""
         out = []
         trim = position_shift_invariant(model)
@@ -331,7 +330,7 @@ class GradCache:
             for k, features in enumerate(columns):
                 batches = self.plan(k, features, trim_leading=trim, count=counts[k] if counts else None)
                 parts = []
-                for mb in tqdm(batches, desc=desc, disable=not self.show_progress_bar, leave=False):
+                for mb in tqdm(batches, desc="Embed", disable=not self.show_progress_bar, leave=False):
                     out_mb = self.encode(model, mb.features).float()
                     if not mb.filler:
                         parts.append(out_mb)
@@ -369,10 +368,13 @@ class GradCache:
         local = LocalBackward.of(model)
         # forwards whose graph may be back-propagated: hidden from a static-graph reducer (see LocalBackward)
         graph_model = local.module if local is not None else model
-        bar = tqdm(desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
-        for k, features in enumerate(columns):
-            plan = self.plan(k, features, trim_leading=trim, count=counts[k] if counts else None)
-            bar.total = (bar.total or 0) + len(plan)
+        plans = [
+            self.plan(k, features, trim_leading=trim, count=counts[k] if counts else None)
+            for k, features in enumerate(columns)
+        ]
+        total = sum(len(plan) for plan in plans)
+        bar = tqdm(total=total, desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
+        for k, (features, plan) in enumerate(zip(columns, plans)):
             parts = []
             for j, mb in enumerate(plan):
                 mb.rng = RandState()
@@ -401,6 +403,8 @@ class GradCache:
         loss, grads, extra_grads = loss_and_grad(embeddings)
         session = _Session(self, model, batches, grads, list(extra_grads), frozen, autocast, sync)
         if not extra or not any(t.requires_grad for t in extra):
+            # autograd calls a Function's backward only when some input requires grad: without a tensor
+            # that does (no learnable scale), this dummy leaf makes the loss's backward run the replay
             extra = (torch.zeros((), device=loss.device, requires_grad=True),)
             session.extra_grads = [None]
         return _Replay.apply(session, loss, *extra)

@@ -460,3 +460,21 @@ def test_shared_positive_masked_in_both_directions(model, make):
         forward = reference_infonce(embs[0], embs[1], anchor_keys=keys[0], candidate_keys=keys[1:])
         one_direction = (forward + reference_infonce(embs[1], embs[0])) / 2
     assert abs(one_direction.item() - ref_loss.item()) > 1e-3
+
+
+def test_loss_warns_once_when_caching_is_off(model):
+    """A batch that fits in one mini-batch saves nothing: the loss says so (once), at the caller's line."""
+    import warnings
+
+    loss_fn = CachedMNRLoss(model, mini_batch_size=32)
+    feats = columns(model, 2)  # B = 11 rows
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss_fn(feats, None).backward()
+        loss_fn(feats, None).backward()
+    relevant = [w for w in caught if "caching saves no memory" in str(w.message)]
+    assert len(relevant) == 1 and relevant[0].filename == __file__
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        CachedMNRLoss(model, mini_batch_size=4)(feats, None).backward()
+    assert not [w for w in caught if "caching saves no memory" in str(w.message)]

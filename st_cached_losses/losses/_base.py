@@ -5,6 +5,7 @@ exchange, through ``st_cached_losses.functional.parallel``). The hyperparameters
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 
 from st_cached_losses.callbacks import attach_to_calling_trainer
 from st_cached_losses.distributed import is_distributed, warn_no_process_group_once
+from st_cached_losses.features import batch_size_of
 from st_cached_losses.functional import (
     DEFAULT_MEMORY_BUDGET,
     LossPath,
@@ -109,6 +111,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         # the scale as a leaf during GradCache's stage 2 (see _stage2)
         self._scale_leaf: Tensor | None = None
         self._attached = False
+        self._warned_caching_off = False
         self._learnable_scale = False
         self.learnable_scale = learnable_scale
 
@@ -207,6 +210,19 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         grads = [r[0].grad if r[0].grad is not None else torch.zeros_like(r[0]) for r in reps]
         return loss.detach(), grads, [scale_grad]
 
+    def _warn_if_caching_off(self, features: list[dict[str, Any]]) -> None:
+        """Once per loss: a batch that fits in one mini-batch saves no memory (configured without
+        CachedLossTrainingArguments, which warns at construction, nothing else would say so)."""
+        if self._warned_caching_off or not self.cache.fits_in_one(features):
+            return
+        self._warned_caching_off = True
+        warnings.warn(
+            f"{type(self).__name__}: every column of this batch ({batch_size_of(features[0])} rows) fits in one "
+            f"encoder mini-batch (mini_batch_size={self.mini_batch_size}), so caching saves no memory: the same "
+            "result and memory as the non-cached loss. Use a mini_batch_size smaller than the batch.",
+            stacklevel=5,  # past this method, forward and nn.Module's call machinery: the caller's line
+        )
+
     def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
         check_columns(features, type(self).__name__)
@@ -221,6 +237,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
                 # evaluation: the same loss, mini-batched, no caching and no graph
                 embeddings = self.cache.embed(self.model, features)
                 return self.calculate_loss([[e] for e in embeddings], labels)
+            self._warn_if_caching_off(features)
             scale = self.scale_tensor()
             extra = [scale] if isinstance(scale, Tensor) else []
             return self.cache.step(self.model, features, lambda e: self._stage2(e, labels), extra=extra)
