@@ -4,6 +4,7 @@ positions allow cutting leading padding. No model is run here."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -105,6 +106,11 @@ def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) 
 _ABSOLUTE_POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
 
 
+#: per model, the answer of :func:`position_shift_invariant` (it walks every module: once per model, not
+#: once per step); weak keys, so a model is not kept alive by it
+_SHIFT_INVARIANT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
 def position_shift_invariant(model: nn.Module) -> bool:
     """Whether shifting every token's position by the same amount leaves the embeddings unchanged.
 
@@ -112,8 +118,16 @@ def position_shift_invariant(model: nn.Module) -> bool:
     absolute positions: there, cutting a left-padded row's leading padding is exact. False whenever
     unsure (BERT-style absolute positions, unknown models): padding is then kept as it came.
     """
+    inner = unwrap_model(model)
+    if inner not in _SHIFT_INVARIANT:
+        _SHIFT_INVARIANT[inner] = _shift_invariant(inner)
+    return _SHIFT_INVARIANT[inner]
+
+
+def _shift_invariant(model: nn.Module) -> bool:
+    """The module walk behind :func:`position_shift_invariant`."""
     rotary = False
-    for module in unwrap_model(model).modules():
+    for module in model.modules():
         for name in _ABSOLUTE_POSITION_TABLES:
             if isinstance(getattr(module, name, None), nn.Embedding):
                 return False

@@ -125,6 +125,7 @@ class _Session:
     frozen: set[int]
     autocast: _Autocast
     sync: bool  # whether this backward should trigger DDP's gradient all-reduce
+    local: LocalBackward | None  # replays hidden from a hook-counting wrapper (built once, in step)
     done: bool = False
 
     def backward(self, grad_output: float) -> list[Tensor | None]:
@@ -136,7 +137,7 @@ class _Session:
         todo = [mb for mb in self.batches if mb.column not in self.frozen]
         kept = [mb for mb in todo if mb.kept is not None]
         replay = [mb for mb in todo if mb.kept is None]
-        local = LocalBackward.of(self.model)
+        local = self.local
         # kept graphs go first (in one call, like a plain loss's backward), so their activations are
         # freed before any replay allocates its own
         if kept:
@@ -401,7 +402,7 @@ class GradCache:
             embeddings.append(_unsort(parts, plan, batch_size_of(features)))
         bar.close()
         loss, grads, extra_grads = loss_and_grad(embeddings)
-        session = _Session(self, model, batches, grads, list(extra_grads), frozen, autocast, sync)
+        session = _Session(self, model, batches, grads, list(extra_grads), frozen, autocast, sync, local)
         if not extra or not any(t.requires_grad for t in extra):
             # autograd calls a Function's backward only when some input requires grad: without a tensor
             # that does (no learnable scale), this dummy leaf makes the loss's backward run the replay
