@@ -75,7 +75,7 @@ class Operand:
 FLUSH_BELOW = -64.0
 
 
-def _exp_flushed_(x: Tensor) -> Tensor:
+def exp_flushed_(x: Tensor) -> Tensor:
     """``exp`` in place, with entries below :data:`FLUSH_BELOW` (including -inf) giving exactly 0."""
     return torch.threshold_(x, FLUSH_BELOW, -torch.inf).exp_()
 
@@ -181,7 +181,7 @@ def _masks(
     return m_r, m_r if k == 0 and column_direction else None
 
 
-def _online_lse_update(m: Tensor, s: Tensor, block: Tensor, dim: int, scratch: Tensor | None) -> None:
+def online_lse_update(m: Tensor, s: Tensor, block: Tensor, dim: int, scratch: Tensor | None) -> None:
     """Fold ``block`` into a running (max ``m``, sum-of-exp ``s``) along ``dim``, in place. Entries
     may be -inf (masked), including whole rows of a tile."""
     m_new = torch.maximum(m, block.amax(dim))
@@ -189,9 +189,9 @@ def _online_lse_update(m: Tensor, s: Tensor, block: Tensor, dim: int, scratch: T
     s.mul_(torch.exp(m - m_safe))
     m_b = m_safe[:, None] if dim == 1 else m_safe[None, :]
     if scratch is None:  # block may be destroyed
-        s.add_(_exp_flushed_(block.sub_(m_b)).sum(dim))
+        s.add_(exp_flushed_(block.sub_(m_b)).sum(dim))
     else:
-        s.add_(_exp_flushed_(torch.sub(block, m_b, out=scratch)).sum(dim))
+        s.add_(exp_flushed_(torch.sub(block, m_b, out=scratch)).sum(dim))
     m.copy_(m_new)
 
 
@@ -231,10 +231,10 @@ def update_stats(
                     col_block = block if mask_c is None else block.masked_fill(mask_c, -torch.inf)
                     if scratch is None or scratch.shape != block.shape:
                         scratch = torch.empty_like(block)
-                    _online_lse_update(m_c[c0:c1], s_c[c0:c1], col_block, 0, scratch)
+                    online_lse_update(m_c[c0:c1], s_c[c0:c1], col_block, 0, scratch)
                 if mask_r is not None:
                     block.masked_fill_(mask_r, -torch.inf)
-                _online_lse_update(m_r[r0:r1], s_r[r0:r1], block, 1, None)
+                online_lse_update(m_r[r0:r1], s_r[r0:r1], block, 1, None)
 
 
 def finish_stats(acc: tuple[Tensor, Tensor]) -> LogSumExp:
@@ -315,13 +315,13 @@ def accumulate_gradients(
                 g = lse_rows[r0:r1].log_softmax(logits, 1)
                 if mask_r is not None:
                     g.masked_fill_(mask_r, -torch.inf)
-                _exp_flushed_(g).mul_(w_rows)  # w_r * P_r: (b, t)
+                exp_flushed_(g).mul_(w_rows)  # w_r * P_r: (b, t)
                 if k == 0 and lse_cols is not None:
                     # + w_c * P_c; the logits are only needed afterwards for the scale's gradient
                     p_c = lse_cols[c0:c1].log_softmax(logits, 0)
                     if mask_c is not None:
                         p_c.masked_fill_(mask_c, -torch.inf)
-                    g.add_(_exp_flushed_(p_c), alpha=w_cols)
+                    g.add_(exp_flushed_(p_c), alpha=w_cols)
                 if k == 0 and row_offset is not None:
                     _subtract_positives(g, r0, r1, c0, c1, row_offset, w_pos)
                 if need_scale_grad:
@@ -409,7 +409,7 @@ def fused_one_direction(
         if need_scale_grad:
             # sum_c P * logits = sum_c P * (logits - m) + m, since each row of P sums to 1
             shifted = e.clone() if keys is None else e.nan_to_num(neginf=0.0)
-        _exp_flushed_(e)
+        exp_flushed_(e)
         z = e.sum(dim=(0, 2))  # (b,)
         loss += (m + z.log()).double().sum()
         inv_z = z.reciprocal_()

@@ -23,6 +23,7 @@ Similarities are computed in fp32 whatever the input dtype; gradients come back 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -35,6 +36,13 @@ from st_cached_losses.functional._kernels import (
     Stats,
 )
 from st_cached_losses.functional.checks import candidate_columns, scale_value, validate_inputs, validate_keys
+from st_cached_losses.functional.directions import (
+    GeneralFunction,
+    Guide,
+    check_general,
+    reads_anchors_all,
+    terms_solve,
+)
 from st_cached_losses.functional.problems import (
     Problem,
     assemble,
@@ -42,6 +50,7 @@ from st_cached_losses.functional.problems import (
     problem_grads,
     solve,
 )
+from st_cached_losses.functional.terms import TermSet
 
 Similarity = Literal["cosine", "dot"]
 LossPath = Literal["auto", "chunked", "tiled"]
@@ -50,6 +59,7 @@ LossPath = Literal["auto", "chunked", "tiled"]
 DEFAULT_MEMORY_BUDGET = 64 * 2**20
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
+    "Guide",
     "InfoNCEOutput",
     "LossPath",
     "Similarity",
@@ -90,6 +100,8 @@ def infonce_loss_and_grad(
     anchor_keys: Tensor | None = None,
     candidate_keys: Sequence[Tensor] | None = None,
     anchors_all_keys: Tensor | None = None,
+    terms: TermSet | None = None,
+    guide: Guide | None = None,
 ) -> InfoNCEOutput:
     """InfoNCE and its gradient wrt every embedding, without building a graph.
 
@@ -120,6 +132,11 @@ def infonce_loss_and_grad(
             whose key equals row ``i``'s positive's is masked out of row ``i``'s softmax too. Positive
             pairs are never masked. Without ``anchor_keys`` (one-directional loss only) only equal
             positives make duplicates.
+        terms: the general loss (:mod:`st_cached_losses.functional.terms`: sentence-transformers'
+            ``directions`` / ``partition_mode`` / hardness options, or GIST's terms, built by
+            ``mnrl_terms`` / ``gist_terms``); replaces ``symmetric``. Across processes, pass the
+            gathered anchors as ``anchors_all`` when a term reads them (``terms.uses_anchors_all``).
+        guide: a guide model's embeddings (GIST), for terms that are guided.
 
     Returns:
         :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
@@ -130,7 +147,7 @@ def infonce_loss_and_grad(
         cols,
         anchors_all,
         similarity=similarity,
-        symmetric=symmetric,
+        symmetric=symmetric or reads_anchors_all(terms),
         row_offset=row_offset,
         chunk_size=chunk_size,
         tile_size=tile_size,
@@ -138,6 +155,25 @@ def infonce_loss_and_grad(
         path=path,
         check_finite=check_finite,
     )
+    if terms is not None:
+        check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, cols)
+        loss, g_a, g_c, g_all, g_s = terms_solve(
+            anchors.detach(),
+            [c.detach() for c in cols],
+            terms=terms,
+            scale=scale,
+            cosine=similarity == "cosine",
+            anchors_all=anchors_all.detach() if anchors_all is not None else None,
+            row_offset=row_offset,
+            path=path,
+            chunk_size=chunk_size,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
+            grad_output=grad_output,
+            with_grad=True,
+            guide=guide,
+        )
+        return InfoNCEOutput(loss, g_a, g_c, g_all, g_s)
     s = scale_value(scale)
     need_scale_grad = isinstance(scale, Tensor) and scale.requires_grad
     with torch.no_grad():
@@ -299,6 +335,8 @@ def infonce(
     anchor_keys: Tensor | None = None,
     candidate_keys: Sequence[Tensor] | None = None,
     anchors_all_keys: Tensor | None = None,
+    terms: TermSet | None = None,
+    guide: Guide | None = None,
 ) -> Tensor:
     """Mean InfoNCE loss as an autograd-capable 0-d tensor: fp32 for fp32, bf16 and fp16 anchors
     (the similarities and log-sum-exps are computed in fp32), fp64 for fp64 anchors.
@@ -315,7 +353,7 @@ def infonce(
         cols,
         anchors_all,
         similarity=similarity,
-        symmetric=symmetric,
+        symmetric=symmetric or reads_anchors_all(terms),
         row_offset=row_offset,
         chunk_size=chunk_size,
         tile_size=tile_size,
@@ -323,6 +361,21 @@ def infonce(
         path=path,
         check_finite=check_finite,
     )
+    if terms is not None:
+        check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, cols)
+        solve = functools.partial(
+            terms_solve,
+            terms=terms,
+            cosine=similarity == "cosine",
+            row_offset=row_offset,
+            path=path,
+            chunk_size=chunk_size,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
+            guide=guide,
+        )
+        scale_in = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
+        return GeneralFunction.apply(solve, scale_in, anchors, anchors_all, *cols)
     scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
     scale_value(scale_t)
     keys = validate_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric)

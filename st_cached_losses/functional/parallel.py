@@ -48,6 +48,13 @@ from st_cached_losses.functional._kernels import (
     update_stats,
 )
 from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, scale_value
+from st_cached_losses.functional.directions import (
+    Guide,
+    check_general,
+    gathered_guide,
+    reads_anchors_all,
+    ring_terms_solve,
+)
 from st_cached_losses.functional.infonce import (
     DEFAULT_MEMORY_BUDGET,
     InfoNCEOutput,
@@ -57,6 +64,7 @@ from st_cached_losses.functional.infonce import (
     infonce_loss_and_grad,
 )
 from st_cached_losses.functional.problems import infonce_from_stats, raw_grad, tile_side
+from st_cached_losses.functional.terms import TermSet
 
 __all__ = [
     "agree_on_sizes",
@@ -121,6 +129,8 @@ def gathered_loss_and_grad(
     anchor_keys: Tensor | None = None,
     candidate_keys: Sequence[Tensor] | None = None,
     with_grad: bool = True,
+    terms: TermSet | None = None,
+    guide: Guide | None = None,
 ) -> InfoNCEOutput:
     """This process's share of the global InfoNCE, against all-gathered candidates.
 
@@ -132,6 +142,7 @@ def gathered_loss_and_grad(
         anchor_keys / candidate_keys: ``(b,)`` integer keys to mask duplicates (see ``infonce``);
             gathered here with the embeddings.
         with_grad: also the gradients wrt this process's embeddings; else the loss only.
+        terms / guide: the general loss (see ``infonce``); gathered like the rest.
 
     Collectives: one all-gather per gathered tensor (the keys in one), and with ``with_grad`` one
     all-reduce per gathered tensor (and one for a tensor scale's gradient).
@@ -149,7 +160,9 @@ def gathered_loss_and_grad(
         **_gathered_keys(anchor_keys, candidate_keys, sizes),
     }
     cands_all = [all_gather_rows(c, sizes) for c in candidates]
-    anchors_all = all_gather_rows(anchors, sizes) if symmetric else None
+    anchors_all = all_gather_rows(anchors, sizes) if symmetric or reads_anchors_all(terms) else None
+    if terms is not None:
+        kwargs.update(terms=terms, guide=gathered_guide(guide, sizes))
     if not with_grad:
         value = infonce(anchors, cands_all, scale=scale, anchors_all=anchors_all, **kwargs)  # type: ignore[arg-type]
         return InfoNCEOutput(value * factor, None, [], None, None)
@@ -212,6 +225,8 @@ def gathered_infonce(
     memory_budget: int = DEFAULT_MEMORY_BUDGET,
     anchor_keys: Tensor | None = None,
     candidate_keys: Sequence[Tensor] | None = None,
+    terms: TermSet | None = None,
+    guide: Guide | None = None,
 ) -> Tensor:
     """:func:`gathered_loss_and_grad`'s loss with autograd: the gather's backward sums over processes,
     and a tensor scale's gradient is averaged over processes by a hook."""
@@ -219,7 +234,8 @@ def gathered_infonce(
     if isinstance(scale, Tensor) and scale.requires_grad:
         scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
     cands_all = [gather_with_grad(c, sizes) for c in candidates]
-    anchors_all = gather_with_grad(anchors, sizes) if symmetric else None
+    anchors_all = gather_with_grad(anchors, sizes) if symmetric or reads_anchors_all(terms) else None
+    general = {"terms": terms, "guide": gathered_guide(guide, sizes)} if terms is not None else {}
     loss = infonce(
         anchors,
         cands_all,
@@ -233,6 +249,7 @@ def gathered_infonce(
         memory_budget=memory_budget,
         check_finite=False,
         **_gathered_keys(anchor_keys, candidate_keys, sizes),  # type: ignore[arg-type]
+        **general,  # type: ignore[arg-type]
     )
     return loss * (_weight(sizes) * b)
 
@@ -260,12 +277,8 @@ class _RingPayload:
     def like(self, tensors: list[Tensor]) -> _RingPayload:
         """The payload of the same layout made of ``tensors`` (as received from another process)."""
         it = iter(tensors)
-        return _RingPayload(
-            next(it),
-            next(it) if self.keys is not None else None,
-            next(it) if self.pair_keys is not None else None,
-            next(it) if self.lse_cols is not None else None,
-        )
+        rest = (next(it) if t is not None else None for t in (self.keys, self.pair_keys, self.lse_cols))
+        return _RingPayload(next(it), *rest)
 
 
 def ring_loss_and_grad(
@@ -282,6 +295,8 @@ def ring_loss_and_grad(
     anchor_keys: Tensor | None = None,
     candidate_keys: Sequence[Tensor] | None = None,
     with_grad: bool = True,
+    terms: TermSet | None = None,
+    guide: Guide | None = None,
 ) -> InfoNCEOutput:
     """:func:`gathered_loss_and_grad` by ring exchange (same arguments; ``path`` must be "auto" or
     "tiled": the ring is tiled by construction).
@@ -299,6 +314,15 @@ def ring_loss_and_grad(
         raise ValueError(
             f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {path!r}."
         )
+    if terms is not None:  # the general loss
+        check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, list(candidates))
+        cosine = similarity == "cosine"
+        with torch.no_grad():
+            solution = ring_terms_solve(
+                anchors, list(candidates), sizes, terms=terms, scale=scale, cosine=cosine, tile_size=tile_size,
+                memory_budget=memory_budget, with_grad=with_grad, guide=guide,
+            )  # fmt: skip
+        return InfoNCEOutput(*solution)
     with torch.no_grad():
         return _ring(
             anchors,

@@ -1,0 +1,286 @@
+"""The general InfoNCE: any set of logit *terms* per row, partitioned into softmaxes, with hardness
+penalties and guide-model masks. It covers sentence-transformers' ``MultipleNegativesRankingLoss``
+options (``directions``, ``partition_mode``, ``hardness_mode``) and ``GISTEmbedLoss``.
+
+Row ``i`` of this process owns two local vectors: its query ``q_i`` (the anchor) and its document
+``d_i`` (its positive, ``candidates[0][row_offset + i]``). A :class:`Term` scores one of them against
+one source of columns: the gathered candidate columns ``c0 .. c{K-1}``, the gathered anchors
+``q_all``, or this process's anchors ``q_local``. Entry ``(i, offset + i)`` of a term is row ``i``'s
+*diagonal* (its own document, its own query): the positive, removed, or kept. The loss of row ``i`` is
+
+    ``sum_g w_g * logsumexp(logits of the terms in group g) - pos_i``
+
+with ``pos_i = s <q_i, d_i>`` and one group (joint partition) or one per direction (per-direction
+partition, ``w_g = 1 / #groups``). Its gradient wrt a logit of group ``g`` is ``w_g * P_g - Y``.
+
+A hardness penalty adds ``alpha * stop_grad(sim)`` to chosen logits (not temperature-scaled: the logit
+``s * sim`` becomes ``(s + alpha) * sim`` in value, while its gradient stays that of ``s * sim``). A
+guide mask removes entries whose guide similarity exceeds the row's guide-rated positive similarity
+minus a margin (never the positive itself); guide tiles are computed next to logit tiles, never a
+``B x C`` matrix.
+
+Kernels here work on bound terms (operands and gradient buffers attached) one tile at a time; the
+drivers in :mod:`.directions` bind them on one process, across gathered processes, or for each block
+visiting in a ring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from st_cached_losses.functional._kernels import LogSumExp, Operand, exp_flushed_, online_lse_update, spans
+
+__all__ = [
+    "Bound",
+    "Term",
+    "TermSet",
+    "fused_chunk",
+    "gist_terms",
+    "guide_thresholds",
+    "mnrl_terms",
+    "term_grads",
+    "term_stats",
+]
+
+Diagonal = Literal["positive", "exclude", "keep"]
+
+
+@dataclass(frozen=True)
+class Term:
+    """One block of logits of every row: ``rows`` ("q" queries or "d" documents of this process)
+    against the column source ``cols`` ("c<k>", "q_all" or "q_local")."""
+
+    rows: Literal["q", "d"]
+    cols: str
+    group: int
+    diag: Diagonal
+    pen_off: float = 0.0  # hardness penalty on entries off the diagonal
+    pen_diag: float = 0.0  # ... on the diagonal entry
+    guided: bool = False  # the guide mask applies
+
+
+@dataclass(frozen=True)
+class TermSet:
+    """A loss: its terms, each group's weight, and the guide margin (GIST) when guided."""
+
+    terms: tuple[Term, ...]
+    weights: tuple[float, ...]
+    margin_strategy: str | None = None
+    margin: float = 0.0
+
+    @property
+    def uses_anchors_all(self) -> bool:
+        return any(t.cols == "q_all" for t in self.terms)
+
+    @property
+    def guided(self) -> bool:
+        return any(t.guided for t in self.terms)
+
+    def columns_used(self) -> set[int]:
+        return {int(t.cols[1:]) for t in self.terms if t.cols.startswith("c")}
+
+
+def mnrl_terms(
+    directions: Sequence[str],
+    partition_mode: str,
+    hardness_mode: str | None,
+    hardness_strength: float,
+    n_columns: int,
+) -> TermSet:
+    """sentence-transformers' ``MultipleNegativesRankingLoss``: ``query_to_doc`` (every column, the
+    positive in column 0), ``query_to_query`` (without ``q_i -> q_i``), ``doc_to_query``, ``doc_to_doc``
+    (without every document of row ``i``'s own query); the hardness penalty on ``query_to_doc``:
+    ``in_batch_negatives`` everywhere but row ``i``'s own documents, ``hard_negatives`` only on its own
+    hard negatives, ``all_negatives`` everywhere but its positive."""
+    alpha = float(hardness_strength) if hardness_mode is not None else 0.0
+    order = [d for d in ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc") if d in directions]
+    group = {d: (0 if partition_mode == "joint" else i) for i, d in enumerate(order)}
+    terms: list[Term] = []
+    for k in range(n_columns):
+        off = alpha if hardness_mode in ("in_batch_negatives", "all_negatives") else 0.0
+        on = alpha if k > 0 and hardness_mode in ("hard_negatives", "all_negatives") else 0.0
+        terms.append(Term("q", f"c{k}", group["query_to_doc"], "positive" if k == 0 else "keep", off, on))
+    if "query_to_query" in group:
+        terms.append(Term("q", "q_all", group["query_to_query"], "exclude"))
+    if "doc_to_query" in group:
+        terms.append(Term("d", "q_all", group["doc_to_query"], "keep"))
+    if "doc_to_doc" in group:
+        terms += [Term("d", f"c{k}", group["doc_to_doc"], "exclude") for k in range(n_columns)]
+    n_groups = 1 if partition_mode == "joint" else len(order)
+    return TermSet(tuple(terms), (1.0 / n_groups,) * n_groups)
+
+
+def gist_terms(
+    contrast_anchors: bool, contrast_positives: bool, n_columns: int, margin_strategy: str, margin: float
+) -> TermSet:
+    """sentence-transformers' ``GISTEmbedLoss``: one softmax over anchor-positive (gathered), anchor-anchor
+    (this process's anchors only), positive-positive (this process's positives against the gathered
+    ones) and anchor-negative blocks, every entry rated above the positive by the guide removed."""
+    terms = [Term("q", "c0", 0, "positive", guided=True)]
+    if contrast_anchors:
+        terms.append(Term("q", "q_local", 0, "keep", guided=True))
+    if contrast_positives:
+        terms.append(Term("d", "c0", 0, "keep", guided=True))
+    terms += [Term("q", f"c{k}", 0, "keep", guided=True) for k in range(1, n_columns)]
+    return TermSet(tuple(terms), (1.0,), margin_strategy, float(margin))
+
+
+def guide_thresholds(guide_q: Operand, guide_d: Operand, strategy: str, margin: float, tile: int) -> Tensor:
+    """Per row: entries the guide rates above this are removed (GISTEmbedLoss's rule)."""
+    g = torch.empty(guide_q.n, dtype=guide_q.dtype, device=guide_q.x.device)
+    for r0, r1 in spans(guide_q.n, tile):
+        g[r0:r1] = (guide_q.tile(r0, r1) * guide_d.tile(r0, r1)).sum(1)
+    return g - margin if strategy == "absolute" else g - g.abs() * margin
+
+
+@dataclass
+class Bound:
+    """A term with its operands (``rows`` carry the scale) and the buffers its gradients go to.
+
+    ``diag``: where row ``i``'s diagonal entry is in ``cols`` (``diag + i``), None when these columns do
+    not hold it (another process's block in the ring)."""
+
+    term: Term
+    rows: Operand
+    cols: Operand
+    diag: int | None
+    g_rows: Tensor | None = None  # (B, d) wrt the normalised rows, before the final * scale
+    g_cols: Tensor | None = None  # (n, d) wrt the normalised columns
+    guide_rows: Operand | None = None
+    guide_cols: Operand | None = None
+    thresholds: Tensor | None = None  # (B,)
+
+
+def _diagonal(r0: int, r1: int, c0: int, c1: int, offset: int | None, device: torch.device):
+    """Tile-local indices ``(ri, ci)`` of the diagonal entries ``(i, offset + i)`` in this tile, or None."""
+    if offset is None:
+        return None
+    lo, hi = max(r0, c0 - offset), min(r1, c1 - offset)
+    if lo >= hi:
+        return None
+    i = torch.arange(lo, hi, device=device)
+    return i - r0, i + offset - c0
+
+
+def _logits(b: Bound, q: Tensor, r0: int, r1: int, c0: int, c1: int, scale: float, keep_raw: bool):
+    """One tile's final logits (penalties added, removed entries at -inf) and, if asked, the raw
+    ``s * sim`` (for the scale's gradient)."""
+    t = b.term
+    block = q @ b.cols.tile(c0, c1).T  # (rows, cols)
+    raw = block.clone() if keep_raw else None
+    ij = _diagonal(r0, r1, c0, c1, b.diag, block.device)
+    if t.pen_off or t.pen_diag:
+        on_diag = block[ij] if ij is not None and t.pen_diag != t.pen_off else None
+        if t.pen_off:
+            block.mul_(1.0 + t.pen_off / scale)
+        if on_diag is not None:
+            block[ij] = on_diag * (1.0 + t.pen_diag / scale)
+    if t.guided:
+        assert b.guide_rows is not None and b.guide_cols is not None and b.thresholds is not None
+        rated = b.guide_rows.tile(r0, r1) @ b.guide_cols.tile(c0, c1).T
+        mask = rated > b.thresholds[r0:r1, None]
+        if t.diag == "positive" and ij is not None:
+            mask[ij] = False
+        block.masked_fill_(mask, -torch.inf)
+    if t.diag == "exclude" and ij is not None:
+        block[ij] = -torch.inf
+    return block, raw, ij
+
+
+def term_stats(
+    bound: Sequence[Bound], m: Tensor, s: Tensor, *, scale: float, row_tile: int, col_tile: int
+) -> None:
+    """Fold every bound term's logits into the running per-group ``(m, s)``, each ``(groups, B)``."""
+    for b in bound:
+        g = b.term.group
+        for r0, r1 in spans(b.rows.n, row_tile):
+            q = b.rows.tile(r0, r1)
+            for c0, c1 in spans(b.cols.n, col_tile):
+                block, _, _ = _logits(b, q, r0, r1, c0, c1, scale, False)
+                online_lse_update(m[g, r0:r1], s[g, r0:r1], block, 1, None)
+
+
+def _logit_grad(b: Bound, block: Tensor, lse: LogSumExp, weight: float, ij) -> Tensor:
+    """``w_g * P_g - Y`` of one tile, in place of the logits."""
+    g = block.sub_(lse.m[:, None]).sub_(lse.log_s[:, None])  # in place: the block is not needed after
+    exp_flushed_(g).mul_(weight)
+    if b.term.diag == "positive" and ij is not None:
+        g[ij] -= 1.0
+    return g
+
+
+def _apply(b: Bound, g: Tensor, q: Tensor, c0: int, c1: int, r0: int, r1: int) -> None:
+    c = b.cols.tile(c0, c1)
+    if b.g_rows is not None:
+        b.g_rows[r0:r1].addmm_(g, c)
+    if b.g_cols is not None:
+        b.g_cols[c0:c1].addmm_(g.T, q)
+
+
+def term_grads(
+    bound: Sequence[Bound],
+    lse: Sequence[LogSumExp],
+    weights: Sequence[float],
+    *,
+    scale: float,
+    row_tile: int,
+    col_tile: int,
+    need_scale_grad: bool,
+) -> Tensor:
+    """Second pass: recompute each tile and accumulate its gradients into the bound buffers. Returns
+    ``sum(G * s * sim)`` (for the scale's gradient; 0 when not needed)."""
+    gs = torch.zeros((), dtype=torch.float64, device=bound[0].rows.x.device)
+    for b in bound:
+        grp = b.term.group
+        for r0, r1 in spans(b.rows.n, row_tile):
+            q = b.rows.tile(r0, r1)
+            for c0, c1 in spans(b.cols.n, col_tile):
+                block, raw, ij = _logits(b, q, r0, r1, c0, c1, scale, need_scale_grad)
+                g = _logit_grad(b, block, lse[grp][r0:r1], weights[grp], ij)
+                if raw is not None:
+                    gs += torch.vdot(g.reshape(-1), raw.reshape(-1)).double()
+                _apply(b, g, q, c0, c1, r0, r1)
+    return gs
+
+
+def fused_chunk(
+    bound: Sequence[Bound],
+    weights: Sequence[float],
+    *,
+    n_rows: int,
+    scale: float,
+    chunk: int,
+    need_grads: bool,
+    need_scale_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    """Loss (fp64, summed over rows, without the positive logits) and the gradients into the bound
+    buffers in one pass over row chunks: each chunk holds its logits of every term against every
+    column, so each softmax is exact there and then and nothing is recomputed. Returns the loss and
+    ``sum(G * s * sim)``."""
+    dev = bound[0].rows.x.device
+    loss = torch.zeros((), dtype=torch.float64, device=dev)
+    gs = torch.zeros((), dtype=torch.float64, device=dev)
+    for r0, r1 in spans(n_rows, chunk):
+        qs = [b.rows.tile(r0, r1) for b in bound]
+        tiles = [_logits(b, q, r0, r1, 0, b.cols.n, scale, need_scale_grad) for b, q in zip(bound, qs)]
+        lse: dict[int, LogSumExp] = {}
+        for grp, w in enumerate(weights):
+            blocks = [t[0] for b, t in zip(bound, tiles) if b.term.group == grp]
+            m = torch.stack([x.amax(1) for x in blocks]).amax(0)
+            m = m.masked_fill(m == -torch.inf, 0.0)
+            z = sum(exp_flushed_(x - m[:, None]).sum(1) for x in blocks)
+            lse[grp] = LogSumExp(m, z.log())  # type: ignore[union-attr]
+            loss += w * lse[grp].total().sum()
+        if not need_grads:
+            continue
+        for b, q, (block, raw, ij) in zip(bound, qs, tiles):
+            g = _logit_grad(b, block, lse[b.term.group], weights[b.term.group], ij)
+            if raw is not None:
+                gs += torch.vdot(g.reshape(-1), raw.reshape(-1)).double()
+            _apply(b, g, q, 0, b.cols.n, r0, r1)
+    return loss, gs
