@@ -19,15 +19,15 @@ Left out, and why:
   (``loss.loss.scale``) and assigns an arbitrary ``nn.CosineSimilarity`` module, which we refuse by design (the
   loss is tiled and never calls the function; only ``cos_sim`` / ``dot_score``). Its assignments are tested below
   (:func:`test_hyperparameters_stay_assignable`).
-* ``test_cmnrl.py::test_cmnrl_attributes_and_config_back_compat``: it constructs with
-  ``hardness_mode="in_batch_negatives"``, which we do not support yet (refused with a ``ValueError``), and matches
-  their exact wording ``"Scale must be a positive value."``. The same checks with supported options are below
-  (:func:`test_attributes_and_config_back_compat`).
+* ``test_cmnrl.py::test_cmnrl_attributes_and_config_back_compat``: it compares ``get_config_dict()`` with
+  ``==`` to their nine keys, while ours adds our own (``symmetric`` and the extras that differ from their
+  defaults, which the model card shows), and matches their exact wording ``"Scale must be a positive value."``.
+  Everything else it checks is checked below, with the same arguments (:func:`test_attributes_and_config_back_compat`).
 * ``test_gradcache.py``: it tests ``GradCacheLoss``, a wrapper that sentence-transformers 6.2 does not ship.
 
 Part 2 checks the behaviours issue 12 lists: assignments after construction take effect (against their loss
 after the same assignment) and are validated again, their positional order, their config keys and values,
-``temperature``, ``citation``, and options not supported yet being refused rather than ignored.
+``temperature``, ``citation``, and invalid options being refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def test_cached_symmetric_matches_symmetric(
 
 
 def test_attributes_and_config_back_compat(stsb_bert_tiny_model: SentenceTransformer) -> None:
-    """Their ``test_cmnrl_attributes_and_config_back_compat`` with the options we support."""
+    """Their ``test_cmnrl_attributes_and_config_back_compat``, its nine config keys compared (ours add more)."""
     model = stsb_bert_tiny_model
     loss = CachedMultipleNegativesRankingLoss(
         model,
@@ -292,13 +292,14 @@ def test_attributes_and_config_back_compat(stsb_bert_tiny_model: SentenceTransfo
         mini_batch_size=4,
         directions=("query_to_doc", "doc_to_query"),
         partition_mode="per_direction",
+        hardness_mode="in_batch_negatives",
         hardness_strength=9.0,
     )
     assert loss.scale == 42.0
     assert loss.temperature == pytest.approx(1 / 42.0)
     assert loss.directions == ("query_to_doc", "doc_to_query")
     assert loss.partition_mode == "per_direction"
-    assert loss.hardness_mode is None
+    assert loss.hardness_mode == "in_batch_negatives"
     assert loss.hardness_strength == 9.0
     assert loss.gather_across_devices is False
     assert loss.mini_batch_size == 4
@@ -311,7 +312,7 @@ def test_attributes_and_config_back_compat(stsb_bert_tiny_model: SentenceTransfo
         "gather_across_devices": False,
         "directions": ("query_to_doc", "doc_to_query"),
         "partition_mode": "per_direction",
-        "hardness_mode": None,
+        "hardness_mode": "in_batch_negatives",
         "hardness_strength": 9.0,
     }
     with pytest.raises(ValueError, match="scale must be a finite positive number"):
@@ -517,14 +518,9 @@ def test_citation_is_a_property(model):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        (
-            {"hardness_mode": "in_batch_negatives", "hardness_strength": 9.0},
-            "hardness_mode.*not supported yet",
-        ),
-        ({"hardness_mode": "hard_negatives"}, "hardness_mode.*not supported yet"),
-        ({"directions": ("query_to_doc", "query_to_query")}, "directions.*not supported yet"),
-        ({"directions": TWO}, "partition_mode='joint' is not supported yet"),
-        ({"directions": ("query_to_doc", "doc_to_doc")}, "not supported yet"),
+        ({"directions": ("query_to_doc", "query_to_query"), "partition_mode": "per_direction"}, "joint"),
+        ({"directions": ("query_to_doc", "doc_to_doc"), "partition_mode": "per_direction"}, "joint"),
+        ({"directions": ("query_to_doc", "query_to_doc")}, "twice"),
         ({"directions": ("doc_to_query",)}, "'query_to_doc' direction is required"),
         ({"directions": ("query_to_doc", "nope")}, "Invalid directions"),
         ({"directions": "query_to_doc"}, "directions must be a tuple"),
@@ -533,7 +529,7 @@ def test_citation_is_a_property(model):
         ({"hardness_strength": -1.0}, "hardness_strength must be non-negative"),
     ],
 )
-def test_unsupported_or_invalid_options_are_refused_not_ignored(model, kwargs, match):
+def test_invalid_options_are_refused_not_ignored(model, kwargs, match):
     for cls in (CachedMNRLoss, CachedTiledLoss):
         with pytest.raises(ValueError, match=match):
             cls(model, **kwargs)
@@ -557,8 +553,9 @@ def test_unsupported_or_invalid_options_are_refused_not_ignored(model, kwargs, m
         ("max_scale", math.inf),
         ("scale", 0.0),
         ("similarity_fct", "l2"),
-        ("hardness_mode", "all_negatives"),
-        ("directions", ("query_to_doc", "query_to_query")),
+        ("hardness_mode", "hardest"),
+        ("hardness_strength", -1.0),
+        ("directions", ("query_to_doc", "nope")),
     ],
 )
 def test_every_argument_is_validated_at_construction_and_when_set(model, name, value):
@@ -574,14 +571,14 @@ def test_every_argument_is_validated_at_construction_and_when_set(model, name, v
 
 def test_setters_revalidate_the_combination(model):
     loss = CachedMNRLoss(model)
-    with pytest.raises(ValueError, match="set partition_mode='per_direction' before directions"):
-        loss.directions = TWO
-    assert loss.directions == ("query_to_doc",)
+    loss.directions = TWO  # joint: GTE-style two directions in one softmax
+    assert not loss.symmetric and not loss.classic
     loss.partition_mode = "per_direction"
-    loss.directions = TWO
-    assert loss.symmetric
-    with pytest.raises(ValueError, match="not supported yet"):
-        loss.partition_mode = "joint"
-    assert loss.partition_mode == "per_direction"
+    assert loss.symmetric and loss.classic
+    loss.partition_mode = "joint"
+    loss.directions = ("query_to_doc", "query_to_query")
+    with pytest.raises(ValueError, match="joint"):
+        loss.partition_mode = "per_direction"
+    assert loss.partition_mode == "joint"
     loss.symmetric = False
     assert loss.directions == ("query_to_doc",)

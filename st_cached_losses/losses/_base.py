@@ -25,6 +25,7 @@ from st_cached_losses.functional import (
 from st_cached_losses.functional.checks import check_positive_int
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.parallel import agree_on_sizes, gathered_infonce, loss_and_grad
+from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.gradcache import GradCache
 from st_cached_losses.losses.hyperparameters import CachedLossHyperparameters
 from st_cached_losses.losses.options import (
@@ -32,8 +33,10 @@ from st_cached_losses.losses.options import (
     check_bool,
     check_columns,
     check_directions,
+    check_duplicates_masking,
     check_hardness,
     check_splittable_model,
+    is_classic,
     resolve_similarity,
 )
 
@@ -100,6 +103,11 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             show_progress_bar=show_progress_bar,
         )
         self._gather_across_devices = gather_across_devices
+        check_duplicates_masking(
+            mask_duplicates,
+            is_classic(self._directions, partition_mode, hardness_mode, hardness_strength),
+            owner,
+        )
         self._mask_duplicates = mask_duplicates
         self._path: LossPath = self._path_value(path)
         check_positive_int("tile_size", tile_size)
@@ -117,14 +125,20 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
 
     # ------------------------------------------------------------------ forward
 
-    def _core_kwargs(self, keys: list[Tensor] | None) -> dict[str, Any]:
+    def _core_kwargs(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
+        """The core's options; ``n_columns``: candidate columns (positives and hard negatives) of this step."""
         kwargs: dict[str, Any] = {}
         if keys is not None:
             kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
+        if self.classic:
+            kwargs["symmetric"] = self.symmetric
+        else:
+            kwargs["terms"] = mnrl_terms(
+                self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength, n_columns
+            )
         return {
             **kwargs,
             "similarity": self.similarity,
-            "symmetric": self.symmetric,
             "path": self.path,
             "tile_size": self.tile_size,
             "memory_budget": self.memory_budget,
@@ -160,7 +174,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             warn_no_process_group_once(type(self).__name__)
         # also the finiteness check, agreed on by every process
         sizes = agree_on_sizes(embeddings, self.gather_across_devices)
-        scale, kwargs = self.scale_tensor(), self._core_kwargs(keys)
+        scale, kwargs = self.scale_tensor(), self._core_kwargs(keys, len(embeddings) - 1)
         if not with_backward and torch.is_grad_enabled():  # a caller asking for autograd, not the cache
             if sizes is None:
                 return infonce(embeddings[0], embeddings[1:], scale=scale, check_finite=False, **kwargs)

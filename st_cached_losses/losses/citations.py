@@ -43,3 +43,36 @@ INFCL_CITATION = """
     primaryClass={cs.CV}
 }
 """
+
+GTE_CITATION = """
+@misc{li2023towards,
+    title={Towards General Text Embeddings with Multi-stage Contrastive Learning},
+    author={Zehan Li and Xin Zhang and Yanzhao Zhang and Dingkun Long and Pengjun Xie and Meishan Zhang},
+    year={2023},
+    eprint={2308.03281},
+    archivePrefix={arXiv},
+    primaryClass={cs.CL}
+}
+"""
+
+HARDNESS_CITATION = """
+@misc{lan2025llave,
+    title={LLaVE: Large Language and Vision Embedding Models with Hardness-Weighted Contrastive Learning},
+    author={Zhibin Lan and Liqiang Niu and Fandong Meng and Jie Zhou and Jinsong Su},
+    year={2025},
+    eprint={2503.04812},
+    archivePrefix={arXiv},
+    primaryClass={cs.CV}
+}
+"""
+
+GIST_CITATION = """
+@misc{solatorio2024gistembed,
+    title={GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding Fine-tuning},
+    author={Aivin V. Solatorio},
+    year={2024},
+    eprint={2402.16829},
+    archivePrefix={arXiv},
+    primaryClass={cs.LG}
+}
+"""

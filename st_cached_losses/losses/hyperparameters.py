@@ -14,14 +14,17 @@ from torch import Tensor, nn
 from st_cached_losses.functional import LossPath, Similarity, scale_value
 from st_cached_losses.functional.checks import check_positive_int
 from st_cached_losses.gradcache import GradCache
-from st_cached_losses.losses.citations import GRADCACHE_CITATION
+from st_cached_losses.losses.citations import GRADCACHE_CITATION, GTE_CITATION, HARDNESS_CITATION
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
     TWO_DIRECTIONS,
+    VALID_DIRECTIONS,
     ConfigTuple,
     check_bool,
     check_directions,
+    check_duplicates_masking,
     check_hardness,
+    is_classic,
     resolve_similarity,
 )
 
@@ -194,7 +197,9 @@ class CachedLossHyperparameters(nn.Module):
 
     @directions.setter
     def directions(self, value: Sequence[str]) -> None:
-        self._directions = check_directions(value, self._partition_mode, type(self).__name__)
+        directions = check_directions(value, self._partition_mode, type(self).__name__)
+        self._check_masking(directions=directions)
+        self._directions = directions
 
     @property
     def partition_mode(self) -> str:
@@ -203,13 +208,14 @@ class CachedLossHyperparameters(nn.Module):
     @partition_mode.setter
     def partition_mode(self, value: str) -> None:
         check_directions(self._directions, value, type(self).__name__)
+        self._check_masking(partition_mode=value)
         self._partition_mode = value
 
     @property
     def symmetric(self) -> bool:
         """Whether the loss has the positive -> anchors direction too (``directions=('query_to_doc',
         'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two."""
-        return len(self._directions) == 2
+        return set(self._directions) == set(TWO_DIRECTIONS) and self._partition_mode == "per_direction"
 
     @symmetric.setter
     def symmetric(self, value: bool) -> None:
@@ -225,6 +231,7 @@ class CachedLossHyperparameters(nn.Module):
     @hardness_mode.setter
     def hardness_mode(self, value: str | None) -> None:
         check_hardness(value, self._hardness_strength, type(self).__name__)
+        self._check_masking(hardness_mode=value)
         self._hardness_mode = value
 
     @property
@@ -234,6 +241,7 @@ class CachedLossHyperparameters(nn.Module):
     @hardness_strength.setter
     def hardness_strength(self, value: float) -> None:
         check_hardness(self._hardness_mode, value, type(self).__name__)
+        self._check_masking(hardness_strength=value)
         self._hardness_strength = value
 
     @property
@@ -266,7 +274,29 @@ class CachedLossHyperparameters(nn.Module):
 
     @mask_duplicates.setter
     def mask_duplicates(self, value: bool) -> None:
-        self._mask_duplicates = check_bool("mask_duplicates", value)
+        self._check_masking(mask_duplicates=check_bool("mask_duplicates", value))
+        self._mask_duplicates = value
+
+    @property
+    def classic(self) -> bool:
+        """Whether the options make the one-directional or the symmetric loss without hardness (else the
+        general loss of ``functional.terms`` runs)."""
+        return is_classic(
+            self._directions, self._partition_mode, self._hardness_mode, self._hardness_strength
+        )
+
+    def _check_masking(self, **change: Any) -> None:
+        """Refuse a combination with ``mask_duplicates`` that the core does not compute, before it is set."""
+        opts = {
+            "directions": self._directions,
+            "partition_mode": self._partition_mode,
+            "hardness_mode": self._hardness_mode,
+            "hardness_strength": self._hardness_strength,
+            "mask_duplicates": getattr(self, "_mask_duplicates", False),
+            **change,
+        }
+        mask = opts.pop("mask_duplicates")
+        check_duplicates_masking(mask, is_classic(**opts), type(self).__name__)
 
     @property
     def path(self) -> LossPath:
@@ -299,7 +329,12 @@ class CachedLossHyperparameters(nn.Module):
     @property
     def citation(self) -> str:
         """BibTeX for the model card."""
-        return "".join(self._citation_parts())
+        extra = []
+        if set(self._directions) == set(VALID_DIRECTIONS) and self._partition_mode == "joint":
+            extra.append(GTE_CITATION)
+        if self._hardness_mode is not None and self._hardness_strength > 0:
+            extra.append(HARDNESS_CITATION)
+        return "".join([*self._citation_parts(), *extra])
 
     def scale_tensor(self) -> Tensor | float:
         """The scale with its graph to ``logit_scale`` when learnable, else the float.

@@ -4,6 +4,7 @@ model (it must be splittable into mini-batches) and the columns a step receives.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -11,6 +12,8 @@ from torch import Tensor, nn
 
 from st_cached_losses.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.functional import Similarity
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ONE_DIRECTION",
@@ -22,8 +25,10 @@ __all__ = [
     "check_bool",
     "check_columns",
     "check_directions",
+    "check_duplicates_masking",
     "check_hardness",
     "check_splittable_model",
+    "is_classic",
     "resolve_similarity",
 ]
 
@@ -129,12 +134,11 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_directions(directions: Sequence[str], partition_mode: str, owner: str) -> tuple[str, ...]:
-    """sentence-transformers' checks of ``directions`` and ``partition_mode`` (same rules), then ours:
-    the combinations the core computes so far are the one-direction loss and the symmetric loss with one
-    softmax per direction; any other valid combination is refused, never ignored."""
+    """sentence-transformers' checks of ``directions`` and ``partition_mode`` (same rules and messages, plus
+    the fix); every valid combination is computed."""
     if isinstance(directions, str) or not isinstance(directions, Sequence):
         raise ValueError(
-            f"directions must be a tuple of direction names, e.g. ('query_to_doc',), got {directions!r}."
+            f"{owner}: directions must be a tuple of direction names, e.g. ('query_to_doc',), got {directions!r}."
         )
     directions = tuple(directions)
     if not directions:
@@ -145,33 +149,53 @@ def check_directions(directions: Sequence[str], partition_mode: str, owner: str)
         )
     if "query_to_doc" not in directions:
         raise ValueError("'query_to_doc' direction is required (contains the positive pair).")
+    if len(set(directions)) != len(directions):
+        raise ValueError(f"{owner}: directions={directions!r} names a direction twice; name each once.")
     if partition_mode not in VALID_PARTITION_MODES:
         raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
     if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
         raise ValueError(
-            "partition_mode='per_direction' is not compatible with 'query_to_query' or 'doc_to_doc' directions."
+            "partition_mode='per_direction' requires every direction's candidate pool to include the positive pair. "
+            "'query_to_query' and 'doc_to_doc' only contain same-type similarities and never include the positive, "
+            "making the per-direction loss ill-defined. Use partition_mode='joint' instead."
         )
-    if set(directions) == set(ONE_DIRECTION) and len(directions) == 1:
-        return directions
-    if set(directions) == set(TWO_DIRECTIONS) and len(directions) == 2 and partition_mode == "per_direction":
-        return directions
-    raise ValueError(
-        f"directions={directions!r} with partition_mode={partition_mode!r} is not supported yet by {owner}: "
-        "supported are directions=('query_to_doc',) (the MNRL / InfoNCE loss) and directions=('query_to_doc', "
-        "'doc_to_query') with partition_mode='per_direction' (the symmetric, CLIP loss). To switch to the "
-        "symmetric loss after construction, set partition_mode='per_direction' before directions."
-    )
+    return directions
 
 
 def check_hardness(hardness_mode: str | None, hardness_strength: float, owner: str) -> None:
+    """sentence-transformers' checks (and warning) of the hardness options."""
     if hardness_mode not in VALID_HARDNESS_MODES:
-        raise ValueError(f"hardness_mode must be one of {VALID_HARDNESS_MODES}, got {hardness_mode!r}")
+        raise ValueError(f"hardness_mode must be one of {set(VALID_HARDNESS_MODES)}, got {hardness_mode!r}")
     if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
-        raise ValueError(f"hardness_strength must be a non-negative number, got {hardness_strength!r}.")
+        raise ValueError(
+            f"{owner}: hardness_strength must be a non-negative number, got {hardness_strength!r}."
+        )
     if not hardness_strength >= 0.0:
         raise ValueError("hardness_strength must be non-negative.")
-    if hardness_mode is not None:
+    if hardness_mode is not None and hardness_strength == 0.0:
+        logger.warning(
+            f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
+            "effect. Set hardness_strength to a positive value to enable hardness weighting."
+        )
+
+
+def is_classic(
+    directions: Sequence[str], partition_mode: str, hardness_mode: str | None, hardness_strength: float
+) -> bool:
+    """Whether the options make the one-directional or the symmetric loss without hardness (the
+    specialised core paths, which also mask duplicates); anything else runs the general loss."""
+    no_hardness = hardness_mode is None or hardness_strength == 0.0
+    one = tuple(directions) == ONE_DIRECTION
+    two = (
+        set(directions) == set(TWO_DIRECTIONS) and len(directions) == 2 and partition_mode == "per_direction"
+    )
+    return no_hardness and (one or two)
+
+
+def check_duplicates_masking(mask_duplicates: bool, classic: bool, owner: str) -> None:
+    if mask_duplicates and not classic:
         raise ValueError(
-            f"hardness_mode={hardness_mode!r} is not supported yet by {owner}: only hardness_mode=None (no hardness "
-            "weighting) is; leave it None, or use sentence_transformers' CachedMultipleNegativesRankingLoss."
+            f"{owner}: mask_duplicates=True works with directions=('query_to_doc',) and with the symmetric "
+            "('query_to_doc', 'doc_to_query') per_direction loss, without hardness; set mask_duplicates=False (use "
+            "the NO_DUPLICATES batch sampler instead) or those options."
         )
