@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _EXPORTS = {
     "CachedCLIPLoss": "st_cached_losses.losses",
+    "CachedGISTLoss": "st_cached_losses.losses",
     "CachedMNRLoss": "st_cached_losses.losses",
     "CachedTiledLoss": "st_cached_losses.losses",
     "LossStateCallback": "st_cached_losses.callbacks",
@@ -24,6 +25,7 @@ _EXPORTS = {
 
 __all__ = [
     "CachedCLIPLoss",
+    "CachedGISTLoss",
     "CachedLossArgumentParser",
     "CachedLossTrainingArguments",
     "CachedMNRLoss",
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from st_cached_losses import functional
     from st_cached_losses.callbacks import LossStateCallback
     from st_cached_losses.cli import CachedLossArgumentParser
-    from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
+    from st_cached_losses.losses import CachedCLIPLoss, CachedGISTLoss, CachedMNRLoss, CachedTiledLoss
     from st_cached_losses.training_args import CachedLossTrainingArguments, build_loss
 
 

@@ -36,6 +36,7 @@ from torch import Tensor
 from st_cached_losses.functional._kernels import LogSumExp, Operand, exp_flushed_, online_lse_update, spans
 
 __all__ = [
+    "TIE_TOLERANCE",
     "Bound",
     "Term",
     "TermSet",
@@ -130,12 +131,20 @@ def gist_terms(
     return TermSet(tuple(terms), (1.0,), margin_strategy, float(margin))
 
 
+#: Guide similarities within this of a row's threshold count as equal to it (so not above it): the
+#: threshold and the tiles are summed in different orders, and a duplicate of the positive, which ties
+#: the threshold exactly in GISTEmbedLoss (and stays), must not be removed by a rounding difference.
+TIE_TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
+
+
 def guide_thresholds(guide_q: Operand, guide_d: Operand, strategy: str, margin: float, tile: int) -> Tensor:
-    """Per row: entries the guide rates above this are removed (GISTEmbedLoss's rule)."""
+    """Per row: entries the guide rates above this are removed (GISTEmbedLoss's rule, ``>``, with ties
+    within :data:`TIE_TOLERANCE` counted as equal)."""
     g = torch.empty(guide_q.n, dtype=guide_q.dtype, device=guide_q.x.device)
     for r0, r1 in spans(guide_q.n, tile):
         g[r0:r1] = (guide_q.tile(r0, r1) * guide_d.tile(r0, r1)).sum(1)
-    return g - margin if strategy == "absolute" else g - g.abs() * margin
+    thr = g - margin if strategy == "absolute" else g - g.abs() * margin
+    return thr + TIE_TOLERANCE[guide_q.dtype]
 
 
 @dataclass

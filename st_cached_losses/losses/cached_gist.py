@@ -1,0 +1,250 @@
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any, cast
+
+import torch
+from sentence_transformers.util import cos_sim
+from torch import Tensor, nn
+
+from st_cached_losses.features import batch_size_of
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
+from st_cached_losses.functional.directions import Guide
+from st_cached_losses.functional.terms import gist_terms
+from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
+from st_cached_losses.losses.options import ONE_DIRECTION, check_bool, check_columns
+
+MARGIN_STRATEGIES = ("absolute", "relative")
+
+
+class CachedGISTLoss(CachedInfoNCEBase):
+    _citations = (GRADCACHE_CITATION, GIST_CITATION)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        guide: nn.Module,
+        temperature: float = 0.01,
+        margin_strategy: str = "absolute",
+        margin: float = 0.0,
+        contrast_anchors: bool = True,
+        contrast_positives: bool = True,
+        mini_batch_size: int = 32,
+        mini_batch_num_tokens: int | None = None,
+        gather_across_devices: bool = False,
+        show_progress_bar: bool = False,
+        *,
+        path: LossPath = "auto",
+        tile_size: int | None = None,
+        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        sort_by_length: bool = True,
+        reuse_last_graph: bool = True,
+    ) -> None:
+        """
+        GISTEmbed's guided in-batch negatives with GradCache: a frozen guide model removes the in-batch
+        negatives it rates above the positive (likely false negatives), exactly as sentence-transformers'
+        ``GISTEmbedLoss``, for batches of thousands in the memory of one encoder mini-batch.
+
+        The guide embeds each column once per step, mini-batch by mini-batch and without a graph (re-tokenising
+        the texts when its tokenizer differs from the model's); it is never replayed nor trained. Its mask is
+        computed tile by tile next to the logits, never as a ``B x C`` matrix; across processes the guide's
+        embeddings of the candidates are gathered (or travel around the ring) with the model's.
+
+        Args:
+            model: the SentenceTransformer to train.
+            guide: a SentenceTransformer rating the pairs (any embedding size; cosine similarity).
+            temperature: divides the cosine similarities (``scale = 1 / temperature``).
+            margin_strategy: ``"absolute"``: remove a negative whose guide similarity exceeds the positive's
+                minus ``margin``; ``"relative"``: exceeds the positive's minus ``|positive's| * margin``.
+            margin: the margin of that rule (0: remove only negatives rated above the positive).
+            contrast_anchors: also contrast each anchor with this process's other anchors.
+            contrast_positives: also contrast each positive with every other positive.
+            mini_batch_size: rows per encoder forward (the model's and the guide's).
+            mini_batch_num_tokens: a budget of real (non-padding) tokens per mini-batch instead of
+                ``mini_batch_size``, as sentence-transformers.
+            gather_across_devices: score each process's anchors against every process's positives and
+                negatives (the guide's embeddings of them are gathered too).
+            show_progress_bar: tqdm bars over the mini-batches.
+            path / tile_size / memory_budget: the loss-stage algorithm (``"auto"``, ``"chunked"`` or
+                ``"tiled"``; tiled across processes is the ring exchange) and its block sizes.
+            sort_by_length / reuse_last_graph: engine options, never changing the result.
+
+        References:
+            - Solatorio, GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding
+              Fine-tuning, 2024: https://huggingface.co/papers/2402.16829
+            - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
+              https://huggingface.co/papers/2101.06983
+
+        Relations:
+            - Equals ``sentence_transformers.losses.GISTEmbedLoss`` (and ``CachedGISTEmbedLoss``) with the same
+              arguments, on one process and with ``gather_across_devices``.
+
+        Inputs:
+            (anchor, positive) pairs or (anchor, positive, negative, ...) columns; no labels.
+        """
+        super().__init__(
+            model,
+            _inverse_temperature(temperature),
+            cos_sim,
+            mini_batch_size,
+            mini_batch_num_tokens,
+            gather_across_devices,
+            ONE_DIRECTION,
+            "joint",
+            show_progress_bar,
+            path=path,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+        )
+        self._check_guide(model, guide, gather_across_devices)
+        self.guide = guide
+        self.margin_strategy = margin_strategy
+        self.margin = margin
+        self.contrast_anchors = contrast_anchors
+        self.contrast_positives = contrast_positives
+        self.must_retokenize = _must_retokenize(model, guide)
+        self._guide_embeddings: list[Tensor] | None = None
+
+    @staticmethod
+    def _check_guide(model: nn.Module, guide: nn.Module, gather: bool) -> None:
+        if guide is model:
+            raise ValueError(
+                "guide is the model being trained: GIST needs a separate, fixed guide; pass another "
+                "SentenceTransformer (e.g. a copy of the model taken before training)."
+            )
+        if not hasattr(model, "tokenizer") or not hasattr(guide, "tokenizer"):
+            raise ValueError("Both the training model and the guiding model must have a tokenizer attribute.")
+        size = getattr(guide, "get_embedding_dimension", None) or getattr(
+            guide, "get_sentence_embedding_dimension", None
+        )
+        dim = size() if size is not None else None
+        if gather and not isinstance(dim, int):
+            raise ValueError(
+                "guide: with gather_across_devices=True every process's guide embeddings are gathered into one "
+                "matrix, so the guide must declare its embedding size (get_embedding_dimension() returned "
+                f"{dim!r}); end the guide with a Pooling (or Dense) module, or set gather_across_devices=False."
+            )
+
+    # ------------------------------------------------------------------ hyperparameters
+
+    @property
+    def margin_strategy(self) -> str:
+        return self._margin_strategy
+
+    @margin_strategy.setter
+    def margin_strategy(self, value: str) -> None:
+        if value not in MARGIN_STRATEGIES:
+            raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {value!r}.")
+        self._margin_strategy = value
+
+    @property
+    def margin(self) -> float:
+        return self._margin
+
+    @margin.setter
+    def margin(self, value: float) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"margin must be a finite number, got {value!r}.")
+        self._margin = float(value)
+
+    @property
+    def contrast_anchors(self) -> bool:
+        return self._contrast_anchors
+
+    @contrast_anchors.setter
+    def contrast_anchors(self, value: bool) -> None:
+        self._contrast_anchors = check_bool("contrast_anchors", value)
+
+    @property
+    def contrast_positives(self) -> bool:
+        return self._contrast_positives
+
+    @contrast_positives.setter
+    def contrast_positives(self, value: bool) -> None:
+        self._contrast_positives = check_bool("contrast_positives", value)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values."""
+        return {
+            "guide": self.guide,
+            "temperature": self.temperature,
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "margin_strategy": self.margin_strategy,
+            "margin": self.margin,
+            "contrast_anchors": self.contrast_anchors,
+            "contrast_positives": self.contrast_positives,
+            "gather_across_devices": self.gather_across_devices,
+        }
+
+    @property
+    def citation(self) -> str:
+        return "".join(self._citations)
+
+    # ------------------------------------------------------------------ forward
+
+    def _core_kwargs(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
+        g = self._guide_embeddings
+        if g is None or len(g) != n_columns + 1:
+            raise ValueError(
+                "CachedGISTLoss needs the guide's embeddings of the same batch: call the loss on the features "
+                "(loss(features, labels)), which embeds them with the guide, rather than calculate_loss directly."
+            )
+        terms = gist_terms(
+            self.contrast_anchors, self.contrast_positives, n_columns, self.margin_strategy, self.margin
+        )
+        return {
+            "terms": terms,
+            "guide": Guide(g[0], g[1:]),
+            "similarity": "cosine",
+            "path": self.path,
+            "tile_size": self.tile_size,
+            "memory_budget": self.memory_budget,
+        }
+
+    def _guide_features(self, features: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The columns as the guide reads them: re-tokenised from the text when its tokenizer differs."""
+        device = next(self.guide.parameters()).device
+        if not self.must_retokenize:
+            return [{k: v.to(device) if isinstance(v, Tensor) else v for k, v in f.items()} for f in features]
+        out = []
+        for f in features:
+            texts = cast(Any, self.model).tokenizer.batch_decode(f["input_ids"], skip_special_tokens=True)
+            guided = cast(Any, self.guide).preprocess(texts)
+            out.append({k: v.to(device) if isinstance(v, Tensor) else v for k, v in guided.items()})
+        return out
+
+    def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
+        features = list(sentence_features)
+        check_columns(features, type(self).__name__)
+        guide_features = self._guide_features(features)
+        with torch.no_grad():
+            guided = self.cache.embed(self.guide, guide_features)
+        device = next(self.model.parameters()).device  # where the model's embeddings are
+        self._guide_embeddings = [g.to(device) for g in guided]
+        assert all(g.shape[0] == batch_size_of(features[0]) for g in guided)
+        try:
+            return super().forward(features, labels)
+        finally:
+            self._guide_embeddings = None
+
+
+def _inverse_temperature(temperature: float) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}.")
+    if not math.isfinite(1.0 / temperature):
+        raise ValueError(f"temperature={temperature!r} is too small: 1 / temperature must be finite.")
+    return 1.0 / temperature
+
+
+def _must_retokenize(model: nn.Module, guide: nn.Module) -> bool:
+    """sentence-transformers' rule: another vocabulary, or a guide that reads fewer tokens."""
+    try:
+        same_vocab = cast(Any, model).tokenizer.get_vocab() == cast(Any, guide).tokenizer.get_vocab()
+    except AttributeError:
+        return True
+    return not same_vocab or getattr(guide, "max_seq_length", 0) < getattr(model, "max_seq_length", 0)

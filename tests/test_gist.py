@@ -1,0 +1,183 @@
+"""CachedGISTLoss against sentence-transformers' GISTEmbedLoss (the oracle): loss and parameter gradients
+of the trained model on a tiny BERT, with a guide of the same or of another tokenizer, both margin
+strategies, contrast flags off, hard negatives, duplicate positives, mini-batches that do not divide the
+batch; across 2 gloo processes (equal batches: against their gathered loss; unequal: ring equal to
+gather); and the checks at construction."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from sentence_transformers.sentence_transformer.losses import GISTEmbedLoss
+
+from st_cached_losses import CachedGISTLoss
+from tests.dist_utils import run_distributed
+from tests.test_losses import assert_grads_close, param_grads
+from tests.tiny_model import WORDS, make_tiny_model, random_texts
+
+B = 9
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    base = tmp_path_factory.mktemp("gist")
+    model = make_tiny_model(base / "model", dropout=0.0, seed=0)
+    guide = make_tiny_model(base / "guide", dropout=0.0, seed=5, hidden=24)
+    # another vocabulary (other ids for the same words): the guide must re-tokenise the texts
+    other = make_tiny_model(base / "other", dropout=0.0, seed=6, words=list(reversed(WORDS)))
+    return model, guide, other
+
+
+def texts(n_cols: int, seed: int = 0, duplicate: bool = True) -> list[list[str]]:
+    cols = [random_texts(B, seed=seed + 17 * k, max_words=8) for k in range(n_cols)]
+    if duplicate:
+        cols[1][5] = cols[1][2]  # the same positive in two rows
+        cols[0][7] = cols[1][3]  # an anchor equal to another row's positive
+    return cols
+
+
+# the tiny random guide rates every pair 0.77 ... 1.0: a margin of 0.03 removes some negatives, not all
+CASES = list(itertools.product(["absolute", "relative"], [0.0, 0.03], [True, False], [True, False]))
+
+
+@pytest.mark.parametrize(("strategy", "margin", "anchors", "positives"), CASES)
+def test_equals_gist_embed_loss(models, strategy, margin, anchors, positives):
+    model, guide, _ = models
+    options = {
+        "temperature": 0.05,
+        "margin_strategy": strategy,
+        "margin": margin,
+        "contrast_anchors": anchors,
+        "contrast_positives": positives,
+    }
+    for n_cols in (2, 3):
+        feats = [model.preprocess(t) for t in texts(n_cols, seed=n_cols)]
+        ref_loss, ref = param_grads(model, lambda f: GISTEmbedLoss(model, guide, **options)(f, None), feats)
+        ours_fn = CachedGISTLoss(model, guide, **options, mini_batch_size=4)
+        loss, ours = param_grads(model, lambda f, fn=ours_fn: fn(f, None), feats)
+        assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+        assert float(loss) > 0.1, "vacuous: the guide removed every negative"
+        assert_grads_close(ours, ref)
+
+
+@pytest.mark.parametrize("path", ["chunked", "tiled"])
+def test_guide_with_another_tokenizer_and_token_budget(models, path):
+    model, _, other = models
+    ours_fn = CachedGISTLoss(model, other, 0.05, mini_batch_num_tokens=20, path=path, tile_size=4)
+    assert ours_fn.must_retokenize
+    ref_fn = GISTEmbedLoss(model, other, 0.05)
+    assert ref_fn.must_retokenize
+    feats = [model.preprocess(t) for t in texts(2, seed=9)]
+    ref_loss, ref = param_grads(model, lambda f: ref_fn(f, None), feats)
+    loss, ours = param_grads(model, lambda f: ours_fn(f, None), feats)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    assert_grads_close(ours, ref)
+
+
+def test_guide_is_never_trained_and_config_is_theirs(models):
+    model, guide, _ = models
+    loss = CachedGISTLoss(model, guide, mini_batch_size=4)
+    before = [p.detach().clone() for p in guide.parameters()]
+    guide.zero_grad(set_to_none=True)
+    loss([model.preprocess(t) for t in texts(2)], None).backward()
+    assert all(p.grad is None for p in guide.parameters())
+    assert all(torch.equal(a, p) for a, p in zip(before, guide.parameters()))
+    config = loss.get_config_dict()
+    ref = GISTEmbedLoss(model, guide).get_config_dict()
+    assert {k: v for k, v in config.items() if k in ref} == ref
+    assert "solatorio2024gistembed" in loss.citation
+    loss.temperature = 0.1
+    assert loss.scale == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"margin_strategy": "percent"}, "margin_strategy"),
+        ({"margin": float("nan")}, "margin"),
+        ({"temperature": 0.0}, "temperature"),
+        ({"contrast_anchors": "yes"}, "contrast_anchors"),
+        ({"mini_batch_size": 0}, "mini_batch_size"),
+    ],
+)
+def test_bad_arguments_raise_at_construction(models, kwargs, match):
+    model, guide, _ = models
+    with pytest.raises(ValueError, match=match):
+        CachedGISTLoss(model, guide, **kwargs)
+
+
+def test_guide_must_be_another_model_with_a_known_size_under_gather(models):
+    model = models[0]
+    with pytest.raises(ValueError, match="guide is the model being trained"):
+        CachedGISTLoss(model, model)
+
+    class NoSize(torch.nn.Module):
+        tokenizer = model.tokenizer
+
+        def get_embedding_dimension(self):
+            return None
+
+    with pytest.raises(ValueError, match="guide: with gather_across_devices=True"):
+        CachedGISTLoss(model, NoSize(), gather_across_devices=True)
+
+
+def test_calculate_loss_without_guide_embeddings_says_how(models):
+    model, guide, _ = models
+    loss = CachedGISTLoss(model, guide)
+    with pytest.raises(ValueError, match="guide's embeddings"):
+        loss.calculate_loss([[torch.randn(3, 32)], [torch.randn(3, 32)]])
+
+
+# --------------------------------------------------------------------------- two processes
+
+
+def _gist_worker(rank: int, world: int, paths: list[str], sizes: list[int], kind: str):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(paths[0], device="cpu")
+    guide = SentenceTransformer(paths[1], device="cpu")
+    start = sum(sizes[:rank])
+    cols = [c[start : start + sizes[rank]] for c in texts(3, seed=21)]
+    feats = [model.preprocess(t) for t in cols]
+    if kind == "theirs":
+        loss_fn = GISTEmbedLoss(model, guide, 0.05, margin=0.1, gather_across_devices=True)
+    else:
+        loss_fn = CachedGISTLoss(
+            model, guide, 0.05, margin=0.1, mini_batch_size=2, gather_across_devices=True,
+            path="tiled" if kind == "ring" else "auto", tile_size=3,
+        )  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(feats, None)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return {"loss": float(loss), "grads": grads}
+
+
+@pytest.fixture(scope="module")
+def saved(models, tmp_path_factory):
+    base = tmp_path_factory.mktemp("gist_saved")
+    paths = [str(base / "model"), str(base / "guide")]
+    models[0].save(paths[0])
+    models[1].save(paths[1])
+    return paths
+
+
+def _mean(per_rank, key):
+    return sum(r[key] for r in per_rank) / len(per_rank)
+
+
+def test_two_processes_equal_their_gathered_loss(saved):
+    """Equal batches (their gathered loss assumes them): the mean over processes of loss and gradients."""
+    theirs = run_distributed(_gist_worker, 2, saved, [4, 4], "theirs", timeout=180)
+    ours = run_distributed(_gist_worker, 2, saved, [4, 4], "gather", timeout=180)
+    assert _mean(ours, "loss") == pytest.approx(_mean(theirs, "loss"), rel=1e-5)
+    assert_grads_close(_mean(ours, "grads"), _mean(theirs, "grads"))
+
+
+def test_unequal_batches_ring_equals_gather(saved):
+    gather = run_distributed(_gist_worker, 2, saved, [6, 2], "gather", timeout=180)
+    ring = run_distributed(_gist_worker, 2, saved, [6, 2], "ring", timeout=180)
+    assert _mean(ring, "loss") == pytest.approx(_mean(gather, "loss"), rel=1e-6)
+    assert_grads_close(_mean(ring, "grads"), _mean(gather, "grads"), rtol=1e-6)
