@@ -55,7 +55,9 @@ class Guide:
 
 class _Sources:
     """Operands and fp32 gradient buffers of one call: the rows ``q`` (anchors) and ``d`` (this
-    process's positives), and the column sources ``c<k>``, ``q_all`` and ``q_local``."""
+    process's positives), and the column sources ``c<k>``, ``q_all`` and ``q_local``; ``used`` names the
+    sources the terms read (the others are neither normalised nor given a buffer; ``q`` and the
+    candidate columns always are)."""
 
     def __init__(
         self,
@@ -68,24 +70,45 @@ class _Sources:
         row_offset: int,
         prenorm: bool,
         with_grad: bool,
+        used: set[str] | None = None,
     ) -> None:
         b = anchors.shape[0]
+        need = {"q", "d", "q_local", "q_all"} if used is None else used
         self.b, self.row_offset = b, row_offset
         self.q = Operand(anchors, cosine, scale, prenorm)
-        self.d = Operand(cols[0][row_offset : row_offset + b], cosine, scale, prenorm)
-        self.cols = {f"c{k}": Operand(c, cosine, 1.0, prenorm) for k, c in enumerate(cols)}
-        self.cols["q_local"] = Operand(anchors, cosine, 1.0, prenorm)
-        self.cols["q_all"] = (
-            Operand(anchors_all, cosine, 1.0, prenorm) if anchors_all is not None else self.cols["q_local"]
+        self.d = (
+            Operand(cols[0][row_offset : row_offset + b], cosine, scale, prenorm) if "d" in need else None
         )
+        self.cols = {f"c{k}": Operand(c, cosine, 1.0, prenorm) for k, c in enumerate(cols)}
+        if "q_local" in need or ("q_all" in need and anchors_all is None):
+            self.cols["q_local"] = Operand(anchors, cosine, 1.0, prenorm)
+        if "q_all" in need:
+            self.cols["q_all"] = (
+                Operand(anchors_all, cosine, 1.0, prenorm)
+                if anchors_all is not None
+                else self.cols["q_local"]
+            )
         self.grads: dict[str, Tensor] = {}
         if with_grad:
             dt, dev, dim = self.q.dtype, anchors.device, anchors.shape[1]
-            for name in ("q", "d", "q_local", *self.cols):
+            for name in ("q", "d", *self.cols):
+                if name == "d" and self.d is None:
+                    continue
                 n = b if name in ("q", "d", "q_local") else self.cols[name].n
-                if name == "q_all" and anchors_all is None:
-                    n = b
                 self.grads[name] = torch.zeros(n, dim, dtype=dt, device=dev)
+            if anchors_all is None and "q_all" in self.cols:
+                self.grads["q_all"] = self.grads["q_local"]  # one process: the same rows, one buffer
+
+
+def _thresholds(gsrc: _Sources | None, terms: TermSet, tile: int) -> Tensor | None:
+    if gsrc is None:
+        return None
+    assert gsrc.d is not None  # guide sources have every row source
+    return guide_thresholds(gsrc.q, gsrc.d, terms.margin_strategy or "absolute", terms.margin, tile)
+
+
+def _used(terms: TermSet) -> set[str]:
+    return {t.rows for t in terms.terms} | {t.cols for t in terms.terms}
 
 
 def _bind(
@@ -94,10 +117,12 @@ def _bind(
     out = []
     for t in terms.terms:
         diag = 0 if t.cols == "q_local" else diag_offset
+        rows = src.q if t.rows == "q" else src.d
+        assert rows is not None  # built for every row source a term reads
         out.append(
             Bound(
                 t,
-                src.q if t.rows == "q" else src.d,
+                rows,
                 src.cols[t.cols],
                 diag,
                 src.grads.get(t.rows),
@@ -149,13 +174,13 @@ def _finish(
     """Map the buffers onto the caller's tensors: ``d`` is a slice of column 0, ``q_local`` (and on one
     process ``q_all``) the anchors; rows carry the scale, columns do not."""
     g = src.grads
-    g["q"].mul_(s).add_(g["q_local"])
-    g["d"].mul_(s)
-    g["c0"][src.row_offset : src.row_offset + src.b].add_(g["d"])
+    g["q"].mul_(s)
+    if "q_local" in g:  # on one process also q_all's (the same buffer)
+        g["q"].add_(g["q_local"])
+    if "d" in g:
+        g["c0"][src.row_offset : src.row_offset + src.b].add_(g["d"].mul_(s))
     g_all = None
-    if anchors_all is None:
-        g["q"].add_(g["q_all"])
-    else:
+    if anchors_all is not None and "q_all" in g:
         g_all = raw_grad(src.cols["q_all"], g["q_all"].mul_(factor), anchors_all.dtype, tile)
     g_a = raw_grad(src.q, g["q"].mul_(factor), anchors.dtype, tile)
     g_c = [raw_grad(src.cols[f"c{k}"], g[f"c{k}"].mul_(factor), c.dtype, tile) for k, c in enumerate(cols)]
@@ -207,14 +232,11 @@ def terms_solve(
         row_offset=row_offset,
         prenorm=prenorm,
         with_grad=with_grad,
+        used=_used(terms),
     )
     gsrc = _guide_sources(guide, row_offset, prenorm)
     tile = plan.row_tile
-    thr = (
-        guide_thresholds(gsrc.q, gsrc.d, terms.margin_strategy or "absolute", terms.margin, tile)
-        if gsrc
-        else None
-    )
+    thr = _thresholds(gsrc, terms, tile)
     bound = _bind(terms, src, row_offset, gsrc, thr)
     if plan.path == "chunked":
         total, gs = fused_chunk(
@@ -277,16 +299,20 @@ def ring_terms_solve(
     k = len(cols)
     tile = tile_side(tile_size, memory_budget, buffers=3 + terms.guided)
     src = _Sources(
-        anchors, cols, None, scale=s, cosine=cosine, row_offset=0, prenorm=False, with_grad=with_grad
+        anchors,
+        cols,
+        None,
+        scale=s,
+        cosine=cosine,
+        row_offset=0,
+        prenorm=False,
+        with_grad=with_grad,
+        used=_used(terms),
     )
     gsrc = _guide_sources(
         Guide(guide.anchors, guide.candidates) if guide is not None else None, 0, prenorm=False
     )
-    thr = (
-        guide_thresholds(gsrc.q, gsrc.d, terms.margin_strategy or "absolute", terms.margin, tile)
-        if gsrc
-        else None
-    )
+    thr = _thresholds(gsrc, terms, tile)
     names = [f"c{j}" for j in range(k)] + (["q_all"] if terms.uses_anchors_all else [])
     own = [torch.stack([*cols, anchors][: len(names)], dim=1).contiguous()]  # (b, K', d)
     if guide is not None:

@@ -269,26 +269,30 @@ def fused_chunk(
 ) -> tuple[Tensor, Tensor]:
     """Loss (fp64, summed over rows, without the positive logits) and the gradients into the bound
     buffers in one pass over row chunks: each chunk holds its logits of every term against every
-    column, so each softmax is exact there and then and nothing is recomputed. Returns the loss and
-    ``sum(G * s * sim)``."""
+    column, so each softmax is exact there and then and nothing is recomputed (three GEMMs per logit
+    block, the exponentials computed once, in place). Returns the loss and ``sum(G * s * sim)``."""
     dev = bound[0].rows.x.device
     loss = torch.zeros((), dtype=torch.float64, device=dev)
     gs = torch.zeros((), dtype=torch.float64, device=dev)
     for r0, r1 in spans(n_rows, chunk):
         qs = [b.rows.tile(r0, r1) for b in bound]
         tiles = [_logits(b, q, r0, r1, 0, b.cols.n, scale, need_scale_grad) for b, q in zip(bound, qs)]
-        lse: dict[int, LogSumExp] = {}
+        inv_z: dict[int, Tensor] = {}
         for grp, w in enumerate(weights):
             blocks = [t[0] for b, t in zip(bound, tiles) if b.term.group == grp]
             m = torch.stack([x.amax(1) for x in blocks]).amax(0)
-            m = m.masked_fill(m == -torch.inf, 0.0)
-            z = sum(exp_flushed_(x - m[:, None]).sum(1) for x in blocks)
-            lse[grp] = LogSumExp(m, z.log())  # type: ignore[union-attr]
-            loss += w * lse[grp].total().sum()
+            m.masked_fill_(m == -torch.inf, 0.0)
+            z = torch.zeros_like(m)
+            for x in blocks:  # in place: the block becomes exp(logits - m)
+                z += exp_flushed_(x.sub_(m[:, None])).sum(1)
+            loss += w * (m.double() + z.double().log()).sum()
+            inv_z[grp] = z.reciprocal_().mul_(w)
         if not need_grads:
             continue
-        for b, q, (block, raw, ij) in zip(bound, qs, tiles):
-            g = _logit_grad(b, block, lse[b.term.group], weights[b.term.group], ij)
+        for b, q, (e, raw, ij) in zip(bound, qs, tiles):
+            g = e.mul_(inv_z[b.term.group][:, None])  # w_g * P_g
+            if b.term.diag == "positive" and ij is not None:
+                g[ij] -= 1.0
             if raw is not None:
                 gs += torch.vdot(g.reshape(-1), raw.reshape(-1)).double()
             _apply(b, g, q, 0, b.cols.n, r0, r1)
