@@ -19,6 +19,7 @@ __all__ = [
     "position_shift_invariant",
     "row_lengths",
     "slice_features",
+    "token_counts",
     "unwrap_model",
 ]
 
@@ -100,6 +101,15 @@ def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) 
         return end
     start = torch.where(used, pos, used.shape[1]).amin(1)
     return (end - start).clamp(min=0)
+
+
+def token_counts(features: Features, batch_size: int) -> Tensor | None:
+    """Per row, its real (non-padding) tokens, read from the attention mask: ``(B,)``; None without a
+    ``(B, T)`` mask. What sentence-transformers' ``mini_batch_num_tokens`` budgets (not the padded length)."""
+    mask = features.get("attention_mask")
+    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
+        return None
+    return mask.ne(0).sum(1).cpu()
 
 
 #: names under which transformers models keep a learned table of absolute positions

@@ -10,7 +10,9 @@ What it does beyond GradCache (Gao et al., 2021):
   mini-batch's padding is trimmed (leading padding only where positions are shift-invariant); the loss
   does not care in which order rows are embedded,
   so on text of varied length this removes most of the padding a plain batch carries;
-* mini-batches by row count or by a token budget (rows x padded length);
+* mini-batches by row count or, as sentence-transformers' ``mini_batch_num_tokens``, by a budget of
+  real (non-padding) tokens, packed greedily (a row longer than the budget alone); sorted rows pack
+  into fewer, less padded mini-batches than the batch's own order;
 * the RNG state (CPU and every initialised accelerator) is snapshotted per mini-batch and restored at
   replay, so dropout masks are identical in both forwards; autocast settings are replayed too;
 * the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
@@ -23,7 +25,9 @@ What it does beyond GradCache (Gao et al., 2021):
   every process runs the same number of mini-batch forwards and replays in the same order, whatever
   its batch size or token budget: the processes agree once per step on the mini-batches per column
   (one small all-gather), rows are spread over that many, and a process with too few rows embeds one
-  of them again in a mini-batch whose output is not used and whose gradient is exactly zero.
+  of them again in a mini-batch whose output is not used and whose gradient is exactly zero. An input
+  this process refuses (a loss's column check, a column the plan cannot cut) is raised at that same
+  all-gather on every process, naming the process and the cause, not left to a peer's hang.
 """
 
 from __future__ import annotations
@@ -31,13 +35,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from st_cached_losses.distributed import agree_counts, is_distributed
+from st_cached_losses.distributed import (
+    STATS,
+    agree_counts,
+    all_gather_rows,
+    exchange_shapes,
+    is_distributed,
+    world_size,
+)
 from st_cached_losses.features import (
     Features,
     batch_size_of,
@@ -45,6 +56,7 @@ from st_cached_losses.features import (
     position_shift_invariant,
     row_lengths,
     slice_features,
+    token_counts,
     unwrap_model,
 )
 from st_cached_losses.functional import check_positive_int
@@ -204,8 +216,11 @@ class GradCache:
     """Mini-batch planning, the cached first stage and the replayed second stage.
 
     Args:
-        mini_batch_size: rows per encoder mini-batch (an upper bound when ``mini_batch_num_tokens`` is set).
-        mini_batch_num_tokens: token budget per mini-batch (rows x padded length), or None.
+        mini_batch_size: rows per encoder mini-batch; unused when ``mini_batch_num_tokens`` is set.
+        mini_batch_num_tokens: budget of real (non-padding, from the attention mask) tokens per
+            mini-batch, as sentence-transformers' ``mini_batch_num_tokens``: rows are packed greedily while
+            their token sum stays within it, a row longer than the budget is a mini-batch of its own, and
+            ``mini_batch_size`` is not used. None: ``mini_batch_size`` rows per mini-batch.
         sort_by_length: embed each column's rows from longest to shortest, so mini-batches pad little.
         reuse_last_graph: keep the graph of the last first-stage mini-batch instead of replaying it.
         show_progress_bar: tqdm bars over the mini-batches of both stages.
@@ -242,12 +257,17 @@ class GradCache:
     ) -> list[MiniBatch]:
         """Cut one column into mini-batches (longest rows first when sorting).
 
+        With ``mini_batch_num_tokens`` the rows, in that order, are packed greedily by their real tokens
+        (sentence-transformers' rule; sorted, neighbours have similar lengths, so little padding).
+
         ``count`` (at least the number this process would cut on its own, see :meth:`agreed_counts`)
         makes it exactly that many: the largest mini-batches are halved while rows allow (a token
         budget only gets easier), then filler mini-batches (one row, the shortest, embedded again;
         its output unused and its gradient zero) come first, so that the column's last forward, the
         one that keeps its graph, is a real one.
         """
+        # an error raised here (e.g. no attention mask to count tokens by) is raised on every process by
+        # agreed_counts under a sharded wrapper
         check_splittable(features)
         b = batch_size_of(features)
         lengths = row_lengths(features, b, trim_leading)
@@ -255,24 +275,10 @@ class GradCache:
             order = torch.argsort(lengths, descending=True, stable=True)
         else:
             order = torch.arange(b)
-        spans: list[tuple[int, int]] = []
-        i = 0
-        while i < b:
-            size = self.mini_batch_size
-            if self.mini_batch_num_tokens is not None and lengths is not None:
-                longest = max(int(lengths[order[i]]), 1)
-                if not self.sort_by_length:
-                    # the padded length is the longest row in the span: grow while the budget holds
-                    size = 1
-                    while i + size < b and size < self.mini_batch_size:
-                        nxt = max(longest, int(lengths[order[i + size]]))
-                        if (size + 1) * nxt > self.mini_batch_num_tokens:
-                            break
-                        size, longest = size + 1, nxt
-                else:
-                    size = min(self.mini_batch_size, max(1, self.mini_batch_num_tokens // longest))
-            spans.append((i, min(i + size, b)))
-            i += size
+        if self.mini_batch_num_tokens is None:
+            spans = [(i, min(i + self.mini_batch_size, b)) for i in range(0, b, self.mini_batch_size)]
+        else:
+            spans = _pack(self._token_counts(features, b)[order].tolist(), self.mini_batch_num_tokens)
         fillers: list[MiniBatch] = []
         if count is not None and count > len(spans):
             spans = _spread(spans, count)
@@ -284,25 +290,66 @@ class GradCache:
         return fillers + [MiniBatch(column, order[s:e], features, b, trim_leading) for s, e in spans]
 
     def agreed_counts(
-        self, model: nn.Module, columns: Sequence[Features], trim_leading: bool
+        self, model: nn.Module, columns: Sequence[Features], trim_leading: bool, error: str | None = None
     ) -> list[int] | None:
         """Mini-batches per column, the largest over processes, when ``model``'s forwards are collectives
         (FSDP1, FSDP2, DeepSpeed; DDP too with ``agree_mini_batches=True``) in a process group of more
-        than one: one small all-gather. None when every process may plan on its own. A column this process cannot
-        cut (e.g. inputs without a batch dimension) raises here on every process, not in a collective
-        the others would wait in forever."""
-        wanted = is_sharded(model) if self.agree_mini_batches is None else self.agree_mini_batches
-        if not (wanted and is_distributed() and is_wrapped(model)):
+        than one: one small all-gather. None when every process may plan on its own.
+
+        ``error`` (what a caller found wrong with this process's inputs, see
+        :meth:`raise_on_every_process`) or a column this process cannot cut (e.g. inputs without a batch
+        dimension) is raised here on every process, not in a collective the others would wait in
+        forever: this process raises a ``ValueError`` with the cause, every other one a ``RuntimeError``
+        naming this process and the cause."""
+        if not self.agrees(model):
+            if error is not None:
+                raise ValueError(error)
             return None
         counts: list[int] = []
-        error = None
-        try:
-            counts = [len(self.plan(k, f, trim_leading=trim_leading)) for k, f in enumerate(columns)]
-        except ValueError as exc:
-            error = str(exc)
+        if error is None:
+            try:
+                counts = [len(self.plan(k, f, trim_leading=trim_leading)) for k, f in enumerate(columns)]
+            except ValueError as exc:
+                error = str(exc)
         first_param = next(unwrap_model(model).parameters(), None)
         device = first_param.device if first_param is not None else torch.device("cpu")
-        return agree_counts(counts, device, error)
+        barriers = STATS.calls.get("barrier", 0)
+        try:
+            return agree_counts(counts, device, error)
+        except (ValueError, RuntimeError) as exc:
+            # agree_counts meets once more (a barrier) only when the table shows a failed process: then
+            # every process is here, and one more exchange tells each the others' causes
+            if STATS.calls.get("barrier", 0) == barriers:
+                raise
+            try:
+                causes = _exchange_errors(error, device)
+            except RuntimeError:  # a failed process that left already: its cause stays with it
+                causes = {}
+            if error is not None or not causes:
+                raise
+            who = ", ".join(str(r) for r in causes)
+            raise RuntimeError(
+                f"{'rank' if len(causes) == 1 else 'ranks'} {who} of {world_size()} "
+                "failed at the start of this step, before its encoder forwards; every rank stops here "
+                "instead of waiting for them in a collective. "
+                + " ".join(f"Rank {r}: {msg}" for r, msg in causes.items())
+            ) from exc
+
+    def agrees(self, model: nn.Module) -> bool:
+        """Whether the processes agree on the mini-batches each step (see :meth:`agreed_counts`)."""
+        wanted = is_sharded(model) if self.agree_mini_batches is None else self.agree_mini_batches
+        return wanted and is_distributed() and is_wrapped(model)
+
+    def raise_on_every_process(self, model: nn.Module, error: Exception) -> NoReturn:
+        """Raise ``error`` (found before :meth:`step` / :meth:`embed`, e.g. by a loss's check of its
+        columns) so that no other process is left waiting for this one: where the processes agree on
+        the mini-batches, at that agreement (the step's first collective, which the others reach in
+        :meth:`step` / :meth:`embed`), where each of them raises a ``RuntimeError`` naming this process and
+        the cause; elsewhere at once. This process raises ``error`` itself."""
+        if self.agrees(model):
+            with contextlib.suppress(ValueError, RuntimeError):
+                self.agreed_counts(model, [], False, str(error) or type(error).__name__)
+        raise error
 
     def fits_in_one(
         self, columns: Sequence[Features], *, trim_leading: bool = True, counts: Sequence[int] | None = None
@@ -311,15 +358,27 @@ class GradCache:
         ``counts``, whether those are all one."""
         if counts is not None:
             return all(c == 1 for c in counts)
+        budget = self.mini_batch_num_tokens
         for features in columns:
             b = batch_size_of(features)
-            if b > self.mini_batch_size:
-                return False
-            lengths = row_lengths(features, b, trim_leading)
-            budget = self.mini_batch_num_tokens
-            if budget is not None and lengths is not None and b > 1 and b * int(lengths.max()) > budget:
-                return False
+            if budget is None:
+                if b > self.mini_batch_size:
+                    return False
+            elif b > 1:
+                tokens = token_counts(features, b)
+                if tokens is None or int(tokens.sum()) > budget:
+                    return False
         return True
+
+    def _token_counts(self, features: Features, batch_size: int) -> Tensor:
+        tokens = token_counts(features, batch_size)
+        if tokens is None:
+            raise ValueError(
+                f"mini_batch_num_tokens={self.mini_batch_num_tokens} needs each row's token count, read from "
+                f"the inputs' 2-D attention_mask, and this column has none (keys {sorted(features)}); set "
+                "mini_batch_num_tokens=None and use mini_batch_size instead."
+            )
+        return tokens
 
     def embed(self, model: nn.Module, columns: Sequence[Features]) -> list[Tensor]:
         """Every column's embeddings, mini-batch by mini-batch, without a graph (evaluation)."""
@@ -422,6 +481,46 @@ def _spread(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
         mid = start + (end - start + 1) // 2
         spans[i : i + 1] = [(start, mid), (mid, end)]
     return spans
+
+
+def _pack(tokens: list[int], budget: int) -> list[tuple[int, int]]:
+    """sentence-transformers' packing: consecutive rows while their token sum stays within ``budget``,
+    at least one row per span: ``(start, end)`` spans covering ``range(len(tokens))``."""
+    spans = []
+    start, total = 0, 0
+    for i, n in enumerate(tokens):
+        if i > start and total + n > budget:
+            spans.append((start, i))
+            start, total = i, 0
+        total += n
+    if tokens:
+        spans.append((start, len(tokens)))
+    return spans
+
+
+def _exchange_errors(error: str | None, device: torch.device) -> dict[int, str]:
+    """Every failed process's error message, by rank (only after every process learnt that some failed,
+    in :meth:`GradCache.agreed_counts`): its length, then its bytes, then a last meeting, as in
+    ``agree_counts``, so that no process leaves while another still receives from it."""
+    data = (error or "").encode()[:_MAX_ERROR_BYTES]
+    sizes, _ = exchange_shapes(len(data), [], device, "error messages")
+    out: dict[int, str] = {}
+    if max(sizes) > 0:
+        rows = torch.tensor(list(data), dtype=torch.uint8, device=device).reshape(-1, 1)
+        table = all_gather_rows(rows, sizes).flatten().tolist()
+        start = 0
+        for r, n in enumerate(sizes):
+            if n:
+                out[r] = bytes(table[start : start + n]).decode(errors="replace")
+            start += n
+    # a failed process that already left closes its connections
+    with contextlib.suppress(RuntimeError):
+        exchange_shapes(0, [], device, "error messages")
+    return out
+
+
+#: the longest error message passed to the other processes
+_MAX_ERROR_BYTES = 4000
 
 
 def _unsort(parts: list[Tensor], batches: list[MiniBatch], batch_size: int) -> Tensor:

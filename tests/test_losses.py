@@ -199,23 +199,81 @@ def test_engine_options_give_the_same_gradients(model, options):
     assert_grads_close(ours, plain)
 
 
-def test_token_budget_and_sorting_plan():
-    cache = GradCache(mini_batch_size=8, mini_batch_num_tokens=12)
-    mask = torch.zeros(6, 10, dtype=torch.long)
-    for i, n in enumerate([2, 10, 3, 6, 1, 4]):
+def _budget_features(lengths: list[int], width: int = 10) -> dict:
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for i, n in enumerate(lengths):
         mask[i, :n] = 1
-    feats = {"input_ids": mask.clone(), "attention_mask": mask}
+    return {"input_ids": mask.clone(), "attention_mask": mask}
+
+
+def test_token_budget_and_sorting_plan():
+    """sentence-transformers' meaning: a budget of real tokens, mini_batch_size unused (here 1), rows
+    packed greedily (longest first when sorting), a row longer than the budget alone."""
+    cache = GradCache(mini_batch_size=1, mini_batch_num_tokens=11)
+    lengths = torch.tensor([2, 10, 3, 6, 1, 4])
+    feats = _budget_features(lengths.tolist())
     plan = cache.plan(0, feats)
-    # longest first; each mini-batch within 12 padded tokens; trailing padding trimmed
+    # real tokens: 10 | 6 + 4 | 3 + 2 + 1 (a padded-token budget would have cut 6 | 4 + 3 | 2 + 1: 2 x 6 > 11)
     assert [mb.rows.tolist() for mb in plan] == [[1], [3, 5], [2, 0, 4]]
     seen = torch.cat([mb.rows for mb in plan]).tolist()
-    assert sorted(seen) == list(range(6))
-    lengths = mask.sum(1)
     assert seen == torch.argsort(lengths, descending=True, stable=True).tolist()
     for mb in plan:
-        width = mb.features["attention_mask"].shape[1]
-        assert width == int(lengths[mb.rows].max())
-        assert width * len(mb.rows) <= 12 or len(mb.rows) == 1
+        # trailing padding trimmed to the mini-batch's longest row
+        assert mb.features["attention_mask"].shape[1] == int(lengths[mb.rows].max())
+        assert int(lengths[mb.rows].sum()) <= 11 or len(mb.rows) == 1
+    # a row longer than the budget is a mini-batch of its own
+    assert [mb.rows.tolist() for mb in GradCache(mini_batch_num_tokens=5).plan(0, feats)] == [
+        [1],
+        [3],
+        [5],
+        [2, 0],
+        [4],
+    ]
+
+
+@pytest.mark.parametrize("budget", [1, 4, 7, 12, 16, 40, 1000])
+def test_token_budget_unsorted_equals_sentence_transformers_ranges(budget):
+    """Without sorting, the mini-batches are exactly sentence-transformers' (their ``_minibatch_ranges``)."""
+    from sentence_transformers.base.losses.gradcache import _minibatch_ranges
+
+    feats = _budget_features([2, 10, 3, 6, 1, 4, 4, 9, 1, 1, 7])
+    theirs = _minibatch_ranges(feats, mini_batch_size=3, mini_batch_num_tokens=budget)
+    plan = GradCache(mini_batch_size=3, mini_batch_num_tokens=budget, sort_by_length=False).plan(0, feats)
+    assert [(int(mb.rows[0]), int(mb.rows[-1]) + 1) for mb in plan] == theirs
+    assert torch.cat([mb.rows for mb in plan]).tolist() == list(range(11))
+
+
+def test_token_budget_fits_in_one_and_needs_an_attention_mask():
+    feats = _budget_features([3, 4, 5])
+    # 12 real tokens: within a budget of 12 whatever mini_batch_size says, not within 11
+    assert GradCache(mini_batch_size=1, mini_batch_num_tokens=12).fits_in_one([feats])
+    assert not GradCache(mini_batch_size=64, mini_batch_num_tokens=11).fits_in_one([feats])
+    no_mask = {"input_ids": feats["input_ids"]}
+    with pytest.raises(ValueError, match="mini_batch_num_tokens=12 needs each row's token count"):
+        GradCache(mini_batch_num_tokens=12).plan(0, no_mask)
+    assert len(GradCache(mini_batch_size=2).plan(0, no_mask)) == 2
+
+
+def test_token_budget_ignores_mini_batch_size_and_stays_exact(model):
+    """The budget alone sets the mini-batches (mini_batch_size=1 would be one row each): exact gradients."""
+    feats = columns(model, 3)
+    _, plain = param_grads(model, reference_loss_fn(model, False), feats)
+    loss_fn = CachedMNRLoss(model, mini_batch_size=1, mini_batch_num_tokens=30)
+    calls = []
+    handle = model[0].register_forward_pre_hook(lambda *_: calls.append(1))
+    try:
+        _, ours = param_grads(model, lambda f: loss_fn(f, None), feats)
+    finally:
+        handle.remove()
+    assert_grads_close(ours, plain)
+    plans = [loss_fn.cache.plan(k, f) for k, f in enumerate(feats)]
+    assert all(1 < len(p) < B for p in plans), [len(p) for p in plans]
+    tokens = [f["attention_mask"].sum(1) for f in feats]
+    for plan, t in zip(plans, tokens):
+        assert all(int(t[mb.rows].sum()) <= 30 or len(mb.rows) == 1 for mb in plan)
+    # stage 1 once per mini-batch, the replays but the kept last one
+    n = sum(len(p) for p in plans)
+    assert len(calls) == 2 * n - 1, (len(calls), n)
 
 
 def test_frozen_column_is_not_replayed(model, tmp_path):

@@ -2,11 +2,15 @@
 per encoder layer and at the root) gives parameter gradients equal to one process on the global batch,
 for equal and unequal per-process batches and token budgets that cut different numbers of
 mini-batches per process; one reduce-scatter per parameter group per step and none inside gradient
-accumulation; the same agreed plans under DDP; a bad input on one rank fails every rank in bounded
-time."""
+accumulation; the same agreed plans under DDP; a LoRA adapter, a Router whose document encoder is
+frozen, a left-padded rotary decoder (fp32 and bf16 autocast) sharded the same way; a learnable scale
+equal on every process after an optimizer step; a bad input, a loss-level check or NaN embeddings on
+one rank only fail every rank in bounded time with an error naming that rank and the cause."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import time
 
 import pytest
@@ -14,11 +18,19 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
+from tests.reference import reference_infonce
 from tests.test_distributed import CONFIGS, global_texts, load_model, reference_step
-from tests.tiny_model import make_tiny_model
+from tests.tiny_model import load_tiny_decoder, make_tiny_decoder, make_tiny_model
 
 #: steps per sharded model: FSDP2's state across steps is part of what is tested
 STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def decoder_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("sharded_decoder") / "qwen2"
+    make_tiny_decoder(path)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +147,16 @@ def _fsdp_worker(rank: int, world: int, path: str, names: list[str], sizes: list
                     else None,
                 }
             )
+        if getattr(loss, "learnable_scale", False):
+            # an optimizer step on the scale: every process must then hold the same value
+            torch.optim.SGD([loss.logit_scale], lr=SCALE_LR).step()
+            per_step[-1]["scale_after_step"] = float(loss.logit_scale.detach())
         results[name] = per_step
     return results
+
+
+#: learning rate of the optimizer step on a learnable scale (large enough to move it visibly)
+SCALE_LR = 0.5
 
 
 def _check(model_dir, names, sizes, per_rank) -> None:
@@ -165,6 +185,13 @@ def _check(model_dir, names, sizes, per_rank) -> None:
             assert len({tuple(sorted(r["eval_calls"].items())) for r in results}) == 1, where
             if results[0]["scale_grad"] is not None:
                 assert len({r["scale_grad"] for r in results}) == 1, "every rank: the same scale gradient"
+            if step == STEPS - 1 and "scale_after_step" in results[0]:
+                # log(scale) - lr * the reference's gradient wrt log(scale), on every rank
+                expected = math.log(CONFIGS[name][1]["scale"]) - SCALE_LR * ref["scale_grad"]
+                assert abs(expected - math.log(CONFIGS[name][1]["scale"])) > 1e-3, "the step must move it"
+                after = {r["scale_after_step"] for r in results}
+                assert len(after) == 1, f"{where}: scale after the optimizer step differs by rank: {after}"
+                assert after.pop() == pytest.approx(expected, rel=1e-5, abs=1e-6), where
 
 
 FSDP_NAMES = ["mnr_2neg", "clip_learnable", "tiled_ring_sym"]
@@ -172,7 +199,7 @@ FSDP_NAMES = ["mnr_2neg", "clip_learnable", "tiled_ring_sym"]
 
 @pytest.mark.parametrize("sizes", [[4, 4], [5, 3], [2, 5, 3]], ids=["w2_equal", "w2_unequal", "w3_unequal"])
 def test_fsdp2_gradients_equal_single_process_global_batch(model_dir, sizes):
-    names = FSDP_NAMES if len(sizes) == 2 else ["clip_learnable"]
+    names = FSDP_NAMES
     per_rank = run_distributed(_fsdp_worker, len(sizes), model_dir, names, sizes, {}, timeout=300)
     _check(model_dir, names, sizes, per_rank)
 
@@ -302,5 +329,275 @@ def test_bad_input_on_one_rank_fails_every_rank(model_dir):
     assert time.monotonic() - start < 120
     (kind0, msg0, t0), (kind1, msg1, t1) = per_rank
     assert kind1 == "ValueError" and "no batch" in msg1, msg1
-    assert kind0 == "RuntimeError" and "rank(s) [1]" in msg0, (msg0, msg1)
+    assert kind0 == "RuntimeError" and "rank 1 of 2 failed" in msg0 and "no batch" in msg0, (msg0, msg1)
     assert t0 < 30 and t1 < 30
+
+
+# --------------------------------------------------------------------------- other models under FSDP2
+
+
+def build_lora(path: str):
+    """The tiny BERT with a LoRA adapter on the attention's query and value: only the adapter trains."""
+    from peft import LoraConfig
+
+    model = load_model(path)
+    torch.manual_seed(0)  # the same adapter weights on every process and in the reference
+    # random A and B: with B = 0 (peft's default) A's gradient would be zero
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], init_lora_weights=False)
+    model.add_adapter(config)
+    return model
+
+
+def build_router_frozen(path: str):
+    """A query / document Router whose document encoder is frozen (requires_grad=False)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Router
+
+    query, document = load_model(path)[0], load_model(path)[0]
+    with torch.no_grad():  # two different encoders
+        for p in document.parameters():
+            p.mul_(0.9)
+    document.requires_grad_(False)
+    router = Router.for_query_document(query_modules=[query], document_modules=[document])
+    return SentenceTransformer(modules=[router, Pooling(query.get_embedding_dimension())], device="cpu")
+
+
+def build_decoder(path: str):
+    """The tiny left-padded Qwen2 with last-token pooling, written by the ``decoder_dir`` fixture."""
+    return load_tiny_decoder(path)
+
+
+#: case -> (builder, loss config, FSDP2 groups with trainable parameters: one reduce-scatter each per step)
+CASES = {
+    # the root group (embeddings) is frozen under LoRA: only the two layers reduce-scatter
+    "lora": (build_lora, "mnr_pairs", 2),
+    # the document encoder's layers are frozen; the query's two layers and the root (its embeddings) train
+    "router_frozen": (build_router_frozen, "clip", 3),
+    "decoder": (build_decoder, "mnr_pairs", 3),
+    "decoder_bf16": (build_decoder, "mnr_pairs", 3),
+}
+
+
+def shard_layers(model):
+    """FSDP2 on every transformer layer (BERT's or Qwen2's, of every route) and at the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in [m for m in model.modules() if type(m).__name__ in ("BertLayer", "Qwen2DecoderLayer")]:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def case_features(case: str, model, texts: list[list[str]]) -> list[dict]:
+    if case == "router_frozen":
+        return [model.preprocess(t, task="query" if k == 0 else "document") for k, t in enumerate(texts)]
+    return [model.preprocess(t) for t in texts]
+
+
+def case_autocast(case: str) -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=torch.bfloat16) if case.endswith("bf16") else contextlib.nullcontext()
+
+
+def _case_worker(rank: int, world: int, path: str, case: str, sizes: list[int]):
+    from st_cached_losses.distributed import STATS
+
+    build, name, _ = CASES[case]
+    model = shard_layers(build(path))
+    counter = _Counter()
+    loss = make_loss(name, model)
+    per_step = []
+    for step in range(STEPS):
+        texts = global_texts(sum(sizes), CONFIGS[name][2], seed=step)
+        feats = case_features(case, model, local_columns(texts, sizes, rank))
+        model.zero_grad(set_to_none=True)
+        counter.reset()
+        STATS.reset()
+        with case_autocast(case):
+            value = loss(feats, None)
+        value.backward()
+        per_step.append(
+            {
+                "loss": value.item(),
+                "grads": full_grads(model),
+                "calls": counter.reset(),
+                "stats": dict(STATS.calls),
+                "trainable": [n for n, p in model.named_parameters() if p.requires_grad],
+            }
+        )
+    return per_step
+
+
+def case_reference(case: str, path: str, texts: list[list[str]], autocast: bool) -> dict:
+    """One process, the whole global batch, no cache: the naive loss on the embeddings (under the same
+    autocast as the sharded run when ``autocast``; the loss itself in fp32, as the cached loss's)."""
+    build, name, _ = CASES[case]
+    _, kwargs, _, symmetric = CONFIGS[name]
+    model = build(path)
+    feats = case_features(case, model, texts)
+    with case_autocast(case) if autocast else contextlib.nullcontext():
+        embs = [model(dict(f))["sentence_embedding"] for f in feats]
+    scale = float(kwargs.get("scale", 20.0))
+    loss = reference_infonce(embs[0].float(), [e.float() for e in embs[1:]], scale=scale, symmetric=symmetric)
+    loss.backward()
+    grads = torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()]
+    )
+    return {"loss": loss.item(), "grads": grads}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fsdp2_models_equal_single_process_global_batch(model_dir, decoder_dir, case):
+    """LoRA, a Router with a frozen document encoder (that column is never replayed: no hang although
+    every forward is a collective) and a left-padded rotary decoder, sharded per layer + root, W=2
+    with 5 and 3 rows: every rank's parameter gradients are the single-process global-batch ones; one
+    reduce-scatter per trainable parameter group per step. Under bf16 autocast (CPU) the reference is the
+    same autocast on one process, see below for the tolerance."""
+    if case == "lora":
+        pytest.importorskip("peft")  # a dev dependency
+    sizes = [5, 3]
+    base = decoder_dir if case.startswith("decoder") else model_dir
+    per_rank = run_distributed(_case_worker, 2, base, case, sizes, timeout=300)
+    _, name, groups = CASES[case]
+    bf16 = case.endswith("bf16")
+    for step in range(STEPS):
+        texts = global_texts(sum(sizes), CONFIGS[name][2], seed=step)
+        ref = case_reference(case, base, texts, autocast=bf16)
+        assert ref["grads"].abs().max() > 0
+        where = f"{case} step {step}"
+        results = [r[step] for r in per_rank]
+        if case == "lora":
+            trainable = results[0]["trainable"]
+            assert trainable and all("lora_" in n for n in trainable), trainable
+        if case == "router_frozen":
+            assert not any("document" in n for n in results[0]["trainable"]), results[0]["trainable"]
+        mean_loss = sum(r["loss"] for r in results) / len(results)
+        if not bf16:
+            tol = 1e-5 * ref["grads"].abs().max().item()
+            assert mean_loss == pytest.approx(ref["loss"], rel=1e-5), where
+            for rank, r in enumerate(results):
+                err = (r["grads"] - ref["grads"]).abs().max().item()
+                assert err <= tol, f"{where} rank {rank}: max grad error {err:.2e} > {tol:.2e}"
+        else:
+            # bf16 rounds each matmul's inputs; the sharded run's matmuls have other shapes (mini-batches,
+            # trimmed padding), so it rounds differently from the one-process run. Both are bf16
+            # approximations of the fp32 gradient: the sharded one must be no further from it than twice
+            # the one-process bf16 run (the suite's bf16 rule), and both close to each other.
+            ref32 = case_reference(case, base, texts, autocast=False)
+            naive = (ref["grads"] - ref32["grads"]).norm().item()
+            assert naive > 0, "autocast had no effect: the test would prove nothing"
+            assert mean_loss == pytest.approx(ref["loss"], rel=2e-2), where
+            for rank, r in enumerate(results):
+                ours = (r["grads"] - ref32["grads"]).norm().item()
+                assert ours <= 2 * naive, f"{where} rank {rank}: bf16 error {ours:.2e} > 2 x {naive:.2e}"
+                rel = (r["grads"] - ref["grads"]).norm().item() / ref["grads"].norm().item()
+                assert rel < 2e-2, f"{where} rank {rank}: relative error vs one-process bf16 {rel:.2e}"
+        for rank, r in enumerate(results):
+            assert r["calls"]["reduce_scatter_single"] == groups, (where, rank, r["calls"])
+            assert r["stats"].get("all_gather_counts") == 1, (where, rank, r["stats"])
+        assert len({tuple(sorted(r["calls"].items())) for r in results}) == 1, where
+
+
+# --------------------------------------------------------------------------- one rank fails
+
+
+def _failure_worker(rank: int, world: int, path: str, cases: list[str]):
+    """Per case, a training step and an evaluation pass through the loss itself (``loss(features)``),
+    where only rank 1's input is bad; what each rank raised and how long it took; then a clean step on
+    every rank, which shows that none was left inside a collective (or FSDP2 in a broken state)."""
+    from st_cached_losses import CachedMNRLoss
+    from st_cached_losses.losses.options import check_columns
+
+    model = shard(load_model(path))
+    out = {}
+    for case in cases:
+        budget = {"mini_batch_num_tokens": 40} if case == "no_mask" else {}
+        loss = CachedMNRLoss(model, mini_batch_size=2, gather_across_devices=True, **budget)
+        clean = [model.preprocess(t) for t in global_texts(4, 2, seed=7)]
+        feats = [dict(f) for f in clean]
+        handle = None
+        if rank == 1:
+            if case in ("rows", "rows_engine"):
+                # a column with a different row count: the loss's own check (check_columns) refuses it
+                feats[1] = model.preprocess(global_texts(3, 2, seed=7)[1])
+            elif case == "no_mask":
+                # nothing to count tokens by: the engine's plan refuses the token budget
+                del feats[1]["attention_mask"]
+            elif case == "nan":
+
+                def poison(module, inputs, output):
+                    output["sentence_embedding"] = output["sentence_embedding"].clone()
+                    output["sentence_embedding"][0] = float("nan")
+                    return output
+
+                handle = model[1].register_forward_hook(poison)
+        result = {}
+        for mode in ("train", "eval"):
+            start = time.monotonic()
+            try:
+                with torch.no_grad() if mode == "eval" else contextlib.nullcontext():
+                    if case == "rows_engine" and rank == 1:
+                        # what the loss's forward is to do with its own check's error: hand it to the engine
+                        try:
+                            check_columns(feats, "CachedMNRLoss")
+                        except ValueError as exc:
+                            loss.cache.raise_on_every_process(model, exc)
+                    value = loss(feats, None)
+                    if mode == "train":
+                        value.backward()
+                result[mode] = ("no error", "", time.monotonic() - start)
+            except (ValueError, RuntimeError) as exc:
+                result[mode] = (type(exc).__name__, str(exc), time.monotonic() - start)
+        if handle is not None:
+            handle.remove()
+        model.zero_grad(set_to_none=True)
+        value = loss(clean, None)
+        value.backward()
+        result["clean"] = (value.item(), bool(torch.isfinite(full_grads(model)).all()))
+        out[case] = result
+    return out
+
+
+#: case -> (what rank 1 raises, a phrase of its cause)
+FAILURES = {
+    "no_mask": ("ValueError", "needs each row's token count"),
+    "rows_engine": ("ValueError", "all columns must have the same number of rows"),
+    "nan": ("ValueError", "non-finite (NaN or inf) values"),
+}
+
+
+def _check_failures(per_rank, cases) -> None:
+    for case in cases:
+        kind, cause = FAILURES.get(case, FAILURES["rows_engine"])
+        for mode in ("train", "eval"):
+            (kind0, msg0, t0), (kind1, msg1, t1) = (r[case][mode] for r in per_rank)
+            where = f"{case} {mode}"
+            assert kind1 == kind and cause in msg1, (where, kind1, msg1)
+            if case == "nan":
+                # found in the shape exchange of the loss stage: the same error on every rank
+                assert kind0 == kind1 and msg0 == msg1 and "rank 1: column" in msg0, (where, msg0, msg1)
+            else:
+                # not gloo's "Connection closed by peer": the other rank names rank 1 and the cause
+                assert kind0 == "RuntimeError" and "rank 1 of 2 failed" in msg0, (where, msg0)
+                assert f"Rank 1: {msg1}" in msg0, (where, msg0, msg1)
+            assert t0 < 30 and t1 < 30, (where, t0, t1)
+        for rank, r in enumerate(per_rank):
+            value, finite = r[case]["clean"]
+            assert math.isfinite(value) and finite, (case, rank)
+
+
+def test_failure_on_one_rank_fails_every_rank_through_the_loss(model_dir):
+    """Only rank 1's input is bad, found by the engine's plan (no attention mask for a token budget), in
+    the loss stage (NaN embeddings), or by the loss's own column check handed to the engine
+    (``GradCache.raise_on_every_process``): every rank raises, in training and evaluation, in bounded
+    time, and the next clean step works on every rank."""
+    cases = list(FAILURES)
+    start = time.monotonic()
+    per_rank = run_distributed(_failure_worker, 2, model_dir, cases, timeout=180)
+    assert time.monotonic() - start < 180
+    _check_failures(per_rank, cases)
+
+
+def test_column_check_on_one_rank_fails_every_rank_through_the_loss(model_dir):
+    """A column with a different row count on rank 1 only, refused by CachedMNRLoss.forward's own check."""
+    per_rank = run_distributed(_failure_worker, 2, model_dir, ["rows"], timeout=60)
+    _check_failures(per_rank, ["rows"])

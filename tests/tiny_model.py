@@ -84,3 +84,17 @@ def make_tiny_decoder(path: Path, *, hidden: int = 32, seed: int = 0, words: Seq
     transformer.processor = tokenizer
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
     return SentenceTransformer(modules=[transformer, pooling], device="cpu")
+
+
+def load_tiny_decoder(path: Path | str):
+    """The decoder :func:`make_tiny_decoder` wrote to ``path``, loaded again without writing anything (in
+    a worker of a process group, where only rank 0 would write)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    transformer = Transformer(str(path), max_seq_length=64)
+    # the word-level tokenizer it was saved with (AutoTokenizer would pick Qwen2's), left-padding
+    transformer.processor = BertTokenizerFast.from_pretrained(str(path))
+    assert transformer.processor.padding_side == "left"
+    pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
+    return SentenceTransformer(modules=[transformer, pooling], device="cpu")

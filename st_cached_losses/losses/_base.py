@@ -239,7 +239,10 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
 
     def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
-        check_columns(features, type(self).__name__)
+        try:
+            check_columns(features, type(self).__name__)
+        except ValueError as exc:  # the other processes are about to wait for this one: tell them
+            self.cache.raise_on_every_process(self.model, exc)
         if self.learnable_scale:
             # the stock trainer saves only the model: have the trainer calling us checkpoint, restore and log
             # the scale too; on every call, as the same loss may be handed to a second trainer to resume

@@ -52,16 +52,21 @@ class CachedCLIPLoss(CachedInfoNCEBase):
             similarity_fct: ``sentence_transformers.util.cos_sim`` / ``"cosine"`` (default) or
                 ``dot_score`` / ``"dot"``. Other callables are refused: the full matrix is never built.
             mini_batch_size: rows per encoder forward; sets the memory, not the result.
-            mini_batch_num_tokens: optional token budget per mini-batch (rows x padded length), for data of
-                very uneven length; ``mini_batch_size`` stays an upper bound.
+            mini_batch_num_tokens: optional budget of real (non-padding) tokens per encoder mini-batch, as in
+                sentence-transformers: rows are packed while their token count stays within it (a longer row
+                alone), longest rows first, and ``mini_batch_size`` is not used. For data of very uneven length.
             gather_across_devices: score each process's anchors against the candidates of every process (anchors too, for the symmetric direction).
-            directions: as sentence-transformers' ``CachedMultipleNegativesRankingLoss``; supported so far:
-                ``("query_to_doc",)`` and ``("query_to_doc", "doc_to_query")`` with
-                ``partition_mode="per_direction"`` (the symmetric loss). Other valid values raise ``ValueError``. The default is the symmetric loss.
-            partition_mode: ``"joint"`` or ``"per_direction"`` (the same for one direction).
+            directions: the similarity terms of each row, as sentence-transformers' ``MultipleNegativesRankingLoss``:
+                ``"query_to_doc"`` (required: every candidate column), ``"query_to_query"`` (the other anchors),
+                ``"doc_to_query"`` (the positive against every anchor), ``"doc_to_doc"`` (the positive against every
+                other row's documents). The default is the symmetric loss.
+            partition_mode: ``"joint"`` (one softmax over every selected term; GTE with all four directions) or
+                ``"per_direction"`` (one per direction, averaged; not with ``query_to_query`` / ``doc_to_doc``).
             show_progress_bar: tqdm bars over the mini-batches of both passes.
-            hardness_mode: only ``None`` is supported so far (any other value raises ``ValueError``).
-            hardness_strength: non-negative; unused while ``hardness_mode`` is None, as in sentence-transformers.
+            hardness_mode: ``None``, ``"in_batch_negatives"`` (Lan et al. 2025), ``"hard_negatives"`` (EmbeddingGemma)
+                or ``"all_negatives"``: adds ``hardness_strength * stop_grad(similarity)`` (not scaled) to those
+                negatives' logits, as sentence-transformers does.
+            hardness_strength: the penalty's ``alpha``, non-negative; unused while ``hardness_mode`` is None.
             learnable_scale: learn the scale (as ``logit_scale = log(scale)``).
             max_scale: the clamp of a learned scale (CLIP: 100).
             mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and

@@ -220,7 +220,10 @@ class CachedGISTLoss(CachedInfoNCEBase):
 
     def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
-        check_columns(features, type(self).__name__)
+        try:
+            check_columns(features, type(self).__name__)
+        except ValueError as exc:  # the other processes are about to wait for this one: tell them
+            self.cache.raise_on_every_process(self.model, exc)
         guide_features = self._guide_features(features)
         with torch.no_grad():
             guided = self.cache.embed(self.guide, guide_features)
