@@ -157,3 +157,17 @@ def test_hardness_mode_without_strength_warns_like_sentence_transformers(model, 
 
 def test_batch_not_divisible(model):
     assert B % 4 and B % 5  # the mini-batch sizes used above do not divide the batch
+
+
+def test_model_card_tags_name_the_equivalent_loss(tmp_path):
+    from st_cached_losses import CachedGISTLoss
+
+    model = make_tiny_model(tmp_path / "m", dropout=0.0)
+    guide = make_tiny_model(tmp_path / "g", dropout=0.0, seed=3)
+    feats = columns(model, 2, seed=15)
+    CachedMNRLoss(model, mini_batch_size=4)(feats, None)
+    assert {"st_cached_losses", "equivalent-loss:CachedMultipleNegativesRankingLoss"} <= set(
+        model.model_card_data.tags
+    )
+    CachedGISTLoss(model, guide, mini_batch_size=4)(feats, None)
+    assert "equivalent-loss:CachedGISTEmbedLoss" in model.model_card_data.tags

@@ -120,6 +120,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         self._scale_leaf: Tensor | None = None
         self._attached = False
         self._warned_caching_off = False
+        self._tagged = False
         self._learnable_scale = False
         self.learnable_scale = learnable_scale
 
@@ -143,6 +144,18 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             "tile_size": self.tile_size,
             "memory_budget": self.memory_budget,
         }
+
+    #: The sentence-transformers loss this one equals (the same loss and gradients for the same options),
+    #: named in the model card's tags next to ``loss:<our class>``.
+    equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
+
+    def _tag_model_card(self) -> None:
+        """Once per loss: tag the model's card with this library and the loss this one equals."""
+        card = getattr(self.model, "model_card_data", None)
+        if self._tagged or card is None or not hasattr(card, "add_tags"):
+            return
+        card.add_tags(["st_cached_losses", f"equivalent-loss:{self.equivalent_st_loss}"])
+        self._tagged = True
 
     #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates
     #: by replaying the encoder: Matryoshka then decorates :meth:`calculate_loss` instead of the model.
@@ -239,6 +252,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
 
     def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
         features = list(sentence_features)
+        self._tag_model_card()
         try:
             check_columns(features, type(self).__name__)
         except ValueError as exc:  # the other processes are about to wait for this one: tell them

@@ -21,6 +21,7 @@ MARGIN_STRATEGIES = ("absolute", "relative")
 
 class CachedGISTLoss(CachedInfoNCEBase):
     _citations = (GRADCACHE_CITATION, GIST_CITATION)
+    equivalent_st_loss = "CachedGISTEmbedLoss"
 
     def __init__(
         self,
