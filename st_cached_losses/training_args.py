@@ -7,6 +7,9 @@ arguments are built, naming the field, before any model is loaded or any trainin
 dataset against it. The settings are saved with every checkpoint (``training_args.bin``, they are part
 of the TrainingArguments) and listed in the model card.
 
+The checks themselves (of the loss fields, and of a dataset against them) live below this module, in
+:mod:`st_cached_losses.arg_checks`; their public names are re-exported here.
+
 Two jobs that need this class live above it, each in a module of its own: reading it from the command
 line, a YAML or a JSON file (:class:`st_cached_losses.cli.CachedLossArgumentParser`, which names the
 closest field for a typo) and listing its loss fields in the model card
@@ -23,66 +26,54 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import inspect
-import math
-import warnings
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional  # Optional: HfArgumentParser reads these annotations at run time
 
 from sentence_transformers import SentenceTransformerTrainingArguments
 from torch import nn
 
-from st_cached_losses.losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
+from st_cached_losses.arg_checks import (
+    DEFAULT_SCALE_LEARNING_RATE,
+    LABEL_COLUMNS,
+    LOSS_ALIASES,
+    LOSSES,
+    check_dataset_columns,
+    closest_name_hint,
+    validate_loss_fields,
+)
+from st_cached_losses.losses import CachedGISTLoss
 from st_cached_losses.losses._base import CachedInfoNCEBase
-from st_cached_losses.losses.options import resolve_similarity
+from st_cached_losses.losses.options import VALID_DIRECTIONS
 
-#: canonical loss name -> class
-LOSSES: dict[str, type[CachedInfoNCEBase]] = {
-    "mnr": CachedMNRLoss,
-    "clip": CachedCLIPLoss,
-    "tiled": CachedTiledLoss,
-}
-#: every accepted spelling (case-insensitive) -> canonical name
-LOSS_ALIASES: dict[str, str] = {
-    **{name: name for name in LOSSES},
-    **{cls.__name__.lower(): name for name, cls in LOSSES.items()},
-}
+__all__ = [
+    "DEFAULT_GIST_TEMPERATURE",
+    "DEFAULT_SCALE",
+    "DEFAULT_SCALE_LEARNING_RATE",
+    "LABEL_COLUMNS",
+    "LOSSES",
+    "LOSS_ALIASES",
+    "LOSS_DEFAULTS",
+    "LOSS_FIELDS",
+    "SCALE_PARAMETER_PATTERN",
+    "CachedLossTrainingArguments",
+    "build_loss",
+    "check_dataset_columns",
+    "closest_name_hint",
+]
+
 DEFAULT_SCALE = 20.0
-#: the label columns sentence-transformers' data collator takes out of a batch (the first one found)
-LABEL_COLUMNS = ("label", "labels", "score", "scores")
-
-
-def closest_name_hint(word: str, choices: Sequence[str]) -> str:
-    """``" Did you mean 'x'?"`` for the choice closest to a misspelt ``word``, or ``""`` if none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" Did you mean {close[0]!r}?" if close else ""
-
-
-# frames that build the arguments on the user's behalf: a warning skips them to point at the user's line
-_BUILDER_PACKAGES = ("transformers", "sentence_transformers")
-_BUILDER_MODULES = (__name__, "st_cached_losses.cli")
-
-
-def _user_stacklevel() -> int:
-    """The ``stacklevel`` that makes the caller's ``warnings.warn`` point at the user's line.
-
-    The arguments are built by the user's own ``CachedLossTrainingArguments(...)`` call, or inside
-    ``CachedLossArgumentParser`` / ``HfArgumentParser`` (through the ``__init__`` dataclasses generate),
-    so a fixed stacklevel points into a library on one of the routes; this skips those frames.
-    """
-    frame = inspect.currentframe()
-    frame = frame.f_back if frame is not None else None  # the function that warns: stacklevel 1
-    level = 1
-    while frame is not None and frame.f_back is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        generated_init = frame.f_code.co_filename.startswith("<") and frame.f_code.co_name == "__init__"
-        if not (generated_init or module.split(".")[0] in _BUILDER_PACKAGES or module in _BUILDER_MODULES):
-            break
-        frame = frame.f_back
-        level += 1
-    return level
+#: GISTEmbedLoss's default temperature (scale 100), used by loss='gist' when neither scale nor temperature is given
+DEFAULT_GIST_TEMPERATURE = 0.01
+#: the ``learning_rate_mapping`` pattern of a loss's learnable scale, as the trainer names it among the loss's
+#: parameters: ``logit_scale`` (one loss), ``<name>.logit_scale`` (a dict of losses), ``loss.logit_scale``
+#: (inside MatryoshkaLoss); never a parameter of the model the loss holds (``model.0...logit_scale``, as in a
+#: CLIP encoder)
+SCALE_PARAMETER_PATTERN = r"^(?!(?:.*\.)?model\.)(?:.*\.)?logit_scale$"
+#: what the loss's scale is called among the trainer's parameter names (a user pattern matching one of these
+#: already sets the scale's learning rate)
+_SCALE_PARAMETER_NAMES = ("logit_scale", "loss.logit_scale")
 
 
 @dataclass
@@ -100,8 +91,9 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         default="mnr",
         metadata={
             "help": "Which cached loss: 'mnr' (CachedMNRLoss, InfoNCE anchor -> candidates), 'clip' "
-            "(CachedCLIPLoss, symmetric InfoNCE) or 'tiled' (CachedTiledLoss, Inf-CL-style tiles, ring across "
-            "processes). The class names are accepted too."
+            "(CachedCLIPLoss, symmetric InfoNCE), 'tiled' (CachedTiledLoss, Inf-CL-style tiles, ring across "
+            "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; needs guide_model). The class "
+            "names are accepted too."
         },
     )
     scale: Optional[float] = field(  # noqa: UP045
@@ -125,6 +117,17 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
     max_scale: float = field(
         default=100.0, metadata={"help": "Upper clamp of a learnable scale (CLIP uses 100)."}
     )
+    scale_learning_rate: Optional[float] = field(  # noqa: UP045
+        default=DEFAULT_SCALE_LEARNING_RATE,
+        metadata={
+            "help": f"Learning rate of a learnable scale (default {DEFAULT_SCALE_LEARNING_RATE:g}), in an optimizer "
+            "group of its own: at a fine-tuning learning_rate (1e-4) the scale barely moves (Adam changes "
+            "log(scale) by about the learning rate per step). With learnable_scale it is added to "
+            "learning_rate_mapping as {'" + SCALE_PARAMETER_PATTERN + "': rate}, unless a pattern of the "
+            "user's learning_rate_mapping already matches 'logit_scale' (the user's rate is kept). The learning "
+            "rate schedule applies to it as to every group. 0 or None: the scale trains at learning_rate."
+        },
+    )
     similarity: str = field(
         default="cosine", metadata={"help": "Similarity of embeddings: 'cosine' or 'dot' (dot product)."}
     )
@@ -138,8 +141,9 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
     mini_batch_num_tokens: Optional[int] = field(  # noqa: UP045
         default=None,
         metadata={
-            "help": "Optional token budget per encoder mini-batch (rows x padded length) instead of a fixed "
-            "row count: long texts get smaller mini-batches."
+            "help": "Optional budget of real (non-padding) tokens per encoder mini-batch instead of a fixed "
+            "row count, as in sentence-transformers: long texts get smaller mini-batches; mini_batch_size is "
+            "then not used."
         },
     )
     tile_size: Optional[int] = field(  # noqa: UP045
@@ -172,73 +176,115 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
     loss_show_progress_bar: bool = field(
         default=False, metadata={"help": "Show tqdm bars over the loss's encoder mini-batches."}
     )
+    directions: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'mnr' / 'clip' / 'tiled': the similarity terms, comma-separated, as sentence-transformers' "
+            "MultipleNegativesRankingLoss: query_to_doc (required), query_to_query, doc_to_query, doc_to_doc. "
+            "Default: the loss's own (query_to_doc; clip: query_to_doc,doc_to_query)."
+        },
+    )
+    partition_mode: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'joint' (one softmax over every term; GTE with all four directions) or 'per_direction' "
+            "(one per direction, averaged). Default: the loss's own ('joint'; clip: 'per_direction')."
+        },
+    )
+    hardness_mode: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "Hardness weighting of negatives: in_batch_negatives, hard_negatives or all_negatives (adds "
+            "hardness_strength * stop_grad(similarity) to those logits); default none."
+        },
+    )
+    hardness_strength: float = field(
+        default=0.0,
+        metadata={"help": "The hardness penalty's alpha (e.g. 9 in_batch_negatives, 5 hard_negatives)."},
+    )
+    guide_model: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'gist' only (required there): the guide SentenceTransformer, a local path (or a Hub name when "
+            "online); loaded on the trained model's device, never trained."
+        },
+    )
+    margin_strategy: str = field(
+        default="absolute",
+        metadata={
+            "help": "'gist' only: 'absolute' or 'relative' margin for removing negatives the guide rates high."
+        },
+    )
+    margin: float = field(default=0.0, metadata={"help": "'gist' only: the margin of margin_strategy."})
+    contrast_anchors: bool = field(
+        default=True, metadata={"help": "'gist' only: contrast each anchor with the other anchors."}
+    )
+    contrast_positives: bool = field(
+        default=True, metadata={"help": "'gist' only: contrast each positive with the other positives."}
+    )
 
     def __post_init__(self) -> None:
         # ours first: a wrong loss setting is reported before anything else is set up
-        self._validate_loss_fields()
-        super().__post_init__()
+        validate_loss_fields(self)  # st_cached_losses.arg_checks
+        super().__post_init__()  # turns a learning_rate_mapping given as a JSON string into a dict
+        self._map_scale_learning_rate()
 
-    # ------------------------------------------------------------------ validation
+    # ------------------------------------------------------------------ the options' forms, the scale's rate
 
-    def _validate_loss_fields(self) -> None:
-        key = str(self.loss).lower()
-        if key not in LOSS_ALIASES:
+    @property
+    def loss_directions(self) -> tuple[str, ...] | None:
+        """``directions`` as a tuple (None: the loss's default)."""
+        if self.directions is None:
+            return None
+        names = tuple(d.strip() for d in str(self.directions).split(",") if d.strip())
+        unknown = [d for d in names if d not in VALID_DIRECTIONS]
+        if unknown:
             raise ValueError(
-                f"loss={self.loss!r} is not a cached loss; choose one of 'mnr', 'clip' or 'tiled' (or a class name: "
-                f"CachedMNRLoss, CachedCLIPLoss, CachedTiledLoss).{closest_name_hint(key, list(LOSS_ALIASES))}"
+                f"directions: {unknown} are not directions; choose among {', '.join(VALID_DIRECTIONS)} "
+                f"(comma-separated).{closest_name_hint(unknown[0], list(VALID_DIRECTIONS))}"
             )
-        self.loss = LOSS_ALIASES[key]
+        return names
 
-        for name in ("scale", "temperature", "max_scale"):
-            value = getattr(self, name)
-            if value is not None and (not math.isfinite(value) or value <= 0):
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+    @property
+    def loss_partition_mode(self) -> str:
+        if self.partition_mode is not None:
+            return self.partition_mode
+        return "per_direction" if self.loss == "clip" else "joint"
+
+    def _map_scale_learning_rate(self) -> None:
+        """Give a learnable scale its own learning rate through sentence-transformers'
+        ``learning_rate_mapping`` (read by the trainer when it builds the optimizer).
+
+        The entry under :data:`SCALE_PARAMETER_PATTERN` is this field's: it is set (or, when the scale is
+        not learnable or the rate is off, removed, since the trainer rejects a pattern that matches no
+        parameter), so that arguments saved and parsed again follow their ``scale_learning_rate``. A user's
+        pattern matching the scale's name wins: nothing is added then. The entry comes first, and the
+        trainer gives a parameter the rate of the last pattern matching it, so that any user's pattern
+        (e.g. ``^name\\.logit_scale$`` for one loss of a dict) overrides it too.
+        """
+        given = self.learning_rate_mapping  # a dict by now (the parent parses a JSON string)
+        users = {
+            k: v
+            for k, v in (given.items() if isinstance(given, Mapping) else ())
+            if k != SCALE_PARAMETER_PATTERN
+        }
+        for pattern in users:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as err:
+                raise ValueError(
+                    f"learning_rate_mapping: {pattern!r} is not a regular expression of parameter names ({err})."
+                ) from None
+        rate = self.scale_learning_rate
+        ours: dict[str, float] = {}
         if (
-            self.scale is not None
-            and self.temperature is not None
-            and not math.isclose(self.scale * self.temperature, 1.0, rel_tol=1e-6)
+            self.learnable_scale
+            and self.loss in ("clip", "tiled")
+            and rate
+            and not any(re.search(p, name) for p in users for name in _SCALE_PARAMETER_NAMES)
         ):
-            raise ValueError(
-                f"scale={self.scale} and temperature={self.temperature} disagree (scale = 1 / temperature = "
-                f"{1 / self.temperature:g}); set only one of scale and temperature."
-            )
-        if self.learnable_scale and self.loss == "mnr":
-            raise ValueError(
-                "learnable_scale=True is supported by loss='clip' or loss='tiled', not loss='mnr' (a fixed scale)."
-            )
-        if self.learnable_scale and self.max_scale < self.loss_scale:
-            raise ValueError(
-                f"max_scale={self.max_scale} must be >= the initial scale {self.loss_scale:g} with learnable_scale."
-            )
-        if self.symmetric is not None and self.loss != "tiled":
-            raise ValueError(
-                f"symmetric applies to loss='tiled' only ('mnr' is one-directional, 'clip' always symmetric); "
-                f"got loss={self.loss!r}. Remove symmetric, or use loss='tiled'."
-            )
-        if self.tile_size is not None and self.loss != "tiled":
-            raise ValueError(
-                f"tile_size applies to loss='tiled' only, got loss={self.loss!r}. Remove tile_size, or use loss='tiled'."
-            )
-        for name in ("mini_batch_size", "mini_batch_num_tokens", "tile_size"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        try:  # the names the losses themselves accept
-            self.similarity = resolve_similarity(str(self.similarity))
-        except ValueError:
-            raise ValueError(
-                f"similarity must be 'cosine' or 'dot', got {self.similarity!r}: the cached losses never build "
-                "the similarity matrix, so only these two are possible."
-            ) from None
-        batch = self.per_device_train_batch_size
-        if self.mini_batch_num_tokens is None and self.mini_batch_size >= batch:
-            warnings.warn(
-                f"mini_batch_size={self.mini_batch_size} >= per_device_train_batch_size={batch}: every batch fits in "
-                "one encoder mini-batch, so caching is off (same result and memory as the non-cached loss). Use a "
-                "mini_batch_size smaller than the batch to save memory.",
-                UserWarning,
-                stacklevel=_user_stacklevel(),
-            )
+            ours[SCALE_PARAMETER_PATTERN] = float(rate)
+        self.learning_rate_mapping = {**ours, **users}  # a new dict: the user's is not changed
 
     # ------------------------------------------------------------------ derived settings
 
@@ -249,7 +295,7 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             return float(self.scale)
         if self.temperature is not None:
             return 1.0 / self.temperature
-        return DEFAULT_SCALE
+        return 1.0 / DEFAULT_GIST_TEMPERATURE if self.loss == "gist" else DEFAULT_SCALE
 
     @property
     def loss_class(self) -> type[CachedInfoNCEBase]:
@@ -257,7 +303,19 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
 
     def loss_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the loss constructor (besides the model)."""
+        """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too)."""
+        if self.loss == "gist":
+            return {
+                "temperature": 1.0 / self.loss_scale,
+                "margin_strategy": self.margin_strategy,
+                "margin": self.margin,
+                "contrast_anchors": self.contrast_anchors,
+                "contrast_positives": self.contrast_positives,
+                "mini_batch_size": self.mini_batch_size,
+                "mini_batch_num_tokens": self.mini_batch_num_tokens,
+                "gather_across_devices": self.gather_across_devices,
+                "show_progress_bar": self.loss_show_progress_bar,
+            }
         kwargs: dict[str, Any] = {
             "scale": self.loss_scale,
             "similarity_fct": self.similarity,
@@ -271,6 +329,13 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             kwargs.update(learnable_scale=self.learnable_scale, max_scale=self.max_scale)
         if self.loss == "tiled":
             kwargs.update(symmetric=bool(self.symmetric), tile_size=self.tile_size)
+        if self.loss_directions is not None or self.partition_mode is not None:
+            kwargs.pop("symmetric", None)
+            if self.loss_directions is not None:
+                kwargs["directions"] = self.loss_directions
+            kwargs["partition_mode"] = self.loss_partition_mode
+        if self.hardness_mode is not None or self.hardness_strength:
+            kwargs.update(hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength)
         return kwargs
 
     def loss_settings(self) -> dict[str, Any]:
@@ -298,7 +363,8 @@ def build_loss(
             so that a dataset with too few text columns fails here rather than in the first training step.
 
     Returns:
-        A :class:`CachedMNRLoss`, :class:`CachedCLIPLoss` or :class:`CachedTiledLoss`.
+        A :class:`CachedMNRLoss`, :class:`CachedCLIPLoss`, :class:`CachedTiledLoss` or :class:`CachedGISTLoss`
+        (its guide loaded from ``args.guide_model`` on the model's device).
     """
     if not isinstance(args, CachedLossTrainingArguments):
         raise TypeError(
@@ -307,61 +373,10 @@ def build_loss(
         )
     if train_dataset is not None:
         check_dataset_columns(train_dataset, args)
+    if args.loss == "gist":
+        from sentence_transformers import SentenceTransformer
+
+        device = next(model.parameters()).device
+        guide = SentenceTransformer(str(args.guide_model), device=str(device))
+        return CachedGISTLoss(model, guide, **args.loss_kwargs())
     return args.loss_class(model, **args.loss_kwargs())
-
-
-def _text_columns(column_names: Sequence[str]) -> list[str]:
-    """The columns sentence-transformers' collator hands to the loss: all but one label column and
-    ``dataset_name``."""
-    columns = [c for c in column_names if c != "dataset_name"]
-    for label in LABEL_COLUMNS:
-        if label in columns:
-            columns.remove(label)
-            break
-    return columns
-
-
-def check_dataset_columns(
-    dataset: Any, args: CachedLossTrainingArguments, name: str = "train_dataset"
-) -> None:
-    """Check, before any training step, that ``dataset`` suits the loss ``args`` describe.
-
-    The cached losses need at least two text columns, ``(anchor, positive[, negative_1, ...])``; a label
-    or score column is not one. A ``DatasetDict`` (or a dict of datasets, one loss for all) is checked
-    dataset by dataset. A dataset smaller than one batch only warns.
-
-    Args:
-        dataset: a ``datasets.Dataset``, ``IterableDataset`` or a dict of them.
-        args: the run's arguments.
-        name: how to call the dataset in messages.
-
-    Raises:
-        ValueError: naming the dataset, its columns and the loss.
-    """
-    if isinstance(dataset, Mapping):
-        for key, part in dataset.items():
-            check_dataset_columns(part, args, name=f"{name}[{key!r}]")
-        return
-    column_names = getattr(dataset, "column_names", None)
-    if column_names is None:  # an IterableDataset whose features are unknown until iterated
-        return
-    texts = _text_columns(list(column_names))
-    loss_name = args.loss_class.__name__
-    if len(texts) < 2:
-        raise ValueError(
-            f"{name} has columns {list(column_names)}, so {loss_name} (loss={args.loss!r}) would get "
-            f"{len(texts)} text column(s) {texts}; it needs at least two: (anchor, positive[, negative_1, ...]). "
-            "A 'label'/'score' column is not a text column. Add a positive column, e.g. "
-            "dataset.add_column('positive', ...)."
-        )
-    num_rows = getattr(dataset, "num_rows", None)
-    if num_rows == 0:
-        raise ValueError(f"{name} is empty: there is nothing to train {loss_name} on.")
-    if num_rows is not None and num_rows < args.per_device_train_batch_size * max(args.world_size, 1):
-        warnings.warn(
-            f"{name} has {num_rows} rows, fewer than one global batch "
-            f"({args.per_device_train_batch_size} x {args.world_size} processes): each step sees fewer in-batch "
-            "negatives than configured.",
-            UserWarning,
-            stacklevel=_user_stacklevel(),
-        )
