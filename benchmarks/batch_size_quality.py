@@ -18,6 +18,16 @@ difference can be told apart from run-to-run noise.
 
 Run: ``.venv/bin/python benchmarks/batch_size_quality.py`` (``--quick`` for a smoke run). Writes
 ``benchmarks/results/batch_size_quality.{csv,md,png}``.
+
+``--scale-sweep`` asks another question, on the same data and evaluation: does a learnable temperature find
+a scale at least as good as the best fixed one? It trains ``CachedCLIPLoss`` (and ``CachedMNRLoss``, see
+``--sweep-losses``) at each fixed scale of ``--sweep-scales``, then ``CachedCLIPLoss(learnable_scale=True)``
+from scale ``--scale`` with the learnable scale at ``CachedLossTrainingArguments``' default
+``scale_learning_rate`` (its own optimizer group) and, for reference, at the plain ``learning_rate``
+(``scale_learning_rate=0``); it records the scale after every optimizer step. Writes
+``benchmarks/results/scale_sweep.{md,json}``. ``--learnable-starts 10,50`` starts the learnable runs from
+each of these scales instead of ``--scale``; ``--sweep-losses ''`` skips the fixed runs and ``--sweep-name``
+sets the results file stem.
 """
 
 from __future__ import annotations
@@ -25,12 +35,15 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -140,7 +153,44 @@ def main() -> None:
         "--quick", action="store_true", help="smoke run: 128 pairs, batches 8 and 32, one seed"
     )
     parser.add_argument("--name", default="batch_size_quality")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's; 1 on a busy machine)"
+    )
+    sweep = parser.add_argument_group("--scale-sweep: fixed temperatures against a learnable one")
+    sweep.add_argument("--scale-sweep", action="store_true", help="run the temperature sweep instead")
+    sweep.add_argument("--sweep-scales", default="10,20,30,50", help="the fixed scales (1 / temperature)")
+    sweep.add_argument("--sweep-losses", default="clip,mnr", help="losses of the fixed scales: clip, mnr")
+    sweep.add_argument("--sweep-batch", type=int, default=64, help="batch of every sweep run")
+    sweep.add_argument(
+        "--scale-lrs",
+        default="default",
+        help="scale_learning_rate of the learnable runs, one run each ('default': CachedLossTrainingArguments' "
+        "default)",
+    )
+    sweep.add_argument(
+        "--no-plain-rate-run",
+        action="store_true",
+        help="skip the learnable run at the plain learning_rate (scale_learning_rate=0)",
+    )
+    sweep.add_argument(
+        "--learnable-starts",
+        default=None,
+        help="start scales of the learnable runs, e.g. 10,50; each with every --scale-lrs rate (and the plain "
+        "rate) (default: --scale)",
+    )
+    sweep.add_argument(
+        "--sweep-name",
+        default="scale_sweep",
+        help="results file stem under benchmarks/results/ (an empty --sweep-losses skips the fixed runs)",
+    )
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.scale_sweep:
+        scale_sweep(args)
+        return
     if args.quick:
         args.train_pairs, args.eval_pairs, args.batches, args.seeds = 128, 100, "32", "0"
         args.name = f"{args.name}_quick"
@@ -228,6 +278,216 @@ def main() -> None:
 
 
 METRICS = ["recall@1", "recall@10", "MRR@10", "NDCG@10"]
+
+
+# ---------------------------------------------------------------------------------------------- scale sweep
+
+
+def train_sweep_run(run: dict[str, Any], seed: int, train_dataset, args_ns, out_dir: str):
+    """Fine-tune a fresh MiniLM with the cached loss ``run`` describes (``loss``, ``scale``, and for a
+    learnable scale ``scale_learning_rate``); returns the model, the training time, the number of steps
+    and the scale after each optimizer step (its start value first)."""
+    from sentence_transformers import SentenceTransformerTrainer
+    from transformers import TrainerCallback
+
+    from st_cached_losses import CachedLossTrainingArguments, build_loss
+    from st_cached_losses.demo import load_model
+
+    model = load_model(args_ns.model, args_ns.max_seq_length)
+    learnable = run["learnable"]
+    extra: dict[str, Any] = {}
+    if learnable and run["scale_learning_rate"] is not None:
+        extra["scale_learning_rate"] = run["scale_learning_rate"]
+    args = CachedLossTrainingArguments(
+        output_dir=out_dir,
+        per_device_train_batch_size=args_ns.sweep_batch,
+        num_train_epochs=1.0,
+        learning_rate=args_ns.lr,
+        lr_scheduler_type=args_ns.schedule,
+        warmup_steps=0,
+        save_strategy="no",
+        report_to="none",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=seed,
+        data_seed=seed,
+        use_cpu=True,
+        loss=run["loss"],
+        scale=run["scale"],
+        learnable_scale=learnable,
+        mini_batch_size=args_ns.mini_batch,
+        **extra,
+    )
+    loss = build_loss(model, args)
+    scales = [loss.scale]
+
+    class RecordScale(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            scales.append(loss.scale)
+
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=train_dataset, loss=loss, callbacks=[RecordScale()]
+    )
+    if learnable:  # what the trainer's optimizer gives the scale
+        optimizer = trainer.create_optimizer()
+        run["scale_group_lr"] = next(
+            g["lr"] for g in optimizer.param_groups if any(p is loss.logit_scale for p in g["params"])
+        )
+    t0 = time.perf_counter()
+    trainer.train()
+    return model, time.perf_counter() - t0, trainer.state.global_step, scales
+
+
+def scale_sweep(args) -> None:
+    """Fixed scales against a learnable one; writes ``<RESULTS>/scale_sweep.{md,json}``."""
+    import torch
+
+    from st_cached_losses.demo import load_model, retrieval_evaluator, stdlib_data
+    from st_cached_losses.training_args import DEFAULT_SCALE_LEARNING_RATE
+
+    name = f"{args.sweep_name}_quick" if args.quick else args.sweep_name
+    if args.quick:
+        args.train_pairs, args.eval_pairs, args.seeds, args.sweep_scales = 64, 64, "0", "10,50"
+        args.sweep_batch = min(args.sweep_batch, 32)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    fixed = [float(s) for s in args.sweep_scales.split(",")]
+    losses = [s.strip().lower() for s in args.sweep_losses.split(",") if s.strip()]
+    scale_lrs = [
+        DEFAULT_SCALE_LEARNING_RATE if s.strip() == "default" else float(s) for s in args.scale_lrs.split(",")
+    ]
+    starts = [float(s) for s in args.learnable_starts.split(",")] if args.learnable_starts else [args.scale]
+    runs: list[dict[str, Any]] = [
+        {
+            "run": f"{loss} scale={s:g}",
+            "loss": loss,
+            "scale": s,
+            "learnable": False,
+            "scale_learning_rate": None,
+        }
+        for loss in losses
+        for s in fixed
+    ]
+    for start in starts:
+        runs += [
+            {
+                "run": f"clip learnable from {start:g}, scale lr {rate:g}"
+                + (" (default)" if rate == DEFAULT_SCALE_LEARNING_RATE else ""),
+                "loss": "clip",
+                "scale": start,
+                "learnable": True,
+                "scale_learning_rate": rate,
+            }
+            for rate in scale_lrs
+        ]
+        if not args.no_plain_rate_run:
+            runs.append(
+                {
+                    "run": f"clip learnable from {start:g}, plain lr {args.lr:g}",
+                    "loss": "clip",
+                    "scale": start,
+                    "learnable": True,
+                    "scale_learning_rate": 0.0,
+                }
+            )
+    command = "HF_HUB_OFFLINE=1 .venv/bin/python " + shlex.join(
+        ["benchmarks/batch_size_quality.py", *sys.argv[1:]]
+    )
+    train_dataset, held_out = stdlib_data(args.train_pairs, args.eval_pairs)
+    evaluator = retrieval_evaluator(held_out, name="heldout", show_progress_bar=False)
+    setup = (
+        f"all-MiniLM-L6-v2, {len(train_dataset)} stdlib training pairs (1 epoch), {len(held_out)} held-out; batch "
+        f"{args.sweep_batch} (encoder mini-batch {args.mini_batch}), max_seq_length {args.max_seq_length}, lr "
+        f"{args.lr:g} {args.schedule}, seeds {args.seeds}, {torch.get_num_threads()} CPU threads"
+    )
+    print(setup, flush=True)
+    t_start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    model = load_model(args.model, args.max_seq_length)
+    rows.append({"run": "pretrained", "loss": "-", "scale": None, "seed": "-", "steps": 0, "train_s": 0.0})
+    rows[-1] |= evaluate(model, evaluator)
+    print(f"pretrained: {rows[-1]}", flush=True)
+    del model
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:
+            for run in runs:
+                model, seconds, steps, scales = train_sweep_run(run, seed, train_dataset, args, tmp)
+                row = {
+                    "run": run["run"],
+                    "loss": run["loss"],
+                    "scale": run["scale"],
+                    "learnable": run["learnable"],
+                    "scale_group_lr": run.get("scale_group_lr"),
+                    "batch": args.sweep_batch,
+                    "mini_batch": args.mini_batch,
+                    "seed": seed,
+                    "steps": steps,
+                    "train_s": round(seconds, 1),
+                    "scale_start": scales[0],
+                    "scale_end": scales[-1],
+                    "scale_min": min(scales),
+                    "scale_max": max(scales),
+                    "scale_trajectory": [round(s, 3) for s in scales],
+                } | evaluate(model, evaluator)
+                rows.append(row)
+                print(
+                    f"{run['run']}, seed {seed}: { ({k: v for k, v in row.items() if k != 'scale_trajectory'}) }",
+                    flush=True,
+                )
+                del model
+                gc.collect()
+    total = time.perf_counter() - t_start
+    summary = summarise(rows, [r["run"] for r in runs])
+    for r in summary[1:]:
+        group = [x for x in rows if x["run"] == r["run"]]
+        r["scale_end"] = statistics.median(x["scale_end"] for x in group)
+        r["learnable"] = group[0]["learnable"]
+        r["scale_start"] = group[0]["scale_start"]
+    lines = [
+        f"# Fixed temperatures against a learnable one ({setup})",
+        "",
+        f"Command: `{command}` ({total / 60:.1f} min in all, training and evaluation)",
+        "",
+        f"| run | optimizer steps | train (s) | scale start -> end | recall@1 | recall@10 | MRR@10 (min-max of "
+        f"{len(seeds)}) | NDCG@10 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in summary:
+        moved = "" if r["run"] == "pretrained" else f"{r['scale_start']:.2f} -> {r['scale_end']:.2f}"
+        spread = "" if r["run"] == "pretrained" else f" ({r['MRR@10_min']:.4f}-{r['MRR@10_max']:.4f})"
+        lines.append(
+            f"| {r['run']} | {r['steps']} | {r['train_s']:.0f} | {moved} | {r['recall@1']:.4f} | "
+            f"{r['recall@10']:.4f} | {r['MRR@10']:.4f}{spread} | {r['NDCG@10']:.4f} |"
+        )
+    best_fixed = {}
+    for loss in losses:
+        fixed_rows = [r for r in summary[1:] if r["loss"] == loss and not r["learnable"]]
+        if fixed_rows:
+            best_fixed[loss] = max(fixed_rows, key=lambda r: r["MRR@10"])
+    learned = [r for r in summary[1:] if r["learnable"]]
+    lines.append("")
+    for loss, best in best_fixed.items():
+        lines.append(f"- best fixed scale, {loss}: `{best['run']}`, MRR@10 {best['MRR@10']:.4f}")
+    if "clip" in best_fixed:
+        best = best_fixed["clip"]
+        for r in learned:
+            verdict = "matches or beats" if r["MRR@10"] >= best["MRR@10"] else "falls short of"
+            lines.append(
+                f"- `{r['run']}`: scale {r['scale_start']:.2f} -> {r['scale_end']:.2f} (median end over seeds); "
+                f"MRR@10 {r['MRR@10']:.4f}, {r['MRR@10'] - best['MRR@10']:+.4f} vs the best fixed clip scale: "
+                f"{verdict} it"
+            )
+    if len(seeds) == 1:
+        lines.append(
+            "- one seed: a difference of MRR@10 below about 0.01 is within run-to-run noise (the seed range of one "
+            "run in batch_size_quality.md spans up to 0.01)"
+        )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"command": command, "setup": setup, "total_s": round(total, 1), "runs": rows}, indent=1)
+        + "\n"
+    )
+    print("\n".join(lines))
 
 
 def summarise(rows: list[dict], run_names: list[str]) -> list[dict]:
