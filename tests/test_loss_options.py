@@ -171,3 +171,59 @@ def test_model_card_tags_name_the_equivalent_loss(tmp_path):
     )
     CachedGISTLoss(model, guide, mini_batch_size=4)(feats, None)
     assert "equivalent-loss:CachedGISTEmbedLoss" in model.model_card_data.tags
+
+
+# --------------------------------------------------------------------------- two processes, unequal batches
+
+
+def _options_worker(rank: int, world: int, path: str, sizes: list[int], cls_name: str):
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    import st_cached_losses
+    from tests.test_loss_options import ALL, OPTIONS_DIST, global_texts
+
+    model = SentenceTransformer(path, device="cpu")
+    start = sum(sizes[:rank])
+    feats = [model.preprocess(c[start : start + sizes[rank]]) for c in global_texts(sum(sizes))]
+    extra = {"tile_size": 3} if cls_name == "CachedTiledLoss" else {}
+    loss_fn = getattr(st_cached_losses, cls_name)(
+        model, 20.0, mini_batch_size=2, gather_across_devices=True, directions=ALL, **OPTIONS_DIST, **extra
+    )
+    model.zero_grad(set_to_none=True)
+    loss = loss_fn(feats, None)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return {"loss": float(loss), "grads": grads}
+
+
+OPTIONS_DIST = {"hardness_mode": "all_negatives", "hardness_strength": 5.0}
+
+
+def global_texts(n: int) -> list[list[str]]:
+    from tests.tiny_model import random_texts
+
+    return [random_texts(n, seed=40 + k, max_words=8) for k in range(3)]
+
+
+@pytest.mark.parametrize("cls_name", ["CachedMNRLoss", "CachedTiledLoss"], ids=["gather", "ring"])
+def test_two_processes_unequal_batches_equal_one_process(tmp_path, cls_name):
+    """Every process's share weighs W / B_global: the mean over processes of losses and gradients is the
+    global batch's, which sentence-transformers' non-cached MNRL gives on one process."""
+    import torch
+
+    from tests.dist_utils import run_distributed
+
+    model = make_tiny_model(tmp_path / "m", dropout=0.0)
+    path = str(tmp_path / "st")
+    model.save(path)
+    sizes = [5, 2]
+    per_rank = run_distributed(_options_worker, 2, path, sizes, cls_name, timeout=180)
+    feats = [model.preprocess(t) for t in global_texts(sum(sizes))]
+    st_loss = st_losses.MultipleNegativesRankingLoss(model, scale=20.0, directions=ALL, **OPTIONS_DIST)
+    model.zero_grad(set_to_none=True)
+    ref_loss = st_loss(feats, None)
+    ref_loss.backward()
+    ref = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert sum(r["loss"] for r in per_rank) / 2 == pytest.approx(float(ref_loss), rel=1e-5)
+    assert_grads_close(sum(r["grads"] for r in per_rank) / 2, ref)
