@@ -157,23 +157,18 @@ def infonce_loss_and_grad(
     )
     if terms is not None:
         check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, cols)
-        loss, g_a, g_c, g_all, g_s = terms_solve(
+        solve = _general_solver(
+            terms, guide, similarity, row_offset, path, chunk_size, tile_size, memory_budget
+        )
+        solution = solve(
             anchors.detach(),
             [c.detach() for c in cols],
-            terms=terms,
             scale=scale,
-            cosine=similarity == "cosine",
             anchors_all=anchors_all.detach() if anchors_all is not None else None,
-            row_offset=row_offset,
-            path=path,
-            chunk_size=chunk_size,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
             grad_output=grad_output,
             with_grad=True,
-            guide=guide,
         )
-        return InfoNCEOutput(loss, g_a, g_c, g_all, g_s)
+        return InfoNCEOutput(*solution)
     s = scale_value(scale)
     need_scale_grad = isinstance(scale, Tensor) and scale.requires_grad
     with torch.no_grad():
@@ -363,16 +358,8 @@ def infonce(
     )
     if terms is not None:
         check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, cols)
-        solve = functools.partial(
-            terms_solve,
-            terms=terms,
-            cosine=similarity == "cosine",
-            row_offset=row_offset,
-            path=path,
-            chunk_size=chunk_size,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
-            guide=guide,
+        solve = _general_solver(
+            terms, guide, similarity, row_offset, path, chunk_size, tile_size, memory_budget
         )
         scale_in = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
         return GeneralFunction.apply(solve, scale_in, anchors, anchors_all, *cols)
@@ -393,3 +380,27 @@ def infonce(
         anchors_all_keys=keys.get("anchors_all_keys"),
     )
     return _InfoNCEFunction.apply(options, scale_t, anchors, anchors_all, *cols)
+
+
+def _general_solver(
+    terms: TermSet,
+    guide: Guide | None,
+    similarity: str,
+    row_offset: int,
+    path: str,
+    chunk_size: int | None,
+    tile_size: int | None,
+    memory_budget: int,
+) -> Any:
+    """``terms_solve`` with the call's options bound (both entry points of the general loss)."""
+    return functools.partial(
+        terms_solve,
+        terms=terms,
+        cosine=similarity == "cosine",
+        row_offset=row_offset,
+        path=path,
+        chunk_size=chunk_size,
+        tile_size=tile_size,
+        memory_budget=memory_budget,
+        guide=guide,
+    )

@@ -223,12 +223,17 @@ def _logit_grad(b: Bound, block: Tensor, lse: LogSumExp, weight: float, ij) -> T
     return g
 
 
-def _apply(b: Bound, g: Tensor, q: Tensor, c0: int, c1: int, r0: int, r1: int) -> None:
+def _apply(b: Bound, g: Tensor, raw: Tensor | None, q: Tensor, c0: int, c1: int, r0: int, r1: int) -> Tensor:
+    """Accumulate one tile's logit gradient ``g`` into the bound buffers; returns its part of
+    ``sum(G * s * sim)`` (0 when ``raw``, the tile's unpenalised logits, was not kept)."""
     c = b.cols.tile(c0, c1)
     if b.g_rows is not None:
         b.g_rows[r0:r1].addmm_(g, c)
     if b.g_cols is not None:
         b.g_cols[c0:c1].addmm_(g.T, q)
+    if raw is None:
+        return torch.zeros((), dtype=torch.float64, device=g.device)
+    return torch.vdot(g.reshape(-1), raw.reshape(-1)).double()
 
 
 def term_grads(
@@ -251,9 +256,7 @@ def term_grads(
             for c0, c1 in spans(b.cols.n, col_tile):
                 block, raw, ij = _logits(b, q, r0, r1, c0, c1, scale, need_scale_grad)
                 g = _logit_grad(b, block, lse[grp][r0:r1], weights[grp], ij)
-                if raw is not None:
-                    gs += torch.vdot(g.reshape(-1), raw.reshape(-1)).double()
-                _apply(b, g, q, c0, c1, r0, r1)
+                gs += _apply(b, g, raw, q, c0, c1, r0, r1)
     return gs
 
 
@@ -293,7 +296,5 @@ def fused_chunk(
             g = e.mul_(inv_z[b.term.group][:, None])  # w_g * P_g
             if b.term.diag == "positive" and ij is not None:
                 g[ij] -= 1.0
-            if raw is not None:
-                gs += torch.vdot(g.reshape(-1), raw.reshape(-1)).double()
-            _apply(b, g, q, 0, b.cols.n, r0, r1)
+            gs += _apply(b, g, raw, q, 0, b.cols.n, r0, r1)
     return loss, gs
