@@ -157,10 +157,10 @@ def infonce_loss_and_grad(
     )
     if terms is not None:
         check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, cols)
-        solve = _general_solver(
+        general = _general_solver(
             terms, guide, similarity, row_offset, path, chunk_size, tile_size, memory_budget
         )
-        solution = solve(
+        solution = general(
             anchors.detach(),
             [c.detach() for c in cols],
             scale=scale,
@@ -358,11 +358,11 @@ def infonce(
     )
     if terms is not None:
         check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, cols)
-        solve = _general_solver(
+        general = _general_solver(
             terms, guide, similarity, row_offset, path, chunk_size, tile_size, memory_budget
         )
         scale_in = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
-        return GeneralFunction.apply(solve, scale_in, anchors, anchors_all, *cols)
+        return GeneralFunction.apply(general, scale_in, anchors, anchors_all, *cols)
     scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
     scale_value(scale_t)
     keys = validate_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric)
