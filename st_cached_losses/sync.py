@@ -1,18 +1,21 @@
 """Gradient synchronisation of the wrappers a model may be trained in (DDP, FSDP1, FSDP2, DeepSpeed):
 recognising them, turning their gradient reduction off for the replays but the last, and, where the
-wrapper counts gradient hooks (DDP's static graph, DeepSpeed), back-propagating replays without those
-hooks. No loss math and no mini-batch planning here: the engine (``gradcache``) decides when."""
+wrapper counts gradient hooks (DDP's static graph, DeepSpeed ZeRO 1/2), back-propagating replays without
+those hooks; under DeepSpeed ZeRO-3, whose parameters are partitioned, through DeepSpeed's own coalesced
+reduction instead. No loss math and no mini-batch planning here: the engine (``gradcache``) decides
+when."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 __all__ = [
+    "CoalescedBackward",
     "LocalBackward",
     "accumulate_locally",
     "grad_sync_on",
@@ -22,6 +25,7 @@ __all__ = [
     "is_sharded",
     "is_static_graph",
     "is_wrapped",
+    "is_zero3",
     "unsynced",
 ]
 
@@ -56,6 +60,12 @@ def is_deepspeed(model: nn.Module) -> bool:
     return any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__)
 
 
+def is_zero3(model: nn.Module) -> bool:
+    """A DeepSpeed engine with ZeRO stage 3: its parameters are partitioned (an empty tensor on each
+    process outside the forward and backward of their module) and it owns their gradients."""
+    return is_deepspeed(model) and int(model.zero_optimization_stage()) == 3  # type: ignore[operator]
+
+
 def is_sharded(model: nn.Module) -> bool:
     """Whether ``model``'s forwards are collectives (FSDP1, FSDP2, DeepSpeed): every process must then
     run the same sequence of mini-batch forwards and backwards."""
@@ -79,12 +89,19 @@ def _fsdp2_sync_on(modules: Sequence[nn.Module]) -> bool:
 def grad_sync_on(model: nn.Module) -> bool:
     """Whether a backward now would reduce gradients across processes (False inside an outer
     ``no_sync`` / ``set_requires_gradient_sync(False)`` / off DeepSpeed's accumulation boundary, and
-    for a model in no wrapper)."""
+    for a model in no wrapper).
+
+    Always True under DeepSpeed ZeRO-3: it reduce-scatters the gradients of every backward, on the
+    accumulation boundary or off it (it keeps no full gradients between backwards; the boundary only
+    decides the optimizer step), and :class:`CoalescedBackward` needs the engine's synchronised last
+    replay to flush its one reduction of the step."""
     if is_ddp(model):
         return bool(getattr(model, "require_backward_grad_sync", True))
     if is_fsdp1(model):
         # FSDP1 has no public getter either; no_sync() sets this flag
         return bool(getattr(model, "_sync_gradients", True))
+    if is_zero3(model):
+        return True
     if is_deepspeed(model):
         return bool(model.is_gradient_accumulation_boundary())  # type: ignore[operator]
     modules = fsdp2_modules(model)
@@ -149,6 +166,9 @@ class LocalBackward:
     DeepSpeed ZeRO 1/2 goes the same way: its gradient hooks refuse a parameter whose gradient arrives
     twice in one step ("Gradient computed twice for this partition"), so only the final replay (plus
     the zero terms of :meth:`synced_backward`) reaches them, with the sum of every replay in ``.grad``.
+    ZeRO-3 cannot (its parameters are partitioned: an empty tensor outside their module's forward and
+    backward, so a full-size ``.grad`` cannot be set on them by hand): :meth:`of` returns a
+    :class:`CoalescedBackward` for it.
     """
 
     module: nn.Module
@@ -160,7 +180,16 @@ class LocalBackward:
             return None
         inner = model.module
         assert isinstance(inner, nn.Module)
-        return cls(inner, [p for p in inner.parameters() if p.requires_grad])
+        params: list[Tensor] = [p for p in inner.parameters() if p.requires_grad]
+        if is_zero3(model):
+            if not hasattr(model, "coalesce_grad_reduction"):
+                raise NotImplementedError(
+                    "cached losses under DeepSpeed ZeRO-3 need DeepSpeedEngine.coalesce_grad_reduction() "
+                    "(DeepSpeed 0.19.8 has it; the installed DeepSpeed has not): upgrade DeepSpeed, or use "
+                    "ZeRO stage 1 or 2."
+                )
+            return CoalescedBackward(inner, params, model)
+        return cls(inner, params)
 
     def backward(self, outs: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
         accumulate_locally(outs, grads, self.params)
@@ -177,3 +206,54 @@ class LocalBackward:
             return
         zero = torch.stack([p.reshape(-1)[0].float() for p in touched]).sum() * 0.0
         torch.autograd.backward([out, zero], [grad, torch.ones_like(zero)])
+
+
+@dataclass
+class CoalescedBackward(LocalBackward):
+    """The replays under DeepSpeed ZeRO-3, one gradient reduction per step: every replay's backward runs
+    inside the engine's public ``coalesce_grad_reduction()`` (in DeepSpeed 0.19.8), opened at the first
+    replay and closed after the final, synchronised one (:meth:`synced_backward`).
+
+    Inside it ZeRO-3 gathers each module's parameters for its forward and backward as always, and its
+    gradient hooks still fire, but they leave the gradient in the parameter's ``.grad`` (full size;
+    autograd adds each replay's into it, the parameter being gathered whenever a replay's backward
+    reaches it) instead of reduce-scattering it; on exit the engine reduces every parameter with a
+    gradient once, bucketed as in a plain backward, into its gradient partitions, as after one
+    backward. So a parameter reached only by earlier replays is reduced too, with no zero terms.
+
+    Why not the alternatives: ``.grad`` cannot be set by hand (ZeRO 1/2's way, :func:`accumulate_locally`)
+    on a partitioned parameter; DeepSpeed's accumulation boundary changes nothing under ZeRO-3, which
+    reduce-scatters every backward; and a plain backward per replay fails (ZeRO-3's bucket gets a
+    parameter's gradient twice before it is reduced: ``assert len(set(p.ds_id ...)) == len(...)`` in
+    stage3.py), and would, reduced, replace rather than add the earlier replays' partitions within one
+    micro-step (ZeRO-3 adds from the micro-step after, counted at the engine's forward).
+
+    The cost: between the first replay and the flush each process holds the full-size gradient of every
+    parameter the replays reached (as DDP would), not only its partition.
+
+    The contract with the engine: gradients of :meth:`backward` are reduced at the next
+    :meth:`synced_backward`, which the engine always calls last (:func:`grad_sync_on` is True under
+    ZeRO-3). ``engine.step()`` refuses to run while the reduction is still open.
+    """
+
+    engine: nn.Module
+    _open: contextlib.ExitStack | None = field(default=None, repr=False)
+
+    def _coalesce(self) -> None:
+        if self._open is None:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.engine.coalesce_grad_reduction())  # type: ignore[operator]
+            self._open = stack
+
+    def backward(self, outs: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+        self._coalesce()
+        torch.autograd.backward(list(outs), list(grads))
+
+    def synced_backward(self, out: Tensor, grad: Tensor) -> None:
+        self._coalesce()
+        try:
+            torch.autograd.backward(out, grad)
+        finally:
+            stack, self._open = self._open, None
+            assert stack is not None
+            stack.close()  # the step's one reduction of every gradient accumulated above

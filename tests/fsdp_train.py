@@ -45,16 +45,23 @@ def full_params(model) -> list[float]:
 
 
 class CollectiveCounter:
-    """Counts FSDP2's collectives (it calls them through the ``torch.distributed`` module)."""
+    """Counts FSDP2's collectives (it calls them through the ``torch.distributed`` module) and, with
+    ``deepspeed=True``, DeepSpeed ZeRO's gradient reduce-scatters (``deepspeed.comm.reduce_scatter_fn``,
+    which ZeRO-3 calls, through the module, once per bucket of gradients it reduces)."""
 
     NAMES = ("all_gather_single", "reduce_scatter_single")
 
-    def __init__(self) -> None:
+    def __init__(self, deepspeed: bool = False) -> None:
         import torch.distributed as dist
 
         self.calls = dict.fromkeys(self.NAMES, 0)
         for name in self.NAMES:
             setattr(dist, name, self._wrap(name, getattr(dist, name)))
+        if deepspeed:
+            import deepspeed.comm as ds_comm
+
+            self.calls["deepspeed.reduce_scatter_fn"] = 0
+            ds_comm.reduce_scatter_fn = self._wrap("deepspeed.reduce_scatter_fn", ds_comm.reduce_scatter_fn)
 
     def _wrap(self, name, orig):
         def counted(*args, **kwargs):
@@ -186,7 +193,7 @@ def main() -> None:
     trainer = trainer_cls(
         model=model, args=training_args, train_dataset=data, eval_dataset=eval_data, loss=loss
     )
-    counter = CollectiveCounter()
+    counter = CollectiveCounter(deepspeed=bool(args.deepspeed))
     trainer.train()
     assert trainer.accelerator.num_processes == world, "accelerate must run the expected number of processes"
     wrapped = trainer.model_wrapped

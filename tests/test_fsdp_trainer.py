@@ -16,11 +16,11 @@ steps equal one plain process on the whole global batches.
   the test checks that accelerate still drops the plugin (a change there shows here). With two GPUs it
   runs the unpatched path on NCCL. One reduce-scatter per FSDP2 parameter group per step, however
   many replays.
-* DeepSpeed ZeRO-2 on DeepSpeed's CPU accelerator (gloo), when ``deepspeed`` is installed (the first
-  run compiles its shared-memory comm op, about two minutes). ZeRO-3 is reported as an expected
-  failure while it fails as it does today: the engine's local replay backward
-  (``sync.accumulate_locally``) assigns a full-size gradient to a parameter ZeRO-3 has partitioned to
-  size 0; it runs the same comparison once that is fixed, and any other failure fails it.
+* DeepSpeed ZeRO-2 and ZeRO-3 on DeepSpeed's CPU accelerator (gloo), when ``deepspeed`` is installed
+  (the first run compiles its shared-memory comm op, about two minutes). ZeRO-2's replays but the last
+  back-propagate into ``.grad`` by hand (``sync.LocalBackward``); ZeRO-3's, whose parameters are
+  partitioned, run inside DeepSpeed's ``coalesce_grad_reduction()`` (``sync.CoalescedBackward``): one
+  gradient reduce-scatter per bucket per step, however many replays.
 * A canary on torch's FSDP2 itself (no trainer, no cached loss): backward, a no-grad forward,
   ``zero_grad(set_to_none=True)``, backward doubles the root group's gradients.
 """
@@ -144,11 +144,6 @@ def test_deepspeed_zero2_through_trainer_matches_one_process(
     _check_same_training(two, one_process, initial_params)
 
 
-#: what ZeRO-3 fails with in the engine today (sync.accumulate_locally: ``p.grad = g`` on a partitioned
-#: parameter); any other failure fails the test
-ZERO3_KNOWN = "attempting to assign a gradient of size"
-
-
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_DEEPSPEED, reason=NO_DEEPSPEED)
 def test_deepspeed_zero3_through_trainer_matches_one_process(
@@ -156,28 +151,12 @@ def test_deepspeed_zero3_through_trainer_matches_one_process(
 ):
     config = tmp_path / "zero3.json"
     config.write_text(json.dumps(_zero_config(3)))
-    out = model_dir.parent / "zero3" / "out.json"
-    out.parent.mkdir()
-    cmd = [
-        *accelerate_launch(2),
-        str(SCRIPT),
-        *_args(model_dir),
-        "--out",
-        str(out),
-        "--deepspeed",
-        str(config),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0 and ZERO3_KNOWN in proc.stderr:
-        pytest.xfail(
-            "ZeRO-3: the engine's local replay backward (sync.accumulate_locally) assigns a full-size "
-            "gradient to a parameter ZeRO-3 partitioned to size 0: "
-            + next(line for line in proc.stderr.splitlines() if ZERO3_KNOWN in line).strip()
-        )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    two = json.loads(out.read_text())
+    two = _launch(model_dir, "zero3", "--deepspeed", str(config))
     assert two["wrapper"] == "deepspeed DeepSpeedEngine", two["wrapper"]
     _check_same_training(two, one_process, initial_params)
+    # 4 replays per step on each process, one gradient reduce-scatter per step: the tiny model's
+    # gradients fit in one of ZeRO-3's buckets (reduce_bucket_size), reduced once, after the last replay
+    assert two["calls"]["deepspeed.reduce_scatter_fn"] == STEPS, two["calls"]
 
 
 def _zero_config(stage: int) -> dict:
