@@ -198,7 +198,7 @@ def infonce_loss_and_grad(
             grads.append(g)
         g_a, g_c, g_all, g_s = assemble(problems, grads, anchors, cols, anchors_all, float(grad_output))
     return InfoNCEOutput(
-        loss=sum(losses).to(problems[0].rows.dtype),
+        loss=torch.stack(losses).sum().to(problems[0].rows.dtype),
         grad_anchors=g_a,
         grad_candidates=g_c,
         grad_anchors_all=g_all,
