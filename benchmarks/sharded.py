@@ -24,9 +24,10 @@ Traffic against the per-replay baseline: at ``--traffic-batch`` (default: 16 min
 per step), the same step once more with the engine's gradient-sync switch disabled
 (``st_cached_losses.gradcache.unsynced`` replaced by a no-op), so that every replay's backward
 reduce-scatters: what a cached loss without the switch does. Both runs end with the same gradients
-(checked on a sample of every parameter shard). And a third variant, ``ours-gathered``: ours with
-every group's parameters kept gathered from their first all-gather to the end of the step (see
-:func:`gathered_step`; not what the engine does). ``--reshard`` sets the decoder layers'
+(checked on a sample of every parameter shard). And a third variant, ``ours-gathered``: ours with the
+engine's ``keep_params_unsharded=True`` (every group's parameters all-gathered once, by the step's
+first forward, and kept to the end of the step: one all-gather and one reduce-scatter per group per
+step, for the memory of the full parameters). ``--reshard`` sets the decoder layers'
 ``reshard_after_forward``: ``true`` (FSDP2's default: parameters all-gathered again for every forward
 and every backward), ``false`` (kept from a forward to its backward, resharded after the backward) or
 ``both`` (the traffic comparison under each).
@@ -297,11 +298,12 @@ def measure(model, loss, feats, variant: str, traffic: Traffic):
     import st_cached_losses.gradcache as gradcache
 
     def step():
-        if variant == "ours-gathered":
-            return gathered_step(model, loss, feats)
         value = loss(feats, None)
         value.backward()
         return value
+
+    # the engine's option (off by default): FSDP2 parameters kept unsharded for the whole step
+    loss.keep_params_unsharded = variant == "ours-gathered"
 
     patch = (
         # the engine's gradient-sync switch off: every replay's backward reduce-scatters
@@ -322,37 +324,6 @@ def measure(model, loss, feats, variant: str, traffic: Traffic):
         seconds = time.perf_counter() - start
         sent = traffic.reset()
     return value, mem, seconds, sent
-
-
-def gathered_step(model, loss, feats):
-    """One step with every FSDP2 group's parameters kept gathered from their first all-gather to the
-    end of the step (``set_reshard_after_forward(False)``, ``set_reshard_after_backward(False)``), then
-    resharded (a local free): one all-gather per group per step instead of one per forward and per
-    backward. Not what the engine does today; what it could offer as an option (memory: every
-    group's full parameters at once, as under ZeRO-2)."""
-    from st_cached_losses.sync import fsdp2_modules
-
-    modules = fsdp2_modules(model)
-    # FSDP2 has setters but no getters: the settings are restored from its state afterwards
-    saved = []
-    for m in modules:
-        state = m._get_fsdp_state()
-        groups = [(g, g.post_forward_mesh_info, g.reshard_after_backward) for g in state._fsdp_param_groups]
-        saved.append((state, state._auto_reshard_after_forward, groups))
-        m.set_reshard_after_forward(False, recurse=False)
-        m.set_reshard_after_backward(False, recurse=False)
-    try:
-        value = loss(feats, None)
-        value.backward()
-    finally:
-        for state, auto, groups in saved:
-            state._auto_reshard_after_forward = auto
-            for g, mesh_info, after_backward in groups:
-                g.post_forward_mesh_info = mesh_info
-                g.reshard_after_backward = after_backward
-        for m in modules:
-            m.reshard()
-    return value
 
 
 @contextlib.contextmanager

@@ -2,7 +2,7 @@
 per encoder layer and at the root) gives parameter gradients equal to one process on the global batch,
 for equal and unequal per-process batches and token budgets that cut different numbers of
 mini-batches per process; one reduce-scatter per parameter group per step and none inside gradient
-accumulation; the same agreed plans under DDP; a LoRA adapter, a Router whose document encoder is
+accumulation; with ``keep_params_unsharded`` one all-gather per group per step as well; the same agreed plans under DDP; a LoRA adapter, a Router whose document encoder is
 frozen, a left-padded rotary decoder (fp32 and bf16 autocast) sharded the same way; a learnable scale
 equal on every process after an optimizer step; a bad input, a loss-level check or NaN embeddings on
 one rank only fail every rank in bounded time with an error naming that rank and the cause."""
@@ -42,12 +42,15 @@ def model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def make_loss(name: str, model, **extra):
+def make_loss(name: str, model, keep_params_unsharded: bool = False, **extra):
     import st_cached_losses
 
     cls_name, kwargs, _, _ = CONFIGS[name]
     options = {"mini_batch_size": 2, "gather_across_devices": True, **kwargs, **extra}
-    return getattr(st_cached_losses, cls_name)(model, **options)
+    loss = getattr(st_cached_losses, cls_name)(model, **options)
+    # a settable property (CachedInfoNCEBase's keyword; the subclasses' constructors do not list it)
+    loss.keep_params_unsharded = keep_params_unsharded
+    return loss
 
 
 def shard(model):
@@ -87,6 +90,28 @@ class _Counter:
         for name in self.calls:
             self.calls[name] = 0
         return out
+
+
+def fsdp2_settings(model) -> list[tuple]:
+    """Per FSDP2 parameter group: (sharded now, reshards after forward, reshards after backward, the
+    state's auto flag); FSDP2 has no getters, so from its state."""
+    from st_cached_losses.sync import fsdp2_modules
+
+    out = []
+    for m in fsdp2_modules(model):
+        state = m._get_fsdp_state()
+        for g in state._fsdp_param_groups:
+            after_forward = g.post_forward_mesh_info is not None
+            out.append(
+                (g.is_sharded, after_forward, g.reshard_after_backward, state._auto_reshard_after_forward)
+            )
+    return out
+
+
+def default_settings(model) -> list[tuple]:
+    """FSDP2's defaults once the root ran (``fully_shard`` without options): every group sharded, every
+    one but the root's resharded after forward, all after backward."""
+    return [(True, i > 0, True, True) for i in range(len(fsdp2_settings(model)))]
 
 
 def full_grads(model) -> torch.Tensor:
@@ -132,9 +157,12 @@ def _fsdp_worker(rank: int, world: int, path: str, names: list[str], sizes: list
             value.backward()
             calls = counter.reset()
             stats = dict(STATS.calls)
+            settings = fsdp2_settings(model)
             grads = full_grads(model)
             per_step.append(
                 {
+                    "settings": settings,
+                    "default_settings": default_settings(model),
                     "loss": value.item(),
                     "eval_loss": evaluated,
                     "grads": grads,
@@ -159,7 +187,9 @@ def _fsdp_worker(rank: int, world: int, path: str, names: list[str], sizes: list
 SCALE_LR = 0.5
 
 
-def _check(model_dir, names, sizes, per_rank) -> None:
+def _check(model_dir, names, sizes, per_rank, all_gathers: int | None = None) -> None:
+    """``all_gathers``: FSDP2 all-gathers per step expected on every rank, in training and in evaluation
+    (None: not checked)."""
     for name in names:
         for step in range(STEPS):
             texts = global_texts(sum(sizes), CONFIGS[name][2], seed=step)
@@ -178,6 +208,9 @@ def _check(model_dir, names, sizes, per_rank) -> None:
                 # one reduce-scatter per parameter group per step, whatever the number of replays
                 assert r["calls"]["reduce_scatter_single"] == GROUPS, (where, rank, r["calls"])
                 assert r["stats"].get("all_gather_counts") == 1, (where, rank, r["stats"])
+                if all_gathers is not None:
+                    assert r["calls"]["all_gather_single"] == all_gathers, (where, rank, r["calls"])
+                    assert r["eval_calls"]["all_gather_single"] == all_gathers, (where, rank, r["eval_calls"])
                 if r["scale_grad"] is not None:
                     assert r["scale_grad"] == pytest.approx(ref["scale_grad"], rel=1e-4, abs=1e-7), where
             # the same collective sequence on every rank, in training and in evaluation
@@ -204,6 +237,47 @@ def test_fsdp2_gradients_equal_single_process_global_batch(model_dir, sizes):
     _check(model_dir, names, sizes, per_rank)
 
 
+def _unsharded_worker(rank: int, world: int, path: str, names: list[str], sizes: list[int]):
+    """:func:`_fsdp_worker` with ``keep_params_unsharded``, then a step whose loss stage raises (on every
+    rank): FSDP2's settings and sharding must be restored then too, and a clean step must still work."""
+    results = _fsdp_worker(rank, world, path, names, sizes, {"keep_params_unsharded": True})
+    model = shard(load_model(path))
+    loss = make_loss("mnr_pairs", model, keep_params_unsharded=True)
+    feats = [model.preprocess(t) for t in local_columns(global_texts(sum(sizes), 2, seed=5), sizes, rank)]
+
+    def failing(embeddings):
+        raise RuntimeError("loss stage failed")
+
+    with contextlib.suppress(RuntimeError):
+        loss.cache.step(model, feats, failing).backward()
+    after_failure = (fsdp2_settings(model), default_settings(model))
+    model.zero_grad(set_to_none=True)
+    value = loss(feats, None)
+    value.backward()
+    clean = (value.item(), bool(torch.isfinite(full_grads(model)).all()), fsdp2_settings(model))
+    return {"steps": results, "after_failure": after_failure, "clean": clean}
+
+
+def test_fsdp2_keep_params_unsharded_one_all_gather_per_group(model_dir):
+    """``keep_params_unsharded``: W=2 with 5 and 3 rows, every rank's gradients equal to one process on
+    the global batch (rtol 1e-5), and per step (training, and evaluation before it) one all-gather and
+    one reduce-scatter per FSDP2 parameter group, instead of an all-gather per mini-batch forward and per
+    replay; after each step every group is sharded again with FSDP2's own settings, also after a step
+    that raised."""
+    sizes = [5, 3]
+    names = FSDP_NAMES
+    out = run_distributed(_unsharded_worker, 2, model_dir, names, sizes, timeout=300)
+    _check(model_dir, names, sizes, [r["steps"] for r in out], all_gathers=GROUPS)
+    for rank, r in enumerate(out):
+        for name in names:
+            for step, res in enumerate(r["steps"][name]):
+                assert res["settings"] == res["default_settings"], (name, step, rank, res["settings"])
+        settings, expected = r["after_failure"]
+        assert settings == expected, ("after a failed step", rank, settings)
+        value, finite, settings = r["clean"]
+        assert math.isfinite(value) and finite and settings == expected, (rank, r["clean"])
+
+
 def test_fsdp2_token_budget_different_counts_per_rank(model_dir):
     """A token budget cuts a different number of mini-batches on each rank (rows of different
     lengths): the ranks agree on the largest, and the result is still exact."""
@@ -216,29 +290,35 @@ def test_fsdp2_token_budget_different_counts_per_rank(model_dir):
     assert len(set(naturals)) > 1, f"the test needs ranks that plan different counts: {naturals}"
 
 
-def _accumulation_worker(rank: int, world: int, path: str):
+def _accumulation_worker(rank: int, world: int, path: str, keep_params_unsharded: bool):
     from st_cached_losses import CachedMNRLoss
 
     model = shard(load_model(path))
     counter = _Counter()
     loss = CachedMNRLoss(model, mini_batch_size=2, gather_across_devices=True)
+    loss.keep_params_unsharded = keep_params_unsharded
     sizes = [5, 3]
-    counts = []
+    counts, gathers = [], []
     for micro, seed in enumerate((1, 2)):
         texts = global_texts(8, 2, seed=seed)
         # what accelerate's no_sync does for FSDP2
         model.set_requires_gradient_sync(micro == 1)
         loss([model.preprocess(c) for c in local_columns(texts, sizes, rank)], None).backward()
-        counts.append(counter.reset()["reduce_scatter_single"])
-    return {"counts": counts, "grads": full_grads(model)}
+        calls = counter.reset()
+        counts.append(calls["reduce_scatter_single"])
+        gathers.append(calls["all_gather_single"])
+    return {"counts": counts, "gathers": gathers, "grads": full_grads(model)}
 
 
-def test_fsdp2_no_reduce_scatter_inside_accumulation(model_dir):
-    per_rank = run_distributed(_accumulation_worker, 2, model_dir, timeout=300)
+@pytest.mark.parametrize("keep_params_unsharded", [False, True], ids=["default", "kept_unsharded"])
+def test_fsdp2_no_reduce_scatter_inside_accumulation(model_dir, keep_params_unsharded):
+    per_rank = run_distributed(_accumulation_worker, 2, model_dir, keep_params_unsharded, timeout=300)
     refs = [reference_step(model_dir, "mnr_pairs", global_texts(8, 2, seed=s)) for s in (1, 2)]
     expected = refs[0]["grads"] + refs[1]["grads"]
     for r in per_rank:
         assert r["counts"] == [0, GROUPS], "accumulation step: none; sync step: one per parameter group"
+        if keep_params_unsharded:
+            assert r["gathers"] == [GROUPS, GROUPS], "one all-gather per parameter group per step"
         torch.testing.assert_close(r["grads"], expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
 

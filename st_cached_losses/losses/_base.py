@@ -71,6 +71,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
+        keep_params_unsharded: bool = False,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -93,6 +94,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             ("mask_duplicates", mask_duplicates),
             ("sort_by_length", sort_by_length),
             ("reuse_last_graph", reuse_last_graph),
+            ("keep_params_unsharded", keep_params_unsharded),
         ]:
             check_bool(name, flag)
         self.cache = GradCache(
@@ -101,6 +103,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
             show_progress_bar=show_progress_bar,
+            keep_params_unsharded=keep_params_unsharded,
         )
         self._gather_across_devices = gather_across_devices
         check_duplicates_masking(
@@ -123,6 +126,18 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         self._tagged = False
         self._learnable_scale = False
         self.learnable_scale = learnable_scale
+
+    @property
+    def keep_params_unsharded(self) -> bool:
+        """Under FSDP2: keep every parameter group all-gathered for the whole step (one all-gather and one
+        reduce-scatter per group per step, instead of an all-gather per mini-batch forward and per
+        replay), for the memory of the full parameters; the same gradients. See
+        :class:`~st_cached_losses.gradcache.GradCache`."""
+        return self.cache.keep_params_unsharded
+
+    @keep_params_unsharded.setter
+    def keep_params_unsharded(self, value: bool) -> None:
+        self.cache.keep_params_unsharded = check_bool("keep_params_unsharded", value)
 
     # ------------------------------------------------------------------ forward
 

@@ -33,6 +33,7 @@ class CachedCLIPLoss(CachedInfoNCEBase):
         mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
+        keep_params_unsharded: bool = False,
         path: LossPath = "auto",
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
@@ -77,6 +78,9 @@ class CachedCLIPLoss(CachedInfoNCEBase):
                 default.
             sort_by_length: embed each column's rows longest first (less padding); never changes the result.
             reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
+            keep_params_unsharded: under FSDP2, gather every parameter group once per step and keep it until the
+                last replay (one all-gather and one reduce-scatter per group per step, against one all-gather per
+                mini-batch forward and replay); every process then holds the full parameters for the step. Off.
             path: the loss-stage algorithm, ``"auto"``, ``"chunked"`` or ``"tiled"``.
             memory_budget: bytes of logit blocks the loss stage may hold at once.
 
@@ -135,4 +139,5 @@ class CachedCLIPLoss(CachedInfoNCEBase):
             mask_duplicates=mask_duplicates,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
+            keep_params_unsharded=keep_params_unsharded,
         )

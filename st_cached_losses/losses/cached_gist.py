@@ -42,6 +42,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
+        keep_params_unsharded: bool = False,
     ) -> None:
         """
         GISTEmbed's guided in-batch negatives with GradCache: a frozen guide model removes the in-batch
@@ -71,6 +72,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
             path / tile_size / memory_budget: the loss-stage algorithm (``"auto"``, ``"chunked"`` or
                 ``"tiled"``; tiled across processes is the ring exchange) and its block sizes.
             sort_by_length / reuse_last_graph: engine options, never changing the result.
+            keep_params_unsharded: under FSDP2, gather the parameters once per step (see ``CachedMNRLoss``).
 
         References:
             - Solatorio, GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding
@@ -100,6 +102,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
             memory_budget=memory_budget,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
+            keep_params_unsharded=keep_params_unsharded,
         )
         self._check_guide(model, guide, gather_across_devices)
         self.guide = guide

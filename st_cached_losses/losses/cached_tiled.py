@@ -33,6 +33,7 @@ class CachedTiledLoss(CachedInfoNCEBase):
         mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
+        keep_params_unsharded: bool = False,
         memory_budget: int = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         """
@@ -80,6 +81,9 @@ class CachedTiledLoss(CachedInfoNCEBase):
                 both directions are masked alike. Off by default.
             sort_by_length: embed each column's rows longest first (less padding); never changes the result.
             reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
+            keep_params_unsharded: under FSDP2, gather every parameter group once per step and keep it until the
+                last replay (one all-gather and one reduce-scatter per group per step, against one all-gather per
+                mini-batch forward and replay); every process then holds the full parameters for the step. Off.
             memory_budget: bytes of logit tiles the loss stage may hold at once when ``tile_size`` is None.
 
         References:
@@ -144,6 +148,7 @@ class CachedTiledLoss(CachedInfoNCEBase):
             mask_duplicates=mask_duplicates,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
+            keep_params_unsharded=keep_params_unsharded,
         )
 
     def _citation_parts(self) -> tuple[str, ...]:
