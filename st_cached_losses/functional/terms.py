@@ -205,13 +205,19 @@ def term_stats(
     bound: Sequence[Bound], m: Tensor, s: Tensor, *, scale: float, row_tile: int, col_tile: int
 ) -> None:
     """Fold every bound term's logits into the running per-group ``(m, s)``, each ``(groups, B)``."""
-    for b in bound:
+    for b, q, r0, r1, c0, c1 in _tiles(bound, row_tile, col_tile):
+        block, _, _ = _logits(b, q, r0, r1, c0, c1, scale, False)
         g = b.term.group
+        online_lse_update(m[g, r0:r1], s[g, r0:r1], block, 1, None)
+
+
+def _tiles(bound: Sequence[Bound], row_tile: int, col_tile: int):
+    """Every tile of every bound term: ``(term, its rows' tile, r0, r1, c0, c1)``."""
+    for b in bound:
         for r0, r1 in spans(b.rows.n, row_tile):
             q = b.rows.tile(r0, r1)
             for c0, c1 in spans(b.cols.n, col_tile):
-                block, _, _ = _logits(b, q, r0, r1, c0, c1, scale, False)
-                online_lse_update(m[g, r0:r1], s[g, r0:r1], block, 1, None)
+                yield b, q, r0, r1, c0, c1
 
 
 def _logit_grad(b: Bound, block: Tensor, lse: LogSumExp, weight: float, ij) -> Tensor:
@@ -249,14 +255,11 @@ def term_grads(
     """Second pass: recompute each tile and accumulate its gradients into the bound buffers. Returns
     ``sum(G * s * sim)`` (for the scale's gradient; 0 when not needed)."""
     gs = torch.zeros((), dtype=torch.float64, device=bound[0].rows.x.device)
-    for b in bound:
+    for b, q, r0, r1, c0, c1 in _tiles(bound, row_tile, col_tile):
         grp = b.term.group
-        for r0, r1 in spans(b.rows.n, row_tile):
-            q = b.rows.tile(r0, r1)
-            for c0, c1 in spans(b.cols.n, col_tile):
-                block, raw, ij = _logits(b, q, r0, r1, c0, c1, scale, need_scale_grad)
-                g = _logit_grad(b, block, lse[grp][r0:r1], weights[grp], ij)
-                gs += _apply(b, g, raw, q, c0, c1, r0, r1)
+        block, raw, ij = _logits(b, q, r0, r1, c0, c1, scale, need_scale_grad)
+        g = _logit_grad(b, block, lse[grp][r0:r1], weights[grp], ij)
+        gs += _apply(b, g, raw, q, c0, c1, r0, r1)
     return gs
 
 
