@@ -270,7 +270,10 @@ def test_example_rejects_a_bad_config_before_training(tmp_path, tiny_model):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--loss", "nmr"], "loss='nmr' is not a cached loss; choose one of 'mnr', 'clip', 'tiled' or 'gist'"),
+        (
+            ["--loss", "nmr"],
+            "loss='nmr' is not a cached loss; choose one of 'mnr', 'clip', 'tiled' or 'gist'",
+        ),
         (["{bad_yaml}"], "unknown field(s) ['mini_bach_size']; see --help for the fields. Did you mean"),
         (["--learnable_scale", "true"], "learnable_scale=True is supported by loss='clip' or loss='tiled'"),
     ],
