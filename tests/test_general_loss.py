@@ -194,6 +194,9 @@ def _general_worker(rank: int, world: int, sizes: list[int], kind: str, ring: bo
         emb, guide = gist_case(sum(sizes), 2)
         terms = gist_terms(True, True, 2, "relative", 0.1)
         g = Guide(guide[0][own], [c[own] for c in guide[1:]])
+    elif kind == "hardness":  # one direction: no term reads the documents' rows
+        emb, g = embeddings(sum(sizes), 2), None
+        terms = mnrl_terms(("query_to_doc",), "joint", "hard_negatives", 3.0, 2)
     else:
         emb, g = embeddings(sum(sizes), 2), None
         dirs = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -209,7 +212,7 @@ def _general_worker(rank: int, world: int, sizes: list[int], kind: str, ring: bo
 
 @pytest.mark.parametrize("ring", [False, True], ids=["gather", "ring"])
 @pytest.mark.parametrize("sizes", [[4, 2], [3, 1, 4]], ids=["w2", "w3"])
-@pytest.mark.parametrize("kind", ["mnrl", "gist"])
+@pytest.mark.parametrize("kind", ["mnrl", "gist", "hardness"])
 def test_across_processes_equals_one_process_global_batch(kind, sizes, ring):
     """Each process's share weighs ``W / B_global``: the shares' mean is the global loss and their
     gradients sum to ``W`` times the global gradient (DDP averages them)."""
@@ -223,6 +226,9 @@ def test_across_processes_equals_one_process_global_batch(kind, sizes, ring):
         emb = [e.requires_grad_() for e in emb]
         # the global loss: the mean over every row (a process's anchors see only its own anchors)
         ref = sum(m * _gist_rows(emb, guide, sl) for sl, m in zip(_slices(sizes), sizes)) / n
+    elif kind == "hardness":
+        emb = [e.requires_grad_() for e in embeddings(n, 2)]
+        ref = st_mnrl_loss(emb, ("query_to_doc",), "joint", "hard_negatives")
     else:
         emb = [e.requires_grad_() for e in embeddings(n, 2)]
         dirs = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")

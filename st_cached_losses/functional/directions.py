@@ -10,6 +10,7 @@ a gradient pass over square tiles, ``O((B + N) d)`` memory plus a few tiles.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,6 +99,12 @@ class _Sources:
                 self.grads[name] = torch.zeros(n, dim, dtype=dt, device=dev)
             if anchors_all is None and "q_all" in self.cols:
                 self.grads["q_all"] = self.grads["q_local"]  # one process: the same rows, one buffer
+
+    def with_columns(self, cols: dict[str, Operand], grads: dict[str, Tensor]) -> _Sources:
+        """The same rows against other columns (a block visiting in the ring), with these gradient buffers."""
+        other = copy.copy(self)
+        other.cols, other.grads = cols, grads
+        return other
 
 
 def _thresholds(gsrc: _Sources | None, terms: TermSet, tile: int) -> Tensor | None:
@@ -323,18 +330,18 @@ def ring_terms_solve(
     def bind(owner: int, tensors: list[Tensor], g_block: Tensor | None) -> list[Bound]:
         """The terms against a visiting block (and, for this process's own block, the local terms)."""
         blk = tensors[0]
-        visit = _Sources.__new__(_Sources)
-        visit.b, visit.row_offset, visit.q, visit.d = b, 0, src.q, src.d
-        visit.cols = {n: Operand(blk[:, j], cosine, 1.0, prenormalize=False) for j, n in enumerate(names)}
-        visit.grads = {}
-        if g_block is not None:
-            visit.grads = {"q": src.grads["q"], "d": src.grads["d"]}
-            visit.grads.update({n: g_block[:, j] for j, n in enumerate(names)})
+        grads = {}
+        if g_block is not None:  # this process's rows keep theirs; the block's travel with it
+            grads = {r: g for r, g in src.grads.items() if r in ("q", "d")}
+            grads.update({n: g_block[:, j] for j, n in enumerate(names)})
+        visit = src.with_columns(
+            {n: Operand(blk[:, j], cosine, 1.0, prenormalize=False) for j, n in enumerate(names)}, grads
+        )
         gvisit = None
         if gsrc is not None:
-            gvisit = _Sources.__new__(_Sources)
-            gvisit.q, gvisit.d = gsrc.q, gsrc.d
-            gvisit.cols = {f"c{j}": Operand(tensors[1][:, j], True, 1.0, False) for j in range(k)}
+            gvisit = gsrc.with_columns(
+                {f"c{j}": Operand(tensors[1][:, j], True, 1.0, False) for j in range(k)}, {}
+            )
         bound = _bind(visiting_terms, visit, 0 if owner == me else None, gvisit, thr)
         if owner == me and local_terms.terms:
             bound += _bind(local_terms, src, 0, gsrc, thr)
