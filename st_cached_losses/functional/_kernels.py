@@ -85,6 +85,20 @@ def spans(n: int, size: int) -> Iterator[tuple[int, int]]:
         yield i0, min(i0 + size, n)
 
 
+def diagonal_entries(
+    r0: int, r1: int, c0: int, c1: int, offset: int | None, device: torch.device
+) -> tuple[Tensor, Tensor] | None:
+    """Tile-local indices ``(ri, ci)`` of the entries ``(i, offset + i)`` of rows ``r0:r1`` that fall in
+    columns ``c0:c1`` (a row's positive, or its own entry), or None when there are none."""
+    if offset is None:
+        return None
+    lo, hi = max(r0, c0 - offset), min(r1, c1 - offset)
+    if lo >= hi:
+        return None
+    i = torch.arange(lo, hi, device=device)
+    return i - r0, i + offset - c0
+
+
 def positive_logits(rows: Operand, pos_col: Operand, row_offset: int, row_tile: int) -> Tensor:
     """``pos[i] = <rows_i, pos_col_{row_offset + i}>`` in fp32: ``(B,)``."""
     out = torch.empty(rows.n, dtype=rows.dtype, device=rows.x.device)
@@ -171,12 +185,9 @@ def _masks(
     m_r = keys.row_pos[r0:r1, None] == keys.cols[k][None, c0:c1]
     if k == 0 and keys.row_self is not None and keys.col_pair is not None:
         m_r |= keys.row_self[r0:r1, None] == keys.col_pair[None, c0:c1]
-    if k == 0 and row_offset is not None:
-        # the positive pair (i, row_offset + i) is never masked
-        i = torch.arange(r0, r1, device=m_r.device)
-        j = i + row_offset - c0
-        ok = (j >= 0) & (j < c1 - c0)
-        m_r[(i - r0)[ok], j[ok]] = False
+    ij = diagonal_entries(r0, r1, c0, c1, row_offset, m_r.device) if k == 0 else None
+    if ij is not None:
+        m_r[ij] = False  # the positive pair (i, row_offset + i) is never masked
     # duplicate pairs are duplicates both ways: the column direction masks the same entries
     return m_r, m_r if k == 0 and column_direction else None
 
@@ -275,10 +286,9 @@ def _subtract_positives(
     g: Tensor, r0: int, r1: int, c0: int, c1: int, row_offset: int, weight: float
 ) -> None:
     """``g[i, row_offset + i - c0] -= weight`` for the rows of this tile whose positive falls in it."""
-    lo, hi = max(r0, c0 - row_offset), min(r1, c1 - row_offset)
-    if lo < hi:
-        i = torch.arange(lo - r0, hi - r0, device=g.device)
-        g[i, i + r0 + row_offset - c0] -= weight
+    ij = diagonal_entries(r0, r1, c0, c1, row_offset, g.device)
+    if ij is not None:
+        g[ij] -= weight
 
 
 def accumulate_gradients(

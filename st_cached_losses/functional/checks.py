@@ -29,15 +29,18 @@ def check_positive_int(name: str, value: int | None) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1024 or None.")
 
 
-def scale_value(scale: float | Tensor) -> float:
+def scale_value(scale: float | Tensor, name: str = "scale") -> float:
     """The scale (1 / temperature) as a float: any real number (Python, NumPy) or one-element tensor,
-    finite and positive."""
+    finite and positive. ``name``: the argument named in errors (``"temperature"`` checks a temperature
+    by the same rules)."""
+    example = "20.0" if name == "scale" else "0.05"
+    other = "1 / temperature" if name == "scale" else "1 / scale"
     if isinstance(scale, (bool, str)):
-        raise ValueError(f"scale must be a positive number (1 / temperature), got {scale!r}; e.g. 20.0.")
+        raise ValueError(f"{name} must be a positive number ({other}), got {scale!r}; e.g. {example}.")
     if isinstance(scale, Tensor):
         if scale.numel() != 1:
             raise ValueError(
-                f"scale must be a float or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}."
+                f"{name} must be a float or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}."
             )
         value = float(scale.detach())
     else:
@@ -45,12 +48,11 @@ def scale_value(scale: float | Tensor) -> float:
             value = float(scale)
         except (TypeError, ValueError):
             raise ValueError(
-                f"scale must be a positive number (1 / temperature), got {scale!r}; e.g. 20.0."
+                f"{name} must be a positive number ({other}), got {scale!r}; e.g. {example}."
             ) from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError(
-            f"scale must be a finite positive number (1 / temperature), got {value}; typical values are 20 to 100."
-        )
+        typical = "typical values are 20 to 100" if name == "scale" else f"e.g. {example}"
+        raise ValueError(f"{name} must be a finite positive number ({other}), got {value}; {typical}.")
     return value
 
 

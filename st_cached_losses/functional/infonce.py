@@ -141,22 +141,12 @@ def infonce_loss_and_grad(
     Returns:
         :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
     """
-    cols = candidate_columns(candidates)
-    validate_inputs(
-        anchors,
-        cols,
-        anchors_all,
-        similarity=similarity,
-        symmetric=symmetric or reads_anchors_all(terms),
-        row_offset=row_offset,
-        chunk_size=chunk_size,
-        tile_size=tile_size,
-        memory_budget=memory_budget,
-        path=path,
-        check_finite=check_finite,
-    )
+    cols = _checked_columns(
+        anchors, candidates, anchors_all, similarity=similarity, symmetric=symmetric, row_offset=row_offset,
+        chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, path=path,
+        check_finite=check_finite, terms=terms, guide=guide, anchor_keys=anchor_keys, candidate_keys=candidate_keys,
+    )  # fmt: skip
     if terms is not None:
-        check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, cols)
         general = _general_solver(
             terms, guide, similarity, row_offset, path, chunk_size, tile_size, memory_budget
         )
@@ -342,28 +332,17 @@ def infonce(
     log-sum-exp values, nothing when no input requires grad; backward renormalises the inputs and
     recomputes each logit tile once, holding one block of logits at a time.
     """
-    cols = candidate_columns(candidates)
-    validate_inputs(
-        anchors,
-        cols,
-        anchors_all,
-        similarity=similarity,
-        symmetric=symmetric or reads_anchors_all(terms),
-        row_offset=row_offset,
-        chunk_size=chunk_size,
-        tile_size=tile_size,
-        memory_budget=memory_budget,
-        path=path,
-        check_finite=check_finite,
-    )
+    cols = _checked_columns(
+        anchors, candidates, anchors_all, similarity=similarity, symmetric=symmetric, row_offset=row_offset,
+        chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, path=path,
+        check_finite=check_finite, terms=terms, guide=guide, anchor_keys=anchor_keys, candidate_keys=candidate_keys,
+    )  # fmt: skip
+    scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
     if terms is not None:
-        check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, cols)
         general = _general_solver(
             terms, guide, similarity, row_offset, path, chunk_size, tile_size, memory_budget
         )
-        scale_in = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
-        return GeneralFunction.apply(general, scale_in, anchors, anchors_all, *cols)
-    scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
+        return GeneralFunction.apply(general, scale_t, anchors, anchors_all, *cols)
     scale_value(scale_t)
     keys = validate_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric)
     options = _Options(
@@ -404,3 +383,23 @@ def _general_solver(
         memory_budget=memory_budget,
         guide=guide,
     )
+
+
+def _checked_columns(
+    anchors: Tensor,
+    candidates: Tensor | Sequence[Tensor],
+    anchors_all: Tensor | None,
+    *,
+    terms: TermSet | None,
+    guide: Guide | None,
+    anchor_keys: Tensor | None,
+    candidate_keys: Sequence[Tensor] | None,
+    symmetric: bool,
+    **options: Any,
+) -> list[Tensor]:
+    """Both entry points' checks of their arguments (and of the general loss's); the candidate columns."""
+    cols = candidate_columns(candidates)
+    validate_inputs(anchors, cols, anchors_all, symmetric=symmetric or reads_anchors_all(terms), **options)
+    if terms is not None:
+        check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, cols)
+    return cols

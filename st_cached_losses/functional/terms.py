@@ -33,7 +33,14 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import LogSumExp, Operand, exp_flushed_, online_lse_update, spans
+from st_cached_losses.functional._kernels import (
+    LogSumExp,
+    Operand,
+    diagonal_entries,
+    exp_flushed_,
+    online_lse_update,
+    spans,
+)
 
 __all__ = [
     "TIE_TOLERANCE",
@@ -165,24 +172,13 @@ class Bound:
     thresholds: Tensor | None = None  # (B,)
 
 
-def _diagonal(r0: int, r1: int, c0: int, c1: int, offset: int | None, device: torch.device):
-    """Tile-local indices ``(ri, ci)`` of the diagonal entries ``(i, offset + i)`` in this tile, or None."""
-    if offset is None:
-        return None
-    lo, hi = max(r0, c0 - offset), min(r1, c1 - offset)
-    if lo >= hi:
-        return None
-    i = torch.arange(lo, hi, device=device)
-    return i - r0, i + offset - c0
-
-
 def _logits(b: Bound, q: Tensor, r0: int, r1: int, c0: int, c1: int, scale: float, keep_raw: bool):
     """One tile's final logits (penalties added, removed entries at -inf) and, if asked, the raw
     ``s * sim`` (for the scale's gradient)."""
     t = b.term
     block = q @ b.cols.tile(c0, c1).T  # (rows, cols)
     raw = block.clone() if keep_raw else None
-    ij = _diagonal(r0, r1, c0, c1, b.diag, block.device)
+    ij = diagonal_entries(r0, r1, c0, c1, b.diag, block.device)
     if t.pen_off or t.pen_diag:
         on_diag = block[ij] if ij is not None and t.pen_diag != t.pen_off else None
         if t.pen_off:

@@ -33,10 +33,8 @@ from st_cached_losses.losses.options import (
     check_bool,
     check_columns,
     check_directions,
-    check_duplicates_masking,
     check_hardness,
     check_splittable_model,
-    is_classic,
     resolve_similarity,
 )
 
@@ -106,11 +104,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             keep_params_unsharded=keep_params_unsharded,
         )
         self._gather_across_devices = gather_across_devices
-        check_duplicates_masking(
-            mask_duplicates,
-            is_classic(self._directions, partition_mode, hardness_mode, hardness_strength),
-            owner,
-        )
+        self._check_masking(mask_duplicates=mask_duplicates)
         self._mask_duplicates = mask_duplicates
         self._path: LossPath = self._path_value(path)
         check_positive_int("tile_size", tile_size)
@@ -143,6 +137,17 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
 
     def _core_kwargs(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
         """The core's options; ``n_columns``: candidate columns (positives and hard negatives) of this step."""
+        return {
+            "similarity": self.similarity,
+            "path": self.path,
+            "tile_size": self.tile_size,
+            "memory_budget": self.memory_budget,
+            **self._loss_terms(keys, n_columns),
+        }
+
+    def _loss_terms(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
+        """Which loss the core computes: the one-directional or symmetric loss (with duplicate keys), or
+        the general loss's terms (what a subclass with other terms overrides)."""
         kwargs: dict[str, Any] = {}
         if keys is not None:
             kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
@@ -152,13 +157,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             kwargs["terms"] = mnrl_terms(
                 self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength, n_columns
             )
-        return {
-            **kwargs,
-            "similarity": self.similarity,
-            "path": self.path,
-            "tile_size": self.tile_size,
-            "memory_budget": self.memory_budget,
-        }
+        return kwargs
 
     #: The sentence-transformers loss this one equals (the same loss and gradients for the same options),
     #: named in the model card's tags next to ``loss:<our class>``.

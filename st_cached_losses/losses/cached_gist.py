@@ -9,7 +9,7 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.features import batch_size_of
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
 from st_cached_losses.functional.directions import Guide
 from st_cached_losses.functional.terms import gist_terms
 from st_cached_losses.losses._base import CachedInfoNCEBase
@@ -89,7 +89,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
         """
         super().__init__(
             model,
-            _inverse_temperature(temperature),
+            1.0 / scale_value(temperature, name="temperature"),
             cos_sim,
             mini_batch_size,
             mini_batch_num_tokens,
@@ -191,7 +191,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
 
     # ------------------------------------------------------------------ forward
 
-    def _core_kwargs(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
+    def _loss_terms(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
         g = self._guide_embeddings
         if g is None or len(g) != n_columns + 1:
             raise ValueError(
@@ -201,14 +201,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
         terms = gist_terms(
             self.contrast_anchors, self.contrast_positives, n_columns, self.margin_strategy, self.margin
         )
-        return {
-            "terms": terms,
-            "guide": Guide(g[0], g[1:]),
-            "similarity": "cosine",
-            "path": self.path,
-            "tile_size": self.tile_size,
-            "memory_budget": self.memory_budget,
-        }
+        return {"terms": terms, "guide": Guide(g[0], g[1:]), "similarity": "cosine"}
 
     def _guide_features(self, features: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The columns as the guide reads them: re-tokenised from the text when its tokenizer differs."""
@@ -238,14 +231,6 @@ class CachedGISTLoss(CachedInfoNCEBase):
             return super().forward(features, labels)
         finally:
             self._guide_embeddings = None
-
-
-def _inverse_temperature(temperature: float) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number, got {temperature!r}.")
-    if not math.isfinite(1.0 / temperature):
-        raise ValueError(f"temperature={temperature!r} is too small: 1 / temperature must be finite.")
-    return 1.0 / temperature
 
 
 def _must_retokenize(model: nn.Module, guide: nn.Module) -> bool:

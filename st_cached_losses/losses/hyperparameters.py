@@ -113,7 +113,7 @@ class CachedLossHyperparameters(nn.Module):
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        self.scale = 1.0 / scale_value(value)
+        self.scale = 1.0 / scale_value(value, name="temperature")
 
     @property
     def learnable_scale(self) -> bool:
