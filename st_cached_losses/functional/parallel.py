@@ -36,6 +36,7 @@ from st_cached_losses.distributed import (
     own_rows,
     rank,
     ring_exchange,
+    world_size,
 )
 from st_cached_losses.functional._kernels import (
     DuplicateKeys,
@@ -71,6 +72,7 @@ __all__ = [
     "gathered_infonce",
     "gathered_loss_and_grad",
     "loss_and_grad",
+    "mean_scale_grad",
     "ring_loss_and_grad",
 ]
 
@@ -179,7 +181,7 @@ def gathered_loss_and_grad(
     g_anchors = out.grad_anchors
     if out.grad_anchors_all is not None and g_anchors is not None:
         g_anchors = g_anchors + own_rows(all_reduce_sum(out.grad_anchors_all, "all_reduce_grad"), sizes)
-    return InfoNCEOutput(out.loss * factor, g_anchors, g_cands, None, _mean_scale_grad(out.grad_scale, w))
+    return InfoNCEOutput(out.loss * factor, g_anchors, g_cands, None, mean_scale_grad(out.grad_scale, w))
 
 
 def loss_and_grad(
@@ -205,11 +207,15 @@ def loss_and_grad(
     return InfoNCEOutput(loss, None, [], None, None)
 
 
-def _mean_scale_grad(grad: Tensor | None, w: int) -> Tensor | None:
-    """The scale is not inside DDP: average its gradient here, or the processes drift apart."""
-    if grad is None:
-        return None
-    return all_reduce_sum(grad.reshape(1).clone(), "all_reduce_scale")[0] / w
+def mean_scale_grad(grad: Tensor | None, w: int | None = None) -> Tensor | None:
+    """A tensor scale's gradient averaged over the ``w`` processes (default: the process group's size).
+
+    The scale lives outside DDP / FSDP / DeepSpeed (it belongs to the loss), so nobody else averages it:
+    without this, each process would step its scale by its own rows' gradient and the processes would
+    drift apart. One all-reduce; nothing outside a process group of more than one process."""
+    if grad is None or not is_distributed():
+        return grad
+    return all_reduce_sum(grad.reshape(1).clone(), "all_reduce_scale")[0] / (w or world_size())
 
 
 def gathered_infonce(
@@ -435,7 +441,7 @@ def _ring(
     grad_scale = None
     if need_scale_grad:
         # every process holds part of d(sum_r L_r)/ds = W dL/ds; the average is the true gradient
-        gs = _mean_scale_grad(gs_total, len(sizes))
+        gs = mean_scale_grad(gs_total, len(sizes))
         grad_scale = (gs / s).to(scale.dtype)  # type: ignore[operator, union-attr]
     g_candidates = [
         raw_grad(op, g_block[:, j].contiguous(), c.dtype, tile)

@@ -24,7 +24,12 @@ from st_cached_losses.functional import (
 )
 from st_cached_losses.functional.checks import check_positive_int
 from st_cached_losses.functional.keys import input_hashes
-from st_cached_losses.functional.parallel import agree_on_sizes, gathered_infonce, loss_and_grad
+from st_cached_losses.functional.parallel import (
+    agree_on_sizes,
+    gathered_infonce,
+    loss_and_grad,
+    mean_scale_grad,
+)
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.gradcache import GradCache
 from st_cached_losses.losses.hyperparameters import CachedLossHyperparameters
@@ -204,6 +209,9 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         scale, kwargs = self.scale_tensor(), self._core_kwargs(keys, len(embeddings) - 1)
         if not with_backward and torch.is_grad_enabled():  # a caller asking for autograd, not the cache
             if sizes is None:
+                if isinstance(scale, Tensor) and scale.requires_grad and is_distributed():
+                    # each process's own rows: average the scale's gradient as DDP averages the model's
+                    scale.register_hook(lambda g: mean_scale_grad(g))  # type: ignore[arg-type,return-value]
                 return infonce(embeddings[0], embeddings[1:], scale=scale, check_finite=False, **kwargs)
             return gathered_infonce(embeddings[0], embeddings[1:], sizes, scale=scale, **kwargs)
         scale = self._scale_for_grad(scale) if with_backward else scale
@@ -221,9 +229,15 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
                 piece.grad = g if piece.grad is None else piece.grad + g
         loss = out.loss.detach()
         if out.grad_scale is not None and self._scale_leaf is not None:
+            grad_scale = out.grad_scale
+            if sizes is None:
+                # each process scored only its own rows, and the scale belongs to the loss, outside any
+                # wrapper: average its gradient as DDP / FSDP / DeepSpeed average the model's, or every
+                # process would step to another scale (the gathered and ring paths average it themselves)
+                grad_scale = mean_scale_grad(grad_scale)
             # the value of the loss, with d/d(leaf) = the scale's gradient: a caller's weights reach it
             leaf = self._scale_leaf
-            loss = loss + (leaf - leaf.detach()) * out.grad_scale.detach().to(leaf.dtype)
+            loss = loss + (leaf - leaf.detach()) * grad_scale.detach().to(leaf.dtype)
         return loss
 
     def _scale_for_grad(self, scale: Tensor | float) -> Tensor | float:
