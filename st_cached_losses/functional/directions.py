@@ -21,6 +21,7 @@ from torch import Tensor
 from st_cached_losses.distributed import all_gather_rows, all_reduce_sum, rank, ring_exchange
 from st_cached_losses.functional._kernels import LogSumExp, Operand, init_stats, positive_logits
 from st_cached_losses.functional.checks import scale_value
+from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.problems import plan_blocks, raw_grad, tile_side
 from st_cached_losses.functional.terms import (
     Bound,
@@ -440,6 +441,7 @@ class GeneralFunction(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @fp32_loss_stage
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
         grads = [g * grad_loss.to(g.dtype) if g is not None else None for g in ctx.grads]
         del ctx.grads

@@ -43,6 +43,7 @@ from st_cached_losses.functional.directions import (
     reads_anchors_all,
     terms_solve,
 )
+from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.problems import (
     Problem,
     assemble,
@@ -82,6 +83,7 @@ class InfoNCEOutput:
 # --------------------------------------------------------------------------- public API
 
 
+@fp32_loss_stage
 def infonce_loss_and_grad(
     anchors: Tensor,
     candidates: Tensor | Sequence[Tensor],
@@ -290,6 +292,7 @@ class _InfoNCEFunction(torch.autograd.Function):
         return loss.to(problems[0].rows.dtype)
 
     @staticmethod
+    @fp32_loss_stage
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
         anchors, anchors_all, *rest = ctx.saved_tensors
         cols, state = rest[: ctx.n_cols], rest[ctx.n_cols :]
@@ -303,6 +306,7 @@ class _InfoNCEFunction(torch.autograd.Function):
         return (None, g_s.to(ctx.scale_dtype) if need_scale_grad else None, g_a, g_all, *g_c)
 
 
+@fp32_loss_stage
 def infonce(
     anchors: Tensor,
     candidates: Tensor | Sequence[Tensor],

@@ -64,6 +64,7 @@ from st_cached_losses.functional.infonce import (
     infonce,
     infonce_loss_and_grad,
 )
+from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.problems import infonce_from_stats, raw_grad, tile_side
 from st_cached_losses.functional.terms import TermSet
 
@@ -117,6 +118,7 @@ def _gathered_keys(
     }
 
 
+@fp32_loss_stage
 def gathered_loss_and_grad(
     anchors: Tensor,
     candidates: Sequence[Tensor],
@@ -184,6 +186,7 @@ def gathered_loss_and_grad(
     return InfoNCEOutput(out.loss * factor, g_anchors, g_cands, None, mean_scale_grad(out.grad_scale, w))
 
 
+@fp32_loss_stage
 def loss_and_grad(
     anchors: Tensor,
     candidates: Sequence[Tensor],
@@ -218,6 +221,7 @@ def mean_scale_grad(grad: Tensor | None, w: int | None = None) -> Tensor | None:
     return all_reduce_sum(grad.reshape(1).clone(), "all_reduce_scale")[0] / (w or world_size())
 
 
+@fp32_loss_stage
 def gathered_infonce(
     anchors: Tensor,
     candidates: Sequence[Tensor],
@@ -287,6 +291,7 @@ class _RingPayload:
         return _RingPayload(next(it), *rest)
 
 
+@fp32_loss_stage
 def ring_loss_and_grad(
     anchors: Tensor,
     candidates: Sequence[Tensor],

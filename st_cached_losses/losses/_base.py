@@ -211,7 +211,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             if sizes is None:
                 if isinstance(scale, Tensor) and scale.requires_grad and is_distributed():
                     # each process's own rows: average the scale's gradient as DDP averages the model's
-                    scale.register_hook(lambda g: mean_scale_grad(g))  # type: ignore[arg-type,return-value]
+                    scale.register_hook(mean_scale_grad)
                 return infonce(embeddings[0], embeddings[1:], scale=scale, check_finite=False, **kwargs)
             return gathered_infonce(embeddings[0], embeddings[1:], sizes, scale=scale, **kwargs)
         scale = self._scale_for_grad(scale) if with_backward else scale
@@ -229,7 +229,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
                 piece.grad = g if piece.grad is None else piece.grad + g
         loss = out.loss.detach()
         if out.grad_scale is not None and self._scale_leaf is not None:
-            grad_scale = out.grad_scale
+            grad_scale: Tensor | None = out.grad_scale
             if sizes is None:
                 # each process scored only its own rows, and the scale belongs to the loss, outside any
                 # wrapper: average its gradient as DDP / FSDP / DeepSpeed average the model's, or every
@@ -237,6 +237,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
                 grad_scale = mean_scale_grad(grad_scale)
             # the value of the loss, with d/d(leaf) = the scale's gradient: a caller's weights reach it
             leaf = self._scale_leaf
+            assert grad_scale is not None  # averaged, not dropped
             loss = loss + (leaf - leaf.detach()) * grad_scale.detach().to(leaf.dtype)
         return loss
 
