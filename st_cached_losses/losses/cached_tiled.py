@@ -20,8 +20,8 @@ class CachedTiledLoss(CachedInfoNCEBase):
         mini_batch_size: int = 32,
         mini_batch_num_tokens: int | None = None,
         gather_across_devices: bool = False,
-        directions: Sequence[str] = ONE_DIRECTION,
-        partition_mode: str = "joint",
+        directions: Sequence[str] | None = None,
+        partition_mode: str | None = None,
         show_progress_bar: bool = False,
         hardness_mode: str | None = None,
         hardness_strength: float = 0.0,
@@ -56,12 +56,14 @@ class CachedTiledLoss(CachedInfoNCEBase):
                 sentence-transformers: rows are packed while their token count stays within it (a longer row
                 alone), longest rows first, and ``mini_batch_size`` is not used. For data of very uneven length.
             gather_across_devices: score each process's anchors against the candidates of every process (by ring exchange).
-            directions: the similarity terms of each row, as sentence-transformers' ``MultipleNegativesRankingLoss``:
+            directions: the similarity terms of each row (default ``("query_to_doc",)``, or both directions
+                with ``symmetric=True``), as sentence-transformers' ``MultipleNegativesRankingLoss``:
                 ``"query_to_doc"`` (required: every candidate column), ``"query_to_query"`` (the other anchors),
                 ``"doc_to_query"`` (the positive against every anchor), ``"doc_to_doc"`` (the positive against every
                 other row's documents).
             partition_mode: ``"joint"`` (one softmax over every selected term; GTE with all four directions) or
                 ``"per_direction"`` (one per direction, averaged; not with ``query_to_query`` / ``doc_to_doc``).
+                Default ``"joint"``, or ``"per_direction"`` with ``symmetric=True``.
             show_progress_bar: tqdm bars over the mini-batches of both passes.
             hardness_mode: ``None``, ``"in_batch_negatives"`` (Lan et al. 2025), ``"hard_negatives"`` (EmbeddingGemma)
                 or ``"all_negatives"``: adds ``hardness_strength * stop_grad(similarity)`` (not scaled) to those
@@ -69,7 +71,9 @@ class CachedTiledLoss(CachedInfoNCEBase):
             hardness_strength: the penalty's ``alpha``, non-negative; unused while ``hardness_mode`` is None.
             symmetric: shorthand: True for ``directions=("query_to_doc", "doc_to_query")``,
                 ``partition_mode="per_direction"`` (the CLIP loss), False for ``("query_to_doc",)``; None
-                (default): as ``directions`` say.
+                (default): as ``directions`` say. Given with ``directions`` / ``partition_mode`` that say
+                otherwise (e.g. ``symmetric=True, partition_mode="joint"``), it raises: both directions in
+                one softmax are ``directions=("query_to_doc", "doc_to_query"), partition_mode="joint"``.
             tile_size: side of a logit tile (default: from ``memory_budget``, at most 2048).
             learnable_scale: learn the scale as ``logit_scale = log(scale)``, clamped at ``max_scale``.
             max_scale: the clamp of a learned scale.
@@ -120,14 +124,7 @@ class CachedTiledLoss(CachedInfoNCEBase):
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
         """
-        if symmetric is not None:
-            wanted = (TWO_DIRECTIONS, "per_direction") if symmetric else (ONE_DIRECTION, partition_mode)
-            if (tuple(directions), partition_mode) not in {wanted, (ONE_DIRECTION, partition_mode)}:
-                raise ValueError(
-                    f"symmetric={symmetric!r} contradicts directions={tuple(directions)!r} with "
-                    f"partition_mode={partition_mode!r}; pass one or the other."
-                )
-            directions, partition_mode = wanted
+        directions, partition_mode = _resolve_symmetric(symmetric, directions, partition_mode)
         super().__init__(
             model,
             scale,
@@ -153,3 +150,34 @@ class CachedTiledLoss(CachedInfoNCEBase):
 
     def _citation_parts(self) -> tuple[str, ...]:
         return (GRADCACHE_CITATION, INFCL_CITATION, *((CLIP_CITATION,) if self.symmetric else ()))
+
+
+def _resolve_symmetric(
+    symmetric: bool | None, directions: Sequence[str] | None, partition_mode: str | None
+) -> tuple[Sequence[str], str]:
+    """``directions`` and ``partition_mode`` from the ``symmetric`` shorthand; a contradiction raises,
+    however it is spelled."""
+    if symmetric is None:
+        return ONE_DIRECTION if directions is None else directions, partition_mode or "joint"
+    wanted: tuple[tuple[str, ...], str] = (
+        (TWO_DIRECTIONS, "per_direction") if symmetric else (ONE_DIRECTION, partition_mode or "joint")
+    )
+    given_dirs = wanted[0] if directions is None else tuple(directions)
+    given_mode = wanted[1] if partition_mode is None else partition_mode
+    if set(given_dirs) != set(wanted[0]) or len(given_dirs) != len(wanted[0]) or given_mode != wanted[1]:
+        meaning = (
+            "directions=('query_to_doc', 'doc_to_query') with partition_mode='per_direction' (the CLIP loss)"
+            if symmetric
+            else "directions=('query_to_doc',)"
+        )
+        raise ValueError(
+            f"symmetric={symmetric!r} means {meaning}, which contradicts directions={given_dirs!r} with "
+            f"partition_mode={given_mode!r}. Pass symmetric or directions / partition_mode, not both"
+            + (
+                "; both directions in one softmax are directions=('query_to_doc', 'doc_to_query'), "
+                "partition_mode='joint'."
+                if symmetric
+                else "."
+            )
+        )
+    return wanted

@@ -97,6 +97,8 @@ class CachedLossHyperparameters(nn.Module):
     @scale.setter
     def scale(self, value: float) -> None:
         value = scale_value(value)
+        if value == self.scale:
+            return  # a learnable scale is not rewritten through log(exp(x)), which may round
         if self.learnable_scale:
             if value > self.max_scale:
                 raise ValueError(
@@ -113,7 +115,9 @@ class CachedLossHyperparameters(nn.Module):
 
     @temperature.setter
     def temperature(self, value: float) -> None:
-        self.scale = 1.0 / scale_value(value, name="temperature")
+        temperature = scale_value(value, name="temperature")
+        if temperature != self.temperature:  # else unchanged: 1 / (1 / s) may round
+            self.scale = 1.0 / temperature
 
     @property
     def learnable_scale(self) -> bool:
@@ -219,10 +223,13 @@ class CachedLossHyperparameters(nn.Module):
 
     @symmetric.setter
     def symmetric(self, value: bool) -> None:
-        if check_bool("symmetric", value):
-            self._directions, self._partition_mode = TWO_DIRECTIONS, "per_direction"
-        else:
-            self._directions = ONE_DIRECTION
+        if check_bool("symmetric", value) == self.symmetric:
+            return  # e.g. False for four directions: stays four directions
+        directions, partition_mode = (
+            (TWO_DIRECTIONS, "per_direction") if value else (ONE_DIRECTION, self._partition_mode)
+        )
+        self._check_masking(directions=directions, partition_mode=partition_mode)
+        self._directions, self._partition_mode = directions, partition_mode
 
     @property
     def hardness_mode(self) -> str | None:
