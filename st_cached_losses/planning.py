@@ -126,19 +126,21 @@ class MiniBatchPlanner:
     ) -> list[int] | None:
         """Mini-batches per column, the largest over processes, when ``model``'s forwards are collectives
         (FSDP1, FSDP2, DeepSpeed; DDP too with ``agree_mini_batches=True``) in a process group of more
-        than one: one small all-gather. None when every process may plan on its own.
+        than one: one small all-gather. None when every process may plan on its own (under DDP the
+        processes still meet in that all-gather, for the errors below; see :meth:`meets`).
 
         ``error`` (what a caller found wrong with this process's inputs, see
         :meth:`raise_on_every_process`) or a column this process cannot cut (e.g. inputs without a batch
         dimension) is raised here on every process, not in a collective the others would wait in
         forever: this process raises a ``ValueError`` with the cause, every other one a ``RuntimeError``
         naming this process and the cause."""
-        if not self.agrees(model):
+        if not self.meets(model):
             if error is not None:
                 raise ValueError(error)
             return None
+        agree = self.agrees(model)
         counts: list[int] = []
-        if error is None:
+        if error is None and agree:
             try:
                 counts = [len(self.plan(k, f, trim_leading=trim_leading)) for k, f in enumerate(columns)]
             except ValueError as exc:
@@ -147,7 +149,8 @@ class MiniBatchPlanner:
         device = first_param.device if first_param is not None else torch.device("cpu")
         barriers = STATS.calls.get("barrier", 0)
         try:
-            return agree_counts(counts, device, error)
+            agreed = agree_counts(counts, device, error)
+            return agreed if agree else None
         except (ValueError, RuntimeError) as exc:
             # agree_counts meets once more (a barrier) only when the table shows a failed process: then
             # every process is here, and one more exchange tells each the others' causes
@@ -170,7 +173,15 @@ class MiniBatchPlanner:
     def agrees(self, model: nn.Module) -> bool:
         """Whether the processes agree on the mini-batches each step (see :meth:`agreed_counts`)."""
         wanted = is_sharded(model) if self.agree_mini_batches is None else self.agree_mini_batches
-        return wanted and is_distributed() and is_wrapped(model)
+        return wanted and self.meets(model)
+
+    @staticmethod
+    def meets(model: nn.Module) -> bool:
+        """Whether the processes meet at the start of each step (:meth:`agreed_counts`'s one small
+        all-gather): under every wrapper (DDP too) in a group of more than one process, so that an input
+        one process refuses (e.g. an empty batch) is raised on every process there, not left to a peer
+        waiting in the gradient reduction. Under DDP the mini-batch counts are not exchanged."""
+        return is_distributed() and is_wrapped(model)
 
     def raise_on_every_process(self, model: nn.Module, error: Exception) -> NoReturn:
         """Raise ``error`` (found before :meth:`step` / :meth:`embed`, e.g. by a loss's check of its
@@ -178,7 +189,7 @@ class MiniBatchPlanner:
         the mini-batches, at that agreement (the step's first collective, which the others reach in
         :meth:`step` / :meth:`embed`), where each of them raises a ``RuntimeError`` naming this process and
         the cause; elsewhere at once. This process raises ``error`` itself."""
-        if self.agrees(model):
+        if self.meets(model):
             with contextlib.suppress(ValueError, RuntimeError):
                 self.agreed_counts(model, [], False, str(error) or type(error).__name__)
         raise error

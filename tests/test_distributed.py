@@ -190,12 +190,19 @@ def test_ddp_gradients_equal_single_process_global_batch(model_dir, world):
         _step_worker, world, model_dir, names, sizes, False, {"find_unused_parameters": False}
     )
     _check_against_reference(model_dir, names, sizes, per_rank)
-    # one all-gather per gathered tensor and one gradient reduction per gathered tensor
+    # the step's meeting (errors raised on every process), one all-gather per gathered tensor and one
+    # gradient reduction per gathered tensor
     for rank_result in per_rank:
         calls = rank_result["mnr_2neg"][-1]["calls"]
-        assert calls == {"all_gather_shapes": 1, "all_gather": 3, "all_reduce_grad": 3}, calls
+        assert calls == {
+            "all_gather_counts": 1,
+            "all_gather_shapes": 1,
+            "all_gather": 3,
+            "all_reduce_grad": 3,
+        }, calls
         calls = rank_result["clip_learnable"][-1]["calls"]
         assert calls == {
+            "all_gather_counts": 1,
             "all_gather_shapes": 1,
             "all_gather": 2,
             "all_reduce_grad": 2,
@@ -460,8 +467,9 @@ def _check_nonfinite_reports(per_rank, cases, poisoned_rank: int, world: int) ->
                 assert f"rank {other}:" not in msg, (name, mode, msg)
             assert "learning rate" in msg and "bf16" in msg and "inputs" in msg, msg
             for rank, res in enumerate(results):
-                # raised at the shape exchange, before any other collective of the step
-                assert res[mode][1] == {"all_gather_shapes": 1}, (name, mode, rank, res[mode][1])
+                # raised at the shape exchange, before any other collective of the step but its meeting
+                expected = {"all_gather_counts": 1, "all_gather_shapes": 1}
+                assert res[mode][1] == expected, (name, mode, rank, res[mode][1])
                 assert res[f"{mode}_seconds"] < 30, (name, mode, rank, res[f"{mode}_seconds"])
         clean = [res["clean_loss"] for res in results]
         assert bool(torch.isfinite(torch.tensor(clean)).all()), (name, clean)

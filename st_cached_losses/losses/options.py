@@ -102,6 +102,12 @@ def check_columns(sentence_features: Sequence[dict[str, Any]], owner: str) -> No
             f"all columns must have the same number of rows, got {sizes}: every anchor needs one positive (and "
             "one row in each hard-negative column)."
         )
+    if sizes[0] == 0:
+        raise ValueError(
+            f"{owner} got an empty batch: column 0 (the anchors) of this batch has 0 rows (rows per column: "
+            f"{sizes}). Every step needs at least one (anchor, positive) pair on every process; check the "
+            "sampler or the dataset split that produced this batch (e.g. drop_last, or fewer rows than processes)."
+        )
 
 
 #: the values sentence-transformers' MultipleNegativesRankingLoss accepts for these options
