@@ -379,7 +379,19 @@ def test_constructor_starts_with_their_positional_order(cls):
     for mine, their in zip(ours, theirs):
         if cls is CachedCLIPLoss and mine.name in ("directions", "partition_mode"):
             continue  # the symmetric loss's own defaults: TWO, "per_direction"
+        if cls is CachedTiledLoss and mine.name in ("directions", "partition_mode"):
+            # None: resolved with the symmetric shorthand (so that a contradiction can be told from a
+            # default); without it, theirs (test_tiled_defaults_resolve_to_theirs)
+            assert mine.default is None, mine.name
+            continue
         assert mine.default == their.default, mine.name
+
+
+def test_tiled_defaults_resolve_to_theirs(model):
+    theirs = inspect.signature(st_losses.CachedMultipleNegativesRankingLoss).parameters
+    loss = CachedTiledLoss(model)
+    assert loss.directions == tuple(theirs["directions"].default)
+    assert loss.partition_mode == theirs["partition_mode"].default
 
 
 @pytest.mark.parametrize("cls", [CachedMNRLoss, CachedCLIPLoss, CachedTiledLoss])
@@ -580,5 +592,8 @@ def test_setters_revalidate_the_combination(model):
     with pytest.raises(ValueError, match="joint"):
         loss.partition_mode = "per_direction"
     assert loss.partition_mode == "joint"
-    loss.symmetric = False
+    loss.symmetric = False  # already not symmetric: nothing changes (issue 18)
+    assert loss.directions == ("query_to_doc", "query_to_query")
+    loss.symmetric = True
+    loss.symmetric = False  # from the symmetric loss: one direction
     assert loss.directions == ("query_to_doc",)
