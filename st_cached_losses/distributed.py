@@ -21,6 +21,7 @@ __all__ = [
     "CollectiveStats",
     "agree_counts",
     "all_gather_rows",
+    "all_reduce_min",
     "all_reduce_sum",
     "exchange_shapes",
     "gather_with_grad",
@@ -181,6 +182,14 @@ def all_gather_rows(x: Tensor, sizes: list[int]) -> Tensor:
     _count("all_gather", send.numel() * send.element_size())
     dist.all_gather(out, send)
     return torch.cat([t[:n] for t, n in zip(out, sizes)])
+
+
+def all_reduce_min(x: Tensor, kind: str = "all_reduce_min") -> Tensor:
+    """The element-wise minimum of ``x`` over ranks, in place (returns it)."""
+    if is_distributed():
+        _count(kind, x.numel() * x.element_size())
+        dist.all_reduce(x, op=dist.ReduceOp.MIN)
+    return x
 
 
 def all_reduce_sum(x: Tensor, kind: str = "all_reduce") -> Tensor:

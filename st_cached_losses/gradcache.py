@@ -29,6 +29,7 @@ What it does beyond GradCache (Gao et al., 2021):
 from __future__ import annotations
 
 import contextlib
+import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,12 @@ from st_cached_losses.features import (
     position_shift_invariant,
     unwrap_model,
 )
-from st_cached_losses.functional import check_positive_int
+from st_cached_losses.functional.checks import (
+    check_mini_batch_num_tokens,
+    check_mini_batch_size,
+    memory_bytes,
+)
+from st_cached_losses.graph_budget import GraphKeeper, pick_mini_batch
 from st_cached_losses.planning import MiniBatch, MiniBatchPlanner, unsort
 from st_cached_losses.sync import (
     LocalBackward,
@@ -57,6 +63,8 @@ from st_cached_losses.sync import (
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["GradCache", "LossAndGrad", "MiniBatch", "MiniBatchPlanner", "RandState"]
 
@@ -118,6 +126,7 @@ class _Session:
     local: LocalBackward | None  # replays hidden from a hook-counting wrapper (built once, in step)
     # the FSDP2 parameters kept unsharded for this step, released after the replay (keep_params_unsharded)
     held: _Unsharded | None = None
+    together: bool = False  # every mini-batch's graph kept (one per column): one backward call
     done: bool = False
 
     def __post_init__(self) -> None:
@@ -142,40 +151,68 @@ class _Session:
 
     def _replay(self, grad_output: float) -> None:
         todo = [mb for mb in self.batches if mb.column not in self.frozen]
-        kept = [mb for mb in todo if mb.kept is not None]
-        replay = [mb for mb in todo if mb.kept is None]
         local = self.local
-        # kept graphs go first (in one call, like a plain loss's backward), so their activations are
-        # freed before any replay allocates its own
-        if kept:
-            outs = [mb.kept for mb in kept]
-            grads = [self._grad_of(mb, grad_output, out) for mb, out in zip(kept, outs)]  # type: ignore[arg-type]
-            for mb in kept:
+        if self.together:
+            # a batch of one mini-batch per column: every graph kept, back-propagated in one call like a
+            # plain loss's backward
+            outs = [mb.kept for mb in todo if mb.kept is not None]
+            grads = [self._grad_of(mb, grad_output, mb.kept) for mb in todo if mb.kept is not None]
+            for mb in todo:
                 mb.kept = None
             if local is not None:
-                local.backward(outs, grads)  # type: ignore[arg-type]
+                local.backward(outs, grads)
             else:
-                torch.autograd.backward(outs, grads)  # type: ignore[arg-type]
-        bar = tqdm(total=len(replay), desc="Replay", disable=not self.engine.show_progress_bar, leave=False)
-        for i, mb in enumerate(replay):
-            synced = self.sync and i == len(replay) - 1
-            with mb.rng.replay() if mb.rng is not None else contextlib.nullcontext():
-                if local is not None and not synced:
-                    # static graph: the reducer must see only the final, synchronised replay
-                    with self.autocast():
-                        out = self.engine.encode(local.module, mb.features)
-                    local.backward([out], [self._grad_of(mb, grad_output, out)])
-                elif local is not None:
-                    with self.autocast():
-                        out = self.engine.encode(self.model, mb.features)
-                    local.synced_backward(out, self._grad_of(mb, grad_output, out))
-                else:
-                    with unsynced(self.model) if not synced else contextlib.nullcontext():
-                        with self.autocast():
-                            out = self.engine.encode(self.model, mb.features)
-                        torch.autograd.backward(out, self._grad_of(mb, grad_output, out))
+                torch.autograd.backward(outs, grads)
+            return
+        # the order of a step that replays everything but its last graph (kept first, then the batch
+        # order), whether a mini-batch's graph was kept or is replayed now: .grad sums in the same
+        # order, so graphs kept within graph_memory_budget give the same gradients bit for bit
+        order = sorted(todo, key=lambda mb: mb is not self.batches[-1] or mb.kept is None)
+        replays = [mb for mb in order if mb.kept is None]
+        if self.sync and order:
+            # the step's one gradient reduction comes from a synchronised replay, the last forward and
+            # backward of the step (with every graph kept, the last one is replayed instead)
+            final = replays[-1] if replays else order[-1]
+            final.kept = None
+            order = [mb for mb in order if mb is not final] + [final]
+            replays = [mb for mb in order if mb.kept is None]
+        bar = tqdm(total=len(replays), desc="Replay", disable=not self.engine.show_progress_bar, leave=False)
+        for mb in order:
+            if mb.kept is not None:
+                out, mb.kept = mb.kept, None
+                self._backward_kept(out, self._grad_of(mb, grad_output, out))
+                continue
+            self._replay_one(mb, grad_output, synced=self.sync and mb is order[-1])
             bar.update(1)
         bar.close()
+
+    def _backward_kept(self, out: Tensor, grad: Tensor) -> None:
+        """A first-stage graph's backward (its forward ran unsynchronised)."""
+        if self.local is not None:
+            self.local.backward([out], [grad])
+            return
+        # FSDP2 reads its gradient-sync flag at backward time
+        with unsynced(self.model) if self.sync else contextlib.nullcontext():
+            torch.autograd.backward(out, grad)
+
+    def _replay_one(self, mb: MiniBatch, grad_output: float, *, synced: bool) -> None:
+        """Re-run ``mb``'s forward with its RNG state and autocast, and back-propagate its gradient."""
+        local = self.local
+        with mb.rng.replay() if mb.rng is not None else contextlib.nullcontext():
+            if local is not None and not synced:
+                # static graph: the reducer must see only the final, synchronised replay
+                with self.autocast():
+                    out = self.engine.encode(local.module, mb.features)
+                local.backward([out], [self._grad_of(mb, grad_output, out)])
+            elif local is not None:
+                with self.autocast():
+                    out = self.engine.encode(self.model, mb.features)
+                local.synced_backward(out, self._grad_of(mb, grad_output, out))
+            else:
+                with unsynced(self.model) if not synced else contextlib.nullcontext():
+                    with self.autocast():
+                        out = self.engine.encode(self.model, mb.features)
+                    torch.autograd.backward(out, self._grad_of(mb, grad_output, out))
 
     def _grad_of(self, mb: MiniBatch, grad_output: float, out: Tensor) -> Tensor:
         if mb.filler:
@@ -303,21 +340,59 @@ class GradCache(MiniBatchPlanner):
             step instead of one per mini-batch forward and per replay, the same gradients. Costs the
             memory of the whole unsharded model (as ZeRO-2) for the step; off by default, for models
             whose full parameters do not fit at once. Nothing for other wrappers.
+        graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-stage graphs to keep instead
+            of replaying their mini-batches (:mod:`st_cached_losses.graph_budget`): the largest
+            mini-batches first, measured, within the budget; the same gradients. None: keep only the
+            last mini-batch's graph (``reuse_last_graph``). Under gradient synchronisation the last
+            mini-batch is still replayed (the step's one reduction).
     """
 
-    mini_batch_size: int = 32
-    mini_batch_num_tokens: int | None = None
+    mini_batch_size: int | str = 32
+    mini_batch_num_tokens: int | str | None = None
     sort_by_length: bool = True
     reuse_last_graph: bool = True
     show_progress_bar: bool = False
     agree_mini_batches: bool | None = None
     keep_params_unsharded: bool = False
+    graph_memory_budget: int | None = None
+    mini_batch_memory_budget: int | None = None
+    auto_size: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.mini_batch_size is None:
-            raise ValueError("mini_batch_size must be a positive integer, got None; e.g. 32.")
-        check_positive_int("mini_batch_size", self.mini_batch_size)
-        check_positive_int("mini_batch_num_tokens", self.mini_batch_num_tokens)
+        check_mini_batch_size(self.mini_batch_size)
+        check_mini_batch_num_tokens(self.mini_batch_num_tokens)
+        self.graph_memory_budget = memory_bytes(self.graph_memory_budget, "graph_memory_budget")
+        self.mini_batch_memory_budget = memory_bytes(
+            self.mini_batch_memory_budget, "mini_batch_memory_budget"
+        )
+
+    def resolve_auto(self, model: nn.Module, columns: Sequence[Features], trim_leading: bool) -> None:
+        """Size ``"auto"`` mini-batches, once, from this (the first) batch: the largest whose graph fits
+        in ``mini_batch_memory_budget`` (on CUDA, by default half the device's free memory), measured on
+        the batch's longest rows; logged. The result of training does not depend on it."""
+        by_tokens = self.mini_batch_num_tokens == "auto"
+        if self.auto_size is not None or not (by_tokens or self.mini_batch_size == "auto"):
+            return
+        budget = self.mini_batch_memory_budget
+        first_param = next(unwrap_model(model).parameters(), None)
+        device = first_param.device if first_param is not None else torch.device("cpu")
+        if budget is None:
+            if device.type != "cuda":
+                raise ValueError(
+                    "mini_batch_size='auto' (or mini_batch_num_tokens='auto') sizes the mini-batches to a memory "
+                    f"budget: set mini_batch_memory_budget (e.g. '2GB'); on {device.type} there is no default."
+                )
+            budget = torch.cuda.mem_get_info(device)[0] // 2
+        self.auto_size = pick_mini_batch(
+            model, columns, trim_leading, budget, by_tokens=by_tokens, encode=self.encode
+        )
+        what = "mini_batch_num_tokens" if by_tokens else "mini_batch_size"
+        logger.info(
+            "%s='auto': %d for a budget of %.3g GB of activations (measured on this batch's longest rows).",
+            what,
+            self.auto_size,
+            budget / 1e9,
+        )
 
     @staticmethod
     def encode(model: nn.Module, features: Features) -> Tensor:
@@ -336,6 +411,7 @@ class GradCache(MiniBatchPlanner):
         """Every column's embeddings, mini-batch by mini-batch, without a graph (evaluation)."""
         out = []
         trim = position_shift_invariant(model)
+        self.resolve_auto(model, columns, trim)
         # forwards of a sharded model are collectives, in evaluation too
         counts = self.agreed_counts(model, columns, trim)
         held = self._hold(model)
@@ -369,6 +445,7 @@ class GradCache(MiniBatchPlanner):
         """
         sync = is_wrapped(model) and grad_sync_on(model)
         trim = position_shift_invariant(model)
+        self.resolve_auto(model, columns, trim)
         # under a sharded wrapper every process runs this many mini-batches per column (see plan)
         counts = self.agreed_counts(model, columns, trim)
         # a batch that fits in one mini-batch per column is not cached: every forward keeps its graph,
@@ -383,8 +460,8 @@ class GradCache(MiniBatchPlanner):
             embeddings: list[Tensor] = []
             frozen: set[int] = set()
             first_param = next(unwrap_model(model).parameters(), None)
-            device_type = first_param.device.type if first_param is not None else "cpu"
-            autocast = _Autocast.current(device_type)
+            device = first_param.device if first_param is not None else torch.device("cpu")
+            autocast = _Autocast.current(device.type)
             local = LocalBackward.of(model)
             # forwards whose graph may be back-propagated: hidden from a static-graph reducer
             # (see LocalBackward)
@@ -394,6 +471,10 @@ class GradCache(MiniBatchPlanner):
                 for k, features in enumerate(columns)
             ]
             total = sum(len(plan) for plan in plans)
+            budget = None if keep_all else self.graph_memory_budget
+            keeper = GraphKeeper(
+                model, plans, columns, trim, budget, agree=counts is not None, encode=self.encode
+            )
             bar = tqdm(total=total, desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
             for k, (features, plan) in enumerate(zip(columns, plans)):
                 parts = []
@@ -402,6 +483,16 @@ class GradCache(MiniBatchPlanner):
                     if keep_all:
                         out = self.encode(graph_model, mb.features)
                         mb.kept = out if out.requires_grad else None
+                    elif keeper.wants(mb):
+                        # a graph the budget may keep (measured), or the column's last forward
+                        reuse = (
+                            self.reuse_last_graph
+                            and k == len(columns) - 1
+                            and j == len(plan) - 1
+                            and not sync
+                        )
+                        with unsynced(model):
+                            out = keeper.forward(graph_model, mb, device, exempt=reuse)
                     elif j == len(plan) - 1:
                         # with a graph: tells whether this column's encoder is frozen; the very last one is
                         # kept for the backward (not under DDP sync, where the synced forward must come last)
@@ -423,7 +514,7 @@ class GradCache(MiniBatchPlanner):
             bar.close()
             loss, grads, extra_grads = loss_and_grad(embeddings)
             session = _Session(
-                self, model, batches, grads, list(extra_grads), frozen, autocast, sync, local, held
+                self, model, batches, grads, list(extra_grads), frozen, autocast, sync, local, held, keep_all
             )
             if not extra or not any(t.requires_grad for t in extra):
                 # autograd calls a Function's backward only when some input requires grad: without a tensor

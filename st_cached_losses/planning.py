@@ -79,10 +79,32 @@ class MiniBatchPlanner:
     settings as its dataclass fields): cut columns into mini-batches and agree across processes on how
     many."""
 
-    mini_batch_size: int
-    mini_batch_num_tokens: int | None
+    mini_batch_size: int | str
+    mini_batch_num_tokens: int | str | None
     sort_by_length: bool
     agree_mini_batches: bool | None
+    #: what ``"auto"`` sizes resolved to at the first step (see GradCache.resolve_auto)
+    auto_size: int | None
+
+    @property
+    def rows_per_mini_batch(self) -> int:
+        """``mini_batch_size``, or what ``"auto"`` resolved to."""
+        if self.mini_batch_size == "auto":
+            if self.auto_size is None:
+                raise RuntimeError("mini_batch_size='auto' is resolved at the first step, from its batch.")
+            return self.auto_size
+        return int(self.mini_batch_size)
+
+    @property
+    def tokens_per_mini_batch(self) -> int | None:
+        """``mini_batch_num_tokens``, or what ``"auto"`` resolved to."""
+        if self.mini_batch_num_tokens == "auto":
+            if self.auto_size is None:
+                raise RuntimeError(
+                    "mini_batch_num_tokens='auto' is resolved at the first step, from its batch."
+                )
+            return self.auto_size
+        return None if self.mini_batch_num_tokens is None else int(self.mini_batch_num_tokens)
 
     def plan(
         self, column: int, features: Features, *, trim_leading: bool = True, count: int | None = None
@@ -107,10 +129,12 @@ class MiniBatchPlanner:
             order = torch.argsort(lengths, descending=True, stable=True)
         else:
             order = torch.arange(b)
-        if self.mini_batch_num_tokens is None:
-            spans = [(i, min(i + self.mini_batch_size, b)) for i in range(0, b, self.mini_batch_size)]
+        tokens = self.tokens_per_mini_batch
+        if tokens is None:
+            size = self.rows_per_mini_batch
+            spans = [(i, min(i + size, b)) for i in range(0, b, size)]
         else:
-            spans = _pack(self._token_counts(features, b)[order].tolist(), self.mini_batch_num_tokens)
+            spans = _pack(self._token_counts(features, b)[order].tolist(), tokens)
         fillers: list[MiniBatch] = []
         if count is not None and count > len(spans):
             spans = _spread(spans, count)
@@ -201,11 +225,13 @@ class MiniBatchPlanner:
         ``counts``, whether those are all one."""
         if counts is not None:
             return all(c == 1 for c in counts)
-        budget = self.mini_batch_num_tokens
+        if self.auto_size is None and "auto" in (self.mini_batch_size, self.mini_batch_num_tokens):
+            return False  # not sized yet
+        budget = self.tokens_per_mini_batch
         for features in columns:
             b = batch_size_of(features)
             if budget is None:
-                if b > self.mini_batch_size:
+                if b > self.rows_per_mini_batch:
                     return False
             elif b > 1:
                 tokens = token_counts(features, b)

@@ -5,6 +5,7 @@ same words everywhere. Pure torch."""
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +14,10 @@ from torch import Tensor
 
 __all__ = [
     "candidate_columns",
+    "check_mini_batch_num_tokens",
+    "check_mini_batch_size",
     "check_positive_int",
+    "memory_bytes",
     "nonfinite_columns",
     "nonfinite_error",
     "raise_if_nonfinite",
@@ -27,6 +31,55 @@ def check_positive_int(name: str, value: int | None) -> None:
     """``value`` is None or a positive ``int`` (``True`` is refused: it is an int to Python only)."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1024 or None.")
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def memory_bytes(value: int | str | None, name: str) -> int | None:
+    """A memory budget in bytes: None, a positive int, or a string such as ``"6GB"`` (10^9 bytes),
+    ``"6GiB"`` (2^30), ``"512MB"``, ``"1.5 GiB"``; the one rule for every budget the package accepts."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        unit = match.group(2).lower() if match else ""
+        if match is None or unit not in _UNITS:
+            raise ValueError(
+                f"{name} must be a number of bytes or a size such as '6GB', '512MiB' or '1.5GiB', got {value!r}."
+            )
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of bytes or a size such as '6GB', got {value!r}.")
+    return value
+
+
+def check_mini_batch_size(value: int | str) -> None:
+    """A positive ``int``, or ``"auto"`` (sized from a memory budget at the first step)."""
+    if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"mini_batch_size must be a positive integer or 'auto', got {value!r}; e.g. 32.")
+
+
+def check_mini_batch_num_tokens(value: int | str | None) -> None:
+    """None, a positive ``int``, or ``"auto"``; sentence-transformers' wording for the int."""
+    if value == "auto":
+        return
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(
+            f"mini_batch_num_tokens must be a positive integer or None. Got {value!r}; or 'auto' to size it "
+            "from a memory budget."
+        )
 
 
 def scale_value(scale: float | Tensor, name: str = "scale") -> float:

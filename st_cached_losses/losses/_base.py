@@ -22,7 +22,7 @@ from st_cached_losses.functional import (
     infonce,
     scale_value,
 )
-from st_cached_losses.functional.checks import check_positive_int
+from st_cached_losses.functional.checks import check_positive_int, memory_bytes
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.parallel import (
     agree_on_sizes,
@@ -57,8 +57,8 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         model: nn.Module,
         scale: float = 20.0,
         similarity_fct: Callable[..., Tensor] | str = cos_sim,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens: int | None = None,
+        mini_batch_size: int | str = 32,
+        mini_batch_num_tokens: int | str | None = None,
         gather_across_devices: bool = False,
         directions: Sequence[str] = ONE_DIRECTION,
         partition_mode: str = "joint",
@@ -70,11 +70,13 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         max_scale: float = 100.0,
         path: LossPath = "auto",
         tile_size: int | None = None,
-        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
         mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
         keep_params_unsharded: bool = False,
+        graph_memory_budget: int | str | None = None,
+        mini_batch_memory_budget: int | str | None = None,
     ) -> None:
         super().__init__()
         owner = type(self).__name__
@@ -107,6 +109,8 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             reuse_last_graph=reuse_last_graph,
             show_progress_bar=show_progress_bar,
             keep_params_unsharded=keep_params_unsharded,
+            graph_memory_budget=graph_memory_budget,  # type: ignore[arg-type]  # parsed by GradCache
+            mini_batch_memory_budget=mini_batch_memory_budget,  # type: ignore[arg-type]
         )
         self._gather_across_devices = gather_across_devices
         self._check_masking(mask_duplicates=mask_duplicates)
@@ -137,6 +141,17 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
     @keep_params_unsharded.setter
     def keep_params_unsharded(self, value: bool) -> None:
         self.cache.keep_params_unsharded = check_bool("keep_params_unsharded", value)
+
+    @property
+    def graph_memory_budget(self) -> int | None:
+        """Bytes of first-pass graphs kept instead of replayed (see
+        :class:`~st_cached_losses.gradcache.GradCache`); None: replay all but the last mini-batch. Set in
+        bytes or as a size such as ``"6GB"``; reads back in bytes."""
+        return self.cache.graph_memory_budget
+
+    @graph_memory_budget.setter
+    def graph_memory_budget(self, value: int | str | None) -> None:
+        self.cache.graph_memory_budget = memory_bytes(value, "graph_memory_budget")
 
     # ------------------------------------------------------------------ forward
 

@@ -17,8 +17,8 @@ class CachedTiledLoss(CachedInfoNCEBase):
         model: nn.Module,
         scale: float = 20.0,
         similarity_fct: Callable[..., Tensor] | str = cos_sim,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens: int | None = None,
+        mini_batch_size: int | str = 32,
+        mini_batch_num_tokens: int | str | None = None,
         gather_across_devices: bool = False,
         directions: Sequence[str] | None = None,
         partition_mode: str | None = None,
@@ -34,7 +34,9 @@ class CachedTiledLoss(CachedInfoNCEBase):
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
         keep_params_unsharded: bool = False,
-        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        graph_memory_budget: int | str | None = None,
+        mini_batch_memory_budget: int | str | None = None,
+        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         """
         InfoNCE with GradCache and an Inf-CL-style tiled loss stage: no block of the logits larger than one
@@ -88,6 +90,12 @@ class CachedTiledLoss(CachedInfoNCEBase):
             keep_params_unsharded: under FSDP2, gather every parameter group once per step and keep it until the
                 last replay (one all-gather and one reduce-scatter per group per step, against one all-gather per
                 mini-batch forward and replay); every process then holds the full parameters for the step. Off.
+                mini_batch_memory_budget: with ``mini_batch_size="auto"`` (or ``mini_batch_num_tokens="auto"``),
+                    the activation memory one encoder mini-batch may take (bytes or e.g. ``"2GB"``; on CUDA, by default
+                    half the free memory): the largest mini-batch that fits is measured at the first step and logged.
+                graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-pass autograd graphs to keep
+                instead of replaying their mini-batches: measured on the first mini-batch, the longest ones kept
+                first while they fit; the same gradients, fewer forwards. None (default): replay all but the last.
             memory_budget: bytes of logit tiles the loss stage may hold at once when ``tile_size`` is None.
 
         References:
@@ -146,6 +154,8 @@ class CachedTiledLoss(CachedInfoNCEBase):
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
             keep_params_unsharded=keep_params_unsharded,
+            graph_memory_budget=graph_memory_budget,
+            mini_batch_memory_budget=mini_batch_memory_budget,
         )
 
     def _citation_parts(self) -> tuple[str, ...]:

@@ -12,7 +12,12 @@ import torch
 from torch import Tensor, nn
 
 from st_cached_losses.functional import LossPath, Similarity, scale_value
-from st_cached_losses.functional.checks import check_positive_int
+from st_cached_losses.functional.checks import (
+    check_mini_batch_num_tokens,
+    check_mini_batch_size,
+    check_positive_int,
+    memory_bytes,
+)
 from st_cached_losses.gradcache import GradCache
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, GTE_CITATION, HARDNESS_CITATION
 from st_cached_losses.losses.options import (
@@ -81,11 +86,12 @@ class CachedLossHyperparameters(nn.Module):
         return value  # type: ignore[return-value]
 
     @staticmethod
-    def _memory_budget_value(value: int) -> int:
+    def _memory_budget_value(value: int | str) -> int:
         if value is None:
             raise ValueError("memory_budget must be a positive integer (bytes), got None; e.g. 64 * 2**20.")
-        check_positive_int("memory_budget", value)
-        return value
+        parsed = memory_bytes(value, "memory_budget")
+        assert parsed is not None
+        return parsed
 
     @property
     def scale(self) -> float:
@@ -168,24 +174,41 @@ class CachedLossHyperparameters(nn.Module):
         return self._similarity
 
     @property
-    def mini_batch_size(self) -> int:
+    def mini_batch_size(self) -> int | str:
+        """Rows per encoder mini-batch, or ``"auto"``: the largest that fits ``mini_batch_memory_budget``,
+        sized at the first step (what it chose: ``loss.cache.auto_size``)."""
         return self.cache.mini_batch_size
 
     @mini_batch_size.setter
-    def mini_batch_size(self, value: int) -> None:
-        if value is None:
-            raise ValueError("mini_batch_size must be a positive integer, got None; e.g. 32.")
-        check_positive_int("mini_batch_size", value)
+    def mini_batch_size(self, value: int | str) -> None:
+        check_mini_batch_size(value)
+        if value != self.cache.mini_batch_size:
+            self.cache.auto_size = None  # sized again at the next step if "auto"
         self.cache.mini_batch_size = value
 
     @property
-    def mini_batch_num_tokens(self) -> int | None:
+    def mini_batch_num_tokens(self) -> int | str | None:
         return self.cache.mini_batch_num_tokens
 
     @mini_batch_num_tokens.setter
-    def mini_batch_num_tokens(self, value: int | None) -> None:
-        check_positive_int("mini_batch_num_tokens", value)
+    def mini_batch_num_tokens(self, value: int | str | None) -> None:
+        check_mini_batch_num_tokens(value)
+        if value != self.cache.mini_batch_num_tokens:
+            self.cache.auto_size = None
         self.cache.mini_batch_num_tokens = value
+
+    @property
+    def mini_batch_memory_budget(self) -> int | None:
+        """Bytes of activations one encoder mini-batch may take, for ``mini_batch_size="auto"`` (or
+        ``mini_batch_num_tokens="auto"``); set in bytes or as a size such as ``"2GB"``."""
+        return self.cache.mini_batch_memory_budget
+
+    @mini_batch_memory_budget.setter
+    def mini_batch_memory_budget(self, value: int | str | None) -> None:
+        parsed = memory_bytes(value, "mini_batch_memory_budget")
+        if parsed != self.cache.mini_batch_memory_budget:
+            self.cache.auto_size = None
+        self.cache.mini_batch_memory_budget = parsed
 
     @property
     def gather_across_devices(self) -> bool:
@@ -327,7 +350,7 @@ class CachedLossHyperparameters(nn.Module):
         return self._memory_budget
 
     @memory_budget.setter
-    def memory_budget(self, value: int) -> None:
+    def memory_budget(self, value: int | str) -> None:
         self._memory_budget = self._memory_budget_value(value)
 
     def _citation_parts(self) -> tuple[str, ...]:
