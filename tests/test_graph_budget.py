@@ -175,10 +175,10 @@ def _dist_worker(rank: int, world: int, path: str, wrapper: str) -> dict:
 
     model = _load(path, train=False)
     reductions = {"n": 0}
-    if wrapper == "ddp":
+    if wrapper.startswith("ddp"):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        wrapped = DDP(model)
+        wrapped = DDP(model, static_graph=wrapper == "ddp-static")
 
         def hook(state, bucket):
             reductions["n"] += 1
@@ -241,7 +241,7 @@ def _dist_worker(rank: int, world: int, path: str, wrapper: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("wrapper", ["ddp", "ddp-static", "fsdp2"])
 def test_kept_graphs_across_processes_one_reduction_same_gradients(model_dir, wrapper):
     per_rank = run_distributed(_dist_worker, 2, model_dir, wrapper)
     for rank, r in enumerate(per_rank):
