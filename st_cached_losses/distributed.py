@@ -19,6 +19,7 @@ from torch import Tensor
 __all__ = [
     "STATS",
     "CollectiveStats",
+    "PeersFailed",
     "agree_counts",
     "all_gather_rows",
     "all_reduce_min",
@@ -115,12 +116,27 @@ def exchange_shapes(
     return [row[0] for row in table], [row[-1] for row in table]
 
 
+class PeersFailed(RuntimeError):
+    """:func:`agree_counts` found failed processes (this one among them when ``error`` is set); every
+    process raises it at the same collective, so that they may exchange their causes next."""
+
+    def __init__(self, failed: list[int], error: str | None) -> None:
+        self.failed, self.error = failed, error
+        super().__init__(
+            error
+            if error is not None
+            else f"rank(s) {failed} failed before this step's encoder forwards (see their error); "
+            "every rank stops here instead of waiting for them in a collective."
+        )
+
+
 def agree_counts(counts: list[int], device: torch.device, error: str | None = None) -> list[int]:
     """The largest of every rank's ``counts`` (e.g. mini-batches per column), in one small all-gather.
 
     ``error`` is what went wrong on this rank before the collective (e.g. an input that cannot be cut
-    into mini-batches): it is raised here, and every other rank raises a ``RuntimeError`` naming this
-    one, instead of waiting forever in a collective this rank will never join. Ranks must pass the same
+    into mini-batches): every rank then raises :class:`PeersFailed` here (naming the failed ranks, and
+    carrying this rank's own ``error``), instead of waiting forever in a collective a failed rank will
+    never join. Ranks must pass the same
     number of counts (the same columns); a disagreement raises the same ``ValueError`` on every rank.
     """
     if len(counts) > _MAX_AGREED_COUNTS and error is None:
@@ -148,12 +164,7 @@ def agree_counts(counts: list[int], device: torch.device, error: str | None = No
             dist.barrier()
         except RuntimeError:  # a failed rank that already left closes its connections
             pass
-        if error is not None:
-            raise ValueError(error)
-        raise RuntimeError(
-            f"rank(s) {failed} failed before this step's encoder forwards (see their error); "
-            "every rank stops here instead of waiting for them in a collective."
-        )
+        raise PeersFailed(failed, error)
     widths = {row[1] for row in table}
     if len(widths) != 1:
         raise ValueError(

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from st_cached_losses.distributed import (
-    STATS,
+    PeersFailed,
     agree_counts,
     all_gather_rows,
     exchange_shapes,
@@ -171,20 +171,18 @@ class MiniBatchPlanner:
                 error = str(exc)
         first_param = next(unwrap_model(model).parameters(), None)
         device = first_param.device if first_param is not None else torch.device("cpu")
-        barriers = STATS.calls.get("barrier", 0)
         try:
             agreed = agree_counts(counts, device, error)
             return agreed if agree else None
-        except (ValueError, RuntimeError) as exc:
-            # agree_counts meets once more (a barrier) only when the table shows a failed process: then
-            # every process is here, and one more exchange tells each the others' causes
-            if STATS.calls.get("barrier", 0) == barriers:
-                raise
+        except PeersFailed as exc:
+            # every process is here: one more exchange tells each the others' causes
             try:
                 causes = _exchange_errors(error, device)
             except RuntimeError:  # a failed process that left already: its cause stays with it
                 causes = {}
-            if error is not None or not causes:
+            if error is not None:
+                raise ValueError(error) from None
+            if not causes:
                 raise
             who = ", ".join(str(r) for r in causes)
             raise RuntimeError(
