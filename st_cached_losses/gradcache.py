@@ -31,7 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -51,7 +51,7 @@ from st_cached_losses.functional.checks import (
     memory_bytes,
 )
 from st_cached_losses.graph_budget import GraphKeeper, pick_mini_batch
-from st_cached_losses.planning import MiniBatch, MiniBatchPlanner, unsort
+from st_cached_losses.planning import MiniBatch, MiniBatchPlanner, RandState, unsort
 from st_cached_losses.sync import (
     LocalBackward,
     fsdp2_modules,
@@ -70,27 +70,6 @@ __all__ = ["GradCache", "LossAndGrad", "MiniBatch", "MiniBatchPlanner", "RandSta
 
 #: ``embeddings per column -> (loss, grads per column, grads wrt the extra tensors)``
 LossAndGrad = Callable[[list[Tensor]], tuple[Tensor, list[Tensor], list[Tensor | None]]]
-
-
-class RandState:
-    """The RNG state of the CPU and of every initialised CUDA device, replayable."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = (
-            torch.cuda.get_rng_state_all()
-            if torch.cuda.is_available() and torch.cuda.is_initialized()
-            else None
-        )
-
-    @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
-        devices = list(range(len(self.cuda))) if self.cuda is not None else []
-        with torch.random.fork_rng(devices=devices, enabled=True):
-            torch.set_rng_state(self.cpu)
-            if self.cuda is not None:
-                torch.cuda.set_rng_state_all(self.cuda)
-            yield
 
 
 @dataclass

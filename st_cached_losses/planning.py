@@ -12,6 +12,8 @@ column each encoder mini-batch embeds, in which order, and how many mini-batches
   cannot cut) is raised at that same all-gather on every process, naming the process and the cause;
 * :func:`unsort` puts the mini-batches' outputs back in the column's row order.
 
+:class:`RandState` is what a mini-batch keeps to replay its forward with the same dropout masks.
+
 No forward, backward or loss here: :class:`MiniBatchPlanner` is the planning half of
 :class:`~st_cached_losses.gradcache.GradCache`, which runs the plans.
 """
@@ -19,9 +21,9 @@ No forward, backward or loss here: :class:`MiniBatchPlanner` is the planning hal
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -45,10 +47,28 @@ from st_cached_losses.features import (
 )
 from st_cached_losses.sync import is_sharded, is_wrapped
 
-if TYPE_CHECKING:
-    from st_cached_losses.gradcache import RandState
+__all__ = ["MiniBatch", "MiniBatchPlanner", "RandState", "unsort"]
 
-__all__ = ["MiniBatch", "MiniBatchPlanner", "unsort"]
+
+class RandState:
+    """The RNG state of the CPU and of every initialised CUDA device, replayable."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        devices = list(range(len(self.cuda))) if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices, enabled=True):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state_all(self.cuda)
+            yield
 
 
 @dataclass

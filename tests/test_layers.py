@@ -72,3 +72,71 @@ def test_functional_and_distributed_import_nothing_above_them():
                 )
         if path.name == "distributed.py":
             assert not any(m.startswith("st_cached_losses") for m, _ in _imports(path)), "collectives only"
+
+
+#: import circles still to break (issue 19), each named by its modules; the test fails on any other, and
+#: on one of these once it is gone (then delete it here)
+KNOWN_CIRCLES = {frozenset({"st_cached_losses.arg_checks", "st_cached_losses.training_args"})}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (``TYPE_CHECKING`` imports included: ties of design)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets = set()
+        for module, names in _imports(path):
+            if not module.startswith("st_cached_losses"):
+                continue
+            # `from package import module` names a module; `from module import name` the module itself
+            found = [f"{module}.{n}" for n in names if f"{module}.{n}" in modules]
+            targets |= set(found) if found else {module}
+        graph[name] = {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's components of more than one module (the import circles)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_but_the_known_ones():
+    graph = _import_graph()
+    # the package faces re-export their modules: a face importing its own submodules is no circle
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
+    circles = {frozenset(c) for c in _strongly_connected(graph)}
+    assert circles <= KNOWN_CIRCLES, f"new import circles: {[sorted(c) for c in circles - KNOWN_CIRCLES]}"
+    assert circles == KNOWN_CIRCLES, (
+        f"circles gone, delete them from KNOWN_CIRCLES: {KNOWN_CIRCLES - circles}"
+    )
