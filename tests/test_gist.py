@@ -108,10 +108,8 @@ def test_bad_arguments_raise_at_construction(models, kwargs, match):
         CachedGISTLoss(model, guide, **kwargs)
 
 
-def test_guide_must_be_another_model_with_a_known_size_under_gather(models):
+def test_guide_needs_a_known_size_under_gather(models):
     model = models[0]
-    with pytest.raises(ValueError, match="guide is the model being trained"):
-        CachedGISTLoss(model, model)
 
     class NoSize(torch.nn.Module):
         tokenizer = model.tokenizer
@@ -130,7 +128,135 @@ def test_calculate_loss_without_guide_embeddings_says_how(models):
         loss.calculate_loss([[torch.randn(3, 32)], [torch.randn(3, 32)]])
 
 
+def test_self_guidance_equals_gist_embed_loss(models):
+    """guide=model, as sentence-transformers' own GIST tests use it: the guide's embeddings without a graph."""
+    model = models[0]
+    feats = [model.preprocess(t) for t in texts(3, seed=4)]
+    ref_loss, ref = param_grads(
+        model, lambda f: GISTEmbedLoss(model, model, 0.05, margin=0.02)(f, None), feats
+    )
+    ours_fn = CachedGISTLoss(model, model, 0.05, 4, margin=0.02)
+    loss, ours = param_grads(model, lambda f: ours_fn(f, None), feats)
+    assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    assert ref.abs().max() > 0
+    assert_grads_close(ours, ref)
+
+
+def test_positional_order_is_cached_gist_embed_losses(models):
+    import inspect
+
+    from sentence_transformers.sentence_transformer.losses import CachedGISTEmbedLoss
+
+    theirs = list(inspect.signature(CachedGISTEmbedLoss).parameters.values())
+    ours = list(inspect.signature(CachedGISTLoss).parameters.values())
+    assert [p.name for p in ours[: len(theirs)]] == [p.name for p in theirs]
+    assert all(p.kind is p.KEYWORD_ONLY for p in ours[len(theirs) :])
+    assert all(m.default == t.default for m, t in zip(ours, theirs))
+    model, guide, _ = models
+    feats = [model.preprocess(t) for t in texts(2, seed=6)]
+    positional = CachedGISTLoss(model, guide, 0.05, 3, None, False, "relative", 0.02, False)
+    keywords = CachedGISTLoss(
+        model, guide, temperature=0.05, mini_batch_size=3, margin_strategy="relative", margin=0.02,
+        contrast_anchors=False,
+    )  # fmt: skip
+    assert positional.get_config_dict() == keywords.get_config_dict()
+    with torch.no_grad():
+        assert float(positional(feats, None)) == float(keywords(feats, None))
+
+
+UNUSED = ["directions", "partition_mode", "symmetric", "similarity_fct", "hardness_mode", "hardness_strength",
+          "mask_duplicates"]  # fmt: skip
+
+
+def test_settings_gist_does_not_use_raise(models):
+    model, guide, _ = models
+    loss = CachedGISTLoss(model, guide)
+    for name in UNUSED:
+        assert not hasattr(loss, name), name
+        with pytest.raises(AttributeError, match=f"CachedGISTLoss has no setting '{name}'"):
+            setattr(loss, name, CachedGISTLoss(model, guide).cache.mini_batch_size)
+        with pytest.raises(AttributeError, match=name):
+            getattr(loss, name)
+
+
+def test_settings_gist_uses_change_the_loss_or_config_and_self_assignment_nothing(models):
+    import inspect
+
+    model, guide, _ = models
+    feats = [model.preprocess(t) for t in texts(3, seed=8)]
+
+    def value(loss):
+        with torch.no_grad():
+            return float(loss(feats, None))
+
+    loss = CachedGISTLoss(model, guide, 0.05, 4, margin=0.02)
+    settable = [
+        n for n, m in inspect.getmembers(CachedGISTLoss)
+        if isinstance(m, property) and m.fset is not None and n not in UNUSED and not n.startswith("_")
+    ]  # fmt: skip
+    before, config = value(loss), loss.get_config_dict()
+    for name in settable:
+        setattr(loss, name, getattr(loss, name))
+        assert loss.get_config_dict() == config, name
+    assert value(loss) == before
+    # each setting GIST uses changes the loss or its config
+    changes = {
+        "temperature": 0.1, "scale": 7.0, "margin": 0.05, "margin_strategy": "relative",
+        "contrast_anchors": False, "contrast_positives": False, "mini_batch_size": 2,
+        "mini_batch_num_tokens": 30, "gather_across_devices": True, "learnable_scale": True,
+    }  # fmt: skip
+    for name, new in changes.items():
+        fresh = CachedGISTLoss(model, guide, 0.05, 4, margin=0.02)
+        base_value, base_config = value(fresh), fresh.get_config_dict()
+        setattr(fresh, name, new)
+        changed = fresh.get_config_dict() != base_config
+        if name not in (
+            "mini_batch_size",
+            "mini_batch_num_tokens",
+            "gather_across_devices",
+            "learnable_scale",
+        ):
+            changed = changed and value(fresh) != pytest.approx(base_value, rel=1e-9)
+        assert changed, name
+
+
 # --------------------------------------------------------------------------- two processes
+
+
+def _ddp_other_tokenizer_worker(rank: int, world: int, paths: list[str], sizes: list[int]):
+    """The review's crash: GIST under DDP with a guide of another tokenizer (read from .model each step)."""
+    from sentence_transformers import SentenceTransformer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = SentenceTransformer(paths[0], device="cpu")
+    model[0].auto_model.pooler = None
+    other = SentenceTransformer(paths[2], device="cpu")
+    loss_fn = CachedGISTLoss(
+        model, other, 0.05, 2, contrast_anchors=False, gather_across_devices=True
+    )
+    ddp = DDP(model)
+    loss_fn.model = ddp  # what the trainer does
+    start = sum(sizes[:rank])
+    feats = [model.preprocess(c[start : start + sizes[rank]]) for c in texts(3, seed=21)]
+    ddp.zero_grad(set_to_none=True)
+    loss = loss_fn(feats, None)
+    loss.backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return {"loss": float(loss.detach()), "grads": grads}
+
+
+def test_ddp_with_a_guide_of_another_tokenizer_equals_one_process(saved, models):
+    per_rank = run_distributed(_ddp_other_tokenizer_worker, 2, saved, [5, 3], timeout=180)
+    model, _, other = models
+    model[0].auto_model.pooler = None
+    feats = [model.preprocess(c[:8]) for c in texts(3, seed=21)]  # the 5 + 3 rows of the processes
+    ref_fn = GISTEmbedLoss(model, other, 0.05, contrast_anchors=False)
+    assert ref_fn.must_retokenize
+    ref_loss, ref = param_grads(model, lambda f: ref_fn(f, None), feats)
+    assert float(ref_loss) > 0.1, "vacuous: the guide removed every negative"
+    assert _mean(per_rank, "loss") == pytest.approx(float(ref_loss), rel=1e-5)
+    for r in per_rank:  # DDP's average: every process holds the global batch's gradient
+        assert_grads_close(r["grads"], ref)
 
 
 def _gist_worker(rank: int, world: int, paths: list[str], sizes: list[int], kind: str):
@@ -158,9 +284,9 @@ def _gist_worker(rank: int, world: int, paths: list[str], sizes: list[int], kind
 @pytest.fixture(scope="module")
 def saved(models, tmp_path_factory):
     base = tmp_path_factory.mktemp("gist_saved")
-    paths = [str(base / "model"), str(base / "guide")]
-    models[0].save(paths[0])
-    models[1].save(paths[1])
+    paths = [str(base / "model"), str(base / "guide"), str(base / "other")]
+    for model, path in zip(models, paths):
+        model.save(path)
     return paths
 
 

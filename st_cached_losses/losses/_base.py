@@ -306,7 +306,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             # the scale too; on every call, as the same loss may be handed to a second trainer to resume
             self._attached = attach_to_calling_trainer(self)
         # false negatives are recognised by their token ids (embeddings differ under dropout)
-        self._keys = [input_hashes(f) for f in features] if self.mask_duplicates else None
+        self._keys = [input_hashes(f) for f in features] if self._mask_duplicates else None
         try:
             if not torch.is_grad_enabled():
                 # evaluation: the same loss, mini-batched, no caching and no graph

@@ -19,6 +19,19 @@ from st_cached_losses.losses.options import ONE_DIRECTION, check_bool, check_col
 MARGIN_STRATEGIES = ("absolute", "relative")
 
 
+def _not_a_gist_setting(name: str) -> property:
+    """A setting of the other losses that GIST does not use: reading or assigning it raises."""
+
+    def refuse(*_: Any) -> Any:
+        raise AttributeError(
+            f"CachedGISTLoss has no setting {name!r}: GIST's terms are fixed (anchor-positive, plus "
+            "contrast_anchors / contrast_positives and the hard negatives) and its guide, not the inputs, decides "
+            "which in-batch negatives count. Use CachedMNRLoss for this option."
+        )
+
+    return property(refuse, refuse, doc=f"Not used by GIST: reading or assigning {name!r} raises.")
+
+
 class CachedGISTLoss(CachedInfoNCEBase):
     _citations = (GRADCACHE_CITATION, GIST_CITATION)
     equivalent_st_loss = "CachedGISTEmbedLoss"
@@ -28,21 +41,23 @@ class CachedGISTLoss(CachedInfoNCEBase):
         model: nn.Module,
         guide: nn.Module,
         temperature: float = 0.01,
+        mini_batch_size: int | str = 32,
+        mini_batch_num_tokens: int | str | None = None,
+        show_progress_bar: bool = False,
         margin_strategy: str = "absolute",
         margin: float = 0.0,
         contrast_anchors: bool = True,
         contrast_positives: bool = True,
-        mini_batch_size: int = 32,
-        mini_batch_num_tokens: int | None = None,
         gather_across_devices: bool = False,
-        show_progress_bar: bool = False,
         *,
         path: LossPath = "auto",
         tile_size: int | None = None,
-        memory_budget: int = DEFAULT_MEMORY_BUDGET,
+        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
         keep_params_unsharded: bool = False,
+        graph_memory_budget: int | str | None = None,
+        mini_batch_memory_budget: int | str | None = None,
     ) -> None:
         """
         GISTEmbed's guided in-batch negatives with GradCache: a frozen guide model removes the in-batch
@@ -54,25 +69,35 @@ class CachedGISTLoss(CachedInfoNCEBase):
         computed tile by tile next to the logits, never as a ``B x C`` matrix; across processes the guide's
         embeddings of the candidates are gathered (or travel around the ring) with the model's.
 
+        The constructor takes sentence-transformers' ``CachedGISTEmbedLoss`` arguments in its positional order,
+        then our extras, keyword-only. It exposes only the settings GIST uses: reading or assigning
+        ``directions``, ``partition_mode``, ``symmetric``, ``similarity_fct``, ``hardness_mode``,
+        ``hardness_strength`` or ``mask_duplicates`` raises an ``AttributeError`` naming it (the guide, not
+        these, decides which negatives count).
+
         Args:
             model: the SentenceTransformer to train.
-            guide: a SentenceTransformer rating the pairs (any embedding size; cosine similarity).
+            guide: a SentenceTransformer rating the pairs (any embedding size; cosine similarity); the model
+                itself is accepted (self-guidance, as in sentence-transformers): its embeddings for the guide
+                are then computed without a graph.
             temperature: divides the cosine similarities (``scale = 1 / temperature``).
+            mini_batch_size: rows per encoder forward (the model's and the guide's), or ``"auto"``.
+            mini_batch_num_tokens: a budget of real (non-padding) tokens per mini-batch instead of
+                ``mini_batch_size``, as sentence-transformers.
+            show_progress_bar: tqdm bars over the mini-batches.
             margin_strategy: ``"absolute"``: remove a negative whose guide similarity exceeds the positive's
                 minus ``margin``; ``"relative"``: exceeds the positive's minus ``|positive's| * margin``.
             margin: the margin of that rule (0: remove only negatives rated above the positive).
             contrast_anchors: also contrast each anchor with this process's other anchors.
             contrast_positives: also contrast each positive with every other positive.
-            mini_batch_size: rows per encoder forward (the model's and the guide's).
-            mini_batch_num_tokens: a budget of real (non-padding) tokens per mini-batch instead of
-                ``mini_batch_size``, as sentence-transformers.
             gather_across_devices: score each process's anchors against every process's positives and
                 negatives (the guide's embeddings of them are gathered too).
-            show_progress_bar: tqdm bars over the mini-batches.
             path / tile_size / memory_budget: the loss-stage algorithm (``"auto"``, ``"chunked"`` or
                 ``"tiled"``; tiled across processes is the ring exchange) and its block sizes.
             sort_by_length / reuse_last_graph: engine options, never changing the result.
             keep_params_unsharded: under FSDP2, gather the parameters once per step (see ``CachedMNRLoss``).
+            graph_memory_budget / mini_batch_memory_budget: keep first-pass graphs within a budget, and the
+                budget of ``mini_batch_size="auto"`` (see ``CachedMNRLoss``).
 
         References:
             - Solatorio, GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding
@@ -103,9 +128,13 @@ class CachedGISTLoss(CachedInfoNCEBase):
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
             keep_params_unsharded=keep_params_unsharded,
+            graph_memory_budget=graph_memory_budget,
+            mini_batch_memory_budget=mini_batch_memory_budget,
         )
         self._check_guide(model, guide, gather_across_devices)
         self.guide = guide
+        # kept from construction: the trainer later puts a DDP / FSDP wrapper, without a tokenizer, in .model
+        self._model_tokenizer = cast(Any, model).tokenizer
         self.margin_strategy = margin_strategy
         self.margin = margin
         self.contrast_anchors = contrast_anchors
@@ -115,11 +144,6 @@ class CachedGISTLoss(CachedInfoNCEBase):
 
     @staticmethod
     def _check_guide(model: nn.Module, guide: nn.Module, gather: bool) -> None:
-        if guide is model:
-            raise ValueError(
-                "guide is the model being trained: GIST needs a separate, fixed guide; pass another "
-                "SentenceTransformer (e.g. a copy of the model taken before training)."
-            )
         if not hasattr(model, "tokenizer") or not hasattr(guide, "tokenizer"):
             raise ValueError("Both the training model and the guiding model must have a tokenizer attribute.")
         size = getattr(guide, "get_embedding_dimension", None) or getattr(
@@ -134,6 +158,14 @@ class CachedGISTLoss(CachedInfoNCEBase):
             )
 
     # ------------------------------------------------------------------ hyperparameters
+
+    directions = _not_a_gist_setting("directions")
+    partition_mode = _not_a_gist_setting("partition_mode")
+    symmetric = _not_a_gist_setting("symmetric")
+    similarity_fct = _not_a_gist_setting("similarity_fct")
+    hardness_mode = _not_a_gist_setting("hardness_mode")
+    hardness_strength = _not_a_gist_setting("hardness_strength")
+    mask_duplicates = _not_a_gist_setting("mask_duplicates")
 
     @property
     def margin_strategy(self) -> str:
@@ -172,8 +204,9 @@ class CachedGISTLoss(CachedInfoNCEBase):
         self._contrast_positives = check_bool("contrast_positives", value)
 
     def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values."""
-        return {
+        """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values (and a learnable
+        scale's settings when learnable)."""
+        config = {
             "guide": self.guide,
             "temperature": self.temperature,
             "mini_batch_size": self.mini_batch_size,
@@ -184,6 +217,9 @@ class CachedGISTLoss(CachedInfoNCEBase):
             "contrast_positives": self.contrast_positives,
             "gather_across_devices": self.gather_across_devices,
         }
+        if self.learnable_scale:
+            config.update(learnable_scale=True, max_scale=self.max_scale)
+        return config
 
     @property
     def citation(self) -> str:
@@ -210,7 +246,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
             return [{k: v.to(device) if isinstance(v, Tensor) else v for k, v in f.items()} for f in features]
         out = []
         for f in features:
-            texts = cast(Any, self.model).tokenizer.batch_decode(f["input_ids"], skip_special_tokens=True)
+            texts = self._model_tokenizer.batch_decode(f["input_ids"], skip_special_tokens=True)
             guided = cast(Any, self.guide).preprocess(texts)
             out.append({k: v.to(device) if isinstance(v, Tensor) else v for k, v in guided.items()})
         return out
