@@ -231,9 +231,7 @@ def _ddp_other_tokenizer_worker(rank: int, world: int, paths: list[str], sizes: 
     model = SentenceTransformer(paths[0], device="cpu")
     model[0].auto_model.pooler = None
     other = SentenceTransformer(paths[2], device="cpu")
-    loss_fn = CachedGISTLoss(
-        model, other, 0.05, 2, contrast_anchors=False, gather_across_devices=True
-    )
+    loss_fn = CachedGISTLoss(model, other, 0.05, 2, contrast_anchors=False, gather_across_devices=True)
     ddp = DDP(model)
     loss_fn.model = ddp  # what the trainer does
     start = sum(sizes[:rank])
