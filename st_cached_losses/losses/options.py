@@ -80,9 +80,9 @@ def check_splittable_model(model: nn.Module, owner: str) -> None:
         return
     if any(isinstance(m, StaticEmbedding) for m in unwrap_model(model).modules()):
         raise ValueError(
-            f"{owner} cannot split a StaticEmbedding model's inputs (flat token ids with offsets, no batch "
-            "dimension) into mini-batches; use sentence_transformers.losses.MultipleNegativesRankingLoss, which "
-            "is cheap for such models."
+            f"{owner} is not compatible with a SentenceTransformer model based on a StaticEmbedding: its inputs "
+            "(flat token ids with offsets, no batch dimension) cannot be split into mini-batches. Use "
+            "sentence-transformers' MultipleNegativesRankingLoss, which is cheap for such models."
         )
 
 
