@@ -179,9 +179,18 @@ def test_settings_gist_does_not_use_raise(models):
             getattr(loss, name)
 
 
-def test_settings_gist_uses_change_the_loss_or_config_and_self_assignment_nothing(models):
+def _settable() -> list[str]:
+    """Every public property of CachedGISTLoss with a setter, besides those it refuses."""
     import inspect
 
+    return [
+        n for n, m in inspect.getmembers(CachedGISTLoss)
+        if isinstance(m, property) and m.fset is not None and n not in UNUSED and not n.startswith("_")
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("learnable", [False, True], ids=["fixed_scale", "learnable_scale"])
+def test_assigning_the_current_value_changes_nothing(models, learnable):
     model, guide, _ = models
     feats = [model.preprocess(t) for t in texts(3, seed=8)]
 
@@ -189,35 +198,166 @@ def test_settings_gist_uses_change_the_loss_or_config_and_self_assignment_nothin
         with torch.no_grad():
             return float(loss(feats, None))
 
-    loss = CachedGISTLoss(model, guide, 0.05, 4, margin=0.02)
-    settable = [
-        n for n, m in inspect.getmembers(CachedGISTLoss)
-        if isinstance(m, property) and m.fset is not None and n not in UNUSED and not n.startswith("_")
-    ]  # fmt: skip
-    before, config = value(loss), loss.get_config_dict()
-    for name in settable:
+    loss = CachedGISTLoss(model, guide, 0.05, 4, margin=0.02, tile_size=3)
+    loss.learnable_scale = learnable
+    names = [*_settable(), "guide"]
+    assert {"temperature", "scale", "learnable_scale", "max_scale", "path", "memory_budget"} <= set(names)
+    snapshot = {n: getattr(loss, n) for n in names}
+    before, config, retokenize = value(loss), loss.get_config_dict(), loss.must_retokenize
+    for name in names:
         setattr(loss, name, getattr(loss, name))
         assert loss.get_config_dict() == config, name
+        assert {n: getattr(loss, n) for n in names} == snapshot, name
+    assert loss.must_retokenize == retokenize
     assert value(loss) == before
-    # each setting GIST uses changes the loss or its config
-    changes = {
+
+
+def test_each_setting_gist_uses_changes_the_loss_or_config(models):
+    model, guide, other = models
+    feats = [model.preprocess(t) for t in texts(3, seed=8)]
+
+    def value(loss):
+        with torch.no_grad():
+            return float(loss(feats, None))
+
+    def fresh():
+        return CachedGISTLoss(model, guide, 0.05, 4, margin=0.02)
+
+    # the loss and the config: scale, margins, contrasts, the guide
+    changes_value = {
         "temperature": 0.1, "scale": 7.0, "margin": 0.05, "margin_strategy": "relative",
-        "contrast_anchors": False, "contrast_positives": False, "mini_batch_size": 2,
-        "mini_batch_num_tokens": 30, "gather_across_devices": True, "learnable_scale": True,
+        "contrast_anchors": False, "contrast_positives": False, "guide": other,
     }  # fmt: skip
-    for name, new in changes.items():
-        fresh = CachedGISTLoss(model, guide, 0.05, 4, margin=0.02)
-        base_value, base_config = value(fresh), fresh.get_config_dict()
-        setattr(fresh, name, new)
-        changed = fresh.get_config_dict() != base_config
-        if name not in (
-            "mini_batch_size",
-            "mini_batch_num_tokens",
-            "gather_across_devices",
-            "learnable_scale",
-        ):
-            changed = changed and value(fresh) != pytest.approx(base_value, rel=1e-9)
-        assert changed, name
+    for name, new in changes_value.items():
+        loss = fresh()
+        base_value, base_config = value(loss), loss.get_config_dict()
+        setattr(loss, name, new)
+        assert loss.get_config_dict() != base_config, name
+        assert value(loss) != pytest.approx(base_value, rel=1e-9), name
+    # the config (the same loss by design: the encoder's batching, a process group's gather, the scale's
+    # parametrisation, whose gradient is checked in test_learnable_scale_gradient_is_gist_embed_losses)
+    changes_config = {
+        "mini_batch_size": 2, "mini_batch_num_tokens": 30, "gather_across_devices": True,
+        "learnable_scale": True,
+    }  # fmt: skip
+    for name, new in changes_config.items():
+        loss = fresh()
+        base_config = loss.get_config_dict()
+        setattr(loss, name, new)
+        assert loss.get_config_dict() != base_config, name
+    loss = fresh()
+    loss.learnable_scale = True
+    base_config = loss.get_config_dict()
+    loss.max_scale = 123.0
+    assert loss.get_config_dict() != base_config and loss.get_config_dict()["max_scale"] == 123.0
+    # the engine (the same loss by design): each reaches the GradCache that runs the encoder
+    engine = {
+        "show_progress_bar": True, "sort_by_length": False, "reuse_last_graph": False,
+        "keep_params_unsharded": True, "graph_memory_budget": 2**20, "mini_batch_memory_budget": 2**21,
+    }  # fmt: skip
+    for name, new in engine.items():
+        loss = fresh()
+        setattr(loss, name, new)
+        assert getattr(loss.cache, name) == new, name
+    assert value(loss) == pytest.approx(value(fresh()), rel=1e-6)
+
+
+def test_path_settings_reach_the_core(models, monkeypatch):
+    """path / tile_size / memory_budget choose the loss-stage algorithm: each reaches the core's call."""
+    import st_cached_losses.losses._base as base
+
+    model, guide, _ = models
+    feats = [model.preprocess(t) for t in texts(2, seed=8)]
+    seen: list[dict] = []
+    real = base.loss_and_grad
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(base, "loss_and_grad", spy)
+    loss = CachedGISTLoss(model, guide, 0.05, 4)
+    with torch.no_grad():
+        first = loss(feats, None)
+    loss.path, loss.tile_size, loss.memory_budget = "tiled", 3, 12345
+    with torch.no_grad():
+        second = loss(feats, None)
+    assert (seen[0]["path"], seen[0]["tile_size"]) == ("auto", None)
+    assert (seen[1]["path"], seen[1]["tile_size"], seen[1]["memory_budget"]) == ("tiled", 3, 12345)
+    assert seen[1]["ring"] and "guide" in seen[1] and seen[1]["similarity"] == "cosine"
+    assert float(first) == pytest.approx(float(second), rel=1e-5)
+
+
+def test_assigning_a_guide_decides_retokenizing_again(models):
+    """loss.guide = another model: checked as at construction, and re-tokenising follows the new guide."""
+    model, guide, other = models
+    feats = [model.preprocess(t) for t in texts(2, seed=10)]
+    loss = CachedGISTLoss(model, guide, 0.05, 4)
+    assert not loss.must_retokenize
+    loss.guide = other
+    assert loss.must_retokenize and loss.get_config_dict()["guide"] is other
+    ref_loss, ref = param_grads(model, lambda f: GISTEmbedLoss(model, other, 0.05)(f, None), feats)
+    ours_loss, ours = param_grads(model, lambda f: loss(f, None), feats)
+    assert float(ours_loss) == pytest.approx(float(ref_loss), rel=1e-5)
+    assert_grads_close(ours, ref)
+    loss.guide = model  # self-guidance: the same tokens
+    assert not loss.must_retokenize
+    with pytest.raises(ValueError, match="tokenizer attribute"):
+        loss.guide = torch.nn.Linear(2, 2)
+    assert loss.guide is model
+
+
+def test_gather_assignment_checks_the_guide_as_construction(models):
+    model = models[0]
+
+    class NoSize(torch.nn.Module):
+        tokenizer = model.tokenizer
+
+        def get_embedding_dimension(self):
+            return None
+
+    loss = CachedGISTLoss(model, NoSize())
+    with pytest.raises(ValueError, match="guide: with gather_across_devices=True"):
+        loss.gather_across_devices = True
+    assert loss.gather_across_devices is False
+    loss = CachedGISTLoss(model, models[1], gather_across_devices=True)
+    with pytest.raises(ValueError, match="guide: with gather_across_devices=True"):
+        loss.guide = NoSize()
+    assert loss.guide is models[1]
+
+
+def test_learnable_scale_gradient_is_gist_embed_losses(models):
+    """GIST honours learnable_scale: d loss / d log(scale) is that of GISTEmbedLoss's value (central
+    differences in float64), and the model's gradient that of GISTEmbedLoss at the same scale."""
+    import math
+
+    model, guide, _ = models
+    for n_cols in (2, 3):
+        feats = [model.preprocess(t) for t in texts(n_cols, seed=3)]
+        loss = CachedGISTLoss(model, guide, 0.05, 4, margin=0.02)
+        loss.learnable_scale = True
+        ours_loss, ours = param_grads(model, lambda f, fn=loss: fn(f, None), feats)
+        grad_log_scale = float(loss.logit_scale.grad)
+        ref_loss, ref = param_grads(
+            model, lambda f: GISTEmbedLoss(model, guide, 0.05, margin=0.02)(f, None), feats
+        )
+        assert float(ours_loss) == pytest.approx(float(ref_loss), rel=1e-5)
+        assert_grads_close(ours, ref)
+        values = []
+        model.double(), guide.double()
+        try:
+            for step in (1e-4, -1e-4):
+                temperature = 1.0 / math.exp(math.log(20.0) + step)
+                with torch.no_grad():
+                    values.append(float(GISTEmbedLoss(model, guide, temperature, margin=0.02)(feats, None)))
+        finally:
+            model.float(), guide.float()
+        assert grad_log_scale != 0
+        assert grad_log_scale == pytest.approx((values[0] - values[1]) / 2e-4, rel=1e-3)
+
+
+def test_classic_is_false(models):
+    assert CachedGISTLoss(*models[:2]).classic is False
 
 
 # --------------------------------------------------------------------------- two processes

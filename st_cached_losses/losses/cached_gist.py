@@ -8,7 +8,7 @@ import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_cached_losses.features import batch_size_of
+from st_cached_losses.features import batch_size_of, unwrap_model
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
 from st_cached_losses.functional.directions import Guide
 from st_cached_losses.functional.terms import gist_terms
@@ -17,6 +17,7 @@ from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.options import ONE_DIRECTION, check_bool, check_columns
 
 MARGIN_STRATEGIES = ("absolute", "relative")
+_NO_TOKENIZER = "Both the training model and the guiding model must have a tokenizer attribute."
 
 
 def _not_a_gist_setting(name: str) -> property:
@@ -70,8 +71,11 @@ class CachedGISTLoss(CachedInfoNCEBase):
         embeddings of the candidates are gathered (or travel around the ring) with the model's.
 
         The constructor takes sentence-transformers' ``CachedGISTEmbedLoss`` arguments in its positional order,
-        then our extras, keyword-only. It exposes only the settings GIST uses: reading or assigning
-        ``directions``, ``partition_mode``, ``symmetric``, ``similarity_fct``, ``hardness_mode``,
+        then our extras, keyword-only. Every argument is also a property, read and assigned between steps
+        (``guide`` too: a new guide is checked as at construction and ``must_retokenize`` is decided again);
+        ``scale`` (``1 / temperature``) and ``learnable_scale`` / ``max_scale`` (CLIP's learned, clamped
+        ``log(scale)``, as on ``CachedMNRLoss``) as well. It exposes only the settings GIST uses: reading or
+        assigning ``directions``, ``partition_mode``, ``symmetric``, ``similarity_fct``, ``hardness_mode``,
         ``hardness_strength`` or ``mask_duplicates`` raises an ``AttributeError`` naming it (the guide, not
         these, decides which negatives count).
 
@@ -79,7 +83,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
             model: the SentenceTransformer to train.
             guide: a SentenceTransformer rating the pairs (any embedding size; cosine similarity); the model
                 itself is accepted (self-guidance, as in sentence-transformers): its embeddings for the guide
-                are then computed without a graph.
+                are then computed without a graph, in the mode the model is in (as theirs: no ``eval()``).
             temperature: divides the cosine similarities (``scale = 1 / temperature``).
             mini_batch_size: rows per encoder forward (the model's and the guide's), or ``"auto"``.
             mini_batch_num_tokens: a budget of real (non-padding) tokens per mini-batch instead of
@@ -131,21 +135,31 @@ class CachedGISTLoss(CachedInfoNCEBase):
             graph_memory_budget=graph_memory_budget,
             mini_batch_memory_budget=mini_batch_memory_budget,
         )
-        self._check_guide(model, guide, gather_across_devices)
-        self.guide = guide
+        if not hasattr(model, "tokenizer"):
+            raise ValueError(_NO_TOKENIZER)
         # kept from construction: the trainer later puts a DDP / FSDP wrapper, without a tokenizer, in .model
         self._model_tokenizer = cast(Any, model).tokenizer
+        self._guide_embeddings: list[Tensor] | None = None
+        self.guide = guide  # checked, and must_retokenize decided (see __setattr__)
         self.margin_strategy = margin_strategy
         self.margin = margin
         self.contrast_anchors = contrast_anchors
         self.contrast_positives = contrast_positives
-        self.must_retokenize = _must_retokenize(model, guide)
-        self._guide_embeddings: list[Tensor] | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "guide":
+            # at construction and on every assignment: a guide that cannot serve raises, and whether it reads
+            # the model's token ids or the re-tokenised texts is decided for this guide
+            self._check_guide(value, self.gather_across_devices)
+            super().__setattr__(name, value)
+            super().__setattr__("must_retokenize", self._must_retokenize(value))
+            return
+        super().__setattr__(name, value)
 
     @staticmethod
-    def _check_guide(model: nn.Module, guide: nn.Module, gather: bool) -> None:
-        if not hasattr(model, "tokenizer") or not hasattr(guide, "tokenizer"):
-            raise ValueError("Both the training model and the guiding model must have a tokenizer attribute.")
+    def _check_guide(guide: nn.Module, gather: bool) -> None:
+        if not hasattr(guide, "tokenizer"):
+            raise ValueError(_NO_TOKENIZER)
         size = getattr(guide, "get_embedding_dimension", None) or getattr(
             guide, "get_sentence_embedding_dimension", None
         )
@@ -157,6 +171,15 @@ class CachedGISTLoss(CachedInfoNCEBase):
                 f"{dim!r}); end the guide with a Pooling (or Dense) module, or set gather_across_devices=False."
             )
 
+    def _must_retokenize(self, guide: nn.Module) -> bool:
+        """sentence-transformers' rule: another vocabulary, or a guide that reads fewer tokens than the model."""
+        model = unwrap_model(self.model)  # the trainer may have wrapped it by now
+        try:
+            same_vocab = self._model_tokenizer.get_vocab() == cast(Any, guide).tokenizer.get_vocab()
+        except AttributeError:
+            return True
+        return not same_vocab or getattr(guide, "max_seq_length", 0) < getattr(model, "max_seq_length", 0)
+
     # ------------------------------------------------------------------ hyperparameters
 
     directions = _not_a_gist_setting("directions")
@@ -166,6 +189,22 @@ class CachedGISTLoss(CachedInfoNCEBase):
     hardness_mode = _not_a_gist_setting("hardness_mode")
     hardness_strength = _not_a_gist_setting("hardness_strength")
     mask_duplicates = _not_a_gist_setting("mask_duplicates")
+
+    @property
+    def classic(self) -> bool:
+        """False: GIST's loss is always given to the core as terms (``functional.terms.gist_terms``)."""
+        return False
+
+    @property
+    def gather_across_devices(self) -> bool:
+        return self._gather_across_devices
+
+    @gather_across_devices.setter
+    def gather_across_devices(self, value: bool) -> None:
+        # the guide's embeddings are gathered too: a guide of unknown size is refused here as at construction
+        if check_bool("gather_across_devices", value) and "guide" in self._modules:
+            self._check_guide(self.guide, True)
+        self._gather_across_devices = value
 
     @property
     def margin_strategy(self) -> str:
@@ -267,12 +306,3 @@ class CachedGISTLoss(CachedInfoNCEBase):
             return super().forward(features, labels)
         finally:
             self._guide_embeddings = None
-
-
-def _must_retokenize(model: nn.Module, guide: nn.Module) -> bool:
-    """sentence-transformers' rule: another vocabulary, or a guide that reads fewer tokens."""
-    try:
-        same_vocab = cast(Any, model).tokenizer.get_vocab() == cast(Any, guide).tokenizer.get_vocab()
-    except AttributeError:
-        return True
-    return not same_vocab or getattr(guide, "max_seq_length", 0) < getattr(model, "max_seq_length", 0)
