@@ -144,7 +144,7 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     try:  # the names the losses themselves accept
-        args.similarity = resolve_similarity(str(args.similarity))
+        args.similarity = str(resolve_similarity(str(args.similarity)))  # a name: always "cosine" or "dot"
     except ValueError:
         raise ValueError(
             f"similarity must be 'cosine' or 'dot', got {args.similarity!r}: the cached losses never build "

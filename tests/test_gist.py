@@ -356,10 +356,6 @@ def test_learnable_scale_gradient_is_gist_embed_losses(models):
         assert grad_log_scale == pytest.approx((values[0] - values[1]) / 2e-4, rel=1e-3)
 
 
-def test_classic_is_false(models):
-    assert CachedGISTLoss(*models[:2]).classic is False
-
-
 # --------------------------------------------------------------------------- two processes
 
 

@@ -65,7 +65,6 @@ def test_options_equal_sentence_transformers_mnrl(model, options, n_cols, cls, e
     st_loss = st_losses.MultipleNegativesRankingLoss(model, scale=20.0, **options)
     ref_loss, ref = param_grads(model, lambda f: st_loss(f, None), feats)
     ours_fn = cls(model, 20.0, **options, **engine)
-    assert not ours_fn.classic or options.get("hardness_mode") is None
     loss, ours = param_grads(model, lambda f: ours_fn(f, None), feats)
     assert float(loss) == pytest.approx(float(ref_loss), rel=1e-5)
     assert_grads_close(ours, ref)
@@ -122,7 +121,6 @@ def test_clip_with_learnable_scale_takes_joint_and_hardness(model):
             "hardness_strength must be non-negative",
         ),
         ({"hardness_strength": "5"}, "hardness_strength"),
-        ({"directions": ALL, "mask_duplicates": True}, "mask_duplicates"),
     ],
 )
 def test_bad_options_raise_at_construction(model, kwargs, match):
@@ -133,12 +131,8 @@ def test_bad_options_raise_at_construction(model, kwargs, match):
 def test_bad_options_set_later_raise_and_keep_the_old_value(model):
     loss = CachedMNRLoss(model, mask_duplicates=True)
     loss.hardness_strength = 3.0  # fine alone: hardness_mode is still None
-    with pytest.raises(ValueError, match="mask_duplicates"):
-        loss.hardness_mode = "all_negatives"
-    assert loss.hardness_mode is None and loss.classic
-    loss.mask_duplicates = False
-    loss.hardness_mode = "all_negatives"
-    assert not loss.classic
+    loss.hardness_mode = "all_negatives"  # duplicate masks compose with every option (one core)
+    assert loss.hardness_mode == "all_negatives" and loss.mask_duplicates
     with pytest.raises(ValueError, match="joint"):
         loss.partition_mode = "per_direction"
         loss.directions = ALL

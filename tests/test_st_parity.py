@@ -584,9 +584,9 @@ def test_every_argument_is_validated_at_construction_and_when_set(model, name, v
 def test_setters_revalidate_the_combination(model):
     loss = CachedMNRLoss(model)
     loss.directions = TWO  # joint: GTE-style two directions in one softmax
-    assert not loss.symmetric and not loss.classic
+    assert not loss.symmetric
     loss.partition_mode = "per_direction"
-    assert loss.symmetric and loss.classic
+    assert loss.symmetric
     loss.partition_mode = "joint"
     loss.directions = ("query_to_doc", "query_to_query")
     with pytest.raises(ValueError, match="joint"):

@@ -464,7 +464,7 @@ def test_mnrl_options_reach_the_loss(tmp_path):
     loss = build_loss(model, args)
     assert loss.directions == ("query_to_doc", "query_to_query", "doc_to_doc")
     assert loss.partition_mode == "joint" and loss.hardness_mode == "all_negatives"
-    assert loss.hardness_strength == 5.0 and not loss.classic
+    assert loss.hardness_strength == 5.0
     clip = build_loss(model, parse_cli(["--loss", "clip", "--partition_mode", "joint"]))
     assert clip.directions == ("query_to_doc", "doc_to_query") and clip.partition_mode == "joint"
 

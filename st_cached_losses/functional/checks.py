@@ -186,7 +186,6 @@ def validate_inputs(
     cols: list[Tensor],
     anchors_all: Tensor | None,
     *,
-    similarity: str,
     symmetric: bool,
     row_offset: int,
     chunk_size: int | None,
@@ -195,8 +194,6 @@ def validate_inputs(
     path: str,
     check_finite: bool,
 ) -> None:
-    if similarity not in ("cosine", "dot"):
-        raise ValueError(f"similarity must be 'cosine' or 'dot', got {similarity!r}.")
     if path not in ("auto", "chunked", "tiled"):
         raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {path!r}.")
     check_positive_int("chunk_size", chunk_size)

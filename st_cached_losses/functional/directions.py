@@ -1,30 +1,49 @@
-"""Drivers of the general InfoNCE (:mod:`.terms`): on one process or against gathered columns
+"""Drivers of the term-based InfoNCE (:mod:`.terms`): on one process or against gathered columns
 (:func:`terms_solve`), and by ring exchange (:func:`ring_terms_solve`). Both return
 ``(loss, grad_anchors, grad_candidates, grad_anchors_all, grad_scale)``, the gradients of
-``grad_output * loss`` in the inputs' dtypes, without building a graph.
+``grad_output * loss`` in the inputs' dtypes, without building a graph. :class:`InfoNCEFunction` is the
+one autograd Function of the loss stage.
 
 Planning: the chunked path holds, for a chunk of rows, the logits of every term against every column
-at once (one pass: loss and gradients, nothing recomputed); the tiled path makes a statistics pass and
-a gradient pass over square tiles, ``O((B + N) d)`` memory plus a few tiles.
+at once (one pass: loss and gradients, nothing recomputed); the tiled path, and the chunked one when a
+softmax runs down the columns (the symmetric loss sharing its tiles), makes a statistics pass and a
+gradient pass, ``O((B + N) d)`` memory plus a few blocks.
+
+Tile sharing: where the documents of a ``doc_to_query`` term are the very columns of the ``query_to_doc``
+term's positives and its queries that term's rows (one process; each visiting block in the ring), the
+``doc_to_query`` logits are the transpose of the ``query_to_doc`` tiles. The two are then bound as one
+term whose tiles feed both softmaxes (4 GEMMs per tile pair instead of 8), for GEMM scores without
+penalties or a guide on either.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from st_cached_losses.distributed import all_gather_rows, all_reduce_sum, rank, ring_exchange
-from st_cached_losses.functional._kernels import LogSumExp, Operand, init_stats, positive_logits
+from st_cached_losses.distributed import all_reduce_sum, rank, ring_exchange
+from st_cached_losses.functional._kernels import (
+    DEFAULT_MEMORY_BUDGET,
+    LogSumExp,
+    Operand,
+    init_stats,
+    merge_stats,
+    plan_blocks,
+    raw_grad,
+    tile_side,
+)
 from st_cached_losses.functional.checks import scale_value
 from st_cached_losses.functional.precision import fp32_loss_stage
-from st_cached_losses.functional.problems import plan_blocks, raw_grad, tile_side
+from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import (
     Bound,
+    PairKeys,
+    Term,
     TermSet,
     fused_chunk,
     guide_thresholds,
@@ -33,12 +52,11 @@ from st_cached_losses.functional.terms import (
 )
 
 __all__ = [
-    "GeneralFunction",
     "Guide",
+    "InfoNCEFunction",
+    "Keys",
+    "LossSpec",
     "Solution",
-    "check_general",
-    "gathered_guide",
-    "reads_anchors_all",
     "ring_terms_solve",
     "terms_solve",
 ]
@@ -55,6 +73,27 @@ class Guide:
     candidates: list[Tensor]
 
 
+@dataclass
+class Keys:
+    """Duplicate keys of a call (``mask_duplicates``): ``anchors`` ``(B,)`` this process's anchors' (or
+    None: pairs are then compared by their positives only), ``candidates`` one ``(N,)`` per column, and
+    ``anchors_all`` ``(N,)`` every positive's anchor's (across processes; None on one process)."""
+
+    anchors: Tensor | None
+    candidates: list[Tensor]
+    anchors_all: Tensor | None = None
+
+    def sources(self, row_offset: int, b: int) -> dict[str, PairKeys]:
+        """The keys of every row and column source (see :class:`~.terms.PairKeys`)."""
+        pos = self.candidates[0]
+        pair_anchor = self.anchors_all if self.anchors_all is not None else self.anchors
+        rows = PairKeys(pos[row_offset : row_offset + b], self.anchors)
+        out = {"q": rows, "d": rows, "q_local": rows, "q_all": PairKeys(pos, pair_anchor)}
+        out["c0"] = out["q_all"]
+        out.update({f"c{k}": PairKeys(c, pairs=False) for k, c in enumerate(self.candidates) if k > 0})
+        return out
+
+
 class _Sources:
     """Operands and fp32 gradient buffers of one call: the rows ``q`` (anchors) and ``d`` (this
     process's positives), and the column sources ``c<k>``, ``q_all`` and ``q_local``; ``used`` names the
@@ -67,29 +106,27 @@ class _Sources:
         cols: list[Tensor],
         anchors_all: Tensor | None,
         *,
+        score: Score,
         scale: float,
-        cosine: bool,
         row_offset: int,
         prenorm: bool,
         with_grad: bool,
         used: set[str] | None = None,
+        keys: Keys | None = None,
     ) -> None:
         b = anchors.shape[0]
         need = {"q", "d", "q_local", "q_all"} if used is None else used
-        self.b, self.row_offset = b, row_offset
-        self.q = Operand(anchors, cosine, scale, prenorm)
-        self.d = (
-            Operand(cols[0][row_offset : row_offset + b], cosine, scale, prenorm) if "d" in need else None
-        )
-        self.cols = {f"c{k}": Operand(c, cosine, 1.0, prenorm) for k, c in enumerate(cols)}
+        self.b, self.row_offset, self.score = b, row_offset, score
+        self.q = score.operand(anchors, scale, prenorm)
+        self.d = score.operand(cols[0][row_offset : row_offset + b], scale, prenorm) if "d" in need else None
+        self.cols = {f"c{k}": score.operand(c, 1.0, prenorm) for k, c in enumerate(cols)}
         if "q_local" in need or ("q_all" in need and anchors_all is None):
-            self.cols["q_local"] = Operand(anchors, cosine, 1.0, prenorm)
+            self.cols["q_local"] = score.operand(anchors, 1.0, prenorm)
         if "q_all" in need:
             self.cols["q_all"] = (
-                Operand(anchors_all, cosine, 1.0, prenorm)
-                if anchors_all is not None
-                else self.cols["q_local"]
+                score.operand(anchors_all, 1.0, prenorm) if anchors_all is not None else self.cols["q_local"]
             )
+        self.keys = keys.sources(row_offset, b) if keys is not None else None
         self.grads: dict[str, Tensor] = {}
         if with_grad:
             dt, dev, dim = self.q.dtype, anchors.device, anchors.shape[1]
@@ -101,10 +138,14 @@ class _Sources:
             if anchors_all is None and "q_all" in self.cols:
                 self.grads["q_all"] = self.grads["q_local"]  # one process: the same rows, one buffer
 
-    def with_columns(self, cols: dict[str, Operand], grads: dict[str, Tensor]) -> _Sources:
+    def with_columns(
+        self, cols: dict[str, Operand], grads: dict[str, Tensor], keys: dict[str, PairKeys] | None
+    ) -> _Sources:
         """The same rows against other columns (a block visiting in the ring), with these gradient buffers."""
         other = copy.copy(self)
         other.cols, other.grads = cols, grads
+        if self.keys is not None and keys is not None:
+            other.keys = {**keys, **{r: self.keys[r] for r in ("q", "d")}}  # the rows stay this process's
         return other
 
 
@@ -119,39 +160,73 @@ def _used(terms: TermSet) -> set[str]:
     return {t.rows for t in terms.terms} | {t.cols for t in terms.terms}
 
 
+def transposed_pair(terms: TermSet, score: Score) -> tuple[Term, Term] | None:
+    """The ``query_to_doc`` positives' term and the ``doc_to_query`` term whose tiles are its transposes
+    (both plain: no penalty, no guide; a GEMM score), if the loss has both."""
+    if not score.gemm:
+        return None
+    plain = [t for t in terms.terms if not (t.pen_off or t.pen_diag or t.guided)]
+    fwd = [t for t in plain if (t.rows, t.cols, t.diag) == ("q", "c0", "positive")]
+    back = [t for t in plain if (t.rows, t.cols) == ("d", "q_all")]
+    return (fwd[0], back[0]) if fwd and back else None
+
+
 def _bind(
-    terms: TermSet, src: _Sources, diag_offset: int | None, guide: _Sources | None, thresholds: Tensor | None
+    terms: Sequence[Term],
+    src: _Sources,
+    diag_offset: int | None,
+    guide: _Sources | None,
+    thresholds: Tensor | None,
 ) -> list[Bound]:
     out = []
-    for t in terms.terms:
+    for t in terms:
         diag = 0 if t.cols == "q_local" else diag_offset
         rows = src.q if t.rows == "q" else src.d
         assert rows is not None  # built for every row source a term reads
+        guided = guide is not None and t.guided
         out.append(
             Bound(
                 t,
+                src.score,
                 rows,
                 src.cols[t.cols],
                 diag,
                 src.grads.get(t.rows),
                 src.grads.get(t.cols),
-                (guide.q if t.rows == "q" else guide.d) if guide is not None and t.guided else None,
-                guide.cols[t.cols] if guide is not None and t.guided else None,
+                (guide.q if t.rows == "q" else guide.d) if guided else None,  # type: ignore[union-attr]
+                guide.cols[t.cols] if guided else None,  # type: ignore[union-attr]
                 thresholds,
+                src.keys[t.rows] if src.keys is not None else None,
+                src.keys[t.cols] if src.keys is not None else None,
             )
         )
     return out
 
 
-def reads_anchors_all(terms: TermSet | None) -> bool:
-    """Whether a term scores against every process's anchors (they must be gathered)."""
-    return terms is not None and terms.uses_anchors_all
+def _pair_up(
+    bound: list[Bound], pair: tuple[Term, Term], weights: Sequence[float], **cols: Any
+) -> list[Bound]:
+    """Drop the ``doc_to_query`` term and have the ``query_to_doc`` positives' tiles feed its softmax."""
+    fwd, back = pair
+    out = []
+    for b in bound:
+        if b.term == back:
+            continue
+        if b.term == fwd:
+            positive = back.diag == "positive"
+            b = replace(
+                b, col_group=back.group, col_weight=weights[back.group], col_positive=positive, **cols
+            )
+        out.append(b)
+    return out
 
 
 def gathered_guide(guide: Guide | None, sizes: list[int]) -> Guide | None:
     """The guide's candidates from every process (its anchors stay: rows are this process's)."""
     if guide is None:
         return None
+    from st_cached_losses.distributed import all_gather_rows
+
     return Guide(guide.anchors, [all_gather_rows(c, sizes) for c in guide.candidates])
 
 
@@ -162,8 +237,8 @@ def _guide_sources(guide: Guide | None, row_offset: int, prenorm: bool) -> _Sour
         guide.anchors,
         guide.candidates,
         None,
+        score=Score("cosine"),
         scale=1.0,
-        cosine=True,
         row_offset=row_offset,
         prenorm=prenorm,
         with_grad=False,
@@ -195,178 +270,307 @@ def _finish(
     return g_a, g_c, g_all
 
 
-def terms_solve(
-    anchors: Tensor,
-    cols: Sequence[Tensor],
-    *,
-    terms: TermSet,
-    scale: float | Tensor,
-    cosine: bool,
-    anchors_all: Tensor | None,
-    row_offset: int,
-    path: str,
-    chunk_size: int | None,
-    tile_size: int | None,
-    memory_budget: int,
-    grad_output: float,
-    with_grad: bool,
-    guide: Guide | None = None,
-) -> Solution:
-    """The mean loss of this process's rows against the given (possibly gathered) columns."""
-    cols = list(cols)
-    s = scale_value(scale)
-    need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
-    b = anchors.shape[0]
-    width = sum(cols[0].shape[0] if t.cols != "q_local" else b for t in terms.terms)
-    fused = with_grad or path != "tiled"
-    buffers = (1 + need_scale_grad + terms.guided) if fused else 3 + terms.guided
-    plan = plan_blocks(
-        b,
-        width,
-        1,
-        path=path,
-        chunk_size=chunk_size,
-        tile_size=tile_size,
-        memory_budget=memory_budget,
-        buffers=buffers,
-    )
-    prenorm = plan.path == "chunked"
-    src = _Sources(
-        anchors,
-        cols,
-        anchors_all,
-        scale=s,
-        cosine=cosine,
-        row_offset=row_offset,
-        prenorm=prenorm,
-        with_grad=with_grad,
-        used=_used(terms),
-    )
-    gsrc = _guide_sources(guide, row_offset, prenorm)
-    tile = plan.row_tile
-    thr = _thresholds(gsrc, terms, tile)
-    bound = _bind(terms, src, row_offset, gsrc, thr)
-    if plan.path == "chunked":
-        total, gs = fused_chunk(
-            bound,
-            terms.weights,
-            n_rows=b,
+def _group_stats(n_groups: int, b: int, like: Operand) -> tuple[Tensor, Tensor]:
+    m, ssum = init_stats(n_groups * b, like)
+    return m.view(-1, b), ssum.view(-1, b)
+
+
+def _total(m: Tensor, ssum: Tensor, weights: Sequence[float]) -> tuple[Tensor, list[LogSumExp]]:
+    """The weighted sum of every group's log-sum-exp over rows (fp64), and the finished statistics."""
+    lse = [LogSumExp(m[g], ssum[g].log()) for g in range(len(weights))]
+    total = torch.zeros((), dtype=torch.float64, device=m.device)
+    for w, x in zip(weights, lse):
+        total += w * x.total().sum()
+    return total, lse
+
+
+def _positives(terms: TermSet, src: _Sources, row_offset: int, tile: int, scale: float) -> Tensor:
+    """``sum_i sum_g w_g * (positive logit of row i in group g)``, fp64 (every positive is in this
+    process's own columns)."""
+    total = torch.zeros((), dtype=torch.float64, device=src.q.x.device)
+    for t in terms.terms:
+        if t.diag == "positive":
+            rows = src.q if t.rows == "q" else src.d
+            assert rows is not None  # built for every row source a term reads
+            offset = 0 if t.cols == "q_local" else row_offset
+            pos = src.score.positives(rows, src.cols[t.cols], offset, tile, scale)
+            total += terms.weights[t.group] * pos.double().sum()
+    return total
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """Everything a driver needs besides the embeddings and the scale, fixed for a call: the loss's
+    terms and score, where this process's positives are (``row_offset``), the block plan's inputs, and the
+    guide's embeddings and duplicate keys when the loss uses them."""
+
+    terms: TermSet
+    score: Score
+    row_offset: int = 0
+    path: str = "auto"
+    chunk_size: int | None = None
+    tile_size: int | None = None
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    guide: Guide | None = None
+    keys: Keys | None = None
+
+
+class _LocalCall:
+    """One process's rows against the given (possibly gathered) columns: operands, buffers, the bound
+    terms and the per-group running statistics ``(groups, B)``; a statistics pass and a gradient pass, or
+    both in one (``one_pass``: the fused chunks, when no softmax runs down the columns)."""
+
+    def __init__(
+        self,
+        spec: LossSpec,
+        anchors: Tensor,
+        cols: list[Tensor],
+        anchors_all: Tensor | None,
+        s: float,
+        *,
+        with_grad: bool,
+        one_pass: bool,
+        need_scale_grad: bool,
+    ) -> None:
+        terms, b = spec.terms, anchors.shape[0]
+        self.spec, self.s, self.b = spec, s, b
+        self.anchors, self.cols, self.anchors_all = anchors, cols, anchors_all
+        # the doc_to_query tiles are the transposes of query_to_doc's on one process (columns = these rows)
+        pair = transposed_pair(terms, spec.score) if anchors_all is None and cols[0].shape[0] == b else None
+        width = sum(
+            cols[0].shape[0] if t.cols != "q_local" else b
+            for t in terms.terms
+            if pair is None or t != pair[1]
+        )
+        one_pass = one_pass and pair is None
+        buffers = (1 + need_scale_grad + terms.guided) if one_pass else 3 + terms.guided
+        self.plan = plan_blocks(
+            b,
+            width,
+            path=spec.path,
+            chunk_size=spec.chunk_size,
+            tile_size=spec.tile_size,
+            memory_budget=spec.memory_budget,
+            buffers=buffers,
+        )
+        self.fused = one_pass and self.plan.path == "chunked"
+        prenorm = self.plan.path == "chunked"
+        self.src = _Sources(
+            anchors,
+            cols,
+            anchors_all,
+            score=spec.score,
             scale=s,
-            chunk=plan.row_tile,
+            row_offset=spec.row_offset,
+            prenorm=prenorm,
+            with_grad=with_grad,
+            used=_used(terms),
+            keys=spec.keys,
+        )
+        gsrc = _guide_sources(spec.guide, spec.row_offset, prenorm)
+        thr = _thresholds(gsrc, terms, self.plan.row_tile)
+        self.m, self.ssum = _group_stats(len(terms.weights), b, self.src.q)
+        self.bound = _bind(terms.terms, self.src, spec.row_offset, gsrc, thr)
+        self.pair = pair
+        if pair is not None:
+            g_back = pair[1].group  # the columns are these rows: their statistics are the group's own
+            self.bound = _pair_up(
+                self.bound, pair, terms.weights, col_stats=(self.m[g_back], self.ssum[g_back])
+            )
+
+    def stats(self) -> tuple[Tensor, list[LogSumExp]]:
+        """First pass: every group's statistics; ``sum_g w_g sum_i lse_g[i]`` (fp64) and the statistics."""
+        p = self.plan
+        term_stats(self.bound, self.m, self.ssum, scale=self.s, row_tile=p.row_tile, col_tile=p.col_tile)
+        return _total(self.m, self.ssum, self.spec.terms.weights)
+
+    def grads(self, lse: list[LogSumExp], need_scale_grad: bool) -> Tensor:
+        """Second pass: the gradients into the buffers; returns ``sum(G * s * sim)``."""
+        bound = self.bound
+        if self.pair is not None:
+            col_lse = lse[self.pair[1].group]
+            bound = [replace(x, col_lse=col_lse) if x.col_group is not None else x for x in bound]
+        p = self.plan
+        return term_grads(
+            bound,
+            lse,
+            self.spec.terms.weights,
+            scale=self.s,
+            row_tile=p.row_tile,
+            col_tile=p.col_tile,
+            need_scale_grad=need_scale_grad,
+        )
+
+    def fused_pass(self, with_grad: bool, need_scale_grad: bool) -> tuple[Tensor, Tensor]:
+        return fused_chunk(
+            self.bound,
+            self.spec.terms.weights,
+            n_rows=self.b,
+            scale=self.s,
+            chunk=self.plan.row_tile,
             need_grads=with_grad,
             need_scale_grad=need_scale_grad,
         )
+
+    def loss(self, total: Tensor) -> Tensor:
+        """The mean loss over this process's rows, in the compute dtype."""
+        pos = _positives(self.spec.terms, self.src, self.spec.row_offset, self.plan.row_tile, self.s)
+        return ((total - pos) / self.b).to(self.src.q.dtype)
+
+    def finish(
+        self, grad_output: float, gs: Tensor, scale: float | Tensor, need_scale_grad: bool
+    ) -> tuple[Tensor, list[Tensor], Tensor | None, Tensor | None]:
+        """The gradients of ``grad_output * loss`` wrt the caller's tensors (and the scale)."""
+        factor = float(grad_output) / self.b
+        tile = self.plan.row_tile
+        g_a, g_c, g_all = _finish(self.src, self.anchors, self.cols, self.anchors_all, self.s, factor, tile)
+        g_s = (gs * factor / self.s).to(scale.dtype) if need_scale_grad else None  # type: ignore[union-attr]
+        return g_a, g_c, g_all, g_s
+
+
+def terms_solve(
+    spec: LossSpec,
+    anchors: Tensor,
+    cols: Sequence[Tensor],
+    *,
+    scale: float | Tensor,
+    anchors_all: Tensor | None,
+    grad_output: float,
+    with_grad: bool,
+) -> Solution:
+    """The mean loss of this process's rows against the given (possibly gathered) columns, and its
+    gradients when asked for: one pass over row chunks where it can, else a statistics and a gradient
+    pass."""
+    s = scale_value(scale)
+    need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
+    one_pass = with_grad or spec.path != "tiled"
+    call = _LocalCall(
+        spec,
+        anchors,
+        list(cols),
+        anchors_all,
+        s,
+        with_grad=with_grad,
+        one_pass=one_pass,
+        need_scale_grad=need_scale_grad,
+    )
+    if call.fused:
+        total, gs = call.fused_pass(with_grad, need_scale_grad)
     else:
-        m, ssum = init_stats(len(terms.weights) * b, src.q)
-        m, ssum = m.view(-1, b), ssum.view(-1, b)
-        term_stats(bound, m, ssum, scale=s, row_tile=plan.row_tile, col_tile=plan.col_tile)
-        lse = [LogSumExp(m[g], ssum[g].log()) for g in range(len(terms.weights))]
-        total = sum(w * x.total().sum() for w, x in zip(terms.weights, lse))  # type: ignore[assignment]
-        if with_grad:
-            gs = term_grads(
-                bound,
-                lse,
-                terms.weights,
-                scale=s,
-                row_tile=plan.row_tile,
-                col_tile=plan.col_tile,
-                need_scale_grad=need_scale_grad,
-            )
-    pos = positive_logits(src.q, src.cols["c0"], row_offset, tile)
-    loss = (total - pos.double().sum()) / b
+        total, lse = call.stats()
+        gs = call.grads(lse, need_scale_grad) if with_grad else torch.zeros(())
+    loss = call.loss(total)
     if not with_grad:
-        return loss.to(src.q.dtype), None, [], None, None
-    factor = float(grad_output) / b
-    g_a, g_c, g_all = _finish(src, anchors, cols, anchors_all, s, factor, tile)
-    g_s = (gs * factor / s).to(scale.dtype) if need_scale_grad else None  # type: ignore[union-attr]
-    return loss.to(src.q.dtype), g_a, g_c, g_all, g_s
+        return loss, None, [], None, None
+    return (loss, *call.finish(grad_output, gs, scale, need_scale_grad))
 
 
 def ring_terms_solve(
+    spec: LossSpec,
     anchors: Tensor,
     cols: Sequence[Tensor],
     sizes: list[int],
     *,
-    terms: TermSet,
     scale: float | Tensor,
-    cosine: bool,
-    tile_size: int | None,
-    memory_budget: int,
     with_grad: bool,
-    guide: Guide | None = None,
 ) -> Solution:
     """This process's share of the global loss (``W / B_global * sum`` over its rows) by ring exchange:
-    every process's columns (its candidates, and its anchors when a term reads ``q_all``; its guide
-    embeddings when guided) visit every process once per pass; a visiting block's gradient travels
-    with it and is home after the circle. Row statistics never leave their process."""
+    every process's columns (its candidates, its anchors when a term reads ``q_all``, its guide
+    embeddings when guided, its keys when masking) visit every process once per pass, the next block in
+    flight while the current one is scored; a visiting block's gradient travels with it and is home after
+    the circle. Row statistics never leave their process; the statistics of a softmax down the columns
+    (the symmetric loss's positives against every anchor) travel with their block."""
+    terms, score, guide, keys = spec.terms, spec.score, spec.guide, spec.keys
     me, w = rank(), len(sizes)
     cols = list(cols)
     s = scale_value(scale)
     need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
     b, dim = anchors.shape
     k = len(cols)
-    tile = tile_side(tile_size, memory_budget, buffers=3 + terms.guided)
+    pair = transposed_pair(terms, score)
+    tile = tile_side(spec.tile_size, spec.memory_budget, buffers=3 + terms.guided)
     src = _Sources(
         anchors,
         cols,
         None,
+        score=score,
         scale=s,
-        cosine=cosine,
         row_offset=0,
         prenorm=False,
         with_grad=with_grad,
         used=_used(terms),
+        keys=keys,
     )
-    gsrc = _guide_sources(
-        Guide(guide.anchors, guide.candidates) if guide is not None else None, 0, prenorm=False
-    )
+    gsrc = _guide_sources(guide, 0, prenorm=False)
     thr = _thresholds(gsrc, terms, tile)
-    names = [f"c{j}" for j in range(k)] + (["q_all"] if terms.uses_anchors_all else [])
-    own = [torch.stack([*cols, anchors][: len(names)], dim=1).contiguous()]  # (b, K', d)
+    visiting = [t for t in terms.terms if t.cols != "q_local"]
+    local = [t for t in terms.terms if t.cols == "q_local"]
+    reads_q_all = any(t.cols == "q_all" and (pair is None or t != pair[1]) for t in visiting)
+    names = [f"c{j}" for j in range(k)] + (["q_all"] if reads_q_all else [])
+    # what travels: the columns side by side (b, K', d); the guide's (b, K, g); the keys (b, K + 1)
+    own = [torch.stack([*cols, anchors][: len(names)], dim=1).contiguous()]
     if guide is not None:
         own.append(torch.stack(guide.candidates, dim=1).contiguous())
-    local_terms = TermSet(tuple(t for t in terms.terms if t.cols == "q_local"), terms.weights)
-    visiting_terms = TermSet(tuple(t for t in terms.terms if t.cols != "q_local"), terms.weights)
+    if keys is not None:
+        key_anchor = keys.anchors if keys.anchors is not None else torch.full_like(keys.candidates[0], -1)
+        own.append(torch.stack([*keys.candidates, key_anchor], dim=1).contiguous())
+    n_groups = len(terms.weights)
+    m, ssum = _group_stats(n_groups, b, src.q)
 
-    def bind(owner: int, tensors: list[Tensor], g_block: Tensor | None) -> list[Bound]:
+    def bind(owner: int, tensors: list[Tensor], g_block: Tensor | None, **col_state: Any) -> list[Bound]:
         """The terms against a visiting block (and, for this process's own block, the local terms)."""
-        blk = tensors[0]
+        blk, rest = tensors[0], tensors[1:]
         grads = {}
         if g_block is not None:  # this process's rows keep theirs; the block's travel with it
             grads = {r: g for r, g in src.grads.items() if r in ("q", "d")}
             grads.update({n: g_block[:, j] for j, n in enumerate(names)})
+        col_keys = None
+        if keys is not None:
+            kb = rest[-1]
+            anchor = kb[:, k] if keys.anchors is not None else None
+            col_keys = Keys(anchor, [kb[:, j] for j in range(k)]).sources(0, kb.shape[0])
         visit = src.with_columns(
-            {n: Operand(blk[:, j], cosine, 1.0, prenormalize=False) for j, n in enumerate(names)}, grads
+            {n: score.operand(blk[:, j], 1.0, prenormalize=False) for j, n in enumerate(names)},
+            grads,
+            col_keys,
         )
         gvisit = None
         if gsrc is not None:
+            gblk = rest[0]
             gvisit = gsrc.with_columns(
-                {f"c{j}": Operand(tensors[1][:, j], True, 1.0, False) for j in range(k)}, {}
+                {f"c{j}": Operand(gblk[:, j], True, 1.0, False) for j in range(k)}, {}, None
             )
-        bound = _bind(visiting_terms, visit, 0 if owner == me else None, gvisit, thr)
-        if owner == me and local_terms.terms:
-            bound += _bind(local_terms, src, 0, gsrc, thr)
+        scored = [t for t in visiting if pair is None or t != pair[1]]  # the pair's back term rides along
+        bound = _bind(scored, visit, 0 if owner == me else None, gvisit, thr)
+        if pair is not None:
+            bound = _pair_up(bound, pair, terms.weights, **col_state)
+        if owner == me and local:
+            bound += _bind(local, src, 0, gsrc, thr)
         return bound
 
-    m, ssum = init_stats(len(terms.weights) * b, src.q)
-    m, ssum = m.view(-1, b), ssum.view(-1, b)
-
     def visit_stats(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
-        term_stats(bind(owner, tensors, None), m, ssum, scale=s, row_tile=tile, col_tile=tile)
+        col_state = {"col_stats": (carried[0][:, 0], carried[0][:, 1])} if pair is not None else {}
+        term_stats(bind(owner, tensors, None, **col_state), m, ssum, scale=s, row_tile=tile, col_tile=tile)
 
-    ring_exchange(own, [], sizes, visit_stats)
-    lse = [LogSumExp(m[g], ssum[g].log()) for g in range(len(terms.weights))]
-    total = sum(wt * x.total().sum() for wt, x in zip(terms.weights, lse))
+    # the column softmax's statistics of each block's positives travel with it and come home complete
+    col_acc = [torch.stack(init_stats(b, src.q), dim=1)] if pair is not None else []
+    col_acc = ring_exchange(own, col_acc, sizes, visit_stats)
+    if pair is not None:
+        g_back = pair[1].group  # joint with this process's own terms of the group, or alone
+        merge_stats(m[g_back], ssum[g_back], col_acc[0][:, 0], col_acc[0][:, 1])
+    total, lse = _total(m, ssum, terms.weights)
     factor = w / sum(sizes)
-    pos = positive_logits(src.q, src.cols["c0"], 0, tile)
-    loss = ((total - pos.double().sum()) * factor).to(src.q.dtype)
+    loss = ((total - _positives(terms, src, 0, tile, s)) * factor).to(src.q.dtype)
     if not with_grad:
         return loss, None, [], None, None
     gs_total = torch.zeros((), dtype=torch.float64, device=anchors.device)
+    if pair is not None:  # in pass 2 each block's finished column statistics travel with it
+        own.append(lse[pair[1].group].stacked())
 
     def visit_grads(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
         nonlocal gs_total
-        bound = bind(owner, tensors, carried[0])
+        col_state = {"col_lse": LogSumExp.unstack(tensors[-1])} if pair is not None else {}
+        bound = bind(owner, tensors[:-1] if pair is not None else tensors, carried[0], **col_state)
         gs_total += term_grads(
             bound, lse, terms.weights, scale=s, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
         )
@@ -384,65 +588,46 @@ def ring_terms_solve(
     return loss, g_a, g_c, None, g_s
 
 
-# --------------------------------------------------------------------------- checks and autograd
-
-
-def check_general(
-    terms: TermSet,
-    guide: Guide | None,
-    symmetric: bool,
-    anchor_keys: Tensor | None,
-    candidate_keys: Sequence[Tensor] | None,
-    anchors: Tensor,
-    cols: list[Tensor],
-) -> None:
-    if symmetric:
-        raise ValueError("pass either terms or symmetric=True, not both: terms say every direction.")
-    if anchor_keys is not None or candidate_keys is not None:
-        raise ValueError(
-            "duplicate keys (mask_duplicates) only work with the one-directional and the symmetric loss, not "
-            "with terms (other directions, hardness or a guide)."
-        )
-    if terms.guided != (guide is not None):
-        raise ValueError(
-            "guided terms (GIST) need guide=Guide(...) embeddings, and a guide needs guided terms."
-        )
-    if guide is not None:
-        b = anchors.shape[0]
-        if guide.anchors.shape[0] != b or [c.shape[0] for c in guide.candidates] != [
-            c.shape[0] for c in cols
-        ]:
-            raise ValueError(
-                f"the guide's embeddings must have the loss's rows: anchors {b}, columns {[c.shape[0] for c in cols]}; "
-                f"got {guide.anchors.shape[0]} and {[c.shape[0] for c in guide.candidates]}."
-            )
-
-
-class GeneralFunction(torch.autograd.Function):
-    """Autograd for the general loss: forward computes the loss and, when an input needs one, its
-    gradients in the same pass (the fused path), and keeps them (``O((B + N) d)``, the inputs' size)
-    until backward, which scales them by the incoming gradient."""
+class InfoNCEFunction(torch.autograd.Function):
+    """The loss stage's autograd. Forward: the statistics pass; it saves the input embeddings (no copies)
+    and each group's ``O(B)`` log-sum-exp statistics, and only when some input needs a gradient.
+    Backward: rebuilds the operands from the saved inputs (``O((B + N) d)``, negligible next to the
+    ``O(B N d)`` tiles) and recomputes each logit tile once, holding one block of logits at a time."""
 
     @staticmethod
     def forward(
-        ctx: Any, solve: Any, scale: Tensor, anchors: Tensor, anchors_all: Tensor | None, *cols: Tensor
+        ctx: Any, spec: LossSpec, scale: Tensor, anchors: Tensor, anchors_all: Tensor | None, *cols: Tensor
     ) -> Tensor:
-        with_grad = any(ctx.needs_input_grad[1:])
-        loss, g_a, g_c, g_all, g_s = solve(
-            anchors.detach(),
-            [c.detach() for c in cols],
-            scale=scale if ctx.needs_input_grad[1] else float(scale),
-            anchors_all=anchors_all.detach() if anchors_all is not None else None,
-            grad_output=1.0,
-            with_grad=with_grad,
+        s = scale_value(scale)
+        call = _LocalCall(
+            spec, anchors, list(cols), anchors_all, s, with_grad=False, one_pass=False, need_scale_grad=False
         )
-        if with_grad:
-            ctx.grads = (g_s, g_a, g_all, *g_c)
-        return loss
+        total, _ = call.stats()
+        if any(ctx.needs_input_grad):
+            # nothing derived from the embeddings (a normalised copy in the chunked path) outlives forward
+            ctx.spec, ctx.s, ctx.n_cols, ctx.scale_dtype = spec, s, len(cols), scale.dtype
+            ctx.save_for_backward(anchors, anchors_all, *cols, call.m, call.ssum)
+        # fp64 inputs keep fp64 (for gradcheck); everything else is computed and returned in fp32
+        return call.loss(total)
 
     @staticmethod
     @fp32_loss_stage
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        grads = [g * grad_loss.to(g.dtype) if g is not None else None for g in ctx.grads]
-        del ctx.grads
-        return (None, *grads)
+        anchors, anchors_all, *rest = ctx.saved_tensors
+        cols, (m, ssum) = list(rest[: ctx.n_cols]), rest[ctx.n_cols :]
+        need_scale_grad = ctx.needs_input_grad[1]
+        call = _LocalCall(
+            ctx.spec,
+            anchors,
+            cols,
+            anchors_all,
+            ctx.s,
+            with_grad=True,
+            one_pass=False,
+            need_scale_grad=need_scale_grad,
+        )
+        _, lse = _total(m, ssum, ctx.spec.terms.weights)
+        gs = call.grads(lse, need_scale_grad)
+        scale = torch.zeros((), dtype=ctx.scale_dtype)  # only its dtype is read
+        g_a, g_c, g_all, g_s = call.finish(float(grad_loss), gs, scale, need_scale_grad)
+        return (None, g_s, g_a, g_all, *g_c)

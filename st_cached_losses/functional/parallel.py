@@ -21,7 +21,6 @@ all-gather); :func:`gathered_infonce` is the gathered loss with autograd.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,37 +34,22 @@ from st_cached_losses.distributed import (
     is_distributed,
     own_rows,
     rank,
-    ring_exchange,
     world_size,
 )
-from st_cached_losses.functional._kernels import (
-    DuplicateKeys,
-    LogSumExp,
-    Operand,
-    accumulate_gradients,
-    finish_stats,
-    init_stats,
-    positive_logits,
-    update_stats,
-)
-from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, scale_value
-from st_cached_losses.functional.directions import (
-    Guide,
-    check_general,
-    gathered_guide,
-    reads_anchors_all,
-    ring_terms_solve,
-)
+from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, validate_keys
+from st_cached_losses.functional.directions import Guide, Keys, LossSpec, gathered_guide, ring_terms_solve
 from st_cached_losses.functional.infonce import (
     DEFAULT_MEMORY_BUDGET,
     InfoNCEOutput,
     LossPath,
     Similarity,
+    check_guide,
     infonce,
     infonce_loss_and_grad,
+    loss_terms,
 )
 from st_cached_losses.functional.precision import fp32_loss_stage
-from st_cached_losses.functional.problems import infonce_from_stats, raw_grad, tile_side
+from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import TermSet
 
 __all__ = [
@@ -97,6 +81,11 @@ def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[in
     )
     raise_if_nonfinite(all_flags)
     return sizes
+
+
+def _reads_anchors_all(terms: TermSet | None) -> bool:
+    """Whether a term scores against every process's anchors (they must be gathered)."""
+    return terms is not None and terms.uses_anchors_all
 
 
 def _weight(sizes: Sequence[int]) -> float:
@@ -164,7 +153,7 @@ def gathered_loss_and_grad(
         **_gathered_keys(anchor_keys, candidate_keys, sizes),
     }
     cands_all = [all_gather_rows(c, sizes) for c in candidates]
-    anchors_all = all_gather_rows(anchors, sizes) if symmetric or reads_anchors_all(terms) else None
+    anchors_all = all_gather_rows(anchors, sizes) if symmetric or _reads_anchors_all(terms) else None
     if terms is not None:
         kwargs.update(terms=terms, guide=gathered_guide(guide, sizes))
     if not with_grad:
@@ -244,7 +233,7 @@ def gathered_infonce(
     if isinstance(scale, Tensor) and scale.requires_grad:
         scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
     cands_all = [gather_with_grad(c, sizes) for c in candidates]
-    anchors_all = gather_with_grad(anchors, sizes) if symmetric or reads_anchors_all(terms) else None
+    anchors_all = gather_with_grad(anchors, sizes) if symmetric or _reads_anchors_all(terms) else None
     general = {"terms": terms, "guide": gathered_guide(guide, sizes)} if terms is not None else {}
     loss = infonce(
         anchors,
@@ -265,30 +254,6 @@ def gathered_infonce(
 
 
 # --------------------------------------------------------------------------- the ring
-
-
-@dataclass
-class _RingPayload:
-    """What travels around the ring with a process's candidates (read-only for the visitors).
-
-    ``block``: ``(b, K, d)`` the candidate columns side by side (one message per hop for all columns);
-    ``keys``: ``(b, K)`` their duplicate keys and ``pair_keys``: ``(b,)`` the keys of the anchors they
-    belong to (masking only); ``lse_cols``: ``(b, 2)`` the finished column statistics of the
-    positives (symmetric loss, gradient pass only)."""
-
-    block: Tensor
-    keys: Tensor | None = None
-    pair_keys: Tensor | None = None
-    lse_cols: Tensor | None = None
-
-    def tensors(self) -> list[Tensor]:
-        return [t for t in (self.block, self.keys, self.pair_keys, self.lse_cols) if t is not None]
-
-    def like(self, tensors: list[Tensor]) -> _RingPayload:
-        """The payload of the same layout made of ``tensors`` (as received from another process)."""
-        it = iter(tensors)
-        rest = (next(it) if t is not None else None for t in (self.keys, self.pair_keys, self.lse_cols))
-        return _RingPayload(next(it), *rest)
 
 
 @fp32_loss_stage
@@ -312,11 +277,9 @@ def ring_loss_and_grad(
     """:func:`gathered_loss_and_grad` by ring exchange (same arguments; ``path`` must be "auto" or
     "tiled": the ring is tiled by construction).
 
-    Each process keeps its own anchors; every process's candidate block visits it once per pass, the
-    next one already in flight while the current one is scored. Pass 1 accumulates each row's
-    log-sum-exp, and for the symmetric loss each positive's column statistics travel with its block,
-    so they are complete when the block comes home. Pass 2 recomputes each tile and accumulates the
-    visiting block's gradient into a buffer that travels with it.
+    Each process keeps its own anchors; every process's candidate block (with its anchors, guide
+    embeddings and keys when the loss reads them) visits it once per pass, the next one already in
+    flight while the current one is scored (:func:`~.directions.ring_terms_solve`).
 
     No finiteness check inside: a process raising on its own NaN in the middle of the ring would leave
     its peers blocked in a send / receive; :func:`agree_on_sizes` checks every process first.
@@ -325,137 +288,18 @@ def ring_loss_and_grad(
         raise ValueError(
             f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {path!r}."
         )
-    if terms is not None:  # the general loss
-        check_general(terms, guide, symmetric, anchor_keys, candidate_keys, anchors, list(candidates))
-        cosine = similarity == "cosine"
-        with torch.no_grad():
-            solution = ring_terms_solve(
-                anchors, list(candidates), sizes, terms=terms, scale=scale, cosine=cosine, tile_size=tile_size,
-                memory_budget=memory_budget, with_grad=with_grad, guide=guide,
-            )  # fmt: skip
-        return InfoNCEOutput(*solution)
+    if terms is not None and symmetric:
+        raise ValueError("pass either terms or symmetric=True, not both: terms say every direction.")
+    cols = list(candidates)
+    check_guide(terms, guide, anchors, cols)
+    keys = None
+    if candidate_keys is not None:
+        validate_keys(anchor_keys, candidate_keys, None, anchors, cols, None, symmetric)
+        keys = Keys(anchor_keys, list(candidate_keys))
     with torch.no_grad():
-        return _ring(
-            anchors,
-            list(candidates),
-            sizes,
-            scale=scale,
-            cosine=similarity == "cosine",
-            symmetric=symmetric,
-            tile=tile_side(tile_size, memory_budget, buffers=3),
-            anchor_keys=anchor_keys,
-            candidate_keys=list(candidate_keys) if candidate_keys is not None else None,
-            with_grad=with_grad,
-        )
-
-
-def _ring(
-    anchors: Tensor,
-    candidates: list[Tensor],
-    sizes: list[int],
-    *,
-    scale: float | Tensor,
-    cosine: bool,
-    symmetric: bool,
-    tile: int,
-    anchor_keys: Tensor | None,
-    candidate_keys: list[Tensor] | None,
-    with_grad: bool,
-) -> InfoNCEOutput:
-    me = rank()
-    s = scale_value(scale)
-    need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
-    k, (b, d) = len(candidates), anchors.shape
-    rows = Operand(anchors, cosine, s, prenormalize=False)
-    dtype = rows.dtype  # the compute dtype: fp64 for fp64 inputs, else fp32
-    w = _weight(sizes) * (0.5 if symmetric else 1.0)
-    masking = candidate_keys is not None
-    own = _RingPayload(
-        # (b, K, d): no copy for pairs
-        (candidates[0].unsqueeze(1) if k == 1 else torch.stack(candidates, dim=1)).contiguous(),
-        torch.stack(candidate_keys, dim=1).contiguous() if candidate_keys is not None else None,
-        # pairs sharing an anchor are duplicates too (in both directions): the anchors' keys travel
-        anchor_keys.contiguous() if masking and anchor_keys is not None else None,
-    )
-
-    def columns(blk: Tensor) -> list[Operand]:
-        return [Operand(blk[:, j], cosine, 1.0, prenormalize=False) for j in range(k)]
-
-    def keys_of(visitor: _RingPayload) -> DuplicateKeys | None:
-        if candidate_keys is None or visitor.keys is None:
-            return None
-        cols = [visitor.keys[:, j] for j in range(k)]
-        return DuplicateKeys(candidate_keys[0], cols, anchor_keys, visitor.pair_keys)
-
-    # pass 1: row statistics stay here; column statistics of each positive travel with its block
-    row_acc = init_stats(b, rows)
-    carried = [torch.stack(init_stats(b, rows), dim=1)] if symmetric else []
-
-    def visit_stats(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
-        visitor = own.like(tensors)
-        col_acc = (carried[0][:, 0], carried[0][:, 1]) if symmetric else None
-        update_stats(
-            rows,
-            columns(visitor.block),
-            row_acc,
-            col_acc,
-            row_tile=tile,
-            col_tile=tile,
-            row_offset=0 if owner == me else None,
-            keys=keys_of(visitor),
-        )
-
-    carried = ring_exchange(own.tensors(), carried, sizes, visit_stats)
-    own_cols = columns(own.block)
-    lse_r = finish_stats(row_acc)
-    lse_c = (
-        finish_stats((carried[0][:, 0].contiguous(), carried[0][:, 1].contiguous())) if symmetric else None
-    )
-    loss = infonce_from_stats(lse_r, lse_c, positive_logits(rows, own_cols[0], 0, tile), w, w)
-    if not with_grad:
-        return InfoNCEOutput(loss.to(dtype), None, [], None, None)
-
-    # pass 2: the visiting block's gradient accumulates in a buffer that travels with it
-    g_rows = torch.zeros(b, d, dtype=dtype, device=anchors.device)
-    gs_total = torch.zeros((), dtype=torch.float64, device=anchors.device)
-    own2 = _RingPayload(own.block, own.keys, own.pair_keys, lse_c.stacked() if lse_c is not None else None)
-
-    def visit_grads(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
-        nonlocal gs_total
-        visitor = own2.like(tensors)
-        g_blk = carried[0]
-        gs_total += accumulate_gradients(
-            rows,
-            columns(visitor.block),
-            lse_r,
-            LogSumExp.unstack(visitor.lse_cols) if visitor.lse_cols is not None else None,
-            g_rows,
-            [g_blk[:, j] for j in range(k)],
-            w_rows=w,
-            w_cols=w,
-            row_tile=tile,
-            col_tile=tile,
-            need_scale_grad=need_scale_grad,
-            row_offset=0 if owner == me else None,
-            keys=keys_of(visitor),
-        )
-
-    g_block = torch.zeros(b, k, d, dtype=dtype, device=anchors.device)
-    (g_block,) = ring_exchange(own2.tensors(), [g_block], sizes, visit_grads)
-    g_rows.mul_(s)
-    grad_scale = None
-    if need_scale_grad:
-        # every process holds part of d(sum_r L_r)/ds = W dL/ds; the average is the true gradient
-        gs = mean_scale_grad(gs_total, len(sizes))
-        grad_scale = (gs / s).to(scale.dtype)  # type: ignore[operator, union-attr]
-    g_candidates = [
-        raw_grad(op, g_block[:, j].contiguous(), c.dtype, tile)
-        for j, (op, c) in enumerate(zip(own_cols, candidates))
-    ]
-    return InfoNCEOutput(
-        loss=loss.to(dtype),
-        grad_anchors=raw_grad(rows, g_rows, anchors.dtype, tile),
-        grad_candidates=g_candidates,
-        grad_anchors_all=None,
-        grad_scale=grad_scale,
-    )
+        spec = LossSpec(
+            loss_terms(terms, symmetric, len(cols)), Score(similarity), tile_size=tile_size,
+            memory_budget=memory_budget, guide=guide, keys=keys,
+        )  # fmt: skip
+        solution = ring_terms_solve(spec, anchors, cols, sizes, scale=scale, with_grad=with_grad)
+    return InfoNCEOutput(*solution)

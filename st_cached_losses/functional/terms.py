@@ -8,16 +8,23 @@ one source of columns: the gathered candidate columns ``c0 .. c{K-1}``, the gath
 ``q_all``, or this process's anchors ``q_local``. Entry ``(i, offset + i)`` of a term is row ``i``'s
 *diagonal* (its own document, its own query): the positive, removed, or kept. The loss of row ``i`` is
 
-    ``sum_g w_g * logsumexp(logits of the terms in group g) - pos_i``
+    ``sum_g w_g * (logsumexp(logits of the terms in group g) - positive logit of group g)``
 
-with ``pos_i = s <q_i, d_i>`` and one group (joint partition) or one per direction (per-direction
-partition, ``w_g = 1 / #groups``). Its gradient wrt a logit of group ``g`` is ``w_g * P_g - Y``.
+with one group (joint partition: the positive is ``s <q_i, d_i>``) or one per direction (per-direction
+partition, ``w_g = 1 / #groups``; ``doc_to_query``'s positive is ``s <d_i, q_i>``). Its gradient wrt a
+logit of group ``g`` is ``w_g * (P_g - Y_g)``.
 
 A hardness penalty adds ``alpha * stop_grad(sim)`` to chosen logits (not temperature-scaled: the logit
 ``s * sim`` becomes ``(s + alpha) * sim`` in value, while its gradient stays that of ``s * sim``). A
 guide mask removes entries whose guide similarity exceeds the row's guide-rated positive similarity
 minus a margin (never the positive itself); guide tiles are computed next to logit tiles, never a
 ``B x C`` matrix.
+
+Duplicate keys (``mask_duplicates``) are a mask on every term: entry ``(i, j)`` is removed when the
+column entry belongs to a pair that shares row ``i``'s anchor or positive, or (a hard-negative column)
+its text is row ``i``'s positive; a row's own entry never is. The symmetric loss's two directions share
+their tiles where the columns of one are the rows of the other (one process, and the ring): a bound
+term then also feeds a softmax that runs down its columns.
 
 Kernels here work on bound terms (operands and gradient buffers attached) one tile at a time; the
 drivers in :mod:`.directions` bind them on one process, across gathered processes, or for each block
@@ -41,10 +48,12 @@ from st_cached_losses.functional._kernels import (
     online_lse_update,
     spans,
 )
+from st_cached_losses.functional.score import Score
 
 __all__ = [
     "TIE_TOLERANCE",
     "Bound",
+    "PairKeys",
     "Term",
     "TermSet",
     "fused_chunk",
@@ -116,7 +125,9 @@ def mnrl_terms(
     if "query_to_query" in group:
         terms.append(Term("q", "q_all", group["query_to_query"], "exclude"))
     if "doc_to_query" in group:
-        terms.append(Term("d", "q_all", group["doc_to_query"], "keep"))
+        # per direction, its own cross-entropy: its positive is the row's own anchor
+        back_diag: Diagonal = "keep" if partition_mode == "joint" else "positive"
+        terms.append(Term("d", "q_all", group["doc_to_query"], back_diag))
     if "doc_to_doc" in group:
         terms += [Term("d", f"c{k}", group["doc_to_doc"], "exclude") for k in range(n_columns)]
     n_groups = 1 if partition_mode == "joint" else len(order)
@@ -155,13 +166,37 @@ def guide_thresholds(guide_q: Operand, guide_d: Operand, strategy: str, margin: 
 
 
 @dataclass
+class PairKeys:
+    """Duplicate keys of a source's entries (integer hashes of their inputs): ``pos`` the key of each
+    entry's pair's positive (a hard-negative column: of the entry itself), ``anchor`` of its pair's anchor
+    (None when unknown, and for hard-negative columns, whose entries belong to no pair)."""
+
+    pos: Tensor
+    anchor: Tensor | None = None
+    pairs: bool = True  #: entry ``j`` is pair ``j`` (not a hard-negative column)
+
+
+def duplicates(rows: PairKeys, r0: int, r1: int, cols: PairKeys, c0: int, c1: int) -> Tensor:
+    """``(b, t)``: True where column entry ``j`` duplicates row ``i``'s pair (not a negative of row ``i``)."""
+    mask = rows.pos[r0:r1, None] == cols.pos[None, c0:c1]
+    if rows.anchor is not None and cols.anchor is not None:
+        mask |= rows.anchor[r0:r1, None] == cols.anchor[None, c0:c1]
+    return mask
+
+
+@dataclass
 class Bound:
-    """A term with its operands (``rows`` carry the scale) and the buffers its gradients go to.
+    """A term with its operands (``rows`` carry the scale of a GEMM score) and the buffers its gradients
+    go to.
 
     ``diag``: where row ``i``'s diagonal entry is in ``cols`` (``diag + i``), None when these columns do
-    not hold it (another process's block in the ring)."""
+    not hold it (another process's block in the ring). ``col_group``: the tile's columns are also rows
+    of this group, whose softmax runs down the tile's columns (the symmetric loss's positives against the
+    anchors): ``col_stats`` accumulates its running ``(m, s)`` in the first pass, ``col_lse`` and
+    ``col_weight`` give its probabilities in the second."""
 
     term: Term
+    score: Score
     rows: Operand
     cols: Operand
     diag: int | None
@@ -170,13 +205,20 @@ class Bound:
     guide_rows: Operand | None = None
     guide_cols: Operand | None = None
     thresholds: Tensor | None = None  # (B,)
+    row_keys: PairKeys | None = None
+    col_keys: PairKeys | None = None
+    col_group: int | None = None
+    col_stats: tuple[Tensor, Tensor] | None = None
+    col_lse: LogSumExp | None = None
+    col_weight: float = 0.0
+    col_positive: bool = False  # the column softmax has its positive on the diagonal too
 
 
 def _logits(b: Bound, q: Tensor, r0: int, r1: int, c0: int, c1: int, scale: float, keep_raw: bool):
     """One tile's final logits (penalties added, removed entries at -inf) and, if asked, the raw
     ``s * sim`` (for the scale's gradient)."""
     t = b.term
-    block = q @ b.cols.tile(c0, c1).T  # (rows, cols)
+    block = b.score.logits(q, b.cols.tile(c0, c1), scale)  # (rows, cols)
     raw = block.clone() if keep_raw else None
     ij = diagonal_entries(r0, r1, c0, c1, b.diag, block.device)
     if t.pen_off or t.pen_diag:
@@ -192,19 +234,14 @@ def _logits(b: Bound, q: Tensor, r0: int, r1: int, c0: int, c1: int, scale: floa
         if t.diag == "positive" and ij is not None:
             mask[ij] = False
         block.masked_fill_(mask, -torch.inf)
+    if b.row_keys is not None and b.col_keys is not None:
+        mask = duplicates(b.row_keys, r0, r1, b.col_keys, c0, c1)
+        if ij is not None and b.col_keys.pairs:
+            mask[ij] = False  # a row's own pair is never its duplicate (its own hard negative may be)
+        block.masked_fill_(mask, -torch.inf)
     if t.diag == "exclude" and ij is not None:
         block[ij] = -torch.inf
     return block, raw, ij
-
-
-def term_stats(
-    bound: Sequence[Bound], m: Tensor, s: Tensor, *, scale: float, row_tile: int, col_tile: int
-) -> None:
-    """Fold every bound term's logits into the running per-group ``(m, s)``, each ``(groups, B)``."""
-    for b, q, r0, r1, c0, c1 in _tiles(bound, row_tile, col_tile):
-        block, _, _ = _logits(b, q, r0, r1, c0, c1, scale, False)
-        g = b.term.group
-        online_lse_update(m[g, r0:r1], s[g, r0:r1], block, 1, None)
 
 
 def _tiles(bound: Sequence[Bound], row_tile: int, col_tile: int):
@@ -216,23 +253,44 @@ def _tiles(bound: Sequence[Bound], row_tile: int, col_tile: int):
                 yield b, q, r0, r1, c0, c1
 
 
-def _logit_grad(b: Bound, block: Tensor, lse: LogSumExp, weight: float, ij) -> Tensor:
-    """``w_g * P_g - Y`` of one tile, in place of the logits."""
+def term_stats(
+    bound: Sequence[Bound], m: Tensor, s: Tensor, *, scale: float, row_tile: int, col_tile: int
+) -> None:
+    """Fold every bound term's logits into the running per-group ``(m, s)``, each ``(groups, B)``, and
+    into the running column statistics of a term with a column softmax."""
+    scratch: Tensor | None = None
+    for b, q, r0, r1, c0, c1 in _tiles(bound, row_tile, col_tile):
+        block, _, _ = _logits(b, q, r0, r1, c0, c1, scale, False)
+        if b.col_stats is not None:
+            if scratch is None or scratch.shape != block.shape:
+                scratch = torch.empty_like(block)
+            online_lse_update(b.col_stats[0][c0:c1], b.col_stats[1][c0:c1], block, 0, scratch)
+        g = b.term.group
+        online_lse_update(m[g, r0:r1], s[g, r0:r1], block, 1, None)
+
+
+def _logit_grad(b: Bound, block: Tensor, lse: LogSumExp, weight: float, ij, c0: int, c1: int) -> Tensor:
+    """``w_g * P_g (+ w_c * P_c) - Y`` of one tile, in place of the logits."""
+    p_col = None
+    if b.col_lse is not None:  # the softmax down the columns, before the block is overwritten
+        p_col = exp_flushed_(b.col_lse[c0:c1].log_softmax(block, 0)).mul_(b.col_weight)
     g = block.sub_(lse.m[:, None]).sub_(lse.log_s[:, None])  # in place: the block is not needed after
     exp_flushed_(g).mul_(weight)
-    if b.term.diag == "positive" and ij is not None:
-        g[ij] -= 1.0
+    if p_col is not None:
+        g.add_(p_col)
+    if ij is not None:  # - w_g * Y of each softmax whose positive is on the diagonal
+        g[ij] -= (weight if b.term.diag == "positive" else 0.0) + (b.col_weight if b.col_positive else 0.0)
     return g
 
 
-def _apply(b: Bound, g: Tensor, raw: Tensor | None, q: Tensor, c0: int, c1: int, r0: int, r1: int) -> Tensor:
+def _apply(
+    b: Bound, g: Tensor, raw: Tensor | None, q: Tensor, c0: int, c1: int, r0: int, r1: int, scale: float
+) -> Tensor:
     """Accumulate one tile's logit gradient ``g`` into the bound buffers; returns its part of
     ``sum(G * s * sim)`` (0 when ``raw``, the tile's unpenalised logits, was not kept)."""
-    c = b.cols.tile(c0, c1)
-    if b.g_rows is not None:
-        b.g_rows[r0:r1].addmm_(g, c)
-    if b.g_cols is not None:
-        b.g_cols[c0:c1].addmm_(g.T, q)
+    g_rows = b.g_rows[r0:r1] if b.g_rows is not None else None
+    g_cols = b.g_cols[c0:c1] if b.g_cols is not None else None
+    b.score.accumulate(g, q, b.cols.tile(c0, c1), g_rows, g_cols, scale)
     if raw is None:
         return torch.zeros((), dtype=torch.float64, device=g.device)
     return torch.vdot(g.reshape(-1), raw.reshape(-1)).double()
@@ -254,8 +312,8 @@ def term_grads(
     for b, q, r0, r1, c0, c1 in _tiles(bound, row_tile, col_tile):
         grp = b.term.group
         block, raw, ij = _logits(b, q, r0, r1, c0, c1, scale, need_scale_grad)
-        g = _logit_grad(b, block, lse[grp][r0:r1], weights[grp], ij)
-        gs += _apply(b, g, raw, q, c0, c1, r0, r1)
+        g = _logit_grad(b, block, lse[grp][r0:r1], weights[grp], ij, c0, c1)
+        gs += _apply(b, g, raw, q, c0, c1, r0, r1, scale)
     return gs
 
 
@@ -272,7 +330,8 @@ def fused_chunk(
     """Loss (fp64, summed over rows, without the positive logits) and the gradients into the bound
     buffers in one pass over row chunks: each chunk holds its logits of every term against every
     column, so each softmax is exact there and then and nothing is recomputed (three GEMMs per logit
-    block, the exponentials computed once, in place). Returns the loss and ``sum(G * s * sim)``."""
+    block, the exponentials computed once, in place). No term may have a column softmax. Returns the
+    loss and ``sum(G * s * sim)``."""
     dev = bound[0].rows.x.device
     loss = torch.zeros((), dtype=torch.float64, device=dev)
     gs = torch.zeros((), dtype=torch.float64, device=dev)
@@ -294,6 +353,6 @@ def fused_chunk(
         for b, q, (e, raw, ij) in zip(bound, qs, tiles):
             g = e.mul_(inv_z[b.term.group][:, None])  # w_g * P_g
             if b.term.diag == "positive" and ij is not None:
-                g[ij] -= 1.0
-            gs += _apply(b, g, raw, q, 0, b.cols.n, r0, r1)
+                g[ij] -= weights[b.term.group]
+            gs += _apply(b, g, raw, q, 0, b.cols.n, r0, r1, scale)
     return loss, gs

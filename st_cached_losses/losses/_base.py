@@ -113,8 +113,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             mini_batch_memory_budget=mini_batch_memory_budget,  # type: ignore[arg-type]
         )
         self._gather_across_devices = gather_across_devices
-        self._check_masking(mask_duplicates=mask_duplicates)
-        self._mask_duplicates = mask_duplicates
+        self._mask_duplicates = check_bool("mask_duplicates", mask_duplicates)
         self._path: LossPath = self._path_value(path)
         check_positive_int("tile_size", tile_size)
         self._tile_size = tile_size
@@ -166,17 +165,14 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         }
 
     def _loss_terms(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
-        """Which loss the core computes: the one-directional or symmetric loss (with duplicate keys), or
-        the general loss's terms (what a subclass with other terms overrides)."""
+        """Which loss the core computes: the terms of sentence-transformers' options (what a subclass with
+        other terms overrides), and the duplicate keys that mask them."""
         kwargs: dict[str, Any] = {}
         if keys is not None:
             kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
-        if self.classic:
-            kwargs["symmetric"] = self.symmetric
-        else:
-            kwargs["terms"] = mnrl_terms(
-                self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength, n_columns
-            )
+        kwargs["terms"] = mnrl_terms(
+            self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength, n_columns
+        )
         return kwargs
 
     #: The sentence-transformers loss this one equals (the same loss and gradients for the same options),

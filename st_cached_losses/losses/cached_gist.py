@@ -191,11 +191,6 @@ class CachedGISTLoss(CachedInfoNCEBase):
     mask_duplicates = _not_a_gist_setting("mask_duplicates")
 
     @property
-    def classic(self) -> bool:
-        """False: GIST's loss is always given to the core as terms (``functional.terms.gist_terms``)."""
-        return False
-
-    @property
     def gather_across_devices(self) -> bool:
         return self._gather_across_devices
 

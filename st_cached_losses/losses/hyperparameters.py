@@ -27,10 +27,9 @@ from st_cached_losses.losses.options import (
     ConfigTuple,
     check_bool,
     check_directions,
-    check_duplicates_masking,
     check_hardness,
-    is_classic,
     resolve_similarity,
+    similarity_name,
 )
 
 __all__ = ["CachedLossHyperparameters"]
@@ -170,7 +169,7 @@ class CachedLossHyperparameters(nn.Module):
 
     @property
     def similarity(self) -> Similarity:
-        """The core's name of the similarity: ``"cosine"`` or ``"dot"``."""
+        """The core's similarity: ``"cosine"``, ``"dot"`` (GEMM tiles) or the function itself."""
         return self._similarity
 
     @property
@@ -225,7 +224,6 @@ class CachedLossHyperparameters(nn.Module):
     @directions.setter
     def directions(self, value: Sequence[str]) -> None:
         directions = check_directions(value, self._partition_mode, type(self).__name__)
-        self._check_masking(directions=directions)
         self._directions = directions
 
     @property
@@ -235,7 +233,6 @@ class CachedLossHyperparameters(nn.Module):
     @partition_mode.setter
     def partition_mode(self, value: str) -> None:
         check_directions(self._directions, value, type(self).__name__)
-        self._check_masking(partition_mode=value)
         self._partition_mode = value
 
     @property
@@ -251,7 +248,6 @@ class CachedLossHyperparameters(nn.Module):
         directions, partition_mode = (
             (TWO_DIRECTIONS, "per_direction") if value else (ONE_DIRECTION, self._partition_mode)
         )
-        self._check_masking(directions=directions, partition_mode=partition_mode)
         self._directions, self._partition_mode = directions, partition_mode
 
     @property
@@ -261,7 +257,6 @@ class CachedLossHyperparameters(nn.Module):
     @hardness_mode.setter
     def hardness_mode(self, value: str | None) -> None:
         check_hardness(value, self._hardness_strength, type(self).__name__)
-        self._check_masking(hardness_mode=value)
         self._hardness_mode = value
 
     @property
@@ -271,7 +266,6 @@ class CachedLossHyperparameters(nn.Module):
     @hardness_strength.setter
     def hardness_strength(self, value: float) -> None:
         check_hardness(self._hardness_mode, value, type(self).__name__)
-        self._check_masking(hardness_strength=value)
         self._hardness_strength = value
 
     @property
@@ -304,29 +298,7 @@ class CachedLossHyperparameters(nn.Module):
 
     @mask_duplicates.setter
     def mask_duplicates(self, value: bool) -> None:
-        self._check_masking(mask_duplicates=check_bool("mask_duplicates", value))
-        self._mask_duplicates = value
-
-    @property
-    def classic(self) -> bool:
-        """Whether the options make the one-directional or the symmetric loss without hardness (else the
-        general loss of ``functional.terms`` runs)."""
-        return is_classic(
-            self._directions, self._partition_mode, self._hardness_mode, self._hardness_strength
-        )
-
-    def _check_masking(self, **change: Any) -> None:
-        """Refuse a combination with ``mask_duplicates`` that the core does not compute, before it is set."""
-        opts = {
-            "directions": self._directions,
-            "partition_mode": self._partition_mode,
-            "hardness_mode": self._hardness_mode,
-            "hardness_strength": self._hardness_strength,
-            "mask_duplicates": getattr(self, "_mask_duplicates", False),
-            **change,
-        }
-        mask = opts.pop("mask_duplicates")
-        check_duplicates_masking(mask, is_classic(**opts), type(self).__name__)
+        self._mask_duplicates = check_bool("mask_duplicates", value)
 
     @property
     def path(self) -> LossPath:
@@ -384,7 +356,7 @@ class CachedLossHyperparameters(nn.Module):
         learned value), then ``symmetric`` and the extras that differ from their defaults."""
         config: dict[str, Any] = {
             "scale": self.scale,
-            "similarity_fct": {"cosine": "cos_sim", "dot": "dot_score"}[self.similarity],
+            "similarity_fct": similarity_name(self.similarity),
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "gather_across_devices": self.gather_across_devices,

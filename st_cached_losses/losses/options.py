@@ -25,22 +25,21 @@ __all__ = [
     "check_bool",
     "check_columns",
     "check_directions",
-    "check_duplicates_masking",
     "check_hardness",
     "check_splittable_model",
-    "is_classic",
     "resolve_similarity",
+    "similarity_name",
 ]
 
 
 def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarity:
-    """Map sentence-transformers' ``cos_sim`` / ``dot_score`` (or "cosine" / "dot") to the core's names.
+    """Map sentence-transformers' ``cos_sim`` / ``dot_score`` (or "cosine" / "dot") to the core's GEMM
+    scores; any other function ``f(a, b) -> (len(a), len(b))`` (``util.euclidean_sim``,
+    ``util.manhattan_sim``, a user's) is scored exactly tile by tile through autograd (slower).
 
-    A ``functools.partial`` of either with nothing bound counts as the function. Any other callable is
-    refused: the loss never builds the full similarity matrix, so it cannot call an arbitrary function on it.
+    A ``functools.partial`` of cos_sim / dot_score with nothing bound counts as the function.
     """
     if isinstance(similarity_fct, str):
-        name = similarity_fct.lower()
         aliases = {
             "cosine": "cosine",
             "cos_sim": "cosine",
@@ -49,26 +48,33 @@ def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarit
             "dot_score": "dot",
             "dot_product": "dot",
         }
-        if name in aliases:
-            return aliases[name]  # type: ignore[return-value]
-    else:
-        from sentence_transformers.util import cos_sim, dot_score
+        if similarity_fct.lower() in aliases:
+            return aliases[similarity_fct.lower()]  # type: ignore[return-value]
+        raise ValueError(
+            f"similarity_fct={similarity_fct!r} is not a similarity name: pass 'cosine', 'dot' or a function such "
+            "as sentence_transformers.util.cos_sim, dot_score, euclidean_sim or manhattan_sim."
+        )
+    if not callable(similarity_fct):
+        raise ValueError(
+            f"similarity_fct must be a function f(a, b) -> (len(a), len(b)) scores or a name, got {similarity_fct!r}."
+        )
+    from sentence_transformers.util import cos_sim, dot_score
 
-        if (
-            isinstance(similarity_fct, functools.partial)
-            and not similarity_fct.args
-            and not similarity_fct.keywords
-        ):
-            similarity_fct = similarity_fct.func  # a bare partial(cos_sim) is cos_sim
-        if similarity_fct is cos_sim:
-            return "cosine"
-        if similarity_fct is dot_score:
-            return "dot"
-    raise ValueError(
-        f"similarity_fct={similarity_fct!r} is not supported: the loss is computed in tiles and never builds the "
-        "similarity matrix, so it must know the similarity. Pass sentence_transformers.util.cos_sim, "
-        "sentence_transformers.util.dot_score, 'cosine' or 'dot'."
-    )
+    fn = similarity_fct
+    if isinstance(fn, functools.partial) and not fn.args and not fn.keywords:
+        fn = fn.func  # a bare partial(cos_sim) is cos_sim
+    if fn is cos_sim:
+        return "cosine"
+    if fn is dot_score:
+        return "dot"
+    return similarity_fct
+
+
+def similarity_name(similarity: Similarity) -> str:
+    """The config's name of a similarity (sentence-transformers writes the function's ``__name__``)."""
+    if isinstance(similarity, str):
+        return {"cosine": "cos_sim", "dot": "dot_score"}[similarity]
+    return getattr(similarity, "__name__", type(similarity).__name__)
 
 
 def check_splittable_model(model: nn.Module, owner: str) -> None:
@@ -182,26 +188,4 @@ def check_hardness(hardness_mode: str | None, hardness_strength: float, owner: s
         logger.warning(
             f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
             "effect. Set hardness_strength to a positive value to enable hardness weighting."
-        )
-
-
-def is_classic(
-    directions: Sequence[str], partition_mode: str, hardness_mode: str | None, hardness_strength: float
-) -> bool:
-    """Whether the options make the one-directional or the symmetric loss without hardness (the
-    specialised core paths, which also mask duplicates); anything else runs the general loss."""
-    no_hardness = hardness_mode is None or hardness_strength == 0.0
-    one = tuple(directions) == ONE_DIRECTION
-    two = (
-        set(directions) == set(TWO_DIRECTIONS) and len(directions) == 2 and partition_mode == "per_direction"
-    )
-    return no_hardness and (one or two)
-
-
-def check_duplicates_masking(mask_duplicates: bool, classic: bool, owner: str) -> None:
-    if mask_duplicates and not classic:
-        raise ValueError(
-            f"{owner}: mask_duplicates=True works with directions=('query_to_doc',) and with the symmetric "
-            "('query_to_doc', 'doc_to_query') per_direction loss, without hardness; set mask_duplicates=False (use "
-            "the NO_DUPLICATES batch sampler instead) or those options."
         )

@@ -1,0 +1,105 @@
+"""The score a logit tile is made of: cosine or dot products as GEMMs, or any similarity function.
+
+``"cosine"`` and ``"dot"`` are GEMM tiles: the embeddings are normalised once (cosine), the rows carry
+the scale, and a tile's logit gradient ``G`` meets the operands in two more GEMMs. Any other similarity
+(``sentence_transformers.util.euclidean_sim``, ``manhattan_sim``, a user's function ``f(a (b, d), c (t, d))
+-> (b, t)``) is scored exactly through autograd one tile at a time: the tile's logits are
+``scale * f(a, c)`` on the raw embeddings, and its gradient is the vector-Jacobian product of ``f`` with
+``G``, recomputed per tile (memory bounded by the tile, about 2-4x the GEMM path's time on CPU for
+``cdist``-based functions). This class is where the scores of other embedding kinds plug in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from st_cached_losses.functional._kernels import Operand, spans
+
+__all__ = ["Score", "ScoreFn", "Similarity"]
+
+#: ``f(a (b, d), c (t, d)) -> (b, t)`` similarities, differentiable with torch.
+ScoreFn = Callable[[Tensor, Tensor], Tensor]
+Similarity = Literal["cosine", "dot"] | ScoreFn
+
+
+class Score:
+    """A similarity as the kernels use it: how to read operands, score a tile, and accumulate a tile's
+    gradient into the operands' gradient buffers."""
+
+    def __init__(self, similarity: Similarity) -> None:
+        if isinstance(similarity, str):
+            if similarity not in ("cosine", "dot"):
+                raise ValueError(f"similarity must be 'cosine', 'dot' or a function, got {similarity!r}.")
+            self.fn: ScoreFn | None = None
+            self.cosine = similarity == "cosine"
+        elif callable(similarity):
+            self.fn, self.cosine = similarity, False
+        else:
+            raise ValueError(
+                f"similarity must be 'cosine', 'dot' or a function f(a, b) -> (len(a), len(b)) scores, got "
+                f"{similarity!r}."
+            )
+
+    @property
+    def gemm(self) -> bool:
+        """Tiles are products of the operands (their transposes are the columns' tiles)."""
+        return self.fn is None
+
+    def operand(self, x: Tensor, scale: float, prenormalize: bool) -> Operand:
+        """``x`` as the kernels read it; a GEMM score folds ``scale`` (rows) into the tiles, a function
+        scores the raw embeddings and its tile is scaled afterwards."""
+        return Operand(x, self.cosine, scale if self.fn is None else 1.0, prenormalize)
+
+    def logits(self, q: Tensor, c: Tensor, scale: float) -> Tensor:
+        """``(b, t)`` logits of rows ``q (b, d)`` against columns ``c (t, d)``, a new tensor."""
+        if self.fn is None:
+            return q @ c.T  # (b, d) @ (d, t); q carries the scale
+        with torch.no_grad():
+            sim = self.fn(q, c)
+        if not isinstance(sim, Tensor) or sim.shape != (q.shape[0], c.shape[0]):
+            got = tuple(sim.shape) if isinstance(sim, Tensor) else type(sim).__name__
+            raise ValueError(
+                f"the similarity function must map a ({q.shape[0]}, d) and a ({c.shape[0]}, d) tensor to "
+                f"({q.shape[0]}, {c.shape[0]}) scores, got {got}."
+            )
+        return sim.to(q.dtype) * scale
+
+    def accumulate(
+        self, g: Tensor, q: Tensor, c: Tensor, g_rows: Tensor | None, g_cols: Tensor | None, scale: float
+    ) -> None:
+        """Add a tile's logit gradient ``g (b, t)`` to the rows' buffer ``g_rows (b, d)`` (before its final
+        ``* scale``) and the columns' ``g_cols (t, d)``."""
+        if self.fn is None:
+            if g_rows is not None:
+                g_rows.addmm_(g, c)  # (b, t) @ (t, d)
+            if g_cols is not None:
+                g_cols.addmm_(g.T, q)  # (t, b) @ (b, d); q carries the scale
+            return
+        leaves = [
+            q.detach().requires_grad_(g_rows is not None),
+            c.detach().requires_grad_(g_cols is not None),
+        ]
+        wanted = [t for t in leaves if t.requires_grad]
+        if not wanted:
+            return
+        with torch.enable_grad():
+            grads = iter(torch.autograd.grad(self.fn(*leaves).to(g.dtype), wanted, g))
+        if g_rows is not None:
+            g_rows.add_(next(grads))
+        if g_cols is not None:
+            g_cols.add_(next(grads), alpha=scale)
+
+    def positives(self, rows: Operand, cols: Operand, offset: int, tile: int, scale: float) -> Tensor:
+        """``(n,)`` logits of row ``i`` against column entry ``offset + i``, fp32."""
+        out = torch.empty(rows.n, dtype=rows.dtype, device=rows.x.device)
+        for r0, r1 in spans(rows.n, tile):
+            q, c = rows.tile(r0, r1), cols.tile(offset + r0, offset + r1)
+            if self.fn is None:
+                out[r0:r1] = (q * c).sum(1)
+            else:
+                out[r0:r1] = self.logits(q, c, scale).diagonal()
+        return out
