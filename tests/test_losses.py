@@ -105,10 +105,13 @@ def test_clip_matches_sentence_transformers_symmetric_directions(model):
     assert_grads_close(ours, ref)
 
 
-def test_dot_score_callable_accepted_and_other_callables_refused(model):
+def test_dot_score_is_a_gemm_tile_and_other_functions_are_scored_as_given(model):
     assert CachedMNRLoss(model, similarity_fct=dot_score).similarity == "dot"
-    with pytest.raises(ValueError, match="cos_sim"):
-        CachedMNRLoss(model, similarity_fct=lambda a, b: a @ b.T)
+    fn = lambda a, b: a @ b.T  # noqa: E731
+    loss = CachedMNRLoss(model, similarity_fct=fn)
+    assert loss.similarity is fn and loss.get_config_dict()["similarity_fct"] == "<lambda>"
+    with pytest.raises(ValueError, match="similarity"):
+        CachedMNRLoss(model, similarity_fct="jaccard")
 
 
 class _Recorder:
