@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from st_cached_losses.features import batch_size_of, check_splittable, unwrap_model
@@ -67,6 +68,20 @@ def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarit
         return "cosine"
     if fn is dot_score:
         return "dot"
+    # tried once on tiny inputs, so that a function of another shape fails here and not mid-training
+    try:
+        scores = similarity_fct(torch.randn(2, 3), torch.randn(4, 3))
+    except Exception as exc:
+        raise ValueError(
+            f"similarity_fct={similarity_fct!r} failed on a (2, 3) and a (4, 3) tensor ({exc}); it must map "
+            "embeddings a (n, d) and b (m, d) to an (n, m) similarity matrix, like sentence_transformers.util.cos_sim."
+        ) from exc
+    if not isinstance(scores, Tensor) or scores.shape != (2, 4):
+        got = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
+        raise ValueError(
+            f"similarity_fct={similarity_fct!r} must map embeddings a (n, d) and b (m, d) to an (n, m) similarity "
+            f"matrix, like sentence_transformers.util.cos_sim; on (2, 3) and (4, 3) it returned {got}."
+        )
     return similarity_fct
 
 
