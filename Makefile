@@ -3,6 +3,12 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# .venv's torch is a CPU build: torch 2.13.0 alone (--no-deps) with PyTorch's CPU wheel index added to the
+# default one, where 2.13.0+cpu outranks PyPI's 2.13.0 (a CUDA build on Linux, multi-GB with its CUDA
+# libraries); torch's own dependencies come from the default index with the package. An index pip
+# cannot reach is warned about (pip retries it a few times) and skipped. `make TORCH_INDEX=` leaves it
+# out: pip then takes torch==2.13.0 from the default index, which on Linux is the CUDA build.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
@@ -14,8 +20,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: a bare torch requirement would otherwise pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev,examples]"
+	$(if $(TORCH_INDEX),$(PY) -c "import sys; import torch; torch.version.cuda and sys.exit('torch ' + \
+		torch.__version__ + ' is a CUDA build (TORCH_INDEX=$(TORCH_INDEX)): remove $(VENV) and check that index')")
 	touch $(STAMP)
 
 install: $(STAMP)
