@@ -3,19 +3,27 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# .venv's torch is a CPU build: torch 2.13.0 alone (--no-deps) with PyTorch's CPU wheel index added to the
+# default one, where 2.13.0+cpu outranks PyPI's 2.13.0 (a CUDA build on Linux, multi-GB with its CUDA
+# libraries); torch's own dependencies come from the default index with the package. An index pip
+# cannot reach is warned about (pip retries it a few times) and skipped. `make TORCH_INDEX=` leaves it
+# out: pip then takes torch==2.13.0 from the default index, which on Linux is the CUDA build.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test lint format demo bench model-cards clean
+.PHONY: install test lint format demo bench model-cards clean wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: a bare torch requirement would otherwise pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "torch==2.13.0"
 	$(PY) -m pip install --quiet -e ".[dev,examples]"
+	$(if $(TORCH_INDEX),$(PY) -c "import sys; import torch; torch.version.cuda and sys.exit('torch ' + \
+		torch.__version__ + ' is a CUDA build (TORCH_INDEX=$(TORCH_INDEX)): remove $(VENV) and check that index')")
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -41,9 +49,29 @@ bench: $(STAMP)
 # On a machine with an NVIDIA GPU: its own .venv-gpu with a CUDA torch, the suite with --device cuda
 # and the loss-stage and training-step benchmarks on the GPU, results in benchmarks/results/gpu/.
 # Without one (CI): a one-line no-op, exit 0. See benchmarks/gpu_check.sh for the knobs.
+#
+# Offline, on a GPU machine whose Python already has a CUDA torch (and no network): `make wheels` on a
+# connected machine, copy the checkout with wheels/ over, then `make gpu-check PYTHON=<that python>`.
+# gpu-check then keeps that torch (never reinstalls it) and installs the rest from wheels/ only.
 .PHONY: gpu-check
+GPU_WHEELS ?= $(WHEELS)
 gpu-check:
-	@PYTHON="$(PYTHON)" bash benchmarks/gpu_check.sh
+	@PYTHON="$(PYTHON)" GPU_WHEELS="$(GPU_WHEELS)" bash benchmarks/gpu_check.sh
+
+# wheels/: every wheel the package, its dev and examples extras, inf-cl and its build need except torch
+# (and triton, nvidia-*, cuda-* and what only they need), for CPython $(WHEELS_PYTHON) on
+# $(WHEELS_PLATFORMS), plus the package's own wheel; prints the folder's size. Needs the network (an index);
+# see benchmarks/wheels.py. Its pip runs in a small venv of its own, build/wheels-venv.
+WHEELS ?= wheels
+WHEELS_PYTHON ?= 3.12
+WHEELS_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+WHEELS_VENV := build/wheels-venv
+wheels:
+	test -x $(WHEELS_VENV)/bin/python || $(PYTHON) -m venv $(WHEELS_VENV)
+	$(WHEELS_VENV)/bin/python -m pip install --quiet --upgrade pip packaging
+	$(WHEELS_VENV)/bin/python benchmarks/wheels.py --dest $(WHEELS) --python-version $(WHEELS_PYTHON) \
+		$(addprefix --platform ,$(WHEELS_PLATFORMS))
+	du -sh $(WHEELS)
 
 # The model cards in model_cards/, regenerated from the demo and the examples (about 4.5 minutes on 2 CPU
 # cores). The demo writes its card for DEMO_REPO; the push_to_hub dry run (tests/hub_recorder.py, nothing

@@ -5,10 +5,13 @@
 # hiding them all) it prints one line and exits 0, so CPU-only CI stays green.
 #
 # With one, it
-#   1. creates its own virtualenv ($GPU_VENV, default .venv-gpu; `make test` keeps the CPU-only .venv)
-#      with a CUDA build of torch ($GPU_TORCH, default torch==2.13.0 from the default index, whose
-#      Linux wheels are CUDA builds; $GPU_TORCH_INDEX_URL picks another index), the package with its
-#      dev and examples extras, and inf-cl;
+#   1. makes its own virtualenv ($GPU_VENV, default .venv-gpu; `make test` keeps the CPU-only .venv) with
+#      the package, its dev and examples extras, and inf-cl (benchmarks/gpu_venv.sh). If $PYTHON already
+#      imports a CUDA build of torch, that torch is kept, never reinstalled, and with a wheel folder
+#      ($GPU_WHEELS, default wheels/, from `make wheels`) nothing is downloaded: the offline way for a GPU
+#      machine with PyTorch preinstalled and no network. Otherwise the virtualenv gets a CUDA build of
+#      torch ($GPU_TORCH, default torch==2.13.0 from the default index, whose Linux wheels are CUDA
+#      builds; $GPU_TORCH_INDEX_URL picks another index);
 #   2. records the GPU, driver, torch, CUDA and package versions in $GPU_OUT/env.txt;
 #   3. runs the test suite with `--device cuda` (every device-parametrised test on the GPU);
 #   4. runs benchmarks/loss_stage.py and benchmarks/train_step.py with `--device cuda`.
@@ -37,7 +40,7 @@ fi
 
 PYTHON=${PYTHON:-python3}
 VENV=${GPU_VENV:-.venv-gpu}
-TORCH=${GPU_TORCH:-torch==2.13.0}
+export PYTHON GPU_VENV=$VENV  # for benchmarks/gpu_venv.sh
 OUT=${GPU_OUT:-benchmarks/results/gpu}
 DRY=${GPU_CHECK_DRY_RUN:-}
 PY=$VENV/bin/python
@@ -67,18 +70,8 @@ step() {
 }
 
 # 1. the GPU virtualenv: a failure here ends the check
-index=()
-[ -n "${GPU_TORCH_INDEX_URL:-}" ] && index=(--index-url "$GPU_TORCH_INDEX_URL")
 install() {
-    { test -x "$PY" || "$PYTHON" -m venv "$VENV"; } &&
-        echo '*' >"$VENV/.gitignore" && # the venv ignores itself
-        "$PY" -m pip install --quiet --upgrade pip &&
-        "$PY" -m pip install --quiet ${index[@]+"${index[@]}"} "$TORCH" &&
-        # keep the CUDA torch just installed: nothing below may swap it for another build
-        "$PY" -c 'import torch; print(f"torch=={torch.__version__}")' >"$VENV/constraints.txt" &&
-        "$PY" -m pip install --quiet -c "$VENV/constraints.txt" -e ".[dev,examples]" || return 1
-    "$PY" -m pip install --quiet -c "$VENV/constraints.txt" inf-cl ||
-        echo "gpu-check: inf-cl did not install (Inf-CL comparisons unavailable); going on"
+    bash benchmarks/gpu_venv.sh || return 1
     "$PY" - <<'EOF'
 import sys
 

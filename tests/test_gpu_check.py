@@ -3,9 +3,11 @@ stays green; with one, the steps it runs (checked here as a dry run behind a fak
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,118 @@ def test_gpu_check_with_a_gpu_runs_suite_and_benchmarks_on_cuda(tmp_path):
     assert lines[-1] == f"gpu-check: done; results in {tmp_path / 'out'}"
     # nothing was created: no virtualenv, no results
     assert not (tmp_path / "venv").exists() and not (tmp_path / "out").exists()
+
+
+# --- the offline install step (benchmarks/gpu_venv.sh) -------------------------------------------------
+
+VENV_SCRIPT = ROOT / "benchmarks" / "gpu_venv.sh"
+
+
+def make_wheel(folder: Path, name: str, version: str, requires: list[str], files: dict[str, str]) -> Path:
+    """A pure-Python wheel written directly (no build backend, no index): METADATA, WHEEL, RECORD."""
+    import base64
+    import hashlib
+    import zipfile
+
+    dist = f"{name.replace('-', '_')}-{version}"
+    info = f"{dist}.dist-info"
+    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
+    contents = {
+        **files,
+        f"{info}/METADATA": metadata,
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = []
+    for path, text in contents.items():
+        data = text.encode()
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}\n")
+    record.append(f"{info}/RECORD,,\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    wheel = folder / f"{dist}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for path, text in contents.items():
+            zf.writestr(path, text)
+        zf.writestr(f"{info}/RECORD", "".join(record))
+    return wheel
+
+
+def package_wheel(folder: Path, local: str) -> Path:
+    """This checkout's package as a wheel, with pyproject.toml's dependencies, its version tagged ``+local``
+    (so that a copy of the package this Python already has does not satisfy it). ``make wheels`` builds
+    the real one with ``pip wheel``; this one needs no setuptools and no index."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    files = {
+        str(p.relative_to(ROOT)): p.read_text()
+        for p in sorted((ROOT / "st_cached_losses").rglob("*"))
+        if p.is_file() and (p.suffix == ".py" or p.name == "py.typed")
+    }
+    version = f"{project['version']}+{local}"
+    return make_wheel(folder, project["name"], version, project["dependencies"], files)
+
+
+def test_install_step_offline_keeps_the_given_pythons_torch(tmp_path):
+    """The install step with a torch already present (GPU_SYSTEM_TORCH=1 stands in for 'CUDA torch'): a
+    virtualenv that sees this Python's packages, the package and a dependency from a local wheel folder
+    with --no-index and no pip configuration, and the torch this Python has, not reinstalled even though
+    the folder offers a newer 'torch' and a requirement asks for it."""
+    import torch
+
+    wheels = tmp_path / "wheels"
+    package = package_wheel(wheels, "offline").name.split("-")[1]
+    make_wheel(wheels, "gpu-check-dummy", "1.0", ["torch>=2.1"], {"gpu_check_dummy.py": "OK = True\n"})
+    make_wheel(wheels, "gpu-check-greedy", "1.0", ["torch>=99"], {"gpu_check_greedy.py": "OK = True\n"})
+    make_wheel(wheels, "torch", "99.0", [], {"torch/__init__.py": "__version__ = '99.0'\n"})
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in clean_env().items() if not k.startswith("PIP_")}
+    unreachable = "http://127.0.0.1:9"  # any network access fails at once
+    env.update(
+        PIP_CONFIG_FILE=os.devnull,  # no find-links or extra index from this machine's pip configuration
+        HTTP_PROXY=unreachable,
+        HTTPS_PROXY=unreachable,
+        http_proxy=unreachable,
+        https_proxy=unreachable,
+        PYTHON=sys.executable,
+        GPU_VENV=str(venv),
+        GPU_WHEELS=str(wheels),
+        GPU_SYSTEM_TORCH="1",
+        GPU_OPTIONAL="gpu-check-greedy",
+    )
+    out = subprocess.run(
+        ["bash", str(VENV_SCRIPT), f"st_cached_losses=={package}", "gpu-check-dummy"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"gpu-check: torch {torch.__version__} of {sys.executable} kept" in out.stdout, out.stdout
+    assert f"from {wheels} only (--no-index)" in out.stdout, out.stdout
+    # a requirement that needs another torch is refused, and only that one
+    assert "gpu-check-greedy did not install" in out.stdout, out.stdout
+    assert "include-system-site-packages = true" in (venv / "pyvenv.cfg").read_text()
+
+    probe = (
+        "import json, torch, st_cached_losses, gpu_check_dummy, importlib.metadata as md, importlib.util; "
+        "print(json.dumps([torch.__version__, torch.__file__, st_cached_losses.__file__, "
+        "md.version('st_cached_losses'), "
+        "importlib.util.find_spec('gpu_check_greedy') is None]))"
+    )
+    seen = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", probe],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert seen.returncode == 0, seen.stderr
+    version, torch_file, package_file, package_version, greedy_missing = json.loads(seen.stdout)
+    assert (version, Path(torch_file).resolve()) == (torch.__version__, Path(torch.__file__).resolve())
+    # the package from the wheel folder, into the virtualenv
+    assert package_version == package and venv.resolve() in Path(package_file).resolve().parents
+    assert greedy_missing
+    site_packages = next(venv.glob("lib/python*/site-packages"))
+    assert not list(site_packages.glob("torch*")), sorted(p.name for p in site_packages.iterdir())
