@@ -337,6 +337,15 @@ class _LocalCall:
         self.anchors, self.cols, self.anchors_all = anchors, cols, anchors_all
         # the doc_to_query tiles are the transposes of query_to_doc's on one process (columns = these rows)
         pair = transposed_pair(terms, spec.score) if anchors_all is None and cols[0].shape[0] == b else None
+        # sharing tiles needs two passes, 4 GEMMs per shared tile and per other term; the fused chunks
+        # take 3 per term in one pass: with four terms or more, those are cheaper
+        if (
+            pair is not None
+            and one_pass
+            and spec.path != "tiled"
+            and 4 * (len(terms.terms) - 1) >= 3 * len(terms.terms)
+        ):
+            pair = None
         width = sum(
             cols[0].shape[0] if t.cols != "q_local" else b
             for t in terms.terms
