@@ -18,7 +18,7 @@ import inspect
 import math
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from st_cached_losses.losses import CachedCLIPLoss, CachedGISTLoss, CachedMNRLoss, CachedTiledLoss
 from st_cached_losses.losses._base import CachedInfoNCEBase
@@ -30,8 +30,9 @@ from st_cached_losses.losses.options import (
     resolve_similarity,
 )
 
-if TYPE_CHECKING:
-    from st_cached_losses.training_args import CachedLossTrainingArguments
+#: A ``CachedLossTrainingArguments`` (only its loss fields are read). Not imported: training_args imports
+#: these checks, and imports point one way.
+LossArgs = Any
 
 #: canonical loss name -> class
 LOSSES: dict[str, type[CachedInfoNCEBase]] = {
@@ -85,7 +86,7 @@ def _user_stacklevel() -> int:
 # ---------------------------------------------------------------------- the loss fields
 
 
-def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
+def validate_loss_fields(args: LossArgs) -> None:
     """Check the loss fields of ``args`` and put them in canonical form (``args.loss``, ``args.similarity``).
 
     Raises:
@@ -161,7 +162,7 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
         )
 
 
-def validate_option_fields(args: CachedLossTrainingArguments) -> None:
+def validate_option_fields(args: LossArgs) -> None:
     """The MNRL options (as the losses check them) and GIST's fields, each only where it applies."""
     gist_fields = {
         "guide_model": None,
@@ -221,9 +222,7 @@ def _text_columns(column_names: Sequence[str]) -> list[str]:
     return columns
 
 
-def check_dataset_columns(
-    dataset: Any, args: CachedLossTrainingArguments, name: str = "train_dataset"
-) -> None:
+def check_dataset_columns(dataset: Any, args: LossArgs, name: str = "train_dataset") -> None:
     """Check, before any training step, that ``dataset`` suits the loss ``args`` describe.
 
     The cached losses need at least two text columns, ``(anchor, positive[, negative_1, ...])``; a label
