@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.distributed import all_reduce_sum, rank, ring_exchange
+from st_cached_losses.distributed import all_gather_rows, all_reduce_sum, rank, ring_exchange
 from st_cached_losses.functional._kernels import (
     DEFAULT_MEMORY_BUDGET,
     LogSumExp,
@@ -225,8 +225,6 @@ def gathered_guide(guide: Guide | None, sizes: list[int]) -> Guide | None:
     """The guide's candidates from every process (its anchors stay: rows are this process's)."""
     if guide is None:
         return None
-    from st_cached_losses.distributed import all_gather_rows
-
     return Guide(guide.anchors, [all_gather_rows(c, sizes) for c in guide.candidates])
 
 
@@ -427,13 +425,13 @@ class _LocalCall:
         return ((total - pos) / self.b).to(self.src.q.dtype)
 
     def finish(
-        self, grad_output: float, gs: Tensor, scale: float | Tensor, need_scale_grad: bool
+        self, grad_output: float, gs: Tensor, scale_dtype: torch.dtype | None
     ) -> tuple[Tensor, list[Tensor], Tensor | None, Tensor | None]:
         """The gradients of ``grad_output * loss`` wrt the caller's tensors (and the scale)."""
         factor = float(grad_output) / self.b
         tile = self.plan.row_tile
         g_a, g_c, g_all = _finish(self.src, self.anchors, self.cols, self.anchors_all, self.s, factor, tile)
-        g_s = (gs * factor / self.s).to(scale.dtype) if need_scale_grad else None  # type: ignore[union-attr]
+        g_s = (gs * factor / self.s).to(scale_dtype) if scale_dtype is not None else None
         return g_a, g_c, g_all, g_s
 
 
@@ -471,7 +469,8 @@ def terms_solve(
     loss = call.loss(total)
     if not with_grad:
         return loss, None, [], None, None
-    return (loss, *call.finish(grad_output, gs, scale, need_scale_grad))
+    scale_dtype = scale.dtype if need_scale_grad else None  # type: ignore[union-attr]
+    return (loss, *call.finish(grad_output, gs, scale_dtype))
 
 
 def ring_terms_solve(
@@ -637,6 +636,5 @@ class InfoNCEFunction(torch.autograd.Function):
         )
         _, lse = _total(m, ssum, ctx.spec.terms.weights)
         gs = call.grads(lse, need_scale_grad)
-        scale = torch.zeros((), dtype=ctx.scale_dtype)  # only its dtype is read
-        g_a, g_c, g_all, g_s = call.finish(float(grad_loss), gs, scale, need_scale_grad)
+        g_a, g_c, g_all, g_s = call.finish(float(grad_loss), gs, ctx.scale_dtype if need_scale_grad else None)
         return (None, g_s, g_a, g_all, *g_c)

@@ -215,14 +215,12 @@ def _prepared(
     """Both entry points' checks of their arguments; the candidate columns and the call's options."""
     cols = candidate_columns(candidates)
     score = Score(similarity)
-    if terms is not None and symmetric:
-        raise ValueError("pass either terms or symmetric=True, not both: terms say every direction.")
+    check_terms(terms, symmetric, guide, anchors, cols)
     validate_inputs(
         anchors, cols, anchors_all, symmetric=symmetric or (terms is not None and terms.uses_anchors_all),
         row_offset=row_offset, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget,
         path=path, check_finite=check_finite,
     )  # fmt: skip
-    check_guide(terms, guide, anchors, cols)
     key_args = validate_keys(
         anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric
     )
@@ -245,8 +243,12 @@ def _prepared(
     return cols, spec
 
 
-def check_guide(terms: TermSet | None, guide: Guide | None, anchors: Tensor, cols: list[Tensor]) -> None:
-    """A guide (GIST) comes with guided terms, and has the loss's rows."""
+def check_terms(
+    terms: TermSet | None, symmetric: bool, guide: Guide | None, anchors: Tensor, cols: list[Tensor]
+) -> None:
+    """Terms replace ``symmetric``; a guide (GIST) comes with guided terms, and has the loss's rows."""
+    if terms is not None and symmetric:
+        raise ValueError("pass either terms or symmetric=True, not both: terms say every direction.")
     if (terms is not None and terms.guided) != (guide is not None):
         raise ValueError(
             "guided terms (GIST) need guide=Guide(...) embeddings, and a guide needs guided terms."

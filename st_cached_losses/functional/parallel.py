@@ -43,7 +43,7 @@ from st_cached_losses.functional.infonce import (
     InfoNCEOutput,
     LossPath,
     Similarity,
-    check_guide,
+    check_terms,
     infonce,
     infonce_loss_and_grad,
     loss_terms,
@@ -288,10 +288,8 @@ def ring_loss_and_grad(
         raise ValueError(
             f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {path!r}."
         )
-    if terms is not None and symmetric:
-        raise ValueError("pass either terms or symmetric=True, not both: terms say every direction.")
     cols = list(candidates)
-    check_guide(terms, guide, anchors, cols)
+    check_terms(terms, symmetric, guide, anchors, cols)
     keys = None
     if candidate_keys is not None:
         validate_keys(anchor_keys, candidate_keys, None, anchors, cols, None, symmetric)
