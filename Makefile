@@ -16,12 +16,12 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: install test lint format demo bench model-cards clean wheels
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: a bare torch requirement would otherwise pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "torch==2.13.0"
-	$(PY) -m pip install --quiet -e ".[dev,examples]"
+	$(PY) -m pip install --quiet -e ".[dev,examples]" -c constraints.txt
 	$(if $(TORCH_INDEX),$(PY) -c "import sys; import torch; torch.version.cuda and sys.exit('torch ' + \
 		torch.__version__ + ' is a CUDA build (TORCH_INDEX=$(TORCH_INDEX)): remove $(VENV) and check that index')")
 	touch $(STAMP)

@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         package = f"{ROOT}[{args.extras}]" if args.extras else str(ROOT)
         report_to = ["--report", str(report_path)]
         resolve = [*pip, "install", "--dry-run", "--ignore-installed", "--quiet", *report_to]
-        run([*resolve, *target, package, *args.also, *build_requirements()])
+        constraints = ["-c", str(ROOT / "constraints.txt")]  # the dev environment's holds
+        run([*resolve, *target, package, *args.also, *build_requirements(), *constraints])
         report = json.loads(report_path.read_text())
     versions = kept(report, args.python_version)
     versions.pop(canonical("st_cached_losses"), None)  # built below from this checkout

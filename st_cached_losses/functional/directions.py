@@ -273,26 +273,32 @@ def _group_stats(n_groups: int, b: int, like: Operand) -> tuple[Tensor, Tensor]:
     return m.view(-1, b), ssum.view(-1, b)
 
 
-def _total(m: Tensor, ssum: Tensor, weights: Sequence[float]) -> tuple[Tensor, list[LogSumExp]]:
-    """The weighted sum of every group's log-sum-exp over rows (fp64), and the finished statistics."""
-    lse = [LogSumExp(m[g], ssum[g].log()) for g in range(len(weights))]
-    total = torch.zeros((), dtype=torch.float64, device=m.device)
-    for w, x in zip(weights, lse):
-        total += w * x.total().sum()
-    return total, lse
+def _row_lse(m: Tensor, ssum: Tensor) -> tuple[Tensor, list[LogSumExp]]:
+    """Every group's log-sum-exp per row, ``(G, b)`` fp64, and the finished statistics."""
+    lse = [LogSumExp(m[g], ssum[g].log()) for g in range(m.shape[0])]
+    rows = torch.stack([x.total() for x in lse]) if lse else m.double()
+    return rows, lse
 
 
-def _positives(terms: TermSet, src: _Sources, row_offset: int, tile: int, scale: float) -> Tensor:
-    """``sum_i sum_g w_g * (positive logit of row i in group g)``, fp64 (every positive is in this
-    process's own columns)."""
-    total = torch.zeros((), dtype=torch.float64, device=src.q.x.device)
+def _loss_sum(terms: TermSet, lse: Tensor, src: _Sources, row_offset: int, tile: int, scale: float) -> Tensor:
+    """``sum_g w_g sum_i (lse_g[i] - positive logit of row i in group g)``, fp64. A group with one
+    positive has a non-negative loss per row (its log-sum-exp runs over that positive too): a row whose
+    positive came out a rounding above its log-sum-exp (the positive is a dot product, the log-sum-exp's
+    maximum a GEMM entry) counts 0, not a negative loss. Every positive is in this process's own
+    columns."""
+    pos = torch.zeros_like(lse)
+    n_pos = [0] * lse.shape[0]
     for t in terms.terms:
         if t.diag == "positive":
             rows = src.q if t.rows == "q" else src.d
             assert rows is not None  # built for every row source a term reads
             offset = 0 if t.cols == "q_local" else row_offset
-            pos = src.score.positives(rows, src.cols[t.cols], offset, tile, scale)
-            total += terms.weights[t.group] * pos.double().sum()
+            pos[t.group] += src.score.positives(rows, src.cols[t.cols], offset, tile, scale).double()
+            n_pos[t.group] += 1
+    total = torch.zeros((), dtype=torch.float64, device=lse.device)
+    for g, w in enumerate(terms.weights):
+        per_row = lse[g] - pos[g]
+        total += w * (per_row.clamp_min(0.0) if n_pos[g] == 1 else per_row).sum()
     return total
 
 
@@ -386,10 +392,10 @@ class _LocalCall:
             )
 
     def stats(self) -> tuple[Tensor, list[LogSumExp]]:
-        """First pass: every group's statistics; ``sum_g w_g sum_i lse_g[i]`` (fp64) and the statistics."""
+        """First pass: every group's statistics; their log-sum-exp per row, ``(G, b)`` fp64, and them."""
         p = self.plan
         term_stats(self.bound, self.m, self.ssum, scale=self.s, row_tile=p.row_tile, col_tile=p.col_tile)
-        return _total(self.m, self.ssum, self.spec.terms.weights)
+        return _row_lse(self.m, self.ssum)
 
     def grads(self, lse: list[LogSumExp], need_scale_grad: bool) -> Tensor:
         """Second pass: the gradients into the buffers; returns ``sum(G * s * sim)``."""
@@ -419,10 +425,10 @@ class _LocalCall:
             need_scale_grad=need_scale_grad,
         )
 
-    def loss(self, total: Tensor) -> Tensor:
-        """The mean loss over this process's rows, in the compute dtype."""
-        pos = _positives(self.spec.terms, self.src, self.spec.row_offset, self.plan.row_tile, self.s)
-        return ((total - pos) / self.b).to(self.src.q.dtype)
+    def loss(self, lse: Tensor) -> Tensor:
+        """The mean loss over this process's rows, in the compute dtype, from the ``(G, b)`` log-sum-exps."""
+        total = _loss_sum(self.spec.terms, lse, self.src, self.spec.row_offset, self.plan.row_tile, self.s)
+        return (total / self.b).to(self.src.q.dtype)
 
     def finish(
         self, grad_output: float, gs: Tensor, scale_dtype: torch.dtype | None
@@ -462,11 +468,11 @@ def terms_solve(
         need_scale_grad=need_scale_grad,
     )
     if call.fused:
-        total, gs = call.fused_pass(with_grad, need_scale_grad)
+        rows_lse, gs = call.fused_pass(with_grad, need_scale_grad)
     else:
-        total, lse = call.stats()
+        rows_lse, lse = call.stats()
         gs = call.grads(lse, need_scale_grad) if with_grad else torch.zeros(())
-    loss = call.loss(total)
+    loss = call.loss(rows_lse)
     if not with_grad:
         return loss, None, [], None, None
     scale_dtype = scale.dtype if need_scale_grad else None  # type: ignore[union-attr]
@@ -566,9 +572,9 @@ def ring_terms_solve(
     if pair is not None:
         g_back = pair[1].group  # joint with this process's own terms of the group, or alone
         merge_stats(m[g_back], ssum[g_back], col_acc[0][:, 0], col_acc[0][:, 1])
-    total, lse = _total(m, ssum, terms.weights)
+    rows_lse, lse = _row_lse(m, ssum)
     factor = w / sum(sizes)
-    loss = ((total - _positives(terms, src, 0, tile, s)) * factor).to(src.q.dtype)
+    loss = (_loss_sum(terms, rows_lse, src, 0, tile, s) * factor).to(src.q.dtype)
     if not with_grad:
         return loss, None, [], None, None
     gs_total = torch.zeros((), dtype=torch.float64, device=anchors.device)
@@ -610,13 +616,13 @@ class InfoNCEFunction(torch.autograd.Function):
         call = _LocalCall(
             spec, anchors, list(cols), anchors_all, s, with_grad=False, one_pass=False, need_scale_grad=False
         )
-        total, _ = call.stats()
+        rows_lse, _ = call.stats()
         if any(ctx.needs_input_grad):
             # nothing derived from the embeddings (a normalised copy in the chunked path) outlives forward
             ctx.spec, ctx.s, ctx.n_cols, ctx.scale_dtype = spec, s, len(cols), scale.dtype
             ctx.save_for_backward(anchors, anchors_all, *cols, call.m, call.ssum)
         # fp64 inputs keep fp64 (for gradcheck); everything else is computed and returned in fp32
-        return call.loss(total)
+        return call.loss(rows_lse)
 
     @staticmethod
     @fp32_loss_stage
@@ -634,7 +640,7 @@ class InfoNCEFunction(torch.autograd.Function):
             one_pass=False,
             need_scale_grad=need_scale_grad,
         )
-        _, lse = _total(m, ssum, ctx.spec.terms.weights)
+        _, lse = _row_lse(m, ssum)
         gs = call.grads(lse, need_scale_grad)
         g_a, g_c, g_all, g_s = call.finish(float(grad_loss), gs, ctx.scale_dtype if need_scale_grad else None)
         return (None, g_s, g_a, g_all, *g_c)

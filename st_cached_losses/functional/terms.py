@@ -330,10 +330,10 @@ def fused_chunk(
     """Loss (fp64, summed over rows, without the positive logits) and the gradients into the bound
     buffers in one pass over row chunks: each chunk holds its logits of every term against every
     column, so each softmax is exact there and then and nothing is recomputed (three GEMMs per logit
-    block, the exponentials computed once, in place). No term may have a column softmax. Returns the
-    loss and ``sum(G * s * sim)``."""
+    block, the exponentials computed once, in place). No term may have a column softmax. Returns every
+    group's log-sum-exp per row, ``(G, n_rows)`` fp64, and ``sum(G * s * sim)``."""
     dev = bound[0].rows.x.device
-    loss = torch.zeros((), dtype=torch.float64, device=dev)
+    lse = torch.zeros(len(weights), n_rows, dtype=torch.float64, device=dev)
     gs = torch.zeros((), dtype=torch.float64, device=dev)
     for r0, r1 in spans(n_rows, chunk):
         qs = [b.rows.tile(r0, r1) for b in bound]
@@ -346,7 +346,7 @@ def fused_chunk(
             z = torch.zeros_like(m)
             for x in blocks:  # in place: the block becomes exp(logits - m)
                 z += exp_flushed_(x.sub_(m[:, None])).sum(1)
-            loss += w * (m.double() + z.double().log()).sum()
+            lse[grp, r0:r1] = m.double() + z.double().log()
             inv_z[grp] = z.reciprocal_().mul_(w)
         if not need_grads:
             continue
@@ -355,4 +355,4 @@ def fused_chunk(
             if b.term.diag == "positive" and ij is not None:
                 g[ij] -= weights[b.term.group]
             gs += _apply(b, g, raw, q, 0, b.cols.n, r0, r1, scale)
-    return loss, gs
+    return lse, gs
