@@ -3,6 +3,9 @@
 RSS is noisy and allocator caches hide frees; this counts the bytes of tensor storages that are
 alive, as the dispatcher creates them and Python frees them, on any device. On CUDA the caching
 allocator's own count, ``torch.cuda.max_memory_allocated``, is reported too (``cuda_peak_bytes``).
+
+Test and benchmark tooling (it relies on torch's private dispatch API), so it lives under ``tests/``, out of
+the wheel.
 """
 
 from __future__ import annotations
