@@ -324,7 +324,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     A configuration error raises ``ValueError`` when ``argv`` is given; from the command line it is
     one ``error:`` line and exit status 2.
     """
-    parser = CachedLossArgumentParser((DemoArguments, CachedLossTrainingArguments), description=__doc__)
+    parser = CachedLossArgumentParser(
+        (DemoArguments, CachedLossTrainingArguments),
+        prog="python -m st_cached_losses.demo",
+        description=__doc__,
+    )
     data_args, args = parser.parse_command_line(argv, defaults=DEMO_DEFAULTS)
     summary = train_and_evaluate(data_args, args)
     if args.process_index == 0:
