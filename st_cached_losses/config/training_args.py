@@ -21,7 +21,7 @@ Example::
 
 # No ``from __future__ import annotations`` here: the fields' annotations are real objects, so that
 # ``typing.get_type_hints`` (HfArgumentParser, the CLI) needs no module namespace to resolve them; the
-# class's ``__module__`` is its documented path (see the end of the class).
+# class's ``__module__`` is its documented path (set just below the class).
 
 import dataclasses
 import inspect
