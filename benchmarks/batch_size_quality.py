@@ -342,8 +342,8 @@ def scale_sweep(args) -> None:
     """Fixed scales against a learnable one; writes ``<RESULTS>/scale_sweep.{md,json}``."""
     import torch
 
+    from st_cached_losses.config.registry import DEFAULT_SCALE_LEARNING_RATE
     from st_cached_losses.demo import load_model, retrieval_evaluator, stdlib_data
-    from st_cached_losses.training_args import DEFAULT_SCALE_LEARNING_RATE
 
     name = f"{args.sweep_name}_quick" if args.quick else args.sweep_name
     if args.quick:

@@ -13,7 +13,7 @@ gradients wrt every embedding, with every process's candidates as negatives) run
 
 Every torch.distributed call is counted (calls and payload bytes sent by the process) by wrapping the
 torch.distributed functions in each worker; peak memory is the peak of live tensor bytes allocated
-inside the loss stage (``st_cached_losses.memory.PeakMemory``); time is the median over repeats.
+inside the loss stage (``tests.support.memory.PeakMemory``); time is the median over repeats.
 
 Run: ``.venv/bin/python benchmarks/distributed.py`` (``--quick`` for a smoke run). Writes
 ``benchmarks/results/distributed.{csv,md,png}``.
@@ -87,7 +87,7 @@ def _worker(rank: int, world: int, model_dir: str, local: int, dim: int, repeats
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
     from st_cached_losses import CachedMNRLoss, CachedTiledLoss
-    from st_cached_losses.memory import PeakMemory
+    from tests.support.memory import PeakMemory
 
     counts: dict = {}
     _instrument(counts)
@@ -157,8 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.local_batch, args.dim, args.repeats, args.worlds = 256, 64, 1, "1,2"
 
-    from tests.dist_utils import run_distributed
-    from tests.tiny_model import make_tiny_model
+    from tests.support.dist_utils import run_distributed
+    from tests.support.tiny_model import make_tiny_model
 
     tmp = Path(tempfile.mkdtemp())
     make_tiny_model(tmp / "bert").save(str(tmp / "st"))

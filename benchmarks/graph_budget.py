@@ -11,7 +11,7 @@ size B, one run, contenders alternating batch by batch (same batches for all; me
 * ``st-cached``: sentence-transformers' CachedMultipleNegativesRankingLoss, mini-batch 16;
 * ``mnrl``: sentence-transformers' non-cached MultipleNegativesRankingLoss.
 
-Peak memory: live tensor bytes of one step (``st_cached_losses.memory.PeakMemory``, a dispatch mode,
+Peak memory: live tensor bytes of one step (``tests.support.memory.PeakMemory``, a dispatch mode,
 deterministic), measured on a separate, untimed step.
 
 Run: ``.venv/bin/python benchmarks/graph_budget.py --batch-sizes 64,256,1024 --steps 3``. Writes
@@ -47,7 +47,7 @@ def minilm():
 
 
 def peak_of(loss, feats) -> int:
-    from st_cached_losses.memory import PeakMemory
+    from tests.support.memory import PeakMemory
 
     loss.model.zero_grad(set_to_none=True)
     gc.collect()

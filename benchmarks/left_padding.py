@@ -91,7 +91,7 @@ def main() -> None:
 
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    import st_cached_losses.gradcache as gradcache
+    import st_cached_losses.engine.gradcache as gradcache
     from st_cached_losses import CachedMNRLoss
     from st_cached_losses.data import stdlib_pairs
 

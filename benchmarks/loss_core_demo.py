@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from st_cached_losses.functional import infonce_loss_and_grad
-from st_cached_losses.memory import PeakMemory
+from tests.support.memory import PeakMemory
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad  # noqa: E402
 from st_cached_losses.functional.directions import Guide  # noqa: E402
 from st_cached_losses.functional.terms import gist_terms, mnrl_terms  # noqa: E402
-from st_cached_losses.memory import PeakMemory  # noqa: E402
+from tests.support.memory import PeakMemory  # noqa: E402
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CASES = {
@@ -58,7 +58,7 @@ def _st_loss(case: str):
         CachedMultipleNegativesRankingLoss,
     )
 
-    from tests.tiny_model import make_tiny_model
+    from tests.support.tiny_model import make_tiny_model
 
     base = Path(tempfile.mkdtemp())
     model = make_tiny_model(base / "bert")

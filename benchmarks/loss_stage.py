@@ -4,7 +4,7 @@ The loss stage is GradCache's step 2: from the embeddings of a whole batch (anch
 d = 384), the loss and its gradient with respect to every embedding. Contenders, measured side by
 side in one run (medians of ``--repeats``), one direction (anchor -> candidates) and symmetric:
 
-* ``dense``: the naive reference (``tests/reference.py``), full B x C logits, autograd;
+* ``dense``: the naive reference (``tests/support/reference.py``), full B x C logits, autograd;
 * ``st-cached``: sentence-transformers' ``CachedMultipleNegativesRankingLoss.calculate_loss(...,
   with_backward=True)`` at ``mini_batch_size=32`` (symmetric: ``directions=("query_to_doc",
   "doc_to_query"), partition_mode="per_direction"``);
@@ -42,8 +42,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad  # noqa: E402
-from st_cached_losses.memory import PeakMemory  # noqa: E402
-from tests.reference import reference_infonce, reference_infonce_blockwise_float64  # noqa: E402
+from tests.support.memory import PeakMemory  # noqa: E402
+from tests.support.reference import reference_infonce, reference_infonce_blockwise_float64  # noqa: E402
 
 DENSE_LIMIT_BYTES = 12 * 2**30  # three B x C fp32 matrices must fit
 CHUNK_BUDGET = DEFAULT_MEMORY_BUDGET  # the matmul bound is chunked like ours
@@ -71,7 +71,7 @@ def describe_device(device: torch.device) -> str:
 def _st_loss(symmetric: bool):
     from sentence_transformers.sentence_transformer.losses import CachedMultipleNegativesRankingLoss
 
-    from tests.tiny_model import make_tiny_model
+    from tests.support.tiny_model import make_tiny_model
 
     model = make_tiny_model(Path(tempfile.mkdtemp()) / "bert")
     kwargs = (

@@ -11,7 +11,7 @@ peft). ``--batches`` are global batch sizes; each process holds ``batch / world`
 Per process and per step (a step is the loss's forward and backward: no optimizer):
 
 * peak memory: the peak of live tensor bytes allocated during the step
-  (``st_cached_losses.memory.PeakMemory``, a dispatch mode: deterministic, CPU or GPU, plus the
+  (``tests.support.memory.PeakMemory``, a dispatch mode: deterministic, CPU or GPU, plus the
   storages FSDP2 grows in place for its gathered parameters, see :func:`step_memory`), measured on
   the step after a warm-up, gradients set to None before it (their shards are counted). Not counted:
   what existed before the step (the process's parameter shards, ``param_shard_mib`` in the JSON).
@@ -22,7 +22,7 @@ Per process and per step (a step is the loss's forward and backward: no optimize
 
 Traffic against the per-replay baseline: at ``--traffic-batch`` (default: 16 mini-batches per process
 per step), the same step once more with the engine's gradient-sync switch disabled
-(``st_cached_losses.gradcache.unsynced`` replaced by a no-op), so that every replay's backward
+(``st_cached_losses.engine.gradcache.unsynced`` replaced by a no-op), so that every replay's backward
 reduce-scatters: what a cached loss without the switch does. Both runs end with the same gradients
 (checked on a sample of every parameter shard). And a third variant, ``ours-gathered``: ours with the
 engine's ``keep_params_unsharded=True`` (every group's parameters all-gathered once, by the step's
@@ -120,7 +120,7 @@ def step_memory():
     would not see the gathered parameters. Those two functions are wrapped while the block runs."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
 
-    from st_cached_losses.memory import PeakMemory
+    from tests.support.memory import PeakMemory
 
     class StepMemory(PeakMemory):
         def __enter__(self):
@@ -159,7 +159,7 @@ def make_decoder(path: Path, preset: tuple[int, ...], seed: int = 0) -> int:
     import torch
     from transformers import BertTokenizerFast, Qwen2Config, Qwen2Model
 
-    from tests.tiny_model import WORDS
+    from tests.support.tiny_model import WORDS
 
     hidden, layers, heads, kv_heads, mlp, vocab_size = preset
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -212,7 +212,7 @@ def shard(model, reshard_after_forward: bool):
 def texts(n: int, words: int, seed: int) -> list[str]:
     import random
 
-    from tests.tiny_model import WORDS
+    from tests.support.tiny_model import WORDS
 
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
@@ -295,7 +295,7 @@ def measure(model, loss, feats, variant: str, traffic: Traffic):
     """A warm-up step, a step under PeakMemory, a timed step whose collectives are counted."""
     import time
 
-    import st_cached_losses.gradcache as gradcache
+    import st_cached_losses.engine.gradcache as gradcache
 
     def step():
         value = loss(feats, None)
@@ -337,7 +337,7 @@ def _patched(module, name, value):
 
 
 def run(preset_name: str, preset, args, batches: list[int], traffic_batch: int | None, reshard) -> dict:
-    from tests.dist_utils import run_distributed
+    from tests.support.dist_utils import run_distributed
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "decoder"

@@ -149,8 +149,8 @@ def memory_curve(
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
     from st_cached_losses import CachedMNRLoss
-    from st_cached_losses.memory import PeakMemory
-    from tests.tiny_model import make_tiny_model, random_texts
+    from tests.support.memory import PeakMemory
+    from tests.support.tiny_model import make_tiny_model, random_texts
 
     model = make_tiny_model(Path(tempfile.mkdtemp()) / "bert", hidden=64, max_seq_length=64).to(device)
     model.train()

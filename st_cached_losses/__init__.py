@@ -2,6 +2,11 @@
 
 The top-level names load on first use (PEP 562), so that ``import st_cached_losses.functional`` (pure
 torch) does not pull in sentence-transformers, transformers and accelerate.
+
+The packages, each importing only those before it: ``functional`` (pure torch: the InfoNCE family's value
+and gradient, the cross-process strategies) < ``engine`` (GradCache, the wrappers) < ``losses`` <
+``config`` (arguments, registry and factory, CLI, model card) < ``demo``. The top-level modules besides
+``distributed`` only re-export names under their documented paths.
 """
 
 from __future__ import annotations
@@ -17,10 +22,10 @@ _EXPORTS = {
     "CachedGISTLoss": "st_cached_losses.losses",
     "CachedMNRLoss": "st_cached_losses.losses",
     "CachedTiledLoss": "st_cached_losses.losses",
-    "LossStateCallback": "st_cached_losses.callbacks",
-    "CachedLossTrainingArguments": "st_cached_losses.training_args",
-    "build_loss": "st_cached_losses.training_args",
-    "CachedLossArgumentParser": "st_cached_losses.cli",
+    "LossStateCallback": "st_cached_losses.losses.callbacks",
+    "CachedLossTrainingArguments": "st_cached_losses.config.training_args",
+    "build_loss": "st_cached_losses.config.factory",
+    "CachedLossArgumentParser": "st_cached_losses.config.cli",
 }
 
 __all__ = [
@@ -38,10 +43,11 @@ __all__ = [
 
 if TYPE_CHECKING:
     from st_cached_losses import functional
-    from st_cached_losses.callbacks import LossStateCallback
-    from st_cached_losses.cli import CachedLossArgumentParser
+    from st_cached_losses.config.cli import CachedLossArgumentParser
+    from st_cached_losses.config.factory import build_loss
+    from st_cached_losses.config.training_args import CachedLossTrainingArguments
     from st_cached_losses.losses import CachedCLIPLoss, CachedGISTLoss, CachedMNRLoss, CachedTiledLoss
-    from st_cached_losses.training_args import CachedLossTrainingArguments, build_loss
+    from st_cached_losses.losses.callbacks import LossStateCallback
 
 
 def __getattr__(name: str) -> Any:

@@ -1,140 +1,19 @@
-"""The model card of a model trained with a cached loss: what sentence-transformers cannot know by itself.
+"""Re-export of :mod:`st_cached_losses.config.model_card` under its documented path."""
 
-sentence-transformers writes the card on ``save_pretrained`` / ``push_to_hub``: the loss class (also as a
-``loss:`` tag), its ``get_config_dict()``, its citations, the training arguments and the evaluation.
-Two things it misses, added here:
+from st_cached_losses.config.model_card import (
+    SECTION_TITLE,
+    CachedLossCardCallback,
+    add_card_section,
+    add_training_section,
+    global_batch_size,
+    metrics_table,
+)
 
-* :class:`CachedLossCardCallback`: it lists "non-default hyperparameters" by comparing with a default
-  ``SentenceTransformerTrainingArguments``, which has no loss fields, so a changed ``mini_batch_size``
-  or ``temperature`` appeared only under "all hyperparameters";
-* :func:`add_training_section`: a "Cached loss training" section with what caching changed (the global
-  batch, the processes, the encoder mini-batch), metrics before and after training, and the loss fields.
-
-This module sits above :mod:`st_cached_losses.training_args` (the callback needs the arguments class),
-not in :mod:`st_cached_losses.callbacks`, which the losses import.
-"""
-
-from __future__ import annotations
-
-import json
-import os
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
-
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-
-from st_cached_losses.training_args import LOSS_DEFAULTS, CachedLossTrainingArguments
-
-SECTION_TITLE = "Cached loss training"
-
-
-class CachedLossCardCallback(TrainerCallback):
-    """Lists the loss fields of :class:`CachedLossTrainingArguments` that differ from their defaults among
-    the model card's "non-default hyperparameters".
-
-    sentence-transformers compares the arguments with a default ``SentenceTransformerTrainingArguments``,
-    which has none of these fields, so it shows them only under "all hyperparameters". Pass it as
-    ``callbacks=[CachedLossCardCallback()]`` to the trainer.
-    """
-
-    def _update(self, args: TrainingArguments, model: Any) -> None:
-        if not isinstance(args, CachedLossTrainingArguments) or model is None:
-            return
-        card = getattr(model, "model_card_data", None)
-        if card is None or card.non_default_hyperparameters.get("loss") == args.loss:
-            return  # no card, or listed already since the trainer last filled the hyperparameters in
-        changed = {k: v for k, v in args.loss_settings().items() if v != LOSS_DEFAULTS[k]}
-        # the loss choice always, so the card says which loss these settings belong to
-        card.non_default_hyperparameters = {"loss": args.loss, **changed, **card.non_default_hyperparameters}
-
-    def on_step_begin(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        # not on_train_begin: the trainer's own model card callback, which comes after the user's callbacks,
-        # refills the hyperparameters there; from then on one update per run is enough
-        self._update(args, kwargs.get("model"))
-
-    def on_train_end(
-        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
-    ) -> None:
-        self._update(args, kwargs.get("model"))
-
-
-def global_batch_size(args: TrainingArguments) -> int:
-    """Rows per optimizer step, the batch the in-batch negatives come from when gathered across
-    processes: per-device batch x processes x accumulation steps."""
-    return args.per_device_train_batch_size * args.world_size * args.gradient_accumulation_steps
-
-
-def metrics_table(rows: Mapping[str, Mapping[str, float]]) -> str:
-    """A Markdown table: one row per run (``"before"``, ``"after"``, ...), one column per metric, in the
-    order of the first row's metrics."""
-    labels = list(next(iter(rows.values()), {}))
-    lines = ["| | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
-    for name, metrics in rows.items():
-        values = " | ".join(f"{metrics.get(label, float('nan')):.4f}" for label in labels)
-        lines.append(f"| {name} | {values} |")
-    return "\n".join(lines)
-
-
-def add_card_section(model_dir: str | Path, title: str, body: str) -> Path:
-    """Add a ``## title`` section to the card (``README.md``) saved in ``model_dir``, before its citations.
-
-    Returns the card's path.
-    """
-    card = Path(model_dir) / "README.md"
-    if not card.is_file():
-        raise FileNotFoundError(
-            f"{card} does not exist: call model.save_pretrained({str(model_dir)!r}) first."
-        )
-    text = card.read_text(encoding="utf-8")
-    section = f"## {title}\n\n{body.strip()}\n\n"
-    marker = "## Citation"
-    text = text.replace(marker, section + marker, 1) if marker in text else text + "\n" + section
-    card.write_text(text, encoding="utf-8")
-    return card
-
-
-def add_training_section(
-    model_dir: str | Path,
-    trainer: Any,
-    metrics: Mapping[str, Mapping[str, float]] | None = None,
-    trained_by: str | None = None,
-    metrics_caption: str = "Evaluation",
-) -> Path:
-    """Add a "Cached loss training" section to the card saved in ``model_dir``.
-
-    It says what caching changed and the model card cannot tell: the global batch the negatives came
-    from, the processes, the encoder mini-batch, the optimizer steps and the training time, then an
-    optional metrics table and the loss fields of :class:`CachedLossTrainingArguments` as JSON.
-
-    Args:
-        model_dir: where ``model.save_pretrained`` wrote the model and its card.
-        trainer: the ``SentenceTransformerTrainer`` that trained it with a cached loss.
-        metrics: optional ``{"before": {"MRR@10": ...}, "after": {...}}``, one table row per key.
-        trained_by: what ran the training (a script's name), for the first sentence.
-        metrics_caption: the sentence introducing the table (what was evaluated, on what).
-
-    Returns:
-        The card's path.
-    """
-    args, loss = trainer.args, trainer.loss
-    train_runtime = next(
-        (entry["train_runtime"] for entry in reversed(trainer.state.log_history) if "train_runtime" in entry),
-        None,
-    )
-    timing = f"{train_runtime:.0f} s, " if train_runtime is not None else ""
-    by = f"`{trained_by}` (st_cached_losses)" if trained_by else "st_cached_losses"
-    body = (
-        f"Trained by {by} with `{type(loss).__name__}`: {len(trainer.train_dataset)} training samples, batch "
-        f"{global_batch_size(args)} ({args.world_size} process(es)), encoder mini-batch "
-        f"{getattr(args, 'mini_batch_size', getattr(loss, 'mini_batch_size', '-'))}, "
-        f"{trainer.state.global_step} optimizer steps ({timing}{os.cpu_count()} CPU cores)."
-    )
-    if metrics:
-        body += f" {metrics_caption}:\n\n" + metrics_table(metrics)
-    if isinstance(args, CachedLossTrainingArguments):
-        settings = json.dumps(args.loss_settings(), indent=4)
-        body += f"\n\nLoss settings (`CachedLossTrainingArguments`):\n\n```json\n{settings}\n```"
-    return add_card_section(model_dir, SECTION_TITLE, body)
+__all__ = [
+    "SECTION_TITLE",
+    "CachedLossCardCallback",
+    "add_card_section",
+    "add_training_section",
+    "global_batch_size",
+    "metrics_table",
+]

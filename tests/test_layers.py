@@ -1,4 +1,5 @@
-"""The layering: the pure-torch layers import nothing above them, and no module imports another's
+"""The layering: functional < engine < losses < config < demo, each package importing only the layers at
+or below its own; no import circle; the pure-torch layer loads torch alone; no module imports another's
 private names."""
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ HEAVY = ("sentence_transformers", "transformers", "accelerate", "datasets")
     ["st_cached_losses.functional", "st_cached_losses.functional.parallel", "st_cached_losses.distributed"],
 )
 def test_pure_torch_layers_import_only_torch(module):
-    code = f"import sys, {module}; print(' '.join(m for m in {HEAVY!r} if m in sys.modules))"
+    # also no module of ours above the functional layer (``distributed`` counts as functional)
+    code = (
+        f"import sys, {module}; print(' '.join(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or "
+        "(m.startswith('st_cached_losses.') and m.split('.')[1] not in ('functional', 'distributed'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "", f"import {module} also loaded: {out.stdout.strip()}"
 
@@ -74,11 +79,6 @@ def test_functional_and_distributed_import_nothing_above_them():
             assert not any(m.startswith("st_cached_losses") for m, _ in _imports(path)), "collectives only"
 
 
-#: import circles still to break (issue 19), each named by its modules; the test fails on any other, and
-#: on one of these once it is gone (then delete it here)
-KNOWN_CIRCLES: set[frozenset[str]] = set()
-
-
 def _import_graph() -> dict[str, set[str]]:
     """Module -> the package's modules it imports (``TYPE_CHECKING`` imports included: ties of design)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
@@ -130,13 +130,42 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
     return out
 
 
-def test_no_import_circle_but_the_known_ones():
-    graph = _import_graph()
-    # the package faces re-export their modules: a face importing its own submodules is no circle
-    for name in graph:
-        graph[name] = {t for t in graph[name] if not t.startswith(name + ".")}
-    circles = {frozenset(c) for c in _strongly_connected(graph)}
-    assert circles <= KNOWN_CIRCLES, f"new import circles: {[sorted(c) for c in circles - KNOWN_CIRCLES]}"
-    assert circles == KNOWN_CIRCLES, (
-        f"circles gone, delete them from KNOWN_CIRCLES: {KNOWN_CIRCLES - circles}"
-    )
+def test_no_import_circle():
+    # a package face importing its own modules counts too: one of them importing the face back is a circle
+    circles = [sorted(c) for c in _strongly_connected(_import_graph())]
+    assert not circles, f"import circles: {circles}"
+
+
+#: the layers, lowest first; ``distributed`` (collectives only) counts as the functional layer
+LAYERS = ("functional", "engine", "losses", "config", "demo")
+#: top-level modules that are no layer: the package face and the re-exports of documented paths
+TOP = {
+    "st_cached_losses",
+    "st_cached_losses.training_args",
+    "st_cached_losses.model_card",
+    "st_cached_losses.data",
+}
+
+
+def _layer(module: str) -> int:
+    """The index of ``module``'s layer in :data:`LAYERS`; ``len(LAYERS)`` for the top-level modules."""
+    if module in TOP:
+        return len(LAYERS)
+    parts = module.split(".")
+    if parts[:2] == ["st_cached_losses", "distributed"]:
+        return LAYERS.index("functional")
+    assert len(parts) > 1 and parts[1] in LAYERS, f"{module} is in no layer: put it in one (or in TOP)"
+    return LAYERS.index(parts[1])
+
+
+def test_every_module_imports_only_its_layer_and_those_below():
+    offenders = []
+    for name, targets in _import_graph().items():
+        offenders += [f"{name} imports {t}" for t in sorted(targets) if _layer(t) > _layer(name)]
+    assert not offenders, offenders
+
+
+def test_the_top_level_holds_at_most_five_modules():
+    modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
+    assert len(modules) <= 5, sorted(modules)
+    assert {f"st_cached_losses.{m}" for m in modules} <= TOP | {"st_cached_losses.distributed"}

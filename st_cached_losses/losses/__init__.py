@@ -1,3 +1,11 @@
+"""The losses layer: one thin ``nn.Module`` per cached loss, in sentence-transformers' own style and
+positional order (settings readable and settable, orchestration only, no collective calls), and the
+callback that checkpoints a loss's state with the trainer's (``callbacks``).
+
+May import the engine and the functional layer (and ``st_cached_losses.distributed``), torch,
+sentence-transformers and transformers; never the configuration or the demo.
+"""
+
 from st_cached_losses.losses._base import CachedInfoNCEBase
 from st_cached_losses.losses.cached_clip import CachedCLIPLoss
 from st_cached_losses.losses.cached_gist import CachedGISTLoss

@@ -13,9 +13,9 @@ import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_cached_losses.callbacks import attach_to_calling_trainer
 from st_cached_losses.distributed import is_distributed, warn_no_process_group_once
-from st_cached_losses.features import batch_size_of
+from st_cached_losses.engine.features import batch_size_of
+from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional import (
     DEFAULT_MEMORY_BUDGET,
     LossPath,
@@ -31,7 +31,7 @@ from st_cached_losses.functional.parallel import (
     mean_scale_grad,
 )
 from st_cached_losses.functional.terms import mnrl_terms
-from st_cached_losses.gradcache import GradCache
+from st_cached_losses.losses.callbacks import attach_to_calling_trainer
 from st_cached_losses.losses.hyperparameters import CachedLossHyperparameters
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
@@ -134,7 +134,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         """Under FSDP2: keep every parameter group all-gathered for the whole step (one all-gather and one
         reduce-scatter per group per step, instead of an all-gather per mini-batch forward and per
         replay), for the memory of the full parameters; the same gradients. See
-        :class:`~st_cached_losses.gradcache.GradCache`."""
+        :class:`~st_cached_losses.engine.gradcache.GradCache`."""
         return self.cache.keep_params_unsharded
 
     @keep_params_unsharded.setter
@@ -144,7 +144,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
     @property
     def graph_memory_budget(self) -> int | None:
         """Bytes of first-pass graphs kept instead of replayed (see
-        :class:`~st_cached_losses.gradcache.GradCache`); None: replay all but the last mini-batch. Set in
+        :class:`~st_cached_losses.engine.gradcache.GradCache`); None: replay all but the last mini-batch. Set in
         bytes or as a size such as ``"6GB"``; reads back in bytes."""
         return self.cache.graph_memory_budget
 

@@ -8,7 +8,7 @@ import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_cached_losses.features import batch_size_of, unwrap_model
+from st_cached_losses.engine.features import batch_size_of, unwrap_model
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
 from st_cached_losses.functional.directions import Guide
 from st_cached_losses.functional.terms import gist_terms

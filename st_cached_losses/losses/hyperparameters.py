@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional import LossPath, Similarity, scale_value
 from st_cached_losses.functional.checks import (
     check_mini_batch_num_tokens,
@@ -18,7 +19,6 @@ from st_cached_losses.functional.checks import (
     check_positive_int,
     memory_bytes,
 )
-from st_cached_losses.gradcache import GradCache
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, GTE_CITATION, HARDNESS_CITATION
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.features import batch_size_of, check_splittable, unwrap_model
+from st_cached_losses.engine.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.functional import Similarity
 
 logger = logging.getLogger(__name__)

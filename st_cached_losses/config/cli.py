@@ -1,0 +1,314 @@
+"""Read a run's arguments from the command line, a YAML or a JSON file, or a file plus overrides.
+
+:class:`CachedLossArgumentParser` is transformers' ``HfArgumentParser`` with what a run of a cached loss
+needs on top:
+
+* a misspelt key or flag is an error that names the closest field, raised before any dataclass is
+  built (``HfArgumentParser`` builds them first, so a typo'd ``mini_bach_size`` used to warn that
+  "caching is off" for the default ``mini_batch_size`` before its own error, which names no field);
+* ``--help`` lists the loss fields first, then the script's own, then the ~120 training arguments, and
+  keeps the line breaks of the script's docstring;
+* :meth:`~CachedLossArgumentParser.parse_command_line` takes ``script.py run.yaml`` and ``script.py
+  --config run.yaml --max_steps 10`` as well as flags, over a script's own defaults; setting ``scale``
+  replaces a ``temperature`` given by a lower-priority source (and the other way round), so that
+  ``--scale 30`` works on a script whose defaults name a temperature;
+* from a shell, a configuration error is one ``error:`` line and exit status 2, as argparse does.
+
+Example::
+
+    from st_cached_losses import CachedLossArgumentParser
+
+    (args,) = CachedLossArgumentParser().parse_yaml_file("run.yaml")
+    data_args, args = CachedLossArgumentParser((DataArguments, CachedLossTrainingArguments)).parse_command_line(
+        defaults={"loss": "clip", "per_device_train_batch_size": 64}
+    )
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, get_type_hints
+
+from transformers import HfArgumentParser
+
+from st_cached_losses.config.registry import closest_name_hint
+from st_cached_losses.config.training_args import LOSS_FIELDS, CachedLossTrainingArguments
+
+#: fields that say the same thing in two ways: a source that sets one drops the others from the sources
+#: below it (script defaults < configuration file < command line)
+ALTERNATIVE_FIELDS: tuple[tuple[str, ...], ...] = (("scale", "temperature"),)
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+USAGE = "%(prog)s [CONFIG.yaml | --config CONFIG.yaml] [--FIELD VALUE ...]"
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's line breaks (a script's docstring, with its example commands) and shows
+    every field's default."""
+
+
+def load_config(path: str | os.PathLike[Any]) -> dict[str, Any]:
+    """The mapping of field names to values in a YAML (``.yaml`` / ``.yml``) or JSON file.
+
+    Raises:
+        ImportError: for a YAML file without PyYAML installed.
+        ValueError: for a file that does not hold a mapping.
+    """
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        try:
+            import yaml
+        except ImportError as err:  # pragma: no cover - PyYAML comes with transformers today
+            raise ImportError(
+                f"reading {path} needs PyYAML: pip install 'st_cached_losses[yaml]' (or pip install pyyaml), "
+                "or write the configuration as JSON."
+            ) from err
+        data = yaml.safe_load(text)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping of field names to values, got {type(data).__name__}.")
+    return data
+
+
+class CachedLossArgumentParser(HfArgumentParser):
+    """``HfArgumentParser`` for :class:`~st_cached_losses.config.training_args.CachedLossTrainingArguments` and a
+    script's own dataclasses, with closest-name errors, the loss fields first in ``--help``, and
+    configuration files plus overrides.
+
+    Args:
+        dataclass_types: the dataclasses to fill, in the order the parse methods return them (default:
+            ``CachedLossTrainingArguments`` alone).
+        kwargs: passed to ``argparse.ArgumentParser`` (e.g. ``description=__doc__``).
+    """
+
+    def __init__(
+        self,
+        dataclass_types: Any = CachedLossTrainingArguments,  # a dataclass type or several
+        **kwargs: Any,
+    ) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        kwargs.setdefault("usage", USAGE)
+        self._loss_group: Any = None  # the loss fields' --help section, created with the first dataclass
+        super().__init__(dataclass_types, **kwargs)
+
+    # ------------------------------------------------------------------ fields
+
+    @property
+    def field_names(self) -> list[str]:
+        """Every field the parser fills, in order."""
+        return [f.name for dtype in self.dataclass_types for f in dataclasses.fields(dtype) if f.init]
+
+    def check_keys(self, keys: Iterable[str], source: str | os.PathLike[Any] | None = None) -> None:
+        """Raise a ``ValueError`` naming the closest field for every key no dataclass has.
+
+        Args:
+            keys: field names, e.g. the keys of a configuration file.
+            source: where they come from, for the message (a file name).
+        """
+        known = self.field_names
+        unknown = sorted(set(keys) - set(known))
+        if unknown:
+            hints = "".join(closest_name_hint(key, known) for key in unknown)
+            where = f"{source}: " if source is not None else ""
+            raise ValueError(f"{where}unknown field(s) {unknown}; see --help for the fields.{hints}")
+
+    def _add_dataclass_arguments(self, dtype: type) -> None:
+        """One ``--help`` section per dataclass; for the arguments class, its loss fields in a section of
+        their own that comes before every other (they are what a user of this package came to set)."""
+        try:
+            hints = get_type_hints(dtype)
+        except NameError as err:
+            raise RuntimeError(
+                f"the annotations of {dtype.__name__} could not be resolved ({err}): define the dataclass at "
+                "module level, with the names of its annotations imported."
+            ) from err
+        if self._loss_group is None and any(
+            issubclass(d, CachedLossTrainingArguments) for d in self.dataclass_types
+        ):
+            self._loss_group = self.add_argument_group(
+                "cached loss (CachedLossTrainingArguments)",
+                "The loss and its hyperparameters; every training argument below can be set as well.",
+            )
+        fields = [f for f in dataclasses.fields(dtype) if f.init]
+        if issubclass(dtype, CachedLossTrainingArguments):
+            rest = self.add_argument_group(
+                "training (SentenceTransformerTrainingArguments, TrainingArguments)"
+            )
+            groups = [
+                (self._loss_group, [f for f in fields if f.name in LOSS_FIELDS]),
+                (rest, [f for f in fields if f.name not in LOSS_FIELDS]),
+            ]
+        else:
+            doc = (dtype.__doc__ or "").strip()
+            generated = doc.startswith(f"{dtype.__name__}(")  # what dataclasses write for no docstring
+            title = getattr(dtype, "_argument_group_name", dtype.__name__)
+            groups = [(self.add_argument_group(title, None if generated else doc.split("\n\n")[0]), fields)]
+        for group, group_fields in groups:
+            for f in group_fields:
+                f.type = hints[f.name]
+                self._parse_dataclass_field(group, f)
+
+    # ------------------------------------------------------------------ parsing
+
+    def parse_dict(self, args: Mapping[str, Any], allow_extra_keys: bool = False) -> tuple[Any, ...]:
+        """Like ``HfArgumentParser.parse_dict``, but an unknown key (unless ``allow_extra_keys``) is an
+        error naming the closest field, raised before any dataclass is built."""
+        if not allow_extra_keys:
+            self.check_keys(args)
+        return super().parse_dict(dict(args), allow_extra_keys=allow_extra_keys)
+
+    def parse_yaml_file(
+        self, yaml_file: str | os.PathLike[Any], allow_extra_keys: bool = False
+    ) -> tuple[Any, ...]:
+        """The dataclasses from a YAML file; an unknown key is an error naming the file and the closest field."""
+        return self._parse_file(yaml_file, allow_extra_keys)
+
+    def parse_json_file(
+        self, json_file: str | os.PathLike[Any], allow_extra_keys: bool = False
+    ) -> tuple[Any, ...]:
+        """The dataclasses from a JSON file; an unknown key is an error naming the file and the closest field."""
+        return self._parse_file(json_file, allow_extra_keys)
+
+    def _parse_file(self, path: str | os.PathLike[Any], allow_extra_keys: bool) -> tuple[Any, ...]:
+        data = load_config(path)
+        if not allow_extra_keys:
+            self.check_keys(data, source=path)
+        return super().parse_dict(data, allow_extra_keys=allow_extra_keys)
+
+    def parse_args_into_dataclasses(
+        self,
+        args: Any = None,
+        return_remaining_strings: Any = False,
+        look_for_args_file: Any = True,
+        args_filename: Any = None,
+        args_file_flag: Any = None,
+    ) -> tuple[Any, ...]:
+        """Like ``HfArgumentParser.parse_args_into_dataclasses``, but an unknown flag is an error naming
+        the closest field, raised before any dataclass is built."""
+        if not return_remaining_strings:
+            _, remaining = self.parse_known_args(args=None if args is None else list(args))
+            if remaining:
+                flag = remaining[0]
+                hint = closest_name_hint(flag.lstrip("-").split("=")[0], self.field_names)
+                raise ValueError(
+                    f"unknown command-line argument(s) {remaining}; see --help for the fields."
+                    + (hint if flag.startswith("--") else "")
+                )
+        return super().parse_args_into_dataclasses(
+            args=args,
+            return_remaining_strings=return_remaining_strings,
+            look_for_args_file=look_for_args_file,
+            args_filename=args_filename,
+            args_file_flag=args_file_flag,
+        )
+
+    def parse_command_line(
+        self, argv: Sequence[str] | None = None, defaults: Mapping[str, Any] | None = None
+    ) -> tuple[Any, ...]:
+        """A script's arguments: its ``defaults``, then a configuration file, then command-line flags.
+
+        Accepted forms::
+
+            script.py --loss clip --per_device_train_batch_size 1024 ...
+            script.py run.yaml                            # or run.json: the file over the defaults
+            script.py --config run.yaml --max_steps 10    # the file, then command-line overrides
+
+        Args:
+            argv: the arguments; default ``sys.argv[1:]``.
+            defaults: values that replace the dataclasses' own defaults (a script's tiny CPU defaults).
+
+        Returns:
+            One instance per dataclass, in order.
+
+        Raises:
+            ValueError: for an unknown field (naming the closest one) or an invalid value, when ``argv``
+                is given. With ``argv=None`` (a command line) the error is printed as one ``error:`` line
+                and the process exits with status 2, as argparse does.
+        """
+        try:
+            return self._parse_command_line(list(sys.argv[1:] if argv is None else argv), defaults or {})
+        except ValueError as err:
+            if argv is not None:
+                raise
+            self.exit(2, f"{self.prog}: error: {err}\n")
+
+    def _parse_command_line(self, argv: list[str], defaults: Mapping[str, Any]) -> tuple[Any, ...]:
+        self.check_keys(defaults, source="defaults")
+        sources = [dict(defaults)]
+        config, argv = _split_config(argv)
+        if config is not None:
+            from_file = load_config(config)
+            self.check_keys(from_file, source=config)
+            sources.append(from_file)
+        values: dict[str, Any] = {}
+        for source in sources:
+            values = _merge(values, source)
+        values = copy.deepcopy(values)  # the parsed arguments must not share a dict or list with `defaults`
+        self.set_defaults(**values)  # before --help is printed: it shows the script's and the file's values
+        given = self._fields_given(argv)
+        # an alternative of a field the command line sets goes back to its own default (None for scale and
+        # temperature), so `--scale 30` replaces a temperature from the defaults or the file
+        dropped = {
+            name
+            for group in ALTERNATIVE_FIELDS
+            if given.intersection(group)
+            for name in group
+            if name not in given and name in values
+        }
+        if dropped:
+            fields = {f.name: f for d in self.dataclass_types for f in dataclasses.fields(d) if f.init}
+            self.set_defaults(**{name: _field_default(fields[name]) for name in dropped})
+        return self.parse_args_into_dataclasses(args=argv, look_for_args_file=False)
+
+    def _fields_given(self, argv: list[str]) -> set[str]:
+        """The fields ``argv`` sets (abbreviated flags included): parsed into a namespace whose every
+        field already holds a marker, argparse leaves the others at the marker."""
+        marker = object()
+        namespace = argparse.Namespace(**dict.fromkeys(self.field_names, marker))
+        parsed, _ = self.parse_known_args(args=argv, namespace=namespace)
+        return {name for name in self.field_names if getattr(parsed, name, marker) is not marker}
+
+
+def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
+    """The configuration file ``argv`` names (``--config PATH``, ``--config=PATH`` or a first argument
+    ending in .yaml / .yml / .json), and the other arguments."""
+    for i, token in enumerate(argv):
+        if token.startswith("--config="):
+            return token.split("=", 1)[1], argv[:i] + argv[i + 1 :]
+        if token == "--config":
+            if i + 1 >= len(argv) or argv[i + 1].startswith("-"):
+                raise ValueError("--config needs a path to a .yaml, .yml or .json file.")
+            return argv[i + 1], argv[:i] + argv[i + 2 :]
+    if argv and argv[0].endswith(CONFIG_SUFFIXES) and not argv[0].startswith("-"):
+        return argv[0], argv[1:]
+    return None, argv
+
+
+def _merge(lower: Mapping[str, Any], higher: Mapping[str, Any]) -> dict[str, Any]:
+    """``higher`` over ``lower``; a field of :data:`ALTERNATIVE_FIELDS` set in ``higher`` also drops its
+    alternatives from ``lower`` (a temperature on the command line replaces the defaults' scale)."""
+    merged = dict(lower)
+    for group in ALTERNATIVE_FIELDS:
+        if any(name in higher for name in group):
+            for name in group:
+                if name not in higher:
+                    merged.pop(name, None)
+    merged.update(higher)
+    return merged
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    """The value a dataclass field gets when it is not given."""
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None if f.default is dataclasses.MISSING else f.default

@@ -1,0 +1,110 @@
+"""The loss factory: the cached loss a run's arguments describe, and the check of a dataset against it.
+
+:func:`build_loss` builds the loss from ``CachedLossTrainingArguments`` (its class from the registry, its
+settings from the arguments, GIST's guide loaded on the model's device); :func:`check_dataset_columns`
+checks, before any training step, that a dataset has the text columns that loss needs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import nn
+
+from st_cached_losses.config.training_args import CachedLossTrainingArguments, user_stacklevel
+from st_cached_losses.losses import CachedGISTLoss, CachedInfoNCEBase
+
+__all__ = ["LABEL_COLUMNS", "build_loss", "check_dataset_columns"]
+
+#: the label columns sentence-transformers' data collator takes out of a batch (the first one found)
+LABEL_COLUMNS = ("label", "labels", "score", "scores")
+
+
+def build_loss(
+    model: nn.Module, args: CachedLossTrainingArguments, train_dataset: Any | None = None
+) -> CachedInfoNCEBase:
+    """The cached loss ``args`` describe, for ``model`` (pass it as ``loss=`` to the trainer).
+
+    Args:
+        model: the SentenceTransformer to train.
+        args: the run's arguments; ``args.loss`` picks the class, the other loss fields its settings.
+        train_dataset: optional; when given, checked against the loss with :func:`check_dataset_columns`,
+            so that a dataset with too few text columns fails here rather than in the first training step.
+
+    Returns:
+        A :class:`CachedMNRLoss`, :class:`CachedCLIPLoss`, :class:`CachedTiledLoss` or :class:`CachedGISTLoss`
+        (its guide loaded from ``args.guide_model`` on the model's device).
+    """
+    if not isinstance(args, CachedLossTrainingArguments):
+        raise TypeError(
+            f"build_loss needs CachedLossTrainingArguments, got {type(args).__name__}; parse the run's arguments "
+            "with st_cached_losses.CachedLossArgumentParser, or build CachedLossTrainingArguments(...) directly."
+        )
+    if train_dataset is not None:
+        check_dataset_columns(train_dataset, args)
+    if args.loss == "gist":
+        from sentence_transformers import SentenceTransformer
+
+        device = next(model.parameters()).device
+        guide = SentenceTransformer(str(args.guide_model), device=str(device))
+        return CachedGISTLoss(model, guide, **args.loss_kwargs())
+    return args.loss_class(model, **args.loss_kwargs())
+
+
+def _text_columns(column_names: Sequence[str]) -> list[str]:
+    """The columns sentence-transformers' collator hands to the loss: all but one label column and
+    ``dataset_name``."""
+    columns = [c for c in column_names if c != "dataset_name"]
+    for label in LABEL_COLUMNS:
+        if label in columns:
+            columns.remove(label)
+            break
+    return columns
+
+
+def check_dataset_columns(
+    dataset: Any, args: CachedLossTrainingArguments, name: str = "train_dataset"
+) -> None:
+    """Check, before any training step, that ``dataset`` suits the loss ``args`` describe.
+
+    The cached losses need at least two text columns, ``(anchor, positive[, negative_1, ...])``; a label
+    or score column is not one. A ``DatasetDict`` (or a dict of datasets, one loss for all) is checked
+    dataset by dataset. A dataset smaller than one batch only warns.
+
+    Args:
+        dataset: a ``datasets.Dataset``, ``IterableDataset`` or a dict of them.
+        args: the run's arguments.
+        name: how to call the dataset in messages.
+
+    Raises:
+        ValueError: naming the dataset, its columns and the loss.
+    """
+    if isinstance(dataset, Mapping):
+        for key, part in dataset.items():
+            check_dataset_columns(part, args, name=f"{name}[{key!r}]")
+        return
+    column_names = getattr(dataset, "column_names", None)
+    if column_names is None:  # an IterableDataset whose features are unknown until iterated
+        return
+    texts = _text_columns(list(column_names))
+    loss_name = args.loss_class.__name__
+    if len(texts) < 2:
+        raise ValueError(
+            f"{name} has columns {list(column_names)}, so {loss_name} (loss={args.loss!r}) would get "
+            f"{len(texts)} text column(s) {texts}; it needs at least two: (anchor, positive[, negative_1, ...]). "
+            "A 'label'/'score' column is not a text column. Add a positive column, e.g. "
+            "dataset.add_column('positive', ...)."
+        )
+    num_rows = getattr(dataset, "num_rows", None)
+    if num_rows == 0:
+        raise ValueError(f"{name} is empty: there is nothing to train {loss_name} on.")
+    if num_rows is not None and num_rows < args.per_device_train_batch_size * max(args.world_size, 1):
+        warnings.warn(
+            f"{name} has {num_rows} rows, fewer than one global batch "
+            f"({args.per_device_train_batch_size} x {args.world_size} processes): each step sees fewer in-batch "
+            "negatives than configured.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )

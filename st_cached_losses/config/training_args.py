@@ -1,0 +1,503 @@
+"""Configure a cached loss through TrainingArguments: the arguments class and the checks of its fields.
+
+``CachedLossTrainingArguments`` adds the loss choice and every loss hyperparameter to
+sentence-transformers' ``SentenceTransformerTrainingArguments``. Invalid combinations fail when the
+arguments are built (:func:`validate_loss_fields`, run by ``__post_init__``), naming the field, before any
+model is loaded or any training step runs. The settings are saved with every checkpoint
+(``training_args.bin``, they are part of the TrainingArguments) and listed in the model card.
+
+Below this module: the loss registry (:mod:`st_cached_losses.config.registry`). Above it, each in a module
+of its own: the factory that builds the loss and checks a dataset against it
+(:mod:`st_cached_losses.config.factory`), the parser for the command line, YAML and JSON
+(:mod:`st_cached_losses.config.cli`) and the model card (:mod:`st_cached_losses.config.model_card`).
+
+Example::
+
+    from st_cached_losses import CachedLossArgumentParser, build_loss
+
+    (args,) = CachedLossArgumentParser().parse_yaml_file("run.yaml")
+    loss = build_loss(model, args, train_dataset=train_dataset)
+"""
+
+# No ``from __future__ import annotations`` here: the fields' annotations are real objects, so that
+# ``typing.get_type_hints`` (HfArgumentParser, the CLI) needs no module namespace to resolve them; the
+# class's ``__module__`` is its documented path (set just below the class).
+
+import dataclasses
+import inspect
+import math
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Optional  # Optional: HfArgumentParser reads these annotations at run time
+
+from sentence_transformers import SentenceTransformerTrainingArguments
+
+from st_cached_losses.config.registry import (
+    DEFAULT_GIST_TEMPERATURE,
+    DEFAULT_SCALE,
+    DEFAULT_SCALE_LEARNING_RATE,
+    LOSS_ALIASES,
+    LOSSES,
+    closest_name_hint,
+)
+from st_cached_losses.losses import CachedInfoNCEBase
+from st_cached_losses.losses.options import (
+    ONE_DIRECTION,
+    TWO_DIRECTIONS,
+    VALID_DIRECTIONS,
+    check_directions,
+    check_hardness,
+    resolve_similarity,
+)
+
+__all__ = [
+    "LOSS_DEFAULTS",
+    "LOSS_FIELDS",
+    "SCALE_PARAMETER_PATTERN",
+    "CachedLossTrainingArguments",
+    "user_stacklevel",
+    "validate_loss_fields",
+]
+
+#: the ``learning_rate_mapping`` pattern of a loss's learnable scale, as the trainer names it among the loss's
+#: parameters: ``logit_scale`` (one loss), ``<name>.logit_scale`` (a dict of losses), ``loss.logit_scale``
+#: (inside MatryoshkaLoss); never a parameter of the model the loss holds (``model.0...logit_scale``, as in a
+#: CLIP encoder)
+SCALE_PARAMETER_PATTERN = r"^(?!(?:.*\.)?model\.)(?:.*\.)?logit_scale$"
+#: what the loss's scale is called among the trainer's parameter names (a user pattern matching one of these
+#: already sets the scale's learning rate)
+_SCALE_PARAMETER_NAMES = ("logit_scale", "loss.logit_scale")
+
+
+@dataclass
+class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
+    """``SentenceTransformerTrainingArguments`` plus the choice of cached loss and all its hyperparameters.
+
+    Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
+    file through :class:`~st_cached_losses.config.cli.CachedLossArgumentParser` (or ``HfArgumentParser``).
+    Invalid combinations raise a ``ValueError`` naming the field when the arguments are built; a
+    ``mini_batch_size`` that is not smaller than ``per_device_train_batch_size`` only warns (the batch
+    then fits in one mini-batch: caching is off), at the user's line.
+    """
+
+    loss: str = field(
+        default="mnr",
+        metadata={
+            "help": "Which cached loss: 'mnr' (CachedMNRLoss, InfoNCE anchor -> candidates), 'clip' "
+            "(CachedCLIPLoss, symmetric InfoNCE), 'tiled' (CachedTiledLoss, Inf-CL-style tiles, ring across "
+            "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; needs guide_model). The class "
+            "names are accepted too."
+        },
+    )
+    scale: Optional[float] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": f"Similarity scale = 1 / temperature (default {DEFAULT_SCALE:g}); the initial value when "
+            "learnable. Give scale or temperature; both only if they agree."
+        },
+    )
+    temperature: Optional[float] = field(  # noqa: UP045
+        default=None,
+        metadata={"help": "Softmax temperature = 1 / scale, e.g. 0.05. Give scale or temperature."},
+    )
+    learnable_scale: bool = field(
+        default=False,
+        metadata={
+            "help": "Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale ('clip' and "
+            "'tiled' only)."
+        },
+    )
+    max_scale: float = field(
+        default=100.0, metadata={"help": "Upper clamp of a learnable scale (CLIP uses 100)."}
+    )
+    scale_learning_rate: Optional[float] = field(  # noqa: UP045
+        default=DEFAULT_SCALE_LEARNING_RATE,
+        metadata={
+            "help": f"Learning rate of a learnable scale (default {DEFAULT_SCALE_LEARNING_RATE:g}), in an optimizer "
+            "group of its own: at a fine-tuning learning_rate (1e-4) the scale barely moves (Adam changes "
+            "log(scale) by about the learning rate per step). With learnable_scale it is added to "
+            "learning_rate_mapping as {'" + SCALE_PARAMETER_PATTERN + "': rate}, unless a pattern of the "
+            "user's learning_rate_mapping already matches 'logit_scale' (the user's rate is kept). The learning "
+            "rate schedule applies to it as to every group. 0 or None: the scale trains at learning_rate."
+        },
+    )
+    similarity: str = field(
+        default="cosine", metadata={"help": "Similarity of embeddings: 'cosine' or 'dot' (dot product)."}
+    )
+    mini_batch_size: int = field(
+        default=32,
+        metadata={
+            "help": "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Should be "
+            "smaller than per_device_train_batch_size, or caching is off."
+        },
+    )
+    mini_batch_num_tokens: Optional[int] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "Optional budget of real (non-padding) tokens per encoder mini-batch instead of a fixed "
+            "row count, as in sentence-transformers: long texts get smaller mini-batches; mini_batch_size is "
+            "then not used."
+        },
+    )
+    tile_size: Optional[int] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'tiled' only: side of a logit tile (default: from a memory budget, at most 2048)."
+        },
+    )
+    symmetric: Optional[bool] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'tiled' only: also the positive -> anchors direction, averaged (the CLIP loss); default "
+            "false. ('mnr' is one-directional, 'clip' always symmetric.)"
+        },
+    )
+    gather_across_devices: bool = field(
+        default=False,
+        metadata={
+            "help": "Score each process's rows against every process's candidates (multi-GPU / multi-node, "
+            "exact global-batch gradients); 'tiled' passes them around a ring instead of gathering."
+        },
+    )
+    mask_duplicates: bool = field(
+        default=False,
+        metadata={
+            "help": "Drop from a row's negatives the candidates whose text equals its positive (false "
+            "negatives), also across processes."
+        },
+    )
+    loss_show_progress_bar: bool = field(
+        default=False, metadata={"help": "Show tqdm bars over the loss's encoder mini-batches."}
+    )
+    directions: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'mnr' / 'clip' / 'tiled': the similarity terms, comma-separated, as sentence-transformers' "
+            "MultipleNegativesRankingLoss: query_to_doc (required), query_to_query, doc_to_query, doc_to_doc. "
+            "Default: the loss's own (query_to_doc; clip: query_to_doc,doc_to_query)."
+        },
+    )
+    partition_mode: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'joint' (one softmax over every term; GTE with all four directions) or 'per_direction' "
+            "(one per direction, averaged). Default: the loss's own ('joint'; clip: 'per_direction')."
+        },
+    )
+    hardness_mode: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "Hardness weighting of negatives: in_batch_negatives, hard_negatives or all_negatives (adds "
+            "hardness_strength * stop_grad(similarity) to those logits); default none."
+        },
+    )
+    hardness_strength: float = field(
+        default=0.0,
+        metadata={"help": "The hardness penalty's alpha (e.g. 9 in_batch_negatives, 5 hard_negatives)."},
+    )
+    guide_model: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'gist' only (required there): the guide SentenceTransformer, a local path (or a Hub name when "
+            "online); loaded on the trained model's device, never trained."
+        },
+    )
+    margin_strategy: str = field(
+        default="absolute",
+        metadata={
+            "help": "'gist' only: 'absolute' or 'relative' margin for removing negatives the guide rates high."
+        },
+    )
+    margin: float = field(default=0.0, metadata={"help": "'gist' only: the margin of margin_strategy."})
+    contrast_anchors: bool = field(
+        default=True, metadata={"help": "'gist' only: contrast each anchor with the other anchors."}
+    )
+    contrast_positives: bool = field(
+        default=True, metadata={"help": "'gist' only: contrast each positive with the other positives."}
+    )
+
+    def __post_init__(self) -> None:
+        # ours first: a wrong loss setting is reported before anything else is set up
+        validate_loss_fields(self)  # below
+        super().__post_init__()  # turns a learning_rate_mapping given as a JSON string into a dict
+        self._map_scale_learning_rate()
+
+    # ------------------------------------------------------------------ the options' forms, the scale's rate
+
+    @property
+    def loss_directions(self) -> tuple[str, ...] | None:
+        """``directions`` as a tuple (None: the loss's default)."""
+        if self.directions is None:
+            return None
+        names = tuple(d.strip() for d in str(self.directions).split(",") if d.strip())
+        unknown = [d for d in names if d not in VALID_DIRECTIONS]
+        if unknown:
+            raise ValueError(
+                f"directions: {unknown} are not directions; choose among {', '.join(VALID_DIRECTIONS)} "
+                f"(comma-separated).{closest_name_hint(unknown[0], list(VALID_DIRECTIONS))}"
+            )
+        return names
+
+    @property
+    def loss_partition_mode(self) -> str:
+        if self.partition_mode is not None:
+            return self.partition_mode
+        return "per_direction" if self.loss == "clip" else "joint"
+
+    def _map_scale_learning_rate(self) -> None:
+        """Give a learnable scale its own learning rate through sentence-transformers'
+        ``learning_rate_mapping`` (read by the trainer when it builds the optimizer).
+
+        The entry under :data:`SCALE_PARAMETER_PATTERN` is this field's: it is set (or, when the scale is
+        not learnable or the rate is off, removed, since the trainer rejects a pattern that matches no
+        parameter), so that arguments saved and parsed again follow their ``scale_learning_rate``. A user's
+        pattern matching the scale's name wins: nothing is added then. The entry comes first, and the
+        trainer gives a parameter the rate of the last pattern matching it, so that any user's pattern
+        (e.g. ``^name\\.logit_scale$`` for one loss of a dict) overrides it too.
+        """
+        given = self.learning_rate_mapping  # a dict by now (the parent parses a JSON string)
+        users = {
+            k: v
+            for k, v in (given.items() if isinstance(given, Mapping) else ())
+            if k != SCALE_PARAMETER_PATTERN
+        }
+        for pattern in users:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as err:
+                raise ValueError(
+                    f"learning_rate_mapping: {pattern!r} is not a regular expression of parameter names ({err})."
+                ) from None
+        rate = self.scale_learning_rate
+        ours: dict[str, float] = {}
+        if (
+            self.learnable_scale
+            and self.loss in ("clip", "tiled")
+            and rate
+            and not any(re.search(p, name) for p in users for name in _SCALE_PARAMETER_NAMES)
+        ):
+            ours[SCALE_PARAMETER_PATTERN] = float(rate)
+        self.learning_rate_mapping = {**ours, **users}  # a new dict: the user's is not changed
+
+    # ------------------------------------------------------------------ derived settings
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale the loss starts from: ``scale``, else ``1 / temperature``, else 20."""
+        if self.scale is not None:
+            return float(self.scale)
+        if self.temperature is not None:
+            return 1.0 / self.temperature
+        return 1.0 / DEFAULT_GIST_TEMPERATURE if self.loss == "gist" else DEFAULT_SCALE
+
+    @property
+    def loss_class(self) -> type[CachedInfoNCEBase]:
+        """The loss class ``loss`` names."""
+        return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
+
+    def loss_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too)."""
+        if self.loss == "gist":
+            return {
+                "temperature": 1.0 / self.loss_scale,
+                "margin_strategy": self.margin_strategy,
+                "margin": self.margin,
+                "contrast_anchors": self.contrast_anchors,
+                "contrast_positives": self.contrast_positives,
+                "mini_batch_size": self.mini_batch_size,
+                "mini_batch_num_tokens": self.mini_batch_num_tokens,
+                "gather_across_devices": self.gather_across_devices,
+                "show_progress_bar": self.loss_show_progress_bar,
+            }
+        kwargs: dict[str, Any] = {
+            "scale": self.loss_scale,
+            "similarity_fct": self.similarity,
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "gather_across_devices": self.gather_across_devices,
+            "mask_duplicates": self.mask_duplicates,
+            "show_progress_bar": self.loss_show_progress_bar,
+        }
+        if self.loss in ("clip", "tiled"):
+            kwargs.update(learnable_scale=self.learnable_scale, max_scale=self.max_scale)
+        if self.loss == "tiled":
+            kwargs.update(symmetric=bool(self.symmetric), tile_size=self.tile_size)
+        if self.loss_directions is not None or self.partition_mode is not None:
+            kwargs.pop("symmetric", None)
+            if self.loss_directions is not None:
+                kwargs["directions"] = self.loss_directions
+            kwargs["partition_mode"] = self.loss_partition_mode
+        if self.hardness_mode is not None or self.hardness_strength:
+            kwargs.update(hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength)
+        return kwargs
+
+    def loss_settings(self) -> dict[str, Any]:
+        """This class's own fields and their values (what the model card lists for the loss choice)."""
+        return {name: getattr(self, name) for name in LOSS_FIELDS}
+
+
+_INHERITED = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
+#: the fields CachedLossTrainingArguments adds to SentenceTransformerTrainingArguments, and their defaults
+LOSS_DEFAULTS: dict[str, Any] = {
+    f.name: f.default for f in dataclasses.fields(CachedLossTrainingArguments) if f.name not in _INHERITED
+}
+LOSS_FIELDS = tuple(LOSS_DEFAULTS)
+
+
+# Pickles (every checkpoint's ``training_args.bin``) name a class by its ``__module__``: the documented path
+# ``st_cached_losses.training_args`` (a re-export of this module's names) is the one kept for good, so
+# checkpoints written before the move into ``config/`` load, and those written after load with an older
+# version too.
+CachedLossTrainingArguments.__module__ = "st_cached_losses.training_args"
+
+
+# frames that build the arguments on the user's behalf: a warning skips them to point at the user's line
+_BUILDER_PACKAGES = ("transformers", "sentence_transformers")
+_BUILDER_MODULES = (__name__, "st_cached_losses.config.factory", "st_cached_losses.config.cli")
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes the caller's ``warnings.warn`` point at the user's line.
+
+    The arguments are built by the user's own ``CachedLossTrainingArguments(...)`` call, or inside
+    ``CachedLossArgumentParser`` / ``HfArgumentParser`` (through the ``__init__`` dataclasses generate),
+    so a fixed stacklevel points into a library on one of the routes; this skips those frames.
+    """
+    frame = inspect.currentframe()
+    frame = frame.f_back if frame is not None else None  # the function that warns: stacklevel 1
+    level = 1
+    while frame is not None and frame.f_back is not None:
+        module = str(frame.f_globals.get("__name__", ""))
+        generated_init = frame.f_code.co_filename.startswith("<") and frame.f_code.co_name == "__init__"
+        if not (generated_init or module.split(".")[0] in _BUILDER_PACKAGES or module in _BUILDER_MODULES):
+            break
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+# ---------------------------------------------------------------------- the loss fields
+
+
+def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
+    """Check the loss fields of ``args`` and put them in canonical form (``args.loss``, ``args.similarity``).
+
+    Raises:
+        ValueError: naming the field of an invalid value or combination.
+    """
+    key = str(args.loss).lower()
+    if key not in LOSS_ALIASES:
+        raise ValueError(
+            f"loss={args.loss!r} is not a cached loss; choose one of 'mnr', 'clip', 'tiled' or 'gist' (or a class "
+            f"name: CachedMNRLoss, CachedCLIPLoss, CachedTiledLoss, CachedGISTLoss).{closest_name_hint(key, list(LOSS_ALIASES))}"
+        )
+    args.loss = LOSS_ALIASES[key]
+
+    for name in ("scale", "temperature", "max_scale"):
+        value = getattr(args, name)
+        if value is not None and (not math.isfinite(value) or value <= 0):
+            raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+    if (
+        args.scale is not None
+        and args.temperature is not None
+        and not math.isclose(args.scale * args.temperature, 1.0, rel_tol=1e-6)
+    ):
+        raise ValueError(
+            f"scale={args.scale} and temperature={args.temperature} disagree (scale = 1 / temperature = "
+            f"{1 / args.temperature:g}); set only one of scale and temperature."
+        )
+    validate_option_fields(args)
+    if args.learnable_scale and args.loss in ("mnr", "gist"):
+        raise ValueError(
+            f"learnable_scale=True is supported by loss='clip' or loss='tiled', not loss={args.loss!r} (a fixed "
+            "scale)."
+        )
+    rate = args.scale_learning_rate
+    if rate is not None and (
+        isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0
+    ):
+        raise ValueError(
+            f"scale_learning_rate must be a finite number >= 0 (0 or None: the scale trains at learning_rate), "
+            f"got {rate!r}; e.g. {DEFAULT_SCALE_LEARNING_RATE:g}."
+        )
+    if args.learnable_scale and args.max_scale < args.loss_scale:
+        raise ValueError(
+            f"max_scale={args.max_scale} must be >= the initial scale {args.loss_scale:g} with learnable_scale."
+        )
+    if args.symmetric is not None and args.loss != "tiled":
+        raise ValueError(
+            f"symmetric applies to loss='tiled' only ('mnr' is one-directional, 'clip' always symmetric); "
+            f"got loss={args.loss!r}. Remove symmetric, or use loss='tiled'."
+        )
+    if args.tile_size is not None and args.loss != "tiled":
+        raise ValueError(
+            f"tile_size applies to loss='tiled' only, got loss={args.loss!r}. Remove tile_size, or use loss='tiled'."
+        )
+    for name in ("mini_batch_size", "mini_batch_num_tokens", "tile_size"):
+        value = getattr(args, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+    try:  # the names the losses themselves accept
+        args.similarity = str(resolve_similarity(str(args.similarity)))  # a name: always "cosine" or "dot"
+    except ValueError:
+        raise ValueError(
+            f"similarity must be 'cosine' or 'dot', got {args.similarity!r}: the cached losses never build "
+            "the similarity matrix, so only these two are possible."
+        ) from None
+    batch = args.per_device_train_batch_size
+    if args.mini_batch_num_tokens is None and args.mini_batch_size >= batch:
+        warnings.warn(
+            f"mini_batch_size={args.mini_batch_size} >= per_device_train_batch_size={batch}: every batch fits in "
+            "one encoder mini-batch, so caching is off (same result and memory as the non-cached loss). Use a "
+            "mini_batch_size smaller than the batch to save memory.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+
+
+def validate_option_fields(args: CachedLossTrainingArguments) -> None:
+    """The MNRL options (as the losses check them) and GIST's fields, each only where it applies."""
+    gist_fields = {
+        "guide_model": None,
+        "margin_strategy": "absolute",
+        "margin": 0.0,
+        "contrast_anchors": True,
+        "contrast_positives": True,
+    }
+    mnrl_fields = {
+        "directions": None,
+        "partition_mode": None,
+        "hardness_mode": None,
+        "hardness_strength": 0.0,
+    }
+    if args.loss == "gist":
+        if not args.guide_model:
+            raise ValueError(
+                "loss='gist' needs guide_model: the path of the guide SentenceTransformer (e.g. the model "
+                "before fine-tuning, or a stronger one)."
+            )
+        for name, default in {**mnrl_fields, "mask_duplicates": False}.items():
+            if getattr(args, name) != default:
+                raise ValueError(f"{name} does not apply to loss='gist' (GISTEmbed's own terms); remove it.")
+        if args.similarity != "cosine":
+            raise ValueError("loss='gist' compares cosine similarities; remove similarity (or set 'cosine').")
+        if args.margin_strategy not in ("absolute", "relative"):
+            raise ValueError(
+                f"margin_strategy must be 'absolute' or 'relative', got {args.margin_strategy!r}."
+            )
+        if not math.isfinite(args.margin):
+            raise ValueError(f"margin must be a finite number, got {args.margin!r}.")
+        return
+    for name, unset in gist_fields.items():
+        if getattr(args, name) != unset:
+            raise ValueError(f"{name} applies to loss='gist' only, got loss={args.loss!r}. Remove {name}.")
+    if isinstance(args.directions, (list, tuple)):  # given as a list in Python or YAML
+        args.directions = ",".join(args.directions)
+    if args.directions is not None or args.partition_mode is not None:
+        directions = args.loss_directions or (TWO_DIRECTIONS if args.loss == "clip" else ONE_DIRECTION)
+        check_directions(directions, args.loss_partition_mode, "directions")
+        if args.symmetric is not None:
+            raise ValueError("give either symmetric or directions / partition_mode, not both.")
+    check_hardness(args.hardness_mode, args.hardness_strength, "hardness_mode")

@@ -1,0 +1,6 @@
+"""``python -m st_cached_losses.demo``: the demo's command line (see :mod:`st_cached_losses.demo.app`)."""
+
+from st_cached_losses.demo.app import main
+
+if __name__ == "__main__":
+    main()

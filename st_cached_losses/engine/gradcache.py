@@ -1,0 +1,426 @@
+"""The GradCache engine: embed in mini-batches without a graph, cache the loss's gradient wrt every
+embedding, and replay the encoder mini-batch by mini-batch when the loss is back-propagated.
+
+No loss math lives here: a loss hands :meth:`GradCache.step` a callable that maps the embeddings of
+every column to ``(loss, gradients wrt those embeddings, gradients wrt extra tensors)``. No planning
+either: which rows each mini-batch embeds, and how many mini-batches every process runs, is
+:class:`~st_cached_losses.engine.planning.MiniBatchPlanner`'s (GradCache's base).
+
+What it does beyond GradCache (Gao et al., 2021):
+
+* the plans (:mod:`st_cached_losses.engine.planning`): rows sorted by length and each mini-batch's padding
+  trimmed, mini-batches by row count or by a budget of real tokens, and under a sharded wrapper the
+  same number of mini-batch forwards and replays on every process (agreed once per step; an input one
+  process refuses is raised on every process at that agreement, not left to a peer's hang);
+* the RNG state (CPU and every initialised accelerator) is snapshotted per mini-batch and restored at
+  replay, so dropout masks are identical in both forwards; autocast settings are replayed too;
+* the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
+  forward), columns whose encoder is frozen are not replayed, and a batch that fits in one
+  mini-batch is not cached at all (the loss takes the plain autograd path);
+* under DDP every replay but the last runs in ``no_sync()``: one gradient all-reduce per step, and none
+  inside an outer ``no_sync`` (gradient accumulation); likewise FSDP2 (``set_requires_gradient_sync``:
+  one reduce-scatter per step), FSDP1 (``no_sync()``) and DeepSpeed (its accumulation boundary);
+* with ``keep_params_unsharded`` an FSDP2 model's parameters are all-gathered once per step, by the
+  step's first forward of each group, and kept until the step ends (resharded after its last replay),
+  instead of once for every mini-batch forward and every replay: one all-gather and one
+  reduce-scatter per parameter group per step, for the memory of every group's full parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from st_cached_losses.engine.features import (
+    Features,
+    batch_size_of,
+    position_shift_invariant,
+    unwrap_model,
+)
+from st_cached_losses.engine.graph_budget import GraphKeeper, pick_mini_batch
+from st_cached_losses.engine.planning import MiniBatch, MiniBatchPlanner, RandState, unsort
+from st_cached_losses.engine.wrappers import (
+    LocalBackward,
+    Unsharded,
+    grad_sync_on,
+    is_wrapped,
+    keep_unsharded,
+    skip_forward_buffer_sync,
+    unsynced,
+)
+from st_cached_losses.functional.checks import (
+    check_mini_batch_num_tokens,
+    check_mini_batch_size,
+    memory_bytes,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GradCache", "LossAndGrad", "MiniBatch", "MiniBatchPlanner", "RandState"]
+
+#: ``embeddings per column -> (loss, grads per column, grads wrt the extra tensors)``
+LossAndGrad = Callable[[list[Tensor]], tuple[Tensor, list[Tensor], list[Tensor | None]]]
+
+
+@dataclass
+class _Autocast:
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+    @classmethod
+    def current(cls, device_type: str) -> _Autocast:
+        if device_type not in ("cpu", "cuda", "xpu", "mps"):
+            return cls(device_type, False, torch.float32)
+        return cls(device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+    def __call__(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+@dataclass
+class _Session:
+    """Everything one forward needs for its backward; owned by the returned loss's graph node."""
+
+    engine: GradCache
+    model: nn.Module
+    batches: list[MiniBatch]
+    grads: list[Tensor]  # per column (B, d): dL/d embedding
+    extra_grads: list[Tensor | None]
+    frozen: set[int]
+    autocast: _Autocast
+    sync: bool  # whether this backward should trigger DDP's gradient all-reduce
+    local: LocalBackward | None  # replays hidden from a hook-counting wrapper (built once, in step)
+    # the FSDP2 parameters kept unsharded for this step, released after the replay (keep_params_unsharded)
+    held: Unsharded | None = None
+    together: bool = False  # every mini-batch's graph kept (one per column): one backward call
+    done: bool = False
+
+    def __post_init__(self) -> None:
+        # a loss that is dropped without a backward still releases the parameters it kept unsharded
+        self._release = weakref.finalize(self, self.held.release) if self.held is not None else None
+        if self._release is not None:
+            self._release.atexit = False  # not at interpreter exit, with FSDP2 half torn down
+
+    def backward(self, grad_output: float) -> list[Tensor | None]:
+        if self.done:
+            raise RuntimeError(
+                "this cached loss was already back-propagated; call the loss again for a new step."
+            )
+        self.done = True
+        try:
+            self._replay(grad_output)
+        finally:
+            if self._release is not None:
+                self._release()
+        self.batches, self.grads = [], []
+        return [g * grad_output if g is not None else None for g in self.extra_grads]
+
+    def _replay(self, grad_output: float) -> None:
+        todo = [mb for mb in self.batches if mb.column not in self.frozen]
+        local = self.local
+        if self.together:
+            # a batch of one mini-batch per column: every graph kept, back-propagated in one call like a
+            # plain loss's backward
+            outs = [mb.kept for mb in todo if mb.kept is not None]
+            grads = [self._grad_of(mb, grad_output, mb.kept) for mb in todo if mb.kept is not None]
+            for mb in todo:
+                mb.kept = None
+            if local is not None:
+                local.backward(outs, grads)
+            else:
+                torch.autograd.backward(outs, grads)
+            return
+        # the order of a step that replays everything but its last graph (kept first, then the batch
+        # order), whether a mini-batch's graph was kept or is replayed now: .grad sums in the same
+        # order, so graphs kept within graph_memory_budget give the same gradients bit for bit
+        order = sorted(todo, key=lambda mb: mb is not self.batches[-1] or mb.kept is None)
+        replays = [mb for mb in order if mb.kept is None]
+        if self.sync and order:
+            # the step's one gradient reduction comes from a synchronised replay, the last forward and
+            # backward of the step (with every graph kept, the last one is replayed instead)
+            final = replays[-1] if replays else order[-1]
+            final.kept = None
+            order = [mb for mb in order if mb is not final] + [final]
+            replays = [mb for mb in order if mb.kept is None]
+        bar = tqdm(total=len(replays), desc="Replay", disable=not self.engine.show_progress_bar, leave=False)
+        for mb in order:
+            if mb.kept is not None:
+                out, mb.kept = mb.kept, None
+                self._backward_kept(out, self._grad_of(mb, grad_output, out))
+                continue
+            self._replay_one(mb, grad_output, synced=self.sync and mb is order[-1])
+            bar.update(1)
+        bar.close()
+
+    def _backward_kept(self, out: Tensor, grad: Tensor) -> None:
+        """A first-stage graph's backward (its forward ran unsynchronised)."""
+        if self.local is not None:
+            self.local.backward([out], [grad])
+            return
+        # FSDP2 reads its gradient-sync flag at backward time
+        with unsynced(self.model) if self.sync else contextlib.nullcontext():
+            torch.autograd.backward(out, grad)
+
+    def _replay_one(self, mb: MiniBatch, grad_output: float, *, synced: bool) -> None:
+        """Re-run ``mb``'s forward with its RNG state and autocast, and back-propagate its gradient."""
+        local = self.local
+        with mb.rng.replay() if mb.rng is not None else contextlib.nullcontext():
+            if local is not None and not synced:
+                # static graph: the reducer must see only the final, synchronised replay
+                with self.autocast():
+                    out = self.engine.encode(local.module, mb.features)
+                local.backward([out], [self._grad_of(mb, grad_output, out)])
+            elif local is not None:
+                with self.autocast():
+                    out = self.engine.encode(self.model, mb.features)
+                local.synced_backward(out, self._grad_of(mb, grad_output, out))
+            else:
+                with unsynced(self.model) if not synced else contextlib.nullcontext():
+                    with self.autocast():
+                        out = self.engine.encode(self.model, mb.features)
+                    torch.autograd.backward(out, self._grad_of(mb, grad_output, out))
+
+    def _grad_of(self, mb: MiniBatch, grad_output: float, out: Tensor) -> Tensor:
+        if mb.filler:
+            return torch.zeros_like(out)
+        g = self.grads[mb.column].index_select(0, mb.rows.to(self.grads[mb.column].device))
+        return (g * grad_output).to(out.dtype)
+
+
+class _Replay(torch.autograd.Function):
+    """Carries the loss value; its backward replays the encoder and returns the extra tensors' grads."""
+
+    @staticmethod
+    def forward(ctx: Any, session: _Session, loss: Tensor, *extra: Tensor) -> Tensor:
+        ctx.session = session
+        return loss.detach().clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        session, ctx.session = ctx.session, None
+        if session is None:
+            raise RuntimeError(
+                "this cached loss was already back-propagated; call the loss again for a new step."
+            )
+        with torch.enable_grad():  # autograd runs backward functions with grad mode off
+            extra = session.backward(float(grad))
+        return (None, None, *extra)
+
+
+@dataclass
+class GradCache(MiniBatchPlanner):
+    """The cached first stage and the replayed second stage; the mini-batch plans are
+    :class:`MiniBatchPlanner`'s.
+
+    Args:
+        mini_batch_size: rows per encoder mini-batch; unused when ``mini_batch_num_tokens`` is set.
+        mini_batch_num_tokens: budget of real (non-padding, from the attention mask) tokens per
+            mini-batch, as sentence-transformers' ``mini_batch_num_tokens``: rows are packed greedily while
+            their token sum stays within it, a row longer than the budget is a mini-batch of its own, and
+            ``mini_batch_size`` is not used. None: ``mini_batch_size`` rows per mini-batch.
+        sort_by_length: embed each column's rows from longest to shortest, so mini-batches pad little.
+        reuse_last_graph: keep the graph of the last first-stage mini-batch instead of replaying it.
+        show_progress_bar: tqdm bars over the mini-batches of both stages.
+        agree_mini_batches: whether the processes agree on the mini-batches per column each step (one
+            small all-gather) and all run that many (see :meth:`plan`). None: when the model's forwards
+            are collectives (FSDP1, FSDP2, DeepSpeed); True: also under DDP, whose forwards are not.
+        keep_params_unsharded: under FSDP2, keep every parameter group all-gathered from its first
+            forward of a step (or evaluation pass) to the end of the step, then reshard and restore the
+            modules' ``reshard_after_forward`` / ``reshard_after_backward``: one all-gather per group per
+            step instead of one per mini-batch forward and per replay, the same gradients. Costs the
+            memory of the whole unsharded model (as ZeRO-2) for the step; off by default, for models
+            whose full parameters do not fit at once. Nothing for other wrappers.
+        graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-stage graphs to keep instead
+            of replaying their mini-batches (:mod:`st_cached_losses.engine.graph_budget`): the largest
+            mini-batches first, measured, within the budget; the same gradients. None: keep only the
+            last mini-batch's graph (``reuse_last_graph``). Under gradient synchronisation the last
+            mini-batch is still replayed (the step's one reduction).
+    """
+
+    mini_batch_size: int | str = 32
+    mini_batch_num_tokens: int | str | None = None
+    sort_by_length: bool = True
+    reuse_last_graph: bool = True
+    show_progress_bar: bool = False
+    agree_mini_batches: bool | None = None
+    keep_params_unsharded: bool = False
+    graph_memory_budget: int | None = None
+    mini_batch_memory_budget: int | None = None
+    auto_size: int | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        check_mini_batch_size(self.mini_batch_size)
+        check_mini_batch_num_tokens(self.mini_batch_num_tokens)
+        self.graph_memory_budget = memory_bytes(self.graph_memory_budget, "graph_memory_budget")
+        self.mini_batch_memory_budget = memory_bytes(
+            self.mini_batch_memory_budget, "mini_batch_memory_budget"
+        )
+
+    def resolve_auto(self, model: nn.Module, columns: Sequence[Features], trim_leading: bool) -> None:
+        """Size ``"auto"`` mini-batches, once, from this (the first) batch: the largest whose graph fits
+        in ``mini_batch_memory_budget`` (on CUDA, by default half the device's free memory), measured on
+        the batch's longest rows; logged. The result of training does not depend on it."""
+        by_tokens = self.mini_batch_num_tokens == "auto"
+        if self.auto_size is not None or not (by_tokens or self.mini_batch_size == "auto"):
+            return
+        budget = self.mini_batch_memory_budget
+        first_param = next(unwrap_model(model).parameters(), None)
+        device = first_param.device if first_param is not None else torch.device("cpu")
+        if budget is None:
+            if device.type != "cuda":
+                raise ValueError(
+                    "mini_batch_size='auto' (or mini_batch_num_tokens='auto') sizes the mini-batches to a memory "
+                    f"budget: set mini_batch_memory_budget (e.g. '2GB'); on {device.type} there is no default."
+                )
+            budget = torch.cuda.mem_get_info(device)[0] // 2
+        self.auto_size = pick_mini_batch(
+            model, columns, trim_leading, budget, by_tokens=by_tokens, encode=self.encode
+        )
+        what = "mini_batch_num_tokens" if by_tokens else "mini_batch_size"
+        logger.info(
+            "%s='auto': %d for a budget of %.3g GB of activations (measured on this batch's longest rows).",
+            what,
+            self.auto_size,
+            budget / 1e9,
+        )
+
+    @staticmethod
+    def encode(model: nn.Module, features: Features) -> Tensor:
+        # ranks run different numbers of mini-batch forwards: no buffer broadcast may wait inside them
+        skip_forward_buffer_sync(model)
+        # a fresh dict: SentenceTransformer modules write their outputs into the one they get
+        return model(dict(features))["sentence_embedding"]
+
+    def _hold(self, model: nn.Module) -> Unsharded | None:
+        return keep_unsharded(model) if self.keep_params_unsharded else None
+
+    def embed(self, model: nn.Module, columns: Sequence[Features]) -> list[Tensor]:
+        """Every column's embeddings, mini-batch by mini-batch, without a graph (evaluation)."""
+        out = []
+        trim = position_shift_invariant(model)
+        self.resolve_auto(model, columns, trim)
+        # forwards of a sharded model are collectives, in evaluation too
+        counts = self.agreed_counts(model, columns, trim)
+        held = self._hold(model)
+        try:
+            with torch.no_grad():
+                for k, features in enumerate(columns):
+                    batches = self.plan(k, features, trim_leading=trim, count=counts[k] if counts else None)
+                    parts = []
+                    for mb in tqdm(batches, desc="Embed", disable=not self.show_progress_bar, leave=False):
+                        out_mb = self.encode(model, mb.features).float()
+                        if not mb.filler:
+                            parts.append(out_mb)
+                    out.append(unsort(parts, batches, batch_size_of(features)))
+        finally:
+            if held is not None:
+                held.release()
+        return out
+
+    def step(
+        self,
+        model: nn.Module,
+        columns: Sequence[Features],
+        loss_and_grad: LossAndGrad,
+        extra: Sequence[Tensor] = (),
+    ) -> Tensor:
+        """Stage 1 (embed without a graph), stage 2 (loss and gradients wrt the embeddings); returns the
+        loss as a tensor whose backward replays the encoder with the cached gradients (stage 3).
+
+        ``extra`` are tensors the loss depends on besides the embeddings (e.g. a learnable scale); the
+        third output of ``loss_and_grad`` gives their gradients.
+        """
+        sync = is_wrapped(model) and grad_sync_on(model)
+        trim = position_shift_invariant(model)
+        self.resolve_auto(model, columns, trim)
+        # under a sharded wrapper every process runs this many mini-batches per column (see plan)
+        counts = self.agreed_counts(model, columns, trim)
+        # a batch that fits in one mini-batch per column is not cached: every forward keeps its graph,
+        # exactly like the non-cached loss. Not under gradient synchronisation, where the one
+        # synchronised forward must be the last one before the backward (and ranks may differ in
+        # batch size).
+        keep_all = self.fits_in_one(columns, trim_leading=trim, counts=counts) and not sync
+        # released by the session after its replay, or here if stages 1 and 2 fail
+        held = self._hold(model)
+        try:
+            batches: list[MiniBatch] = []
+            embeddings: list[Tensor] = []
+            frozen: set[int] = set()
+            first_param = next(unwrap_model(model).parameters(), None)
+            device = first_param.device if first_param is not None else torch.device("cpu")
+            autocast = _Autocast.current(device.type)
+            local = LocalBackward.of(model)
+            # forwards whose graph may be back-propagated: hidden from a static-graph reducer
+            # (see LocalBackward)
+            graph_model = local.module if local is not None else model
+            plans = [
+                self.plan(k, features, trim_leading=trim, count=counts[k] if counts else None)
+                for k, features in enumerate(columns)
+            ]
+            total = sum(len(plan) for plan in plans)
+            budget = None if keep_all else self.graph_memory_budget
+            keeper = GraphKeeper(
+                model, plans, columns, trim, budget, agree=counts is not None, encode=self.encode
+            )
+            bar = tqdm(total=total, desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
+            for k, (features, plan) in enumerate(zip(columns, plans)):
+                parts = []
+                for j, mb in enumerate(plan):
+                    mb.rng = RandState()
+                    if keep_all:
+                        out = self.encode(graph_model, mb.features)
+                        mb.kept = out if out.requires_grad else None
+                    elif keeper.wants(mb):
+                        # a graph the budget may keep (measured), or the column's last forward
+                        reuse = (
+                            self.reuse_last_graph
+                            and k == len(columns) - 1
+                            and j == len(plan) - 1
+                            and not sync
+                        )
+                        with unsynced(model):
+                            out = keeper.forward(graph_model, mb, device, exempt=reuse)
+                    elif j == len(plan) - 1:
+                        # with a graph: tells whether this column's encoder is frozen; the very last one is
+                        # kept for the backward (not under DDP sync, where the synced forward must come last)
+                        with unsynced(model):
+                            out = self.encode(graph_model, mb.features)
+                        if self.reuse_last_graph and k == len(columns) - 1 and not sync and out.requires_grad:
+                            mb.kept = out
+                    else:
+                        with torch.no_grad():
+                            out = self.encode(model, mb.features)
+                    if j == len(plan) - 1 and not out.requires_grad:
+                        # the same on every process (same model, same column): no agreement needed
+                        frozen.add(k)
+                    if not mb.filler:
+                        parts.append(out.detach().float())
+                    bar.update(1)
+                batches.extend(plan)
+                embeddings.append(unsort(parts, plan, batch_size_of(features)))
+            bar.close()
+            loss, grads, extra_grads = loss_and_grad(embeddings)
+            session = _Session(
+                self, model, batches, grads, list(extra_grads), frozen, autocast, sync, local, held, keep_all
+            )
+            if not extra or not any(t.requires_grad for t in extra):
+                # autograd calls a Function's backward only when some input requires grad: without a tensor
+                # that does (no learnable scale), this dummy leaf makes the loss's backward run the replay
+                extra = (torch.zeros((), device=loss.device, requires_grad=True),)
+                session.extra_grads = [None]
+            return _Replay.apply(session, loss, *extra)
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise

@@ -1,0 +1,249 @@
+"""Graphs kept within a memory budget (the engine's ``graph_memory_budget``): how much memory a forward's
+autograd graph holds, measured rather than guessed, and which mini-batches of a step keep theirs.
+
+GradCache replays every mini-batch it did not keep: one extra forward each. When the activations of
+several mini-batches fit in memory, keeping their graphs from the first stage saves those forwards and
+changes nothing else (the same forward, the same RNG state, the same gradients). The engine measures the
+step's first mini-batch, estimates the others from their sizes, keeps the largest ones first (they
+save the most work) while the estimate fits, and measures every graph it keeps: one that would push
+the total past the budget is dropped (replayed, as without a budget).
+
+The meter: on CUDA the caching allocator's count of bytes still allocated after the forward (what the
+graph holds); elsewhere the bytes of the tensors autograd saves for backward
+(``torch.autograd.graph.saved_tensors_hooks``), each storage counted once, the model's own parameters
+and buffers not counted: deterministic, on any device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from st_cached_losses.distributed import all_reduce_min, is_distributed
+from st_cached_losses.engine.features import (
+    Features,
+    batch_size_of,
+    row_lengths,
+    slice_features,
+    unwrap_model,
+)
+from st_cached_losses.engine.planning import MiniBatch
+
+__all__ = ["PROBE_ROWS", "GraphKeeper", "GraphMeter", "choose_kept", "pick_mini_batch", "work_of"]
+
+
+def work_of(rows: int, length: int) -> int:
+    """A mini-batch's size for the estimates: rows times its padded length (its activations grow with
+    both; attention's grow faster with the length, see :meth:`GraphMeter.estimate`)."""
+    return max(rows, 1) * max(length, 1)
+
+
+@dataclass
+class GraphMeter:
+    """Bytes held by the graphs of forwards run inside :meth:`measure`, and the estimate for a mini-batch
+    of another size from the first measurement (``bytes_per_unit`` at ``reference_length``)."""
+
+    model: nn.Module
+    bytes_per_unit: float | None = None
+    reference_length: int = 1
+
+    def __post_init__(self) -> None:
+        self._own = {_storage_ptr(t) for t in (*self.model.parameters(), *self.model.buffers())}
+
+    @contextlib.contextmanager
+    def measure(self, device: torch.device, out: list[int]) -> Iterator[None]:
+        """Appends to ``out`` the bytes the graph of the forward inside holds."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            yield
+            out.append(max(torch.cuda.memory_allocated(device) - before, 0))
+            return
+        seen: set[int] = set()
+        total = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            # parameters (also the unsharded ones FSDP2 gathers for the forward) are not activations
+            if t.is_leaf and t.requires_grad:
+                return t
+            ptr = _storage_ptr(t)
+            if ptr not in seen and ptr not in self._own and ptr != 0:
+                seen.add(ptr)
+                total[0] += t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        out.append(total[0])
+
+    def calibrate(self, nbytes: int, rows: int, length: int) -> None:
+        """The first measurement of the step: bytes per unit of :func:`work_of`."""
+        self.bytes_per_unit = nbytes / work_of(rows, length)
+        self.reference_length = max(length, 1)
+
+    def estimate(self, rows: int, length: int) -> float:
+        """Bytes a mini-batch's graph will hold: linear in rows and length from the calibration, and
+        for rows longer than the calibration's, as if every byte grew with the length squared (an
+        upper bound for attention's scores)."""
+        assert self.bytes_per_unit is not None
+        stretch = max(length / self.reference_length, 1.0)
+        return self.bytes_per_unit * work_of(rows, length) * stretch
+
+
+def _storage_ptr(t: Tensor) -> int:
+    """Where ``t``'s storage is, or 0 for a tensor without one of its own (e.g. a sharded DTensor)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def choose_kept(sizes: Sequence[tuple[int, int]], meter: GraphMeter, budget: int) -> set[int]:
+    """Indices (into ``sizes``: ``(rows, padded length)`` per mini-batch) of the mini-batches whose
+    graphs to keep: the largest first, while their estimated bytes fit in ``budget``."""
+    order = sorted(range(len(sizes)), key=lambda i: work_of(*sizes[i]), reverse=True)
+    kept, used = set(), 0.0
+    for i in order:
+        need = meter.estimate(*sizes[i])
+        if used + need <= budget:
+            kept.add(i)
+            used += need
+    return kept
+
+
+class GraphKeeper:
+    """One step's decisions: which first-stage mini-batches keep their graphs under ``budget`` bytes.
+
+    The first forward with a graph calibrates the meter (under a sharded wrapper, where every replay is a
+    collective, the processes then agree on the kept set: each keeps a mini-batch only if all do, one
+    small all-reduce, and no process drops one later); :meth:`forward` runs and measures the others.
+    ``budget`` None: keeps nothing (the engine's plain rules apply).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plans: Sequence[Sequence[MiniBatch]],
+        columns: Sequence[Features],
+        trim_leading: bool,
+        budget: int | None,
+        *,
+        agree: bool,
+        encode: Callable[[nn.Module, Features], Tensor],
+    ) -> None:
+        self.budget, self.agree, self.encode = budget, agree, encode
+        self.kept_ids: set[int] | None = None
+        self.used = 0
+        if budget is None:
+            return
+        self.meter = GraphMeter(unwrap_model(model))
+        self.flat = [mb for plan in plans for mb in plan]
+        self.index = {id(mb): i for i, mb in enumerate(self.flat)}
+        lengths = [row_lengths(f, batch_size_of(f), trim_leading) for f in columns]
+        self.sizes = [(len(mb.rows), _padded_length(lengths[mb.column], mb.rows)) for mb in self.flat]
+
+    def wants(self, mb: MiniBatch) -> bool:
+        """Whether ``mb``'s first-stage forward runs with a graph through :meth:`forward`."""
+        if self.budget is None:
+            return False
+        if self.kept_ids is None:
+            return True  # not calibrated yet: this forward measures
+        return not mb.filler and self.index[id(mb)] in self.kept_ids
+
+    def forward(self, model: nn.Module, mb: MiniBatch, device: torch.device, *, exempt: bool) -> Tensor:
+        """Run ``mb`` with a graph, measured; keep the graph when chosen and within the budget.
+        ``exempt``: the step's last forward, kept anyway (``reuse_last_graph``; the replay would hold
+        its activations too), not counted."""
+        assert self.budget is not None
+        measured: list[int] = []
+        with self.meter.measure(device, measured):
+            out = self.encode(model, mb.features)
+        if not out.requires_grad:  # a frozen column: no graph to keep
+            return out
+        i, nbytes = self.index[id(mb)], measured[0]
+        if self.kept_ids is None:
+            self.meter.calibrate(nbytes, *self.sizes[i])
+            candidates = [j for j in range(i, len(self.flat)) if not self.flat[j].filler]
+            chosen = choose_kept([self.sizes[j] for j in candidates], self.meter, self.budget)
+            self.kept_ids = {candidates[c] for c in chosen}
+            if self.agree:
+                self.kept_ids = _agreed(self.kept_ids, len(self.flat), device)
+        if exempt:
+            mb.kept = out
+        elif i in self.kept_ids and not mb.filler and (self.agree or self.used + nbytes <= self.budget):
+            mb.kept = out
+            self.used += nbytes
+        return out
+
+
+def _padded_length(lengths: Tensor | None, rows: Tensor) -> int:
+    """The length a mini-batch of these rows is padded to (1 without an attention mask to tell)."""
+    return int(lengths[rows].max()) if lengths is not None and len(rows) else 1
+
+
+def _agreed(kept: set[int], n: int, device: torch.device) -> set[int]:
+    """The mini-batches every process keeps (plans of the same shape on every process)."""
+    flags = torch.zeros(n, dtype=torch.long, device=device)
+    if kept:
+        flags[list(kept)] = 1
+    all_reduce_min(flags, "all_reduce_kept")
+    return {int(i) for i in flags.nonzero().flatten().tolist()}
+
+
+#: rows of the probe forward that sizes ``mini_batch_size="auto"`` (the longest rows of the batch)
+PROBE_ROWS = 4
+
+
+def pick_mini_batch(
+    model: nn.Module,
+    columns: Sequence[Features],
+    trim_leading: bool,
+    budget: int,
+    *,
+    by_tokens: bool,
+    encode: Callable[[nn.Module, Features], Tensor],
+) -> int:
+    """The largest mini-batch (rows, or with ``by_tokens`` a budget of real tokens) whose forward's graph
+    fits in ``budget`` bytes, from one measured forward of the batch's longest rows (at most
+    :data:`PROBE_ROWS`), with a graph and the RNG restored afterwards (the probe changes no dropout mask
+    of the step). Every process takes the smallest of their choices."""
+    lengths = [row_lengths(f, batch_size_of(f), trim_leading) for f in columns]
+    if by_tokens and any(x is None for x in lengths):
+        raise ValueError(
+            "mini_batch_num_tokens='auto' needs each row's token count, read from the inputs' attention_mask, "
+            "and a column has none; use mini_batch_size='auto' instead."
+        )
+    # the column holding the longest row, and its longest rows
+    longest = [int(x.max()) if x is not None and len(x) else 0 for x in lengths]
+    k = max(range(len(columns)), key=lambda c: longest[c])
+    features, b = columns[k], batch_size_of(columns[k])
+    column_lengths = lengths[k]
+    order = (
+        torch.argsort(column_lengths, descending=True, stable=True)
+        if column_lengths is not None
+        else torch.arange(b)
+    )
+    rows = order[: min(PROBE_ROWS, b)]
+    probe = slice_features(features, rows, b, trim_leading=trim_leading)
+    meter = GraphMeter(unwrap_model(model))
+    device = next(unwrap_model(model).parameters()).device
+    measured: list[int] = []
+    devices = [device.index or 0] if device.type == "cuda" else []
+    # the bare module: a wrapper would expect this graph's backward (FSDP2's forward stays a collective,
+    # which every process runs here at its first step)
+    with torch.random.fork_rng(devices=devices), torch.enable_grad(), meter.measure(device, measured):
+        out = encode(unwrap_model(model), probe)
+    del out
+    per_row = max(measured[0], 1) / len(rows)
+    if by_tokens:
+        per_token = per_row / max(_padded_length(lengths[k], rows), 1)
+        chosen = max(int(budget // per_token), 1)
+    else:
+        chosen = max(int(budget // per_row), 1)
+    if is_distributed():
+        chosen = int(all_reduce_min(torch.tensor([chosen], device=device), "all_reduce_auto")[0])
+    return chosen

@@ -1,0 +1,331 @@
+"""Mini-batch planning of the GradCache engine (:mod:`st_cached_losses.engine.gradcache`): which rows of a
+column each encoder mini-batch embeds, in which order, and how many mini-batches every process runs.
+
+* rows are sorted by length (longest first) before they are cut, and each mini-batch's padding is
+  trimmed when it is sliced (leading padding only where positions are shift-invariant);
+* mini-batches by row count or, as sentence-transformers' ``mini_batch_num_tokens``, by a budget of
+  real (non-padding) tokens, packed greedily (a row longer than the budget alone);
+* under a sharded wrapper (FSDP1, FSDP2, DeepSpeed), whose forwards are collectives, the processes
+  agree once per step on the mini-batches per column (one small all-gather); a process with fewer cuts
+  its largest mini-batches in two and then adds filler mini-batches (one row embedded again, output
+  unused, gradient zero). An input this process refuses (a loss's column check, a column the plan
+  cannot cut) is raised at that same all-gather on every process, naming the process and the cause;
+* :func:`unsort` puts the mini-batches' outputs back in the column's row order.
+
+:class:`RandState` is what a mini-batch keeps to replay its forward with the same dropout masks.
+
+No forward, backward or loss here: :class:`MiniBatchPlanner` is the planning half of
+:class:`~st_cached_losses.engine.gradcache.GradCache`, which runs the plans.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+from torch import Tensor, nn
+
+from st_cached_losses.distributed import (
+    PeersFailed,
+    agree_counts,
+    all_gather_rows,
+    exchange_shapes,
+    is_distributed,
+    world_size,
+)
+from st_cached_losses.engine.features import (
+    Features,
+    batch_size_of,
+    check_splittable,
+    row_lengths,
+    slice_features,
+    token_counts,
+    unwrap_model,
+)
+from st_cached_losses.engine.wrappers import is_sharded, is_wrapped
+
+__all__ = ["MiniBatch", "MiniBatchPlanner", "RandState", "unsort"]
+
+
+class RandState:
+    """The RNG state of the CPU and of every initialised CUDA device, replayable."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = (
+            torch.cuda.get_rng_state_all()
+            if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else None
+        )
+
+    @contextlib.contextmanager
+    def replay(self) -> Iterator[None]:
+        devices = list(range(len(self.cuda))) if self.cuda is not None else []
+        with torch.random.fork_rng(devices=devices, enabled=True):
+            torch.set_rng_state(self.cpu)
+            if self.cuda is not None:
+                torch.cuda.set_rng_state_all(self.cuda)
+            yield
+
+
+@dataclass
+class MiniBatch:
+    """One encoder mini-batch of one column: its rows, in the order they are embedded, and what the
+    engine keeps for its replay (the RNG state, or the output with its graph)."""
+
+    column: int
+    rows: Tensor  # (m,) indices into the column, in the order they are embedded
+    source: Features  # the whole column's inputs
+    batch_size: int  # rows of the whole column
+    trim_leading: bool = True  # whether leading padding may be cut (see position_shift_invariant)
+    rng: RandState | None = None
+    kept: Tensor | None = None  # the output with its graph, when kept from stage 1
+    # a stand-in forward that keeps collectives in step with other processes (see MiniBatchPlanner.plan):
+    # its output is not an embedding and its gradient is zero
+    filler: bool = False
+
+    @property
+    def features(self) -> Features:
+        """This mini-batch's inputs, padding trimmed; sliced when needed, so that no copy of the
+        whole batch's inputs stays alive between the two stages."""
+        return slice_features(self.source, self.rows, self.batch_size, trim_leading=self.trim_leading)
+
+
+class MiniBatchPlanner:
+    """The planning half of :class:`~st_cached_losses.engine.gradcache.GradCache` (which declares these
+    settings as its dataclass fields): cut columns into mini-batches and agree across processes on how
+    many."""
+
+    mini_batch_size: int | str
+    mini_batch_num_tokens: int | str | None
+    sort_by_length: bool
+    agree_mini_batches: bool | None
+    #: what ``"auto"`` sizes resolved to at the first step (see GradCache.resolve_auto)
+    auto_size: int | None
+
+    @property
+    def rows_per_mini_batch(self) -> int:
+        """``mini_batch_size``, or what ``"auto"`` resolved to."""
+        if self.mini_batch_size == "auto":
+            if self.auto_size is None:
+                raise RuntimeError("mini_batch_size='auto' is resolved at the first step, from its batch.")
+            return self.auto_size
+        return int(self.mini_batch_size)
+
+    @property
+    def tokens_per_mini_batch(self) -> int | None:
+        """``mini_batch_num_tokens``, or what ``"auto"`` resolved to."""
+        if self.mini_batch_num_tokens == "auto":
+            if self.auto_size is None:
+                raise RuntimeError(
+                    "mini_batch_num_tokens='auto' is resolved at the first step, from its batch."
+                )
+            return self.auto_size
+        return None if self.mini_batch_num_tokens is None else int(self.mini_batch_num_tokens)
+
+    def plan(
+        self, column: int, features: Features, *, trim_leading: bool = True, count: int | None = None
+    ) -> list[MiniBatch]:
+        """Cut one column into mini-batches (longest rows first when sorting).
+
+        With ``mini_batch_num_tokens`` the rows, in that order, are packed greedily by their real tokens
+        (sentence-transformers' rule; sorted, neighbours have similar lengths, so little padding).
+
+        ``count`` (at least the number this process would cut on its own, see :meth:`agreed_counts`)
+        makes it exactly that many: the largest mini-batches are halved while rows allow (a token
+        budget only gets easier), then filler mini-batches (one row, the shortest, embedded again;
+        its output unused and its gradient zero) come first, so that the column's last forward, the
+        one that keeps its graph, is a real one.
+        """
+        # an error raised here (e.g. no attention mask to count tokens by) is raised on every process by
+        # agreed_counts under a sharded wrapper
+        check_splittable(features)
+        b = batch_size_of(features)
+        lengths = row_lengths(features, b, trim_leading)
+        if self.sort_by_length and lengths is not None:
+            order = torch.argsort(lengths, descending=True, stable=True)
+        else:
+            order = torch.arange(b)
+        tokens = self.tokens_per_mini_batch
+        if tokens is None:
+            size = self.rows_per_mini_batch
+            spans = [(i, min(i + size, b)) for i in range(0, b, size)]
+        else:
+            spans = _pack(self._token_counts(features, b)[order].tolist(), tokens)
+        fillers: list[MiniBatch] = []
+        if count is not None and count > len(spans):
+            spans = _spread(spans, count)
+            shortest = order[b - 1 : b]
+            fillers = [
+                MiniBatch(column, shortest, features, b, trim_leading, filler=True)
+                for _ in range(count - len(spans))
+            ]
+        return fillers + [MiniBatch(column, order[s:e], features, b, trim_leading) for s, e in spans]
+
+    def agreed_counts(
+        self, model: nn.Module, columns: Sequence[Features], trim_leading: bool, error: str | None = None
+    ) -> list[int] | None:
+        """Mini-batches per column, the largest over processes, when ``model``'s forwards are collectives
+        (FSDP1, FSDP2, DeepSpeed; DDP too with ``agree_mini_batches=True``) in a process group of more
+        than one: one small all-gather. None when every process may plan on its own (under DDP the
+        processes still meet in that all-gather, for the errors below; see :meth:`meets`).
+
+        ``error`` (what a caller found wrong with this process's inputs, see
+        :meth:`raise_on_every_process`) or a column this process cannot cut (e.g. inputs without a batch
+        dimension) is raised here on every process, not in a collective the others would wait in
+        forever: this process raises a ``ValueError`` with the cause, every other one a ``RuntimeError``
+        naming this process and the cause."""
+        if not self.meets(model):
+            if error is not None:
+                raise ValueError(error)
+            return None
+        agree = self.agrees(model)
+        counts: list[int] = []
+        if error is None and agree:
+            try:
+                counts = [len(self.plan(k, f, trim_leading=trim_leading)) for k, f in enumerate(columns)]
+            except ValueError as exc:
+                error = str(exc)
+        first_param = next(unwrap_model(model).parameters(), None)
+        device = first_param.device if first_param is not None else torch.device("cpu")
+        try:
+            agreed = agree_counts(counts, device, error)
+            return agreed if agree else None
+        except PeersFailed as exc:
+            # every process is here: one more exchange tells each the others' causes
+            try:
+                causes = _exchange_errors(error, device)
+            except RuntimeError:  # a failed process that left already: its cause stays with it
+                causes = {}
+            if error is not None:
+                raise ValueError(error) from None
+            if not causes:
+                raise
+            who = ", ".join(str(r) for r in causes)
+            raise RuntimeError(
+                f"{'rank' if len(causes) == 1 else 'ranks'} {who} of {world_size()} "
+                "failed at the start of this step, before its encoder forwards; every rank stops here "
+                "instead of waiting for them in a collective. "
+                + " ".join(f"Rank {r}: {msg}" for r, msg in causes.items())
+            ) from exc
+
+    def agrees(self, model: nn.Module) -> bool:
+        """Whether the processes agree on the mini-batches each step (see :meth:`agreed_counts`)."""
+        wanted = is_sharded(model) if self.agree_mini_batches is None else self.agree_mini_batches
+        return wanted and self.meets(model)
+
+    @staticmethod
+    def meets(model: nn.Module) -> bool:
+        """Whether the processes meet at the start of each step (:meth:`agreed_counts`'s one small
+        all-gather): under every wrapper (DDP too) in a group of more than one process, so that an input
+        one process refuses (e.g. an empty batch) is raised on every process there, not left to a peer
+        waiting in the gradient reduction. Under DDP the mini-batch counts are not exchanged."""
+        return is_distributed() and is_wrapped(model)
+
+    def raise_on_every_process(self, model: nn.Module, error: Exception) -> NoReturn:
+        """Raise ``error`` (found before :meth:`step` / :meth:`embed`, e.g. by a loss's check of its
+        columns) so that no other process is left waiting for this one: where the processes agree on
+        the mini-batches, at that agreement (the step's first collective, which the others reach in
+        :meth:`step` / :meth:`embed`), where each of them raises a ``RuntimeError`` naming this process and
+        the cause; elsewhere at once. This process raises ``error`` itself."""
+        if self.meets(model):
+            with contextlib.suppress(ValueError, RuntimeError):
+                self.agreed_counts(model, [], False, str(error) or type(error).__name__)
+        raise error
+
+    def fits_in_one(
+        self, columns: Sequence[Features], *, trim_leading: bool = True, counts: Sequence[int] | None = None
+    ) -> bool:
+        """Whether every column is a single mini-batch (then caching buys nothing); with agreed
+        ``counts``, whether those are all one."""
+        if counts is not None:
+            return all(c == 1 for c in counts)
+        if self.auto_size is None and "auto" in (self.mini_batch_size, self.mini_batch_num_tokens):
+            return False  # not sized yet
+        budget = self.tokens_per_mini_batch
+        for features in columns:
+            b = batch_size_of(features)
+            if budget is None:
+                if b > self.rows_per_mini_batch:
+                    return False
+            elif b > 1:
+                tokens = token_counts(features, b)
+                if tokens is None or int(tokens.sum()) > budget:
+                    return False
+        return True
+
+    def _token_counts(self, features: Features, batch_size: int) -> Tensor:
+        tokens = token_counts(features, batch_size)
+        if tokens is None:
+            raise ValueError(
+                f"mini_batch_num_tokens={self.mini_batch_num_tokens} needs each row's token count, read from "
+                f"the inputs' 2-D attention_mask, and this column has none (keys {sorted(features)}); set "
+                "mini_batch_num_tokens=None and use mini_batch_size instead."
+            )
+        return tokens
+
+
+def _spread(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
+    """Halve the largest spans until there are ``count`` of them or every span is one row."""
+    spans = list(spans)
+    while len(spans) < count:
+        i = max(range(len(spans)), key=lambda k: spans[k][1] - spans[k][0])
+        start, end = spans[i]
+        if end - start < 2:
+            break
+        mid = start + (end - start + 1) // 2
+        spans[i : i + 1] = [(start, mid), (mid, end)]
+    return spans
+
+
+def _pack(tokens: list[int], budget: int) -> list[tuple[int, int]]:
+    """sentence-transformers' packing: consecutive rows while their token sum stays within ``budget``,
+    at least one row per span: ``(start, end)`` spans covering ``range(len(tokens))``."""
+    spans = []
+    start, total = 0, 0
+    for i, n in enumerate(tokens):
+        if i > start and total + n > budget:
+            spans.append((start, i))
+            start, total = i, 0
+        total += n
+    if tokens:
+        spans.append((start, len(tokens)))
+    return spans
+
+
+def _exchange_errors(error: str | None, device: torch.device) -> dict[int, str]:
+    """Every failed process's error message, by rank (only after every process learnt that some failed,
+    in :meth:`MiniBatchPlanner.agreed_counts`): its length, then its bytes, then a last meeting, as in
+    ``agree_counts``, so that no process leaves while another still receives from it."""
+    data = (error or "").encode()[:_MAX_ERROR_BYTES]
+    sizes, _ = exchange_shapes(len(data), [], device, "error messages")
+    out: dict[int, str] = {}
+    if max(sizes) > 0:
+        rows = torch.tensor(list(data), dtype=torch.uint8, device=device).reshape(-1, 1)
+        table = all_gather_rows(rows, sizes).flatten().tolist()
+        start = 0
+        for r, n in enumerate(sizes):
+            if n:
+                out[r] = bytes(table[start : start + n]).decode(errors="replace")
+            start += n
+    # a failed process that already left closes its connections
+    with contextlib.suppress(RuntimeError):
+        exchange_shapes(0, [], device, "error messages")
+    return out
+
+
+#: the longest error message passed to the other processes
+_MAX_ERROR_BYTES = 4000
+
+
+def unsort(parts: list[Tensor], batches: list[MiniBatch], batch_size: int) -> Tensor:
+    """Put mini-batch outputs (embedded in plan order) back in the column's row order: ``(B, d)``;
+    ``parts`` has one entry per mini-batch that is not a filler."""
+    flat = torch.cat(parts, dim=0)
+    rows = torch.cat([mb.rows for mb in batches if not mb.filler]).to(flat.device)
+    out = torch.empty((batch_size, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)
+    out[rows] = flat
+    return out

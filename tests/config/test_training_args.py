@@ -1,0 +1,545 @@
+"""CachedLossTrainingArguments: parsing from the command line, JSON and YAML (CachedLossArgumentParser:
+the closest field named before anything is built, the loss fields first in --help, a file plus
+overrides); invalid combinations rejected before training, naming the field; warnings at the user's
+line; build_loss for each loss."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import yaml
+from transformers import HfArgumentParser
+
+from st_cached_losses import CachedCLIPLoss, CachedLossArgumentParser, CachedMNRLoss, CachedTiledLoss
+from st_cached_losses.config.factory import build_loss, check_dataset_columns
+from st_cached_losses.config.registry import DEFAULT_SCALE_LEARNING_RATE
+from st_cached_losses.config.training_args import SCALE_PARAMETER_PATTERN, CachedLossTrainingArguments
+from tests.support.tiny_model import make_tiny_model, random_texts
+
+BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none"}
+
+
+def parse_cli(argv: list[str]) -> CachedLossTrainingArguments:
+    (args,) = HfArgumentParser(CachedLossTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "unused", "--use_cpu", "--report_to", "none", *argv]
+    )
+    return args
+
+
+def test_cli_json_yaml_agree(tmp_path):
+    fields = {"loss": "tiled", "temperature": 0.05, "symmetric": True, "tile_size": 256, "mini_batch_size": 8}
+    cli = parse_cli(
+        [
+            "--loss",
+            "tiled",
+            "--temperature",
+            "0.05",
+            "--symmetric",
+            "true",
+            "--tile_size",
+            "256",
+            "--mini_batch_size",
+            "8",
+        ]
+    )
+    (tmp_path / "a.json").write_text(json.dumps({**BASE, **fields}))
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump({**BASE, **fields}))
+    parser = HfArgumentParser(CachedLossTrainingArguments)
+    (from_json,) = parser.parse_json_file(str(tmp_path / "a.json"))
+    (from_yaml,) = parser.parse_yaml_file(str(tmp_path / "a.yaml"))
+    for args in (cli, from_json, from_yaml):
+        assert (args.loss, args.loss_scale, args.symmetric, args.tile_size, args.mini_batch_size) == (
+            "tiled",
+            20.0,
+            True,
+            256,
+            8,
+        )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "cls", "checks"),
+    [
+        ({"loss": "mnr", "scale": 30.0}, CachedMNRLoss, {"_scale": 30.0, "symmetric": False}),
+        (
+            {"loss": "CachedCLIPLoss", "learnable_scale": True, "max_scale": 50.0},
+            CachedCLIPLoss,
+            {"learnable_scale": True, "max_scale": 50.0},
+        ),
+        (
+            {"loss": "tiled", "symmetric": True, "tile_size": 64, "similarity": "dot"},
+            CachedTiledLoss,
+            {"symmetric": True, "tile_size": 64, "similarity": "dot"},
+        ),
+    ],
+)
+def test_build_loss(tmp_path, kwargs, cls, checks):
+    model = make_tiny_model(tmp_path / "m")
+    args = CachedLossTrainingArguments(**BASE, mini_batch_size=4, mask_duplicates=True, **kwargs)
+    loss = build_loss(model, args)
+    assert type(loss) is cls and loss.mini_batch_size == 4 and loss.mask_duplicates
+    for name, value in checks.items():
+        assert getattr(loss, name) == value
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field_name"),
+    [
+        ({"loss": "nope"}, "loss"),
+        ({"scale": 20.0, "temperature": 0.1}, "temperature"),
+        ({"scale": -1.0}, "scale"),
+        ({"loss": "mnr", "learnable_scale": True}, "learnable_scale"),
+        ({"loss": "clip", "symmetric": True}, "symmetric"),
+        ({"loss": "mnr", "tile_size": 128}, "tile_size"),
+        ({"mini_batch_size": 0}, "mini_batch_size"),
+        ({"similarity": "l2"}, "similarity"),
+        ({"loss": "clip", "learnable_scale": True, "scale_learning_rate": -1e-2}, "scale_learning_rate"),
+        ({"scale_learning_rate": float("nan")}, "scale_learning_rate"),
+        (
+            {"loss": "clip", "learnable_scale": True, "learning_rate_mapping": {"(": 1e-3}},
+            "learning_rate_mapping",
+        ),
+    ],
+)
+def test_invalid_combinations_name_the_field(kwargs, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        CachedLossTrainingArguments(**BASE, **kwargs)
+
+
+def test_unknown_yaml_field_is_rejected(tmp_path):
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**BASE, "loss": "mnr", "mini_bach_size": 8}))
+    with pytest.raises(ValueError, match="mini_bach_size"):
+        HfArgumentParser(CachedLossTrainingArguments).parse_yaml_file(str(tmp_path / "bad.yaml"))
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_the_readme_parser_names_the_closest_field_before_building_anything(tmp_path, suffix):
+    """HfArgumentParser builds the arguments before it looks at unknown keys: with the default
+    mini_batch_size (32) >= the batch, a typo'd mini_batch_size warned that caching is off, then failed
+    without a suggestion. CachedLossArgumentParser (README's route) names the field first, alone."""
+    config = {**BASE, "per_device_train_batch_size": 8, "mini_bach_size": 4}
+    path = tmp_path / f"bad{suffix}"
+    path.write_text(yaml.safe_dump(config) if suffix == ".yaml" else json.dumps(config))
+    parser = CachedLossArgumentParser()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning comes before the error
+        with pytest.raises(
+            ValueError,
+            match=r"bad\.\w+: unknown field\(s\) \['mini_bach_size'\].*Did you mean 'mini_batch_size'",
+        ):
+            parser.parse_yaml_file(path) if suffix == ".yaml" else parser.parse_json_file(path)
+        with pytest.raises(ValueError, match="Did you mean 'mini_batch_size'"):
+            parser.parse_dict(config)
+        with pytest.raises(ValueError, match=r"--mini_bach_size.*Did you mean 'mini_batch_size'"):
+            parser.parse_args_into_dataclasses(["--output_dir", "x", "--mini_bach_size", "4"])
+    (args,) = parser.parse_yaml_file(path, allow_extra_keys=True)
+    assert args.per_device_train_batch_size == 8
+
+
+def test_mini_batch_not_smaller_than_batch_warns_caching_off_at_the_users_line(tmp_path):
+    with pytest.warns(UserWarning, match="caching is off") as record:
+        args = CachedLossTrainingArguments(**BASE, per_device_train_batch_size=8, mini_batch_size=8)
+    assert args.mini_batch_size == 8  # allowed: a warning, not an error
+    assert record[0].filename == __file__
+    # through the parser too: the warning points at the line that parses, not into transformers
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump({**BASE, "per_device_train_batch_size": 8, "mini_batch_size": 8})
+    )
+    with pytest.warns(UserWarning, match="caching is off") as record:
+        CachedLossArgumentParser().parse_yaml_file(tmp_path / "run.yaml")
+    assert record[0].filename == __file__
+
+
+def test_help_lists_the_loss_fields_first():
+    parser = CachedLossArgumentParser(description="first line\n\n    python train.py --loss clip\n")
+    text = parser.format_help()
+    usage = text.splitlines()[0]  # one line, not the ~130 fields
+    assert usage.startswith("usage: ") and usage.endswith(
+        "[CONFIG.yaml | --config CONFIG.yaml] [--FIELD VALUE ...]"
+    )
+    assert "\n    python train.py --loss clip\n" in text  # the description's lines are kept
+    loss_section = text.index("cached loss (CachedLossTrainingArguments):")
+    assert (
+        loss_section < text.index("--mini_batch_size") < text.index("training (") < text.index("--output_dir")
+    )
+
+
+def test_dataset_with_too_few_columns_is_rejected_before_training():
+    from datasets import Dataset
+
+    args = CachedLossTrainingArguments(**BASE, loss="clip", per_device_train_batch_size=4, mini_batch_size=2)
+    pairs = Dataset.from_dict({"anchor": ["a", "b"], "positive": ["c", "d"]})
+    with pytest.warns(UserWarning, match="fewer than one global batch"):
+        check_dataset_columns(pairs, args)
+    one_text = Dataset.from_dict({"anchor": ["a", "b"], "label": [1.0, 0.0]})
+    with pytest.raises(ValueError, match=r"CachedCLIPLoss.*1 text column.*at least two"):
+        check_dataset_columns(one_text, args)
+    with pytest.raises(ValueError, match=r"train_dataset\['b'\]"):
+        check_dataset_columns({"a": pairs, "b": one_text}, args)
+
+
+def test_build_loss_checks_the_dataset_it_is_given(tmp_path):
+    from datasets import Dataset
+
+    model = make_tiny_model(tmp_path / "m")
+    args = CachedLossTrainingArguments(**BASE, loss="mnr", per_device_train_batch_size=2, mini_batch_size=1)
+    one_text = Dataset.from_dict({"anchor": ["a", "b"], "score": [1.0, 0.0]})
+    with pytest.raises(ValueError, match=r"CachedMNRLoss.*\['anchor'\].*at least two"):
+        build_loss(model, args, train_dataset=one_text)
+    triplets = Dataset.from_dict({"anchor": ["a", "b"], "positive": ["c", "d"], "negative": ["e", "f"]})
+    assert isinstance(build_loss(model, args, train_dataset=triplets), CachedMNRLoss)
+
+
+def test_parse_command_line_file_then_overrides(tmp_path):
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump({**BASE, "loss": "clip", "mini_batch_size": 4}))
+    parse = CachedLossArgumentParser().parse_command_line
+    (args,) = parse(["--config", str(tmp_path / "run.yaml"), "--mini_batch_size", "2"])
+    assert (args.loss, args.mini_batch_size) == ("clip", 2)
+    (args,) = parse([str(tmp_path / "run.yaml")])
+    assert args.mini_batch_size == 4
+    (args,) = parse([f"--config={tmp_path / 'run.yaml'}"], defaults={"mini_batch_size": 8, "loss": "tiled"})
+    assert (args.loss, args.mini_batch_size) == ("clip", 4)  # the file over the defaults
+    with pytest.raises(ValueError, match=r"mini_bach_size.*Did you mean 'mini_batch_size'"):
+        parse([str(tmp_path / "run.yaml"), "--mini_bach_size", "2"])
+    with pytest.raises(ValueError, match="--config needs a path"):
+        parse(["--config"])
+
+
+@pytest.mark.parametrize(
+    ("defaults", "config", "argv", "expected"),
+    [
+        ({"temperature": 0.05}, None, ["--scale", "30"], (30.0, None)),
+        ({"scale": 20.0}, None, ["--temperature", "0.07"], (None, 0.07)),
+        ({"scale": 20.0}, {"temperature": 0.1}, [], (None, 0.1)),
+        ({}, {"scale": 20.0}, ["--temperature", "0.05"], (None, 0.05)),
+        ({"temperature": 0.05}, None, ["--scale", "20", "--temperature", "0.05"], (20.0, 0.05)),
+    ],
+)
+def test_scale_or_temperature_replaces_the_other_from_a_lower_source(
+    tmp_path, defaults, config, argv, expected
+):
+    """Script defaults < file < command line; setting scale drops a lower source's temperature and the
+    other way round, so they never "disagree" unless one source gives both."""
+    if config is not None:
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump({**BASE, **config}))
+        argv = [str(tmp_path / "run.yaml"), *argv]
+    defaults = {**BASE, "per_device_train_batch_size": 64, **defaults}
+    (args,) = CachedLossArgumentParser().parse_command_line(argv, defaults=defaults)
+    assert (args.scale, args.temperature) == expected
+    with pytest.raises(ValueError, match="disagree"):
+        CachedLossArgumentParser().parse_command_line(
+            ["--scale", "30", "--temperature", "0.05"], defaults=BASE
+        )
+
+
+@pytest.mark.slow
+def test_training_run_driven_only_by_a_yaml_file(tmp_path):
+    """A whole run from one YAML file (the demo's entry point, a tiny model): the loss the file names is
+    trained with its settings, which are saved with the model's card and the training arguments."""
+    import torch
+
+    from st_cached_losses.demo import main
+
+    model_dir = tmp_path / "model"
+    make_tiny_model(tmp_path / "bert").save(str(model_dir))
+    config = {
+        "model_name_or_path": str(model_dir),
+        "output_dir": str(tmp_path / "out"),
+        "train_pairs": 32,
+        "eval_pairs": 16,
+        "max_seq_length": 24,
+        "loss": "tiled",
+        "symmetric": True,
+        "tile_size": 8,
+        "temperature": 0.1,
+        "per_device_train_batch_size": 16,
+        "mini_batch_size": 4,
+        "max_steps": 2,
+        "learning_rate": 1e-3,
+        "save_strategy": "steps",
+        "save_steps": 2,
+        "disable_tqdm": True,
+        "loss_show_progress_bar": False,
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    summary = main([str(tmp_path / "run.yaml")])
+    assert summary["loss"] == "CachedTiledLoss" and summary["steps"] == 2 and summary["batch_size"] == 16
+    assert summary["loss_config"]["symmetric"] is True and summary["loss_config"]["scale"] == pytest.approx(
+        10.0
+    )
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "loss:CachedTiledLoss" in card and "cheng2024breaking" in card and "- `tile_size`: 8" in card
+    saved = torch.load(tmp_path / "out" / "checkpoint-2" / "training_args.bin", weights_only=False)
+    assert (saved.loss, saved.tile_size, saved.symmetric, saved.loss_scale) == ("tiled", 8, True, 10.0)
+
+
+# ---------------------------------------------------------------- the learnable scale's own learning rate
+
+
+def _optimizer_groups(tmp_path, args, wrap=None):
+    """The param groups of the optimizer the stock trainer builds for ``build_loss(model, args)``, as
+    (learning rate, holds the loss's logit_scale, number of parameters); and the loss."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer
+
+    model = make_tiny_model(tmp_path / "m")
+    loss = build_loss(model, args)
+    data = Dataset.from_dict({"anchor": random_texts(16, seed=0), "positive": random_texts(16, seed=1)})
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=data, loss=wrap(model, loss) if wrap else loss
+    )
+    optimizer = trainer.create_optimizer()
+    scale = getattr(loss, "logit_scale", None)
+    groups = [
+        (g["lr"], any(p is scale for p in g["params"]), len(g["params"]))
+        for g in optimizer.param_groups
+        if g["params"]
+    ]
+    return groups, loss
+
+
+ARGS = {**BASE, "per_device_train_batch_size": 8, "mini_batch_size": 4, "learning_rate": 1e-4}
+
+
+@pytest.mark.parametrize("loss_name", ["clip", "tiled"])
+@pytest.mark.parametrize("wrapped", [False, True])
+def test_learnable_scale_gets_its_own_param_group_at_scale_learning_rate(tmp_path, loss_name, wrapped):
+    """The trainer names the scale ``logit_scale`` (``loss.logit_scale`` inside MatryoshkaLoss): it is
+    alone in a group at scale_learning_rate, every model parameter stays at learning_rate."""
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+
+    args = CachedLossTrainingArguments(**ARGS, loss=loss_name, learnable_scale=True)
+    assert args.scale_learning_rate == DEFAULT_SCALE_LEARNING_RATE == 1e-2
+    assert args.learning_rate_mapping == {SCALE_PARAMETER_PATTERN: 1e-2}
+    wrap = (lambda model, loss: MatryoshkaLoss(model, loss, [32, 16])) if wrapped else None
+    groups, _ = _optimizer_groups(tmp_path, args, wrap)
+    assert [g for g in groups if g[1]] == [(1e-2, True, 1)]
+    assert {lr for lr, has_scale, _ in groups if not has_scale} == {1e-4}
+
+
+def test_scale_pattern_matches_the_losses_scale_never_the_models():
+    import re
+
+    names = {
+        "logit_scale": True,  # one loss
+        "retrieval.logit_scale": True,  # a dict of losses
+        "loss.logit_scale": True,  # MatryoshkaLoss(CachedCLIPLoss)
+        "retrieval.loss.logit_scale": True,
+        "model.0.model.logit_scale": False,  # a CLIP encoder's own scale
+        "retrieval.model.0.model.logit_scale": False,
+        "logit_scale_bias": False,
+    }
+    assert {name: bool(re.search(SCALE_PARAMETER_PATTERN, name)) for name in names} == names
+
+
+def test_a_users_learning_rate_mapping_is_kept(tmp_path):
+    user = {r"^model\.0\.": 2e-4}
+    args = CachedLossTrainingArguments(**ARGS, loss="clip", learnable_scale=True, learning_rate_mapping=user)
+    assert user == {r"^model\.0\.": 2e-4}  # the user's dict is not changed
+    assert args.learning_rate_mapping == {SCALE_PARAMETER_PATTERN: 1e-2, r"^model\.0\.": 2e-4}
+    groups, _ = _optimizer_groups(tmp_path, args)
+    assert [g for g in groups if g[1]] == [(1e-2, True, 1)]
+    assert {lr for lr, has_scale, _ in groups if not has_scale} == {2e-4}
+
+    # a user's entry for the scale wins over scale_learning_rate, also given as a JSON string (the CLI)
+    for mapping in ({"logit_scale": 5e-2}, json.dumps({"logit_scale": 5e-2})):
+        args = CachedLossTrainingArguments(
+            **ARGS, loss="clip", learnable_scale=True, learning_rate_mapping=mapping
+        )
+        assert args.learning_rate_mapping == {"logit_scale": 5e-2}
+    groups, _ = _optimizer_groups(tmp_path, args)
+    assert [g for g in groups if g[1]] == [(5e-2, True, 1)]
+    assert {lr for lr, has_scale, _ in groups if not has_scale} == {1e-4}
+
+
+def test_saved_arguments_parsed_again_follow_their_scale_learning_rate(tmp_path):
+    args = CachedLossTrainingArguments(**ARGS, loss="clip", learnable_scale=True)
+    saved = {k: v for k, v in json.loads(args.to_json_string()).items() if k in {"learning_rate_mapping"}}
+    (again,) = CachedLossArgumentParser().parse_dict(
+        {**ARGS, "loss": "clip", "learnable_scale": True, "scale_learning_rate": 3e-2, **saved}
+    )
+    assert again.learning_rate_mapping == {SCALE_PARAMETER_PATTERN: 3e-2}
+    (off,) = CachedLossArgumentParser().parse_dict(
+        {**ARGS, "loss": "clip", "learnable_scale": False, **saved}
+    )
+    assert off.learning_rate_mapping == {}  # the trainer rejects a pattern matching no parameter
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"loss": "clip", "learnable_scale": True, "scale_learning_rate": None},
+        {"loss": "clip", "learnable_scale": True, "scale_learning_rate": 0.0},
+        {"loss": "clip", "learnable_scale": False},
+        {"loss": "mnr"},
+    ],
+)
+def test_scale_learning_rate_disabled_or_no_learnable_scale(tmp_path, kwargs):
+    args = CachedLossTrainingArguments(**ARGS, **kwargs)
+    assert args.learning_rate_mapping == {}
+    groups, loss = _optimizer_groups(tmp_path, args)  # builds: no pattern without a parameter to match
+    assert {lr for lr, _, _ in groups} == {1e-4}
+    assert any(has_scale for _, has_scale, _ in groups) == loss.learnable_scale
+
+
+def test_scale_learning_rate_from_the_command_line():
+    args = parse_cli(
+        [
+            "--loss",
+            "clip",
+            "--learnable_scale",
+            "true",
+            "--scale_learning_rate",
+            "0.05",
+            "--mini_batch_size",
+            "4",
+        ]
+    )
+    assert args.learning_rate_mapping == {SCALE_PARAMETER_PATTERN: 0.05}
+    args = parse_cli(
+        [
+            "--loss",
+            "clip",
+            "--learnable_scale",
+            "true",
+            "--scale_learning_rate",
+            "0",
+            "--mini_batch_size",
+            "4",
+        ]
+    )
+    assert args.learning_rate_mapping == {}
+
+
+@pytest.mark.slow
+def test_the_scale_moves_more_at_scale_learning_rate_than_at_learning_rate(tmp_path):
+    """A few steps at a fine-tuning learning rate: the scale barely moves at learning_rate (the issue's
+    20.00 -> 20.03), and moves by about steps x scale_learning_rate in log space with its own rate."""
+    import math
+
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer
+
+    data = Dataset.from_dict({"anchor": random_texts(64, seed=0), "positive": random_texts(64, seed=1)})
+    moved = {}
+    for rate in (None, DEFAULT_SCALE_LEARNING_RATE):
+        model = make_tiny_model(tmp_path / "m")
+        args = CachedLossTrainingArguments(
+            **{**BASE, "output_dir": str(tmp_path / "out")},
+            loss="clip",
+            learnable_scale=True,
+            scale_learning_rate=rate,
+            per_device_train_batch_size=16,
+            mini_batch_size=8,
+            learning_rate=1e-4,
+            lr_scheduler_type="constant",
+            max_steps=4,
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+        )
+        loss = build_loss(model, args)
+        SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss).train()
+        moved[rate] = abs(math.log(loss.scale / 20.0))
+    assert moved[None] < 4 * 1e-4 * 1.5  # Adam: about the learning rate per step, at most
+    assert moved[DEFAULT_SCALE_LEARNING_RATE] > 10 * moved[None]
+    assert moved[DEFAULT_SCALE_LEARNING_RATE] > 4 * DEFAULT_SCALE_LEARNING_RATE * 0.5
+
+
+# --------------------------------------------------------------------------- MNRL options and GIST
+
+
+def test_mnrl_options_reach_the_loss(tmp_path):
+    model = make_tiny_model(tmp_path / "m")
+    args = parse_cli(
+        ["--directions", "query_to_doc,query_to_query,doc_to_doc", "--hardness_mode", "all_negatives",
+         "--hardness_strength", "5", "--mini_batch_size", "4"]
+    )  # fmt: skip
+    loss = build_loss(model, args)
+    assert loss.directions == ("query_to_doc", "query_to_query", "doc_to_doc")
+    assert loss.partition_mode == "joint" and loss.hardness_mode == "all_negatives"
+    assert loss.hardness_strength == 5.0
+    clip = build_loss(model, parse_cli(["--loss", "clip", "--partition_mode", "joint"]))
+    assert clip.directions == ("query_to_doc", "doc_to_query") and clip.partition_mode == "joint"
+
+
+def test_directions_as_a_yaml_list(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        yaml.safe_dump({"output_dir": str(tmp_path), "directions": ["query_to_doc", "doc_to_query"]})
+    )
+    (args,) = CachedLossArgumentParser().parse_yaml_file(str(path))
+    assert args.loss_directions == ("query_to_doc", "doc_to_query")
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--directions", "query_to_doc,query_to_dok"], "query_to_query|query_to_doc"),
+        (["--directions", "query_to_doc,doc_to_doc", "--partition_mode", "per_direction"], "joint"),
+        (["--hardness_mode", "hardest"], "hardness_mode"),
+        (["--loss", "gist"], "guide_model"),
+        (["--guide_model", "x"], "guide_model applies to loss='gist' only"),
+        (["--margin", "0.1"], "margin applies to loss='gist' only"),
+        (
+            ["--loss", "gist", "--guide_model", "x", "--directions", "query_to_doc"],
+            "directions does not apply",
+        ),
+        (["--loss", "gist", "--guide_model", "x", "--learnable_scale"], "learnable_scale"),
+        (["--loss", "gist", "--guide_model", "x", "--margin_strategy", "percent"], "margin_strategy"),
+        (
+            ["--loss", "tiled", "--symmetric", "true", "--directions", "query_to_doc"],
+            "symmetric or directions",
+        ),
+    ],
+)
+def test_bad_option_fields_raise_naming_the_field(argv, match):
+    with pytest.raises(ValueError, match=match):
+        parse_cli(argv)
+
+
+def test_gist_from_arguments(tmp_path):
+    model = make_tiny_model(tmp_path / "m")
+    guide_dir = tmp_path / "guide_st"
+    make_tiny_model(tmp_path / "g", seed=4).save(str(guide_dir))
+    args = parse_cli(
+        ["--loss", "gist", "--guide_model", str(guide_dir), "--margin", "0.05", "--mini_batch_size", "4"]
+    )
+    loss = build_loss(model, args)
+    from st_cached_losses import CachedGISTLoss
+
+    assert isinstance(loss, CachedGISTLoss)
+    assert loss.temperature == pytest.approx(0.01)  # GISTEmbedLoss's default
+    assert loss.margin == 0.05 and loss.guide is not model
+    feats = [model.preprocess(random_texts(6, seed=k)) for k in range(2)]
+    loss(feats, None).backward()
+    assert args.loss_settings()["guide_model"] == str(guide_dir)
+
+
+def test_checkpoints_pickle_the_documented_path(tmp_path):
+    """``training_args.bin`` names the class by ``st_cached_losses.training_args``, the documented path kept
+    as a re-export: a checkpoint from before the move into ``config/`` loads (the same bytes), and one
+    written now loads under an older version; a fresh process unpickles it by that path alone."""
+    import pickle
+    import subprocess
+    import sys
+
+    import st_cached_losses.training_args as documented
+
+    assert documented.CachedLossTrainingArguments is CachedLossTrainingArguments
+    assert documented.build_loss is build_loss and documented.check_dataset_columns is check_dataset_columns
+    args = CachedLossTrainingArguments(**BASE, loss="clip", temperature=0.05, mini_batch_size=4)
+    data = pickle.dumps(args)
+    assert b"st_cached_losses.training_args" in data and b"st_cached_losses.config" not in data
+    back = pickle.loads(data)
+    assert type(back) is CachedLossTrainingArguments
+    assert back.loss_settings() == args.loss_settings()
+    (tmp_path / "args.pkl").write_bytes(data)
+    code = (
+        "import pickle, sys; a = pickle.load(open(sys.argv[1], 'rb')); "
+        "from st_cached_losses.config.training_args import CachedLossTrainingArguments as C; "
+        "assert type(a) is C and a.loss == 'clip' and a.loss_scale == 20.0, a"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "args.pkl")], check=True)

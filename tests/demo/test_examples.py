@@ -1,0 +1,351 @@
+"""The examples and the demo end to end on a tiny offline model: each trains, evaluates, writes its model
+card (loss, its config, citations, the TrainingArguments' loss fields), and explains its fields in
+``--help``, the loss fields first; the multi-process example goes through ``accelerate launch``; the
+push_to_hub dry run (``tests/support/hub_recorder.py``) produces the folder (and card) a real push would
+upload, without a network. The examples are self-contained scripts: no ``sys.path`` edits, no demo."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import functools
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import st_cached_losses.data
+import st_cached_losses.demo.data
+from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments
+from st_cached_losses.data import stdlib_pairs
+from tests.support import hub_recorder
+from tests.support.dist_utils import accelerate_launch
+from tests.support.tiny_model import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "examples"
+TINY = [
+    "--max_steps",
+    "2",
+    "--train_pairs",
+    "48",
+    "--eval_pairs",
+    "24",
+    "--per_device_train_batch_size",
+    "16",
+    "--mini_batch_size",
+    "4",
+    "--max_seq_length",
+    "32",
+    "--disable_tqdm",
+    "true",
+    "--learning_rate",
+    "1e-3",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def all_stdlib_pairs() -> tuple[tuple[str, str], ...]:
+    return tuple(stdlib_pairs(seed=0))
+
+
+@pytest.fixture(autouse=True)
+def parse_the_standard_library_once(monkeypatch):
+    """Parsing the standard library takes seconds: the examples and the demo in this process share one
+    parse (``stdlib_pairs(limit=n)`` is the first n of the same shuffle)."""
+
+    def cached(limit: int | None = None, seed: int = 0) -> list[tuple[str, str]]:
+        assert seed == 0
+        return list(all_stdlib_pairs()[:limit])
+
+    # the examples import it from the documented path, the demo from its own package
+    monkeypatch.setattr(st_cached_losses.data, "stdlib_pairs", cached)
+    monkeypatch.setattr(st_cached_losses.demo.data, "stdlib_pairs", cached)
+
+
+def make_text_model(path: Path) -> str:
+    """A tiny random BERT whose word vocabulary comes from the standard library's docstrings and code,
+    so that stdlib texts are not all [UNK] (hard-negative mining needs distinct embeddings); saved as a
+    SentenceTransformer folder."""
+    counts: collections.Counter[str] = collections.Counter()
+    for query, document in all_stdlib_pairs()[:1500]:
+        counts.update(re.findall(r"[a-z]+|[0-9]+|[^\sa-z0-9]", (query + " " + document).lower()))
+    words = [w for w, _ in counts.most_common(1500)]
+    model = make_tiny_model(path / "bert", words=words, dropout=0.1)
+    model.save(str(path / "st"))
+    return str(path / "st")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return make_text_model(tmp_path_factory.mktemp("tiny"))
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while they are built
+    spec.loader.exec_module(module)
+    return module
+
+
+def check_card(card: str, loss_class: str, citations: list[str], settings: dict) -> None:
+    assert f"loss:{loss_class}" in card and "st_cached_losses.losses" in card and loss_class in card
+    for key in citations:
+        assert "@" in card and key in card, key
+    # the loss's own config (get_config_dict) and the TrainingArguments' loss fields
+    assert '"mini_batch_size": 4' in card
+    for key, value in settings.items():
+        assert f"- `{key}`: {value}" in card, (key, value)
+    assert "## Cached loss training" in card and "| before |" in card and "| after |" in card
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "extra", "loss_class", "citations", "settings"),
+    [
+        (  # --temperature over a script whose loss has a scale: the user's temperature wins
+            "train_cached_mnr",
+            ["--hard_negatives", "1", "--mining_margin", "0", "--temperature", "0.07"],
+            "CachedMNRLoss",
+            ["gao2021scaling", "henderson2017efficient"],
+            {"loss": "mnr", "temperature": 0.07},
+        ),
+        (
+            "train_cached_clip",
+            [],
+            "CachedCLIPLoss",
+            ["gao2021scaling", "radford2021learning"],
+            {"loss": "clip", "learnable_scale": True, "temperature": 0.05},
+        ),
+        (  # a fixed --scale over the defaults' learnable temperature (and its learning rate)
+            "train_cached_clip",
+            ["--learnable_scale", "false", "--scale", "30"],
+            "CachedCLIPLoss",
+            ["gao2021scaling", "radford2021learning"],
+            {"loss": "clip", "scale": 30.0},
+        ),
+        (
+            "train_cached_tiled",
+            [],
+            "CachedTiledLoss",
+            ["gao2021scaling", "cheng2024breaking", "radford2021learning"],
+            {"loss": "tiled", "symmetric": True, "tile_size": 32},
+        ),
+    ],
+)
+def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, citations, settings):
+    module = load_example(name)
+    out = tmp_path / "out"
+    trainer, metrics = module.main(
+        ["--model_name_or_path", tiny_model, "--output_dir", str(out), *TINY, *extra]
+    )
+    assert set(metrics) == {"before", "after"} and 0 <= metrics["after"]["MRR@10"] <= 1
+    assert trainer.state.global_step == 2 and type(trainer.loss).__name__ == loss_class
+    card = (out / "README.md").read_text()
+    check_card(card, loss_class, citations, settings)
+    assert "batch 16 (1 process(es))" in card and "2 optimizer steps" in card
+    assert (out / "model.safetensors").is_file()
+    if name == "train_cached_mnr":  # trained on mined triplets, at the command line's temperature
+        assert "<code>negative_1</code>" in card
+        assert trainer.loss.scale == pytest.approx(1 / 0.07)
+    if name == "train_cached_clip" and not extra:  # the temperature was learned, at its own learning rate
+        assert trainer.loss.learnable_scale and abs(float(trainer.loss.scale) - 20.0) > 1e-3
+        assert "- `learning_rate_mapping`: {'logit_scale': 0.01}" in card
+    if name == "train_cached_clip" and extra:  # fixed at the command line's scale, no temperature left
+        assert not trainer.loss.learnable_scale and float(trainer.loss.scale) == 30.0
+        assert "- `temperature`: None" in card and "- `temperature`: 0.05" not in card
+
+
+@pytest.mark.parametrize(
+    ("name", "argv", "expected"),
+    [
+        ("train_cached_clip", ["--learnable_scale", "false", "--scale", "30"], (30.0, None, 30.0)),
+        ("train_cached_mnr", ["--temperature", "0.07"], (None, 0.07, 1 / 0.07)),
+        (
+            "train_cached_clip",
+            ["--config", "examples/configs/cached_clip.yaml", "--scale", "30"],
+            (30.0, None, 30.0),
+        ),
+        ("train_cached_tiled", ["examples/configs/cached_tiled.yaml", "--temp", "0.1"], (None, 0.1, 10.0)),
+    ],
+)
+def test_scale_or_temperature_from_the_command_line_replaces_the_defaults_one(name, argv, expected):
+    """`--scale 30` on a script (or file) whose defaults name a temperature, and the other way round,
+    used to fail with "scale and temperature disagree"."""
+    module = load_example(name)
+    parser = CachedLossArgumentParser((module.ExampleArguments, CachedLossTrainingArguments))
+    _, args = parser.parse_command_line(
+        [a.replace("examples/", f"{EXAMPLES}/") for a in argv], module.DEFAULTS
+    )
+    assert (args.scale, args.temperature) == expected[:2]
+    assert args.loss_scale == pytest.approx(expected[2])
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.py")), ids=lambda p: p.name)
+def test_examples_are_self_contained(path):
+    """A user copies an example: it imports the package's public API, never the demo or tests, and does
+    not edit sys.path."""
+    source = path.read_text()
+    assert "sys.path" not in source and len(source.splitlines()) <= 160
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            assert node.module.split(".")[0] != "tests" and "demo" not in node.module, node.module
+            assert not any(alias.name.startswith("_") for alias in node.names), node.module
+
+
+@pytest.mark.slow
+def test_accelerate_example_two_processes(tmp_path, tiny_model):
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [
+        *accelerate_launch(2),
+        str(EXAMPLES / "train_accelerate.py"),
+        "--model_name_or_path",
+        tiny_model,
+        "--output_dir",
+        str(out),
+        *TINY,
+        "--per_device_train_batch_size",
+        "8",
+        "--loss",
+        "tiled",
+        "--symmetric",
+        "true",
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # every process left the process group cleanly (no abort at exit while the main one was saving)
+    assert "terminate called" not in proc.stderr and "SIGABRT" not in proc.stderr
+    assert "2 process(es)" in proc.stdout and "global batch 16" in proc.stdout
+    card = (out / "README.md").read_text()
+    assert "CachedTiledLoss" in card and "- `gather_across_devices`: True" in card
+    assert "batch 16 (2 process(es))" in card
+
+
+@pytest.mark.parametrize(
+    "name", ["train_cached_mnr", "train_cached_clip", "train_cached_tiled", "train_accelerate", "demo"]
+)
+def test_example_help_explains_the_fields(name, capsys):
+    if name == "demo":
+        from st_cached_losses.demo import main
+    else:
+        main = load_example(name).main
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    raw = capsys.readouterr().out
+    text = " ".join(raw.split())
+    for snippet in (
+        "--loss",
+        "'mnr' (CachedMNRLoss",
+        "--mini_batch_size",
+        "sets the memory, never the result",
+        "--temperature",
+        "--tile_size",
+        "--gather_across_devices",
+        "--model_name_or_path",
+        "--train_pairs",
+    ):
+        assert snippet in text, snippet
+    # a one-line usage, the docstring's lines kept, and the loss fields before the ~120 training arguments
+    assert raw.splitlines()[0].startswith("usage:") and "[--FIELD VALUE ...]" in raw.splitlines()[0]
+    assert "\n    python examples/" in raw or "\n1. real text pairs" in raw
+    fields = raw[raw.index("\noptions:") :]
+    assert fields.index("--loss ") < fields.index("--model_name_or_path") < fields.index("--output_dir")
+    assert fields.index("--symmetric") < fields.index("--learning_rate")
+
+
+def test_example_rejects_a_bad_config_before_training(tmp_path, tiny_model):
+    module = load_example("train_cached_clip")
+    (tmp_path / "bad.yaml").write_text(f"model_name_or_path: {tiny_model}\nloss: clip\nsymetric: true\n")
+    with pytest.raises(ValueError, match=r"symetric.*Did you mean 'symmetric'"):
+        module.main([str(tmp_path / "bad.yaml")])
+    with pytest.raises(ValueError, match="symmetric applies to loss='tiled' only"):
+        module.main(["--model_name_or_path", tiny_model, "--symmetric", "true"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--loss", "nmr"],
+            "loss='nmr' is not a cached loss; choose one of 'mnr', 'clip', 'tiled' or 'gist'",
+        ),
+        (["{bad_yaml}"], "unknown field(s) ['mini_bach_size']; see --help for the fields. Did you mean"),
+        (["--learnable_scale", "true"], "learnable_scale=True is supported by loss='clip' or loss='tiled'"),
+    ],
+)
+def test_command_line_errors_are_one_line_before_training(tmp_path, argv, message):
+    """From a shell, a bad configuration is one 'error:' line and exit status 2 (no traceback), before any
+    model is loaded."""
+    (tmp_path / "bad.yaml").write_text("loss: mnr\nmini_bach_size: 4\n")
+    argv = [a.replace("{bad_yaml}", str(tmp_path / "bad.yaml")) for a in argv]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_cached_mnr.py"), *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Loading weights" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and message in error_lines[0], proc.stderr[-2000:]
+
+
+def test_push_to_hub_dry_run_uploads_the_saved_card(tmp_path, tiny_model):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(tiny_model, device="cpu")
+    model.save_pretrained(str(tmp_path / "saved"))
+    (tmp_path / "saved" / "README.md").write_text("# my card\n")
+    folder = hub_recorder.push_to_hub_dry_run(
+        model, "me/my-model", tmp_path / "upload", local_model_path=str(tmp_path / "saved")
+    )
+    assert (folder / "README.md").read_text() == "# my card\n"
+    assert (folder / "model.safetensors").is_file()
+    # without a local folder: sentence-transformers saves the model and writes the card for the repo id
+    folder = hub_recorder.push_to_hub_dry_run(model, "me/my-model", tmp_path / "upload2")
+    assert 'SentenceTransformer("me/my-model")' in (folder / "README.md").read_text()
+
+
+@pytest.mark.slow
+def test_demo_runs_on_a_tiny_model_then_a_hub_dry_run(tmp_path, tiny_model):
+    """The demo writes its card for the repository named by --hub_model_id; the dry run of its push
+    (what `make model-cards` records) uploads exactly the saved folder, card included."""
+    from st_cached_losses.demo import main
+
+    out = tmp_path / "demo"
+    summary = main(
+        [
+            "--model_name_or_path",
+            tiny_model,
+            "--output_dir",
+            str(out),
+            "--hub_model_id",
+            "me/stdlib-demo",
+            "--loss_show_progress_bar",
+            "false",
+            *TINY,
+        ]
+    )
+    assert summary["steps"] == 2 and summary["batch_size"] == 16
+    assert set(summary["metrics"]) == {"before", "after"}
+    uploaded = hub_recorder.main([str(out), "me/stdlib-demo"])
+    assert uploaded == tmp_path / "demo_hub_upload" and (uploaded / "model.safetensors").is_file()
+    card = (uploaded / "README.md").read_text()
+    assert card == (out / "README.md").read_text()
+    assert 'SentenceTransformer("me/stdlib-demo")' in card
+    check_card(card, "CachedMNRLoss", ["gao2021scaling", "henderson2017efficient"], {"loss": "mnr"})
+    settings = json.loads(
+        card.split("Loss settings (`CachedLossTrainingArguments`):")[1].split("```json")[1].split("```")[0]
+    )
+    assert settings["loss"] == "mnr" and settings["mini_batch_size"] == 4

@@ -1,0 +1,133 @@
+"""Settings that say what the loss does (issue 18): assigning any setting its current value changes
+nothing (loss, config, every other setting), and a contradiction raises however it is spelled, at
+construction and at assignment."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+import st_cached_losses
+from tests.support.tiny_model import make_tiny_model, random_texts
+
+ALL_FOUR = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from sentence_transformers import SentenceTransformer
+
+    base = tmp_path_factory.mktemp("settings_model")
+    make_tiny_model(base / "bert").save(str(base / "st"))
+    model = SentenceTransformer(str(base / "st"), device="cpu")
+    model.eval()
+    return model
+
+
+def _settable(loss) -> list[str]:
+    """Every public property of the loss's class with a setter."""
+    return [
+        name
+        for name, member in inspect.getmembers(type(loss))
+        if isinstance(member, property) and member.fset is not None and not name.startswith("_")
+    ]
+
+
+def _loss_value(loss, model) -> float:
+    feats = [model.preprocess(random_texts(5, seed=k)) for k in range(3)]
+    feats[1]["input_ids"][-1] = feats[1]["input_ids"][0]  # a duplicate positive: mask_duplicates shows
+    feats[1]["attention_mask"][-1] = feats[1]["attention_mask"][0]
+    with torch.no_grad():
+        return loss(feats, None).item()
+
+
+def _snapshot(loss) -> dict:
+    return {name: getattr(loss, name) for name in _settable(loss)}
+
+
+LOSSES = {
+    "mnr_four_joint": ("CachedMNRLoss", {"directions": ALL_FOUR}),
+    "mnr_hardness": ("CachedMNRLoss", {"hardness_mode": "all_negatives", "hardness_strength": 2.0}),
+    "mnr_masked": ("CachedMNRLoss", {"mask_duplicates": True}),
+    "clip_joint": ("CachedCLIPLoss", {"partition_mode": "joint"}),
+    "clip_learnable": ("CachedCLIPLoss", {"learnable_scale": True, "scale": 13.7}),
+    "tiled_symmetric": ("CachedTiledLoss", {"symmetric": True, "tile_size": 3, "scale": 7.3}),
+    "tiled_four": ("CachedTiledLoss", {"directions": ALL_FOUR, "learnable_scale": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_assigning_the_current_value_changes_nothing(model, name):
+    cls_name, kwargs = LOSSES[name]
+    loss = getattr(st_cached_losses, cls_name)(model, mini_batch_size=2, **kwargs)
+    settable = _settable(loss)
+    assert {"scale", "temperature", "directions", "symmetric", "mini_batch_size"} <= set(settable)
+    before_value, before_config, before = _loss_value(loss, model), loss.get_config_dict(), _snapshot(loss)
+    for setting in settable:
+        setattr(loss, setting, getattr(loss, setting))
+        assert _snapshot(loss) == before, f"{name}: assigning {setting} its own value changed a setting"
+        assert loss.get_config_dict() == before_config, f"{name}: {setting}"
+    if loss.learnable_scale:
+        assert loss.logit_scale.item() == pytest.approx(torch.tensor(before["scale"]).log().item(), abs=1e-6)
+    assert _loss_value(loss, model) == before_value
+
+
+def test_symmetric_false_keeps_other_directions(model):
+    """The review's case: ``loss.symmetric = loss.symmetric`` reset four directions to one."""
+    loss = st_cached_losses.CachedMNRLoss(model, mini_batch_size=2, directions=ALL_FOUR)
+    assert loss.symmetric is False
+    loss.symmetric = False
+    assert loss.directions == ALL_FOUR
+    loss.symmetric = True
+    assert loss.directions == ("query_to_doc", "doc_to_query") and loss.partition_mode == "per_direction"
+
+
+def test_symmetric_assignment_is_checked_against_duplicate_masking(model):
+    loss = st_cached_losses.CachedMNRLoss(model, mini_batch_size=2, mask_duplicates=True)
+    loss.symmetric = True  # the symmetric loss masks duplicates too
+    assert loss.symmetric and loss.mask_duplicates
+
+
+JOINT_TWO = {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "joint"}
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"symmetric": True, "partition_mode": "joint"},
+        {"symmetric": True, **JOINT_TWO},
+        {"symmetric": True, "directions": ALL_FOUR},
+        {"symmetric": True, "directions": ("query_to_doc",)},
+        {"symmetric": False, "directions": ("query_to_doc", "doc_to_query")},
+    ],
+    ids=["sym-joint", "sym-two-joint", "sym-four", "sym-one", "nosym-two"],
+)
+def test_tiled_contradictions_raise_however_spelled(model, kwargs):
+    with pytest.raises(ValueError, match="symmetric"):
+        st_cached_losses.CachedTiledLoss(model, mini_batch_size=2, **kwargs)
+
+
+def test_tiled_symmetric_spellings_agree(model):
+    """symmetric=True alone, with per_direction, and with both directions: the CLIP loss; both directions
+    joint without symmetric: the joint loss, and its config says so."""
+    clip = [
+        st_cached_losses.CachedTiledLoss(model, mini_batch_size=2, tile_size=2, **kw)
+        for kw in (
+            {"symmetric": True},
+            {"symmetric": True, "partition_mode": "per_direction"},
+            {"symmetric": True, "directions": ("doc_to_query", "query_to_doc")},
+            {"directions": ("query_to_doc", "doc_to_query"), "partition_mode": "per_direction"},
+        )
+    ]
+    values = [_loss_value(loss, model) for loss in clip]
+    assert all(v == pytest.approx(values[0], rel=1e-6) for v in values)
+    assert all(
+        loss.symmetric and loss.get_config_dict()["partition_mode"] == "per_direction" for loss in clip
+    )
+    joint = st_cached_losses.CachedTiledLoss(model, mini_batch_size=2, tile_size=2, **JOINT_TWO)
+    assert joint.get_config_dict()["partition_mode"] == "joint" and not joint.symmetric
+    assert _loss_value(joint, model) != pytest.approx(values[0], rel=1e-3)
+    reference = st_cached_losses.CachedMNRLoss(model, mini_batch_size=2, **JOINT_TWO)
+    assert _loss_value(joint, model) == pytest.approx(_loss_value(reference, model), rel=1e-6)
