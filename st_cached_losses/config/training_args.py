@@ -51,6 +51,17 @@ from st_cached_losses.losses.options import (
     check_hardness,
     resolve_similarity,
 )
+from st_cached_losses.losses.settings import FIELD_NAMES, NOT_FIELDS, SPECS
+
+
+def _spec_field(name: str, default: Any = dataclasses.MISSING, help: str | None = None) -> Any:
+    """A field whose default and help text are the loss setting's spec (``losses/settings.py``)."""
+    spec = SPECS[name]
+    return field(
+        default=spec.default if default is dataclasses.MISSING else default,
+        metadata={"help": help or spec.help},
+    )
+
 
 __all__ = [
     "LOSS_DEFAULTS",
@@ -109,9 +120,7 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             "'tiled' only)."
         },
     )
-    max_scale: float = field(
-        default=100.0, metadata={"help": "Upper clamp of a learnable scale (CLIP uses 100)."}
-    )
+    max_scale: float = _spec_field("max_scale")
     scale_learning_rate: Optional[float] = field(  # noqa: UP045
         default=DEFAULT_SCALE_LEARNING_RATE,
         metadata={
@@ -141,11 +150,8 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             "then not used."
         },
     )
-    tile_size: Optional[int] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "'tiled' only: side of a logit tile (default: from a memory budget, at most 2048)."
-        },
+    tile_size: Optional[int] = _spec_field(  # noqa: UP045
+        "tile_size", help=SPECS["tile_size"].help + " 'tiled' only."
     )
     symmetric: Optional[bool] = field(  # noqa: UP045
         default=None,
@@ -154,23 +160,18 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             "false. ('mnr' is one-directional, 'clip' always symmetric.)"
         },
     )
-    gather_across_devices: bool = field(
-        default=False,
-        metadata={
-            "help": "Score each process's rows against every process's candidates (multi-GPU / multi-node, "
-            "exact global-batch gradients); 'tiled' passes them around a ring instead of gathering."
-        },
+    gather_across_devices: bool = _spec_field("gather_across_devices")
+    mask_duplicates: bool = _spec_field("mask_duplicates")
+    loss_show_progress_bar: bool = _spec_field("show_progress_bar")
+    path: str = _spec_field("path", help=SPECS["path"].help + " Not 'tiled' (always tiled).")
+    memory_budget: Optional[str] = _spec_field(  # noqa: UP045
+        "memory_budget", None, SPECS["memory_budget"].help + " None: that default."
     )
-    mask_duplicates: bool = field(
-        default=False,
-        metadata={
-            "help": "Drop from a row's negatives the candidates whose text equals its positive (false "
-            "negatives), also across processes."
-        },
-    )
-    loss_show_progress_bar: bool = field(
-        default=False, metadata={"help": "Show tqdm bars over the loss's encoder mini-batches."}
-    )
+    sort_by_length: bool = _spec_field("sort_by_length")
+    reuse_last_graph: bool = _spec_field("reuse_last_graph")
+    keep_params_unsharded: bool = _spec_field("keep_params_unsharded")
+    graph_memory_budget: Optional[str] = _spec_field("graph_memory_budget")  # noqa: UP045
+    mini_batch_memory_budget: Optional[str] = _spec_field("mini_batch_memory_budget")  # noqa: UP045
     directions: Optional[str] = field(  # noqa: UP045
         default=None,
         metadata={
@@ -298,44 +299,54 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
 
     def loss_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too)."""
-        if self.loss == "gist":
-            return {
-                "temperature": 1.0 / self.loss_scale,
-                "margin_strategy": self.margin_strategy,
-                "margin": self.margin,
-                "contrast_anchors": self.contrast_anchors,
-                "contrast_positives": self.contrast_positives,
-                "mini_batch_size": self.mini_batch_size,
-                "mini_batch_num_tokens": self.mini_batch_num_tokens,
-                "gather_across_devices": self.gather_across_devices,
-                "show_progress_bar": self.loss_show_progress_bar,
-            }
-        kwargs: dict[str, Any] = {
-            "scale": self.loss_scale,
-            "similarity_fct": self.similarity,
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "gather_across_devices": self.gather_across_devices,
-            "mask_duplicates": self.mask_duplicates,
-            "show_progress_bar": self.loss_show_progress_bar,
-        }
-        if self.loss in ("clip", "tiled"):
-            kwargs.update(learnable_scale=self.learnable_scale, max_scale=self.max_scale)
-        if self.loss == "tiled":
-            kwargs.update(symmetric=bool(self.symmetric), tile_size=self.tile_size)
-        if self.loss_directions is not None or self.partition_mode is not None:
-            kwargs.pop("symmetric", None)
-            if self.loss_directions is not None:
-                kwargs["directions"] = self.loss_directions
-            kwargs["partition_mode"] = self.loss_partition_mode
-        if self.hardness_mode is not None or self.hardness_strength:
-            kwargs.update(hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength)
+        """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too):
+        every argument the loss takes that a field sets (``losses/settings.py``'s names), except where the
+        field leaves the loss's own default."""
+        kwargs: dict[str, Any] = {}
+        for name in inspect.signature(self.loss_class.__init__).parameters:
+            if name in ("self", "guide") or name in NOT_FIELDS:
+                continue
+            value = self._loss_argument(name)
+            if value is not _LOSS_DEFAULT:
+                kwargs[name] = value
         return kwargs
 
+    def _loss_argument(self, name: str) -> Any:
+        """The value of the loss's argument ``name`` these fields set, or ``_LOSS_DEFAULT``."""
+        given_terms = self.directions is not None or self.partition_mode is not None
+        if name == "scale":
+            return self.loss_scale
+        if name == "temperature":
+            return 1.0 / self.loss_scale
+        if name == "directions":
+            return self.loss_directions if self.loss_directions is not None else _LOSS_DEFAULT
+        if name == "partition_mode":
+            return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
+        if name == "symmetric":
+            return bool(self.symmetric) if self.symmetric is not None else _LOSS_DEFAULT
+        value = getattr(self, FIELD_NAMES.get(name, name))
+        return _LOSS_DEFAULT if value is None and name in _NONE_IS_LOSS_DEFAULT else value
+
     def loss_settings(self) -> dict[str, Any]:
-        """This class's own fields and their values (what the model card lists for the loss choice)."""
-        return {name: getattr(self, name) for name in LOSS_FIELDS}
+        """The fields that configure the chosen loss and their values (what the model card lists): the
+        loss choice, the scale, and the fields of the arguments that loss takes."""
+        taken = set(inspect.signature(self.loss_class.__init__).parameters)
+        names = ["loss", "scale", "temperature"]
+        if self.learnable_scale:
+            names.append("scale_learning_rate")
+        owners = {FIELD_NAMES.get(p, p): p for p in taken}
+        names += [f for f in LOSS_FIELDS if f not in names and f in owners and f not in _DERIVED]
+        if "directions" in taken:
+            names += ["directions", "partition_mode"]
+        return {name: getattr(self, name) for name in names}
+
+
+#: what ``_loss_argument`` returns to leave the loss's own default
+_LOSS_DEFAULT = object()
+#: fields whose None means the loss's own default (not None)
+_NONE_IS_LOSS_DEFAULT = {"memory_budget"}
+#: fields derived from others for the loss (listed by ``loss_settings`` on their own terms)
+_DERIVED = {"scale", "temperature", "directions", "partition_mode"}
 
 
 _INHERITED = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
@@ -409,6 +420,7 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             f"{1 / args.temperature:g}); set only one of scale and temperature."
         )
     validate_option_fields(args)
+    _validate_spec_fields(args)
     if args.learnable_scale and args.loss in ("mnr", "gist"):
         raise ValueError(
             f"learnable_scale=True is supported by loss='clip' or loss='tiled', not loss={args.loss!r} (a fixed "
@@ -501,3 +513,21 @@ def validate_option_fields(args: CachedLossTrainingArguments) -> None:
         if args.symmetric is not None:
             raise ValueError("give either symmetric or directions / partition_mode, not both.")
     check_hardness(args.hardness_mode, args.hardness_strength, "hardness_mode")
+
+
+def _validate_spec_fields(args: CachedLossTrainingArguments) -> None:
+    """The fields of plain loss settings: each by its spec's check (naming the field), and only for a loss
+    that takes it (a field away from its default that the loss would ignore is an error, not silence)."""
+    fields = {f.name: f for f in dataclasses.fields(args)}
+    taken = set(inspect.signature(args.loss_class.__init__).parameters)
+    for name, spec in SPECS.items():
+        field_name = FIELD_NAMES.get(name, name)
+        value = getattr(args, field_name)
+        if value is None or field_name not in fields:
+            continue
+        spec.check(field_name, value)
+        if name not in taken and value != fields[field_name].default:
+            raise ValueError(
+                f"{field_name} does not apply to loss={args.loss!r} ({args.loss_class.__name__} does not take "
+                f"{name}). Remove {field_name}."
+            )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,7 +23,6 @@ from st_cached_losses.functional import (
     infonce,
     scale_value,
 )
-from st_cached_losses.functional.checks import check_positive_int, memory_bytes
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.parallel import (
     agree_on_sizes,
@@ -42,6 +42,21 @@ from st_cached_losses.losses.options import (
     check_splittable_model,
     resolve_similarity,
 )
+from st_cached_losses.losses.settings import SPECS
+
+
+@dataclass
+class StepData:
+    """What one call of a loss hands its loss stage besides the embeddings, built by ``forward`` from the
+    features (never kept on the loss): :meth:`CachedInfoNCEBase.calculate_loss` reads it from its ``step``
+    argument, so that a wrapper decorating ``calculate_loss`` (MatryoshkaLoss) passes it through."""
+
+    #: per column, the inputs' hashes (``mask_duplicates``)
+    keys: list[Tensor] | None = None
+    #: per column, the guide's embeddings of the same rows (CachedGISTLoss)
+    guide: list[Tensor] | None = None
+    #: in GradCache's stage 2, a leaf standing for the learnable scale (its gradient is read off it)
+    scale_leaf: Tensor | None = None
 
 
 class CachedInfoNCEBase(CachedLossHyperparameters):
@@ -85,7 +100,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         self._similarity_fct = similarity_fct
         self._similarity = resolve_similarity(similarity_fct)
         scale = scale_value(scale)
-        max_scale = self._max_scale_value(max_scale)
+        max_scale = SPECS["max_scale"].check("max_scale", max_scale)
         if check_bool("learnable_scale", learnable_scale) and max_scale < scale:
             raise ValueError(f"max_scale must be >= scale, got max_scale={max_scale!r} and scale={scale!r}.")
         self._directions = check_directions(directions, partition_mode, owner)
@@ -93,81 +108,51 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         check_hardness(hardness_mode, hardness_strength, owner)
         self._hardness_mode = hardness_mode
         self._hardness_strength = hardness_strength
-        for name, flag in [
-            ("gather_across_devices", gather_across_devices),
-            ("show_progress_bar", show_progress_bar),
-            ("mask_duplicates", mask_duplicates),
-            ("sort_by_length", sort_by_length),
-            ("reuse_last_graph", reuse_last_graph),
-            ("keep_params_unsharded", keep_params_unsharded),
-        ]:
-            check_bool(name, flag)
-        self.cache = GradCache(
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
+        self.cache = GradCache(mini_batch_size=mini_batch_size, mini_batch_num_tokens=mini_batch_num_tokens)
+        self._init_settings(
+            mini_batch_memory_budget=mini_batch_memory_budget,
+            gather_across_devices=gather_across_devices,
+            show_progress_bar=show_progress_bar,
+            mask_duplicates=mask_duplicates,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
-            show_progress_bar=show_progress_bar,
             keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,  # type: ignore[arg-type]  # parsed by GradCache
-            mini_batch_memory_budget=mini_batch_memory_budget,  # type: ignore[arg-type]
+            graph_memory_budget=graph_memory_budget,
+            path=path,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
         )
-        self._gather_across_devices = gather_across_devices
-        self._mask_duplicates = check_bool("mask_duplicates", mask_duplicates)
-        self._path: LossPath = self._path_value(path)
-        check_positive_int("tile_size", tile_size)
-        self._tile_size = tile_size
-        self._memory_budget = self._memory_budget_value(memory_budget)
         self._max_scale = max_scale
-        self._keys: list[Tensor] | None = None
         self._scale = scale
-        # the scale as a leaf during GradCache's stage 2 (see _stage2)
-        self._scale_leaf: Tensor | None = None
         self._attached = False
         self._warned_caching_off = False
         self._tagged = False
         self._learnable_scale = False
         self.learnable_scale = learnable_scale
 
-    @property
-    def keep_params_unsharded(self) -> bool:
-        """Under FSDP2: keep every parameter group all-gathered for the whole step (one all-gather and one
-        reduce-scatter per group per step, instead of an all-gather per mini-batch forward and per
-        replay), for the memory of the full parameters; the same gradients. See
-        :class:`~st_cached_losses.engine.gradcache.GradCache`."""
-        return self.cache.keep_params_unsharded
-
-    @keep_params_unsharded.setter
-    def keep_params_unsharded(self, value: bool) -> None:
-        self.cache.keep_params_unsharded = check_bool("keep_params_unsharded", value)
-
-    @property
-    def graph_memory_budget(self) -> int | None:
-        """Bytes of first-pass graphs kept instead of replayed (see
-        :class:`~st_cached_losses.engine.gradcache.GradCache`); None: replay all but the last mini-batch. Set in
-        bytes or as a size such as ``"6GB"``; reads back in bytes."""
-        return self.cache.graph_memory_budget
-
-    @graph_memory_budget.setter
-    def graph_memory_budget(self, value: int | str | None) -> None:
-        self.cache.graph_memory_budget = memory_bytes(value, "graph_memory_budget")
-
     # ------------------------------------------------------------------ forward
 
-    def _core_kwargs(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
+    def _core_kwargs(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
         """The core's options; ``n_columns``: candidate columns (positives and hard negatives) of this step."""
         return {
             "similarity": self.similarity,
             "path": self.path,
             "tile_size": self.tile_size,
             "memory_budget": self.memory_budget,
-            **self._loss_terms(keys, n_columns),
+            **self._loss_terms(step, n_rows, n_columns),
         }
 
-    def _loss_terms(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
+    def _step_data(self, features: list[dict[str, Any]]) -> StepData:
+        """What this call's loss stage needs from the features (a subclass adds its own)."""
+        # false negatives are recognised by their token ids (embeddings differ under dropout)
+        return StepData(keys=[input_hashes(f) for f in features] if self._mask_duplicates else None)
+
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
         """Which loss the core computes: the terms of sentence-transformers' options (what a subclass with
-        other terms overrides), and the duplicate keys that mask them."""
+        other terms overrides), and the duplicate keys that mask them (those of these rows: a wrapper may
+        call the loss stage on other rows, and masks nothing then)."""
         kwargs: dict[str, Any] = {}
+        keys = step.keys if step.keys is not None and len(step.keys[0]) == n_rows else None
         if keys is not None:
             kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
         kwargs["terms"] = mnrl_terms(
@@ -192,7 +177,12 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
     uses_gradient_cache = True
 
     def calculate_loss(
-        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+        self,
+        reps: list[list[Tensor]],
+        labels: Tensor | None = None,
+        *,
+        with_backward: bool = False,
+        step: StepData | None = None,
     ) -> Tensor:
         """The loss of already computed embeddings (sentence-transformers' cached-loss interface).
 
@@ -202,22 +192,25 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             labels: unused (the positive of row ``i`` is row ``i`` of the second column).
             with_backward: also put the gradient of the loss in each piece's ``.grad`` (the pieces must
                 be leaves that require grad) and return the loss without a graph to the embeddings. (With
-                a learnable scale, inside GradCache's stage 2, the returned loss keeps a graph to a leaf
-                standing for the scale that carries exactly the scale's gradient: a wrapper that weighs
-                and sums several calls, like MatryoshkaLoss, thus weighs the scale's gradient too.)
-                Without it the loss is returned with autograd (or without a graph under
-                ``torch.no_grad``).
+                a learnable scale, the returned loss keeps a graph to the scale that carries exactly the
+                scale's gradient: to ``step.scale_leaf`` inside GradCache's stage 2, to ``logit_scale``
+                when called directly; a wrapper that weighs and sums several calls, like MatryoshkaLoss,
+                thus weighs the scale's gradient too.) Without it the loss is returned with autograd (or
+                without a graph under ``torch.no_grad``).
+            step: what the call of the loss on these rows' features prepared (:class:`StepData`); None,
+                called directly: no duplicate masks (they need the inputs).
 
         With ``gather_across_devices``, each process returns its share of the global loss (see
         ``st_cached_losses.functional.parallel``): DDP's gradient average is the full batch's gradient.
         """
         embeddings = [torch.cat(r) if len(r) > 1 else r[0] for r in reps]
-        keys = self._keys if self._keys is not None and len(self._keys[0]) == len(embeddings[0]) else None
+        step = step if step is not None else StepData()
         if self.gather_across_devices and not is_distributed():
             warn_no_process_group_once(type(self).__name__)
         # also the finiteness check, agreed on by every process
         sizes = agree_on_sizes(embeddings, self.gather_across_devices)
-        scale, kwargs = self.scale_tensor(), self._core_kwargs(keys, len(embeddings) - 1)
+        scale = self.scale_tensor()
+        kwargs = self._core_kwargs(step, len(embeddings[0]), len(embeddings) - 1)
         if not with_backward and torch.is_grad_enabled():  # a caller asking for autograd, not the cache
             if sizes is None:
                 if isinstance(scale, Tensor) and scale.requires_grad and is_distributed():
@@ -225,7 +218,9 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
                     scale.register_hook(mean_scale_grad)
                 return infonce(embeddings[0], embeddings[1:], scale=scale, check_finite=False, **kwargs)
             return gathered_infonce(embeddings[0], embeddings[1:], sizes, scale=scale, **kwargs)
-        scale = self._scale_for_grad(scale) if with_backward else scale
+        # the scale whose gradient the core computes: stage 2's leaf, or the scale itself called directly
+        if isinstance(scale, Tensor):
+            scale = step.scale_leaf if step.scale_leaf is not None else scale
         ring = self.path == "tiled"
         out = loss_and_grad(
             embeddings[0], embeddings[1:], sizes, ring=ring, with_grad=with_backward, scale=scale, **kwargs
@@ -239,7 +234,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
                 g = g.to(piece.dtype)
                 piece.grad = g if piece.grad is None else piece.grad + g
         loss = out.loss.detach()
-        if out.grad_scale is not None and self._scale_leaf is not None:
+        if out.grad_scale is not None:
             grad_scale: Tensor | None = out.grad_scale
             if sizes is None:
                 # each process scored only its own rows, and the scale belongs to the loss, outside any
@@ -247,33 +242,23 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
                 # process would step to another scale (the gathered and ring paths average it themselves)
                 grad_scale = mean_scale_grad(grad_scale)
             # the value of the loss, with d/d(leaf) = the scale's gradient: a caller's weights reach it
-            leaf = self._scale_leaf
-            assert grad_scale is not None  # averaged, not dropped
-            loss = loss + (leaf - leaf.detach()) * grad_scale.detach().to(leaf.dtype)
+            assert grad_scale is not None and isinstance(scale, Tensor)  # averaged, not dropped
+            loss = loss + (scale - scale.detach()) * grad_scale.detach().to(scale.dtype)
         return loss
 
-    def _scale_for_grad(self, scale: Tensor | float) -> Tensor | float:
-        """The scale the core differentiates: stage 2's leaf. Outside stage 2 nobody reads the scale's
-        gradient, so the core gets it detached and does not compute one."""
-        if not isinstance(scale, Tensor):
-            return scale
-        return self._scale_leaf if self._scale_leaf is not None else scale.detach()
-
     def _stage2(
-        self, embeddings: list[Tensor], labels: Tensor | None
+        self, embeddings: list[Tensor], labels: Tensor | None, step: StepData | None = None
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
         """GradCache's stage 2 through :meth:`calculate_loss`, so that a wrapper that decorates it works."""
         reps = [[e.detach().requires_grad_()] for e in embeddings]
         scale = self.scale_tensor()
-        self._scale_leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) else None
-        try:
-            loss = self.calculate_loss(reps, labels, with_backward=True)
-            scale_grad = None
-            if self._scale_leaf is not None and loss.requires_grad:
-                # through whatever a wrapper did with the returned losses (e.g. Matryoshka's weights)
-                (scale_grad,) = torch.autograd.grad(loss, self._scale_leaf)
-        finally:
-            self._scale_leaf = None
+        step = step if step is not None else StepData()
+        step.scale_leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) else None
+        loss = self.calculate_loss(reps, labels, with_backward=True, step=step)
+        scale_grad = None
+        if step.scale_leaf is not None and loss.requires_grad:
+            # through whatever a wrapper did with the returned losses (e.g. Matryoshka's weights)
+            (scale_grad,) = torch.autograd.grad(loss, step.scale_leaf)
         grads = [r[0].grad if r[0].grad is not None else torch.zeros_like(r[0]) for r in reps]
         return loss.detach(), grads, [scale_grad]
 
@@ -301,16 +286,12 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             # the stock trainer saves only the model: have the trainer calling us checkpoint, restore and log
             # the scale too; on every call, as the same loss may be handed to a second trainer to resume
             self._attached = attach_to_calling_trainer(self)
-        # false negatives are recognised by their token ids (embeddings differ under dropout)
-        self._keys = [input_hashes(f) for f in features] if self._mask_duplicates else None
-        try:
-            if not torch.is_grad_enabled():
-                # evaluation: the same loss, mini-batched, no caching and no graph
-                embeddings = self.cache.embed(self.model, features)
-                return self.calculate_loss([[e] for e in embeddings], labels)
-            self._warn_if_caching_off(features)
-            scale = self.scale_tensor()
-            extra = [scale] if isinstance(scale, Tensor) else []
-            return self.cache.step(self.model, features, lambda e: self._stage2(e, labels), extra=extra)
-        finally:
-            self._keys = None
+        step = self._step_data(features)
+        if not torch.is_grad_enabled():
+            # evaluation: the same loss, mini-batched, no caching and no graph
+            embeddings = self.cache.embed(self.model, features)
+            return self.calculate_loss([[e] for e in embeddings], labels, step=step)
+        self._warn_if_caching_off(features)
+        scale = self.scale_tensor()
+        extra = [scale] if isinstance(scale, Tensor) else []
+        return self.cache.step(self.model, features, lambda e: self._stage2(e, labels, step), extra=extra)

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from typing import Any, cast
 
 import torch
@@ -12,9 +11,9 @@ from st_cached_losses.engine.features import batch_size_of, unwrap_model
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
 from st_cached_losses.functional.directions import Guide
 from st_cached_losses.functional.terms import gist_terms
-from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
-from st_cached_losses.losses.options import ONE_DIRECTION, check_bool, check_columns
+from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
 
 MARGIN_STRATEGIES = ("absolute", "relative")
 _NO_TOKENIZER = "Both the training model and the guiding model must have a tokenizer attribute."
@@ -139,7 +138,6 @@ class CachedGISTLoss(CachedInfoNCEBase):
             raise ValueError(_NO_TOKENIZER)
         # kept from construction: the trainer later puts a DDP / FSDP wrapper, without a tokenizer, in .model
         self._model_tokenizer = cast(Any, model).tokenizer
-        self._guide_embeddings: list[Tensor] | None = None
         self.guide = guide  # checked, and must_retokenize decided (see __setattr__)
         self.margin_strategy = margin_strategy
         self.margin = margin
@@ -238,8 +236,8 @@ class CachedGISTLoss(CachedInfoNCEBase):
         self._contrast_positives = check_bool("contrast_positives", value)
 
     def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values (and a learnable
-        scale's settings when learnable)."""
+        """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values, then the extras
+        that differ from their defaults (a learnable scale's settings when learnable)."""
         config = {
             "guide": self.guide,
             "temperature": self.temperature,
@@ -251,9 +249,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
             "contrast_positives": self.contrast_positives,
             "gather_across_devices": self.gather_across_devices,
         }
-        if self.learnable_scale:
-            config.update(learnable_scale=True, max_scale=self.max_scale)
-        return config
+        return {**config, **self._changed_settings()}
 
     @property
     def citation(self) -> str:
@@ -261,9 +257,18 @@ class CachedGISTLoss(CachedInfoNCEBase):
 
     # ------------------------------------------------------------------ forward
 
-    def _loss_terms(self, keys: list[Tensor] | None, n_columns: int) -> dict[str, Any]:
-        g = self._guide_embeddings
-        if g is None or len(g) != n_columns + 1:
+    def _step_data(self, features: list[dict[str, Any]]) -> StepData:
+        """The guide's embeddings of the batch (no graph), where the model's embeddings are."""
+        guide_features = self._guide_features(features)
+        with torch.no_grad():
+            guided = self.cache.embed(self.guide, guide_features)
+        device = next(self.model.parameters()).device
+        assert all(g.shape[0] == batch_size_of(features[0]) for g in guided)
+        return StepData(guide=[g.to(device) for g in guided])
+
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
+        g = step.guide
+        if g is None or len(g) != n_columns + 1 or len(g[0]) != n_rows:
             raise ValueError(
                 "CachedGISTLoss needs the guide's embeddings of the same batch: call the loss on the features "
                 "(loss(features, labels)), which embeds them with the guide, rather than calculate_loss directly."
@@ -284,20 +289,3 @@ class CachedGISTLoss(CachedInfoNCEBase):
             guided = cast(Any, self.guide).preprocess(texts)
             out.append({k: v.to(device) if isinstance(v, Tensor) else v for k, v in guided.items()})
         return out
-
-    def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
-        features = list(sentence_features)
-        try:
-            check_columns(features, type(self).__name__)
-        except ValueError as exc:  # the other processes are about to wait for this one: tell them
-            self.cache.raise_on_every_process(self.model, exc)
-        guide_features = self._guide_features(features)
-        with torch.no_grad():
-            guided = self.cache.embed(self.guide, guide_features)
-        device = next(self.model.parameters()).device  # where the model's embeddings are
-        self._guide_embeddings = [g.to(device) for g in guided]
-        assert all(g.shape[0] == batch_size_of(features[0]) for g in guided)
-        try:
-            return super().forward(features, labels)
-        finally:
-            self._guide_embeddings = None

@@ -13,24 +13,19 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional import LossPath, Similarity, scale_value
-from st_cached_losses.functional.checks import (
-    check_mini_batch_num_tokens,
-    check_mini_batch_size,
-    check_positive_int,
-    memory_bytes,
-)
+from st_cached_losses.functional.checks import check_mini_batch_num_tokens, check_mini_batch_size
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, GTE_CITATION, HARDNESS_CITATION
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
     TWO_DIRECTIONS,
     VALID_DIRECTIONS,
     ConfigTuple,
-    check_bool,
     check_directions,
     check_hardness,
     resolve_similarity,
     similarity_name,
 )
+from st_cached_losses.losses.settings import SPECS, Setting, check_bool
 
 __all__ = ["CachedLossHyperparameters"]
 
@@ -51,46 +46,38 @@ class CachedLossHyperparameters(nn.Module):
     _partition_mode: str
     _hardness_mode: str | None
     _hardness_strength: float
-    _gather_across_devices: bool
-    _mask_duplicates: bool
-    _path: LossPath
-    _tile_size: int | None
-    _memory_budget: int
 
     def __setattr__(self, name: str, value: Any) -> None:
         # a property's setter, whatever the value: nn.Module would file an nn.Module value (e.g. a similarity
         # module) or a Parameter under _modules / _parameters, where the setter never sees it
-        if isinstance(getattr(type(self), name, None), property):
+        if isinstance(getattr(type(self), name, None), (property, Setting)):
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
 
     # ------------------------------------------------------------------ configuration
 
-    @staticmethod
-    def _max_scale_value(value: float) -> float:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value <= 0
-        ):
-            raise ValueError(f"max_scale must be a finite positive number, got {value!r}; e.g. 100.0.")
-        return float(value)
+    def _init_settings(self, **values: Any) -> None:
+        """The constructor's plain settings, each checked by its spec; through this class's own
+        descriptors, so that a subclass that hides a setting (CachedGISTLoss) still starts from its default."""
+        for name, value in values.items():
+            descriptor = vars(CachedLossHyperparameters)[name]
+            if isinstance(descriptor, Setting):
+                descriptor.__set__(self, value)
+            else:
+                setattr(self, name, value)
 
-    @staticmethod
-    def _path_value(value: str) -> LossPath:
-        if value not in ("auto", "chunked", "tiled"):
-            raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {value!r}.")
-        return value  # type: ignore[return-value]
-
-    @staticmethod
-    def _memory_budget_value(value: int | str) -> int:
-        if value is None:
-            raise ValueError("memory_budget must be a positive integer (bytes), got None; e.g. 64 * 2**20.")
-        parsed = memory_bytes(value, "memory_budget")
-        assert parsed is not None
-        return parsed
+    # the plain settings (checked by their spec, see settings.py)
+    gather_across_devices = Setting[bool]()
+    mask_duplicates = Setting[bool]()
+    path = Setting[LossPath]()
+    tile_size = Setting[int | None]()
+    memory_budget = Setting[int]()
+    show_progress_bar = Setting[bool](on_engine=True)
+    sort_by_length = Setting[bool](on_engine=True)
+    reuse_last_graph = Setting[bool](on_engine=True)
+    keep_params_unsharded = Setting[bool](on_engine=True)
+    graph_memory_budget = Setting[int | None](on_engine=True)
 
     @property
     def scale(self) -> float:
@@ -152,7 +139,7 @@ class CachedLossHyperparameters(nn.Module):
 
     @max_scale.setter
     def max_scale(self, value: float) -> None:
-        value = self._max_scale_value(value)
+        value = SPECS["max_scale"].check("max_scale", value)
         if self.learnable_scale and value < self.scale:
             raise ValueError(f"max_scale must be >= scale, got max_scale={value!r} and scale={self.scale!r}.")
         self._max_scale = value
@@ -204,18 +191,10 @@ class CachedLossHyperparameters(nn.Module):
 
     @mini_batch_memory_budget.setter
     def mini_batch_memory_budget(self, value: int | str | None) -> None:
-        parsed = memory_bytes(value, "mini_batch_memory_budget")
+        parsed = SPECS["mini_batch_memory_budget"].check("mini_batch_memory_budget", value)
         if parsed != self.cache.mini_batch_memory_budget:
             self.cache.auto_size = None
         self.cache.mini_batch_memory_budget = parsed
-
-    @property
-    def gather_across_devices(self) -> bool:
-        return self._gather_across_devices
-
-    @gather_across_devices.setter
-    def gather_across_devices(self, value: bool) -> None:
-        self._gather_across_devices = check_bool("gather_across_devices", value)
 
     @property
     def directions(self) -> tuple[str, ...]:
@@ -268,63 +247,6 @@ class CachedLossHyperparameters(nn.Module):
         check_hardness(self._hardness_mode, value, type(self).__name__)
         self._hardness_strength = value
 
-    @property
-    def show_progress_bar(self) -> bool:
-        return self.cache.show_progress_bar
-
-    @show_progress_bar.setter
-    def show_progress_bar(self, value: bool) -> None:
-        self.cache.show_progress_bar = check_bool("show_progress_bar", value)
-
-    @property
-    def sort_by_length(self) -> bool:
-        return self.cache.sort_by_length
-
-    @sort_by_length.setter
-    def sort_by_length(self, value: bool) -> None:
-        self.cache.sort_by_length = check_bool("sort_by_length", value)
-
-    @property
-    def reuse_last_graph(self) -> bool:
-        return self.cache.reuse_last_graph
-
-    @reuse_last_graph.setter
-    def reuse_last_graph(self, value: bool) -> None:
-        self.cache.reuse_last_graph = check_bool("reuse_last_graph", value)
-
-    @property
-    def mask_duplicates(self) -> bool:
-        return self._mask_duplicates
-
-    @mask_duplicates.setter
-    def mask_duplicates(self, value: bool) -> None:
-        self._mask_duplicates = check_bool("mask_duplicates", value)
-
-    @property
-    def path(self) -> LossPath:
-        return self._path
-
-    @path.setter
-    def path(self, value: LossPath) -> None:
-        self._path = self._path_value(value)
-
-    @property
-    def tile_size(self) -> int | None:
-        return self._tile_size
-
-    @tile_size.setter
-    def tile_size(self, value: int | None) -> None:
-        check_positive_int("tile_size", value)
-        self._tile_size = value
-
-    @property
-    def memory_budget(self) -> int:
-        return self._memory_budget
-
-    @memory_budget.setter
-    def memory_budget(self, value: int | str) -> None:
-        self._memory_budget = self._memory_budget_value(value)
-
     def _citation_parts(self) -> tuple[str, ...]:
         return self._citations
 
@@ -353,7 +275,8 @@ class CachedLossHyperparameters(nn.Module):
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' nine keys (same values for the same settings; ``scale`` is the current,
-        learned value), then ``symmetric`` and the extras that differ from their defaults."""
+        learned value), then the extras sentence-transformers does not have, where they differ from their
+        defaults (``symmetric``, a learnable scale with its clamp, and the specs' ``"changed"`` settings)."""
         config: dict[str, Any] = {
             "scale": self.scale,
             "similarity_fct": similarity_name(self.similarity),
@@ -364,12 +287,20 @@ class CachedLossHyperparameters(nn.Module):
             "partition_mode": self.partition_mode,
             "hardness_mode": self.hardness_mode,
             "hardness_strength": self.hardness_strength,
-            "symmetric": self.symmetric,
         }
+        if self.symmetric:  # said in so many words (the directions say it too)
+            config["symmetric"] = True
+        return {**config, **self._changed_settings()}
+
+    def _changed_settings(self) -> dict[str, Any]:
+        """The extras of the config: a learnable scale and its clamp, and each ``"changed"`` setting of this
+        loss that differs from its default."""
+        extras: dict[str, Any] = {}
         if self.learnable_scale:
-            config.update(learnable_scale=True, max_scale=self.max_scale)
-        if self.mask_duplicates:
-            config["mask_duplicates"] = True
-        if self.tile_size is not None:
-            config["tile_size"] = self.tile_size
-        return config
+            extras.update(learnable_scale=True, max_scale=self.max_scale)
+        for name, spec in SPECS.items():
+            if spec.config == "changed" and isinstance(getattr(type(self), name, None), Setting):
+                value = getattr(self, name)
+                if value != spec.default:
+                    extras[name] = value
+        return extras

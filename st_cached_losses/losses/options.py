@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.functional import Similarity
+from st_cached_losses.losses.settings import check_bool
 
 logger = logging.getLogger(__name__)
 
@@ -152,12 +153,6 @@ class ConfigTuple(tuple[str, ...]):
         return not self == other
 
     __hash__ = tuple.__hash__
-
-
-def check_bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}.")
-    return value
 
 
 def check_directions(directions: Sequence[str], partition_mode: str, owner: str) -> tuple[str, ...]:

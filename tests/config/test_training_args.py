@@ -543,3 +543,91 @@ def test_checkpoints_pickle_the_documented_path(tmp_path):
         "assert type(a) is C and a.loss == 'clip' and a.loss_scale == 20.0, a"
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path / "args.pkl")], check=True)
+
+
+def test_every_constructor_argument_is_a_field_with_the_specs_default_and_help():
+    """One spec per setting: every argument of every loss's constructor is a field of the arguments (under
+    ``FIELD_NAMES``' name) or on ``NOT_FIELDS`` with its reason; a field of a plain setting has its spec's
+    default (or None for the loss's own) and help; and each loss built from default arguments has its
+    constructor's defaults."""
+    import dataclasses
+    import inspect
+
+    from st_cached_losses.config.registry import LOSSES
+    from st_cached_losses.losses.settings import FIELD_NAMES, NOT_FIELDS, SPECS
+
+    fields = {f.name: f for f in dataclasses.fields(CachedLossTrainingArguments)}
+    none_is_loss_default = {
+        "scale",
+        "temperature",
+        "directions",
+        "partition_mode",
+        "symmetric",
+        "memory_budget",
+    }
+    for name, cls in LOSSES.items():
+        params = inspect.signature(cls.__init__).parameters
+        for param in list(params)[1:]:
+            if param in NOT_FIELDS:
+                continue
+            field_name = FIELD_NAMES.get(param, param)
+            assert field_name in fields, f"{cls.__name__}({param}=...) has no field in the arguments"
+            f = fields[field_name]
+            default = params[param].default
+            if param in SPECS:
+                assert f.metadata["help"].startswith(SPECS[param].help), field_name
+                assert SPECS[param].default == default, (cls.__name__, param)
+            if f.default is None and param in none_is_loss_default:
+                continue
+            if param in ("similarity_fct", "guide", "mini_batch_size"):
+                continue  # a function / a model in the loss; mini_batch_size: ours 32 as theirs
+            if f.default != default and not (name == "gist" and param == "mini_batch_size"):
+                raise AssertionError(
+                    f"{field_name}: field default {f.default!r} != {cls.__name__}'s {default!r}"
+                )
+
+
+@pytest.mark.parametrize("loss", ["mnr", "clip", "tiled", "gist"])
+def test_loss_settings_list_only_what_the_loss_takes(loss):
+    """The model card's loss settings: the chosen loss's own fields only (no GIST fields on an MNR card, no
+    tile_size or symmetric outside 'tiled')."""
+    extra = {"guide_model": "guide"} if loss == "gist" else {}
+    args = CachedLossTrainingArguments(output_dir="out", per_device_train_batch_size=64, loss=loss, **extra)
+    settings = args.loss_settings()
+    gist_only = {"guide_model", "margin", "margin_strategy", "contrast_anchors", "contrast_positives"}
+    assert bool(gist_only & set(settings)) == (loss == "gist")
+    assert ("symmetric" in settings) == (loss == "tiled")
+    assert ("tile_size" in settings) == (loss in ("tiled", "gist"))
+    assert ("learnable_scale" in settings) == (loss in ("clip", "tiled"))
+    assert ("mask_duplicates" in settings) == (loss != "gist")
+
+
+def test_fields_of_engine_settings_reach_the_loss(tmp_path):
+    """The settings the arguments lacked before (path, budgets, engine switches) are fields now and reach
+    the loss; one a loss does not take is refused, naming the field."""
+    from st_cached_losses.config.factory import build_loss
+    from tests.support.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "bert")
+    args = CachedLossTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=64,
+        path="chunked",
+        memory_budget="1MiB",
+        sort_by_length=False,
+        reuse_last_graph=False,
+        graph_memory_budget="1GB",
+        mini_batch_memory_budget="512MB",
+    )
+    loss = build_loss(model, args)
+    assert (loss.path, loss.memory_budget, loss.sort_by_length, loss.reuse_last_graph) == (
+        "chunked",
+        2**20,
+        False,
+        False,
+    )
+    assert loss.graph_memory_budget == 10**9 and loss.mini_batch_memory_budget == 512 * 10**6
+    with pytest.raises(ValueError, match="path does not apply to loss='tiled'"):
+        CachedLossTrainingArguments(output_dir="out", loss="tiled", path="chunked")
+    with pytest.raises(ValueError, match="graph_memory_budget must be a number of bytes"):
+        CachedLossTrainingArguments(output_dir="out", graph_memory_budget="lots")

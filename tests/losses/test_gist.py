@@ -183,9 +183,12 @@ def _settable() -> list[str]:
     """Every public property of CachedGISTLoss with a setter, besides those it refuses."""
     import inspect
 
+    from st_cached_losses.losses.settings import Setting
+
     return [
         n for n, m in inspect.getmembers(CachedGISTLoss)
-        if isinstance(m, property) and m.fset is not None and n not in UNUSED and not n.startswith("_")
+        if ((isinstance(m, property) and m.fset is not None) or isinstance(m, Setting))
+        and n not in UNUSED and not n.startswith("_")
     ]  # fmt: skip
 
 

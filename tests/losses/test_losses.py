@@ -11,7 +11,7 @@ import torch
 from sentence_transformers.sentence_transformer import losses as st_losses
 from sentence_transformers.util import cos_sim, dot_score
 
-from st_cached_losses import CachedCLIPLoss, CachedMNRLoss
+from st_cached_losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
 from st_cached_losses.engine.gradcache import GradCache, RandState
 from tests.support.reference import reference_infonce
 from tests.support.tiny_model import make_tiny_model, random_texts
@@ -539,3 +539,24 @@ def test_loss_warns_once_when_caching_is_off(model):
         warnings.simplefilter("always")
         CachedMNRLoss(model, mini_batch_size=4)(feats, None).backward()
     assert not [w for w in caught if "caching saves no memory" in str(w.message)]
+
+
+@pytest.mark.parametrize("cls", [CachedCLIPLoss, CachedTiledLoss])
+def test_calculate_loss_called_directly_gives_the_learnable_scale_its_gradient(model, cls):
+    """``calculate_loss(reps, with_backward=True)`` outside a step (no ``step``): the embeddings' ``.grad``
+    and, through the returned loss, ``logit_scale.grad`` equal autograd's through the same loss."""
+    loss = cls(model, learnable_scale=True, scale=10.0)
+    torch.manual_seed(0)
+    embeddings = [torch.randn(5, 8), torch.randn(5, 8), torch.randn(5, 8)]
+    ref_reps = [[e.clone().requires_grad_()] for e in embeddings]
+    loss.calculate_loss(ref_reps).backward()
+    ref_scale_grad = loss.logit_scale.grad.clone()
+    loss.logit_scale.grad = None
+    reps = [[e.clone().requires_grad_()] for e in embeddings]
+    value = loss.calculate_loss(reps, with_backward=True)
+    assert loss.logit_scale.grad is None  # not yet: through the returned loss
+    value.backward()
+    torch.testing.assert_close(loss.logit_scale.grad, ref_scale_grad, rtol=1e-5, atol=1e-7)
+    assert float(ref_scale_grad) != 0.0
+    for r, ref in zip(reps, ref_reps):
+        torch.testing.assert_close(r[0].grad, ref[0].grad, rtol=1e-5, atol=1e-7)

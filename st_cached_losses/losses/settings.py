@@ -1,0 +1,197 @@
+"""One spec per loss setting: its default, its one check (one wording), its help text, whether the model
+card's config lists it, and which field of the arguments sets it.
+
+The losses check their arguments with these specs (constructor and every assignment), the plain settings
+are :class:`Setting` descriptors built from them, ``get_config_dict`` lists the extras from them, and the
+configuration layer takes each field's default and help text from them and passes every field a loss's
+constructor takes (``tests/config/test_training_args.py`` holds that every constructor argument of every
+loss is a field, or on :data:`NOT_FIELDS` with the reason). Adding a plain setting is one entry here, one
+``Setting()`` line on the loss, its parameter in the signatures, and its use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar, overload
+
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional.checks import check_positive_int, memory_bytes
+
+__all__ = ["FIELD_NAMES", "NOT_FIELDS", "SPECS", "Setting", "Spec", "check_bool"]
+
+T = TypeVar("T")
+
+
+def check_bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}.")
+    return value
+
+
+def _positive_int_or_none(name: str, value: Any) -> int | None:
+    check_positive_int(name, value)
+    return value
+
+
+def _budget_or_none(name: str, value: Any) -> int | None:
+    return memory_bytes(value, name)
+
+
+def _budget(name: str, value: Any) -> int:
+    if value is None:
+        raise ValueError(f"{name} must be a positive integer (bytes) or a size such as '64MiB', got None.")
+    parsed = memory_bytes(value, name)
+    assert parsed is not None
+    return parsed
+
+
+def _path(name: str, value: Any) -> str:
+    if value not in ("auto", "chunked", "tiled"):
+        raise ValueError(f"{name} must be 'auto', 'chunked' or 'tiled', got {value!r}.")
+    return str(value)
+
+
+def _positive_number(name: str, value: Any) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise ValueError(f"{name} must be a finite positive number, got {value!r}; e.g. 100.0.")
+    return float(value)
+
+
+def _unchecked(name: str, value: Any) -> Any:
+    return value
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A loss setting. ``check(name, value)`` returns the value the loss keeps or raises a ``ValueError``
+    naming the setting; ``config``: ``"changed"`` lists it in ``get_config_dict`` when it differs from the
+    default, ``"never"`` for settings that never change the result (speed and memory only), ``"own"`` where
+    the loss writes it itself (sentence-transformers' keys and the settings that go together)."""
+
+    default: Any
+    help: str
+    check: Callable[[str, Any], Any] = _unchecked
+    config: Literal["own", "changed", "never"] = "own"
+
+
+SPECS: dict[str, Spec] = {
+    "max_scale": Spec(100.0, "Upper clamp of a learnable scale (CLIP uses 100).", _positive_number),
+    "gather_across_devices": Spec(
+        False,
+        "Score each process's rows against every process's candidates (multi-GPU / multi-node, exact "
+        "global-batch gradients); 'tiled' passes them around a ring instead of gathering.",
+        check_bool,
+    ),
+    "mask_duplicates": Spec(
+        False,
+        "Drop from a row's negatives the candidates whose text equals its positive or belongs to a pair sharing "
+        "its anchor or positive (false negatives), also across processes.",
+        check_bool,
+        "changed",
+    ),
+    "show_progress_bar": Spec(
+        False, "Show tqdm bars over the loss's encoder mini-batches.", check_bool, "never"
+    ),
+    "sort_by_length": Spec(
+        True,
+        "Embed each column's rows longest first (less padding in a mini-batch); never changes the result.",
+        check_bool,
+        "never",
+    ),
+    "reuse_last_graph": Spec(
+        True,
+        "Keep the last encoder mini-batch's graph from the first pass instead of replaying it; never changes the "
+        "result.",
+        check_bool,
+        "never",
+    ),
+    "keep_params_unsharded": Spec(
+        False,
+        "Under FSDP2: gather every parameter group once per step and keep it until the last replay (one "
+        "all-gather and one reduce-scatter per group per step), for the memory of the full parameters.",
+        check_bool,
+        "never",
+    ),
+    "path": Spec(
+        "auto",
+        "The loss stage's algorithm: 'auto' (from the batch and memory_budget), 'chunked' (row chunks against "
+        "every column) or 'tiled' (Inf-CL-style tiles); never changes the result.",
+        _path,
+        "never",
+    ),
+    "tile_size": Spec(
+        None,
+        "Side of a logit tile / rows of a chunk of the loss stage (default: from memory_budget, at most 2048).",
+        _positive_int_or_none,
+        "changed",
+    ),
+    "memory_budget": Spec(
+        DEFAULT_MEMORY_BUDGET,
+        f"Bytes of logit blocks the loss stage may hold at once, or a size such as '64MiB' (default "
+        f"{DEFAULT_MEMORY_BUDGET // 2**20} MiB).",
+        _budget,
+        "never",
+    ),
+    "graph_memory_budget": Spec(
+        None,
+        "Bytes (or a size such as '6GB') of first-pass encoder graphs to keep instead of replaying their "
+        "mini-batches, the longest first; the same gradients, fewer forwards. Default: replay all but the last.",
+        _budget_or_none,
+        "never",
+    ),
+    "mini_batch_memory_budget": Spec(
+        None,
+        "With mini_batch_size='auto': the activation memory one encoder mini-batch may take (bytes or a size "
+        "such as '2GB'; on CUDA by default half the free memory).",
+        _budget_or_none,
+        "never",
+    ),
+}
+
+#: constructor arguments set by an arguments field of another name
+FIELD_NAMES = {
+    "similarity_fct": "similarity",
+    "show_progress_bar": "loss_show_progress_bar",
+    "guide": "guide_model",
+}
+#: constructor arguments no field sets, and why
+NOT_FIELDS = {"model": "the trainer's model: build_loss(model, args) passes it"}
+
+
+class Setting(Generic[T]):
+    """A plain loss setting as a descriptor: read back as kept, checked by its :class:`Spec` on every
+    assignment (the constructor's included). Kept on the loss (``_<name>``), or on its GradCache engine
+    (``loss.cache.<name>``) for the engine's own settings."""
+
+    def __init__(self, *, on_engine: bool = False) -> None:
+        self.on_engine = on_engine
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+        self.__doc__ = SPECS[name].help
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Setting[T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Setting[T] | T:
+        if obj is None:
+            return self
+        if self.on_engine:
+            return getattr(obj.cache, self.name)  # type: ignore[attr-defined]
+        return obj.__dict__["_" + self.name]
+
+    def __set__(self, obj: object, value: T) -> None:
+        value = SPECS[self.name].check(self.name, value)
+        if self.on_engine:
+            setattr(obj.cache, self.name, value)  # type: ignore[attr-defined]
+        else:
+            obj.__dict__["_" + self.name] = value
