@@ -139,12 +139,22 @@ def check_card(card: str, loss_class: str, citations: list[str], settings: dict)
         ),
     ],
 )
-def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, citations, settings):
+def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, citations, settings, capfd):
     module = load_example(name)
     out = tmp_path / "out"
     trainer, metrics = module.main(
         ["--model_name_or_path", tiny_model, "--output_dir", str(out), *TINY, *extra]
     )
+    printed = capfd.readouterr()
+    # --disable_tqdm true: no bar at all, sentence-transformers' model card's included
+    assert "Computing widget examples" not in printed.err, printed.err[-3000:]
+    if name == "train_cached_mnr":  # mining drops the pairs it finds too few negatives for, and says so
+        mined = re.search(
+            r"hard-negative mining dropped (\d+) of (\d+) pairs .*; training on (\d+)", printed.out
+        )
+        assert mined is not None, printed.out
+        dropped, given, kept = map(int, mined.groups())
+        assert given == 48 and dropped + kept == given and kept == len(trainer.train_dataset)
     assert set(metrics) == {"before", "after"} and 0 <= metrics["after"]["MRR@10"] <= 1
     assert trainer.state.global_step == 2 and type(trainer.loss).__name__ == loss_class
     card = (out / "README.md").read_text()
