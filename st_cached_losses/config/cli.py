@@ -31,6 +31,7 @@ import copy
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -50,7 +51,12 @@ USAGE = "%(prog)s [CONFIG.yaml | --config CONFIG.yaml] [--FIELD VALUE ...]"
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keeps the description's line breaks (a script's docstring, with its example commands) and shows
-    every field's default."""
+    every field's default, but not a ``--no_<field>`` flag's (``False``: what the flag sets, not a default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if isinstance(action, argparse._StoreFalseAction):
+            return action.help
+        return super()._get_help_string(action)
 
 
 def load_config(path: str | os.PathLike[Any]) -> dict[str, Any]:
@@ -58,12 +64,24 @@ def load_config(path: str | os.PathLike[Any]) -> dict[str, Any]:
 
     Raises:
         ImportError: for a YAML file without PyYAML installed.
-        ValueError: for a file that does not hold a mapping.
+        ValueError: for a file that is missing, unreadable, not valid YAML / JSON, or does not hold a mapping
+            (one line, naming the file and, for a syntax error, the line and column).
     """
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"configuration file {str(path)!r} not found.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise ValueError(f"cannot read configuration file {str(path)!r}: {reason}.") from None
     if path.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(
+                f"{path} is not valid JSON: {err.msg} at line {err.lineno}, column {err.colno}."
+            ) from None
     else:
         try:
             import yaml
@@ -72,12 +90,41 @@ def load_config(path: str | os.PathLike[Any]) -> dict[str, Any]:
                 f"reading {path} needs PyYAML: pip install 'st_cached_losses[yaml]' (or pip install pyyaml), "
                 "or write the configuration as JSON."
             ) from err
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ValueError(f"{path} is not valid YAML: {_yaml_problem(err)}.") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a mapping of field names to values, got {type(data).__name__}.")
     return data
+
+
+def _yaml_problem(err: Exception) -> str:
+    """A PyYAML error in one line: what is wrong and where (PyYAML's own message spans several lines)."""
+    problem = getattr(err, "problem", None) or getattr(err, "context", None)
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}" if problem else " ".join(str(err).split())
+
+
+_ROLE = re.compile(r":(?:py:)?(?:class|meth|func|data|mod|attr|obj|exc|ref|doc):`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+_LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+
+
+def plain_text(text: str) -> str:
+    """``text`` (a docstring, a field's help) without its reStructuredText markup, for ``--help``:
+    ``:class:`~a.b.C``` -> ``C``, ``:class:`a.b.C``` -> ``a.b.C``, double-backtick literals -> their text,
+    ``Example::`` -> ``Example:``."""
+
+    def role(match: re.Match[str]) -> str:
+        target = match.group(1)
+        return target.rsplit(".", 1)[-1] if match.group(0).split("`", 1)[1].startswith("~") else target
+
+    text = _ROLE.sub(role, text)
+    text = _LITERAL.sub(r"\1", text)
+    return re.sub(r"(\w)::$", r"\1:", text, flags=re.MULTILINE)
 
 
 class CachedLossArgumentParser(HfArgumentParser):
@@ -98,6 +145,8 @@ class CachedLossArgumentParser(HfArgumentParser):
     ) -> None:
         kwargs.setdefault("formatter_class", _HelpFormatter)
         kwargs.setdefault("usage", USAGE)
+        if kwargs.get("description"):  # a script's docstring: --help is plain text
+            kwargs["description"] = plain_text(kwargs["description"])
         self._loss_group: Any = None  # the loss fields' --help section, created with the first dataclass
         super().__init__(dataclass_types, **kwargs)
 
@@ -152,11 +201,19 @@ class CachedLossArgumentParser(HfArgumentParser):
             doc = (dtype.__doc__ or "").strip()
             generated = doc.startswith(f"{dtype.__name__}(")  # what dataclasses write for no docstring
             title = getattr(dtype, "_argument_group_name", dtype.__name__)
-            groups = [(self.add_argument_group(title, None if generated else doc.split("\n\n")[0]), fields)]
+            description = None if generated else plain_text(doc.split("\n\n")[0])
+            groups = [(self.add_argument_group(title, description), fields)]
         for group, group_fields in groups:
             for f in group_fields:
                 f.type = hints[f.name]
                 self._parse_dataclass_field(group, f)
+                for action in group._group_actions:
+                    if action.dest != f.name:
+                        continue
+                    if action.help:
+                        action.help = plain_text(action.help)
+                    if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no_<field>
+                        action.help = f"Turn off {f.name}: the same as --{f.name} false."
 
     # ------------------------------------------------------------------ parsing
 

@@ -16,8 +16,10 @@ not in :mod:`st_cached_losses.losses.callbacks`, which the losses import.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -48,6 +50,14 @@ class CachedLossCardCallback(TrainerCallback):
         # the loss choice always, so the card says which loss these settings belong to
         card.non_default_hyperparameters = {"loss": args.loss, **changed, **card.non_default_hyperparameters}
 
+    def on_init_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        # before sentence-transformers' own card callback, whose on_init_end computes the card's widget
+        # examples behind a tqdm bar of its own ("Computing widget examples") that disable_tqdm does not reach
+        if getattr(args, "disable_tqdm", False):
+            quiet_widget_examples(getattr(kwargs.get("model"), "model_card_data", None))
+
     def on_step_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
@@ -59,6 +69,30 @@ class CachedLossCardCallback(TrainerCallback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         self._update(args, kwargs.get("model"))
+
+
+def quiet_widget_examples(card: Any) -> None:
+    """Make the next ``card.set_widget_examples(dataset)`` (sentence-transformers' model card data) run
+    without its "Computing widget examples" progress bar: for one call, the ``tqdm`` of the module that
+    defines the method is a ``tqdm(..., disable=True)``. No card, or one without that method or module
+    name, is left as it is."""
+    method = getattr(type(card), "set_widget_examples", None)
+    module = sys.modules.get(getattr(method, "__module__", ""))
+    if card is None or method is None or module is None or not callable(getattr(module, "tqdm", None)):
+        return
+    if "set_widget_examples" in vars(card):
+        return  # already quiet for the next call
+
+    def set_widget_examples(*args: Any, **kwargs: Any) -> Any:
+        vars(card).pop("set_widget_examples", None)  # one call: later trainers decide again
+        bar = getattr(module, "tqdm")  # noqa: B009 - a module's global, unknown to the type checker
+        setattr(module, "tqdm", functools.partial(bar, disable=True))  # noqa: B010
+        try:
+            return method(card, *args, **kwargs)
+        finally:
+            setattr(module, "tqdm", bar)  # noqa: B010
+
+    card.set_widget_examples = set_widget_examples
 
 
 def global_batch_size(args: TrainingArguments) -> int:

@@ -42,6 +42,7 @@ from st_cached_losses.config.registry import (
     LOSSES,
     closest_name_hint,
 )
+from st_cached_losses.functional import scale_value
 from st_cached_losses.losses import CachedInfoNCEBase
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
@@ -406,10 +407,11 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
         )
     args.loss = LOSS_ALIASES[key]
 
-    for name in ("scale", "temperature", "max_scale"):
-        value = getattr(args, name)
-        if value is not None and (not math.isfinite(value) or value <= 0):
-            raise ValueError(f"{name} must be a positive finite number, got {value!r}.")
+    for name in ("scale", "temperature"):
+        if getattr(args, name) is not None:
+            scale_value(getattr(args, name), name)  # the losses' own check and wording
+    if args.max_scale is not None and (not math.isfinite(args.max_scale) or args.max_scale <= 0):
+        raise ValueError(f"max_scale must be a positive finite number, got {args.max_scale!r}.")
     if (
         args.scale is not None
         and args.temperature is not None
@@ -450,6 +452,8 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
     for name in ("mini_batch_size", "mini_batch_num_tokens", "tile_size"):
         value = getattr(args, name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            if name == "mini_batch_num_tokens":  # sentence-transformers' sentence, which their tests match
+                raise ValueError(f"{name} must be a positive integer or None. Got {value!r}.")
             raise ValueError(f"{name} must be a positive integer, got {value!r}.")
     try:  # the names the losses themselves accept
         args.similarity = str(resolve_similarity(str(args.similarity)))  # a name: always "cosine" or "dot"

@@ -15,7 +15,8 @@ The main job, on an embedded default and without a network:
 Every setting is a field of :class:`DemoArguments` or :class:`CachedLossTrainingArguments`: pass them on
 the command line (``--loss clip --per_device_train_batch_size 1024``), or a YAML / JSON file
 (``python -m st_cached_losses.demo run.yaml``). ``--help`` lists them all, the loss fields first.
-``--hub_model_id your-username/my-model`` writes the card for that repository.
+``--hub_model_id your-username/my-model`` writes the card for that repository; add ``--push_dry_run DIR``
+to get in DIR the folder a ``push_to_hub`` would upload, without a network (:mod:`st_cached_losses.demo.hub`).
 
 The scripts in ``examples/`` do the same, each on its own, as code to copy.
 """
@@ -78,6 +79,14 @@ class DemoArguments:
     )
     data_seed_pairs: int = field(
         default=0, metadata={"help": "Seed of the shuffle before the train/eval split."}
+    )
+    push_dry_run: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "After training, write into this folder what push_to_hub to --hub_model_id (required "
+            "with it) would upload: the model and its card, whose usage snippet loads that id. Nothing is "
+            "sent; no network or token needed."
+        },
     )
 
 
@@ -184,12 +193,24 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
 # ---------------------------------------------------------------------------------------------- the run
 
 
+def check_demo_arguments(data_args: DemoArguments, args: CachedLossTrainingArguments) -> None:
+    """What no single dataclass can check: a ``ValueError`` for ``push_dry_run`` without ``hub_model_id``."""
+    if data_args.push_dry_run is not None and not args.hub_model_id:
+        raise ValueError(
+            "push_dry_run needs --hub_model_id your-username/model-name: the repository a push would go to "
+            "(the card's usage snippet loads it)."
+        )
+
+
 def train_and_evaluate(data_args: DemoArguments, args: CachedLossTrainingArguments) -> dict[str, Any]:
-    """Load, evaluate, train with the cached loss ``args`` describe, evaluate, save with the model card.
+    """Load, evaluate, train with the cached loss ``args`` describe, evaluate, save with the model card
+    (and, with ``push_dry_run``, write what a push to ``hub_model_id`` would upload).
 
     Returns a summary: the before / after metrics, the times, the paths of the saved model and card.
     """
     from sentence_transformers import SentenceTransformerTrainer
+
+    check_demo_arguments(data_args, args)
 
     t_start = time.perf_counter()
     train_dataset, held_out = stdlib_data(
@@ -260,6 +281,13 @@ def train_and_evaluate(data_args: DemoArguments, args: CachedLossTrainingArgumen
             str(args.output_dir), trainer, rows, trained_by="make demo", metrics_caption=caption
         )
         summary["card"] = str(card)
+        if data_args.push_dry_run is not None:  # the saved folder, card included, as a real push uploads it
+            from st_cached_losses.demo.hub import push_to_hub_dry_run
+
+            upload = push_to_hub_dry_run(
+                model, str(args.hub_model_id), data_args.push_dry_run, local_model_path=str(args.output_dir)
+            )
+            summary["push_dry_run"] = str(upload)
     summary["total_seconds"] = round(time.perf_counter() - t_start, 1)
     return summary
 
@@ -281,6 +309,10 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(format_table(summary["metrics"]))
     if "card" in summary:
         print(f"model and model card saved in {summary['model_dir']} ({summary['card']})")
+    if "push_dry_run" in summary:
+        print(
+            f"push_to_hub dry run: what a push would upload (nothing was sent) is in {summary['push_dry_run']}"
+        )
 
 
 #: what the demo starts from; a YAML / JSON file and the command line override it
@@ -330,6 +362,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         description=__doc__,
     )
     data_args, args = parser.parse_command_line(argv, defaults=DEMO_DEFAULTS)
+    try:
+        check_demo_arguments(data_args, args)
+    except ValueError as err:
+        if argv is not None:
+            raise
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     summary = train_and_evaluate(data_args, args)
     if args.process_index == 0:
         print_summary(summary)

@@ -55,7 +55,7 @@ def check_splittable(features: Features) -> None:
         raise ValueError(
             "this model's inputs (flat input_ids with offsets, as produced by StaticEmbedding) have no batch "
             "dimension to split into mini-batches; a StaticEmbedding model is cheap enough to train with the "
-            "non-cached sentence_transformers.losses.MultipleNegativesRankingLoss."
+            "non-cached sentence_transformers.sentence_transformer.losses.MultipleNegativesRankingLoss."
         )
 
 

@@ -85,15 +85,21 @@ def check_mini_batch_num_tokens(value: int | str | None) -> None:
 def scale_value(scale: float | Tensor, name: str = "scale") -> float:
     """The scale (1 / temperature) as a float: any real number (Python, NumPy) or one-element tensor,
     finite and positive. ``name``: the argument named in errors (``"temperature"`` checks a temperature
-    by the same rules)."""
+    by the same rules).
+
+    Every refusal starts with sentence-transformers' sentence, ``"Scale must be a positive value."`` (their
+    tests match it; ``"Temperature must be a positive value."`` for a temperature), then says what was given.
+    """
     example = "20.0" if name == "scale" else "0.05"
     other = "1 / temperature" if name == "scale" else "1 / scale"
+    first = f"{name.capitalize()} must be a positive value."
     if isinstance(scale, (bool, str)):
-        raise ValueError(f"{name} must be a positive number ({other}), got {scale!r}; e.g. {example}.")
+        raise ValueError(f"{first} Got {scale!r}: {name} = {other} is a number, e.g. {example}.")
     if isinstance(scale, Tensor):
         if scale.numel() != 1:
             raise ValueError(
-                f"{name} must be a float or a 0-d tensor, got a tensor of shape {tuple(scale.shape)}."
+                f"{first} Got a tensor of shape {tuple(scale.shape)}: {name} = {other} is a float or a "
+                "one-element tensor."
             )
         value = float(scale.detach())
     else:
@@ -101,11 +107,11 @@ def scale_value(scale: float | Tensor, name: str = "scale") -> float:
             value = float(scale)
         except (TypeError, ValueError):
             raise ValueError(
-                f"{name} must be a positive number ({other}), got {scale!r}; e.g. {example}."
+                f"{first} Got {scale!r}: {name} = {other} is a number, e.g. {example}."
             ) from None
     if not math.isfinite(value) or value <= 0:
         typical = "typical values are 20 to 100" if name == "scale" else f"e.g. {example}"
-        raise ValueError(f"{name} must be a finite positive number ({other}), got {value}; {typical}.")
+        raise ValueError(f"{first} Got {value}: {name} = {other} must be finite and positive; {typical}.")
     return value
 
 

@@ -112,7 +112,7 @@ class CachedCLIPLoss(CachedInfoNCEBase):
             +-------------------------------------------------+--------+
 
         Relations:
-            - Same loss as ``sentence_transformers.losses.MultipleNegativesSymmetricRankingLoss`` /
+            - Same loss as ``sentence_transformers.sentence_transformer.losses.MultipleNegativesSymmetricRankingLoss`` /
               ``MultipleNegativesRankingLoss(directions=("query_to_doc", "doc_to_query"),
               partition_mode="per_direction")``, cached, with an optional learnable temperature.
             - :class:`CachedTiledLoss` (``symmetric=True``) computes the same loss without a chunk x C block.

@@ -109,7 +109,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
               https://huggingface.co/papers/2101.06983
 
         Relations:
-            - Equals ``sentence_transformers.losses.GISTEmbedLoss`` (and ``CachedGISTEmbedLoss``) with the same
+            - Equals ``sentence_transformers.sentence_transformer.losses.GISTEmbedLoss`` (and ``CachedGISTEmbedLoss``) with the same
               arguments, on one process and with ``gather_across_devices``.
 
         Inputs:

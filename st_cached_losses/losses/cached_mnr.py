@@ -114,7 +114,7 @@ class CachedMNRLoss(CachedInfoNCEBase):
             - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
 
         Relations:
-            - Same loss and gradients as ``sentence_transformers.losses.MultipleNegativesRankingLoss``; same role
+            - Same loss and gradients as ``sentence_transformers.sentence_transformer.losses.MultipleNegativesRankingLoss``; same role
               as its ``CachedMultipleNegativesRankingLoss``, with a loss stage that is several times faster.
             - :class:`CachedCLIPLoss` adds the positive -> anchor direction; :class:`CachedTiledLoss` never holds
               more than one logit tile.

@@ -3,6 +3,7 @@ model (it must be splittable into mini-batches) and the columns a step receives.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -187,7 +188,13 @@ def check_directions(directions: Sequence[str], partition_mode: str, owner: str)
 def check_hardness(hardness_mode: str | None, hardness_strength: float, owner: str) -> None:
     """sentence-transformers' checks (and warning) of the hardness options."""
     if hardness_mode not in VALID_HARDNESS_MODES:
-        raise ValueError(f"hardness_mode must be one of {set(VALID_HARDNESS_MODES)}, got {hardness_mode!r}")
+        modes = [mode for mode in VALID_HARDNESS_MODES if mode is not None]
+        close = difflib.get_close_matches(str(hardness_mode), modes, n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ValueError(
+            f"hardness_mode must be one of {', '.join(map(repr, modes))} (or leave it unset: no hardness weighting), "
+            f"got {hardness_mode!r}.{hint}"
+        )
     if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
         raise ValueError(
             f"{owner}: hardness_strength must be a non-negative number, got {hardness_strength!r}."

@@ -1,7 +1,7 @@
 """The examples and the demo end to end on a tiny offline model: each trains, evaluates, writes its model
 card (loss, its config, citations, the TrainingArguments' loss fields), and explains its fields in
 ``--help``, the loss fields first; the multi-process example goes through ``accelerate launch``; the
-push_to_hub dry run (``tests/support/hub_recorder.py``) produces the folder (and card) a real push would
+push_to_hub dry run (``st_cached_losses.demo.hub``, the demo's ``--push_dry_run``) produces the folder (and card) a real push would
 upload, without a network. The examples are self-contained scripts: no ``sys.path`` edits, no demo."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import st_cached_losses.data
 import st_cached_losses.demo.data
 from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments
 from st_cached_losses.data import stdlib_pairs
-from tests.support import hub_recorder
+from st_cached_losses.demo import hub
 from tests.support.dist_utils import accelerate_launch
 from tests.support.tiny_model import make_tiny_model
 
@@ -139,12 +139,22 @@ def check_card(card: str, loss_class: str, citations: list[str], settings: dict)
         ),
     ],
 )
-def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, citations, settings):
+def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, citations, settings, capfd):
     module = load_example(name)
     out = tmp_path / "out"
     trainer, metrics = module.main(
         ["--model_name_or_path", tiny_model, "--output_dir", str(out), *TINY, *extra]
     )
+    printed = capfd.readouterr()
+    # --disable_tqdm true: no bar at all, sentence-transformers' model card's included
+    assert "Computing widget examples" not in printed.err, printed.err[-3000:]
+    if name == "train_cached_mnr":  # mining drops the pairs it finds too few negatives for, and says so
+        mined = re.search(
+            r"hard-negative mining dropped (\d+) of (\d+) pairs .*; training on (\d+)", printed.out
+        )
+        assert mined is not None, printed.out
+        dropped, given, kept = map(int, mined.groups())
+        assert given == 48 and dropped + kept == given and kept == len(trainer.train_dataset)
     assert set(metrics) == {"before", "after"} and 0 <= metrics["after"]["MRR@10"] <= 1
     assert trainer.state.global_step == 2 and type(trainer.loss).__name__ == loss_class
     card = (out / "README.md").read_text()
@@ -307,22 +317,24 @@ def test_push_to_hub_dry_run_uploads_the_saved_card(tmp_path, tiny_model):
     model = SentenceTransformer(tiny_model, device="cpu")
     model.save_pretrained(str(tmp_path / "saved"))
     (tmp_path / "saved" / "README.md").write_text("# my card\n")
-    folder = hub_recorder.push_to_hub_dry_run(
+    folder = hub.push_to_hub_dry_run(
         model, "me/my-model", tmp_path / "upload", local_model_path=str(tmp_path / "saved")
     )
     assert (folder / "README.md").read_text() == "# my card\n"
     assert (folder / "model.safetensors").is_file()
     # without a local folder: sentence-transformers saves the model and writes the card for the repo id
-    folder = hub_recorder.push_to_hub_dry_run(model, "me/my-model", tmp_path / "upload2")
+    folder = hub.push_to_hub_dry_run(model, "me/my-model", tmp_path / "upload2")
     assert 'SentenceTransformer("me/my-model")' in (folder / "README.md").read_text()
 
 
 @pytest.mark.slow
-def test_demo_runs_on_a_tiny_model_then_a_hub_dry_run(tmp_path, tiny_model):
-    """The demo writes its card for the repository named by --hub_model_id; the dry run of its push
-    (what `make model-cards` records) uploads exactly the saved folder, card included."""
+def test_demo_runs_on_a_tiny_model_then_a_hub_dry_run(tmp_path, tiny_model, monkeypatch):
+    """The demo writes its card for the repository named by --hub_model_id; its --push_dry_run (what
+    `make model-cards` records) and the dry run of a saved folder upload exactly the saved folder, card
+    included, with no network (a Hub call would fail)."""
     from st_cached_losses.demo import main
 
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = tmp_path / "demo"
     summary = main(
         [
@@ -332,6 +344,8 @@ def test_demo_runs_on_a_tiny_model_then_a_hub_dry_run(tmp_path, tiny_model):
             str(out),
             "--hub_model_id",
             "me/stdlib-demo",
+            "--push_dry_run",
+            str(tmp_path / "upload"),
             "--loss_show_progress_bar",
             "false",
             *TINY,
@@ -339,8 +353,13 @@ def test_demo_runs_on_a_tiny_model_then_a_hub_dry_run(tmp_path, tiny_model):
     )
     assert summary["steps"] == 2 and summary["batch_size"] == 16
     assert set(summary["metrics"]) == {"before", "after"}
-    uploaded = hub_recorder.main([str(out), "me/stdlib-demo"])
+    assert summary["push_dry_run"] == str(tmp_path / "upload")
+    pushed = tmp_path / "upload"
+    assert (pushed / "model.safetensors").is_file()
+    assert (pushed / "README.md").read_text() == (out / "README.md").read_text()
+    uploaded = hub.main([str(out), "me/stdlib-demo"])
     assert uploaded == tmp_path / "demo_hub_upload" and (uploaded / "model.safetensors").is_file()
+    assert sorted(p.name for p in uploaded.iterdir()) == sorted(p.name for p in pushed.iterdir())
     card = (uploaded / "README.md").read_text()
     assert card == (out / "README.md").read_text()
     assert 'SentenceTransformer("me/stdlib-demo")' in card
@@ -349,3 +368,24 @@ def test_demo_runs_on_a_tiny_model_then_a_hub_dry_run(tmp_path, tiny_model):
         card.split("Loss settings (`CachedLossTrainingArguments`):")[1].split("```json")[1].split("```")[0]
     )
     assert settings["loss"] == "mnr" and settings["mini_batch_size"] == 4
+
+
+def test_push_dry_run_needs_a_hub_model_id(tmp_path, monkeypatch, capsys):
+    """Checked before anything is loaded: a ValueError from Python, one error line from a shell."""
+    from st_cached_losses.demo import main
+
+    argv = ["--output_dir", str(tmp_path / "demo"), "--push_dry_run", str(tmp_path / "upload")]
+    with pytest.raises(ValueError, match="push_dry_run needs --hub_model_id"):
+        main(argv)
+    monkeypatch.setattr(sys, "argv", ["python -m st_cached_losses.demo", *argv])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error: push_dry_run needs --hub_model_id" in err, err
+
+
+def test_hub_dry_run_refuses_a_folder_that_is_not_a_model(tmp_path, capsys):
+    with pytest.raises(SystemExit) as info:
+        hub.main([str(tmp_path), "me/my-model"])
+    assert info.value.code == 2 and "is not a saved SentenceTransformer folder" in capsys.readouterr().err

@@ -47,8 +47,9 @@ STEPS = 2
 ON_GPUS = torch.cuda.device_count() >= 2
 HAS_DEEPSPEED = importlib.util.find_spec("deepspeed") is not None
 NO_DEEPSPEED = (
-    "deepspeed is not installed (`.venv/bin/pip install deepspeed`: a pure-Python wheel built from the "
-    "sdist; on CPU it JIT-compiles one comm op with the system C++ compiler and ninja)"
+    "deepspeed is not installed (it is in the dev extra: `make install`, or `.venv/bin/pip install deepspeed`: "
+    "a pure-Python wheel built from the sdist; on CPU it JIT-compiles one comm op with the system C++ compiler "
+    "and ninja)"
 )
 
 
