@@ -247,3 +247,65 @@ def test_config_citation_and_tags(model, caplog):
     assert "equivalent-loss:CachedSpladeLoss" in model.model_card_data.tags
     with pytest.raises(ValueError, match="compute_loss_from_embeddings"):
         CachedSparseLoss(model, torch.nn.Linear(2, 2), 1.0)
+
+
+def test_sparse_encoder_trainer_logs_components_and_saves(tmp_path):
+    from datasets import Dataset
+    from sentence_transformers.sparse_encoder import (
+        SparseEncoder,
+        SparseEncoderTrainer,
+        SparseEncoderTrainingArguments,
+    )
+
+    model = make_tiny_splade(tmp_path / "model")
+    data = Dataset.from_dict({"anchor": random_texts(32, seed=1), "positive": random_texts(32, seed=2)})
+    loss = CachedSparseLoss(
+        model,
+        sparse_losses.SparseMultipleNegativesRankingLoss(model),
+        document_regularizer_weight=3e-3,
+        query_regularizer_weight=5e-3,
+        mini_batch_size=3,
+    )
+    args = SparseEncoderTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        max_steps=3,
+        learning_rate=1e-3,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    before = torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+    trainer = SparseEncoderTrainer(
+        model=model, args=args, train_dataset=data, eval_dataset=data.select(range(16)), loss=loss
+    )
+    trainer.train()
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    assert len(logs) == 3
+    for log in logs:
+        parts = [log["base_loss"], log["document_regularizer_loss"], log["query_regularizer_loss"]]
+        assert all(torch.isfinite(torch.tensor(parts))) and parts[0] > 0
+        assert log["loss"] == pytest.approx(sum(parts), abs=2e-4)  # the logged parts are rounded to 4 digits
+    evals = [log for log in trainer.state.log_history if "eval_loss" in log]
+    assert evals and {
+        "eval_base_loss",
+        "eval_document_regularizer_loss",
+        "eval_query_regularizer_loss",
+    } <= set(evals[0])
+    assert not torch.equal(before, torch.cat([p.detach().flatten() for p in model.parameters()]))
+
+    model.save_pretrained(str(tmp_path / "saved"))
+    card = (tmp_path / "saved" / "README.md").read_text()
+    assert "CachedSparseLoss" in card and "document_regularizer_weight" in card
+    reloaded = SparseEncoder(str(tmp_path / "saved"), device="cpu")
+    texts = random_texts(4, seed=9)
+    torch.testing.assert_close(
+        reloaded.encode(texts, convert_to_tensor=True).to_dense(),
+        model.encode(texts, convert_to_tensor=True).to_dense(),
+    )
