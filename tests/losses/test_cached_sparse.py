@@ -309,3 +309,34 @@ def test_sparse_encoder_trainer_logs_components_and_saves(tmp_path):
         reloaded.encode(texts, convert_to_tensor=True).to_dense(),
         model.encode(texts, convert_to_tensor=True).to_dense(),
     )
+
+
+def test_mask_duplicates_matches_masked_reference(model):
+    """``mask_duplicates`` (ours) on the core's base loss: the masked dense InfoNCE plus their FLOPS."""
+    from st_cached_losses.functional.keys import input_hashes
+    from tests.support.reference import reference_infonce
+
+    texts = [random_texts(9, seed=40 + k) for k in range(3)]
+    texts[1][5] = texts[1][0]  # a duplicate positive
+    texts[2][3] = texts[1][0]  # a hard negative equal to row 0's positive
+    features = [model.preprocess(t) for t in texts]
+    keys = [input_hashes(f) for f in features]
+    flops = sparse_losses.FlopsLoss(model)
+
+    def reference(features, labels):
+        embs = [model(dict(f))["sentence_embedding"] for f in features]
+        base = reference_infonce(
+            embs[0], embs[1:], scale=1.0, similarity="dot", anchor_keys=keys[0], candidate_keys=keys[1:]
+        )
+        return {
+            "base_loss": base,
+            "document_regularizer_loss": flops.compute_loss_from_embeddings(torch.cat(embs[1:])) * 0.8,
+            "query_regularizer_loss": flops.compute_loss_from_embeddings(embs[0]) * 0.5,
+        }
+
+    assert_same(model, features, ours(model, mask_duplicates=True), reference)
+    unmasked, _ = run(model, ours(model), features)
+    masked, _ = run(model, ours(model, mask_duplicates=True), features)
+    assert abs(unmasked["base_loss"] - masked["base_loss"]) > 1e-4, "the test data must contain duplicates"
+    with pytest.raises(ValueError, match="mask_duplicates"):
+        ours(model, OwnMNRL(model), mask_duplicates=True)(features, None)
