@@ -4,6 +4,7 @@ and the parameter gradients against sentence-transformers' non-cached ``SpladeLo
 
 from __future__ import annotations
 
+import inspect
 import logging
 
 import pytest
@@ -17,6 +18,7 @@ from tests.losses.test_losses import assert_grads_close, flat_grads
 from tests.support.tiny_model import make_tiny_splade, random_texts
 
 B = 11  # rows: mini-batch sizes 4 and 5 do not divide it, 32 exceeds it
+ALL_FOUR = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 WEIGHTS = {
     "document_regularizer_weight": 0.8,
     "query_regularizer_weight": 0.5,
@@ -340,3 +342,34 @@ def test_mask_duplicates_matches_masked_reference(model):
     assert abs(unmasked["base_loss"] - masked["base_loss"]) > 1e-4, "the test data must contain duplicates"
     with pytest.raises(ValueError, match="mask_duplicates"):
         ours(model, OwnMNRL(model), mask_duplicates=True)(features, None)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"use_document_regularizer_only": True, "query_regularizer_weight": None, "mask_duplicates": True}],
+    ids=["default", "documents-only"],
+)
+def test_assigning_the_current_value_changes_nothing(model, options):
+    loss = ours(
+        model, sparse_losses.SparseMultipleNegativesRankingLoss(model, directions=ALL_FOUR), **options
+    )
+    settable = [
+        name
+        for name, member in inspect.getmembers(type(loss))
+        if isinstance(member, property) and member.fset is not None and not name.startswith("_")
+    ]
+    assert {"scale", "directions", "document_regularizer_weight", "use_document_regularizer_only"} <= set(
+        settable
+    )
+    features = columns(model, 3)
+    with torch.no_grad():
+        before_value = loss(features, None)
+    before = {name: getattr(loss, name) for name in settable}
+    config = loss.get_config_dict()
+    for name in settable:
+        setattr(loss, name, getattr(loss, name))
+        assert {n: getattr(loss, n) for n in settable} == before, name
+        assert loss.get_config_dict() == config, name
+    with torch.no_grad():
+        ours_value = loss(features, None)
+    assert {k: v.item() for k, v in ours_value.items()} == {k: v.item() for k, v in before_value.items()}
