@@ -74,12 +74,13 @@ def is_flops(regularizer: nn.Module) -> bool:
     )
 
 
-def _weight_value(name: str, value: float | None, *, optional: bool) -> float | None:
+def _weight_value(name: str, value: float | None, *, optional: bool, example: str = "3e-5") -> float | None:
+    """A regulariser's weight (or threshold): a finite number, or None where ``optional``."""
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         what = "a finite number or None" if optional else "a finite number"
-        raise ValueError(f"{name} must be {what}, got {value!r}; e.g. 3e-5.")
+        raise ValueError(f"{name} must be {what}, got {value!r}; e.g. {example}.")
     return float(value)
 
 
@@ -297,7 +298,7 @@ class CachedSparseLoss(CachedInfoNCEBase):
             ("document_regularizer_threshold", document_regularizer_threshold),
             ("query_regularizer_threshold", query_regularizer_threshold),
         ]:
-            _weight_value(name, threshold, optional=True)
+            _weight_value(name, threshold, optional=True, example="100 (non-zero entries)")
         self.document_regularizer = (
             document_regularizer
             if document_regularizer is not None

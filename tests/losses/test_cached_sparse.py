@@ -249,6 +249,10 @@ def test_config_citation_and_tags(model, caplog):
     assert "equivalent-loss:CachedSpladeLoss" in model.model_card_data.tags
     with pytest.raises(ValueError, match="compute_loss_from_embeddings"):
         CachedSparseLoss(model, torch.nn.Linear(2, 2), 1.0)
+    with pytest.raises(ValueError, match="document_regularizer_threshold"):
+        ours(model, document_regularizer_threshold="100")
+    with pytest.raises(ValueError, match="query_regularizer_weight"):
+        ours(model, query_regularizer_weight=float("inf"))
 
 
 def test_sparse_encoder_trainer_logs_components_and_saves(tmp_path):
