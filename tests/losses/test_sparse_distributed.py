@@ -1,7 +1,8 @@
 """CachedSparseLoss across processes (gloo on CPU, spawned from pytest), with ``gather_across_devices`` on
 the base loss and unequal per-process batches: DDP's averaged parameter gradients and the mean of the
 processes' losses equal the single-process ``SpladeLoss`` of the whole global batch (the FLOPS regularisers
-of every process's rows together), through the gathered core and through the ring."""
+of every process's rows together), through the gathered core and through the ring; without gathering, the
+mean of each process's own ``SpladeLoss``, as sentence-transformers under DDP."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ OPTIONS = {
     "gathered": {},
     "ring": {"path": "tiled", "tile_size": 2},
     "thresholds": {"document_regularizer_threshold": 100, "query_regularizer_threshold": 95},
+    # without gathering, each process's own SpladeLoss (as sentence-transformers): DDP averages them
+    "local": {"gather_across_devices": False},
 }
 SIZES = [3, 5]  # unequal rows per process
 
@@ -54,8 +57,9 @@ def _worker(rank: int, world: int, path: str, n_cols: int) -> dict:
     for name, options in OPTIONS.items():
         model = SparseEncoder(path, device="cpu")
         ddp = DDP(model)
-        extras = {k: v for k, v in options.items() if "regulariz" not in k}
-        base = SparseMultipleNegativesRankingLoss(model, gather_across_devices=True)
+        extras = {k: v for k, v in options.items() if "regulariz" not in k and k != "gather_across_devices"}
+        gather = options.get("gather_across_devices", True)
+        base = SparseMultipleNegativesRankingLoss(model, gather_across_devices=gather)
         loss = CachedSparseLoss(
             model, base, **WEIGHTS, **_splade_options(options), mini_batch_size=2, **extras
         )
@@ -74,6 +78,8 @@ def _worker(rank: int, world: int, path: str, n_cols: int) -> dict:
 
 
 def _reference(path: str, name: str, n_cols: int) -> dict:
+    """The non-cached SpladeLoss on one process: of the global batch, or (``local``) the mean of each
+    process's rows' own loss and gradient."""
     from sentence_transformers.sparse_encoder import SparseEncoder
     from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss, SpladeLoss
 
@@ -81,10 +87,19 @@ def _reference(path: str, name: str, n_cols: int) -> dict:
     loss = SpladeLoss(
         model, SparseMultipleNegativesRankingLoss(model), **WEIGHTS, **_splade_options(OPTIONS[name])
     )
-    feats = [model.preprocess(t) for t in global_texts(n_cols, seed=len(name))]
-    parts = loss(feats, None)
-    torch.stack(list(parts.values())).sum().backward()
-    return {"parts": {k: float(v.detach()) for k, v in parts.items()}, "grads": flat_grads(model)}
+    texts = global_texts(n_cols, seed=len(name))
+    if OPTIONS[name].get("gather_across_devices", True):
+        shares = [texts]
+    else:
+        starts = [sum(SIZES[:r]) for r in range(len(SIZES))]
+        shares = [[t[s : s + n] for t in texts] for s, n in zip(starts, SIZES)]
+    parts: dict[str, float] = {}
+    for share in shares:
+        out = loss([model.preprocess(t) for t in share], None)
+        (torch.stack(list(out.values())).sum() / len(shares)).backward()
+        for k, v in out.items():
+            parts[k] = parts.get(k, 0.0) + float(v.detach()) / len(shares)
+    return {"parts": parts, "grads": flat_grads(model)}
 
 
 @pytest.mark.parametrize("n_cols", [2, 3], ids=["pairs", "triplets"])
