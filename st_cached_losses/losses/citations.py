@@ -76,3 +76,23 @@ GIST_CITATION = """
     primaryClass={cs.LG}
 }
 """
+
+SPLADE_CITATION = """
+@misc{formal2022distillationhardnegativesampling,
+    title={From Distillation to Hard Negative Sampling: Making Sparse Neural IR Models More Effective},
+    author={Thibault Formal and Carlos Lassance and Benjamin Piwowarski and St\\'ephane Clinchant},
+    year={2022},
+    eprint={2205.04733},
+    archivePrefix={arXiv},
+    primaryClass={cs.IR},
+}
+"""
+
+FLOPS_CITATION = """
+@article{paria2020minimizing,
+    title={Minimizing flops to learn efficient sparse representations},
+    author={Paria, Biswajit and Yeh, Chih-Kuan and Yen, Ian EH and Xu, Ning and Ravikumar, Pradeep and P{\\'o}czos, Barnab{\\'a}s},
+    journal={arXiv preprint arXiv:2004.05665},
+    year={2020}
+}
+"""

@@ -98,3 +98,47 @@ def load_tiny_decoder(path: Path | str):
     assert transformer.processor.padding_side == "left"
     pooling = Pooling(transformer.get_embedding_dimension(), pooling_mode="lasttoken")
     return SentenceTransformer(modules=[transformer, pooling], device="cpu")
+
+
+def make_tiny_splade(
+    path: Path,
+    *,
+    dropout: float = 0.0,
+    hidden: int = 32,
+    seed: int = 0,
+    bias: float = -0.15,
+    words: Sequence[str] = WORDS,
+):
+    """A 2-layer random BERT with its MLM head, written to ``path``, loaded as a SPLADE SparseEncoder
+    (``Transformer(transformer_task="fill-mask")`` + max ``SpladePooling``): vocabulary-sized embeddings.
+
+    ``bias`` shifts the MLM head's output bias (random, up to ``2 * bias``) so that the rows are sparse and
+    their numbers of non-zero entries vary (a random head activates about half the vocabulary)."""
+    from sentence_transformers.sentence_transformer.modules import Transformer
+    from sentence_transformers.sparse_encoder import SparseEncoder
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+    from transformers import BertForMaskedLM
+
+    path.mkdir(parents=True, exist_ok=True)
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab = {tok: i for i, tok in enumerate(dict.fromkeys([*specials, *words]))}
+    tokenizer = BertTokenizerFast(vocab=vocab, do_lower_case=True)
+    config = BertConfig(
+        vocab_size=len(vocab),
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * hidden,
+        max_position_embeddings=128,
+        hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
+    torch.manual_seed(seed)
+    mlm = BertForMaskedLM(config)
+    with torch.no_grad():
+        mlm.cls.predictions.bias.copy_(bias * 2 * torch.rand(len(vocab)))
+    mlm.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    transformer = Transformer(str(path), max_seq_length=64, transformer_task="fill-mask")
+    pooling = SpladePooling("max", embedding_dimension=len(vocab))
+    return SparseEncoder(modules=[transformer, pooling], device="cpu")
