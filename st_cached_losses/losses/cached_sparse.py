@@ -30,6 +30,7 @@ from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
 from st_cached_losses.functional.flops import flops_loss_and_grad
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.parallel import agree_on_sizes, loss_and_grad
+from st_cached_losses.losses._base import StepData
 from st_cached_losses.losses.citations import (
     FLOPS_CITATION,
     GRADCACHE_CITATION,
@@ -294,7 +295,7 @@ class CachedSparseLoss(SparseLossSettings):
                 ring=self.path == "tiled",
                 with_grad=with_grad,
                 scale=scale,
-                **self._core_kwargs(keys, len(embeddings) - 1),
+                **self._core_kwargs(StepData(keys=keys), len(embeddings[0]), len(embeddings) - 1),
             )
             parts["base_loss"] = out.loss
             grads = [out.grad_anchors, *out.grad_candidates] if with_grad else None  # type: ignore[list-item]
@@ -338,13 +339,19 @@ class CachedSparseLoss(SparseLossSettings):
         return parts, grads
 
     def calculate_loss(
-        self, reps: list[list[Tensor]], labels: Tensor | None = None, *, with_backward: bool = False
+        self,
+        reps: list[list[Tensor]],
+        labels: Tensor | None = None,
+        *,
+        with_backward: bool = False,
+        step: StepData | None = None,
     ) -> Tensor:
         """The total loss (base loss plus weighted regularisers) of already computed embeddings, in
         sentence-transformers' cached-loss interface (see :meth:`CachedInfoNCEBase.calculate_loss`)."""
         embeddings = [torch.cat(r) if len(r) > 1 else r[0] for r in reps]
         autograd = not with_backward and torch.is_grad_enabled() and any(e.requires_grad for e in embeddings)
-        parts, grads = self._loss_parts(embeddings, labels, None, with_grad=with_backward or autograd)
+        keys = step.keys if step is not None else None
+        parts, grads = self._loss_parts(embeddings, labels, keys, with_grad=with_backward or autograd)
         total = torch.stack([v.float() for v in parts.values()]).sum()
         if grads is None:
             return total
