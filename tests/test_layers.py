@@ -169,3 +169,16 @@ def test_the_top_level_holds_at_most_five_modules():
     modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert len(modules) <= 5, sorted(modules)
     assert {f"st_cached_losses.{m}" for m in modules} <= TOP | {"st_cached_losses.distributed"}
+
+
+def test_functional_holds_one_autograd_function():
+    """One InfoNCE core: every loss of the family is a set of logit terms of one autograd Function (the
+    statistics pass in forward, the tiles recomputed in backward), not a second code path."""
+    functions = []
+    for path in sorted((PACKAGE / "functional").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                ast.unparse(base).endswith("autograd.Function") for base in node.bases
+            ):
+                functions.append(f"{path.name}:{node.name}")
+    assert functions == ["directions.py:InfoNCEFunction"]
