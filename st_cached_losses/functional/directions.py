@@ -129,12 +129,14 @@ class _Sources:
         self.keys = keys.sources(row_offset, b) if keys is not None else None
         self.grads: dict[str, Tensor] = {}
         if with_grad:
-            dt, dev, dim = self.q.dtype, anchors.device, anchors.shape[1]
+            dt, dev = self.q.dtype, anchors.device
+            ops = {"q": self.q, "d": self.d, **self.cols}
             for name in ("q", "d", *self.cols):
-                if name == "d" and self.d is None:
+                op = ops[name]
+                if op is None:
                     continue
-                n = b if name in ("q", "d", "q_local") else self.cols[name].n
-                self.grads[name] = torch.zeros(n, dim, dtype=dt, device=dev)
+                # (n, d), or a token score's (n, tokens, d + 1): each source its own token count
+                self.grads[name] = torch.zeros(op.x.shape, dtype=dt, device=dev)
             if anchors_all is None and "q_all" in self.cols:
                 self.grads["q_all"] = self.grads["q_local"]  # one process: the same rows, one buffer
 
@@ -364,7 +366,7 @@ class _LocalCall:
             chunk_size=spec.chunk_size,
             tile_size=spec.tile_size,
             memory_budget=spec.memory_budget,
-            buffers=buffers,
+            buffers=buffers * spec.score.entry_cost(anchors, cols),
         )
         self.fused = one_pass and self.plan.path == "chunked"
         prenorm = self.plan.path == "chunked"

@@ -75,7 +75,7 @@ def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[in
     if not across_processes or not is_distributed():
         raise_if_nonfinite([int(flags)])
         return None
-    b, d = columns[0].shape
+    b, d = columns[0].shape[0], columns[0].shape[-1]
     sizes, all_flags = exchange_shapes(
         b, [len(columns), d], columns[0].device, "the number of columns and the embedding dim", flags
     )
@@ -289,6 +289,11 @@ def ring_loss_and_grad(
             f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {path!r}."
         )
     cols = list(candidates)
+    if Score(similarity).tokens:
+        raise ValueError(
+            "multi-vector scores (MaxSim) are not computed by the ring exchange: gather the token embeddings "
+            "instead (gathered_loss_and_grad)."
+        )
     check_terms(terms, symmetric, guide, anchors, cols)
     keys = None
     if candidate_keys is not None:

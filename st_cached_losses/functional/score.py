@@ -6,7 +6,10 @@ the scale, and a tile's logit gradient ``G`` meets the operands in two more GEMM
 -> (b, t)``) is scored exactly through autograd one tile at a time: the tile's logits are
 ``scale * f(a, c)`` on the raw embeddings, and its gradient is the vector-Jacobian product of ``f`` with
 ``G``, recomputed per tile (memory bounded by the tile, about 2-4x the GEMM path's time on CPU for
-``cdist``-based functions). This class is where the scores of other embedding kinds plug in.
+``cdist``-based functions). This class is where the scores of other embedding kinds plug in: a function
+with ``token_score = True`` (:class:`~.multi_vector.MaxSim`) reads packed ``(n, tokens, d + 1)`` token
+operands (rows sliced like any other operand) and costs ``q_tokens x d_tokens`` per logit, which the
+block plan accounts for (:meth:`Score.entry_cost`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,18 @@ class Score:
     def gemm(self) -> bool:
         """Tiles are products of the operands (their transposes are the columns' tiles)."""
         return self.fn is None
+
+    @property
+    def tokens(self) -> bool:
+        """Operands are packed ``(n, tokens, d + 1)`` multi-vector rows (:mod:`.multi_vector`)."""
+        return bool(getattr(self.fn, "token_score", False))
+
+    def entry_cost(self, rows: Tensor, cols: list[Tensor]) -> int:
+        """fp32 elements a tile holds per logit while it is scored and differentiated: 1 for embeddings;
+        for token rows, the ``q_tokens x d_tokens`` similarities twice (values and their gradient)."""
+        if not self.tokens:
+            return 1
+        return 2 * rows.shape[1] * max(c.shape[1] for c in cols)
 
     def operand(self, x: Tensor, scale: float, prenormalize: bool) -> Operand:
         """``x`` as the kernels read it; a GEMM score folds ``scale`` (rows) into the tiles, a function
