@@ -21,6 +21,7 @@ _EXPORTS = {
     "CachedCLIPLoss": "st_cached_losses.losses",
     "CachedGISTLoss": "st_cached_losses.losses",
     "CachedMNRLoss": "st_cached_losses.losses",
+    "CachedMultiVectorLoss": "st_cached_losses.losses",
     "CachedTiledLoss": "st_cached_losses.losses",
     "LossStateCallback": "st_cached_losses.losses.callbacks",
     "CachedLossTrainingArguments": "st_cached_losses.config.training_args",
@@ -34,6 +35,7 @@ __all__ = [
     "CachedLossArgumentParser",
     "CachedLossTrainingArguments",
     "CachedMNRLoss",
+    "CachedMultiVectorLoss",
     "CachedTiledLoss",
     "LossStateCallback",
     "__version__",
@@ -46,7 +48,13 @@ if TYPE_CHECKING:
     from st_cached_losses.config.cli import CachedLossArgumentParser
     from st_cached_losses.config.factory import build_loss
     from st_cached_losses.config.training_args import CachedLossTrainingArguments
-    from st_cached_losses.losses import CachedCLIPLoss, CachedGISTLoss, CachedMNRLoss, CachedTiledLoss
+    from st_cached_losses.losses import (
+        CachedCLIPLoss,
+        CachedGISTLoss,
+        CachedMNRLoss,
+        CachedMultiVectorLoss,
+        CachedTiledLoss,
+    )
     from st_cached_losses.losses.callbacks import LossStateCallback
 
 

@@ -217,6 +217,8 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             warn_no_process_group_once(type(self).__name__)
         # also the finiteness check, agreed on by every process
         sizes = agree_on_sizes(embeddings, self.gather_across_devices)
+        if sizes is not None:
+            embeddings = self._gatherable(embeddings)
         scale, kwargs = self.scale_tensor(), self._core_kwargs(keys, len(embeddings) - 1)
         if not with_backward and torch.is_grad_enabled():  # a caller asking for autograd, not the cache
             if sizes is None:
@@ -226,7 +228,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
                 return infonce(embeddings[0], embeddings[1:], scale=scale, check_finite=False, **kwargs)
             return gathered_infonce(embeddings[0], embeddings[1:], sizes, scale=scale, **kwargs)
         scale = self._scale_for_grad(scale) if with_backward else scale
-        ring = self.path == "tiled"
+        ring = self.path == "tiled" and self._ring_capable
         out = loss_and_grad(
             embeddings[0], embeddings[1:], sizes, ring=ring, with_grad=with_backward, scale=scale, **kwargs
         )
@@ -236,6 +238,8 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         grads = [out.grad_anchors, *out.grad_candidates]
         for pieces, grad in zip(reps, grads):
             for piece, g in zip(pieces, grad.split([p.shape[0] for p in pieces])):
+                if g.dim() == 3:  # token rows padded to a common width (_gatherable): the piece's own
+                    g = g[:, : piece.shape[1]]
                 g = g.to(piece.dtype)
                 piece.grad = g if piece.grad is None else piece.grad + g
         loss = out.loss.detach()
@@ -251,6 +255,13 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             assert grad_scale is not None  # averaged, not dropped
             loss = loss + (leaf - leaf.detach()) * grad_scale.detach().to(leaf.dtype)
         return loss
+
+    #: Across processes with ``path="tiled"``, the loss stage is the ring exchange (else it is gathered).
+    _ring_capable = True
+
+    def _gatherable(self, embeddings: list[Tensor]) -> list[Tensor]:
+        """The embeddings as every process gathers them (the multi-vector loss pads token rows)."""
+        return embeddings
 
     def _scale_for_grad(self, scale: Tensor | float) -> Tensor | float:
         """The scale the core differentiates: stage 2's leaf. Outside stage 2 nobody reads the scale's
