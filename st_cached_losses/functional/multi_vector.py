@@ -84,7 +84,8 @@ class MaxSim:
         c, c_mask = unpack_tokens(documents)
         sim = torch.einsum("ash,bth->abst", q, c)  # (b, t, tq, td)
         # padded document tokens never win the max (0 would beat a real negative similarity)
-        sim = sim.masked_fill(~c_mask[None, :, None, :], torch.finfo(sim.dtype).min)
+        # in place (einsum keeps its inputs, not its output, for backward): one tile-sized tensor, not two
+        sim.masked_fill_(~c_mask[None, :, None, :], torch.finfo(sim.dtype).min)
         best = sim.amax(-1) if not torch.is_grad_enabled() else sim.max(-1).values  # (b, t, tq)
         acc = torch.float64 if best.dtype == torch.float64 else torch.float32  # sums in fp32 (fp64 kept)
         scores = (best.to(acc) * q_mask[:, None, :]).sum(-1)  # padded query tokens add 0

@@ -59,10 +59,11 @@ class Score:
 
     def entry_cost(self, rows: Tensor, cols: list[Tensor]) -> int:
         """fp32 elements a tile holds per logit while it is scored and differentiated: 1 for embeddings;
-        for token rows, the ``q_tokens x d_tokens`` similarities twice (values and their gradient)."""
+        for token rows, the ``q_tokens x d_tokens`` similarities three times (their values, and in the
+        per-tile backward the gradient through the max and through the mask)."""
         if not self.tokens:
             return 1
-        return 2 * rows.shape[1] * max(c.shape[1] for c in cols)
+        return 3 * rows.shape[1] * max(c.shape[1] for c in cols)
 
     def operand(self, x: Tensor, scale: float, prenormalize: bool) -> Operand:
         """``x`` as the kernels read it; a GEMM score folds ``scale`` (rows) into the tiles, a function

@@ -138,3 +138,20 @@ def test_token_operands_are_checked() -> None:
         infonce(q, cols, similarity="dot")
     with pytest.raises(ValueError, match="embedding dim"):
         infonce(q, [cols[0][..., 1:]], similarity=MaxSim())
+
+
+def test_maxsim_memory_is_one_tile() -> None:
+    """The peak of the loss stage is bounded by the memory budget (tiles of ``(rows, docs, tq, td)``), a
+    fraction of sentence-transformers' ``(Q, Q*N, tq, td)`` intermediate; the result does not change."""
+    from tests.support.memory import PeakMemory
+
+    q, cols = token_case(64, 2, tq=16, td=32, d=8, seed=7, dtype=torch.float32)
+    full = 64 * 128 * 16 * 33 * 4  # the whole score intermediate in fp32, at the widest column
+    ref = infonce_loss_and_grad(q, cols, scale=1.0, similarity=MaxSim(), memory_budget=2**30)
+    with PeakMemory() as mem:
+        out = infonce_loss_and_grad(q, cols, scale=1.0, similarity=MaxSim(), memory_budget=2**20)
+    grads = sum(g.numel() * 4 for g in [out.grad_anchors, *out.grad_candidates] if g is not None)
+    assert mem.peak_bytes < 2**20 + 3 * grads + 2**18, (mem.peak_bytes, full)
+    assert mem.peak_bytes < full / 8
+    torch.testing.assert_close(out.loss, ref.loss)
+    torch.testing.assert_close(out.grad_anchors, ref.grad_anchors)
