@@ -13,7 +13,7 @@ from st_cached_losses.functional.parallel import pad_to_common_tokens
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses._base import CachedInfoNCEBase
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
-from st_cached_losses.losses.options import ONE_DIRECTION
+from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
 
 __all__ = ["CachedMultiVectorLoss", "resolve_token_similarity"]
 
@@ -214,6 +214,20 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
         self._similarity_fct = similarity_fct  # type: ignore[assignment]
         self._similarity = similarity
         self._score_mini_batch_size = score_mini_batch_size
+
+    @property
+    def learnable_scale(self) -> bool:
+        """Always False: sentence-transformers' multi-vector losses have a fixed ``scale`` (assigning True
+        raises)."""
+        return False
+
+    @learnable_scale.setter
+    def learnable_scale(self, value: bool) -> None:
+        if check_bool("learnable_scale", value):
+            raise AttributeError(
+                "CachedMultiVectorLoss has a fixed scale (as sentence-transformers' multi-vector losses); "
+                "learnable_scale is not supported."
+            )
 
     @property  # type: ignore[override]  # None (colbert_scores) as sentence-transformers' default
     def similarity_fct(self) -> Callable[..., Tensor] | str | None:

@@ -142,6 +142,13 @@ def test_refusals(mv_model):
         loss.similarity_fct = XTRScores()
     with pytest.raises(AttributeError, match="no setting 'directions'"):
         loss.directions = ("query_to_doc",)
+    with pytest.raises(AttributeError, match="no setting 'mask_duplicates'"):
+        loss.mask_duplicates = True
+    with pytest.raises(AttributeError, match="fixed scale"):
+        loss.learnable_scale = True
+    assert loss.learnable_scale is False
+    loss.scale = 3.0
+    assert loss.scale == 3.0 and loss.get_config_dict()["scale"] == 3.0
     with pytest.raises(ValueError, match="positive"):
         CachedMultiVectorLoss(mv_model, scale=0.0)
     with pytest.raises(ValueError, match="score_mini_batch_size"):
