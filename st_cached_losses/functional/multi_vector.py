@@ -83,13 +83,26 @@ class MaxSim:
         q, q_mask = unpack_tokens(queries)
         c, c_mask = unpack_tokens(documents)
         sim = torch.einsum("ash,bth->abst", q, c)  # (b, t, tq, td)
-        # padded document tokens never win the max (0 would beat a real negative similarity)
-        # in place (einsum keeps its inputs, not its output, for backward): one tile-sized tensor, not two
-        sim.masked_fill_(~c_mask[None, :, None, :], torch.finfo(sim.dtype).min)
-        best = sim.amax(-1) if not torch.is_grad_enabled() else sim.max(-1).values  # (b, t, tq)
+        return self._reduce(sim, q_mask[:, None, :], c_mask[None, :, None, :])
+
+    def pairwise(self, queries: Tensor, documents: Tensor) -> Tensor:
+        """``(b,)`` scores of query ``i`` against document ``i`` (both ``b`` packed rows): a tile's
+        diagonal without the rest of the tile."""
+        q, q_mask = unpack_tokens(queries)
+        c, c_mask = unpack_tokens(documents)
+        sim = torch.einsum("ash,ath->ast", q, c)  # (b, tq, td)
+        return self._reduce(sim, q_mask, c_mask[:, None, :])
+
+    def _reduce(self, sim: Tensor, q_mask: Tensor, c_mask: Tensor) -> Tensor:
+        """Token similarities ``(..., tq, td)`` to scores ``(...)``; the masks broadcast against
+        ``(..., tq)`` (queries) and ``(..., tq, td)`` (documents)."""
+        # padded document tokens never win the max (0 would beat a real negative similarity); in place
+        # (einsum keeps its inputs, not its output, for backward): one tile-sized tensor, not two
+        sim.masked_fill_(~c_mask, torch.finfo(sim.dtype).min)
+        best = sim.amax(-1) if not torch.is_grad_enabled() else sim.max(-1).values  # (..., tq)
         acc = torch.float64 if best.dtype == torch.float64 else torch.float32  # sums in fp32 (fp64 kept)
-        scores = (best.to(acc) * q_mask[:, None, :]).sum(-1)  # padded query tokens add 0
-        scores = scores.masked_fill(~c_mask.any(-1)[None, :], EMPTY_DOCUMENT_SCORE)
+        scores = (best.to(acc) * q_mask).sum(-1)  # padded query tokens add 0
+        scores = scores.masked_fill(~c_mask.any(-1).any(-1), EMPTY_DOCUMENT_SCORE)
         if self.length_normalize:
-            scores = scores / q_mask.sum(-1).clamp(min=1).to(scores.dtype)[:, None]
+            scores = scores / q_mask.sum(-1).clamp(min=1).to(scores.dtype)
         return scores

@@ -116,6 +116,9 @@ class Score:
             q, c = rows.tile(r0, r1), cols.tile(offset + r0, offset + r1)
             if self.fn is None:
                 out[r0:r1] = (q * c).sum(1)
+            elif hasattr(self.fn, "pairwise"):  # the diagonal alone (a token score's tile is costly)
+                with torch.no_grad():
+                    out[r0:r1] = self.fn.pairwise(q, c).to(out.dtype) * scale
             else:
                 out[r0:r1] = self.logits(q, c, scale).diagonal()
         return out

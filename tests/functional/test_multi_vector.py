@@ -130,6 +130,13 @@ def test_maxsim_matches_sentence_transformers_colbert_scores() -> None:
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("length_normalize", [False, True])
+def test_maxsim_pairwise_is_the_diagonal(length_normalize: bool) -> None:
+    q, cols = token_case(6, 1, td=5)
+    sim = MaxSim(length_normalize)
+    torch.testing.assert_close(sim.pairwise(q, cols[0]), sim(q, cols[0]).diagonal(), rtol=1e-12, atol=0.0)
+
+
 def test_token_operands_are_checked() -> None:
     q, cols = token_case(4, 1)
     with pytest.raises(ValueError, match="packed token embeddings"):
