@@ -269,3 +269,64 @@ def test_two_processes_equal_single_process_global_batch(mv_dir, sizes, n_cols, 
         assert mean_loss == pytest.approx(ref_loss.item(), rel=1e-5)
         for r in results:
             assert_grads_close(r["grads"], ref_grads, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- token embeddings as inputs
+
+
+class _TokenPassthrough(torch.nn.Module):
+    """Returns the token embeddings given as inputs, cut to the longest real row of the mini-batch (as a
+    native-resolution encoder emits a width of its own per mini-batch), and records each call's task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: list[str | None] = []
+
+    def forward(self, features: dict, task: str | None = None) -> dict:
+        self.tasks.append(task)
+        mask = features["attention_mask"].bool()
+        width = int(mask.sum(1).max())
+        return {
+            "token_embeddings": features["token_embeddings"][:, :width],
+            "attention_mask": mask[:, :width],
+        }
+
+
+def _token_columns(lengths: list[list[int]], dim: int = 6, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for col in lengths:
+        width = max(col) + 2  # trailing padding every mini-batch trims differently
+        emb = torch.nn.functional.normalize(torch.randn(len(col), width, dim, generator=g), dim=-1)
+        mask = torch.arange(width)[None, :] < torch.tensor(col)[:, None]
+        out.append({"token_embeddings": emb.requires_grad_(), "attention_mask": mask})
+    return out
+
+
+@pytest.mark.parametrize("similarity_fct", [None, mean_colbert_scores], ids=["maxsim", "meanmaxsim"])
+def test_token_gradients_with_ragged_mini_batch_widths(similarity_fct):
+    """Mini-batches of one column come back at different widths (padded back to the column's widest);
+    the gradients wrt the token embeddings themselves equal the non-cached loss's, padding included (0),
+    and the task stamped on a column reaches every forward, replays included."""
+    lengths = [[3, 5, 2, 4, 5], [7, 2, 6, 3, 4], [4, 9, 1, 8, 2]]
+    ref_cols = _token_columns(lengths)
+    ref = MultiVectorMultipleNegativesRankingLoss(_TokenPassthrough(), similarity_fct=similarity_fct)(
+        ref_cols
+    )
+    ref.backward()
+
+    cols = _token_columns(lengths)
+    cols[0]["task"] = "document"  # a collator's choice overrides the positional default
+    model = _TokenPassthrough()
+    loss = CachedMultiVectorLoss(
+        model, similarity_fct=similarity_fct, mini_batch_size=2, reuse_last_graph=False
+    )
+    value = loss(cols)
+    value.backward()
+    torch.testing.assert_close(value.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(cols, ref_cols):
+        torch.testing.assert_close(
+            ours["token_embeddings"].grad, theirs["token_embeddings"].grad, rtol=1e-5, atol=1e-7
+        )
+    # 3 mini-batches per column, 3 columns: 9 forwards without a graph, 9 replays, all as "document"
+    assert model.tasks == ["document"] * 18
