@@ -21,6 +21,7 @@ _EXPORTS = {
     "CachedCLIPLoss": "st_cached_losses.losses",
     "CachedGISTLoss": "st_cached_losses.losses",
     "CachedMNRLoss": "st_cached_losses.losses",
+    "CachedMultiVectorLoss": "st_cached_losses.losses",
     "CachedSparseLoss": "st_cached_losses.losses",
     "CachedTiledLoss": "st_cached_losses.losses",
     "LossStateCallback": "st_cached_losses.losses.callbacks",
@@ -35,6 +36,7 @@ __all__ = [
     "CachedLossArgumentParser",
     "CachedLossTrainingArguments",
     "CachedMNRLoss",
+    "CachedMultiVectorLoss",
     "CachedSparseLoss",
     "CachedTiledLoss",
     "LossStateCallback",
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
         CachedCLIPLoss,
         CachedGISTLoss,
         CachedMNRLoss,
+        CachedMultiVectorLoss,
         CachedSparseLoss,
         CachedTiledLoss,
     )

@@ -61,6 +61,7 @@ from st_cached_losses.functional.checks import (
     check_mini_batch_size,
     memory_bytes,
 )
+from st_cached_losses.functional.multi_vector import pack_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,8 @@ class _Session:
         if mb.filler:
             return torch.zeros_like(out)
         g = self.grads[mb.column].index_select(0, mb.rows.to(self.grads[mb.column].device))
+        if g.dim() == 3:  # token rows padded to the column's longest: this mini-batch's own width
+            g = g[:, : out.shape[1]]
         return (g * grad_output).to(out.dtype)
 
 
@@ -246,6 +249,11 @@ class GradCache(MiniBatchPlanner):
             mini-batches first, measured, within the budget; the same gradients. None: keep only the
             last mini-batch's graph (``reuse_last_graph``). Under gradient synchronisation the last
             mini-batch is still replayed (the step's one reduction).
+        tokens: embed multi-vector rows: a model called with the column's ``task`` whose outputs are
+            ``token_embeddings`` and their ``attention_mask``, packed per mini-batch as ``(m, t, d + 1)``;
+            a column's mini-batches (each trimmed to its own longest row) are padded on the right to the
+            column's longest, and each mini-batch's gradient is cut back to its own width (the padding
+            never has one).
     """
 
     mini_batch_size: int | str = 32
@@ -257,6 +265,7 @@ class GradCache(MiniBatchPlanner):
     keep_params_unsharded: bool = False
     graph_memory_budget: int | None = None
     mini_batch_memory_budget: int | None = None
+    tokens: bool = False
     auto_size: int | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -295,12 +304,18 @@ class GradCache(MiniBatchPlanner):
             budget / 1e9,
         )
 
-    @staticmethod
-    def encode(model: nn.Module, features: Features) -> Tensor:
+    def encode(self, model: nn.Module, features: Features) -> Tensor:
+        """One mini-batch's embeddings ``(m, d)``; with ``tokens``, its token embeddings and scoring mask
+        packed as ``(m, t, d + 1)`` (:func:`~st_cached_losses.functional.multi_vector.pack_tokens`)."""
         # ranks run different numbers of mini-batch forwards: no buffer broadcast may wait inside them
         skip_forward_buffer_sync(model)
         # a fresh dict: SentenceTransformer modules write their outputs into the one they get
-        return model(dict(features))["sentence_embedding"]
+        if not self.tokens:
+            return model(dict(features))["sentence_embedding"]
+        # a multi-vector model routes by task (query / document: prefix, length, mask); its output
+        # attention_mask is the scoring mask
+        out = model(dict(features), task=features.get("task"))
+        return pack_tokens(out["token_embeddings"], out["attention_mask"])
 
     def _hold(self, model: nn.Module) -> Unsharded | None:
         return keep_unsharded(model) if self.keep_params_unsharded else None

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from st_cached_losses.distributed import (
@@ -323,7 +324,11 @@ _MAX_ERROR_BYTES = 4000
 
 def unsort(parts: list[Tensor], batches: list[MiniBatch], batch_size: int) -> Tensor:
     """Put mini-batch outputs (embedded in plan order) back in the column's row order: ``(B, d)``;
-    ``parts`` has one entry per mini-batch that is not a filler."""
+    ``parts`` has one entry per mini-batch that is not a filler. Token outputs ``(m, t, d)`` of different
+    widths are padded with zeros on the right to the widest: ``(B, t_max, d)``."""
+    if parts[0].dim() == 3:
+        width = max(p.shape[1] for p in parts)
+        parts = [p if p.shape[1] == width else F.pad(p, (0, 0, 0, width - p.shape[1])) for p in parts]
     flat = torch.cat(parts, dim=0)
     rows = torch.cat([mb.rows for mb in batches if not mb.filler]).to(flat.device)
     out = torch.empty((batch_size, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)

@@ -199,7 +199,10 @@ def validate_inputs(
     memory_budget: int,
     path: str,
     check_finite: bool,
+    tokens: bool = False,
 ) -> None:
+    """The core's inputs: ``(rows, dim)`` embeddings, or with ``tokens`` (a multi-vector score) packed
+    ``(rows, tokens, dim + 1)`` token embeddings whose token counts may differ between tensors."""
     if path not in ("auto", "chunked", "tiled"):
         raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {path!r}.")
     check_positive_int("chunk_size", chunk_size)
@@ -209,8 +212,13 @@ def validate_inputs(
     if anchors_all is not None:
         named.append(("anchors_all", anchors_all))
     for name, t in named:
-        if not isinstance(t, Tensor) or t.dim() != 2:
+        if not isinstance(t, Tensor) or t.dim() != (3 if tokens else 2):
             shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            if tokens:
+                raise ValueError(
+                    f"{name} must be a 3-D (rows, tokens, dim + 1) tensor of packed token embeddings (see "
+                    f"st_cached_losses.functional.multi_vector.pack_tokens) for a multi-vector score, got {shape}."
+                )
             raise ValueError(f"{name} must be a 2-D (rows, dim) tensor of embeddings, got {shape}.")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}.")
@@ -222,11 +230,11 @@ def validate_inputs(
             raise ValueError(
                 f"{name} is on {t.device} but anchors are on {anchors.device}; move them to one device."
             )
-    dim = anchors.shape[1]
+    dim = anchors.shape[-1]
     for name, t in named[1:]:
-        if t.shape[1] != dim:
+        if t.shape[-1] != dim:
             raise ValueError(
-                f"{name} has embedding dim {t.shape[1]} but anchors have {dim}: every column must come from "
+                f"{name} has embedding dim {t.shape[-1]} but anchors have {dim}: every column must come from "
                 "encoders with the same output dimension."
             )
     n = cols[0].shape[0]

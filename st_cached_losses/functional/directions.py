@@ -29,6 +29,7 @@ from torch import Tensor
 from st_cached_losses.distributed import all_gather_rows, all_reduce_sum, rank, ring_exchange
 from st_cached_losses.functional._kernels import (
     DEFAULT_MEMORY_BUDGET,
+    MIN_AUTO_CHUNK,
     LogSumExp,
     Operand,
     init_stats,
@@ -129,12 +130,14 @@ class _Sources:
         self.keys = keys.sources(row_offset, b) if keys is not None else None
         self.grads: dict[str, Tensor] = {}
         if with_grad:
-            dt, dev, dim = self.q.dtype, anchors.device, anchors.shape[1]
+            dt, dev = self.q.dtype, anchors.device
+            ops = {"q": self.q, "d": self.d, **self.cols}
             for name in ("q", "d", *self.cols):
-                if name == "d" and self.d is None:
+                op = ops[name]
+                if op is None:
                     continue
-                n = b if name in ("q", "d", "q_local") else self.cols[name].n
-                self.grads[name] = torch.zeros(n, dim, dtype=dt, device=dev)
+                # (n, d), or a token score's (n, tokens, d + 1): each source its own token count
+                self.grads[name] = torch.zeros(op.x.shape, dtype=dt, device=dev)
             if anchors_all is None and "q_all" in self.cols:
                 self.grads["q_all"] = self.grads["q_local"]  # one process: the same rows, one buffer
 
@@ -364,7 +367,10 @@ class _LocalCall:
             chunk_size=spec.chunk_size,
             tile_size=spec.tile_size,
             memory_budget=spec.memory_budget,
-            buffers=buffers,
+            buffers=buffers * spec.score.entry_cost(anchors, cols),
+            # a token score's logit is a tile of its own: one row's chunk is no thin GEMM, and one pass
+            # beats a statistics pass plus a gradient pass
+            min_auto_chunk=1 if spec.score.tokens else MIN_AUTO_CHUNK,
         )
         self.fused = one_pass and self.plan.path == "chunked"
         prenorm = self.plan.path == "chunked"

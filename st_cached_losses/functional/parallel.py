@@ -28,6 +28,7 @@ from torch import Tensor
 
 from st_cached_losses.distributed import (
     all_gather_rows,
+    all_reduce_min,
     all_reduce_sum,
     exchange_shapes,
     gather_with_grad,
@@ -48,6 +49,7 @@ from st_cached_losses.functional.infonce import (
     infonce_loss_and_grad,
     loss_terms,
 )
+from st_cached_losses.functional.multi_vector import pad_tokens
 from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import TermSet
@@ -58,6 +60,7 @@ __all__ = [
     "gathered_loss_and_grad",
     "loss_and_grad",
     "mean_scale_grad",
+    "pad_to_common_tokens",
     "ring_loss_and_grad",
 ]
 
@@ -75,12 +78,22 @@ def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[in
     if not across_processes or not is_distributed():
         raise_if_nonfinite([int(flags)])
         return None
-    b, d = columns[0].shape
+    b, d = columns[0].shape[0], columns[0].shape[-1]
     sizes, all_flags = exchange_shapes(
         b, [len(columns), d], columns[0].device, "the number of columns and the embedding dim", flags
     )
     raise_if_nonfinite(all_flags)
     return sizes
+
+
+def pad_to_common_tokens(columns: Sequence[Tensor]) -> list[Tensor]:
+    """Packed token columns (``(b, t_k, d + 1)``, :mod:`.multi_vector`) padded on the right to the widest
+    ``t_k`` of every process, column by column, so that they can be gathered (each process trims its
+    padding to its own longest row). One all-reduce of the widths; nothing outside a process group.
+    The padding has mask 0: it changes no score, and its gradient is 0."""
+    widths = torch.tensor([-c.shape[1] for c in columns], dtype=torch.long, device=columns[0].device)
+    all_reduce_min(widths, "all_reduce_token_widths")  # min of the negated widths: the widest
+    return [pad_tokens(c, -w) for c, w in zip(columns, widths.tolist())]
 
 
 def _reads_anchors_all(terms: TermSet | None) -> bool:
@@ -289,6 +302,11 @@ def ring_loss_and_grad(
             f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {path!r}."
         )
     cols = list(candidates)
+    if Score(similarity).tokens:
+        raise ValueError(
+            "multi-vector scores (MaxSim) are not computed by the ring exchange: gather the token embeddings "
+            "instead (gathered_loss_and_grad)."
+        )
     check_terms(terms, symmetric, guide, anchors, cols)
     keys = None
     if candidate_keys is not None:

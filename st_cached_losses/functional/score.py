@@ -6,12 +6,16 @@ the scale, and a tile's logit gradient ``G`` meets the operands in two more GEMM
 -> (b, t)``) is scored exactly through autograd one tile at a time: the tile's logits are
 ``scale * f(a, c)`` on the raw embeddings, and its gradient is the vector-Jacobian product of ``f`` with
 ``G``, recomputed per tile (memory bounded by the tile, about 2-4x the GEMM path's time on CPU for
-``cdist``-based functions). This class is where the scores of other embedding kinds plug in.
+``cdist``-based functions). This class is where the scores of other embedding kinds plug in: a function
+with ``token_score = True`` (:class:`~.multi_vector.MaxSim`) reads packed ``(n, tokens, d + 1)`` token
+operands (rows sliced like any other operand) and costs ``q_tokens x d_tokens`` per logit, which the
+block plan accounts for (:meth:`Score.entry_cost`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -19,11 +23,20 @@ from torch import Tensor
 
 from st_cached_losses.functional._kernels import Operand, spans
 
-__all__ = ["Score", "ScoreFn", "Similarity"]
+__all__ = ["Score", "ScoreFn", "Similarity", "TileGraph"]
 
 #: ``f(a (b, d), c (t, d)) -> (b, t)`` similarities, differentiable with torch.
 ScoreFn = Callable[[Tensor, Tensor], Tensor]
 Similarity = Literal["cosine", "dot"] | ScoreFn
+
+
+@dataclass
+class TileGraph:
+    """A function score's tile ``sim (b, t)`` with its autograd graph to ``leaves`` (the tile's rows and
+    columns, detached; those that want a gradient require it)."""
+
+    sim: Tensor
+    leaves: tuple[Tensor, Tensor]
 
 
 class Score:
@@ -49,6 +62,19 @@ class Score:
         """Tiles are products of the operands (their transposes are the columns' tiles)."""
         return self.fn is None
 
+    @property
+    def tokens(self) -> bool:
+        """Operands are packed ``(n, tokens, d + 1)`` multi-vector rows (:mod:`.multi_vector`)."""
+        return bool(getattr(self.fn, "token_score", False))
+
+    def entry_cost(self, rows: Tensor, cols: list[Tensor]) -> int:
+        """fp32 elements a tile holds per logit while it is scored and differentiated: 1 for embeddings;
+        for token rows, the ``q_tokens x d_tokens`` similarities three times (their values, and in the
+        per-tile backward the gradient through the max and through the mask)."""
+        if not self.tokens:
+            return 1
+        return 3 * rows.shape[1] * max(c.shape[1] for c in cols)
+
     def operand(self, x: Tensor, scale: float, prenormalize: bool) -> Operand:
         """``x`` as the kernels read it; a GEMM score folds ``scale`` (rows) into the tiles, a function
         scores the raw embeddings and its tile is scaled afterwards."""
@@ -60,34 +86,58 @@ class Score:
             return q @ c.T  # (b, d) @ (d, t); q carries the scale
         with torch.no_grad():
             sim = self.fn(q, c)
+        return self._checked(sim, q, c).to(q.dtype) * scale
+
+    def logits_with_graph(
+        self, q: Tensor, c: Tensor, scale: float, rows_grad: bool, cols_grad: bool
+    ) -> tuple[Tensor, TileGraph | None]:
+        """:meth:`logits` and, for a function score, the tile's autograd graph to the operands that want a
+        gradient: :meth:`accumulate` then back-propagates it instead of scoring the tile again. The graph
+        holds what the function's backward saves (for MaxSim the max's indices, ``(b, t, q_tokens)``), not
+        the token similarities."""
+        if self.fn is None or not (rows_grad or cols_grad):
+            return self.logits(q, c, scale), None
+        leaves = (q.detach().requires_grad_(rows_grad), c.detach().requires_grad_(cols_grad))
+        with torch.enable_grad():
+            sim = self._checked(self.fn(*leaves), q, c)
+        return sim.detach().to(q.dtype) * scale, TileGraph(sim, leaves)
+
+    @staticmethod
+    def _checked(sim: object, q: Tensor, c: Tensor) -> Tensor:
         if not isinstance(sim, Tensor) or sim.shape != (q.shape[0], c.shape[0]):
             got = tuple(sim.shape) if isinstance(sim, Tensor) else type(sim).__name__
             raise ValueError(
                 f"the similarity function must map a ({q.shape[0]}, d) and a ({c.shape[0]}, d) tensor to "
                 f"({q.shape[0]}, {c.shape[0]}) scores, got {got}."
             )
-        return sim.to(q.dtype) * scale
+        return sim
 
     def accumulate(
-        self, g: Tensor, q: Tensor, c: Tensor, g_rows: Tensor | None, g_cols: Tensor | None, scale: float
+        self,
+        g: Tensor,
+        q: Tensor,
+        c: Tensor,
+        g_rows: Tensor | None,
+        g_cols: Tensor | None,
+        scale: float,
+        graph: TileGraph | None = None,
     ) -> None:
         """Add a tile's logit gradient ``g (b, t)`` to the rows' buffer ``g_rows (b, d)`` (before its final
-        ``* scale``) and the columns' ``g_cols (t, d)``."""
+        ``* scale``) and the columns' ``g_cols (t, d)``; ``graph``: the tile's, from
+        :meth:`logits_with_graph` (else a function score is scored again, with autograd)."""
         if self.fn is None:
             if g_rows is not None:
                 g_rows.addmm_(g, c)  # (b, t) @ (t, d)
             if g_cols is not None:
                 g_cols.addmm_(g.T, q)  # (t, b) @ (b, d); q carries the scale
             return
-        leaves = [
-            q.detach().requires_grad_(g_rows is not None),
-            c.detach().requires_grad_(g_cols is not None),
-        ]
-        wanted = [t for t in leaves if t.requires_grad]
-        if not wanted:
+        if graph is None:
+            graph = self.logits_with_graph(q, c, scale, g_rows is not None, g_cols is not None)[1]
+        if graph is None:
             return
+        wanted = [t for t in graph.leaves if t.requires_grad]
         with torch.enable_grad():
-            grads = iter(torch.autograd.grad(self.fn(*leaves).to(g.dtype), wanted, g))
+            grads = iter(torch.autograd.grad(graph.sim.to(g.dtype), wanted, g))
         if g_rows is not None:
             g_rows.add_(next(grads))
         if g_cols is not None:
@@ -100,6 +150,9 @@ class Score:
             q, c = rows.tile(r0, r1), cols.tile(offset + r0, offset + r1)
             if self.fn is None:
                 out[r0:r1] = (q * c).sum(1)
+            elif hasattr(self.fn, "pairwise"):  # the diagonal alone (a token score's tile is costly)
+                with torch.no_grad():
+                    out[r0:r1] = self.fn.pairwise(q, c).to(out.dtype) * scale
             else:
                 out[r0:r1] = self.logits(q, c, scale).diagonal()
         return out

@@ -48,7 +48,7 @@ from st_cached_losses.functional._kernels import (
     online_lse_update,
     spans,
 )
-from st_cached_losses.functional.score import Score
+from st_cached_losses.functional.score import Score, TileGraph
 
 __all__ = [
     "TIE_TOLERANCE",
@@ -214,11 +214,20 @@ class Bound:
     col_positive: bool = False  # the column softmax has its positive on the diagonal too
 
 
-def _logits(b: Bound, q: Tensor, r0: int, r1: int, c0: int, c1: int, scale: float, keep_raw: bool):
-    """One tile's final logits (penalties added, removed entries at -inf) and, if asked, the raw
-    ``s * sim`` (for the scale's gradient)."""
+def _logits(
+    b: Bound, q: Tensor, r0: int, r1: int, c0: int, c1: int, scale: float, keep_raw: bool, grads: bool = False
+):
+    """One tile's final logits (penalties added, removed entries at -inf), if asked the raw ``s * sim``
+    (for the scale's gradient), the diagonal's entries, and with ``grads`` a function score's tile graph
+    (:meth:`~.score.Score.logits_with_graph`; None for GEMM scores)."""
     t = b.term
-    block = b.score.logits(q, b.cols.tile(c0, c1), scale)  # (rows, cols)
+    graph = None
+    if grads and not b.score.gemm:
+        block, graph = b.score.logits_with_graph(
+            q, b.cols.tile(c0, c1), scale, b.g_rows is not None, b.g_cols is not None
+        )
+    else:
+        block = b.score.logits(q, b.cols.tile(c0, c1), scale)  # (rows, cols)
     raw = block.clone() if keep_raw else None
     ij = diagonal_entries(r0, r1, c0, c1, b.diag, block.device)
     if t.pen_off or t.pen_diag:
@@ -241,7 +250,7 @@ def _logits(b: Bound, q: Tensor, r0: int, r1: int, c0: int, c1: int, scale: floa
         block.masked_fill_(mask, -torch.inf)
     if t.diag == "exclude" and ij is not None:
         block[ij] = -torch.inf
-    return block, raw, ij
+    return block, raw, ij, graph
 
 
 def _tiles(bound: Sequence[Bound], row_tile: int, col_tile: int):
@@ -260,7 +269,7 @@ def term_stats(
     into the running column statistics of a term with a column softmax."""
     scratch: Tensor | None = None
     for b, q, r0, r1, c0, c1 in _tiles(bound, row_tile, col_tile):
-        block, _, _ = _logits(b, q, r0, r1, c0, c1, scale, False)
+        block, _, _, _ = _logits(b, q, r0, r1, c0, c1, scale, False)
         if b.col_stats is not None:
             if scratch is None or scratch.shape != block.shape:
                 scratch = torch.empty_like(block)
@@ -284,13 +293,22 @@ def _logit_grad(b: Bound, block: Tensor, lse: LogSumExp, weight: float, ij, c0: 
 
 
 def _apply(
-    b: Bound, g: Tensor, raw: Tensor | None, q: Tensor, c0: int, c1: int, r0: int, r1: int, scale: float
+    b: Bound,
+    g: Tensor,
+    raw: Tensor | None,
+    q: Tensor,
+    c0: int,
+    c1: int,
+    r0: int,
+    r1: int,
+    scale: float,
+    graph: TileGraph | None = None,
 ) -> Tensor:
     """Accumulate one tile's logit gradient ``g`` into the bound buffers; returns its part of
     ``sum(G * s * sim)`` (0 when ``raw``, the tile's unpenalised logits, was not kept)."""
     g_rows = b.g_rows[r0:r1] if b.g_rows is not None else None
     g_cols = b.g_cols[c0:c1] if b.g_cols is not None else None
-    b.score.accumulate(g, q, b.cols.tile(c0, c1), g_rows, g_cols, scale)
+    b.score.accumulate(g, q, b.cols.tile(c0, c1), g_rows, g_cols, scale, graph)
     if raw is None:
         return torch.zeros((), dtype=torch.float64, device=g.device)
     return torch.vdot(g.reshape(-1), raw.reshape(-1)).double()
@@ -311,9 +329,9 @@ def term_grads(
     gs = torch.zeros((), dtype=torch.float64, device=bound[0].rows.x.device)
     for b, q, r0, r1, c0, c1 in _tiles(bound, row_tile, col_tile):
         grp = b.term.group
-        block, raw, ij = _logits(b, q, r0, r1, c0, c1, scale, need_scale_grad)
+        block, raw, ij, graph = _logits(b, q, r0, r1, c0, c1, scale, need_scale_grad, grads=True)
         g = _logit_grad(b, block, lse[grp][r0:r1], weights[grp], ij, c0, c1)
-        gs += _apply(b, g, raw, q, c0, c1, r0, r1, scale)
+        gs += _apply(b, g, raw, q, c0, c1, r0, r1, scale, graph)
     return gs
 
 
@@ -337,7 +355,10 @@ def fused_chunk(
     gs = torch.zeros((), dtype=torch.float64, device=dev)
     for r0, r1 in spans(n_rows, chunk):
         qs = [b.rows.tile(r0, r1) for b in bound]
-        tiles = [_logits(b, q, r0, r1, 0, b.cols.n, scale, need_scale_grad) for b, q in zip(bound, qs)]
+        tiles = [
+            _logits(b, q, r0, r1, 0, b.cols.n, scale, need_scale_grad, grads=need_grads)
+            for b, q in zip(bound, qs)
+        ]
         inv_z: dict[int, Tensor] = {}
         for grp, w in enumerate(weights):
             blocks = [t[0] for b, t in zip(bound, tiles) if b.term.group == grp]
@@ -350,9 +371,9 @@ def fused_chunk(
             inv_z[grp] = z.reciprocal_().mul_(w)
         if not need_grads:
             continue
-        for b, q, (e, raw, ij) in zip(bound, qs, tiles):
+        for b, q, (e, raw, ij, graph) in zip(bound, qs, tiles):
             g = e.mul_(inv_z[b.term.group][:, None])  # w_g * P_g
             if b.term.diag == "positive" and ij is not None:
                 g[ij] -= weights[b.term.group]
-            gs += _apply(b, g, raw, q, 0, b.cols.n, r0, r1, scale)
+            gs += _apply(b, g, raw, q, 0, b.cols.n, r0, r1, scale, graph)
     return lse, gs

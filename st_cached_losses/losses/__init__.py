@@ -10,6 +10,7 @@ from st_cached_losses.losses._base import CachedInfoNCEBase
 from st_cached_losses.losses.cached_clip import CachedCLIPLoss
 from st_cached_losses.losses.cached_gist import CachedGISTLoss
 from st_cached_losses.losses.cached_mnr import CachedMNRLoss
+from st_cached_losses.losses.cached_multi_vector import CachedMultiVectorLoss
 from st_cached_losses.losses.cached_sparse import CachedSparseLoss
 from st_cached_losses.losses.cached_tiled import CachedTiledLoss
 
@@ -18,6 +19,7 @@ __all__ = [
     "CachedGISTLoss",
     "CachedInfoNCEBase",
     "CachedMNRLoss",
+    "CachedMultiVectorLoss",
     "CachedSparseLoss",
     "CachedTiledLoss",
 ]

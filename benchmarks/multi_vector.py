@@ -1,0 +1,121 @@
+"""The multi-vector loss stage: time and peak memory of MaxSim InfoNCE with its gradients wrt every token
+embedding, sentence-transformers' cached loss against ours.
+
+Contenders, on the same packed token embeddings (queries ``(B, tq, d)``, ``N`` document columns
+``(B, td, d)``, ragged masks):
+
+* ``st-cached``: sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss.calculate_loss(...,
+  with_backward=True)`` (query chunks of ``score_mini_batch_size`` = 32 rows against every document, a
+  ``(32, B*N, tq, td)`` intermediate per chunk, autograd);
+* ``ours``: ``infonce_loss_and_grad(..., similarity=MaxSim())`` (tiles sized from the 64 MiB default budget,
+  per-tile autograd).
+
+Run: ``.venv/bin/python benchmarks/multi_vector.py`` (``--sizes``, ``--repeats``). Writes
+``benchmarks/results/multi_vector.{md,csv}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from st_cached_losses.functional import infonce_loss_and_grad  # noqa: E402
+from st_cached_losses.functional.multi_vector import MaxSim, pack_tokens  # noqa: E402
+from tests.support.memory import PeakMemory  # noqa: E402
+
+
+def inputs(b: int, n_cols: int, tq: int, td: int, d: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(t: int, min_len: int):
+        x = torch.nn.functional.normalize(torch.randn(b, t, d, generator=g), dim=-1)
+        lengths = torch.randint(min_len, t + 1, (b,), generator=g)
+        return x, torch.arange(t)[None, :] < lengths[:, None]
+
+    return rows(tq, tq // 2), [rows(td, td // 4) for _ in range(n_cols)]
+
+
+def run_st(q, cols) -> float:
+    from sentence_transformers.multi_vector_encoder.losses import (
+        CachedMultiVectorMultipleNegativesRankingLoss,
+    )
+
+    loss = CachedMultiVectorMultipleNegativesRankingLoss(torch.nn.Identity(), mini_batch_size=32)  # type: ignore[arg-type]
+    reps = [[q[0].clone().requires_grad_()]] + [[c[0].clone().requires_grad_()] for c in cols]
+    masks = [[q[1]]] + [[c[1]] for c in cols]
+    return float(loss.calculate_loss(reps, masks, with_backward=True))
+
+
+def run_ours(q, cols) -> float:
+    packed = [pack_tokens(*q)] + [pack_tokens(*c) for c in cols]
+    out = infonce_loss_and_grad(packed[0], packed[1:], scale=1.0, similarity=MaxSim(), check_finite=False)
+    return float(out.loss)
+
+
+def measure(fn, q, cols, repeats: int) -> tuple[float, float, float]:
+    with PeakMemory() as mem:
+        value = fn(q, cols)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(q, cols)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), mem.peak_bytes / 2**20, value
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--tq", type=int, default=32)
+    parser.add_argument("--td", type=int, default=96)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument(
+        "--columns", type=int, default=2, help="document columns (positives + hard negatives)"
+    )
+    args = parser.parse_args()
+    rows = []
+    for b in args.sizes:
+        q, cols = inputs(b, args.columns, args.tq, args.td, args.dim)
+        full = b * b * args.columns * args.tq * args.td * 4 / 2**20
+        result = {}
+        for name, fn in (("st-cached", run_st), ("ours", run_ours)):
+            result[name] = measure(fn, q, cols, args.repeats)
+        assert abs(result["st-cached"][2] - result["ours"][2]) <= 1e-4 * abs(result["ours"][2]) + 1e-5
+        for name, (t, mib, _) in result.items():
+            rows.append({"B": b, "contender": name, "seconds": round(t, 3), "peak_MiB": round(mib, 1),
+                         "full_intermediate_MiB": round(full, 1)})  # fmt: skip
+            print(rows[-1], flush=True)
+    out = ROOT / "benchmarks" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "multi_vector.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [
+        f"# Multi-vector loss stage (MaxSim, tq={args.tq}, td={args.td}, d={args.dim}, {args.columns} document "
+        f"columns, {torch.get_num_threads()} threads)",
+        "",
+        "| B | contender | seconds (median) | peak MiB | full (Q, Q*N, tq, td) fp32 MiB |",
+        "|---|---|---|---|---|",
+        *[
+            f"| {r['B']} | {r['contender']} | {r['seconds']} | {r['peak_MiB']} | {r['full_intermediate_MiB']} |"
+            for r in rows
+        ],
+    ]
+    (out / "multi_vector.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,295 @@
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import Tensor, nn
+
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
+from st_cached_losses.functional.checks import check_positive_int
+from st_cached_losses.functional.multi_vector import MaxSim
+from st_cached_losses.functional.parallel import pad_to_common_tokens
+from st_cached_losses.functional.terms import mnrl_terms
+from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
+from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
+from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
+
+__all__ = ["CachedMultiVectorLoss", "resolve_token_similarity"]
+
+
+def _not_a_multi_vector_setting(name: str) -> property:
+    """A setting of the single-vector losses that this loss does not take: reading or assigning it raises."""
+
+    def refuse(*_: Any) -> Any:
+        raise AttributeError(
+            f"CachedMultiVectorLoss has no setting {name!r}: like sentence-transformers' "
+            "CachedMultiVectorMultipleNegativesRankingLoss, it scores each query against every document "
+            "(query_to_doc, one softmax). Use CachedMNRLoss for this option on single-vector models."
+        )
+
+    return property(
+        refuse, refuse, doc=f"Not used by the multi-vector loss: reading or assigning {name!r} raises."
+    )
+
+
+def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None) -> MaxSim:
+    """sentence-transformers' multi-vector scoring functions as the core's tile score: ``None`` /
+    ``colbert_scores`` / ``"maxsim"`` -> MaxSim, ``mean_colbert_scores`` / ``"meanmaxsim"`` -> MeanMaxSim
+    (a ``functools.partial`` of either may bind ``length_normalize`` and ``chunk_elements``, the latter a
+    memory knob the tiles make moot), or a :class:`~st_cached_losses.functional.multi_vector.MaxSim`.
+    XTR is refused: its global top-k over every in-batch document token is not a function of one
+    (query, document) pair, so it cannot be scored tile by tile exactly."""
+    if similarity_fct is None:
+        return MaxSim()
+    if isinstance(similarity_fct, MaxSim):
+        return similarity_fct
+    if isinstance(similarity_fct, str):
+        names = {"maxsim": False, "colbert_scores": False, "meanmaxsim": True, "mean_colbert_scores": True}
+        if similarity_fct.lower() in names:
+            return MaxSim(names[similarity_fct.lower()])
+        raise ValueError(
+            f"similarity_fct={similarity_fct!r} is not a multi-vector score: use 'maxsim' or 'meanmaxsim'."
+        )
+    from sentence_transformers.multi_vector_encoder import scoring
+
+    fn: Any = similarity_fct
+    keywords: dict[str, Any] = {}
+    if isinstance(fn, functools.partial) and not fn.args:
+        fn, keywords = fn.func, dict(fn.keywords)
+    if fn in (scoring.xtr_scores,) or isinstance(fn, scoring.XTRScores):
+        raise ValueError(
+            "XTR scoring (xtr_scores / XTRScores) retrieves each query token's top-k over every in-batch document "
+            "token at once, so a document's score depends on the whole batch and cannot be computed tile by tile "
+            "exactly; train XTR with sentence_transformers' CachedMultiVectorMultipleNegativesRankingLoss. "
+            "CachedMultiVectorLoss takes colbert_scores (MaxSim) or mean_colbert_scores (MeanMaxSim)."
+        )
+    defaults = {scoring.colbert_scores: False, scoring.mean_colbert_scores: True}
+    if fn not in defaults or set(keywords) - {"length_normalize", "chunk_elements"}:
+        raise ValueError(
+            f"similarity_fct={similarity_fct!r} is not supported: CachedMultiVectorLoss scores tile by tile, "
+            "so it takes sentence_transformers.multi_vector_encoder.scoring.colbert_scores (MaxSim, the default) "
+            "or mean_colbert_scores (MeanMaxSim), optionally as a functools.partial binding length_normalize / "
+            "chunk_elements, or st_cached_losses.functional.multi_vector.MaxSim."
+        )
+    return MaxSim(bool(keywords.get("length_normalize", defaults[fn])))
+
+
+class CachedMultiVectorLoss(CachedInfoNCEBase):
+    _citations = (GRADCACHE_CITATION, MNRL_CITATION)
+    equivalent_st_loss = "CachedMultiVectorMultipleNegativesRankingLoss"
+    _ring_capable = False  # token rows are gathered (padded to a common width), never passed around a ring
+
+    directions = _not_a_multi_vector_setting("directions")
+    partition_mode = _not_a_multi_vector_setting("partition_mode")
+    symmetric = _not_a_multi_vector_setting("symmetric")
+    hardness_mode = _not_a_multi_vector_setting("hardness_mode")
+    hardness_strength = _not_a_multi_vector_setting("hardness_strength")
+    mask_duplicates = _not_a_multi_vector_setting("mask_duplicates")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        scale: float = 1.0,
+        similarity_fct: Callable[..., Tensor] | str | None = None,
+        mini_batch_size: int | str = 32,
+        mini_batch_num_tokens: int | str | None = None,
+        score_mini_batch_size: int | None = None,
+        gather_across_devices: bool = False,
+        show_progress_bar: bool = False,
+        path: LossPath = "auto",
+        tile_size: int | None = None,
+        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
+        sort_by_length: bool = True,
+        reuse_last_graph: bool = True,
+        keep_params_unsharded: bool = False,
+        graph_memory_budget: int | str | None = None,
+        mini_batch_memory_budget: int | str | None = None,
+    ) -> None:
+        """
+        Late-interaction (ColBERT MaxSim) in-batch negatives ranking loss with GradCache, for a
+        ``MultiVectorEncoder``: the gradients of a batch of thousands with the memory of one encoder
+        mini-batch and one scoring tile, exactly.
+
+        Each query is scored against its positive document, every hard negative and every other row's
+        documents by MaxSim (the sum over the query's tokens of the best document-token similarity), and the
+        loss is the cross-entropy of picking the positive, as sentence-transformers'
+        ``MultiVectorMultipleNegativesRankingLoss``. The batch is embedded mini-batch by mini-batch without a
+        graph (token embeddings and scoring masks cached, each mini-batch trimmed to its longest row); the
+        loss and its gradient wrt every token embedding are computed by the package's one InfoNCE core, tile
+        by tile over (query rows x document rows): the largest intermediate is one tile's
+        ``(rows, documents, q_tokens, d_tokens)`` similarities, sized from ``memory_budget``, never the
+        ``(Q, Q*N, q_tokens, d_tokens)`` tensor of sentence-transformers' cached loss. The encoder is then
+        replayed with the cached gradients.
+
+        The constructor takes sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss``
+        arguments (keyword-only, as theirs), then our extras. Every argument is a property, read and
+        assigned between steps.
+
+        Args:
+            model: the ``MultiVectorEncoder`` to train (column 0 embedded as ``task="query"``, the others as
+                ``"document"``, unless the collator set a column's task).
+            scale: multiplies the scores (``1 / temperature``); 1.0 as sentence-transformers (MaxSim is a sum
+                over query tokens); with MeanMaxSim about the average query length.
+            similarity_fct: ``None`` / ``colbert_scores`` (MaxSim) or ``mean_colbert_scores`` (MeanMaxSim),
+                from ``sentence_transformers.multi_vector_encoder.scoring``. XTR is refused (its global top-k
+                is not tile-decomposable).
+            mini_batch_size: rows per encoder forward; sets the memory, not the result.
+            mini_batch_num_tokens: a budget of real (non-padding) tokens per encoder mini-batch instead of
+                ``mini_batch_size``, as sentence-transformers.
+            score_mini_batch_size: kept for sentence-transformers' signature and config (default:
+                ``mini_batch_size``); the scoring tiles are sized from ``memory_budget`` (or ``tile_size``)
+                instead, and never change the result.
+            gather_across_devices: score each process's queries against every process's documents. Token
+                rows are padded to the widest of every process before the gather (processes may hold
+                different numbers of rows and tokens).
+            show_progress_bar: tqdm bars over the mini-batches of both passes.
+            path: the loss-stage plan: ``"auto"``, ``"chunked"`` (query chunks against every document) or
+                ``"tiled"`` (tiles in both dimensions); across processes always gathered.
+            tile_size: the tile side of the tiled path (rows and documents).
+            memory_budget: bytes of score tiles (token similarities included) to hold at once.
+            sort_by_length / reuse_last_graph: engine options, never changing the result.
+            keep_params_unsharded / graph_memory_budget / mini_batch_memory_budget: as on ``CachedMNRLoss``.
+
+        References:
+            - Khattab and Zaharia, ColBERT: Efficient and Effective Passage Search via Contextualized Late
+              Interaction over BERT, 2020: https://huggingface.co/papers/2004.12832
+            - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
+              https://huggingface.co/papers/2101.06983
+
+        Requirements:
+            1. (query, positive) pairs or (query, positive, negative_1, ..., negative_n) tuples.
+            2. A ``MultiVectorEncoder`` (outputs ``token_embeddings`` and a scoring ``attention_mask``).
+
+        Inputs:
+            +-------------------------------------------------+--------+
+            | Texts                                           | Labels |
+            +=================================================+========+
+            | (anchor, positive) pairs                        | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative) triplets           | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative_1, ..., negative_n) | none   |
+            +-------------------------------------------------+--------+
+
+        Relations:
+            - Same loss and gradients as ``MultiVectorMultipleNegativesRankingLoss`` and
+              ``CachedMultiVectorMultipleNegativesRankingLoss`` (sentence-transformers) with MaxSim or
+              MeanMaxSim scoring.
+
+        Example:
+            ::
+
+                from sentence_transformers import MultiVectorEncoder, MultiVectorEncoderTrainer
+                from st_cached_losses import CachedMultiVectorLoss
+
+                model = MultiVectorEncoder("answerdotai/ModernBERT-base")
+                loss = CachedMultiVectorLoss(model, mini_batch_size=8)
+                trainer = MultiVectorEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
+                trainer.train()
+        """
+        similarity = resolve_token_similarity(similarity_fct)
+        check_positive_int("score_mini_batch_size", score_mini_batch_size)
+        super().__init__(
+            model,
+            scale,
+            "dot",  # replaced below: the token score is not a (n, d) similarity the base could check
+            mini_batch_size,
+            mini_batch_num_tokens,
+            gather_across_devices,
+            ONE_DIRECTION,
+            "joint",
+            show_progress_bar,
+            path=path,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+            keep_params_unsharded=keep_params_unsharded,
+            graph_memory_budget=graph_memory_budget,
+            mini_batch_memory_budget=mini_batch_memory_budget,
+        )
+        self.cache.tokens = True  # the engine caches packed token embeddings and masks
+        self._similarity_fct = similarity_fct  # type: ignore[assignment]
+        self._similarity = similarity
+        self._score_mini_batch_size = score_mini_batch_size
+
+    @property
+    def learnable_scale(self) -> bool:
+        """Always False: sentence-transformers' multi-vector losses have a fixed ``scale`` (assigning True
+        raises)."""
+        return False
+
+    @learnable_scale.setter
+    def learnable_scale(self, value: bool) -> None:
+        if check_bool("learnable_scale", value):
+            raise AttributeError(
+                "CachedMultiVectorLoss has a fixed scale (as sentence-transformers' multi-vector losses); "
+                "learnable_scale is not supported."
+            )
+
+    @property  # type: ignore[override]  # None (colbert_scores) as sentence-transformers' default
+    def similarity_fct(self) -> Callable[..., Tensor] | str | None:
+        """What was given (``None``: ``colbert_scores``)."""
+        return self._similarity_fct
+
+    @similarity_fct.setter
+    def similarity_fct(self, value: Callable[..., Tensor] | str | None) -> None:
+        self._similarity = resolve_token_similarity(value)
+        self._similarity_fct = value  # type: ignore[assignment]
+
+    @property
+    def score_mini_batch_size(self) -> int | str:
+        """sentence-transformers' scoring chunk (default ``mini_batch_size``); config only: tiles are sized
+        from ``memory_budget`` / ``tile_size``."""
+        return (
+            self._score_mini_batch_size if self._score_mini_batch_size is not None else self.mini_batch_size
+        )
+
+    @score_mini_batch_size.setter
+    def score_mini_batch_size(self, value: int | None) -> None:
+        check_positive_int("score_mini_batch_size", value)
+        self._score_mini_batch_size = value
+
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
+        return {"terms": mnrl_terms(ONE_DIRECTION, "joint", None, 0.0, n_columns)}
+
+    def _gatherable(self, embeddings: list[Tensor]) -> list[Tensor]:
+        return pad_to_common_tokens(embeddings)
+
+    def _citation_parts(self) -> tuple[str, ...]:
+        return self._citations
+
+    @property
+    def citation(self) -> str:
+        return "".join(self._citations)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """sentence-transformers' six keys, the same values for the same settings, then the extras that
+        differ from their defaults."""
+        from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
+        from sentence_transformers.util import similarity_fct_name
+
+        fn = self.similarity_fct if self.similarity_fct is not None else colbert_scores
+        config: dict[str, Any] = {
+            "scale": self.scale,
+            "similarity_fct": fn if isinstance(fn, str) else similarity_fct_name(fn),
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "score_mini_batch_size": self.score_mini_batch_size,
+            "gather_across_devices": self.gather_across_devices,
+        }
+        if self.tile_size is not None:
+            config["tile_size"] = self.tile_size
+        if self.path != "auto":
+            config["path"] = self.path
+        return config
+
+    def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
+        # each column's task, as sentence-transformers stamps it (a collator's choice kept): queries first
+        features = [
+            {**f, "task": f.get("task", "query" if k == 0 else "document")}
+            for k, f in enumerate(sentence_features)
+        ]
+        return super().forward(features, labels)

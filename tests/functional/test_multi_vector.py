@@ -1,0 +1,164 @@
+"""MaxSim / MeanMaxSim through the one core: tile by tile, against the dense ``(Q, N, tq, td)`` reference
+(values and gradients, every path and several tile sizes), and against sentence-transformers' own
+``colbert_scores``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from st_cached_losses.functional import infonce, infonce_loss_and_grad
+from st_cached_losses.functional.multi_vector import MaxSim, pack_tokens, pad_tokens, unpack_tokens
+
+
+def token_case(n: int, n_cols: int, tq: int = 5, td: int = 7, d: int = 4, seed: int = 0, dtype=torch.float64):
+    """Packed queries ``(n, tq, d + 1)`` and ``n_cols`` packed document columns ``(n, td_k, d + 1)`` with
+    ragged masks: some padded query tokens, some padded document tokens, one document without any
+    token, one query without any; documents of column k have ``td + k`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+
+    def rows(m: int, t: int, min_len: int) -> torch.Tensor:
+        x = torch.randn(m, t, d, generator=g, dtype=dtype)
+        lengths = torch.randint(min_len, t + 1, (m,), generator=g)
+        mask = torch.arange(t)[None, :] < lengths[:, None]
+        x = x.masked_fill(~mask[..., None], 0.0)
+        return pack_tokens(x, mask)
+
+    q = rows(n, tq, 1)
+    cols = [rows(n, td + k, 1) for k in range(n_cols)]
+    cols[-1][min(2, n - 1), :, -1] = 0.0  # a document without any scored token
+    q[-1, :, -1] = 0.0  # a query without any scored token
+    return q, cols
+
+
+def dense_scores(q: torch.Tensor, docs: torch.Tensor, length_normalize: bool) -> torch.Tensor:
+    """The full ``(Q, N, tq, td)`` MaxSim, written independently of the kernel."""
+    qe, qm = q[..., :-1], q[..., -1] != 0
+    de, dm = docs[..., :-1], docs[..., -1] != 0
+    sim = torch.einsum("qsh,nth->qnst", qe, de)
+    sim = sim.masked_fill(~dm[None, :, None, :], torch.finfo(sim.dtype).min)
+    best = sim.max(-1).values * qm[:, None, :]
+    scores = best.sum(-1)
+    scores = scores.masked_fill(~dm.any(-1)[None, :], -1e9)
+    if length_normalize:
+        scores = scores / qm.sum(-1).clamp(min=1)[:, None]
+    return scores
+
+
+def dense_loss(q, cols, scale, length_normalize):
+    width = max(c.shape[1] for c in cols)
+    docs = torch.cat([pad_tokens(c, width) for c in cols])  # (K n, td, d + 1)
+    logits = scale * dense_scores(q, docs, length_normalize)
+    return F.cross_entropy(logits, torch.arange(q.shape[0]))
+
+
+def leaves(q, cols):
+    return q.clone().requires_grad_(), [c.clone().requires_grad_() for c in cols]
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"path": "chunked"},
+        {"path": "chunked", "chunk_size": 3},
+        {"path": "tiled", "tile_size": 1},
+        {"path": "tiled", "tile_size": 4},
+        {"path": "tiled", "tile_size": 64},
+        {"memory_budget": 50_000},  # auto: the plan counts tq x td per logit
+    ],
+)
+def test_maxsim_matches_dense_reference(length_normalize: bool, opts: dict) -> None:
+    q, cols = token_case(9, 2)
+    scale = 1.5  # exact in fp32 (infonce carries a float scale as an fp32 tensor)
+    rq, rc = leaves(q, cols)
+    ref = dense_loss(rq, rc, scale, length_normalize)
+    ref.backward()
+    sim = MaxSim(length_normalize)
+
+    out = infonce_loss_and_grad(q, cols, scale=scale, similarity=sim, **opts)
+    torch.testing.assert_close(out.loss, ref.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(out.grad_anchors, rq.grad, rtol=1e-10, atol=1e-10)
+    for g, r in zip(out.grad_candidates, rc):
+        torch.testing.assert_close(g, r.grad, rtol=1e-10, atol=1e-10)
+    # the mask channel gets no gradient
+    assert out.grad_anchors is not None and not out.grad_anchors[..., -1].any()
+
+    aq, ac = leaves(q, cols)
+    loss = infonce(aq, ac, scale=scale, similarity=sim, **opts)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(aq.grad, rq.grad, rtol=1e-10, atol=1e-10)
+    for a, r in zip(ac, rc):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_maxsim_gradient_through_ties_and_gradcheck() -> None:
+    """Exact through the max: gradcheck on a small case, and tied document tokens (the same vector twice)
+    route the gradient the way torch's max does in the dense reference."""
+    q, cols = token_case(4, 1, tq=3, td=4, d=3, seed=3)
+    cols[0][:, 1, :-1] = cols[0][:, 0, :-1]  # ties: tokens 0 and 1 identical
+    cols[0][:, :2, -1] = 1.0
+    rq, rc = leaves(q, cols)
+    dense_loss(rq, rc, 1.0, False).backward()
+    out = infonce_loss_and_grad(q, cols, scale=1.0, similarity=MaxSim(), path="tiled", tile_size=2)
+    torch.testing.assert_close(out.grad_candidates[0], rc[0].grad, rtol=1e-10, atol=1e-10)
+
+    emb = [q[..., :-1].clone().requires_grad_(), cols[0][..., :-1].clone().requires_grad_()]
+    masks = [q[..., -1], cols[0][..., -1]]
+    cols[0][:, 1, :-1] += 0.1  # away from the tie for the finite differences
+
+    def fn(a, c):
+        return infonce(pack_tokens(a, masks[0]), [pack_tokens(c, masks[1])], scale=1.0, similarity=MaxSim())
+
+    emb[1] = emb[1].detach().clone().add_(torch.randn_like(emb[1]) * 0.1).requires_grad_()
+    assert torch.autograd.gradcheck(fn, tuple(emb))
+
+
+def test_maxsim_matches_sentence_transformers_colbert_scores() -> None:
+    st_colbert = pytest.importorskip("sentence_transformers.multi_vector_encoder.scoring")
+    q, cols = token_case(6, 2, dtype=torch.float32)
+    width = max(c.shape[1] for c in cols)
+    docs = [pad_tokens(c, width) for c in cols]
+    qe, qm = unpack_tokens(q)
+    stacked = torch.stack([unpack_tokens(c)[0] for c in docs], dim=1)  # (Q, N, td, d)
+    smask = torch.stack([unpack_tokens(c)[1] for c in docs], dim=1)
+    for fn, ours in [(st_colbert.colbert_scores, MaxSim()), (st_colbert.mean_colbert_scores, MaxSim(True))]:
+        theirs = fn(qe, stacked, queries_mask=qm, documents_mask=smask)  # (Q, Q * N), query-major
+        mine = torch.stack([ours(q, c) for c in docs], dim=2).reshape(q.shape[0], -1)
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
+def test_maxsim_pairwise_is_the_diagonal(length_normalize: bool) -> None:
+    q, cols = token_case(6, 1, td=5)
+    sim = MaxSim(length_normalize)
+    torch.testing.assert_close(sim.pairwise(q, cols[0]), sim(q, cols[0]).diagonal(), rtol=1e-12, atol=0.0)
+
+
+def test_token_operands_are_checked() -> None:
+    q, cols = token_case(4, 1)
+    with pytest.raises(ValueError, match="packed token embeddings"):
+        infonce(q[..., 0], cols, similarity=MaxSim())
+    with pytest.raises(ValueError, match="2-D"):
+        infonce(q, cols, similarity="dot")
+    with pytest.raises(ValueError, match="embedding dim"):
+        infonce(q, [cols[0][..., 1:]], similarity=MaxSim())
+
+
+def test_maxsim_memory_is_one_tile() -> None:
+    """The peak of the loss stage is bounded by the memory budget (tiles of ``(rows, docs, tq, td)``), a
+    fraction of sentence-transformers' ``(Q, Q*N, tq, td)`` intermediate; the result does not change."""
+    from tests.support.memory import PeakMemory
+
+    q, cols = token_case(64, 2, tq=16, td=32, d=8, seed=7, dtype=torch.float32)
+    full = 64 * 128 * 16 * 33 * 4  # the whole score intermediate in fp32, at the widest column
+    ref = infonce_loss_and_grad(q, cols, scale=1.0, similarity=MaxSim(), memory_budget=2**30)
+    with PeakMemory() as mem:
+        out = infonce_loss_and_grad(q, cols, scale=1.0, similarity=MaxSim(), memory_budget=2**20)
+    grads = sum(g.numel() * 4 for g in [out.grad_anchors, *out.grad_candidates] if g is not None)
+    assert mem.peak_bytes < 2**20 + 3 * grads + 2**18, (mem.peak_bytes, full)
+    assert mem.peak_bytes < full / 8
+    torch.testing.assert_close(out.loss, ref.loss)
+    torch.testing.assert_close(out.grad_anchors, ref.grad_anchors)

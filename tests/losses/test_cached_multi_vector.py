@@ -1,0 +1,332 @@
+"""CachedMultiVectorLoss against sentence-transformers' non-cached MultiVectorMultipleNegativesRankingLoss (the
+oracle): the same loss and parameter gradients on a tiny random multi-vector model built offline, for pairs,
+triplets, mini-batches that do not divide the batch, ragged token lengths, MaxSim and MeanMaxSim; its
+signature, config, citation and refusals; a short MultiVectorEncoderTrainer run."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from functools import partial
+
+import pytest
+import torch
+from sentence_transformers import MultiVectorEncoder
+from sentence_transformers.multi_vector_encoder.losses import (
+    CachedMultiVectorMultipleNegativesRankingLoss,
+    MultiVectorMultipleNegativesRankingLoss,
+)
+from sentence_transformers.multi_vector_encoder.scoring import (
+    XTRScores,
+    colbert_scores,
+    mean_colbert_scores,
+    xtr_scores,
+)
+
+from st_cached_losses import CachedMultiVectorLoss
+from st_cached_losses.functional.multi_vector import MaxSim
+from tests.losses.test_losses import assert_grads_close, param_grads
+from tests.support.tiny_model import make_tiny_model, random_texts
+
+
+def make_tiny_multi_vector(path, seed: int = 0) -> MultiVectorEncoder:
+    """A 2-layer random BERT as a MultiVectorEncoder: Transformer, a random token projection (32 -> 128),
+    MultiVectorMask and a token-level Normalize, as the encoder builds it from a plain checkpoint."""
+    make_tiny_model(path, seed=seed)
+    torch.manual_seed(seed)
+    return MultiVectorEncoder(str(path), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def mv_model(tmp_path_factory) -> MultiVectorEncoder:
+    return make_tiny_multi_vector(tmp_path_factory.mktemp("mv") / "bert")
+
+
+def mv_features(model: MultiVectorEncoder, n: int, n_cols: int, seed: int = 0) -> list[dict]:
+    """Column 0 tokenised as queries, the others as documents, each with its task stamped (as the collator
+    does); ragged lengths (1 to 20 words)."""
+    return [
+        {
+            **model.preprocess(random_texts(n, seed=seed + k, min_words=1, max_words=20), task=task),
+            "task": task,
+        }
+        for k, task in enumerate(["query"] + ["document"] * (n_cols - 1))
+    ]
+
+
+def _grads_of(model, loss, features):
+    return param_grads(model, loss, features)
+
+
+@pytest.mark.parametrize("n_cols", [2, 3], ids=["pairs", "triplets"])
+@pytest.mark.parametrize(
+    ("similarity_fct", "scale"),
+    [(None, 1.0), (mean_colbert_scores, 7.0), (partial(colbert_scores, chunk_elements=10_000), 0.5)],
+    ids=["maxsim", "meanmaxsim", "partial"],
+)
+@pytest.mark.parametrize(
+    ("mini_batch_size", "extra"),
+    [(3, {}), (4, {"path": "tiled", "tile_size": 2}), (32, {})],
+    ids=["mb3", "mb4-tiled2", "one-mini-batch"],
+)
+def test_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, scale, mini_batch_size, extra):
+    model = copy.deepcopy(mv_model)
+    features = mv_features(model, 7, n_cols)
+    oracle = MultiVectorMultipleNegativesRankingLoss(model, scale=scale, similarity_fct=similarity_fct)
+    ref_loss, ref_grads = _grads_of(model, oracle, features)
+    ours = CachedMultiVectorLoss(
+        model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size, **extra
+    )
+    with pytest.warns(UserWarning) if mini_batch_size >= 7 else _no_warning():
+        loss, grads = _grads_of(model, ours, features)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref_grads, rtol=1e-5)
+
+
+class _no_warning:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_token_budget_and_evaluation_match(mv_model):
+    """mini_batch_num_tokens mini-batches, and the no-grad (evaluation) loss, equal the oracle's loss."""
+    model = copy.deepcopy(mv_model)
+    features = mv_features(model, 6, 2, seed=3)
+    oracle = MultiVectorMultipleNegativesRankingLoss(model)
+    ref_loss, ref_grads = _grads_of(model, oracle, features)
+    ours = CachedMultiVectorLoss(model, mini_batch_num_tokens=30)
+    loss, grads = _grads_of(model, ours, features)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref_grads, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(features), ref_loss, rtol=1e-5, atol=1e-6)
+
+
+def test_matches_st_cached_loss_and_signature(mv_model):
+    """Their cached loss's keyword-only signature is a prefix of ours (names, defaults), and the same
+    loss for the same arguments; config keys and values equal theirs."""
+    theirs = inspect.signature(CachedMultiVectorMultipleNegativesRankingLoss.__init__).parameters
+    mine = inspect.signature(CachedMultiVectorLoss.__init__).parameters
+    assert list(mine)[: len(theirs)] == list(theirs)
+    for name, p in theirs.items():
+        assert mine[name].kind == p.kind and mine[name].default == p.default, name
+
+    model = copy.deepcopy(mv_model)
+    features = mv_features(model, 5, 3, seed=9)
+    kwargs = {"scale": 2.0, "mini_batch_size": 2, "score_mini_batch_size": 3}
+    st = CachedMultiVectorMultipleNegativesRankingLoss(model, **kwargs)
+    ours = CachedMultiVectorLoss(model, **kwargs)
+    ref_loss, ref_grads = _grads_of(model, st, features)
+    loss, grads = _grads_of(model, ours, features)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref_grads, rtol=1e-5)
+    assert ours.get_config_dict() == st.get_config_dict()
+    ours.similarity_fct = mean_colbert_scores
+    st.similarity_fct = mean_colbert_scores
+    assert ours.get_config_dict() == st.get_config_dict()
+    assert ours.similarity == MaxSim(True)
+    assert "gao2021scaling" in ours.citation
+
+
+def test_refusals(mv_model):
+    for fn in (xtr_scores, XTRScores(top_k=8)):
+        with pytest.raises(ValueError, match="XTR"):
+            CachedMultiVectorLoss(mv_model, similarity_fct=fn)
+    with pytest.raises(ValueError, match="not supported"):
+        CachedMultiVectorLoss(mv_model, similarity_fct=lambda a, b: a @ b.T)
+    loss = CachedMultiVectorLoss(mv_model)
+    with pytest.raises(ValueError, match="XTR"):
+        loss.similarity_fct = XTRScores()
+    with pytest.raises(AttributeError, match="no setting 'directions'"):
+        loss.directions = ("query_to_doc",)
+    with pytest.raises(AttributeError, match="no setting 'mask_duplicates'"):
+        loss.mask_duplicates = True
+    with pytest.raises(AttributeError, match="fixed scale"):
+        loss.learnable_scale = True
+    assert loss.learnable_scale is False
+    loss.scale = 3.0
+    assert loss.scale == 3.0 and loss.get_config_dict()["scale"] == 3.0
+    with pytest.raises(ValueError, match="positive"):
+        CachedMultiVectorLoss(mv_model, scale=0.0)
+    with pytest.raises(ValueError, match="score_mini_batch_size"):
+        CachedMultiVectorLoss(mv_model, score_mini_batch_size=0)
+
+
+def test_trainer_run_and_saved_model(mv_model, tmp_path):
+    """A short MultiVectorEncoderTrainer run with our loss (mini-batches smaller than the batch) trains,
+    tags the model card with the loss it equals, and saves a model that loads back."""
+    from datasets import Dataset
+    from sentence_transformers import MultiVectorEncoderTrainer, MultiVectorEncoderTrainingArguments
+
+    model = copy.deepcopy(mv_model)
+    data = Dataset.from_dict(
+        {
+            "query": random_texts(16, seed=1, max_words=6),
+            "positive": random_texts(16, seed=2),
+            "negative": random_texts(16, seed=3),
+        }
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = CachedMultiVectorLoss(model, mini_batch_size=3)
+    args = MultiVectorEncoderTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=8,
+        num_train_epochs=1,
+        learning_rate=1e-3,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+    )
+    trainer = MultiVectorEncoderTrainer(model=model, args=args, train_dataset=data, loss=loss)
+    result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    assert any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters()))
+    assert "equivalent-loss:CachedMultiVectorMultipleNegativesRankingLoss" in model.model_card_data.tags
+    model.save_pretrained(str(tmp_path / "saved"))
+    reloaded = MultiVectorEncoder(str(tmp_path / "saved"), device="cpu")
+    emb = reloaded.encode_query(["w1 w2 w3"])
+    torch.testing.assert_close(emb[0], model.encode_query(["w1 w2 w3"])[0])
+
+
+# --------------------------------------------------------------------------- across processes
+
+
+@pytest.fixture(scope="module")
+def mv_dir(tmp_path_factory) -> str:
+    base = tmp_path_factory.mktemp("mv_dist")
+    model = make_tiny_multi_vector(base / "bert", seed=1)
+    model.save_pretrained(str(base / "mve"))
+    return str(base / "mve")
+
+
+def _load_mv(path: str) -> MultiVectorEncoder:
+    model = MultiVectorEncoder(path, device="cpu")
+    model[0].auto_model.pooler = None  # unused by token embeddings: DDP must see every parameter used
+    return model
+
+
+def _global_texts(n: int, n_cols: int, step: int) -> list[list[str]]:
+    # ragged: some processes get only short rows, so their token widths differ
+    return [
+        random_texts(n, seed=100 * step + k, min_words=1, max_words=4 + 12 * (k % 2)) for k in range(n_cols)
+    ]
+
+
+def _mv_features(model, texts):
+    tasks = ["query"] + ["document"] * (len(texts) - 1)
+    return [{**model.preprocess(t, task=task), "task": task} for t, task in zip(texts, tasks)]
+
+
+def _mv_worker(rank: int, world: int, path: str, sizes: list[int], n_cols: int, kwargs: dict):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = _load_mv(path)
+    ddp = DDP(model)
+    loss = CachedMultiVectorLoss(model, mini_batch_size=2, gather_across_devices=True, **kwargs)
+    loss.model = ddp  # what the trainer does with a wrapped model
+    out = []
+    for step in range(2):
+        texts = _global_texts(sum(sizes), n_cols, step)
+        start = sum(sizes[:rank])
+        feats = _mv_features(model, [t[start : start + sizes[rank]] for t in texts])
+        ddp.zero_grad(set_to_none=True)
+        value = loss(feats)
+        value.backward()
+        grads = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()]
+        )
+        widths = [int(f["input_ids"].shape[1]) for f in feats]
+        out.append({"loss": value.item(), "grads": grads, "widths": widths})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("sizes", "n_cols", "kwargs"),
+    [
+        ([3, 2], 3, {}),
+        ([2, 4], 2, {"similarity_fct": mean_colbert_scores, "scale": 5.0, "path": "tiled", "tile_size": 2}),
+    ],
+    ids=["w2-triplets", "w2-meanmaxsim-tiled"],
+)
+def test_two_processes_equal_single_process_global_batch(mv_dir, sizes, n_cols, kwargs):
+    """2 gloo processes with unequal rows and token widths: DDP's gradients equal the single-process
+    gradients of ST's non-cached loss on the concatenated batch, every step."""
+    from tests.support.dist_utils import run_distributed
+
+    per_rank = run_distributed(_mv_worker, len(sizes), mv_dir, sizes, n_cols, kwargs)
+    st_kwargs = {k: v for k, v in kwargs.items() if k in ("similarity_fct", "scale")}
+    for step in range(2):
+        model = _load_mv(mv_dir)
+        texts = _global_texts(sum(sizes), n_cols, step)
+        oracle = MultiVectorMultipleNegativesRankingLoss(model, **st_kwargs)
+        ref_loss, ref_grads = param_grads(model, oracle, _mv_features(model, texts))
+        results = [r[step] for r in per_rank]
+        assert results[0]["widths"] != results[1]["widths"], "the processes must differ in token widths"
+        mean_loss = sum(r["loss"] for r in results) / len(results)
+        assert mean_loss == pytest.approx(ref_loss.item(), rel=1e-5)
+        for r in results:
+            assert_grads_close(r["grads"], ref_grads, rtol=1e-5)
+
+
+# --------------------------------------------------------------------------- token embeddings as inputs
+
+
+class _TokenPassthrough(torch.nn.Module):
+    """Returns the token embeddings given as inputs, cut to the longest real row of the mini-batch (as a
+    native-resolution encoder emits a width of its own per mini-batch), and records each call's task."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tasks: list[str | None] = []
+
+    def forward(self, features: dict, task: str | None = None) -> dict:
+        self.tasks.append(task)
+        mask = features["attention_mask"].bool()
+        width = int(mask.sum(1).max())
+        return {
+            "token_embeddings": features["token_embeddings"][:, :width],
+            "attention_mask": mask[:, :width],
+        }
+
+
+def _token_columns(lengths: list[list[int]], dim: int = 6, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for col in lengths:
+        width = max(col) + 2  # trailing padding every mini-batch trims differently
+        emb = torch.nn.functional.normalize(torch.randn(len(col), width, dim, generator=g), dim=-1)
+        mask = torch.arange(width)[None, :] < torch.tensor(col)[:, None]
+        out.append({"token_embeddings": emb.requires_grad_(), "attention_mask": mask})
+    return out
+
+
+@pytest.mark.parametrize("similarity_fct", [None, mean_colbert_scores], ids=["maxsim", "meanmaxsim"])
+def test_token_gradients_with_ragged_mini_batch_widths(similarity_fct):
+    """Mini-batches of one column come back at different widths (padded back to the column's widest);
+    the gradients wrt the token embeddings themselves equal the non-cached loss's, padding included (0),
+    and the task stamped on a column reaches every forward, replays included."""
+    lengths = [[3, 5, 2, 4, 5], [7, 2, 6, 3, 4], [4, 9, 1, 8, 2]]
+    ref_cols = _token_columns(lengths)
+    ref = MultiVectorMultipleNegativesRankingLoss(_TokenPassthrough(), similarity_fct=similarity_fct)(
+        ref_cols
+    )
+    ref.backward()
+
+    cols = _token_columns(lengths)
+    cols[0]["task"] = "document"  # a collator's choice overrides the positional default
+    model = _TokenPassthrough()
+    loss = CachedMultiVectorLoss(
+        model, similarity_fct=similarity_fct, mini_batch_size=2, reuse_last_graph=False
+    )
+    value = loss(cols)
+    value.backward()
+    torch.testing.assert_close(value.detach(), ref.detach(), rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(cols, ref_cols):
+        torch.testing.assert_close(
+            ours["token_embeddings"].grad, theirs["token_embeddings"].grad, rtol=1e-5, atol=1e-7
+        )
+    # 3 mini-batches per column, 3 columns: 9 forwards without a graph, 9 replays, all as "document"
+    assert model.tasks == ["document"] * 18
