@@ -57,3 +57,23 @@ def test_rewrite(numbers):
         numbers.rewrite(numbers.DEMO_TIME, "no such line", "1 s")
     assert [numbers.duration(s) for s in (41.4, 95, 130, 1500)] == ["41 s", "95 s", "2.2 min", "25 min"]
     assert numbers.off_by(158, 749) > numbers.TOLERANCE >= numbers.off_by(700, 749)
+
+
+def test_the_readmes_times_are_the_last_measured_ones(numbers):
+    """The times README.md and examples/README.md state are those of the last measured run
+    (``benchmarks/results/readme_numbers.json``, written by ``readme_numbers.py --measure ... --write``), as the
+    script writes them: a hand edit, or a measurement not written into the README, fails here; and that run
+    was of this suite's size (its count within 25% of what pytest collects now)."""
+    import json
+
+    record = json.loads(numbers.RESULTS.read_text())
+    readme = (ROOT / "README.md").read_text()
+    assert numbers.TEST_TIME.search(readme).group(2) == numbers.duration(record["test_seconds"]).replace(
+        " min", " minutes"
+    )
+    assert numbers.DEMO_TIME.search(readme).group(2) == numbers.duration(record["demo_seconds"])
+    seconds = record["examples_seconds"]
+    examples = (ROOT / "examples" / "README.md").read_text()
+    assert numbers.EXAMPLES_TIME.search(examples).group(2) == f"{min(seconds):.0f}-{max(seconds):.0f} s"
+    collected = numbers.collected_count(sys.executable, ROOT)
+    assert numbers.off_by(record["tests"], collected) <= numbers.TOLERANCE
