@@ -127,6 +127,18 @@ def plain_text(text: str) -> str:
     return re.sub(r"(\w)::$", r"\1:", text, flags=re.MULTILINE)
 
 
+#: fields that take a count or "auto" on the command line
+_COUNT_OR_AUTO = {"mini_batch_size", "mini_batch_num_tokens"}
+
+
+def _count_or_auto(text: str) -> int | str:
+    """A count, or ``"auto"`` (sized from ``mini_batch_memory_budget``)."""
+    return "auto" if text.strip().lower() == "auto" else int(text)
+
+
+_count_or_auto.__name__ = "integer or 'auto'"  # argparse's "invalid <name> value" message
+
+
 class CachedLossArgumentParser(HfArgumentParser):
     """``HfArgumentParser`` for :class:`~st_cached_losses.config.training_args.CachedLossTrainingArguments` and a
     script's own dataclasses, with closest-name errors, the loss fields first in ``--help``, and
@@ -210,6 +222,8 @@ class CachedLossArgumentParser(HfArgumentParser):
                 for action in group._group_actions:
                     if action.dest != f.name:
                         continue
+                    if action.dest in _COUNT_OR_AUTO:
+                        action.type = _count_or_auto
                     if action.help:
                         action.help = plain_text(action.help)
                     if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no_<field>

@@ -30,7 +30,7 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional  # Optional: HfArgumentParser reads these annotations at run time
+from typing import Any, Optional, Union  # HfArgumentParser reads these annotations at run time
 
 from sentence_transformers import SentenceTransformerTrainingArguments
 
@@ -136,19 +136,20 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
     similarity: str = field(
         default="cosine", metadata={"help": "Similarity of embeddings: 'cosine' or 'dot' (dot product)."}
     )
-    mini_batch_size: int = field(
+    mini_batch_size: Union[int, str] = field(  # noqa: UP007
         default=32,
         metadata={
             "help": "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Should be "
-            "smaller than per_device_train_batch_size, or caching is off."
+            "smaller than per_device_train_batch_size, or caching is off. 'auto': the largest that fits "
+            "mini_batch_memory_budget, measured at the first step and logged."
         },
     )
-    mini_batch_num_tokens: Optional[int] = field(  # noqa: UP045
+    mini_batch_num_tokens: Optional[Union[int, str]] = field(  # noqa: UP007, UP045
         default=None,
         metadata={
             "help": "Optional budget of real (non-padding) tokens per encoder mini-batch instead of a fixed "
             "row count, as in sentence-transformers: long texts get smaller mini-batches; mini_batch_size is "
-            "then not used."
+            "then not used. 'auto': the largest budget that fits mini_batch_memory_budget."
         },
     )
     tile_size: Optional[int] = _spec_field(  # noqa: UP045
@@ -451,10 +452,14 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
         )
     for name in ("mini_batch_size", "mini_batch_num_tokens", "tile_size"):
         value = getattr(args, name)
+        if name != "tile_size" and isinstance(value, str) and value.strip().lower() == "auto":
+            setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step
+            continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             if name == "mini_batch_num_tokens":  # sentence-transformers' sentence, which their tests match
                 raise ValueError(f"{name} must be a positive integer or None. Got {value!r}.")
-            raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+            what = "a positive integer or 'auto'" if name == "mini_batch_size" else "a positive integer"
+            raise ValueError(f"{name} must be {what}, got {value!r}.")
     try:  # the names the losses themselves accept
         args.similarity = str(resolve_similarity(str(args.similarity)))  # a name: always "cosine" or "dot"
     except ValueError:
@@ -463,7 +468,8 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             "the similarity matrix, so only these two are possible."
         ) from None
     batch = args.per_device_train_batch_size
-    if args.mini_batch_num_tokens is None and args.mini_batch_size >= batch:
+    rows = args.mini_batch_size
+    if args.mini_batch_num_tokens is None and isinstance(rows, int) and rows >= batch:
         warnings.warn(
             f"mini_batch_size={args.mini_batch_size} >= per_device_train_batch_size={batch}: every batch fits in "
             "one encoder mini-batch, so caching is off (same result and memory as the non-cached loss). Use a "

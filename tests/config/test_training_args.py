@@ -631,3 +631,28 @@ def test_fields_of_engine_settings_reach_the_loss(tmp_path):
         CachedLossTrainingArguments(output_dir="out", loss="tiled", path="chunked")
     with pytest.raises(ValueError, match="graph_memory_budget must be a number of bytes"):
         CachedLossTrainingArguments(output_dir="out", graph_memory_budget="lots")
+
+
+def test_mini_batch_size_auto_from_the_command_line_and_a_file(tmp_path):
+    """``auto`` (issue 21) is a value of the arguments too: from the command line (any case), a dict / YAML
+    value, for rows or tokens; it reaches the loss with the memory budget, warns nothing about caching, and
+    a word that is neither a count nor auto is a one-line parser error naming the field."""
+    from tests.support.tiny_model import make_tiny_model
+
+    parser = CachedLossArgumentParser()
+    (args,) = parser.parse_args_into_dataclasses(
+        ["--output_dir", str(tmp_path), "--mini_batch_size", "Auto", "--mini_batch_memory_budget", "1GB"]
+    )
+    assert args.mini_batch_size == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "mini_batch_size >= per_device_train_batch_size" warning
+        (args_tokens,) = parser.parse_dict(
+            {"output_dir": str(tmp_path), "mini_batch_size": 4, "mini_batch_num_tokens": "auto"}
+        )
+    assert (args_tokens.mini_batch_size, args_tokens.mini_batch_num_tokens) == (4, "auto")
+    loss = build_loss(make_tiny_model(tmp_path / "bert"), args)
+    assert loss.mini_batch_size == "auto" and loss.mini_batch_memory_budget == 10**9
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--mini_batch_size", "lots"])
+    with pytest.raises(ValueError, match="mini_batch_size must be a positive integer or 'auto'"):
+        CachedLossTrainingArguments(output_dir=str(tmp_path), mini_batch_size="lots")
