@@ -94,6 +94,20 @@ def duration(seconds: float) -> str:
     return f"{minutes:.1f} min" if minutes < 10 else f"{minutes:.0f} min"
 
 
+def stated_times(record: dict) -> dict[str, str]:
+    """How the READMEs state the measured times of ``record`` (the keys it has): ``"test"`` ("10 minutes"),
+    ``"demo"`` ("87 s") and ``"examples"`` (a range, "32-44 s")."""
+    out = {}
+    if "test_seconds" in record:
+        out["test"] = duration(record["test_seconds"]).replace(" min", " minutes")
+    if "demo_seconds" in record:
+        out["demo"] = duration(record["demo_seconds"])
+    if "examples_seconds" in record:
+        seconds = record["examples_seconds"]
+        out["examples"] = f"{min(seconds):.0f}-{max(seconds):.0f} s"
+    return out
+
+
 def rewrite(pattern: re.Pattern[str], text: str, value: str) -> str:
     """``text`` with the middle group of ``pattern``'s one match replaced by ``value``."""
     new, n = pattern.subn(lambda m: m.group(1) + value + m.group(3), text, count=1)
@@ -167,15 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     if options.write:
         text = rewrite(COUNT, text, str(record["tests"]))
-        if "test_seconds" in record and "test" in options.measure:
-            text = rewrite(TEST_TIME, text, duration(record["test_seconds"]).replace(" min", " minutes"))
+        stated = stated_times(record)
+        if "test" in options.measure:
+            text = rewrite(TEST_TIME, text, stated["test"])
         if "demo" in options.measure:
-            text = rewrite(DEMO_TIME, text, duration(record["demo_seconds"]))
+            text = rewrite(DEMO_TIME, text, stated["demo"])
         README.write_text(text)
         if "examples" in options.measure:
-            seconds = record["examples_seconds"]
-            span = f"{min(seconds):.0f}-{max(seconds):.0f} s"
-            EXAMPLES_README.write_text(rewrite(EXAMPLES_TIME, EXAMPLES_README.read_text(), span))
+            EXAMPLES_README.write_text(
+                rewrite(EXAMPLES_TIME, EXAMPLES_README.read_text(), stated["examples"])
+            )
         print("README numbers written; measured:", {k: v for k, v in record.items() if k.endswith("seconds")})
     if options.check and off_by(stated, record["tests"]) > TOLERANCE:
         print(

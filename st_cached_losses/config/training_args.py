@@ -411,8 +411,7 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
     for name in ("scale", "temperature"):
         if getattr(args, name) is not None:
             scale_value(getattr(args, name), name)  # the losses' own check and wording
-    if args.max_scale is not None and (not math.isfinite(args.max_scale) or args.max_scale <= 0):
-        raise ValueError(f"max_scale must be a positive finite number, got {args.max_scale!r}.")
+    SPECS["max_scale"].check("max_scale", args.max_scale)  # before it is compared with the scale below
     if (
         args.scale is not None
         and args.temperature is not None
@@ -450,16 +449,15 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
         raise ValueError(
             f"tile_size applies to loss='tiled' only, got loss={args.loss!r}. Remove tile_size, or use loss='tiled'."
         )
-    for name in ("mini_batch_size", "mini_batch_num_tokens", "tile_size"):
+    for name in ("mini_batch_size", "mini_batch_num_tokens"):  # tile_size: by its spec, above
         value = getattr(args, name)
-        if name != "tile_size" and isinstance(value, str) and value.strip().lower() == "auto":
+        if isinstance(value, str) and value.strip().lower() == "auto":
             setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step
             continue
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
             if name == "mini_batch_num_tokens":  # sentence-transformers' sentence, which their tests match
                 raise ValueError(f"{name} must be a positive integer or None. Got {value!r}.")
-            what = "a positive integer or 'auto'" if name == "mini_batch_size" else "a positive integer"
-            raise ValueError(f"{name} must be {what}, got {value!r}.")
+            raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
     try:  # the names the losses themselves accept
         args.similarity = str(resolve_similarity(str(args.similarity)))  # a name: always "cosine" or "dot"
     except ValueError:

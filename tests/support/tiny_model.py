@@ -12,21 +12,11 @@ from transformers import BertConfig, BertModel, BertTokenizerFast
 WORDS = [f"w{i}" for i in range(200)]
 
 
-def make_tiny_model(
-    path: Path,
-    *,
-    dropout: float = 0.0,
-    hidden: int = 32,
-    seed: int = 0,
-    max_seq_length: int = 64,
-    words: Sequence[str] = WORDS,
-):
-    """Write a 2-layer random BERT + tokenizer to ``path`` and load it as a mean-pooling SentenceTransformer.
-
-    ``words`` are the tokenizer's vocabulary besides the special tokens (default: ``w0`` ... ``w199``)."""
-    from sentence_transformers import SentenceTransformer
-    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
-
+def _bert_tokenizer_and_config(
+    path: Path, words: Sequence[str], hidden: int, dropout: float
+) -> tuple[BertTokenizerFast, BertConfig]:
+    """The tokenizer (special tokens, then ``words``) and the 2-layer BERT config of the tiny models; creates
+    ``path``."""
     path.mkdir(parents=True, exist_ok=True)
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
     vocab = {tok: i for i, tok in enumerate(dict.fromkeys([*specials, *words]))}
@@ -42,6 +32,25 @@ def make_tiny_model(
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
     )
+    return tokenizer, config
+
+
+def make_tiny_model(
+    path: Path,
+    *,
+    dropout: float = 0.0,
+    hidden: int = 32,
+    seed: int = 0,
+    max_seq_length: int = 64,
+    words: Sequence[str] = WORDS,
+):
+    """Write a 2-layer random BERT + tokenizer to ``path`` and load it as a mean-pooling SentenceTransformer.
+
+    ``words`` are the tokenizer's vocabulary besides the special tokens (default: ``w0`` ... ``w199``)."""
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.sentence_transformer.modules import Pooling, Transformer
+
+    tokenizer, config = _bert_tokenizer_and_config(path, words, hidden, dropout)
     torch.manual_seed(seed)
     BertModel(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -119,26 +128,13 @@ def make_tiny_splade(
     from sentence_transformers.sparse_encoder.modules import SpladePooling
     from transformers import BertForMaskedLM
 
-    path.mkdir(parents=True, exist_ok=True)
-    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    vocab = {tok: i for i, tok in enumerate(dict.fromkeys([*specials, *words]))}
-    tokenizer = BertTokenizerFast(vocab=vocab, do_lower_case=True)
-    config = BertConfig(
-        vocab_size=len(vocab),
-        hidden_size=hidden,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=2 * hidden,
-        max_position_embeddings=128,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
+    tokenizer, config = _bert_tokenizer_and_config(path, words, hidden, dropout)
     torch.manual_seed(seed)
     mlm = BertForMaskedLM(config)
     with torch.no_grad():
-        mlm.cls.predictions.bias.copy_(bias * 2 * torch.rand(len(vocab)))
+        mlm.cls.predictions.bias.copy_(bias * 2 * torch.rand(config.vocab_size))
     mlm.save_pretrained(path)
     tokenizer.save_pretrained(path)
     transformer = Transformer(str(path), max_seq_length=64, transformer_task="fill-mask")
-    pooling = SpladePooling("max", embedding_dimension=len(vocab))
+    pooling = SpladePooling("max", embedding_dimension=config.vocab_size)
     return SparseEncoder(modules=[transformer, pooling], device="cpu")
