@@ -27,7 +27,12 @@ from datasets import Dataset
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments, build_loss
+from st_cached_losses import (
+    CachedLossArgumentParser,
+    CachedLossTrainingArguments,
+    LossStateCallback,
+    build_loss,
+)
 from st_cached_losses.data import split_pairs, stdlib_pairs
 from st_cached_losses.model_card import CachedLossCardCallback, add_training_section, metrics_table
 
@@ -117,7 +122,8 @@ def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dic
         train_dataset=train_dataset,
         loss=loss,
         evaluator=evaluator,
-        callbacks=[CachedLossCardCallback()],
+        # the card section, and the learnable scale (if any) saved, restored and logged with checkpoints
+        callbacks=[CachedLossCardCallback(), LossStateCallback(loss)],
     )
     results = {"before": trainer.evaluate()}
     trainer.train()

@@ -41,6 +41,7 @@ from st_cached_losses.config.model_card import (
     metrics_table,
 )
 from st_cached_losses.config.training_args import CachedLossTrainingArguments
+from st_cached_losses.losses.callbacks import LossStateCallback
 
 #: the retrieval metrics the demo and the examples report: (label, evaluator key suffix)
 METRICS = (
@@ -231,7 +232,8 @@ def train_and_evaluate(data_args: DemoArguments, args: CachedLossTrainingArgumen
         train_dataset=train_dataset,
         loss=loss,
         evaluator=evaluator,
-        callbacks=[CachedLossCardCallback()],
+        # the card section, and the learnable scale (if any) saved, restored and logged with checkpoints
+        callbacks=[CachedLossCardCallback(), LossStateCallback(loss)],
     )
     rows: dict[str, dict[str, float]] = {}
     t_eval = 0.0

@@ -31,7 +31,7 @@ from st_cached_losses.functional.parallel import (
     mean_scale_grad,
 )
 from st_cached_losses.functional.terms import mnrl_terms
-from st_cached_losses.losses.callbacks import attach_to_calling_trainer
+from st_cached_losses.losses.callbacks import warn_if_scale_unsaved
 from st_cached_losses.losses.hyperparameters import CachedLossHyperparameters
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
@@ -124,7 +124,6 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         )
         self._max_scale = max_scale
         self._scale = scale
-        self._attached = False
         self._warned_caching_off = False
         self._tagged = False
         self._learnable_scale = False
@@ -293,10 +292,9 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             check_columns(features, type(self).__name__)
         except ValueError as exc:  # the other processes are about to wait for this one: tell them
             self.cache.raise_on_every_process(self.model, exc)
-        if self.learnable_scale:
-            # the stock trainer saves only the model: have the trainer calling us checkpoint, restore and log
-            # the scale too; on every call, as the same loss may be handed to a second trainer to resume
-            self._attached = attach_to_calling_trainer(self)
+        if self.learnable_scale and torch.is_grad_enabled():
+            # the stock trainer saves only the model: say so once if no LossStateCallback saves the scale
+            warn_if_scale_unsaved(self)
         step = self._step_data(features)
         if not torch.is_grad_enabled():
             # evaluation: the same loss, mini-batched, no caching and no graph

@@ -70,7 +70,8 @@ class CachedCLIPLoss(CachedInfoNCEBase):
                 or ``"all_negatives"``: adds ``hardness_strength * stop_grad(similarity)`` (not scaled) to those
                 negatives' logits, as sentence-transformers does.
             hardness_strength: the penalty's ``alpha``, non-negative; unused while ``hardness_mode`` is None.
-            learnable_scale: learn the scale (as ``logit_scale = log(scale)``).
+            learnable_scale: learn the scale (as ``logit_scale = log(scale)``); give the trainer
+                ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it with checkpoints.
             max_scale: the clamp of a learned scale (CLIP: 100).
             mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
                 across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).
@@ -121,11 +122,14 @@ class CachedCLIPLoss(CachedInfoNCEBase):
             ::
 
                 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-                from st_cached_losses import CachedCLIPLoss
+                from st_cached_losses import CachedCLIPLoss, LossStateCallback
 
                 model = SentenceTransformer("all-MiniLM-L6-v2")
                 loss = CachedCLIPLoss(model, scale=1 / 0.07, learnable_scale=True, mini_batch_size=32)
-                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+                trainer = SentenceTransformerTrainer(
+                    model=model, train_dataset=train_dataset, loss=loss,
+                    callbacks=[LossStateCallback(loss)],  # the scale saved / restored with checkpoints
+                )
                 trainer.train()
         """
         super().__init__(

@@ -77,7 +77,8 @@ class CachedTiledLoss(CachedInfoNCEBase):
                 otherwise (e.g. ``symmetric=True, partition_mode="joint"``), it raises: both directions in
                 one softmax are ``directions=("query_to_doc", "doc_to_query"), partition_mode="joint"``.
             tile_size: side of a logit tile (default: from ``memory_budget``, at most 2048).
-            learnable_scale: learn the scale as ``logit_scale = log(scale)``, clamped at ``max_scale``.
+            learnable_scale: learn the scale as ``logit_scale = log(scale)``, clamped at ``max_scale``; give
+                the trainer ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it with checkpoints.
             max_scale: the clamp of a learned scale.
             mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
                 across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).

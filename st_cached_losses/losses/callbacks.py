@@ -16,10 +16,11 @@ checkpoint as :data:`STATE_FILE` for inspection and for checkpoints that predate
 (``ExportableState`` is not used: with ``restore_callback_states_from_checkpoint`` the trainer would
 rebuild the callback from JSON, without the loss it must update.)
 
-A loss with a learnable scale attaches the callback to the trainer that calls it by itself (found on
-the call stack, since the trainer hands a loss no reference to itself), so users need no custom
-trainer and no extra argument; passing ``callbacks=[LossStateCallback(loss)]`` explicitly works too
-and takes precedence.
+The callback is given to the trainer explicitly: ``callbacks=[LossStateCallback(loss)]`` (the same
+loss, list or dict of losses as the trainer's ``loss``). The trainer hands a loss no reference to
+itself, so a loss cannot attach it on its own; instead, a loss with a learnable scale that trains while
+no :class:`LossStateCallback` covering it is active (between a trainer's ``on_train_begin`` and
+``on_train_end``) warns once, naming the missing line (:func:`warn_if_scale_unsaved`).
 """
 
 from __future__ import annotations
@@ -27,17 +28,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
+import warnings
 import weakref
-from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-
-if TYPE_CHECKING:
-    from transformers import Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +52,6 @@ def _named_losses(losses: nn.Module | dict[str, nn.Module] | list[nn.Module]) ->
     if isinstance(losses, nn.Module):
         return {"": losses}
     return {str(i): loss for i, loss in enumerate(losses)}
-
-
-def _contains(losses: Any, loss: nn.Module) -> bool:
-    """Whether ``loss`` is one of ``losses`` (a loss, a list or a dict of them) or inside one of them,
-    as the loss wrapped by a MatryoshkaLoss is."""
-    if isinstance(losses, (dict, list, tuple, nn.Module)):
-        named = _named_losses(losses)  # type: ignore[arg-type]
-        return any(
-            m is loss for value in named.values() if isinstance(value, nn.Module) for m in value.modules()
-        )
-    return False
 
 
 def _stateful(loss: nn.Module) -> list[nn.Module]:
@@ -168,8 +154,8 @@ class LossStateCallback(TrainerCallback):
             "Training resumed at step %d from a checkpoint that holds no learnable scale (no %r entry in its "
             "trainer_state.json, no %s found beside it): the logit_scale restarts from its current value (%s) "
             "instead of the one it had reached, so this run will not match an uninterrupted one. Checkpoints "
-            "hold the scale when they were saved with LossStateCallback active (a loss with learnable_scale=True "
-            "attaches it by itself); to continue such a run, set loss.logit_scale to the log of the scale logged "
+            "hold the scale when they were saved with LossStateCallback active (callbacks=[LossStateCallback(loss)] "
+            "given to the trainer); to continue such a run, set loss.logit_scale to the log of the scale logged "
             "at step %d before calling train().",
             state.global_step,
             STATE_KEY,
@@ -190,20 +176,30 @@ class LossStateCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if not self._stateful_modules:  # no learnable scale: nothing to save, restore or log
+            return
+        _ACTIVE.update(self._stateful_modules.values())
         # train() starts from a fresh state unless it resumes, so a step past 0 means a resumed run
         if state.global_step > 0:
             self.restore(args, state)
         self.record(state)
 
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        for module in self._stateful_modules.values():
+            _ACTIVE.discard(module)
+
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        self.record(state)
+        if self._stateful_modules:
+            self.record(state)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if not state.is_world_process_zero:
+        if not state.is_world_process_zero or not self._stateful_modules:
             return
         folder = os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
         if os.path.isdir(folder):
@@ -254,64 +250,26 @@ def _resumed_checkpoint_folder(args: TrainingArguments, state: TrainerState) -> 
     return None
 
 
-def _calling_trainer(max_depth: int = 64) -> Trainer | None:
-    """The innermost trainer on the call stack: the ``self`` of the Trainer method (``compute_loss``)
-    that called the loss.
-
-    The trainer hands a loss no reference to itself and no callback event reaches a loss, so the stack
-    is the only way to find it. Only the ``self`` of a bound method is read, a convention that holds in
-    every transformers version, not the name of any argument or local variable of the trainer's.
-    """
-    from transformers import Trainer
-
-    frame: FrameType | None = sys._getframe(2)
-    for _ in range(max_depth):
-        if frame is None:
-            return None
-        if "self" in frame.f_code.co_varnames:
-            candidate = frame.f_locals.get("self")
-            if isinstance(candidate, Trainer):
-                return candidate
-        frame = frame.f_back
-    return None
+# losses whose scale a LossStateCallback saves in the training run now going on, and losses already
+# warned that none does (weak: neither keeps a loss, and its model, alive)
+_ACTIVE: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-# trainers already warned that their explicit LossStateCallback leaves a loss out
-_warned_uncovered: weakref.WeakSet[Trainer] = weakref.WeakSet()
-
-
-def attach_to_calling_trainer(loss: nn.Module) -> bool:
-    """Make sure the trainer whose ``compute_loss`` is calling ``loss`` has a :class:`LossStateCallback`
-    covering it; returns whether a trainer was found.
-
-    Meant to be called on every call of the loss, as the same loss may be given to a second trainer
-    (to resume an interrupted run in a notebook, say): attaching once per loss would leave that one
-    without the callback, and its scale neither restored nor saved. When the callback is attached while
-    training already runs (the first call of a resumed run), the scale is restored right away from the
-    trainer state loaded from the checkpoint, as ``on_train_begin`` would have.
-    """
-    trainer = _calling_trainer()
-    if trainer is None:
-        return False
-    callbacks = trainer.callback_handler.callbacks
-    present = [cb for cb in callbacks if isinstance(cb, LossStateCallback)]
-    if present:
-        if not any(cb.covers(loss) for cb in present) and trainer not in _warned_uncovered:
-            _warned_uncovered.add(trainer)
-            logger.warning(
-                "The LossStateCallback given to the trainer does not cover this %s, so its learnable scale is "
-                "neither saved with checkpoints, restored on resume nor logged. Give it every loss: "
-                "callbacks=[LossStateCallback(loss)] with the same loss (or dict of losses) as the trainer's.",
-                type(loss).__name__,
-            )
-        return True
-    trainer_loss = getattr(trainer, "loss", None)
-    # the trainer's losses (a loss, list or dict) when they hold this one, so that all are checkpointed
-    losses: Any = trainer_loss if _contains(trainer_loss, loss) else loss
-    callback = LossStateCallback(losses)
-    # first in line, so that the progress printer and the reporting integrations see the logged scale
-    callbacks.insert(0, callback)
-    if trainer.state.global_step > 0:
-        callback.restore(trainer.args, trainer.state)
-    callback.record(trainer.state)
-    return True
+def warn_if_scale_unsaved(loss: nn.Module) -> None:
+    """Warn once per loss when ``loss`` trains its learnable scale outside a trainer run whose
+    :class:`LossStateCallback` covers it: the stock trainer saves only the model, so the scale would be
+    neither written into checkpoints, restored on resume nor logged. Called by a loss with a learnable
+    scale on each training call (cheap: two set look-ups)."""
+    if loss in _ACTIVE or loss in _WARNED:
+        return
+    _WARNED.add(loss)
+    warnings.warn(
+        f"{type(loss).__name__} trains a learnable scale, but no LossStateCallback covering it is active: a "
+        "transformers / sentence-transformers trainer saves only the model, so the scale would be neither "
+        "saved with checkpoints, restored by resume_from_checkpoint nor logged. Give the trainer "
+        "callbacks=[LossStateCallback(loss)] (from st_cached_losses; the same loss, list or dict of losses as "
+        "its loss=). In a training loop of your own, save and load loss.state_dict() with your checkpoints.",
+        UserWarning,
+        stacklevel=5,  # past this function, the loss's forward and nn.Module's call machinery
+    )

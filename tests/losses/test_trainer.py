@@ -145,6 +145,7 @@ def test_matryoshka_wrapping_matches_non_cached(tmp_path):
     assert len(train_losses(trainer)) == 3
 
 
+@pytest.mark.filterwarnings("ignore:CachedCLIPLoss trains a learnable scale")
 def test_matryoshka_weights_the_learnable_scale_gradient(tmp_path):
     """Inside MatryoshkaLoss, a learnable scale's gradient is the weighted sum over dimensions, like the
     embeddings' (dense reference with autograd on the same logit_scale)."""
@@ -249,6 +250,8 @@ def test_dict_of_losses(tmp_path):
 
 
 def test_learnable_scale_is_trained_logged_saved_and_resumed(tmp_path):
+    from st_cached_losses import LossStateCallback
+
     class StopAt(TrainerCallback):
         """Interrupts training after a step, as a crash would, with the schedule of the full run."""
 
@@ -263,7 +266,7 @@ def test_learnable_scale_is_trained_logged_saved_and_resumed(tmp_path):
         model = make_tiny_model(tmp_path / f"model_{out.name}")
         loss = CachedCLIPLoss(model, scale=10.0, learnable_scale=True, mini_batch_size=3)
         args = make_args(out, max_steps=4, learning_rate=5e-2, save_strategy="steps", save_steps=2)
-        callbacks = [StopAt(stop_at)] if stop_at else None
+        callbacks = [LossStateCallback(loss)] + ([StopAt(stop_at)] if stop_at else [])
         trainer = SentenceTransformerTrainer(
             model=model, args=args, train_dataset=make_dataset(64), loss=loss, callbacks=callbacks
         )
@@ -330,19 +333,19 @@ def _scale_run(
     *,
     stop_at: int | None = None,
     resume: Path | None = None,
-    explicit: bool = False,
+    callback: bool = True,
     model=None,
     loss=None,
 ):
     """A 4-step run with a learnable scale saving at steps 2 and 4 (the scale moves enough to tell a
-    restored scale from a restarted one), optionally interrupted, resumed, or with an explicit callback."""
+    restored scale from a restarted one), optionally interrupted, resumed, or without the callback."""
     from st_cached_losses import LossStateCallback
 
     model = model if model is not None else make_tiny_model(out.parent / f"model_{out.name}")
     if loss is None:
         loss = CachedCLIPLoss(model, scale=10.0, learnable_scale=True, mini_batch_size=3)
     args = make_args(out, max_steps=4, learning_rate=5e-2, save_strategy="steps", save_steps=2)
-    callbacks = ([_StopAt(stop_at)] if stop_at else []) + ([LossStateCallback(loss)] if explicit else [])
+    callbacks = ([_StopAt(stop_at)] if stop_at else []) + ([LossStateCallback(loss)] if callback else [])
     trainer = SentenceTransformerTrainer(
         model=model, args=args, train_dataset=make_dataset(64), loss=loss, callbacks=callbacks or None
     )
@@ -362,19 +365,18 @@ def _strip_state_entry(checkpoint: Path) -> None:
 
 @pytest.fixture(scope="module")
 def scale_runs(tmp_path_factory):
-    """An uninterrupted run (automatic callback) and one interrupted after step 2 (explicit callback),
-    both saving checkpoint-2; the resume tests compare with the first."""
+    """An uninterrupted run and one interrupted after step 2, both saving checkpoint-2; the resume tests
+    compare with the first."""
     root = tmp_path_factory.mktemp("scale_runs")
     _, full_loss, full_model = _scale_run(root / "full")
-    _, stopped_loss, _ = _scale_run(root / "stopped", stop_at=2, explicit=True)
+    _, stopped_loss, _ = _scale_run(root / "stopped", stop_at=2)
     assert full_loss.scale != pytest.approx(10.0) and stopped_loss.scale != pytest.approx(full_loss.scale)
     return {
         "root": root,
         "scale": full_loss.scale,
         "params": flat_params(full_model).clone(),
-        # the uninterrupted run's checkpoint was written by the automatic callback, the other's by the explicit one
-        "auto_checkpoint": root / "full" / "checkpoint-2",
-        "explicit_checkpoint": root / "stopped" / "checkpoint-2",
+        "full_checkpoint": root / "full" / "checkpoint-2",
+        "stopped_checkpoint": root / "stopped" / "checkpoint-2",
     }
 
 
@@ -383,17 +385,14 @@ def _assert_matches_uninterrupted(scale_runs, loss, model) -> None:
     torch.testing.assert_close(flat_params(model), scale_runs["params"], rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("callback", ["explicit", "automatic"])
-def test_learnable_scale_resumes_from_a_checkpoint_in_another_folder(tmp_path, scale_runs, callback):
+@pytest.mark.parametrize("source", ["full_checkpoint", "stopped_checkpoint"])
+def test_learnable_scale_resumes_from_a_checkpoint_in_another_folder(tmp_path, scale_runs, source):
     """Issue 10: resuming from another run's checkpoint-2 restored no scale with an explicit
-    LossStateCallback (it looked in its own output_dir/checkpoint-2); each kind of callback resumes from
-    a checkpoint saved by the other kind."""
+    LossStateCallback (it looked in its own output_dir/checkpoint-2)."""
     from st_cached_losses import LossStateCallback
 
-    explicit = callback == "explicit"
-    source = scale_runs["auto_checkpoint"] if explicit else scale_runs["explicit_checkpoint"]
     out = tmp_path / "resumed"
-    trainer, loss, model = _scale_run(out, resume=source, explicit=explicit)
+    trainer, loss, model = _scale_run(out, resume=scale_runs[source])
     assert not (out / "checkpoint-2").exists(), "the scale cannot have come from output_dir"
     assert sum(isinstance(cb, LossStateCallback) for cb in trainer.callback_handler.callbacks) == 1
     _assert_matches_uninterrupted(scale_runs, loss, model)
@@ -404,21 +403,50 @@ def test_learnable_scale_resumes_from_a_checkpoint_in_another_folder(tmp_path, s
 
 
 def test_same_loss_handed_to_a_second_trainer_resumes_its_scale(tmp_path, scale_runs):
-    """A notebook resume: the interrupted run's model and loss given to a new trainer. The callback is
-    attached to the new trainer too (not once per loss) and restores the checkpoint's scale over
-    whatever the loss holds."""
-    from st_cached_losses import LossStateCallback
-
+    """A notebook resume: the interrupted run's model and loss given to a new trainer with a new
+    callback, which restores the checkpoint's scale over whatever the loss holds."""
     _, loss, model = _scale_run(tmp_path / "first", stop_at=2)
     with torch.no_grad():
         loss.logit_scale.fill_(torch.tensor(10.0).log())
-    trainer, _, _ = _scale_run(
-        tmp_path / "second", resume=tmp_path / "first" / "checkpoint-2", model=model, loss=loss
-    )
-    assert any(
-        isinstance(cb, LossStateCallback) and cb.covers(loss) for cb in trainer.callback_handler.callbacks
-    )
+    _scale_run(tmp_path / "second", resume=tmp_path / "first" / "checkpoint-2", model=model, loss=loss)
     _assert_matches_uninterrupted(scale_runs, loss, model)
+
+
+def test_learnable_scale_without_the_callback_warns_once_and_is_not_saved(tmp_path):
+    """No frame walking: a trainer built without LossStateCallback does not get one behind its back. The
+    loss says once, naming the missing argument, that its scale is neither saved nor restored; a later
+    trainer with the callback saves it, and a third one without it warns again (the callback is active
+    only during its own run)."""
+    import warnings as _warnings
+
+    from st_cached_losses import LossStateCallback
+
+    def unsaved_warnings(record):
+        return [w for w in record if "no LossStateCallback covering it is active" in str(w.message)]
+
+    with _warnings.catch_warnings(record=True) as record:
+        _warnings.simplefilter("always")
+        trainer, loss, model = _scale_run(tmp_path / "bare", callback=False)
+    assert len(unsaved_warnings(record)) == 1, "once per loss, not once per step"
+    message = str(unsaved_warnings(record)[0].message)
+    assert "CachedCLIPLoss" in message and "callbacks=[LossStateCallback(loss)]" in message
+    assert unsaved_warnings(record)[0].filename.endswith("trainer.py"), "points at the line calling the loss"
+    assert not any(isinstance(cb, LossStateCallback) for cb in trainer.callback_handler.callbacks)
+    assert not (tmp_path / "bare" / "checkpoint-2" / STATE_FILE).exists()
+    assert "scale" not in trainer.state.log_history[0]
+
+    from st_cached_losses.losses import callbacks as callbacks_module
+
+    callbacks_module._WARNED.discard(loss)
+    with _warnings.catch_warnings(record=True) as record:
+        _warnings.simplefilter("always")
+        _scale_run(tmp_path / "with", model=model, loss=loss)
+    assert not unsaved_warnings(record)
+    assert (tmp_path / "with" / "checkpoint-2" / STATE_FILE).is_file()
+    with _warnings.catch_warnings(record=True) as record:
+        _warnings.simplefilter("always")
+        _scale_run(tmp_path / "again", model=model, loss=loss, callback=False)
+    assert len(unsaved_warnings(record)) == 1
 
 
 def test_resume_without_saved_scale_warns_and_old_checkpoints_are_read(tmp_path, scale_runs, caplog):
@@ -430,7 +458,7 @@ def test_resume_without_saved_scale_warns_and_old_checkpoints_are_read(tmp_path,
 
     # the old layout, resumed in place
     legacy = tmp_path / "legacy"
-    shutil.copytree(scale_runs["explicit_checkpoint"], legacy / "checkpoint-2")
+    shutil.copytree(scale_runs["stopped_checkpoint"], legacy / "checkpoint-2")
     _strip_state_entry(legacy / "checkpoint-2")
     with caplog.at_level(logging.WARNING, logger="st_cached_losses"):
         _, loss, model = _scale_run(legacy, resume=legacy / "checkpoint-2")
@@ -439,11 +467,11 @@ def test_resume_without_saved_scale_warns_and_old_checkpoints_are_read(tmp_path,
 
     # no scale anywhere, and a decoy of another run at output_dir/checkpoint-2
     bare = tmp_path / "bare" / "checkpoint-2"
-    shutil.copytree(scale_runs["explicit_checkpoint"], bare)
+    shutil.copytree(scale_runs["stopped_checkpoint"], bare)
     _strip_state_entry(bare)
     (bare / STATE_FILE).unlink()
     decoy = tmp_path / "other" / "checkpoint-2"
-    shutil.copytree(scale_runs["auto_checkpoint"], decoy)
+    shutil.copytree(scale_runs["full_checkpoint"], decoy)
     decoy_state = json.loads((decoy / "trainer_state.json").read_text())
     decoy_state["log_history"][0]["loss"] += 1.0
     (decoy / "trainer_state.json").write_text(json.dumps(decoy_state))
