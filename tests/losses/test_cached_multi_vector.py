@@ -28,15 +28,7 @@ from sentence_transformers.multi_vector_encoder.scoring import (
 from st_cached_losses import CachedMultiVectorLoss
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from tests.losses.test_losses import assert_grads_close, param_grads
-from tests.support.tiny_model import make_tiny_model, random_texts
-
-
-def make_tiny_multi_vector(path, seed: int = 0) -> MultiVectorEncoder:
-    """A 2-layer random BERT as a MultiVectorEncoder: Transformer, a random token projection (32 -> 128),
-    MultiVectorMask and a token-level Normalize, as the encoder builds it from a plain checkpoint."""
-    make_tiny_model(path, seed=seed)
-    torch.manual_seed(seed)
-    return MultiVectorEncoder(str(path), device="cpu")
+from tests.support.tiny_model import make_tiny_multi_vector, random_texts
 
 
 @pytest.fixture(scope="module")
