@@ -320,3 +320,22 @@ def test_xtr_memory_is_one_tile() -> None:
     assert mem.peak_bytes < full / 8
     torch.testing.assert_close(out.loss, ref.loss)
     torch.testing.assert_close(out.grad_anchors, ref.grad_anchors)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_xtr_half_inputs_score_in_fp32(dtype) -> None:
+    """Half-precision token rows: thresholds and scores in fp32 (the rows' exact upcast), gradients back in the
+    inputs' dtype, through both entry points."""
+    q, cols = token_case(6, 2, dtype=torch.float32, seed=2)
+    hq, hc = q.to(dtype), [c.to(dtype) for c in cols]
+    ref = infonce_loss_and_grad(hq.float(), [c.float() for c in hc], scale=1.0, similarity=XTR(9))
+    out = infonce_loss_and_grad(hq, hc, scale=1.0, similarity=XTR(9), path="tiled", tile_size=4)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    assert out.grad_anchors is not None and out.grad_anchors.dtype == dtype
+    torch.testing.assert_close(out.grad_anchors, ref.grad_anchors.to(dtype))
+    aq = hq.clone().requires_grad_()
+    loss = infonce(aq, hc, scale=1.0, similarity=XTR(9))
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref.loss, rtol=1e-6, atol=1e-6)
+    assert aq.grad is not None and aq.grad.dtype == dtype
+    torch.testing.assert_close(aq.grad, ref.grad_anchors.to(dtype))
