@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from st_cached_losses.config.registry import BASE_LOSSES, MODEL_KINDS
 from st_cached_losses.config.training_args import CachedLossTrainingArguments, user_stacklevel
 from st_cached_losses.losses import CachedGISTLoss, CachedInfoNCEBase
 
@@ -28,22 +29,30 @@ def build_loss(
     """The cached loss ``args`` describe, for ``model`` (pass it as ``loss=`` to the trainer).
 
     Args:
-        model: the SentenceTransformer to train.
+        model: the model to train, of the kind the loss needs (``args.model_kind``): a SentenceTransformer
+            for 'mnr', 'clip', 'tiled' and 'gist', a SparseEncoder for 'sparse', a MultiVectorEncoder for
+            'multi_vector' (another of these three kinds raises a ``ValueError`` naming the one needed).
         args: the run's arguments; ``args.loss`` picks the class, the other loss fields its settings.
         train_dataset: optional; when given, checked against the loss with :func:`check_dataset_columns`,
             so that a dataset with too few text columns fails here rather than in the first training step.
 
     Returns:
-        A :class:`CachedMNRLoss`, :class:`CachedCLIPLoss`, :class:`CachedTiledLoss` or :class:`CachedGISTLoss`
-        (its guide loaded from ``args.guide_model`` on the model's device).
+        A :class:`CachedMNRLoss`, :class:`CachedCLIPLoss`, :class:`CachedTiledLoss`, :class:`CachedGISTLoss`
+        (its guide loaded from ``args.guide_model`` on the model's device), :class:`CachedSparseLoss` (its base
+        loss a ``SparseMultipleNegativesRankingLoss`` built from the fields, the regularisers ``FlopsLoss``) or
+        :class:`CachedMultiVectorLoss`.
     """
     if not isinstance(args, CachedLossTrainingArguments):
         raise TypeError(
             f"build_loss needs CachedLossTrainingArguments, got {type(args).__name__}; parse the run's arguments "
             "with st_cached_losses.CachedLossArgumentParser, or build CachedLossTrainingArguments(...) directly."
         )
+    check_model_kind(model, args)
     if train_dataset is not None:
         check_dataset_columns(train_dataset, args)
+    base = BASE_LOSSES.get(args.loss)
+    if base is not None:
+        return args.loss_class(model, base(model, **args.base_loss_kwargs()), **args.loss_kwargs())
     if args.loss == "gist":
         from sentence_transformers import SentenceTransformer
 
@@ -51,6 +60,25 @@ def build_loss(
         guide = SentenceTransformer(str(args.guide_model), device=str(device))
         return CachedGISTLoss(model, guide, **args.loss_kwargs())
     return args.loss_class(model, **args.loss_kwargs())
+
+
+def check_model_kind(model: nn.Module, args: CachedLossTrainingArguments) -> None:
+    """A sentence-transformers model of another kind than the loss trains (a SentenceTransformer for
+    'sparse', say) raises a ``ValueError`` naming the kind the loss needs and its trainer; a module of none
+    of these kinds (a user's own) is left to the loss."""
+    import sentence_transformers
+
+    kinds = {kind: getattr(sentence_transformers, kind) for kind in set(MODEL_KINDS.values())}
+    needed = args.model_kind
+    found = [kind for kind, cls in kinds.items() if isinstance(model, cls)]
+    if found and needed not in found:
+        raise ValueError(
+            f"loss={args.loss!r} ({args.loss_class.__name__}) trains a {needed}, got a {found[0]}: load the model "
+            f"as sentence_transformers.{needed}(...) and train it with {needed}Trainer, or choose a loss for a "
+            f"{found[0]}: "
+            + ", ".join(repr(name) for name, kind in MODEL_KINDS.items() if kind == found[0])
+            + "."
+        )
 
 
 def _text_columns(column_names: Sequence[str]) -> list[str]:

@@ -9,23 +9,33 @@ parser (:mod:`st_cached_losses.config.cli`) share one table.
 from __future__ import annotations
 
 import difflib
+import inspect
 from collections.abc import Sequence
+from typing import Any
+
+from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss
 
 from st_cached_losses.losses import (
     CachedCLIPLoss,
     CachedGISTLoss,
     CachedInfoNCEBase,
     CachedMNRLoss,
+    CachedMultiVectorLoss,
+    CachedSparseLoss,
     CachedTiledLoss,
 )
 
 __all__ = [
+    "BASE_LOSSES",
     "DEFAULT_GIST_TEMPERATURE",
     "DEFAULT_SCALE",
     "DEFAULT_SCALE_LEARNING_RATE",
     "LOSSES",
     "LOSS_ALIASES",
+    "LOSS_DEFAULT_SCALES",
+    "MODEL_KINDS",
     "closest_name_hint",
+    "loss_parameters",
 ]
 
 #: canonical loss name -> class
@@ -34,13 +44,52 @@ LOSSES: dict[str, type[CachedInfoNCEBase]] = {
     "clip": CachedCLIPLoss,
     "tiled": CachedTiledLoss,
     "gist": CachedGISTLoss,
+    "sparse": CachedSparseLoss,
+    "multi_vector": CachedMultiVectorLoss,
 }
 #: every accepted spelling (case-insensitive) -> canonical name
 LOSS_ALIASES: dict[str, str] = {
     **{name: name for name in LOSSES},
     **{cls.__name__.lower(): name for name, cls in LOSSES.items()},
+    "multi-vector": "multi_vector",
+    "multivector": "multi_vector",
 }
+#: the model (and trainer) each loss trains: sentence-transformers' class names
+MODEL_KINDS: dict[str, str] = {
+    "mnr": "SentenceTransformer",
+    "clip": "SentenceTransformer",
+    "tiled": "SentenceTransformer",
+    "gist": "SentenceTransformer",
+    "sparse": "SparseEncoder",
+    "multi_vector": "MultiVectorEncoder",
+}
+#: losses whose ranking loss is an object of its own, built by the factory from the fields: its class, whose
+#: constructor arguments (but the model) are fields too
+BASE_LOSSES: dict[str, type[Any]] = {"sparse": SparseMultipleNegativesRankingLoss}
+
+
+def loss_parameters(name: str) -> dict[str, inspect.Parameter]:
+    """The constructor arguments of loss ``name`` (canonical) that a field may set: its class's (but
+    ``self``), then its base loss's (but ``self`` and ``model``), which the factory passes to the base loss."""
+    params = dict(inspect.signature(LOSSES[name].__init__).parameters)
+    params.pop("self", None)
+    base = BASE_LOSSES.get(name)
+    if base is not None:
+        for key, param in inspect.signature(base.__init__).parameters.items():
+            if key not in ("self", "model"):
+                params.setdefault(key, param)
+    return params
+
+
+def _st_default_scale(name: str) -> float:
+    """The scale sentence-transformers' own loss starts from (the base loss's for 'sparse')."""
+    return float(loss_parameters(name)["scale"].default)
+
+
 DEFAULT_SCALE = 20.0
+#: losses whose default scale is not DEFAULT_SCALE: sentence-transformers' own default (1.0, dot-product
+#: and MaxSim scores are unbounded), read from the signatures
+LOSS_DEFAULT_SCALES: dict[str, float] = {name: _st_default_scale(name) for name in ("sparse", "multi_vector")}
 #: GISTEmbedLoss's default temperature (scale 100), used by loss='gist' when neither scale nor temperature is given
 DEFAULT_GIST_TEMPERATURE = 0.01
 #: the default learning rate of a learnable scale (its own optimizer group, see ``scale_learning_rate``)

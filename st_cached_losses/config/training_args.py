@@ -35,12 +35,16 @@ from typing import Any, Optional, Union  # HfArgumentParser reads these annotati
 from sentence_transformers import SentenceTransformerTrainingArguments
 
 from st_cached_losses.config.registry import (
+    BASE_LOSSES,
     DEFAULT_GIST_TEMPERATURE,
     DEFAULT_SCALE,
     DEFAULT_SCALE_LEARNING_RATE,
     LOSS_ALIASES,
+    LOSS_DEFAULT_SCALES,
     LOSSES,
+    MODEL_KINDS,
     closest_name_hint,
+    loss_parameters,
 )
 from st_cached_losses.functional import scale_value
 from st_cached_losses.losses import CachedInfoNCEBase
@@ -99,14 +103,19 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         metadata={
             "help": "Which cached loss: 'mnr' (CachedMNRLoss, InfoNCE anchor -> candidates), 'clip' "
             "(CachedCLIPLoss, symmetric InfoNCE), 'tiled' (CachedTiledLoss, Inf-CL-style tiles, ring across "
-            "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; needs guide_model). The class "
-            "names are accepted too."
+            "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; needs guide_model), all for a "
+            "SentenceTransformer; 'sparse' (CachedSparseLoss, SPLADE: SparseMultipleNegativesRankingLoss plus "
+            "FLOPS regularisers; needs document_regularizer_weight) for a SparseEncoder; 'multi_vector' "
+            "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder. The "
+            "class names are accepted too."
         },
     )
     scale: Optional[float] = field(  # noqa: UP045
         default=None,
         metadata={
-            "help": f"Similarity scale = 1 / temperature (default {DEFAULT_SCALE:g}); the initial value when "
+            "help": f"Similarity scale = 1 / temperature (default {DEFAULT_SCALE:g}; 'gist' "
+            f"{1 / DEFAULT_GIST_TEMPERATURE:g}, 'sparse' {LOSS_DEFAULT_SCALES['sparse']:g} and 'multi_vector' "
+            f"{LOSS_DEFAULT_SCALES['multi_vector']:g}, as sentence-transformers' own losses); the initial value when "
             "learnable. Give scale or temperature; both only if they agree."
         },
     )
@@ -133,8 +142,13 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             "rate schedule applies to it as to every group. 0 or None: the scale trains at learning_rate."
         },
     )
-    similarity: str = field(
-        default="cosine", metadata={"help": "Similarity of embeddings: 'cosine' or 'dot' (dot product)."}
+    similarity: Optional[str] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "Similarity of embeddings: 'cosine' or 'dot' (dot product); default the loss's own: cosine, "
+            "'sparse' dot (as SparseMultipleNegativesRankingLoss). 'multi_vector': 'maxsim' (default, "
+            "colbert_scores), 'meanmaxsim' (mean_colbert_scores) or 'xtr' (xtr_scores, top_k 256)."
+        },
     )
     mini_batch_size: Union[int, str] = field(  # noqa: UP007
         default=32,
@@ -153,7 +167,7 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         },
     )
     tile_size: Optional[int] = _spec_field(  # noqa: UP045
-        "tile_size", help=SPECS["tile_size"].help + " 'tiled' only."
+        "tile_size", help=SPECS["tile_size"].help + " 'tiled', 'sparse' and 'multi_vector' only."
     )
     symmetric: Optional[bool] = field(  # noqa: UP045
         default=None,
@@ -219,6 +233,45 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
     )
     contrast_positives: bool = field(
         default=True, metadata={"help": "'gist' only: contrast each positive with the other positives."}
+    )
+    document_regularizer_weight: Optional[float] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'sparse' only (required there): weight of the documents' FLOPS regulariser (lambda_d), on "
+            "every column but the first (on every column with use_document_regularizer_only), e.g. 3e-5."
+        },
+    )
+    query_regularizer_weight: Optional[float] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'sparse' only: weight of the queries' FLOPS regulariser (lambda_q), on the first column, "
+            "e.g. 5e-5; none: no query regulariser (inference-free models)."
+        },
+    )
+    document_regularizer_threshold: Optional[int] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'sparse' only: the documents' FLOPS counts only rows with more than this many non-zero "
+            "entries (FLOPS with l0 masking); none: every row."
+        },
+    )
+    query_regularizer_threshold: Optional[int] = field(  # noqa: UP045
+        default=None,
+        metadata={"help": "'sparse' only: as document_regularizer_threshold, for the queries' FLOPS."},
+    )
+    use_document_regularizer_only: bool = field(
+        default=False,
+        metadata={
+            "help": "'sparse' only: every column is a document (symmetric data): one regulariser over all of "
+            "them, weighted by document_regularizer_weight."
+        },
+    )
+    score_mini_batch_size: Optional[int] = field(  # noqa: UP045
+        default=None,
+        metadata={
+            "help": "'multi_vector' only: sentence-transformers' scoring chunk, kept for their config (default "
+            "mini_batch_size); the scoring tiles are sized from memory_budget and never change the result."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -288,25 +341,45 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
 
     @property
     def loss_scale(self) -> float:
-        """The scale the loss starts from: ``scale``, else ``1 / temperature``, else 20."""
+        """The scale the loss starts from: ``scale``, else ``1 / temperature``, else the loss's default (20;
+        'gist' 100; 'sparse' and 'multi_vector' 1, as sentence-transformers' own losses)."""
         if self.scale is not None:
             return float(self.scale)
         if self.temperature is not None:
             return 1.0 / self.temperature
-        return 1.0 / DEFAULT_GIST_TEMPERATURE if self.loss == "gist" else DEFAULT_SCALE
+        if self.loss == "gist":
+            return 1.0 / DEFAULT_GIST_TEMPERATURE
+        return LOSS_DEFAULT_SCALES.get(str(self.loss), DEFAULT_SCALE)
 
     @property
     def loss_class(self) -> type[CachedInfoNCEBase]:
         """The loss class ``loss`` names."""
         return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
 
+    @property
+    def model_kind(self) -> str:
+        """The sentence-transformers model class the chosen loss trains: ``"SentenceTransformer"``,
+        ``"SparseEncoder"`` ('sparse') or ``"MultiVectorEncoder"`` ('multi_vector')."""
+        return MODEL_KINDS[LOSS_ALIASES[str(self.loss).lower()]]
+
     def loss_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too):
-        every argument the loss takes that a field sets (``losses/settings.py``'s names), except where the
-        field leaves the loss's own default."""
+        """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too;
+        for 'sparse', besides the base loss, built from :meth:`base_loss_kwargs`): every argument the loss
+        takes that a field sets (``losses/settings.py``'s names), except where the field leaves the loss's
+        own default."""
+        return self._kwargs_of(self.loss_class, skip=("self", "guide"))
+
+    def base_loss_kwargs(self) -> dict[str, Any]:
+        """'sparse': the keyword arguments of its base loss (``SparseMultipleNegativesRankingLoss``, besides
+        the model), from the fields: ``scale``, ``similarity``, ``gather_across_devices``, ``directions``,
+        ``partition_mode``, ``hardness_*``. Empty for a loss without a base loss."""
+        base = BASE_LOSSES.get(str(self.loss))
+        return self._kwargs_of(base, skip=("self",)) if base is not None else {}
+
+    def _kwargs_of(self, cls: type[Any], skip: tuple[str, ...]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
-        for name in inspect.signature(self.loss_class.__init__).parameters:
-            if name in ("self", "guide") or name in NOT_FIELDS:
+        for name in inspect.signature(cls.__init__).parameters:
+            if name in skip or name in NOT_FIELDS:
                 continue
             value = self._loss_argument(name)
             if value is not _LOSS_DEFAULT:
@@ -326,13 +399,19 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
         if name == "symmetric":
             return bool(self.symmetric) if self.symmetric is not None else _LOSS_DEFAULT
+        if name == "similarity_fct":
+            if self.similarity is None:
+                return _LOSS_DEFAULT  # the loss's own: sentence-transformers' default
+            if self.loss in _SIMILARITY_FUNCTIONS:  # the callables their loss takes (and names in its config)
+                return _SIMILARITY_FUNCTIONS[self.loss]()[self.similarity]
+            return self.similarity
         value = getattr(self, FIELD_NAMES.get(name, name))
         return _LOSS_DEFAULT if value is None and name in _NONE_IS_LOSS_DEFAULT else value
 
     def loss_settings(self) -> dict[str, Any]:
         """The fields that configure the chosen loss and their values (what the model card lists): the
         loss choice, the scale, and the fields of the arguments that loss takes."""
-        taken = set(inspect.signature(self.loss_class.__init__).parameters)
+        taken = set(loss_parameters(self.loss))
         names = ["loss", "scale", "temperature"]
         if self.learnable_scale:
             names.append("scale_learning_rate")
@@ -345,6 +424,26 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
 
 #: what ``_loss_argument`` returns to leave the loss's own default
 _LOSS_DEFAULT = object()
+
+
+def _sparse_similarities() -> dict[str, Any]:
+    from sentence_transformers.util import cos_sim, dot_score
+
+    return {"cosine": cos_sim, "dot": dot_score}
+
+
+def _token_similarities() -> dict[str, Any]:
+    from sentence_transformers.multi_vector_encoder.scoring import (
+        colbert_scores,
+        mean_colbert_scores,
+        xtr_scores,
+    )
+
+    return {"maxsim": colbert_scores, "meanmaxsim": mean_colbert_scores, "xtr": xtr_scores}
+
+
+#: losses that take sentence-transformers' similarity callables: the field's names -> the callables
+_SIMILARITY_FUNCTIONS = {"sparse": _sparse_similarities, "multi_vector": _token_similarities}
 #: fields whose None means the loss's own default (not None)
 _NONE_IS_LOSS_DEFAULT = {"memory_budget"}
 #: fields derived from others for the loss (listed by ``loss_settings`` on their own terms)
@@ -402,9 +501,11 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
     """
     key = str(args.loss).lower()
     if key not in LOSS_ALIASES:
+        names = ", ".join(repr(name) for name in LOSSES)
+        classes = ", ".join(cls.__name__ for cls in LOSSES.values())
         raise ValueError(
-            f"loss={args.loss!r} is not a cached loss; choose one of 'mnr', 'clip', 'tiled' or 'gist' (or a class "
-            f"name: CachedMNRLoss, CachedCLIPLoss, CachedTiledLoss, CachedGISTLoss).{closest_name_hint(key, list(LOSS_ALIASES))}"
+            f"loss={args.loss!r} is not a cached loss; choose one of {names} (or a class name: {classes})."
+            f"{closest_name_hint(key, list(LOSS_ALIASES))}"
         )
     args.loss = LOSS_ALIASES[key]
 
@@ -421,12 +522,41 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             f"scale={args.scale} and temperature={args.temperature} disagree (scale = 1 / temperature = "
             f"{1 / args.temperature:g}); set only one of scale and temperature."
         )
+    _validate_taken_fields(args)
     validate_option_fields(args)
     _validate_spec_fields(args)
-    if args.learnable_scale and args.loss in ("mnr", "gist"):
+    if args.learnable_scale and args.loss not in ("clip", "tiled"):
         raise ValueError(
             f"learnable_scale=True is supported by loss='clip' or loss='tiled', not loss={args.loss!r} (a fixed "
             "scale)."
+        )
+    if args.loss == "sparse":
+        if args.document_regularizer_weight is None:
+            raise ValueError(
+                "loss='sparse' needs document_regularizer_weight: the weight of the documents' FLOPS regulariser "
+                "(lambda_d, e.g. 3e-5; SPLADE's CachedSpladeLoss has no default either)."
+            )
+        for name in (
+            "document_regularizer_weight",
+            "query_regularizer_weight",
+            "document_regularizer_threshold",
+            "query_regularizer_threshold",
+        ):
+            value = getattr(args, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value < 0
+            ):
+                raise ValueError(f"{name} must be a finite number >= 0 or None, got {value!r}.")
+    if args.score_mini_batch_size is not None and (
+        isinstance(args.score_mini_batch_size, bool)
+        or not isinstance(args.score_mini_batch_size, int)
+        or args.score_mini_batch_size <= 0
+    ):
+        raise ValueError(
+            f"score_mini_batch_size must be a positive integer or None, got {args.score_mini_batch_size!r}."
         )
     rate = args.scale_learning_rate
     if rate is not None and (
@@ -445,9 +575,10 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             f"symmetric applies to loss='tiled' only ('mnr' is one-directional, 'clip' always symmetric); "
             f"got loss={args.loss!r}. Remove symmetric, or use loss='tiled'."
         )
-    if args.tile_size is not None and args.loss != "tiled":
+    if args.tile_size is not None and args.loss not in ("tiled", "sparse", "multi_vector"):
         raise ValueError(
-            f"tile_size applies to loss='tiled' only, got loss={args.loss!r}. Remove tile_size, or use loss='tiled'."
+            f"tile_size applies to loss='tiled' (and the tiles of 'sparse' / 'multi_vector') only, got "
+            f"loss={args.loss!r}. Remove tile_size, or use loss='tiled'."
         )
     for name in ("mini_batch_size", "mini_batch_num_tokens"):  # tile_size: by its spec, above
         value = getattr(args, name)
@@ -458,13 +589,7 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             if name == "mini_batch_num_tokens":  # sentence-transformers' sentence, which their tests match
                 raise ValueError(f"{name} must be a positive integer or None. Got {value!r}.")
             raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
-    try:  # the names the losses themselves accept
-        args.similarity = str(resolve_similarity(str(args.similarity)))  # a name: always "cosine" or "dot"
-    except ValueError:
-        raise ValueError(
-            f"similarity must be 'cosine' or 'dot', got {args.similarity!r}: the cached losses never build "
-            "the similarity matrix, so only these two are possible."
-        ) from None
+    _validate_similarity(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size
     if args.mini_batch_num_tokens is None and isinstance(rows, int) and rows >= batch:
@@ -475,6 +600,69 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             UserWarning,
             stacklevel=user_stacklevel(),
         )
+
+
+def _validate_similarity(args: CachedLossTrainingArguments) -> None:
+    """``similarity`` in canonical form for the chosen loss (None: the loss's own default)."""
+    if args.similarity is None:
+        return
+    if args.loss == "multi_vector":
+        name = str(args.similarity).lower()
+        if name not in _token_similarities():
+            raise ValueError(
+                f"similarity for loss='multi_vector' must be 'maxsim', 'meanmaxsim' or 'xtr' (the multi-vector "
+                f"scores), got {args.similarity!r}.{closest_name_hint(name, list(_token_similarities()))}"
+            )
+        args.similarity = name
+        return
+    try:  # the names the losses themselves accept
+        args.similarity = str(resolve_similarity(str(args.similarity)))  # a name: always "cosine" or "dot"
+    except ValueError:
+        raise ValueError(
+            f"similarity must be 'cosine' or 'dot', got {args.similarity!r}: the cached losses never build "
+            "the similarity matrix, so only these two are possible ('maxsim', 'meanmaxsim', 'xtr': "
+            "loss='multi_vector')."
+        ) from None
+
+
+#: fields that their own checks refuse for a loss without them (with their own wording)
+_OWN_CHECKS = {
+    "scale",
+    "temperature",
+    "similarity",
+    "symmetric",
+    "learnable_scale",
+    "guide_model",
+    "margin_strategy",
+}
+
+
+def _validate_taken_fields(args: CachedLossTrainingArguments) -> None:
+    """A field away from its default that sets an argument of some loss, but not of the chosen one, is
+    refused, naming it (the GIST fields for another loss, and the MNRL options for 'gist', are refused by
+    :func:`validate_option_fields` in words of their own)."""
+    fields = {f.name: f for f in dataclasses.fields(args)}
+    taken = {FIELD_NAMES.get(p, p) for p in loss_parameters(args.loss)}
+    gist_only = {"guide_model", "margin_strategy", "margin", "contrast_anchors", "contrast_positives"}
+    if args.loss == "gist":
+        taken |= {"directions", "partition_mode", "hardness_mode", "hardness_strength"}
+    for name in LOSSES:
+        for param in loss_parameters(name):
+            field_name = FIELD_NAMES.get(param, param)
+            if (
+                param in NOT_FIELDS
+                or param in SPECS
+                or field_name in _OWN_CHECKS
+                or field_name in gist_only
+                or field_name in taken
+                or field_name not in fields
+            ):
+                continue
+            if getattr(args, field_name) != fields[field_name].default:
+                raise ValueError(
+                    f"{field_name} does not apply to loss={args.loss!r} ({args.loss_class.__name__} does not "
+                    f"take {param}). Remove {field_name}."
+                )
 
 
 def validate_option_fields(args: CachedLossTrainingArguments) -> None:
@@ -501,7 +689,7 @@ def validate_option_fields(args: CachedLossTrainingArguments) -> None:
         for name, default in {**mnrl_fields, "mask_duplicates": False}.items():
             if getattr(args, name) != default:
                 raise ValueError(f"{name} does not apply to loss='gist' (GISTEmbed's own terms); remove it.")
-        if args.similarity != "cosine":
+        if args.similarity not in (None, "cosine"):
             raise ValueError("loss='gist' compares cosine similarities; remove similarity (or set 'cosine').")
         if args.margin_strategy not in ("absolute", "relative"):
             raise ValueError(
@@ -527,7 +715,7 @@ def _validate_spec_fields(args: CachedLossTrainingArguments) -> None:
     """The fields of plain loss settings: each by its spec's check (naming the field), and only for a loss
     that takes it (a field away from its default that the loss would ignore is an error, not silence)."""
     fields = {f.name: f for f in dataclasses.fields(args)}
-    taken = set(inspect.signature(args.loss_class.__init__).parameters)
+    taken = set(loss_parameters(args.loss))
     for name, spec in SPECS.items():
         field_name = FIELD_NAMES.get(name, name)
         value = getattr(args, field_name)

@@ -195,7 +195,14 @@ def format_table(rows: dict[str, dict[str, float]]) -> str:
 
 
 def check_demo_arguments(data_args: DemoArguments, args: CachedLossTrainingArguments) -> None:
-    """What no single dataclass can check: a ``ValueError`` for ``push_dry_run`` without ``hub_model_id``."""
+    """What no single dataclass can check: a ``ValueError`` for a loss whose model is not a
+    SentenceTransformer (the demo trains one), and for ``push_dry_run`` without ``hub_model_id``."""
+    if args.model_kind != "SentenceTransformer":
+        raise ValueError(
+            f"loss={args.loss!r} ({args.loss_class.__name__}) trains a {args.model_kind}, and the demo trains a "
+            "SentenceTransformer: choose loss 'mnr', 'clip', 'tiled' or 'gist' here, or build this loss in your "
+            f"own script with build_loss({args.model_kind}(...), args) and {args.model_kind}Trainer."
+        )
     if data_args.push_dry_run is not None and not args.hub_model_id:
         raise ValueError(
             "push_dry_run needs --hub_model_id your-username/model-name: the repository a push would go to "

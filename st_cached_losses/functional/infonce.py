@@ -135,23 +135,26 @@ def infonce_loss_and_grad(
     Returns:
         :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
     """
-    cols, spec = _prepared(
-        anchors, candidates, anchors_all, similarity=similarity, symmetric=symmetric, row_offset=row_offset,
-        chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, path=path,
-        check_finite=check_finite, terms=terms, guide=guide, anchor_keys=anchor_keys,
-        candidate_keys=candidate_keys, anchors_all_keys=anchors_all_keys,
-    )  # fmt: skip
     with torch.no_grad():
+        rows, cols, spec = _prepared(
+            anchors, candidates, anchors_all, similarity=similarity, symmetric=symmetric,
+            row_offset=row_offset, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget,
+            path=path, check_finite=check_finite, terms=terms, guide=guide, anchor_keys=anchor_keys,
+            candidate_keys=candidate_keys, anchors_all_keys=anchors_all_keys,
+        )  # fmt: skip
         solution = terms_solve(
             spec,
-            anchors.detach(),
+            rows.detach(),
             [c.detach() for c in cols],
             scale=scale,
             anchors_all=anchors_all.detach() if anchors_all is not None else None,
             grad_output=grad_output,
             with_grad=True,
         )
-    return InfoNCEOutput(*solution)
+    out = InfoNCEOutput(*solution)
+    if rows is not anchors and out.grad_anchors is not None:  # rows carrying data of their own (XTR)
+        out.grad_anchors = spec.score.fn.without_row_data(out.grad_anchors).to(anchors.dtype)  # type: ignore[union-attr]
+    return out
 
 
 @fp32_loss_stage
@@ -183,14 +186,14 @@ def infonce(
     the forward computes the gradients with the loss (nothing is recomputed) and the graph keeps them,
     the inputs' size, until backward; without one, only the loss is computed.
     """
-    cols, spec = _prepared(
+    rows, cols, spec = _prepared(
         anchors, candidates, anchors_all, similarity=similarity, symmetric=symmetric, row_offset=row_offset,
         chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, path=path,
         check_finite=check_finite, terms=terms, guide=guide, anchor_keys=anchor_keys,
         candidate_keys=candidate_keys, anchors_all_keys=anchors_all_keys,
     )  # fmt: skip
     scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
-    return InfoNCEFunction.apply(spec, scale_t, anchors, anchors_all, *cols)
+    return InfoNCEFunction.apply(spec, scale_t, rows, anchors_all, *cols)
 
 
 def _prepared(
@@ -211,8 +214,11 @@ def _prepared(
     anchor_keys: Tensor | None,
     candidate_keys: Sequence[Tensor] | None,
     anchors_all_keys: Tensor | None,
-) -> tuple[list[Tensor], LossSpec]:
-    """Both entry points' checks of their arguments; the candidate columns and the call's options."""
+) -> tuple[Tensor, list[Tensor], LossSpec]:
+    """Both entry points' checks of their arguments; the rows as the score reads them (the anchors, or
+    for a score whose rows carry data computed from every column, XTR's thresholds, the anchors with that
+    data: built here, where every column, gathered across processes or not, is at hand), the candidate
+    columns and the call's options."""
     cols = candidate_columns(candidates)
     score = Score(similarity)
     check_terms(terms, symmetric, guide, anchors, cols)
@@ -229,8 +235,19 @@ def _prepared(
         if key_args
         else None
     )
+    term_set = loss_terms(terms, symmetric, len(cols))
+    rows = anchors
+    with_row_data = getattr(score.fn, "with_row_data", None)
+    if with_row_data is not None:
+        if any(t.rows != "q" or not t.cols.startswith("c") for t in term_set.terms):
+            raise ValueError(
+                f"{score.fn!r} scores queries against documents only (its top-k runs over the document "
+                "columns' tokens): the loss's terms may score only the anchors against the candidate columns "
+                "(query_to_doc), not documents against anchors."
+            )
+        rows = with_row_data(anchors, cols, memory_budget)
     spec = LossSpec(
-        terms=loss_terms(terms, symmetric, len(cols)),
+        terms=term_set,
         score=score,
         row_offset=row_offset,
         path=path,
@@ -240,7 +257,7 @@ def _prepared(
         guide=guide,
         keys=keys,
     )
-    return cols, spec
+    return rows, cols, spec
 
 
 def check_terms(

@@ -1,4 +1,4 @@
-"""Late-interaction (multi-vector) scores as a plug-in of the one InfoNCE core: MaxSim and MeanMaxSim.
+"""Late-interaction (multi-vector) scores as a plug-in of the one InfoNCE core: MaxSim, MeanMaxSim and XTR.
 
 A multi-vector row is a padded ``(t, d)`` matrix of token embeddings with a ``(t,)`` mask. The core
 reads it *packed*: one ``(n, t, d + 1)`` tensor whose last channel is the mask (1 for a scored token,
@@ -16,6 +16,15 @@ tokens are excluded from the max (filled with the dtype's minimum), padded query
 divides by the query's token count (at least 1). The gradient through the max is exact, ties resolved
 as ``torch.max`` resolves them.
 
+:class:`XTR` is sentence-transformers' ``xtr_scores`` (Lee et al. 2023): each query token keeps only its
+``top_k`` best document tokens over *every* in-batch document token, a document's per-token maximum is
+taken over its retrieved tokens (0 when none), and the sum is divided by the number of query tokens that
+retrieved one of the document's tokens. The top-k depends on the whole batch, so the core first runs a
+streaming pass (:func:`xtr_thresholds`) that keeps each query token's running top-``k + 1`` over the
+document tokens of every column, tile by tile, and turns it into a per-query-token threshold; the
+threshold travels with the query rows as one more channel (:meth:`XTR.with_row_data`), after which each
+(query, document) score is again a function of the pair and is scored tile by tile like MaxSim.
+
 Shapes: ``b`` rows of a tile, ``t`` columns of a tile, ``tq`` / ``td`` query / document tokens, ``d``
 the token embedding dimension.
 """
@@ -25,7 +34,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["EMPTY_DOCUMENT_SCORE", "MaxSim", "pack_tokens", "pad_tokens", "unpack_tokens"]
+__all__ = [
+    "EMPTY_DOCUMENT_SCORE",
+    "XTR",
+    "MaxSim",
+    "pack_tokens",
+    "pad_tokens",
+    "unpack_tokens",
+    "xtr_thresholds",
+]
 
 #: The score of a document without any scored token, as sentence-transformers gives it.
 EMPTY_DOCUMENT_SCORE = -1e9
@@ -106,3 +123,126 @@ class MaxSim:
         if self.length_normalize:
             scores = scores / q_mask.sum(-1).clamp(min=1).to(scores.dtype)
         return scores
+
+
+def _accumulation_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def xtr_thresholds(queries: Tensor, columns: list[Tensor], top_k: int, memory_budget: int) -> Tensor:
+    """``(B, tq)`` per-query-token retrieval thresholds of packed ``queries (B, tq, d + 1)`` against every
+    scored token of the packed document ``columns`` (each ``(n, td_k, d + 1)``), in fp32 (fp64 kept).
+
+    A document token is retrieved by query token ``(i, s)`` when its similarity is at least the threshold:
+    the midpoint of the ``top_k``-th and ``(top_k + 1)``-th largest similarities of that query token over
+    every scored document token of every column, or ``-inf`` when there are at most ``top_k`` scored
+    tokens (all of them are retrieved). The midpoint, not the ``top_k``-th value itself, so that the
+    scoring pass, whose products may round differently in another tile shape, retrieves the same
+    ``top_k`` tokens; only near-ties within rounding of each other can differ (and exact ties, where
+    ``torch.topk`` itself picks an arbitrary subset).
+
+    Streaming: query rows in chunks, document rows in chunks, each chunk's top-``k + 1`` merged with the
+    running one; the largest intermediate is one ``(rows, tq, docs * td)`` tile and the ``(rows, tq, k + 1)``
+    running values, sized from ``memory_budget`` bytes."""
+    acc = _accumulation_dtype(queries)
+    q, _ = unpack_tokens(queries)
+    b_all, tq = q.shape[:2]
+    total = sum(int(unpack_tokens(c)[1].sum()) for c in columns)
+    out = torch.full((b_all, tq), float("-inf"), dtype=acc, device=queries.device)
+    if total <= top_k:
+        return out
+    k1 = top_k + 1
+    td_max = max(c.shape[1] for c in columns)
+    elems = max(1, memory_budget // (4 * 3))  # fp32 tile, its masked copy and the merged candidates
+    rb = max(1, min(b_all, elems // (tq * (2 * k1 + td_max))))
+    with torch.no_grad():
+        for r0 in range(0, b_all, rb):
+            qc = q[r0 : r0 + rb].to(acc)
+            best = qc.new_empty(qc.shape[0], tq, 0)  # (rb, tq, <= k + 1), the running top values
+            for col in columns:
+                c_all, m_all = unpack_tokens(col)
+                n, td = c_all.shape[:2]
+                cb = max(1, min(n, (elems // (qc.shape[0] * tq) - 2 * k1) // td))
+                for c0 in range(0, n, cb):
+                    c, m = c_all[c0 : c0 + cb].to(acc), m_all[c0 : c0 + cb]
+                    sim = torch.einsum("ash,bth->asbt", qc, c)  # (rb, tq, cb, td)
+                    sim.masked_fill_(~m[None, None], float("-inf"))
+                    merged = torch.cat([best, sim.flatten(2)], dim=-1)
+                    best = merged.topk(min(k1, merged.shape[-1]), dim=-1).values  # sorted, descending
+            out[r0 : r0 + rb] = best[..., top_k - 1] / 2 + best[..., top_k] / 2
+    return out
+
+
+class XTR:
+    """sentence-transformers' ``xtr_scores`` / ``XTRScores(top_k)`` for every (query, document) pair, on
+    packed documents (:func:`pack_tokens`) and packed queries that carry their retrieval thresholds
+    (:meth:`with_row_data`, which the core calls once per loss call with every document column).
+
+    Per query token ``s`` and document ``j``: the retrieved tokens are the document's scored tokens whose
+    similarity reaches the token's threshold (:func:`xtr_thresholds`); ``m_s`` is the largest retrieved
+    similarity, or 0 when none is retrieved (``alpha_s`` = whether one is). The score is
+    ``sum_s m_s / max(1, sum_s alpha_s)`` over the query's scored tokens; a document without any scored
+    token scores :data:`EMPTY_DOCUMENT_SCORE`. The gradient is exact: through the max to the retrieved
+    token that wins it (ties as ``torch.max`` resolves them), nothing through the retrieval itself or the
+    count, as in sentence-transformers."""
+
+    #: operands are packed token tensors (read by :class:`~.score.Score`)
+    token_score = True
+
+    def __init__(self, top_k: int = 256) -> None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0:
+            raise ValueError(f"top_k must be a positive integer, got {top_k!r}.")
+        self.top_k = top_k
+
+    def __repr__(self) -> str:
+        return f"XTR(top_k={self.top_k})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, XTR) and other.top_k == self.top_k
+
+    def __hash__(self) -> int:
+        return hash((XTR, self.top_k))
+
+    def with_row_data(self, queries: Tensor, columns: list[Tensor], memory_budget: int) -> Tensor:
+        """Packed ``queries (B, tq, d + 1)`` as ``(B, tq, d + 2)``: the embeddings, each query token's
+        retrieval threshold against every token of ``columns`` (detached), then the mask; the result keeps
+        ``queries``' graph (the threshold channel gets no gradient)."""
+        thr = xtr_thresholds(queries, columns, self.top_k, memory_budget)  # fp32 (fp64 kept)
+        # a half-precision threshold would round away from the midpoint: the rows travel in its dtype
+        queries = queries.to(thr.dtype)
+        return torch.cat([queries[..., :-1], thr.unsqueeze(-1), queries[..., -1:]], dim=-1)
+
+    @staticmethod
+    def without_row_data(x: Tensor) -> Tensor:
+        """A ``(B, tq, d + 2)`` tensor laid out as :meth:`with_row_data`'s (rows or their gradient) back as
+        ``(B, tq, d + 1)``: the threshold channel dropped."""
+        return torch.cat([x[..., :-2], x[..., -1:]], dim=-1)
+
+    def __call__(self, queries: Tensor, documents: Tensor) -> Tensor:
+        """``(b, t)`` scores of threshold-carrying ``queries (b, tq, d + 2)`` against packed
+        ``documents (t, td, d + 1)``."""
+        q, thr, q_mask = queries[..., :-2], queries[..., -2].detach(), queries[..., -1].detach().ne(0)
+        c, c_mask = unpack_tokens(documents)
+        sim = torch.einsum("ash,bth->abst", q, c)  # (b, t, tq, td)
+        return self._reduce(sim, thr[:, None, :, None], q_mask[:, None, :], c_mask[None, :, None, :])
+
+    def pairwise(self, queries: Tensor, documents: Tensor) -> Tensor:
+        """``(b,)`` scores of query ``i`` against document ``i``: a tile's diagonal alone."""
+        q, thr, q_mask = queries[..., :-2], queries[..., -2].detach(), queries[..., -1].detach().ne(0)
+        c, c_mask = unpack_tokens(documents)
+        sim = torch.einsum("ash,ath->ast", q, c)  # (b, tq, td)
+        return self._reduce(sim, thr[:, :, None], q_mask, c_mask[:, None, :])
+
+    @staticmethod
+    def _reduce(sim: Tensor, thr: Tensor, q_mask: Tensor, c_mask: Tensor) -> Tensor:
+        """Token similarities ``(..., tq, td)`` to scores ``(...)``; ``thr`` broadcasts against them, the
+        masks against ``(..., tq)`` (queries) and ``(..., tq, td)`` (documents)."""
+        retrieved = c_mask & (sim >= thr)  # (..., tq, td)
+        best = sim.masked_fill(~retrieved, float("-inf"))
+        best = best.amax(-1) if not torch.is_grad_enabled() else best.max(-1).values  # (..., tq)
+        alpha = retrieved.any(-1) & q_mask  # query tokens that retrieved one of the document's tokens
+        acc = torch.float64 if best.dtype == torch.float64 else torch.float32
+        # a token that retrieved nothing imputes 0 (where, not a product: its max is -inf)
+        total = torch.where(alpha, best.to(acc), torch.zeros((), dtype=acc, device=best.device)).sum(-1)
+        scores = total / alpha.sum(-1).clamp(min=1).to(acc)
+        return scores.masked_fill(~c_mask.any(-1).any(-1), EMPTY_DOCUMENT_SCORE)

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
 from st_cached_losses.functional.checks import check_positive_int
-from st_cached_losses.functional.multi_vector import MaxSim
+from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.functional.parallel import pad_to_common_tokens
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
@@ -33,23 +33,26 @@ def _not_a_multi_vector_setting(name: str) -> property:
     )
 
 
-def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None) -> MaxSim:
+def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None) -> MaxSim | XTR:
     """sentence-transformers' multi-vector scoring functions as the core's tile score: ``None`` /
     ``colbert_scores`` / ``"maxsim"`` -> MaxSim, ``mean_colbert_scores`` / ``"meanmaxsim"`` -> MeanMaxSim
     (a ``functools.partial`` of either may bind ``length_normalize`` and ``chunk_elements``, the latter a
-    memory knob the tiles make moot), or a :class:`~st_cached_losses.functional.multi_vector.MaxSim`.
-    XTR is refused: its global top-k over every in-batch document token is not a function of one
-    (query, document) pair, so it cannot be scored tile by tile exactly."""
+    memory knob the tiles make moot), ``xtr_scores`` / ``XTRScores(top_k)`` / ``"xtr"`` -> XTR (a partial of
+    ``xtr_scores`` may bind ``top_k`` and ``chunk_elements``; ``top_k`` 256 by default, as theirs), or a
+    :class:`~st_cached_losses.functional.multi_vector.MaxSim` / ``XTR``. ``XTRKDScores`` is refused: it
+    scores each query's own documents only (a distillation score), not the in-batch ranking."""
     if similarity_fct is None:
         return MaxSim()
-    if isinstance(similarity_fct, MaxSim):
+    if isinstance(similarity_fct, (MaxSim, XTR)):
         return similarity_fct
     if isinstance(similarity_fct, str):
         names = {"maxsim": False, "colbert_scores": False, "meanmaxsim": True, "mean_colbert_scores": True}
         if similarity_fct.lower() in names:
             return MaxSim(names[similarity_fct.lower()])
+        if similarity_fct.lower() in ("xtr", "xtr_scores"):
+            return XTR()
         raise ValueError(
-            f"similarity_fct={similarity_fct!r} is not a multi-vector score: use 'maxsim' or 'meanmaxsim'."
+            f"similarity_fct={similarity_fct!r} is not a multi-vector score: use 'maxsim', 'meanmaxsim' or 'xtr'."
         )
     from sentence_transformers.multi_vector_encoder import scoring
 
@@ -57,20 +60,23 @@ def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None)
     keywords: dict[str, Any] = {}
     if isinstance(fn, functools.partial) and not fn.args:
         fn, keywords = fn.func, dict(fn.keywords)
-    if fn in (scoring.xtr_scores,) or isinstance(fn, scoring.XTRScores):
+    if isinstance(fn, scoring.XTRKDScores) or fn is scoring.xtr_kd_scores:
         raise ValueError(
-            "XTR scoring (xtr_scores / XTRScores) retrieves each query token's top-k over every in-batch document "
-            "token at once, so a document's score depends on the whole batch and cannot be computed tile by tile "
-            "exactly; train XTR with sentence_transformers' CachedMultiVectorMultipleNegativesRankingLoss. "
-            "CachedMultiVectorLoss takes colbert_scores (MaxSim) or mean_colbert_scores (MeanMaxSim)."
+            "XTRKDScores / xtr_kd_scores score each query against its own documents only (for distillation); "
+            "the in-batch ranking loss takes xtr_scores or XTRScores."
         )
+    if isinstance(fn, scoring.XTRScores) and not keywords:
+        return XTR(fn.top_k)
+    if fn is scoring.xtr_scores and not set(keywords) - {"top_k", "chunk_elements"}:
+        return XTR(keywords.get("top_k", 256))
     defaults = {scoring.colbert_scores: False, scoring.mean_colbert_scores: True}
     if fn not in defaults or set(keywords) - {"length_normalize", "chunk_elements"}:
         raise ValueError(
             f"similarity_fct={similarity_fct!r} is not supported: CachedMultiVectorLoss scores tile by tile, "
-            "so it takes sentence_transformers.multi_vector_encoder.scoring.colbert_scores (MaxSim, the default) "
-            "or mean_colbert_scores (MeanMaxSim), optionally as a functools.partial binding length_normalize / "
-            "chunk_elements, or st_cached_losses.functional.multi_vector.MaxSim."
+            "so it takes sentence_transformers.multi_vector_encoder.scoring.colbert_scores (MaxSim, the default), "
+            "mean_colbert_scores (MeanMaxSim) or xtr_scores / XTRScores (XTR), optionally as a functools.partial "
+            "binding length_normalize / chunk_elements (top_k / chunk_elements for xtr_scores), or "
+            "st_cached_losses.functional.multi_vector.MaxSim / XTR."
         )
     return MaxSim(bool(keywords.get("length_normalize", defaults[fn])))
 
@@ -132,9 +138,15 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
                 ``"document"``, unless the collator set a column's task).
             scale: multiplies the scores (``1 / temperature``); 1.0 as sentence-transformers (MaxSim is a sum
                 over query tokens); with MeanMaxSim about the average query length.
-            similarity_fct: ``None`` / ``colbert_scores`` (MaxSim) or ``mean_colbert_scores`` (MeanMaxSim),
-                from ``sentence_transformers.multi_vector_encoder.scoring``. XTR is refused (its global top-k
-                is not tile-decomposable).
+            similarity_fct: ``None`` / ``colbert_scores`` (MaxSim), ``mean_colbert_scores`` (MeanMaxSim) or
+                ``xtr_scores`` / ``XTRScores(top_k)`` (XTR), from
+                ``sentence_transformers.multi_vector_encoder.scoring``; or ``"maxsim"`` / ``"meanmaxsim"`` /
+                ``"xtr"``. XTR's top-k runs over every in-batch document token (every process's with
+                ``gather_across_devices``, as theirs): a first streaming pass over the same tiles keeps each
+                query token's running top-``k + 1`` and turns it into a retrieval threshold, then the scoring
+                pass scores tile by tile with it. Exact up to ties: document tokens whose similarities to a
+                query token tie with (or lie within rounding of) its ``top_k``-th best may be retrieved
+                differently than ``torch.topk`` picks them (a measure-zero event on continuous embeddings).
             mini_batch_size: rows per encoder forward; sets the memory, not the result.
             mini_batch_num_tokens: a budget of real (non-padding) tokens per encoder mini-batch instead of
                 ``mini_batch_size``, as sentence-transformers.
@@ -175,8 +187,8 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
 
         Relations:
             - Same loss and gradients as ``MultiVectorMultipleNegativesRankingLoss`` and
-              ``CachedMultiVectorMultipleNegativesRankingLoss`` (sentence-transformers) with MaxSim or
-              MeanMaxSim scoring.
+              ``CachedMultiVectorMultipleNegativesRankingLoss`` (sentence-transformers) with MaxSim,
+              MeanMaxSim or XTR scoring.
 
         Example:
             ::

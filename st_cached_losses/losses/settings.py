@@ -162,7 +162,16 @@ FIELD_NAMES = {
     "guide": "guide_model",
 }
 #: constructor arguments no field sets, and why
-NOT_FIELDS = {"model": "the trainer's model: build_loss(model, args) passes it"}
+NOT_FIELDS = {
+    "model": "the trainer's model: build_loss(model, args) passes it",
+    "loss": "CachedSparseLoss's base ranking loss, an object: build_loss builds SparseMultipleNegativesRankingLoss "
+    "from the fields scale, similarity, gather_across_devices, directions, partition_mode and hardness_*; "
+    "construct CachedSparseLoss yourself for another base loss",
+    "document_regularizer": "an object: the default FlopsLoss, counting rows above document_regularizer_threshold; "
+    "construct CachedSparseLoss yourself for another regulariser",
+    "query_regularizer": "an object: the default FlopsLoss, counting rows above query_regularizer_threshold; "
+    "construct CachedSparseLoss yourself for another regulariser",
+}
 
 
 class Setting(Generic[T]):

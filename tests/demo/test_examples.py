@@ -409,3 +409,26 @@ def test_hub_dry_run_refuses_a_folder_that_is_not_a_model(tmp_path, capsys):
     with pytest.raises(SystemExit) as info:
         hub.main([str(tmp_path), "me/my-model"])
     assert info.value.code == 2 and "is not a saved SentenceTransformer folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("loss", "extra", "kind"),
+    [
+        ("sparse", ["--document_regularizer_weight", "3e-5"], "SparseEncoder"),
+        ("multi_vector", [], "MultiVectorEncoder"),
+    ],
+)
+def test_demo_refuses_a_loss_for_another_model_kind(tmp_path, monkeypatch, capsys, loss, extra, kind):
+    """The demo trains a SentenceTransformer: a loss for a SparseEncoder / MultiVectorEncoder is refused before
+    anything is loaded, naming the model kind it needs (a ValueError from Python, one error line from a shell)."""
+    from st_cached_losses.demo import main
+
+    argv = ["--output_dir", str(tmp_path / "demo"), "--loss", loss, *extra]
+    with pytest.raises(ValueError, match=f"trains a {kind}, and the demo trains a SentenceTransformer"):
+        main(argv)
+    monkeypatch.setattr(sys, "argv", ["python -m st_cached_losses.demo", *argv])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"trains a {kind}" in err, err

@@ -1,4 +1,4 @@
-"""MaxSim / MeanMaxSim through the one core: tile by tile, against the dense ``(Q, N, tq, td)`` reference
+"""MaxSim / MeanMaxSim / XTR through the one core: tile by tile, against the dense ``(Q, N, tq, td)`` reference
 (values and gradients, every path and several tile sizes), and against sentence-transformers' own
 ``colbert_scores``."""
 
@@ -9,7 +9,14 @@ import torch
 import torch.nn.functional as F
 
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
-from st_cached_losses.functional.multi_vector import MaxSim, pack_tokens, pad_tokens, unpack_tokens
+from st_cached_losses.functional.multi_vector import (
+    XTR,
+    MaxSim,
+    pack_tokens,
+    pad_tokens,
+    unpack_tokens,
+    xtr_thresholds,
+)
 
 
 def token_case(n: int, n_cols: int, tq: int = 5, td: int = 7, d: int = 4, seed: int = 0, dtype=torch.float64):
@@ -162,3 +169,173 @@ def test_maxsim_memory_is_one_tile() -> None:
     assert mem.peak_bytes < full / 8
     torch.testing.assert_close(out.loss, ref.loss)
     torch.testing.assert_close(out.grad_anchors, ref.grad_anchors)
+
+
+# --------------------------------------------------------------------------- XTR
+
+
+def dense_xtr_scores(q: torch.Tensor, docs: torch.Tensor, top_k: int) -> torch.Tensor:
+    """XTR over the full ``(Q, N, tq, td)`` similarities, written independently of the kernel: each query
+    token's ``top_k`` over every scored token of every document (by index, as ``torch.topk`` picks them),
+    the per-document max over the retrieved tokens (0 if none), divided by the query tokens that
+    retrieved one of the document's tokens."""
+    qe, qm = q[..., :-1], q[..., -1] != 0
+    de, dm = docs[..., :-1], docs[..., -1] != 0
+    sim = torch.einsum("qsh,nth->qsnt", qe, de)  # (Q, tq, N, td)
+    flat = sim.masked_fill(~dm[None, None], float("-inf")).flatten(2)
+    k = min(top_k, int(dm.sum()))
+    idx = flat.topk(k, dim=-1).indices
+    retrieved = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True).view(sim.shape)
+    best = sim.masked_fill(~retrieved, float("-inf")).max(-1).values  # (Q, tq, N)
+    alpha = retrieved.any(-1) & qm[:, :, None]
+    scores = torch.where(alpha, best, torch.zeros_like(best)).sum(1) / alpha.sum(1).clamp(min=1)
+    return scores.masked_fill(~dm.any(-1)[None, :], -1e9)
+
+
+def dense_xtr_loss(q, cols, scale, top_k):
+    width = max(c.shape[1] for c in cols)
+    docs = torch.cat([pad_tokens(c, width) for c in cols])  # (K n, td, d + 1)
+    return F.cross_entropy(scale * dense_xtr_scores(q, docs, top_k), torch.arange(q.shape[0]))
+
+
+@pytest.mark.parametrize("top_k", [1, 5, 37, 10_000])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        {"path": "chunked"},
+        {"path": "chunked", "chunk_size": 4},
+        {"path": "tiled", "tile_size": 1},
+        {"path": "tiled", "tile_size": 4},
+        {"memory_budget": 4_000},  # the threshold pass streams in tiles of a few rows and documents
+    ],
+)
+def test_xtr_matches_dense_reference(top_k: int, opts: dict) -> None:
+    q, cols = token_case(9, 2)
+    scale = 1.5
+    rq, rc = leaves(q, cols)
+    ref = dense_xtr_loss(rq, rc, scale, top_k)
+    ref.backward()
+    sim = XTR(top_k)
+
+    out = infonce_loss_and_grad(q, cols, scale=scale, similarity=sim, **opts)
+    torch.testing.assert_close(out.loss, ref.detach(), rtol=1e-10, atol=1e-10)
+    assert out.grad_anchors is not None and out.grad_anchors.shape == q.shape
+    assert rq.grad is not None and rq.grad.abs().max() > 0 and all(r.grad.abs().max() > 0 for r in rc)
+    torch.testing.assert_close(out.grad_anchors, rq.grad, rtol=1e-10, atol=1e-10)
+    for g, r in zip(out.grad_candidates, rc):
+        torch.testing.assert_close(g, r.grad, rtol=1e-10, atol=1e-10)
+    assert not out.grad_anchors[..., -1].any()
+
+    aq, ac = leaves(q, cols)
+    loss = infonce(aq, ac, scale=scale, similarity=sim, **opts)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(aq.grad, rq.grad, rtol=1e-10, atol=1e-10)
+    for a, r in zip(ac, rc):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-10, atol=1e-10)
+
+
+def test_xtr_top_k_matters() -> None:
+    """Not a MaxSim in disguise: the loss changes with top_k, and every top_k at least the pool of scored
+    document tokens gives the same loss (all retrieved)."""
+    q, cols = token_case(9, 2)
+    losses = {k: infonce(q, cols, scale=1.0, similarity=XTR(k)).item() for k in (2, 8, 200, 10_000)}
+    pool = sum(int(c[..., -1].sum()) for c in cols)
+    assert pool < 200
+    assert len({losses[2], losses[8], losses[200]}) == 3
+    assert losses[200] == losses[10_000]
+
+
+def test_xtr_thresholds_stream_equals_dense_topk() -> None:
+    """The streaming pass's thresholds, whatever its tiles, sit between each query token's top_k-th and
+    (top_k + 1)-th similarity over every scored document token of every column."""
+    q, cols = token_case(7, 3, tq=4, td=5, seed=4)
+    width = max(c.shape[1] for c in cols)
+    docs = torch.cat([pad_tokens(c, width) for c in cols])
+    sim = torch.einsum("qsh,nth->qsnt", q[..., :-1], docs[..., :-1])
+    flat = sim.masked_fill(docs[..., -1][None, None] == 0, float("-inf")).flatten(2)
+    top = flat.topk(7, dim=-1).values
+    expected = top[..., 5] / 2 + top[..., 6] / 2
+    for budget in (100, 3_000, 2**30):
+        thr = xtr_thresholds(q, cols, 6, budget)
+        torch.testing.assert_close(thr, expected, rtol=0, atol=1e-12)
+        scored = q[..., -1] != 0  # padded query tokens are zeros: every similarity ties at 0
+        assert (top[..., 5] >= thr)[scored].all() and (top[..., 6] < thr)[scored].all()
+    assert torch.isinf(xtr_thresholds(q, cols, 10_000, 2**20)).all()  # fewer tokens than top_k: all retrieved
+
+
+def test_xtr_matches_sentence_transformers_xtr_scores() -> None:
+    """The scores of sentence-transformers' xtr_scores on the same batch (their top-k over the same pool)."""
+    scoring = pytest.importorskip("sentence_transformers.multi_vector_encoder.scoring")
+    q, cols = token_case(6, 2, dtype=torch.float32)
+    width = max(c.shape[1] for c in cols)
+    docs = [pad_tokens(c, width) for c in cols]
+    qe, qm = unpack_tokens(q)
+    stacked = torch.stack([unpack_tokens(c)[0] for c in docs], dim=1)  # (Q, N, td, d)
+    smask = torch.stack([unpack_tokens(c)[1] for c in docs], dim=1)
+    for top_k in (3, 20, 256):
+        theirs = scoring.xtr_scores(qe, stacked, queries_mask=qm, documents_mask=smask, top_k=top_k)
+        ours = XTR(top_k)
+        rows = ours.with_row_data(q, cols, 2**20)
+        mine = torch.stack([ours(rows, c) for c in docs], dim=2).reshape(q.shape[0], -1)
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-5)
+        pair = ours.pairwise(rows, docs[0])
+        torch.testing.assert_close(pair, ours(rows, docs[0]).diagonal(), rtol=1e-6, atol=1e-6)
+
+
+def test_xtr_gradcheck() -> None:
+    q, cols = token_case(4, 2, tq=3, td=4, d=3, seed=5)
+    masks = [q[..., -1], *(c[..., -1] for c in cols)]
+    emb = tuple(t[..., :-1].clone().requires_grad_() for t in (q, *cols))
+
+    def fn(a, c0, c1):
+        packed = [pack_tokens(a, masks[0]), pack_tokens(c0, masks[1]), pack_tokens(c1, masks[2])]
+        return infonce(packed[0], packed[1:], scale=1.0, similarity=XTR(6), path="tiled", tile_size=3)
+
+    assert torch.autograd.gradcheck(fn, emb)
+
+
+def test_xtr_refuses_terms_against_anchors() -> None:
+    """XTR's top-k runs over the documents' tokens: a term scoring documents against the anchors (the
+    symmetric loss) is refused by name."""
+    q, cols = token_case(4, 1)
+    with pytest.raises(ValueError, match="query_to_doc"):
+        infonce(q, cols, similarity=XTR(3), symmetric=True)
+    with pytest.raises(ValueError, match="top_k"):
+        XTR(0)
+
+
+def test_xtr_memory_is_one_tile() -> None:
+    """Both passes (thresholds, then scores) stay within the memory budget's tiles: a fraction of the
+    ``(Q, Q*N, tq, td)`` similarities sentence-transformers' xtr_scores materialises."""
+    from tests.support.memory import PeakMemory
+
+    q, cols = token_case(64, 2, tq=16, td=32, d=8, seed=7, dtype=torch.float32)
+    full = 64 * 128 * 16 * 33 * 4
+    ref = infonce_loss_and_grad(q, cols, scale=1.0, similarity=XTR(20), memory_budget=2**30)
+    with PeakMemory() as mem:
+        out = infonce_loss_and_grad(q, cols, scale=1.0, similarity=XTR(20), memory_budget=2**20)
+    grads = sum(g.numel() * 4 for g in [out.grad_anchors, *out.grad_candidates] if g is not None)
+    assert mem.peak_bytes < 2 * 2**20 + 4 * grads + 2**18, (mem.peak_bytes, full)
+    assert mem.peak_bytes < full / 8
+    torch.testing.assert_close(out.loss, ref.loss)
+    torch.testing.assert_close(out.grad_anchors, ref.grad_anchors)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_xtr_half_inputs_score_in_fp32(dtype) -> None:
+    """Half-precision token rows: thresholds and scores in fp32 (the rows' exact upcast), gradients back in the
+    inputs' dtype, through both entry points."""
+    q, cols = token_case(6, 2, dtype=torch.float32, seed=2)
+    hq, hc = q.to(dtype), [c.to(dtype) for c in cols]
+    ref = infonce_loss_and_grad(hq.float(), [c.float() for c in hc], scale=1.0, similarity=XTR(9))
+    out = infonce_loss_and_grad(hq, hc, scale=1.0, similarity=XTR(9), path="tiled", tile_size=4)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=1e-6)
+    assert out.grad_anchors is not None and out.grad_anchors.dtype == dtype
+    torch.testing.assert_close(out.grad_anchors, ref.grad_anchors.to(dtype))
+    aq = hq.clone().requires_grad_()
+    loss = infonce(aq, hc, scale=1.0, similarity=XTR(9))
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref.loss, rtol=1e-6, atol=1e-6)
+    assert aq.grad is not None and aq.grad.dtype == dtype
+    torch.testing.assert_close(aq.grad, ref.grad_anchors.to(dtype))

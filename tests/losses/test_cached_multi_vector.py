@@ -1,6 +1,6 @@
 """CachedMultiVectorLoss against sentence-transformers' non-cached MultiVectorMultipleNegativesRankingLoss (the
 oracle): the same loss and parameter gradients on a tiny random multi-vector model built offline, for pairs,
-triplets, mini-batches that do not divide the batch, ragged token lengths, MaxSim and MeanMaxSim; its
+triplets, mini-batches that do not divide the batch, ragged token lengths, MaxSim, MeanMaxSim and XTR; its
 signature, config, citation and refusals; a short MultiVectorEncoderTrainer run."""
 
 from __future__ import annotations
@@ -17,24 +17,18 @@ from sentence_transformers.multi_vector_encoder.losses import (
     MultiVectorMultipleNegativesRankingLoss,
 )
 from sentence_transformers.multi_vector_encoder.scoring import (
+    XTRKDScores,
     XTRScores,
     colbert_scores,
     mean_colbert_scores,
+    xtr_kd_scores,
     xtr_scores,
 )
 
 from st_cached_losses import CachedMultiVectorLoss
-from st_cached_losses.functional.multi_vector import MaxSim
+from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from tests.losses.test_losses import assert_grads_close, param_grads
-from tests.support.tiny_model import make_tiny_model, random_texts
-
-
-def make_tiny_multi_vector(path, seed: int = 0) -> MultiVectorEncoder:
-    """A 2-layer random BERT as a MultiVectorEncoder: Transformer, a random token projection (32 -> 128),
-    MultiVectorMask and a token-level Normalize, as the encoder builds it from a plain checkpoint."""
-    make_tiny_model(path, seed=seed)
-    torch.manual_seed(seed)
-    return MultiVectorEncoder(str(path), device="cpu")
+from tests.support.tiny_model import make_tiny_multi_vector, random_texts
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +75,57 @@ def test_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, scale, m
         loss, grads = _grads_of(model, ours, features)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert_grads_close(grads, ref_grads, rtol=1e-5)
+
+
+@pytest.mark.parametrize("n_cols", [2, 3], ids=["pairs", "triplets"])
+@pytest.mark.parametrize(
+    "similarity_fct",
+    [XTRScores(top_k=5), partial(xtr_scores, top_k=40), xtr_scores],
+    ids=["XTRScores-k5", "partial-k40", "xtr_scores-k256"],
+)
+@pytest.mark.parametrize(
+    ("mini_batch_size", "extra"),
+    [(3, {}), (4, {"path": "tiled", "tile_size": 2}), (2, {"memory_budget": 20_000})],
+    ids=["mb3", "mb4-tiled2", "mb2-small-budget"],
+)
+def test_xtr_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, mini_batch_size, extra):
+    """XTR's global top-k over every in-batch document token (a streaming threshold pass, then the tiles)
+    equals sentence-transformers' non-cached loss with the same XTR scoring: loss and parameter
+    gradients, mini-batches that do not divide the batch of 7."""
+    model = copy.deepcopy(mv_model)
+    features = mv_features(model, 7, n_cols)
+    oracle = MultiVectorMultipleNegativesRankingLoss(model, similarity_fct=similarity_fct)
+    ref_loss, ref_grads = _grads_of(model, oracle, features)
+    ours = CachedMultiVectorLoss(
+        model, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size, **extra
+    )
+    assert isinstance(ours.similarity, XTR)
+    loss, grads = _grads_of(model, ours, features)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref_grads, rtol=1e-5)
+    st_cached = CachedMultiVectorMultipleNegativesRankingLoss(
+        model, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size
+    )
+    assert ours.get_config_dict() == {
+        **st_cached.get_config_dict(),
+        **{k: v for k, v in extra.items() if k in ("path", "tile_size")},
+    }
+
+
+def test_xtr_top_k_is_below_the_token_pool(mv_model):
+    """The XTR cases above retrieve a strict subset for top_k 5 and 40: the batch has more scored document
+    tokens, and the loss differs between them (and from the all-retrieved top_k)."""
+    model = copy.deepcopy(mv_model)
+    features = mv_features(model, 7, 2)
+    with torch.no_grad():
+        out = model(dict(features[1]), task="document")
+    assert int(out["attention_mask"].sum()) > 40
+    with torch.no_grad():
+        values = {
+            k: CachedMultiVectorLoss(model, similarity_fct=XTRScores(k))(features).item()
+            for k in (5, 40, 256)
+        }
+    assert len(set(values.values())) == 3, values
 
 
 class _no_warning:
@@ -132,14 +177,21 @@ def test_matches_st_cached_loss_and_signature(mv_model):
 
 
 def test_refusals(mv_model):
-    for fn in (xtr_scores, XTRScores(top_k=8)):
-        with pytest.raises(ValueError, match="XTR"):
+    for fn in (XTRKDScores(top_k=8), partial(xtr_kd_scores, top_k=8)):
+        with pytest.raises(ValueError, match="XTRKDScores"):
             CachedMultiVectorLoss(mv_model, similarity_fct=fn)
     with pytest.raises(ValueError, match="not supported"):
         CachedMultiVectorLoss(mv_model, similarity_fct=lambda a, b: a @ b.T)
+    with pytest.raises(ValueError, match="not supported"):
+        CachedMultiVectorLoss(mv_model, similarity_fct=partial(xtr_scores, length_normalize=True))
     loss = CachedMultiVectorLoss(mv_model)
-    with pytest.raises(ValueError, match="XTR"):
-        loss.similarity_fct = XTRScores()
+    with pytest.raises(ValueError, match="XTRKDScores"):
+        loss.similarity_fct = XTRKDScores()
+    loss.similarity_fct = XTRScores(top_k=12)
+    assert loss.similarity == XTR(12)
+    loss.similarity_fct = "xtr"
+    assert loss.similarity == XTR(256) and loss.get_config_dict()["similarity_fct"] == "xtr"
+    loss.similarity_fct = None
     with pytest.raises(AttributeError, match="no setting 'directions'"):
         loss.directions = ("query_to_doc",)
     with pytest.raises(AttributeError, match="no setting 'mask_duplicates'"):
@@ -248,8 +300,9 @@ def _mv_worker(rank: int, world: int, path: str, sizes: list[int], n_cols: int, 
     [
         ([3, 2], 3, {}),
         ([2, 4], 2, {"similarity_fct": mean_colbert_scores, "scale": 5.0, "path": "tiled", "tile_size": 2}),
+        ([3, 2], 3, {"similarity_fct": XTRScores(top_k=6)}),
     ],
-    ids=["w2-triplets", "w2-meanmaxsim-tiled"],
+    ids=["w2-triplets", "w2-meanmaxsim-tiled", "w2-xtr-triplets"],
 )
 def test_two_processes_equal_single_process_global_batch(mv_dir, sizes, n_cols, kwargs):
     """2 gloo processes with unequal rows and token widths: DDP's gradients equal the single-process
@@ -303,7 +356,9 @@ def _token_columns(lengths: list[list[int]], dim: int = 6, seed: int = 0) -> lis
     return out
 
 
-@pytest.mark.parametrize("similarity_fct", [None, mean_colbert_scores], ids=["maxsim", "meanmaxsim"])
+@pytest.mark.parametrize(
+    "similarity_fct", [None, mean_colbert_scores, XTRScores(top_k=7)], ids=["maxsim", "meanmaxsim", "xtr"]
+)
 def test_token_gradients_with_ragged_mini_batch_widths(similarity_fct):
     """Mini-batches of one column come back at different widths (padded back to the column's widest);
     the gradients wrt the token embeddings themselves equal the non-cached loss's, padding included (0),

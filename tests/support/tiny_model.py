@@ -138,3 +138,13 @@ def make_tiny_splade(
     transformer = Transformer(str(path), max_seq_length=64, transformer_task="fill-mask")
     pooling = SpladePooling("max", embedding_dimension=config.vocab_size)
     return SparseEncoder(modules=[transformer, pooling], device="cpu")
+
+
+def make_tiny_multi_vector(path: Path, seed: int = 0):
+    """A 2-layer random BERT as a MultiVectorEncoder: Transformer, a random token projection (32 -> 128),
+    MultiVectorMask and a token-level Normalize, as the encoder builds it from a plain checkpoint."""
+    from sentence_transformers import MultiVectorEncoder
+
+    make_tiny_model(path, seed=seed)
+    torch.manual_seed(seed)
+    return MultiVectorEncoder(str(path), device="cpu")
