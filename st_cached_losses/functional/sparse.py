@@ -27,6 +27,7 @@ of a tile.
 from __future__ import annotations
 
 import warnings
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -138,6 +139,19 @@ class SparseDot:
         if not 0 < dim <= MAX_PACKED_DIM:
             raise ValueError(f"SparseDot needs 0 < dim <= 2**24, got {dim}.")
         self.dim = int(dim)
+        # the CSR forms of the column blocks already read (the chunked path reads every column once per row
+        # chunk), keyed by the block's memory, layout and version; each entry holds its block, so that the
+        # block's memory cannot be reused by another tensor while the key is cached. One instance per call.
+        self._columns: dict[tuple[Any, ...], list[Tensor | None]] = {}
+
+    def _csr_of(self, c: Tensor, transposed: bool) -> Tensor:
+        """The CSR (or transposed CSR) of a column block, built once per block."""
+        key = (c.data_ptr(), tuple(c.shape), c.stride(), c._version, c.device, c.dtype)
+        entry = self._columns.setdefault(key, [c, None, None])
+        slot = 2 if transposed else 1
+        if entry[slot] is None:
+            entry[slot] = _csr_t(c, self.dim) if transposed else _csr(c, self.dim)
+        return cast(Tensor, entry[slot])
 
     def __repr__(self) -> str:
         return f"SparseDot(dim={self.dim})"
@@ -153,7 +167,7 @@ class SparseDot:
         """``(b, t)`` dot products of packed rows ``a (b, ka, 2)`` and packed columns ``c (t, kc, 2)``, without
         a graph: the gradient is :meth:`vjp`'s (the core calls it for each tile)."""
         # (t, V) sparse @ (V, b) -> (t, b)
-        return torch.sparse.mm(_csr(c, self.dim), dense_rows(a, self.dim).T).T
+        return torch.sparse.mm(self._csr_of(c, False), dense_rows(a, self.dim).T).T
 
     @torch.no_grad()
     def vjp(
@@ -167,13 +181,13 @@ class SparseDot:
         grad_a = grad_c = None
         if rows:
             # dL/da_i = sum_j g_ij c_j: (V, t) sparse @ (t, b) -> (V, b), read at each row's kept indices
-            m_t = torch.sparse.mm(_csr_t(c, dim), g_t)
+            m_t = torch.sparse.mm(self._csr_of(c, True), g_t)
             at = torch.arange(a.shape[0], device=a.device)[:, None]
             vals = m_t[packed_index(a), at] * kept(a)  # (b, ka): 0 for padding
             grad_a = torch.stack([torch.zeros_like(vals), vals], dim=-1)
         if cols:
             # dL/dc_jm = sum_i g_ij a_i[c_idx[j, m]]: (t, b) @ (b, V) sampled at the kept entries of c
-            sampled = torch.sparse.sampled_addmm(_csr(c, dim), g_t, dense_rows(a, dim), beta=0.0)
+            sampled = torch.sparse.sampled_addmm(self._csr_of(c, False), g_t, dense_rows(a, dim), beta=0.0)
             vals = torch.zeros(c.shape[:2], dtype=a.dtype, device=a.device)
             vals[kept(c)] = sampled.values()
             grad_c = torch.stack([torch.zeros_like(vals), vals], dim=-1)
