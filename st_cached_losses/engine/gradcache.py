@@ -331,10 +331,15 @@ class GradCache(MiniBatchPlanner):
     def _columns(
         self, parts: list[list[Tensor]], plans: list[list[MiniBatch]], columns: Sequence[Features]
     ) -> list[Tensor]:
-        """Every column's kept parts (in the form's final form) in the columns' row order."""
+        """Every column's kept parts (in the form's final form) in the columns' row order; ``parts`` is
+        emptied column by column (the parts and the ordered columns are never all held at once)."""
         if self.form is not None:
-            parts = self.form.finish(parts)
-        return [unsort(p, plan, batch_size_of(f)) for p, plan, f in zip(parts, plans, columns)]
+            parts[:] = self.form.finish(parts)
+        out = []
+        for k, (plan, features) in enumerate(zip(plans, columns)):
+            out.append(unsort(parts[k], plan, batch_size_of(features)))
+            parts[k] = []
+        return out
 
     def _hold(self, model: nn.Module) -> Unsharded | None:
         return keep_unsharded(model) if self.keep_params_unsharded else None
