@@ -39,6 +39,7 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
@@ -196,6 +197,8 @@ class _Session:
         if mb.filler:
             return torch.zeros_like(out)
         g = self.grads[mb.column].index_select(0, mb.rows.to(self.grads[mb.column].device))
+        if self.engine.form is not None:
+            g = self.engine.form.expand(g, out)
         if g.dim() == 3:  # token rows padded to the column's longest: this mini-batch's own width
             g = g[:, : out.shape[1]]
         return (g * grad_output).to(out.dtype)
@@ -254,6 +257,8 @@ class GradCache(MiniBatchPlanner):
             a column's mini-batches (each trimmed to its own longest row) are padded on the right to the
             column's longest, and each mini-batch's gradient is cut back to its own width (the padding
             never has one).
+        form: how the cached embeddings and gradients are kept (:class:`~.cache_form.CacheForm`, a loss's
+            hook: e.g. only the non-zero entries of sparse rows); None: as the mini-batches output them.
     """
 
     mini_batch_size: int | str = 32
@@ -267,6 +272,7 @@ class GradCache(MiniBatchPlanner):
     mini_batch_memory_budget: int | None = None
     tokens: bool = False
     auto_size: int | None = field(default=None, repr=False)
+    form: CacheForm | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_mini_batch_size(self.mini_batch_size)
@@ -317,12 +323,31 @@ class GradCache(MiniBatchPlanner):
         out = model(dict(features), task=features.get("task"))
         return pack_tokens(out["token_embeddings"], out["attention_mask"])
 
+    def _keep(self, out: Tensor) -> Tensor:
+        """A mini-batch's output as the cache keeps it."""
+        kept = out.detach().float()
+        return self.form.pack(kept) if self.form is not None else kept
+
+    def _columns(
+        self, parts: list[list[Tensor]], plans: list[list[MiniBatch]], columns: Sequence[Features]
+    ) -> list[Tensor]:
+        """Every column's kept parts (in the form's final form) in the columns' row order; ``parts`` is
+        emptied column by column (the parts and the ordered columns are never all held at once)."""
+        if self.form is not None:
+            parts[:] = self.form.finish(parts)
+        out = []
+        for k, (plan, features) in enumerate(zip(plans, columns)):
+            out.append(unsort(parts[k], plan, batch_size_of(features)))
+            parts[k] = []
+        return out
+
     def _hold(self, model: nn.Module) -> Unsharded | None:
         return keep_unsharded(model) if self.keep_params_unsharded else None
 
     def embed(self, model: nn.Module, columns: Sequence[Features]) -> list[Tensor]:
         """Every column's embeddings, mini-batch by mini-batch, without a graph (evaluation)."""
-        out = []
+        kept: list[list[Tensor]] = []
+        plans: list[list[MiniBatch]] = []
         trim = position_shift_invariant(model)
         self.resolve_auto(model, columns, trim)
         # forwards of a sharded model are collectives, in evaluation too
@@ -334,14 +359,15 @@ class GradCache(MiniBatchPlanner):
                     batches = self.plan(k, features, trim_leading=trim, count=counts[k] if counts else None)
                     parts = []
                     for mb in tqdm(batches, desc="Embed", disable=not self.show_progress_bar, leave=False):
-                        out_mb = self.encode(model, mb.features).float()
+                        out_mb = self.encode(model, mb.features)
                         if not mb.filler:
-                            parts.append(out_mb)
-                    out.append(unsort(parts, batches, batch_size_of(features)))
+                            parts.append(self._keep(out_mb))
+                    kept.append(parts)
+                    plans.append(batches)
         finally:
             if held is not None:
                 held.release()
-        return out
+        return self._columns(kept, plans, columns)
 
     def step(
         self,
@@ -370,7 +396,7 @@ class GradCache(MiniBatchPlanner):
         held = self._hold(model)
         try:
             batches: list[MiniBatch] = []
-            embeddings: list[Tensor] = []
+            kept: list[list[Tensor]] = []
             frozen: set[int] = set()
             first_param = next(unwrap_model(model).parameters(), None)
             device = first_param.device if first_param is not None else torch.device("cpu")
@@ -389,7 +415,7 @@ class GradCache(MiniBatchPlanner):
                 model, plans, columns, trim, budget, agree=counts is not None, encode=self.encode
             )
             bar = tqdm(total=total, desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
-            for k, (features, plan) in enumerate(zip(columns, plans)):
+            for k, plan in enumerate(plans):
                 parts = []
                 for j, mb in enumerate(plan):
                     mb.rng = RandState()
@@ -420,11 +446,12 @@ class GradCache(MiniBatchPlanner):
                         # the same on every process (same model, same column): no agreement needed
                         frozen.add(k)
                     if not mb.filler:
-                        parts.append(out.detach().float())
+                        parts.append(self._keep(out))
                     bar.update(1)
                 batches.extend(plan)
-                embeddings.append(unsort(parts, plan, batch_size_of(features)))
+                kept.append(parts)
             bar.close()
+            embeddings = self._columns(kept, plans, columns)
             loss, grads, extra_grads = loss_and_grad(embeddings)
             session = _Session(
                 self, model, batches, grads, list(extra_grads), frozen, autocast, sync, local, held, keep_all

@@ -201,8 +201,8 @@ def validate_inputs(
     check_finite: bool,
     tokens: bool = False,
 ) -> None:
-    """The core's inputs: ``(rows, dim)`` embeddings, or with ``tokens`` (a multi-vector score) packed
-    ``(rows, tokens, dim + 1)`` token embeddings whose token counts may differ between tensors."""
+    """The core's inputs: ``(rows, dim)`` embeddings, or with ``tokens`` (a score of packed rows) 3-D packed
+    rows (multi-vector ``(rows, tokens, dim + 1)``, sparse ``(rows, k, 2)``) whose widths may differ."""
     if path not in ("auto", "chunked", "tiled"):
         raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {path!r}.")
     check_positive_int("chunk_size", chunk_size)
@@ -216,8 +216,9 @@ def validate_inputs(
             shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
             if tokens:
                 raise ValueError(
-                    f"{name} must be a 3-D (rows, tokens, dim + 1) tensor of packed token embeddings (see "
-                    f"st_cached_losses.functional.multi_vector.pack_tokens) for a multi-vector score, got {shape}."
+                    f"{name} must be a 3-D tensor of packed rows for this score: (rows, tokens, dim + 1) packed "
+                    f"token embeddings for a multi-vector score (st_cached_losses.functional.multi_vector."
+                    f"pack_tokens), (rows, k, 2) for SparseDot (functional.sparse.pack_rows); got {shape}."
                 )
             raise ValueError(f"{name} must be a 2-D (rows, dim) tensor of embeddings, got {shape}.")
         if not t.is_floating_point():

@@ -17,6 +17,12 @@ Across processes (``across_processes`` in a process group), the column sums and 
 over processes (one all-reduce of ``V + 1`` numbers), so every process returns the global value, and each
 row's gradient times the number of processes: DDP's gradient average then gives the exact gradient of the
 global regulariser, whatever each process's number of rows.
+
+Blocks may also be packed sparse rows (``(n_k, k, 2)``, :mod:`.sparse`: only the non-zero entries): the
+column sums are then a scatter-add of the kept entries, the row counts those of the kept entries (only
+zeros were dropped: the same counts), and the gradient is returned on each row's kept entries only,
+packed like the block (index channel 0). That is the whole gradient wherever the encoder's Jacobian is
+zero at an exactly-zero output (SPLADE's ``log1p(relu(.))`` pooling): the caller decides.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.distributed import all_reduce_sum, is_distributed, world_size
+from st_cached_losses.functional.sparse import kept, packed_index, scatter_columns
 
 __all__ = ["FlopsOutput", "flops_loss_and_grad", "row_mask"]
 
@@ -41,10 +48,12 @@ class FlopsOutput:
 
 
 def row_mask(block: Tensor, threshold: float | None) -> Tensor | None:
-    """``(n,)`` 1 for the rows with more than ``threshold`` non-zero entries, else 0; None: no threshold."""
+    """``(n,)`` 1 for the rows with more than ``threshold`` non-zero entries, else 0; None: no threshold.
+    ``block``: ``(n, V)`` rows, or packed ``(n, k, 2)`` ones."""
     if threshold is None:
         return None
-    return ((block != 0).sum(dim=1) > threshold).to(_acc_dtype(block))
+    nonzero = kept(block) if block.dim() == 3 else block != 0
+    return (nonzero.sum(dim=1) > threshold).to(_acc_dtype(block))
 
 
 def _acc_dtype(block: Tensor) -> torch.dtype:
@@ -60,6 +69,7 @@ def flops_loss_and_grad(
     with_grad: bool = True,
     across_processes: bool = False,
     accumulate: Sequence[Tensor] | None = None,
+    dim: int | None = None,
 ) -> FlopsOutput:
     """``grad_output * flops`` of the rows of ``blocks`` (each ``(n_k, V)``, read as one ``(N, V)`` batch)
     and its gradient wrt every block.
@@ -72,16 +82,23 @@ def flops_loss_and_grad(
         across_processes: the regulariser of every process's rows together (see the module's notes);
             ignored outside a process group of more than one process.
         accumulate: per block a ``(n_k, V)`` tensor to add the gradient into, in place (then returned as
-            ``grads``): no second ``(N, V)`` buffer.
+            ``grads``): no second ``(N, V)`` buffer; for packed blocks, a packed ``(n_k, k, 2)`` one.
+        dim: ``V``, for packed blocks (``(n_k, k, 2)``: every block packed), whose gradient is packed too.
     """
     if not blocks:
         raise ValueError("flops_loss_and_grad needs at least one block of rows.")
+    packed = blocks[0].dim() == 3
+    if packed and (dim is None or any(b.dim() != 3 for b in blocks)):
+        raise ValueError("packed blocks need dim (the vocabulary size V), and every block packed.")
     acc = _acc_dtype(blocks[0])
     device = blocks[0].device
     masks = [row_mask(b, threshold) for b in blocks]
-    col_sum = torch.zeros(blocks[0].shape[1], dtype=acc, device=device)  # (V,)
+    col_sum = torch.zeros(dim if packed else blocks[0].shape[1], dtype=acc, device=device)  # (V,)
     for block, mask in zip(blocks, masks):
         b = block.to(acc)
+        if packed:
+            col_sum += scatter_columns(b, col_sum.shape[0], mask)  # the kept entries, scattered
+            continue
         # (V,) = (n,) @ (n, V): a masked row adds nothing
         col_sum += b.sum(dim=0) if mask is None else mask @ b
     n = torch.tensor(float(sum(b.shape[0] for b in blocks)), dtype=acc, device=device)
@@ -99,6 +116,15 @@ def flops_loss_and_grad(
     grads = []
     for k, (block, mask) in enumerate(zip(blocks, masks)):
         row = torch.ones(block.shape[0], dtype=acc, device=device) if mask is None else mask
+        if packed:
+            # (n_k, k) = (n_k, 1) * the column mean at each kept index (padding: 0)
+            vals = (row * scale)[:, None] * mean[packed_index(block)] * kept(block)
+            if accumulate is not None:
+                accumulate[k][..., 1].add_(vals.to(accumulate[k].dtype))
+                grads.append(accumulate[k])
+            else:
+                grads.append(torch.stack([torch.zeros_like(vals), vals], dim=-1).to(block.dtype))
+            continue
         if accumulate is not None:
             out = accumulate[k]
             # in place, (n_k, V) += (n_k, 1) * (1, V): the outer product of the row mask with the column mean

@@ -225,7 +225,7 @@ def _prepared(
     validate_inputs(
         anchors, cols, anchors_all, symmetric=symmetric or (terms is not None and terms.uses_anchors_all),
         row_offset=row_offset, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget,
-        path=path, check_finite=check_finite, tokens=score.tokens,
+        path=path, check_finite=check_finite, tokens=score.packed,
     )  # fmt: skip
     key_args = validate_keys(
         anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric

@@ -302,10 +302,10 @@ def ring_loss_and_grad(
             f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {path!r}."
         )
     cols = list(candidates)
-    if Score(similarity).tokens:
+    if Score(similarity).packed:
         raise ValueError(
-            "multi-vector scores (MaxSim) are not computed by the ring exchange: gather the token embeddings "
-            "instead (gathered_loss_and_grad)."
+            "scores of packed rows (MaxSim, SparseDot) are not computed by the ring exchange: gather the "
+            "embeddings instead (gathered_loss_and_grad)."
         )
     check_terms(terms, symmetric, guide, anchors, cols)
     keys = None

@@ -9,7 +9,10 @@ the scale, and a tile's logit gradient ``G`` meets the operands in two more GEMM
 ``cdist``-based functions). This class is where the scores of other embedding kinds plug in: a function
 with ``token_score = True`` (:class:`~.multi_vector.MaxSim`) reads packed ``(n, tokens, d + 1)`` token
 operands (rows sliced like any other operand) and costs ``q_tokens x d_tokens`` per logit, which the
-block plan accounts for (:meth:`Score.entry_cost`).
+block plan accounts for (:meth:`Score.entry_cost`). A function with ``packed_rows = True``
+(:class:`~.sparse.SparseDot`) reads other packed ``(n, k, c)`` rows the same way and states its own
+``entry_cost``; a function with a ``vjp(g, a, c, rows, cols)`` method gives a tile's gradients in closed form
+instead of through autograd.
 """
 
 from __future__ import annotations
@@ -67,10 +70,19 @@ class Score:
         """Operands are packed ``(n, tokens, d + 1)`` multi-vector rows (:mod:`.multi_vector`)."""
         return bool(getattr(self.fn, "token_score", False))
 
+    @property
+    def packed(self) -> bool:
+        """Operands are 3-D packed rows: token rows, or another packed form (``packed_rows``)."""
+        return self.tokens or bool(getattr(self.fn, "packed_rows", False))
+
     def entry_cost(self, rows: Tensor, cols: list[Tensor]) -> int:
         """fp32 elements a tile holds per logit while it is scored and differentiated: 1 for embeddings;
         for token rows, the ``q_tokens x d_tokens`` similarities three times (their values, and in the
-        per-tile backward the gradient through the max and through the mask)."""
+        per-tile backward the gradient through the max and through the mask); a function's own
+        ``entry_cost(rows, cols)`` when it has one."""
+        own = getattr(self.fn, "entry_cost", None)
+        if own is not None:
+            return int(own(rows, cols))
         if not self.tokens:
             return 1
         return 3 * rows.shape[1] * max(c.shape[1] for c in cols)
@@ -95,7 +107,7 @@ class Score:
         gradient: :meth:`accumulate` then back-propagates it instead of scoring the tile again. The graph
         holds what the function's backward saves (for MaxSim the max's indices, ``(b, t, q_tokens)``), not
         the token similarities."""
-        if self.fn is None or not (rows_grad or cols_grad):
+        if self.fn is None or not (rows_grad or cols_grad) or hasattr(self.fn, "vjp"):
             return self.logits(q, c, scale), None
         leaves = (q.detach().requires_grad_(rows_grad), c.detach().requires_grad_(cols_grad))
         with torch.enable_grad():
@@ -130,6 +142,14 @@ class Score:
                 g_rows.addmm_(g, c)  # (b, t) @ (t, d)
             if g_cols is not None:
                 g_cols.addmm_(g.T, q)  # (t, b) @ (b, d); q carries the scale
+            return
+        vjp = getattr(self.fn, "vjp", None)
+        if vjp is not None:  # the function's own closed-form gradients
+            g_q, g_c = vjp(g, q, c, g_rows is not None, g_cols is not None)
+            if g_rows is not None:
+                g_rows.add_(g_q)
+            if g_cols is not None:
+                g_cols.add_(g_c, alpha=scale)
             return
         if graph is None:
             graph = self.logits_with_graph(q, c, scale, g_rows is not None, g_cols is not None)[1]

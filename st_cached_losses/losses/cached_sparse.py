@@ -12,6 +12,11 @@ cached losses. Stage 2 is:
   as sentence-transformers does;
 * the FLOPS regularisers (their ``FlopsLoss``, thresholds included) from column sums, with their analytic
   gradient (:mod:`st_cached_losses.functional.flops`); another regulariser through autograd.
+
+The engine keeps the cached embeddings and their gradients compact (each row's non-zero entries, packed:
+:mod:`st_cached_losses.losses.sparse_cache`) when that is exact and saves memory; the loss stage then
+reads them packed (:class:`~st_cached_losses.functional.sparse.SparseDot`, FLOPS by scatter-add) and never
+builds a dense ``B x V`` matrix.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
 from st_cached_losses.functional.flops import flops_loss_and_grad
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.parallel import agree_on_sizes, loss_and_grad
+from st_cached_losses.functional.sparse import SparseDot
 from st_cached_losses.losses._base import StepData
 from st_cached_losses.losses.citations import (
     FLOPS_CITATION,
@@ -41,6 +47,7 @@ from st_cached_losses.losses.options import (
     check_bool,
     check_columns,
 )
+from st_cached_losses.losses.sparse_cache import CompactSparseRows, zero_gradient_at_zero
 from st_cached_losses.losses.sparse_settings import SparseLossSettings, is_flops, on_core, weight_value
 
 logger = logging.getLogger(__name__)
@@ -271,6 +278,22 @@ class CachedSparseLoss(SparseLossSettings):
         self._query_regularizer_weight = query_weight
         if core:
             self._core_options()
+        # the engine's cache keeps the embeddings packed when that is exact and saves memory
+        self.cache.form = CompactSparseRows(self._compact_allowed)
+
+    def _compact_allowed(self) -> bool:
+        """Whether this step's embeddings may be kept packed (:mod:`~st_cached_losses.losses.sparse_cache`):
+        the core computes the base loss with dot products, the regularisers are FLOPS, nothing is gathered
+        across processes (every process would have to agree on the form), and the model is a SPLADE
+        encoder whose exactly-zero entries have no gradient."""
+        if not on_core(self.loss) or self._core_options()[1] != "dot":
+            return False
+        if self.gather_across_devices and is_distributed():
+            return False
+        regularisers = [self.document_regularizer]
+        if self.query_regularizer_weight is not None and self.query_regularizer is not None:
+            regularisers.append(self.query_regularizer)
+        return all(is_flops(r) for r in regularisers) and zero_gradient_at_zero(self.model)
 
     # ------------------------------------------------------------------ the loss stage
 
@@ -282,6 +305,8 @@ class CachedSparseLoss(SparseLossSettings):
         parts: dict[str, Tensor] = {}
         grads: list[Tensor] | None
         gather = False
+        # packed rows (the engine's compact cache): (B, k, 2) indices and values of the non-zero entries
+        dim = cast(CompactSparseRows, self.cache.form).dim if embeddings[0].dim() == 3 else None
         if on_core(self.loss):
             scale, _ = self._core_options()
             gather = self.gather_across_devices
@@ -295,7 +320,10 @@ class CachedSparseLoss(SparseLossSettings):
                 ring=self.path == "tiled",
                 with_grad=with_grad,
                 scale=scale,
-                **self._core_kwargs(StepData(keys=keys), len(embeddings[0]), len(embeddings) - 1),
+                **{
+                    **self._core_kwargs(StepData(keys=keys), len(embeddings[0]), len(embeddings) - 1),
+                    **({"similarity": SparseDot(dim)} if dim is not None else {}),
+                },
             )
             parts["base_loss"] = out.loss
             grads = [out.grad_anchors, *out.grad_candidates] if with_grad else None  # type: ignore[list-item]
@@ -325,6 +353,7 @@ class CachedSparseLoss(SparseLossSettings):
                     with_grad=with_grad,
                     across_processes=gather,
                     accumulate=own,  # into the base loss's gradients, in place
+                    dim=dim,
                 )
                 parts[key] = flops.loss
                 continue
@@ -336,6 +365,10 @@ class CachedSparseLoss(SparseLossSettings):
             if own is not None and reg_grads is not None:
                 for g, r in zip(own, reg_grads):
                     g.add_(r.to(g.dtype))
+        if grads is not None and dim is not None:
+            # packed gradients name their entries by the embeddings' indices (the engine scatters them)
+            for g, e in zip(grads, embeddings):
+                g[..., 0] = e[..., 0]
         return parts, grads
 
     def calculate_loss(

@@ -18,6 +18,23 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+_COMPRESSED = (torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc)
+
+
+def _storages(t: torch.Tensor) -> list[Any]:
+    """The storages holding ``t``'s data: its own, or a sparse tensor's index and value tensors'."""
+    if t.layout == torch.strided:
+        return [t.untyped_storage()]
+    if t.layout in _COMPRESSED:
+        compressed = (
+            t.crow_indices() if t.layout in (torch.sparse_csr, torch.sparse_bsr) else t.ccol_indices()
+        )
+        plain = t.col_indices() if t.layout in (torch.sparse_csr, torch.sparse_bsr) else t.row_indices()
+        return [x.untyped_storage() for x in (compressed, plain, t.values())]
+    if t.layout == torch.sparse_coo:
+        return [t._indices().untyped_storage(), t._values().untyped_storage()]
+    return []
+
 
 class PeakMemory(TorchDispatchMode):
     """Peak bytes of tensor storages allocated inside the ``with`` block and alive at once.
@@ -64,13 +81,15 @@ class PeakMemory(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         # views and in-place results share an input's storage: not a new allocation
         inputs = {
-            t.untyped_storage().data_ptr()
+            storage.data_ptr()
             for t in tree_flatten((args, kwargs))[0]
             if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            for storage in _storages(t)
         }
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            for storage in _storages(t):
                 key = storage.data_ptr()
                 if key in self._seen or key in inputs or storage.nbytes() == 0:
                     continue
