@@ -93,7 +93,8 @@ def flops_loss_and_grad(
     acc = _acc_dtype(blocks[0])
     device = blocks[0].device
     masks = [row_mask(b, threshold) for b in blocks]
-    col_sum = torch.zeros(dim if packed else blocks[0].shape[1], dtype=acc, device=device)  # (V,)
+    width = dim if packed and dim is not None else blocks[0].shape[1]
+    col_sum = torch.zeros(width, dtype=acc, device=device)  # (V,)
     for block, mask in zip(blocks, masks):
         b = block.to(acc)
         if packed:
