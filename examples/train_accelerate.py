@@ -31,12 +31,8 @@ from datasets import Dataset
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-from st_cached_losses import (
-    CachedLossArgumentParser,
-    CachedLossTrainingArguments,
-    LossStateCallback,
-    build_loss,
-)
+from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments, LossStateCallback
+from st_cached_losses.config import build_loss
 from st_cached_losses.data import split_pairs, stdlib_pairs
 from st_cached_losses.model_card import CachedLossCardCallback, add_training_section, metrics_table
 
@@ -116,14 +112,13 @@ def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dic
     # 3. The loss the arguments describe, here CachedMNRLoss; the dataset's columns are checked now
     loss = build_loss(model, args, train_dataset=train_dataset)
 
-    # 4. The stock trainer; the callback lists the changed loss fields in the model card
+    # 4. The stock trainer; the callbacks: the changed loss fields in the card, a learnable scale in checkpoints
     trainer = SentenceTransformerTrainer(
         model=model,
         args=args,
         train_dataset=train_dataset,
         loss=loss,
         evaluator=evaluator,
-        # the card section, and the learnable scale (if any) saved, restored and logged with checkpoints
         callbacks=[CachedLossCardCallback(), LossStateCallback(loss)],
     )
     global_batch = args.per_device_train_batch_size * args.world_size
