@@ -135,12 +135,7 @@ def infonce_loss_and_grad(
     Returns:
         :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
     """
-    cols, spec = _prepared(
-        anchors, candidates, anchors_all, similarity=similarity, symmetric=symmetric, row_offset=row_offset,
-        chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, path=path,
-        check_finite=check_finite, terms=terms, guide=guide, anchor_keys=anchor_keys,
-        candidate_keys=candidate_keys, anchors_all_keys=anchors_all_keys,
-    )  # fmt: skip
+    cols, spec = _prepared(**locals())  # first: the arguments only
     with torch.no_grad():
         solution = terms_solve(
             spec,
@@ -183,12 +178,7 @@ def infonce(
     the forward computes the gradients with the loss (nothing is recomputed) and the graph keeps them,
     the inputs' size, until backward; without one, only the loss is computed.
     """
-    cols, spec = _prepared(
-        anchors, candidates, anchors_all, similarity=similarity, symmetric=symmetric, row_offset=row_offset,
-        chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, path=path,
-        check_finite=check_finite, terms=terms, guide=guide, anchor_keys=anchor_keys,
-        candidate_keys=candidate_keys, anchors_all_keys=anchors_all_keys,
-    )  # fmt: skip
+    cols, spec = _prepared(**locals())  # first: the arguments only
     scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
     return InfoNCEFunction.apply(spec, scale_t, anchors, anchors_all, *cols)
 
@@ -211,8 +201,10 @@ def _prepared(
     anchor_keys: Tensor | None,
     candidate_keys: Sequence[Tensor] | None,
     anchors_all_keys: Tensor | None,
+    **_: object,  # the entry point's other arguments (scale, grad_output)
 ) -> tuple[list[Tensor], LossSpec]:
-    """Both entry points' checks of their arguments; the candidate columns and the call's options."""
+    """Both entry points' checks of their arguments (all of them, by name); the candidate columns and the
+    call's options."""
     cols = candidate_columns(candidates)
     score = Score(similarity)
     check_terms(terms, symmetric, guide, anchors, cols)
@@ -221,25 +213,12 @@ def _prepared(
         row_offset=row_offset, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget,
         path=path, check_finite=check_finite, tokens=score.tokens,
     )  # fmt: skip
-    key_args = validate_keys(
-        anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric
-    )
-    keys = (
-        Keys(key_args["anchor_keys"], key_args["candidate_keys"], key_args["anchors_all_keys"])
-        if key_args
-        else None
-    )
+    validate_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric)
+    keys = Keys(anchor_keys, list(candidate_keys), anchors_all_keys) if candidate_keys is not None else None
     spec = LossSpec(
-        terms=loss_terms(terms, symmetric, len(cols)),
-        score=score,
-        row_offset=row_offset,
-        path=path,
-        chunk_size=chunk_size,
-        tile_size=tile_size,
-        memory_budget=memory_budget,
-        guide=guide,
-        keys=keys,
-    )
+        terms=loss_terms(terms, symmetric, len(cols)), score=score, row_offset=row_offset, path=path,
+        chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, guide=guide, keys=keys,
+    )  # fmt: skip
     return cols, spec
 
 
