@@ -103,10 +103,7 @@ def exchange_shapes(
         return [n], [int(mine_flag)]
     sent = torch.tensor([n, *values], dtype=torch.long, device=device)
     mine = torch.cat([sent, mine_flag.to(device=device, dtype=torch.long).reshape(1)])
-    out = [torch.empty_like(mine) for _ in range(world_size())]
-    _count("all_gather_shapes", mine.numel() * mine.element_size())
-    dist.all_gather(out, mine)
-    table = [t.tolist() for t in out]
+    table = _gather_table(mine, "all_gather_shapes")
     shapes = [row[1:-1] for row in table]
     if any(row != shapes[0] for row in shapes):
         raise ValueError(
@@ -114,6 +111,14 @@ def exchange_shapes(
             "the same columns from the same model; check that each rank's dataset has the same columns."
         )
     return [row[0] for row in table], [row[-1] for row in table]
+
+
+def _gather_table(mine: Tensor, kind: str) -> list[list[int]]:
+    """Every rank's small integer vector ``mine`` (the same length on every rank), as lists in rank order."""
+    out = [torch.empty_like(mine) for _ in range(world_size())]
+    _count(kind, mine.numel() * mine.element_size())
+    dist.all_gather(out, mine)
+    return [t.tolist() for t in out]
 
 
 class PeersFailed(RuntimeError):
@@ -150,11 +155,7 @@ def agree_counts(counts: list[int], device: torch.device, error: str | None = No
     # a fixed-size message, so that ranks with different column counts still meet in one collective
     # (and are told so) instead of failing on mismatched buffer sizes
     fixed = 2 + _MAX_AGREED_COUNTS
-    send = torch.cat([mine, mine.new_zeros(fixed - mine.numel())])
-    out = [torch.empty_like(send) for _ in range(world_size())]
-    _count("all_gather_counts", send.numel() * send.element_size())
-    dist.all_gather(out, send)
-    table = [t.tolist() for t in out]
+    table = _gather_table(torch.cat([mine, mine.new_zeros(fixed - mine.numel())]), "all_gather_counts")
     failed = [r for r, row in enumerate(table) if row[0]]
     if failed:
         # a rank whose part of the all-gather is done may leave (and exit) while another still receives:

@@ -16,6 +16,8 @@ __all__ = [
     "Features",
     "batch_size_of",
     "check_splittable",
+    "longest_first",
+    "model_device",
     "position_shift_invariant",
     "row_lengths",
     "slice_features",
@@ -29,6 +31,12 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     while hasattr(model, "module") and isinstance(model.module, nn.Module):
         model = model.module
     return model
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the model inside any wrapper keeps its (first) parameters; the CPU without any."""
+    first = next(unwrap_model(model).parameters(), None)
+    return first.device if first is not None else torch.device("cpu")
 
 
 def batch_size_of(features: Features) -> int:
@@ -101,6 +109,13 @@ def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) 
         return end
     start = torch.where(used, pos, used.shape[1]).amin(1)
     return (end - start).clamp(min=0)
+
+
+def longest_first(lengths: Tensor | None, batch_size: int) -> Tensor:
+    """Row indices, the longest rows first (ties in row order); row order without ``lengths``."""
+    return (
+        torch.arange(batch_size) if lengths is None else torch.argsort(lengths, descending=True, stable=True)
+    )
 
 
 def token_counts(features: Features, batch_size: int) -> Tensor | None:

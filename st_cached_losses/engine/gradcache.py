@@ -43,8 +43,8 @@ from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
+    model_device,
     position_shift_invariant,
-    unwrap_model,
 )
 from st_cached_losses.engine.graph_budget import GraphKeeper, pick_mini_batch
 from st_cached_losses.engine.planning import MiniBatch, MiniBatchPlanner, RandState, unsort
@@ -53,7 +53,6 @@ from st_cached_losses.engine.wrappers import (
     Unsharded,
     grad_sync_on,
     is_wrapped,
-    keep_unsharded,
     skip_forward_buffer_sync,
     unsynced,
 )
@@ -106,7 +105,6 @@ class _Session:
     # the FSDP2 parameters kept unsharded for this step, released after the replay (keep_params_unsharded)
     held: Unsharded | None = None
     together: bool = False  # every mini-batch's graph kept (one per column): one backward call
-    done: bool = False
 
     def __post_init__(self) -> None:
         # a loss that is dropped without a backward still releases the parameters it kept unsharded
@@ -115,11 +113,7 @@ class _Session:
             self._release.atexit = False  # not at interpreter exit, with FSDP2 half torn down
 
     def backward(self, grad_output: float) -> list[Tensor | None]:
-        if self.done:
-            raise RuntimeError(
-                "this cached loss was already back-propagated; call the loss again for a new step."
-            )
-        self.done = True
+        """Once (:class:`_Replay` refuses a second backward): the replays, then the extra tensors' grads."""
         try:
             self._replay(grad_output)
         finally:
@@ -290,8 +284,7 @@ class GradCache(MiniBatchPlanner):
         if self.auto_size is not None or not (by_tokens or self.mini_batch_size == "auto"):
             return
         budget = self.mini_batch_memory_budget
-        first_param = next(unwrap_model(model).parameters(), None)
-        device = first_param.device if first_param is not None else torch.device("cpu")
+        device = model_device(model)
         if budget is None:
             if device.type != "cuda":
                 raise ValueError(
@@ -342,7 +335,7 @@ class GradCache(MiniBatchPlanner):
         return out
 
     def _hold(self, model: nn.Module) -> Unsharded | None:
-        return keep_unsharded(model) if self.keep_params_unsharded else None
+        return Unsharded.hold(model) if self.keep_params_unsharded else None
 
     def embed(self, model: nn.Module, columns: Sequence[Features]) -> list[Tensor]:
         """Every column's embeddings, mini-batch by mini-batch, without a graph (evaluation)."""
@@ -398,8 +391,7 @@ class GradCache(MiniBatchPlanner):
             batches: list[MiniBatch] = []
             kept: list[list[Tensor]] = []
             frozen: set[int] = set()
-            first_param = next(unwrap_model(model).parameters(), None)
-            device = first_param.device if first_param is not None else torch.device("cpu")
+            device = model_device(model)
             autocast = _Autocast.current(device.type)
             local = LocalBackward.of(model)
             # forwards whose graph may be back-propagated: hidden from a static-graph reducer
@@ -419,25 +411,23 @@ class GradCache(MiniBatchPlanner):
                 parts = []
                 for j, mb in enumerate(plan):
                     mb.rng = RandState()
+                    # the step's very last forward keeps its graph for the backward (not under DDP sync,
+                    # where the synced forward must come last)
+                    reuse = (
+                        self.reuse_last_graph and k == len(columns) - 1 and j == len(plan) - 1 and not sync
+                    )
                     if keep_all:
                         out = self.encode(graph_model, mb.features)
                         mb.kept = out if out.requires_grad else None
                     elif keeper.wants(mb):
                         # a graph the budget may keep (measured), or the column's last forward
-                        reuse = (
-                            self.reuse_last_graph
-                            and k == len(columns) - 1
-                            and j == len(plan) - 1
-                            and not sync
-                        )
                         with unsynced(model):
                             out = keeper.forward(graph_model, mb, device, exempt=reuse)
                     elif j == len(plan) - 1:
-                        # with a graph: tells whether this column's encoder is frozen; the very last one is
-                        # kept for the backward (not under DDP sync, where the synced forward must come last)
+                        # with a graph: tells whether this column's encoder is frozen
                         with unsynced(model):
                             out = self.encode(graph_model, mb.features)
-                        if self.reuse_last_graph and k == len(columns) - 1 and not sync and out.requires_grad:
+                        if reuse and out.requires_grad:
                             mb.kept = out
                     else:
                         with torch.no_grad():

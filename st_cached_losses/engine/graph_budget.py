@@ -27,6 +27,8 @@ from st_cached_losses.distributed import all_reduce_min, is_distributed
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
+    longest_first,
+    model_device,
     row_lengths,
     slice_features,
     unwrap_model,
@@ -221,16 +223,10 @@ def pick_mini_batch(
     longest = [int(x.max()) if x is not None and len(x) else 0 for x in lengths]
     k = max(range(len(columns)), key=lambda c: longest[c])
     features, b = columns[k], batch_size_of(columns[k])
-    column_lengths = lengths[k]
-    order = (
-        torch.argsort(column_lengths, descending=True, stable=True)
-        if column_lengths is not None
-        else torch.arange(b)
-    )
-    rows = order[: min(PROBE_ROWS, b)]
+    rows = longest_first(lengths[k], b)[: min(PROBE_ROWS, b)]
     probe = slice_features(features, rows, b, trim_leading=trim_leading)
     meter = GraphMeter(unwrap_model(model))
-    device = next(unwrap_model(model).parameters()).device
+    device = model_device(model)
     measured: list[int] = []
     devices = [device.index or 0] if device.type == "cuda" else []
     # the bare module: a wrapper would expect this graph's backward (FSDP2's forward stays a collective,

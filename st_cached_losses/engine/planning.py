@@ -23,10 +23,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, cast
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from st_cached_losses.distributed import (
@@ -41,12 +40,14 @@ from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
     check_splittable,
+    longest_first,
+    model_device,
     row_lengths,
     slice_features,
     token_counts,
-    unwrap_model,
 )
 from st_cached_losses.engine.wrappers import is_sharded, is_wrapped
+from st_cached_losses.functional.multi_vector import pad_tokens
 
 __all__ = ["MiniBatch", "MiniBatchPlanner", "RandState", "unsort"]
 
@@ -107,25 +108,24 @@ class MiniBatchPlanner:
     #: what ``"auto"`` sizes resolved to at the first step (see GradCache.resolve_auto)
     auto_size: int | None
 
+    def _resolved(self, name: str) -> int | None:
+        """A size setting's value, or what ``"auto"`` resolved to."""
+        value = getattr(self, name)
+        if value == "auto":
+            if self.auto_size is None:
+                raise RuntimeError(f"{name}='auto' is resolved at the first step, from its batch.")
+            return self.auto_size
+        return None if value is None else int(value)
+
     @property
     def rows_per_mini_batch(self) -> int:
         """``mini_batch_size``, or what ``"auto"`` resolved to."""
-        if self.mini_batch_size == "auto":
-            if self.auto_size is None:
-                raise RuntimeError("mini_batch_size='auto' is resolved at the first step, from its batch.")
-            return self.auto_size
-        return int(self.mini_batch_size)
+        return cast(int, self._resolved("mini_batch_size"))
 
     @property
     def tokens_per_mini_batch(self) -> int | None:
         """``mini_batch_num_tokens``, or what ``"auto"`` resolved to."""
-        if self.mini_batch_num_tokens == "auto":
-            if self.auto_size is None:
-                raise RuntimeError(
-                    "mini_batch_num_tokens='auto' is resolved at the first step, from its batch."
-                )
-            return self.auto_size
-        return None if self.mini_batch_num_tokens is None else int(self.mini_batch_num_tokens)
+        return self._resolved("mini_batch_num_tokens")
 
     def plan(
         self, column: int, features: Features, *, trim_leading: bool = True, count: int | None = None
@@ -146,10 +146,7 @@ class MiniBatchPlanner:
         check_splittable(features)
         b = batch_size_of(features)
         lengths = row_lengths(features, b, trim_leading)
-        if self.sort_by_length and lengths is not None:
-            order = torch.argsort(lengths, descending=True, stable=True)
-        else:
-            order = torch.arange(b)
+        order = longest_first(lengths if self.sort_by_length else None, b)
         tokens = self.tokens_per_mini_batch
         if tokens is None:
             size = self.rows_per_mini_batch
@@ -190,8 +187,7 @@ class MiniBatchPlanner:
                 counts = [len(self.plan(k, f, trim_leading=trim_leading)) for k, f in enumerate(columns)]
             except ValueError as exc:
                 error = str(exc)
-        first_param = next(unwrap_model(model).parameters(), None)
-        device = first_param.device if first_param is not None else torch.device("cpu")
+        device = model_device(model)
         try:
             agreed = agree_counts(counts, device, error)
             return agreed if agree else None
@@ -328,7 +324,7 @@ def unsort(parts: list[Tensor], batches: list[MiniBatch], batch_size: int) -> Te
     widths are padded with zeros on the right to the widest: ``(B, t_max, d)``."""
     if parts[0].dim() == 3:
         width = max(p.shape[1] for p in parts)
-        parts = [p if p.shape[1] == width else F.pad(p, (0, 0, 0, width - p.shape[1])) for p in parts]
+        parts = [pad_tokens(p, width) for p in parts]
     flat = torch.cat(parts, dim=0)
     rows = torch.cat([mb.rows for mb in batches if not mb.filler]).to(flat.device)
     out = torch.empty((batch_size, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)

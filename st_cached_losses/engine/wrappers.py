@@ -33,7 +33,6 @@ __all__ = [
     "is_static_graph",
     "is_wrapped",
     "is_zero3",
-    "keep_unsharded",
     "skip_forward_buffer_sync",
     "unsynced",
 ]
@@ -312,6 +311,8 @@ class Unsharded:
 
     @classmethod
     def hold(cls, model: nn.Module) -> Unsharded | None:
+        """Keep ``model``'s FSDP2 parameters unsharded from their first forward until :meth:`release`; None
+        for a model without FSDP2 modules."""
         modules = cast("list[FSDPModule]", fsdp2_modules(model))
         if not modules:
             return None
@@ -355,9 +356,3 @@ class Unsharded:
         for m in self.modules:
             if any(s is m._get_fsdp_state() for s in freed):
                 m.reshard()
-
-
-def keep_unsharded(model: nn.Module) -> Unsharded | None:
-    """Keep ``model``'s FSDP2 parameters unsharded from their first forward until :meth:`Unsharded.release`;
-    None for a model without FSDP2 modules."""
-    return Unsharded.hold(model)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,6 +15,7 @@ __all__ = [
     "candidate_columns",
     "check_mini_batch_num_tokens",
     "check_mini_batch_size",
+    "check_path",
     "check_positive_int",
     "memory_bytes",
     "nonfinite_columns",
@@ -27,10 +27,18 @@ __all__ = [
 ]
 
 
-def check_positive_int(name: str, value: int | None) -> None:
-    """``value`` is None or a positive ``int`` (``True`` is refused: it is an int to Python only)."""
+def check_positive_int(name: str, value: int | None) -> int | None:
+    """``value`` is None or a positive ``int`` (``True`` is refused: it is an int to Python only); returned."""
     if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1024 or None.")
+    return value
+
+
+def check_path(name: str, value: object) -> str:
+    """The loss stage's algorithm: ``"auto"``, ``"chunked"`` or ``"tiled"``; returned."""
+    if value not in ("auto", "chunked", "tiled"):
+        raise ValueError(f"{name} must be 'auto', 'chunked' or 'tiled', got {value!r}.")
+    return str(value)
 
 
 _UNITS = {
@@ -203,8 +211,7 @@ def validate_inputs(
 ) -> None:
     """The core's inputs: ``(rows, dim)`` embeddings, or with ``tokens`` (a score of packed rows) 3-D packed
     rows (multi-vector ``(rows, tokens, dim + 1)``, sparse ``(rows, k, 2)``) whose widths may differ."""
-    if path not in ("auto", "chunked", "tiled"):
-        raise ValueError(f"path must be 'auto', 'chunked' or 'tiled', got {path!r}.")
+    check_path("path", path)
     check_positive_int("chunk_size", chunk_size)
     check_positive_int("tile_size", tile_size)
     check_positive_int("memory_budget", memory_budget)
@@ -284,14 +291,14 @@ def validate_keys(
     cols: list[Tensor],
     anchors_all: Tensor | None,
     symmetric: bool,
-) -> dict[str, Any]:
+) -> None:
     """Validate the duplicate keys against the embeddings they describe."""
     if candidate_keys is None:
         if anchor_keys is not None or anchors_all_keys is not None:
             raise ValueError(
                 "anchor_keys / anchors_all_keys need candidate_keys (one key vector per column) too."
             )
-        return {}
+        return
     cand = list(candidate_keys)
     if len(cand) != len(cols):
         raise ValueError(
@@ -320,4 +327,3 @@ def validate_keys(
             raise ValueError(
                 f"{name} must be a 1-D integer tensor with {n} entries (one key per embedding row)."
             )
-    return {"anchor_keys": anchor_keys, "candidate_keys": cand, "anchors_all_keys": anchors_all_keys}

@@ -141,6 +141,19 @@ class _Sources:
             if anchors_all is None and "q_all" in self.cols:
                 self.grads["q_all"] = self.grads["q_local"]  # one process: the same rows, one buffer
 
+    @classmethod
+    def of(
+        cls, spec: LossSpec, anchors: Tensor, cols: list[Tensor], anchors_all: Tensor | None, scale: float,
+        *, prenorm: bool, with_grad: bool,
+    ) -> _Sources:  # fmt: skip
+        """The sources of a call of ``spec``'s loss: its score, row offset and duplicate keys, and the
+        sources its terms read."""
+        used = {t.rows for t in spec.terms.terms} | {t.cols for t in spec.terms.terms}
+        return cls(
+            anchors, cols, anchors_all, score=spec.score, scale=scale, row_offset=spec.row_offset,
+            prenorm=prenorm, with_grad=with_grad, used=used, keys=spec.keys,
+        )  # fmt: skip
+
     def with_columns(
         self, cols: dict[str, Operand], grads: dict[str, Tensor], keys: dict[str, PairKeys] | None
     ) -> _Sources:
@@ -157,10 +170,6 @@ def _thresholds(gsrc: _Sources | None, terms: TermSet, tile: int) -> Tensor | No
         return None
     assert gsrc.d is not None  # guide sources have every row source
     return guide_thresholds(gsrc.q, gsrc.d, terms.margin_strategy or "absolute", terms.margin, tile)
-
-
-def _used(terms: TermSet) -> set[str]:
-    return {t.rows for t in terms.terms} | {t.cols for t in terms.terms}
 
 
 def transposed_pair(terms: TermSet, score: Score) -> tuple[Term, Term] | None:
@@ -374,18 +383,7 @@ class _LocalCall:
         )
         self.fused = one_pass and self.plan.path == "chunked"
         prenorm = self.plan.path == "chunked"
-        self.src = _Sources(
-            anchors,
-            cols,
-            anchors_all,
-            score=spec.score,
-            scale=s,
-            row_offset=spec.row_offset,
-            prenorm=prenorm,
-            with_grad=with_grad,
-            used=_used(terms),
-            keys=spec.keys,
-        )
+        self.src = _Sources.of(spec, anchors, cols, anchors_all, s, prenorm=prenorm, with_grad=with_grad)
         gsrc = _guide_sources(spec.guide, spec.row_offset, prenorm)
         thr = _thresholds(gsrc, terms, self.plan.row_tile)
         self.m, self.ssum = _group_stats(len(terms.weights), b, self.src.q)
@@ -509,18 +507,7 @@ def ring_terms_solve(
     k = len(cols)
     pair = transposed_pair(terms, score)
     tile = tile_side(spec.tile_size, spec.memory_budget, buffers=3 + terms.guided)
-    src = _Sources(
-        anchors,
-        cols,
-        None,
-        score=score,
-        scale=s,
-        row_offset=0,
-        prenorm=False,
-        with_grad=with_grad,
-        used=_used(terms),
-        keys=keys,
-    )
+    src = _Sources.of(spec, anchors, cols, None, s, prenorm=False, with_grad=with_grad)
     gsrc = _guide_sources(guide, 0, prenorm=False)
     thr = _thresholds(gsrc, terms, tile)
     visiting = [t for t in terms.terms if t.cols != "q_local"]

@@ -136,12 +136,7 @@ def infonce_loss_and_grad(
         :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
     """
     with torch.no_grad():
-        rows, cols, spec = _prepared(
-            anchors, candidates, anchors_all, similarity=similarity, symmetric=symmetric,
-            row_offset=row_offset, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget,
-            path=path, check_finite=check_finite, terms=terms, guide=guide, anchor_keys=anchor_keys,
-            candidate_keys=candidate_keys, anchors_all_keys=anchors_all_keys,
-        )  # fmt: skip
+        rows, cols, spec = _prepared(**locals())  # first: the arguments only
         solution = terms_solve(
             spec,
             rows.detach(),
@@ -186,12 +181,7 @@ def infonce(
     the forward computes the gradients with the loss (nothing is recomputed) and the graph keeps them,
     the inputs' size, until backward; without one, only the loss is computed.
     """
-    rows, cols, spec = _prepared(
-        anchors, candidates, anchors_all, similarity=similarity, symmetric=symmetric, row_offset=row_offset,
-        chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget, path=path,
-        check_finite=check_finite, terms=terms, guide=guide, anchor_keys=anchor_keys,
-        candidate_keys=candidate_keys, anchors_all_keys=anchors_all_keys,
-    )  # fmt: skip
+    rows, cols, spec = _prepared(**locals())  # first: the arguments only
     scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)
     return InfoNCEFunction.apply(spec, scale_t, rows, anchors_all, *cols)
 
@@ -214,11 +204,12 @@ def _prepared(
     anchor_keys: Tensor | None,
     candidate_keys: Sequence[Tensor] | None,
     anchors_all_keys: Tensor | None,
+    **_: object,  # the entry point's other arguments (scale, grad_output)
 ) -> tuple[Tensor, list[Tensor], LossSpec]:
-    """Both entry points' checks of their arguments; the rows as the score reads them (the anchors, or
-    for a score whose rows carry data computed from every column, XTR's thresholds, the anchors with that
-    data: built here, where every column, gathered across processes or not, is at hand), the candidate
-    columns and the call's options."""
+    """Both entry points' checks of their arguments (all of them, by name); the rows as the score reads
+    them (the anchors, or for a score whose rows carry data computed from every column, XTR's thresholds,
+    the anchors with that data: built here, where every column, gathered across processes or not, is at
+    hand), the candidate columns and the call's options."""
     cols = candidate_columns(candidates)
     score = Score(similarity)
     check_terms(terms, symmetric, guide, anchors, cols)
@@ -227,14 +218,8 @@ def _prepared(
         row_offset=row_offset, chunk_size=chunk_size, tile_size=tile_size, memory_budget=memory_budget,
         path=path, check_finite=check_finite, tokens=score.packed,
     )  # fmt: skip
-    key_args = validate_keys(
-        anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric
-    )
-    keys = (
-        Keys(key_args["anchor_keys"], key_args["candidate_keys"], key_args["anchors_all_keys"])
-        if key_args
-        else None
-    )
+    validate_keys(anchor_keys, candidate_keys, anchors_all_keys, anchors, cols, anchors_all, symmetric)
+    keys = Keys(anchor_keys, list(candidate_keys), anchors_all_keys) if candidate_keys is not None else None
     term_set = loss_terms(terms, symmetric, len(cols))
     rows = anchors
     with_row_data = getattr(score.fn, "with_row_data", None)
@@ -247,16 +232,9 @@ def _prepared(
             )
         rows = with_row_data(anchors, cols, memory_budget)
     spec = LossSpec(
-        terms=term_set,
-        score=score,
-        row_offset=row_offset,
-        path=path,
-        chunk_size=chunk_size,
-        tile_size=tile_size,
-        memory_budget=memory_budget,
-        guide=guide,
-        keys=keys,
-    )
+        terms=term_set, score=score, row_offset=row_offset, path=path, chunk_size=chunk_size,
+        tile_size=tile_size, memory_budget=memory_budget, guide=guide, keys=keys,
+    )  # fmt: skip
     return rows, cols, spec
 
 

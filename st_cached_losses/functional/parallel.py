@@ -20,7 +20,7 @@ all-gather); :func:`gathered_infonce` is the gathered loss with autograd.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -120,6 +120,23 @@ def _gathered_keys(
     }
 
 
+def _gathered(
+    gather: Callable[[Tensor, list[int]], Tensor], args: dict[str, Any]
+) -> tuple[list[Tensor], dict[str, Any]]:
+    """Every process's candidate columns (``gather``: with or without autograd) and the core's keywords for
+    this process's rows against them (the gathered anchors when a term reads them, the keys, the guide's
+    candidates, where this process's positives are), from ``args``, a gathered entry point's arguments."""
+    sizes, terms = args["sizes"], args["terms"]
+    kwargs = {k: args[k] for k in ("similarity", "symmetric", "path", "tile_size", "memory_budget")}
+    kwargs.update(row_offset=sum(sizes[: rank()]), check_finite=False)  # agreed on in agree_on_sizes
+    kwargs.update(_gathered_keys(args["anchor_keys"], args["candidate_keys"], sizes))
+    if args["symmetric"] or _reads_anchors_all(terms):
+        kwargs["anchors_all"] = gather(args["anchors"], sizes)
+    if terms is not None:
+        kwargs.update(terms=terms, guide=gathered_guide(args["guide"], sizes))
+    return [gather(c, sizes) for c in args["candidates"]], kwargs
+
+
 @fp32_loss_stage
 def gathered_loss_and_grad(
     anchors: Tensor,
@@ -153,33 +170,13 @@ def gathered_loss_and_grad(
     Collectives: one all-gather per gathered tensor (the keys in one), and with ``with_grad`` one
     all-reduce per gathered tensor (and one for a tensor scale's gradient).
     """
+    cands_all, kwargs = _gathered(all_gather_rows, locals())
     w, b = len(sizes), anchors.shape[0]
     factor = _weight(sizes) * b  # the core averages over local rows
-    kwargs = {
-        "similarity": similarity,
-        "symmetric": symmetric,
-        "path": path,
-        "tile_size": tile_size,
-        "memory_budget": memory_budget,
-        "row_offset": sum(sizes[: rank()]),
-        "check_finite": False,  # agreed on by every process in agree_on_sizes
-        **_gathered_keys(anchor_keys, candidate_keys, sizes),
-    }
-    cands_all = [all_gather_rows(c, sizes) for c in candidates]
-    anchors_all = all_gather_rows(anchors, sizes) if symmetric or _reads_anchors_all(terms) else None
-    if terms is not None:
-        kwargs.update(terms=terms, guide=gathered_guide(guide, sizes))
     if not with_grad:
-        value = infonce(anchors, cands_all, scale=scale, anchors_all=anchors_all, **kwargs)  # type: ignore[arg-type]
+        value = infonce(anchors, cands_all, scale=scale, **kwargs)
         return InfoNCEOutput(value * factor, None, [], None, None)
-    out = infonce_loss_and_grad(
-        anchors,
-        cands_all,
-        scale=scale,
-        anchors_all=anchors_all,
-        grad_output=factor,
-        **kwargs,  # type: ignore[arg-type]
-    )
+    out = infonce_loss_and_grad(anchors, cands_all, scale=scale, grad_output=factor, **kwargs)
     # every process scored everyone's candidates: sum their gradients, keep this process's rows
     g_cands = [own_rows(all_reduce_sum(g, "all_reduce_grad"), sizes) for g in out.grad_candidates]
     g_anchors = out.grad_anchors
@@ -242,28 +239,11 @@ def gathered_infonce(
 ) -> Tensor:
     """:func:`gathered_loss_and_grad`'s loss with autograd: the gather's backward sums over processes,
     and a tensor scale's gradient is averaged over processes by a hook."""
+    cands_all, kwargs = _gathered(gather_with_grad, locals())
     w, b = len(sizes), anchors.shape[0]
     if isinstance(scale, Tensor) and scale.requires_grad:
         scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
-    cands_all = [gather_with_grad(c, sizes) for c in candidates]
-    anchors_all = gather_with_grad(anchors, sizes) if symmetric or _reads_anchors_all(terms) else None
-    general = {"terms": terms, "guide": gathered_guide(guide, sizes)} if terms is not None else {}
-    loss = infonce(
-        anchors,
-        cands_all,
-        scale=scale,
-        similarity=similarity,
-        symmetric=symmetric,
-        anchors_all=anchors_all,
-        row_offset=sum(sizes[: rank()]),
-        path=path,
-        tile_size=tile_size,
-        memory_budget=memory_budget,
-        check_finite=False,
-        **_gathered_keys(anchor_keys, candidate_keys, sizes),  # type: ignore[arg-type]
-        **general,  # type: ignore[arg-type]
-    )
-    return loss * (_weight(sizes) * b)
+    return infonce(anchors, cands_all, scale=scale, **kwargs) * (_weight(sizes) * b)
 
 
 # --------------------------------------------------------------------------- the ring

@@ -98,9 +98,6 @@ class TermSet:
     def guided(self) -> bool:
         return any(t.guided for t in self.terms)
 
-    def columns_used(self) -> set[int]:
-        return {int(t.cols[1:]) for t in self.terms if t.cols.startswith("c")}
-
 
 def mnrl_terms(
     directions: Sequence[str],

@@ -35,7 +35,6 @@ from st_cached_losses.losses.callbacks import warn_if_scale_unsaved
 from st_cached_losses.losses.hyperparameters import CachedLossHyperparameters
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
-    check_bool,
     check_columns,
     check_directions,
     check_hardness,
@@ -100,9 +99,8 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         self._similarity_fct = similarity_fct
         self._similarity = resolve_similarity(similarity_fct)
         scale = scale_value(scale)
+        # checked against the scale by learnable_scale's setter, below
         max_scale = SPECS["max_scale"].check("max_scale", max_scale)
-        if check_bool("learnable_scale", learnable_scale) and max_scale < scale:
-            raise ValueError(f"max_scale must be >= scale, got max_scale={max_scale!r} and scale={scale!r}.")
         self._directions = check_directions(directions, partition_mode, owner)
         self._partition_mode = partition_mode
         check_hardness(hardness_mode, hardness_strength, owner)

@@ -9,11 +9,13 @@ from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
 from st_cached_losses.losses._base import CachedInfoNCEBase
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.options import TWO_DIRECTIONS
+from st_cached_losses.losses.signatures import arguments, shared_docs
 
 
 class CachedCLIPLoss(CachedInfoNCEBase):
     _citations = (GRADCACHE_CITATION, CLIP_CITATION)
 
+    @shared_docs
     def __init__(
         self,
         model: nn.Module,
@@ -52,46 +54,21 @@ class CachedCLIPLoss(CachedInfoNCEBase):
         Args:
             model: the SentenceTransformer to train.
             scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity. The initial value when learnable (CLIP starts at 1/0.07 = 14.3).
-            similarity_fct: ``sentence_transformers.util.cos_sim`` / ``"cosine"`` (default) or
-                ``dot_score`` / ``"dot"``. Other callables are refused: the full matrix is never built.
-            mini_batch_size: rows per encoder forward; sets the memory, not the result.
-            mini_batch_num_tokens: optional budget of real (non-padding) tokens per encoder mini-batch, as in
-                sentence-transformers: rows are packed while their token count stays within it (a longer row
-                alone), longest rows first, and ``mini_batch_size`` is not used. For data of very uneven length.
+            {doc:similarity}
+            {doc:mini_batches}
             gather_across_devices: score each process's anchors against the candidates of every process (anchors too, for the symmetric direction).
-            directions: the similarity terms of each row, as sentence-transformers' ``MultipleNegativesRankingLoss``:
-                ``"query_to_doc"`` (required: every candidate column), ``"query_to_query"`` (the other anchors),
-                ``"doc_to_query"`` (the positive against every anchor), ``"doc_to_doc"`` (the positive against every
-                other row's documents). The default is the symmetric loss.
-            partition_mode: ``"joint"`` (one softmax over every selected term; GTE with all four directions) or
-                ``"per_direction"`` (one per direction, averaged; not with ``query_to_query`` / ``doc_to_doc``).
-            show_progress_bar: tqdm bars over the mini-batches of both passes.
-            hardness_mode: ``None``, ``"in_batch_negatives"`` (Lan et al. 2025), ``"hard_negatives"`` (EmbeddingGemma)
-                or ``"all_negatives"``: adds ``hardness_strength * stop_grad(similarity)`` (not scaled) to those
-                negatives' logits, as sentence-transformers does.
-            hardness_strength: the penalty's ``alpha``, non-negative; unused while ``hardness_mode`` is None.
+            directions: the similarity terms of each row, as sentence-transformers' ``MultipleNegativesRankingLoss``
+                (the default is the symmetric loss):
+                {doc:directions}
+            {doc:partition_mode}
+            {doc:hardness}
             learnable_scale: learn the scale (as ``logit_scale = log(scale)``); give the trainer
                 ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it with checkpoints.
             max_scale: the clamp of a learned scale (CLIP: 100).
-            mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
-                across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).
-                Rows sharing their anchor or their positive are duplicates, masked in both directions: a
-                row's negatives lose the positives of its duplicates (and any candidate equal to its own
-                positive), and a positive's negatives lose the anchors of its row's duplicates. Off by
-                default.
-            sort_by_length: embed each column's rows longest first (less padding); never changes the result.
-            reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
-            keep_params_unsharded: under FSDP2, gather every parameter group once per step and keep it until the
-                last replay (one all-gather and one reduce-scatter per group per step, against one all-gather per
-                mini-batch forward and replay); every process then holds the full parameters for the step. Off.
-            path: the loss-stage algorithm, ``"auto"``, ``"chunked"`` or ``"tiled"``.
-                mini_batch_memory_budget: with ``mini_batch_size="auto"`` (or ``mini_batch_num_tokens="auto"``),
-                    the activation memory one encoder mini-batch may take (bytes or e.g. ``"2GB"``; on CUDA, by default
-                    half the free memory): the largest mini-batch that fits is measured at the first step and logged.
-                graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-pass autograd graphs to keep
-                instead of replaying their mini-batches: measured on the first mini-batch, the longest ones kept
-                first while they fit; the same gradients, fewer forwards. None (default): replay all but the last.
-            memory_budget: bytes of logit blocks the loss stage may hold at once.
+            {doc:mask_duplicates}
+                Both directions are masked alike: a positive's negatives lose the anchors of its row's duplicates.
+            {doc:engine}
+            {spec:path memory_budget}
 
         References:
             - Radford et al., Learning Transferable Visual Models From Natural Language Supervision, 2021:
@@ -99,18 +76,7 @@ class CachedCLIPLoss(CachedInfoNCEBase):
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
               https://huggingface.co/papers/2101.06983
 
-        Requirements:
-            1. (anchor, positive) pairs, optionally with hard-negative columns (used in the anchor direction).
-            2. A model whose inputs have a batch dimension (not StaticEmbedding).
-
-        Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
+        {doc:inputs}
 
         Relations:
             - Same loss as ``sentence_transformers.sentence_transformer.losses.MultipleNegativesSymmetricRankingLoss`` /
@@ -132,26 +98,4 @@ class CachedCLIPLoss(CachedInfoNCEBase):
                 )
                 trainer.train()
         """
-        super().__init__(
-            model,
-            scale,
-            similarity_fct,
-            mini_batch_size,
-            mini_batch_num_tokens,
-            gather_across_devices,
-            directions,
-            partition_mode,
-            show_progress_bar,
-            hardness_mode,
-            hardness_strength,
-            learnable_scale=learnable_scale,
-            max_scale=max_scale,
-            path=path,
-            memory_budget=memory_budget,
-            mask_duplicates=mask_duplicates,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
-            mini_batch_memory_budget=mini_batch_memory_budget,
-        )
+        super().__init__(**arguments(locals()))

@@ -7,13 +7,15 @@ import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_cached_losses.engine.features import batch_size_of, unwrap_model
+from st_cached_losses.engine.features import batch_size_of, model_device, unwrap_model
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
 from st_cached_losses.functional.directions import Guide
 from st_cached_losses.functional.terms import gist_terms
 from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
+from st_cached_losses.losses.settings import Setting
+from st_cached_losses.losses.signatures import shared_docs
 
 MARGIN_STRATEGIES = ("absolute", "relative")
 _NO_TOKENIZER = "Both the training model and the guiding model must have a tokenizer attribute."
@@ -32,10 +34,23 @@ def _not_a_gist_setting(name: str) -> property:
     return property(refuse, refuse, doc=f"Not used by GIST: reading or assigning {name!r} raises.")
 
 
+def _margin_strategy(name: str, value: Any) -> str:
+    if value not in MARGIN_STRATEGIES:
+        raise ValueError(f"{name} must be 'absolute' or 'relative', got {value!r}.")
+    return str(value)
+
+
+def _margin(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    return float(value)
+
+
 class CachedGISTLoss(CachedInfoNCEBase):
     _citations = (GRADCACHE_CITATION, GIST_CITATION)
     equivalent_st_loss = "CachedGISTEmbedLoss"
 
+    @shared_docs
     def __init__(
         self,
         model: nn.Module,
@@ -97,10 +112,7 @@ class CachedGISTLoss(CachedInfoNCEBase):
                 negatives (the guide's embeddings of them are gathered too).
             path / tile_size / memory_budget: the loss-stage algorithm (``"auto"``, ``"chunked"`` or
                 ``"tiled"``; tiled across processes is the ring exchange) and its block sizes.
-            sort_by_length / reuse_last_graph: engine options, never changing the result.
-            keep_params_unsharded: under FSDP2, gather the parameters once per step (see ``CachedMNRLoss``).
-            graph_memory_budget / mini_batch_memory_budget: keep first-pass graphs within a budget, and the
-                budget of ``mini_batch_size="auto"`` (see ``CachedMNRLoss``).
+            {doc:engine}
 
         References:
             - Solatorio, GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding
@@ -199,41 +211,10 @@ class CachedGISTLoss(CachedInfoNCEBase):
             self._check_guide(self.guide, True)
         self._gather_across_devices = value
 
-    @property
-    def margin_strategy(self) -> str:
-        return self._margin_strategy
-
-    @margin_strategy.setter
-    def margin_strategy(self, value: str) -> None:
-        if value not in MARGIN_STRATEGIES:
-            raise ValueError(f"margin_strategy must be 'absolute' or 'relative', got {value!r}.")
-        self._margin_strategy = value
-
-    @property
-    def margin(self) -> float:
-        return self._margin
-
-    @margin.setter
-    def margin(self, value: float) -> None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"margin must be a finite number, got {value!r}.")
-        self._margin = float(value)
-
-    @property
-    def contrast_anchors(self) -> bool:
-        return self._contrast_anchors
-
-    @contrast_anchors.setter
-    def contrast_anchors(self, value: bool) -> None:
-        self._contrast_anchors = check_bool("contrast_anchors", value)
-
-    @property
-    def contrast_positives(self) -> bool:
-        return self._contrast_positives
-
-    @contrast_positives.setter
-    def contrast_positives(self, value: bool) -> None:
-        self._contrast_positives = check_bool("contrast_positives", value)
+    margin_strategy = Setting[str](check=_margin_strategy)
+    margin = Setting[float](check=_margin)
+    contrast_anchors = Setting[bool](check=check_bool)
+    contrast_positives = Setting[bool](check=check_bool)
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values, then the extras
@@ -262,9 +243,8 @@ class CachedGISTLoss(CachedInfoNCEBase):
         guide_features = self._guide_features(features)
         with torch.no_grad():
             guided = self.cache.embed(self.guide, guide_features)
-        device = next(self.model.parameters()).device
         assert all(g.shape[0] == batch_size_of(features[0]) for g in guided)
-        return StepData(guide=[g.to(device) for g in guided])
+        return StepData(guide=[g.to(model_device(self.model)) for g in guided])
 
     def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
         g = step.guide
@@ -280,12 +260,9 @@ class CachedGISTLoss(CachedInfoNCEBase):
 
     def _guide_features(self, features: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The columns as the guide reads them: re-tokenised from the text when its tokenizer differs."""
-        device = next(self.guide.parameters()).device
-        if not self.must_retokenize:
-            return [{k: v.to(device) if isinstance(v, Tensor) else v for k, v in f.items()} for f in features]
-        out = []
-        for f in features:
-            texts = self._model_tokenizer.batch_decode(f["input_ids"], skip_special_tokens=True)
-            guided = cast(Any, self.guide).preprocess(texts)
-            out.append({k: v.to(device) if isinstance(v, Tensor) else v for k, v in guided.items()})
-        return out
+        if self.must_retokenize:
+            decode = self._model_tokenizer.batch_decode
+            guide = cast(Any, self.guide)
+            features = [guide.preprocess(decode(f["input_ids"], skip_special_tokens=True)) for f in features]
+        device = model_device(self.guide)
+        return [{k: v.to(device) if isinstance(v, Tensor) else v for k, v in f.items()} for f in features]

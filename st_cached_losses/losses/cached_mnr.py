@@ -9,11 +9,13 @@ from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
 from st_cached_losses.losses._base import CachedInfoNCEBase
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.options import ONE_DIRECTION
+from st_cached_losses.losses.signatures import arguments, shared_docs
 
 
 class CachedMNRLoss(CachedInfoNCEBase):
     _citations = (GRADCACHE_CITATION, MNRL_CITATION)
 
+    @shared_docs
     def __init__(
         self,
         model: nn.Module,
@@ -52,42 +54,16 @@ class CachedMNRLoss(CachedInfoNCEBase):
         Args:
             model: the SentenceTransformer to train.
             scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity.
-            similarity_fct: ``sentence_transformers.util.cos_sim`` / ``"cosine"`` (default) or
-                ``dot_score`` / ``"dot"``. Other callables are refused: the full matrix is never built.
-            mini_batch_size: rows per encoder forward; sets the memory, not the result.
-            mini_batch_num_tokens: optional budget of real (non-padding) tokens per encoder mini-batch, as in
-                sentence-transformers: rows are packed while their token count stays within it (a longer row
-                alone), longest rows first, and ``mini_batch_size`` is not used. For data of very uneven length.
+            {doc:similarity}
+            {doc:mini_batches}
             gather_across_devices: score each process's anchors against the candidates of every process.
             directions: the similarity terms of each row, as sentence-transformers' ``MultipleNegativesRankingLoss``:
-                ``"query_to_doc"`` (required: every candidate column), ``"query_to_query"`` (the other anchors),
-                ``"doc_to_query"`` (the positive against every anchor), ``"doc_to_doc"`` (the positive against every
-                other row's documents).
-            partition_mode: ``"joint"`` (one softmax over every selected term; GTE with all four directions) or
-                ``"per_direction"`` (one per direction, averaged; not with ``query_to_query`` / ``doc_to_doc``).
-            show_progress_bar: tqdm bars over the mini-batches of both passes.
-            hardness_mode: ``None``, ``"in_batch_negatives"`` (Lan et al. 2025), ``"hard_negatives"`` (EmbeddingGemma)
-                or ``"all_negatives"``: adds ``hardness_strength * stop_grad(similarity)`` (not scaled) to those
-                negatives' logits, as sentence-transformers does.
-            hardness_strength: the penalty's ``alpha``, non-negative; unused while ``hardness_mode`` is None.
-            mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and
-                across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch).
-                Rows sharing their anchor or their positive are duplicates: a row's negatives lose the
-                positives of its duplicates, and any candidate (hard negatives included) equal to its own
-                positive. Off by default.
-            sort_by_length: embed each column's rows longest first (less padding); never changes the result.
-            reuse_last_graph: keep the last mini-batch's graph from the first pass instead of re-running it.
-            keep_params_unsharded: under FSDP2, gather every parameter group once per step and keep it until the
-                last replay (one all-gather and one reduce-scatter per group per step, against one all-gather per
-                mini-batch forward and replay); every process then holds the full parameters for the step. Off.
-            path: the loss-stage algorithm, ``"auto"``, ``"chunked"`` or ``"tiled"``.
-                mini_batch_memory_budget: with ``mini_batch_size="auto"`` (or ``mini_batch_num_tokens="auto"``),
-                    the activation memory one encoder mini-batch may take (bytes or e.g. ``"2GB"``; on CUDA, by default
-                    half the free memory): the largest mini-batch that fits is measured at the first step and logged.
-                graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-pass autograd graphs to keep
-                instead of replaying their mini-batches: measured on the first mini-batch, the longest ones kept
-                first while they fit; the same gradients, fewer forwards. None (default): replay all but the last.
-            memory_budget: bytes of logit blocks the loss stage may hold at once.
+                {doc:directions}
+            {doc:partition_mode}
+            {doc:hardness}
+            {doc:mask_duplicates}
+            {doc:engine}
+            {spec:path memory_budget}
 
         References:
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
@@ -95,20 +71,7 @@ class CachedMNRLoss(CachedInfoNCEBase):
             - Henderson et al., Efficient Natural Language Response Suggestion for Smart Reply, 2017:
               https://huggingface.co/papers/1705.00652
 
-        Requirements:
-            1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.
-            2. A model whose inputs have a batch dimension (not StaticEmbedding).
-
-        Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative) triplets           | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
+        {doc:inputs}
 
         Recommendations:
             - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
@@ -135,24 +98,4 @@ class CachedMNRLoss(CachedInfoNCEBase):
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
         """
-        super().__init__(
-            model,
-            scale,
-            similarity_fct,
-            mini_batch_size,
-            mini_batch_num_tokens,
-            gather_across_devices,
-            directions,
-            partition_mode,
-            show_progress_bar,
-            hardness_mode,
-            hardness_strength,
-            path=path,
-            memory_budget=memory_budget,
-            mask_duplicates=mask_duplicates,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
-            mini_batch_memory_budget=mini_batch_memory_budget,
-        )
+        super().__init__(**arguments(locals()))

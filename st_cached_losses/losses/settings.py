@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, overload
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.functional.checks import check_positive_int, memory_bytes
+from st_cached_losses.functional.checks import check_path, check_positive_int, memory_bytes
 
 __all__ = ["FIELD_NAMES", "NOT_FIELDS", "SPECS", "Setting", "Spec", "check_bool"]
 
@@ -27,11 +27,6 @@ T = TypeVar("T")
 def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}.")
-    return value
-
-
-def _positive_int_or_none(name: str, value: Any) -> int | None:
-    check_positive_int(name, value)
     return value
 
 
@@ -45,12 +40,6 @@ def _budget(name: str, value: Any) -> int:
     parsed = memory_bytes(value, name)
     assert parsed is not None
     return parsed
-
-
-def _path(name: str, value: Any) -> str:
-    if value not in ("auto", "chunked", "tiled"):
-        raise ValueError(f"{name} must be 'auto', 'chunked' or 'tiled', got {value!r}.")
-    return str(value)
 
 
 def _positive_number(name: str, value: Any) -> float:
@@ -123,13 +112,13 @@ SPECS: dict[str, Spec] = {
         "auto",
         "The loss stage's algorithm: 'auto' (from the batch and memory_budget), 'chunked' (row chunks against "
         "every column) or 'tiled' (Inf-CL-style tiles); never changes the result.",
-        _path,
+        check_path,
         "never",
     ),
     "tile_size": Spec(
         None,
         "Side of a logit tile / rows of a chunk of the loss stage (default: from memory_budget, at most 2048).",
-        _positive_int_or_none,
+        check_positive_int,
         "changed",
     ),
     "memory_budget": Spec(
@@ -175,17 +164,19 @@ NOT_FIELDS = {
 
 
 class Setting(Generic[T]):
-    """A plain loss setting as a descriptor: read back as kept, checked by its :class:`Spec` on every
-    assignment (the constructor's included). Kept on the loss (``_<name>``), or on its GradCache engine
+    """A plain loss setting as a descriptor: read back as kept, checked by its :class:`Spec` (or by
+    ``check``, a spec's check, for a loss's own setting without a spec) on every assignment (the
+    constructor's included). Kept on the loss (``_<name>``), or on its GradCache engine
     (``loss.cache.<name>``) for the engine's own settings."""
 
-    def __init__(self, *, on_engine: bool = False) -> None:
-        self.on_engine = on_engine
+    def __init__(self, *, on_engine: bool = False, check: Callable[[str, Any], T] | None = None) -> None:
+        self.on_engine, self.check = on_engine, check
         self.name = ""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
-        self.__doc__ = SPECS[name].help
+        self.check = self.check or SPECS[name].check
+        self.__doc__ = SPECS[name].help if name in SPECS else None
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> Setting[T]: ...
@@ -199,7 +190,8 @@ class Setting(Generic[T]):
         return obj.__dict__["_" + self.name]
 
     def __set__(self, obj: object, value: T) -> None:
-        value = SPECS[self.name].check(self.name, value)
+        assert self.check is not None  # set by __set_name__
+        value = self.check(self.name, value)
         if self.on_engine:
             setattr(obj.cache, self.name, value)  # type: ignore[attr-defined]
         else:
