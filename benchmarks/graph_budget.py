@@ -24,7 +24,9 @@ and ``--no-warmup``; ``--peaks-only`` measures the (deterministic) peaks without
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import ctypes
 import gc
 import os
 import statistics
@@ -62,6 +64,13 @@ def peak_of(loss, feats) -> int:
     return mem.peak_bytes
 
 
+def _trim_heap() -> None:
+    """Hand glibc's freed heap memory back to the system (Linux; elsewhere nothing)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def run(
     batch_sizes: list[int],
     steps: int,
@@ -70,6 +79,8 @@ def run(
     contenders: list[str],
     warmup: bool,
     timed: bool = True,
+    known_peaks: dict[tuple[int, int, str], float] | None = None,
+    by_contender: bool = False,
 ) -> list[dict]:
     from sentence_transformers.sentence_transformer.losses import (
         CachedMultipleNegativesRankingLoss,
@@ -86,7 +97,14 @@ def run(
     for b in batch_sizes:
         batches = [pairs[i * b : (i + 1) * b] for i in range(steps + int(warmup))]
         feats0 = [model.preprocess([q for q, _ in batches[0]]), model.preprocess([d for _, d in batches[0]])]
-        plain_peak = peak_of(MultipleNegativesRankingLoss(model), feats0)
+        known = {
+            c: mib * 2**20
+            for (kb, kl, c), mib in (known_peaks or {}).items()
+            if (kb, kl) == (b, max_seq_length)
+        }
+        plain_peak = (
+            int(known["mnrl"]) if "mnrl" in known else peak_of(MultipleNegativesRankingLoss(model), feats0)
+        )
         losses = {
             "ours": CachedMNRLoss(model, mini_batch_size=mini_batch),
             "ours-budget-all": CachedMNRLoss(
@@ -101,25 +119,42 @@ def run(
         losses = {name: loss for name, loss in losses.items() if name in contenders}
         # the plain loss's peak is the one measured for the budget above
         peaks = {
-            name: plain_peak if name == "mnrl" else peak_of(loss, feats0) for name, loss in losses.items()
+            name: plain_peak if name == "mnrl" else known.get(name) or peak_of(loss, feats0)
+            for name, loss in losses.items()
         }
         if not timed:  # --peaks-only
             batches = []
         times: dict[str, list[float]] = {name: [] for name in losses}
-        for step, batch in enumerate(batches):
-            feats = [model.preprocess([q for q, _ in batch]), model.preprocess([d for _, d in batch])]
-            for name, loss in losses.items():
-                model.zero_grad(set_to_none=True)
-                gc.collect()
-                t0 = time.perf_counter()
-                loss([dict(f) for f in feats], None).backward()
-                seconds = time.perf_counter() - t0
-                if step > 0 or not warmup:  # the first batch warms every contender up
-                    times[name].append(seconds)
-            print(
-                f"B={b} step {step}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items() if t),
-                flush=True,
-            )
+        feats_of = [
+            [model.preprocess([q for q, _ in bt]), model.preprocess([d for _, d in bt])] for bt in batches
+        ]
+
+        def one_step(name: str, step: int, losses=losses, feats_of=feats_of, times=times) -> None:
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            t0 = time.perf_counter()
+            losses[name]([dict(f) for f in feats_of[step]], None).backward()
+            seconds = time.perf_counter() - t0
+            if step > 0 or not warmup:  # the first batch warms the contender up
+                times[name].append(seconds)
+
+        if by_contender:
+            # each contender's batches back to back on its own warm heap, the freed memory handed back to the
+            # system between contenders (untimed): one process alternating a 12 GB plain loss with the others
+            # grows past 24 GiB on glibc's heap at B = 1,024, while a training run holds one loss only
+            for name in losses:
+                _trim_heap()
+                for step in range(len(batches)):
+                    one_step(name, step)
+                print(f"B={b} {name}: " + ", ".join(f"{t:.2f}s" for t in times[name]), flush=True)
+        else:
+            for step in range(len(batches)):
+                for name in losses:
+                    one_step(name, step)
+                print(
+                    f"B={b} step {step}: " + ", ".join(f"{n} {t[-1]:.2f}s" for n, t in times.items() if t),
+                    flush=True,
+                )
         for name, loss in losses.items():
             budget = getattr(loss, "graph_memory_budget", None)
             rows.append(
@@ -146,6 +181,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--mini-batch", type=int, default=16)
     parser.add_argument("--max-seq-length", type=int, default=128)
+    parser.add_argument(
+        "--by-contender",
+        action="store_true",
+        help="time each contender's batches back to back (warm-up first), not batch by batch alternating",
+    )
+    parser.add_argument(
+        "--reuse-peaks",
+        action="store_true",
+        help="take the peaks (and the plain loss's, for the budgets) from the CSV's rows of the same B and L",
+    )
     parser.add_argument(
         "--peaks-only",
         action="store_true",
@@ -181,6 +226,8 @@ def main(argv: list[str] | None = None) -> None:
         new = run(
             [int(x) for x in args.batch_sizes.split(",")], args.steps, args.mini_batch, args.max_seq_length,
             contenders, not args.no_warmup, not args.peaks_only,
+            {(r["B"], r["L"], r["contender"]): r["peak_mib"] for r in old} if args.reuse_peaks else None,
+            args.by_contender,
         )  # fmt: skip
         # a run replaces the rows of the (B, L) pairs it measured and keeps the others
         measured = {(r["B"], r["L"]) for r in new}
