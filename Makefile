@@ -41,11 +41,8 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# the suite in two pytest-xdist workers, each test file on one worker (its module fixtures built once);
-# `make test PYTEST_WORKERS=0` runs it in one process
-PYTEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q $(if $(filter-out 0,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q
 
 demo: $(STAMP)
 	$(PY) -m st_cached_losses.demo

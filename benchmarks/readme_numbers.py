@@ -130,10 +130,7 @@ def measure(what: list[str], python: str) -> dict[str, float | list[float]]:
     """Time the suite, the demo and / or each example (what ``make test`` / ``make demo`` run)."""
     times: dict[str, float | list[float]] = {}
     if "test" in what:
-        # as `make test` runs it (two xdist workers, a file per worker)
-        times["test_seconds"] = timed(
-            [python, "-m", "pytest", "-q", "-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider"]
-        )
+        times["test_seconds"] = timed([python, "-m", "pytest", "-q", "-p", "no:cacheprovider"])
     if "demo" in what:
         times["demo_seconds"] = timed([python, "-m", "st_cached_losses.demo", "--disable_tqdm", "true"])
     if "examples" in what:
