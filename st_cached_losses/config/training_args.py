@@ -167,7 +167,7 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         },
     )
     tile_size: Optional[int] = _spec_field(  # noqa: UP045
-        "tile_size", help=SPECS["tile_size"].help + " 'tiled', 'sparse' and 'multi_vector' only."
+        "tile_size", help=SPECS["tile_size"].help + " 'tiled', 'gist', 'sparse' and 'multi_vector' only."
     )
     symmetric: Optional[bool] = field(  # noqa: UP045
         default=None,
@@ -575,12 +575,8 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             f"symmetric applies to loss='tiled' only ('mnr' is one-directional, 'clip' always symmetric); "
             f"got loss={args.loss!r}. Remove symmetric, or use loss='tiled'."
         )
-    if args.tile_size is not None and args.loss not in ("tiled", "sparse", "multi_vector"):
-        raise ValueError(
-            f"tile_size applies to loss='tiled' (and the tiles of 'sparse' / 'multi_vector') only, got "
-            f"loss={args.loss!r}. Remove tile_size, or use loss='tiled'."
-        )
-    for name in ("mini_batch_size", "mini_batch_num_tokens"):  # tile_size: by its spec, above
+    # tile_size: by its spec, and refused for a loss that does not take it (_validate_spec_fields)
+    for name in ("mini_batch_size", "mini_batch_num_tokens"):
         value = getattr(args, name)
         if isinstance(value, str) and value.strip().lower() == "auto":
             setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step

@@ -864,3 +864,14 @@ def test_model_card_lists_the_sparse_settings_only(tmp_path):
     args = CachedLossTrainingArguments(**BASE, **SPARSE_FIELDS)
     changed = {k: v for k, v in args.loss_settings().items() if v != LOSS_DEFAULTS[k]}
     assert changed == {k: v for k, v in SPARSE_FIELDS.items()}
+
+
+@pytest.mark.parametrize("loss", ["tiled", "gist", "sparse", "multi_vector"])
+def test_tile_size_reaches_every_loss_that_takes_it(loss):
+    """CachedGISTLoss takes tile_size, but a hand-written list in the arguments refused it for 'gist': which
+    loss takes a field is its signature's answer alone."""
+    extra = {"guide_model": "guide"} if loss == "gist" else {}
+    if loss == "sparse":
+        extra["document_regularizer_weight"] = 3e-5
+    args = CachedLossTrainingArguments(**ARGS, loss=loss, tile_size=64, **extra)
+    assert args.loss_kwargs()["tile_size"] == 64 and args.loss_settings()["tile_size"] == 64
