@@ -14,7 +14,7 @@ from st_cached_losses.functional.terms import gist_terms
 from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
-from st_cached_losses.losses.settings import Setting
+from st_cached_losses.losses.settings import Setting, refused_setting
 from st_cached_losses.losses.signatures import shared_docs
 
 MARGIN_STRATEGIES = ("absolute", "relative")
@@ -23,15 +23,14 @@ _NO_TOKENIZER = "Both the training model and the guiding model must have a token
 
 def _not_a_gist_setting(name: str) -> property:
     """A setting of the other losses that GIST does not use: reading or assigning it raises."""
-
-    def refuse(*_: Any) -> Any:
-        raise AttributeError(
-            f"CachedGISTLoss has no setting {name!r}: GIST's terms are fixed (anchor-positive, plus "
-            "contrast_anchors / contrast_positives and the hard negatives) and its guide, not the inputs, decides "
-            "which in-batch negatives count. Use CachedMNRLoss for this option."
-        )
-
-    return property(refuse, refuse, doc=f"Not used by GIST: reading or assigning {name!r} raises.")
+    return refused_setting(
+        name,
+        "CachedGISTLoss",
+        "GIST's terms are fixed (anchor-positive, plus contrast_anchors / contrast_positives and the hard "
+        "negatives) and its guide, not the inputs, decides which in-batch negatives count. Use CachedMNRLoss "
+        "for this option.",
+        "GIST",
+    )
 
 
 def _margin_strategy(name: str, value: Any) -> str:

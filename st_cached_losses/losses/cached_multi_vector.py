@@ -14,22 +14,19 @@ from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
+from st_cached_losses.losses.settings import refused_setting
 
 __all__ = ["CachedMultiVectorLoss", "resolve_token_similarity"]
 
 
 def _not_a_multi_vector_setting(name: str) -> property:
     """A setting of the single-vector losses that this loss does not take: reading or assigning it raises."""
-
-    def refuse(*_: Any) -> Any:
-        raise AttributeError(
-            f"CachedMultiVectorLoss has no setting {name!r}: like sentence-transformers' "
-            "CachedMultiVectorMultipleNegativesRankingLoss, it scores each query against every document "
-            "(query_to_doc, one softmax). Use CachedMNRLoss for this option on single-vector models."
-        )
-
-    return property(
-        refuse, refuse, doc=f"Not used by the multi-vector loss: reading or assigning {name!r} raises."
+    return refused_setting(
+        name,
+        "CachedMultiVectorLoss",
+        "like sentence-transformers' CachedMultiVectorMultipleNegativesRankingLoss, it scores each query against "
+        "every document (query_to_doc, one softmax). Use CachedMNRLoss for this option on single-vector models.",
+        "the multi-vector loss",
     )
 
 

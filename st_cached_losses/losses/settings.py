@@ -196,3 +196,13 @@ class Setting(Generic[T]):
             setattr(obj.cache, self.name, value)  # type: ignore[attr-defined]
         else:
             obj.__dict__["_" + self.name] = value
+
+
+def refused_setting(name: str, loss: str, reason: str, used_by: str) -> property:
+    """A setting of the other losses that ``loss`` does not take: reading or assigning it raises an
+    ``AttributeError`` saying ``reason``; ``used_by`` names the loss in the property's doc."""
+
+    def refuse(*_: Any) -> Any:
+        raise AttributeError(f"{loss} has no setting {name!r}: {reason}")
+
+    return property(refuse, refuse, doc=f"Not used by {used_by}: reading or assigning {name!r} raises.")
