@@ -15,6 +15,7 @@ from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
 from st_cached_losses.losses.settings import refused_setting
+from st_cached_losses.losses.signatures import shared_docs
 
 __all__ = ["CachedMultiVectorLoss", "resolve_token_similarity"]
 
@@ -90,6 +91,7 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
     hardness_strength = _not_a_multi_vector_setting("hardness_strength")
     mask_duplicates = _not_a_multi_vector_setting("mask_duplicates")
 
+    @shared_docs
     def __init__(
         self,
         model: nn.Module,
@@ -171,16 +173,7 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
             1. (query, positive) pairs or (query, positive, negative_1, ..., negative_n) tuples.
             2. A ``MultiVectorEncoder`` (outputs ``token_embeddings`` and a scoring ``attention_mask``).
 
-        Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative) triplets           | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
+        {doc:inputs_table}
 
         Relations:
             - Same loss and gradients as ``MultiVectorMultipleNegativesRankingLoss`` and

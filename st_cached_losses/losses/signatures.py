@@ -31,6 +31,18 @@ def _spec_entries(*names: str) -> str:
     )
 
 
+_INPUTS = """\
+Inputs:
+    +-------------------------------------------------+--------+
+    | Texts                                           | Labels |
+    +=================================================+========+
+    | (anchor, positive) pairs                        | none   |
+    +-------------------------------------------------+--------+
+    | (anchor, positive, negative) triplets           | none   |
+    +-------------------------------------------------+--------+
+    | (anchor, positive, negative_1, ..., negative_n) | none   |
+    +-------------------------------------------------+--------+"""
+
 #: the shared entries, by the name a docstring's ``{doc:<name>}`` line gives
 DOCS = {
     "similarity": """\
@@ -73,16 +85,9 @@ Requirements:
        ..., negative_n).
     2. A model whose inputs have a batch dimension (not StaticEmbedding).
 
-Inputs:
-    +-------------------------------------------------+--------+
-    | Texts                                           | Labels |
-    +=================================================+========+
-    | (anchor, positive) pairs                        | none   |
-    +-------------------------------------------------+--------+
-    | (anchor, positive, negative) triplets           | none   |
-    +-------------------------------------------------+--------+
-    | (anchor, positive, negative_1, ..., negative_n) | none   |
-    +-------------------------------------------------+--------+""",
+"""
+    + _INPUTS,
+    "inputs_table": _INPUTS,
 }
 
 
