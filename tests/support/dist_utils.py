@@ -1,13 +1,23 @@
 """Spawning gloo process groups on CPU from pytest.
 
-``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, each of which joins a gloo
-group, asserts the world size, calls ``fn(rank, world_size, *args)`` and sends back what it returns
-(or the exception it raised, re-raised here with the rank). Collecting the results has a deadline,
-so a worker that dies or hangs fails the test instead of blocking pytest forever."""
+``run_distributed(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on each of
+``world_size`` processes of a gloo group and returns what each returned (or re-raises the exception a
+rank raised, with the rank). Collecting the results has a deadline, so a worker that dies or hangs
+fails the test instead of blocking pytest forever.
+
+The processes are kept between calls, one group per world size for the whole pytest session: starting
+a process and importing torch, transformers and sentence-transformers in it costs seconds, many times
+over the work of a typical call. Between calls a worker puts back the state a call may leave behind
+(accelerate's singletons, grad mode, the default dtype, the thread count). A group whose call failed
+or timed out is killed and the next call starts a new one, so a broken collective never reaches the
+next test. ``fresh=True`` runs a call in a group of its own, started and stopped for it.
+"""
 
 from __future__ import annotations
 
+import atexit
 import io
+import itertools
 import os
 import queue as queue_module
 import socket
@@ -28,7 +38,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn, args: tuple, queue) -> None:
+def _reset_between_calls() -> None:
+    """Put back the process-wide state a call may change, so that calls do not see each other."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+    torch.set_grad_enabled(True)
+    torch.set_default_dtype(torch.float32)
+    torch.set_num_threads(1)
+
+
+def _serve(rank: int, world_size: int, port: int, tasks, results, parent: int) -> None:
+    """A worker: join the gloo group, then run the calls that arrive on ``tasks`` until told to stop
+    (``None``) or until the parent is gone."""
     os.environ["HF_HUB_OFFLINE"] = "1"
     torch.set_num_threads(1)
     try:
@@ -36,88 +59,149 @@ def _worker(rank: int, world_size: int, port: int, fn, args: tuple, queue) -> No
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
         assert dist.get_world_size() == world_size, "the worker must see the whole group"
-        result = fn(rank, world_size, *args)
-        # serialised to bytes: a tensor sent as is travels as a shared-memory handle, which dies with
-        # this process (a race with the parent's read)
-        buffer = io.BytesIO()
-        torch.save(result, buffer)
-        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException as exc:
-        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        results.put((None, rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return
+    try:
+        while True:
+            try:
+                task = tasks.get(timeout=2.0)
+            except queue_module.Empty:
+                if os.getppid() != parent:
+                    return  # pytest is gone
+                continue
+            if task is None:
+                return
+            call, fn, args = task
+            try:
+                result = fn(rank, world_size, *args)
+                # serialised to bytes: a tensor sent as is travels as a shared-memory handle, which dies
+                # with this process (a race with the parent's read)
+                buffer = io.BytesIO()
+                torch.save(result, buffer)
+                results.put((call, rank, "ok", buffer.getvalue()))
+            except BaseException as exc:
+                results.put((call, rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+            _reset_between_calls()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-#: Seconds the other ranks get to report once a rank has died without reporting.
-_GRACE_AFTER_DEATH = 10.0
+#: Seconds the other ranks get to report once a rank has failed or died without reporting.
+_GRACE_AFTER_FAILURE = 10.0
+
+_calls = itertools.count()
 
 
-def run_distributed(fn, world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """Run ``fn`` on ``world_size`` gloo ranks; returns the per-rank results in rank order.
+class _Group:
+    """``world_size`` spawned workers of one gloo group (see :func:`_serve`)."""
 
-    Every rank must report within ``timeout`` seconds of the start (all ranks together): a rank that
-    dies without reporting (killed, a crash in native code) or hangs in a collective would otherwise
-    block the parent's read forever. On a missed deadline the workers are killed and a
-    ``TimeoutError`` names the ranks that did not report.
-    """
-    ctx = mp.get_context("spawn")
-    # a Queue, not a SimpleQueue: only its get() takes a timeout
-    results_queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results_queue))
-        for r in range(world_size)
-    ]
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    try:
-        while len(results) + len(errors) < world_size:
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        # Queues, not SimpleQueues: only their get() takes a timeout
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = _free_port()
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, world_size, port, self.tasks[r], self.results, os.getpid()))
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn, args: tuple, timeout: float) -> tuple[dict[int, Any], dict[int, str]]:
+        """One call on every rank: the ranks' results and errors. Raises ``TimeoutError`` when a rank
+        neither reports nor fails within ``timeout`` (and the grace after another rank's failure)."""
+        call = next(_calls)
+        for q in self.tasks:
+            q.put((call, fn, args))
+        ws = self.world_size
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(results) + len(errors) < ws:
             now = time.monotonic()
-            missing = [r for r in range(world_size) if r not in results and r not in errors]
-            dead = {r: procs[r].exitcode for r in missing if not procs[r].is_alive()}
-            if dead:
-                # a rank died without reporting: the others get a few seconds to report (their error
-                # says what the death did to them), not the whole deadline, as they may wait on it forever;
-                # when only dead ranks are missing, just long enough for a report still in the pipe
-                grace = _GRACE_AFTER_DEATH if len(dead) < len(missing) else 2.0
+            missing = [r for r in range(ws) if r not in results and r not in errors]
+            dead = {r: self.procs[r].exitcode for r in missing if not self.procs[r].is_alive()}
+            if dead or errors:
+                # a rank failed or died: the others may wait on it forever in a collective, so they get
+                # a few seconds to report (their error says what the failure did to them)
+                grace = _GRACE_AFTER_FAILURE if len(dead) < len(missing) else 2.0
                 deadline = min(deadline, now + grace)
             if now >= deadline:
                 why = f"exited with codes {dead}" if dead else f"no report within {timeout:.0f} s"
                 reported = "\n".join(
-                    f"rank {r}: {errors.get(r, 'ok')}" for r in range(world_size) if r not in missing
+                    f"rank {r}: {errors.get(r, 'ok')}" for r in range(ws) if r not in missing
                 )
                 raise TimeoutError(
-                    f"ranks {missing} of {world_size} did not report ({why}); what the others reported:\n"
+                    f"ranks {missing} of {ws} did not report ({why}); what the others reported:\n"
                     f"{reported or '(nothing)'}"
                 )
             try:
                 # short slices, so that a dead worker is noticed without waiting for the deadline
-                report = results_queue.get(timeout=max(0.01, min(1.0, deadline - now)))
+                got, rank, status, payload = self.results.get(timeout=max(0.01, min(1.0, deadline - now)))
             except queue_module.Empty:
                 continue
-            _record(*report, results, errors)
-    finally:
-        for p in procs:
-            p.join(max(0.0, min(10.0, deadline - time.monotonic())))
+            if got not in (call, None):
+                continue  # not this call's (cannot happen: a group is dropped after any failure)
+            if status == "ok":
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+            else:
+                errors[rank] = payload
+        return results, errors
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+        for p in self.procs:
+            p.join(0 if kill else 10.0)
             if p.is_alive():
                 p.kill()
                 p.join()
-        results_queue.close()
+        for q in [self.results, *self.tasks]:
+            q.close()
+            q.cancel_join_thread()
+
+
+#: the kept groups, by world size
+_GROUPS: dict[int, _Group] = {}
+
+
+@atexit.register
+def _close_groups() -> None:
+    while _GROUPS:
+        _GROUPS.popitem()[1].close()
+
+
+def run_distributed(
+    fn, world_size: int, *args: Any, timeout: float = 300.0, fresh: bool = False
+) -> list[Any]:
+    """Run ``fn`` on ``world_size`` gloo ranks; returns the per-rank results in rank order.
+
+    ``fn`` must be importable by name (a module-level function). Every rank must report within
+    ``timeout`` seconds of the start (all ranks together): a rank that dies without reporting (killed,
+    a crash in native code) or hangs in a collective would otherwise block the parent's read forever.
+    On a missed deadline, or when a rank raised, the group is killed (the next call starts a new one);
+    a ``TimeoutError`` names the ranks that did not report, a ``RuntimeError`` carries the ranks'
+    exceptions. ``fresh``: a group of its own for this call, as for a call that leaves process state
+    :func:`_reset_between_calls` does not put back.
+    """
+    group = _Group(world_size) if fresh else _GROUPS.pop(world_size, None) or _Group(world_size)
+    ok = False
+    try:
+        results, errors = group.run(fn, args, timeout)
+        ok = not errors
+    finally:
+        if ok and not fresh:
+            _GROUPS[world_size] = group
+        else:
+            group.close(kill=not ok)
     if errors:
         raise RuntimeError("\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
     return [results[r] for r in range(world_size)]
-
-
-def _record(rank: int, status: str, payload: Any, results: dict[int, Any], errors: dict[int, str]) -> None:
-    """File one worker's report: its result, or the exception it raised."""
-    if status == "ok":
-        results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-    else:
-        errors[rank] = payload
 
 
 def accelerate_launch(num_processes: int = 2) -> list[str]:
