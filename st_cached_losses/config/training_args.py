@@ -280,26 +280,19 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         return kwargs
 
     def _loss_argument(self, name: str) -> Any:
-        """The value of the loss's argument ``name`` these fields set, or ``_LOSS_DEFAULT``."""
-        given_terms = self.directions is not None or self.partition_mode is not None
+        """The value of the loss's argument ``name`` these fields set, or ``_LOSS_DEFAULT`` (a field's None:
+        the loss's own default)."""
         if name == "scale":
             return self.loss_scale
         if name == "temperature":
             return 1.0 / self.loss_scale
-        if name == "directions":
-            return self.loss_directions if self.loss_directions is not None else _LOSS_DEFAULT
         if name == "partition_mode":
+            given_terms = self.directions is not None or self.partition_mode is not None
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
-        if name == "symmetric":
-            return bool(self.symmetric) if self.symmetric is not None else _LOSS_DEFAULT
-        if name == "similarity_fct":
-            if self.similarity is None:
-                return _LOSS_DEFAULT  # the loss's own: sentence-transformers' default
-            if self.loss in _SIMILARITY_FUNCTIONS:  # the callables their loss takes (and names in its config)
-                return _SIMILARITY_FUNCTIONS[self.loss]()[self.similarity]
-            return self.similarity
-        value = getattr(self, FIELD_NAMES.get(name, name))
-        return _LOSS_DEFAULT if value is None and name in _NONE_IS_LOSS_DEFAULT else value
+        if name == "similarity_fct" and self.similarity is not None and self.loss in _SIMILARITY_FUNCTIONS:
+            return _SIMILARITY_FUNCTIONS[self.loss]()[self.similarity]  # the callables their loss takes
+        value = self.loss_directions if name == "directions" else getattr(self, FIELD_NAMES.get(name, name))
+        return _LOSS_DEFAULT if value is None else value
 
     def loss_settings(self) -> dict[str, Any]:
         """The fields that configure the chosen loss and their values (what the model card lists): the
@@ -337,8 +330,6 @@ def _token_similarities() -> dict[str, Any]:
 
 #: losses that take sentence-transformers' similarity callables: the field's names -> the callables
 _SIMILARITY_FUNCTIONS = {"sparse": _sparse_similarities, "multi_vector": _token_similarities}
-#: fields whose None means the loss's own default (not None)
-_NONE_IS_LOSS_DEFAULT = {"memory_budget"}
 #: fields derived from others for the loss (listed by ``loss_settings`` on their own terms)
 _DERIVED = {"scale", "temperature", "directions", "partition_mode"}
 
