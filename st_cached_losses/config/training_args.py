@@ -55,7 +55,14 @@ from st_cached_losses.losses.options import (
     check_hardness,
     resolve_similarity,
 )
-from st_cached_losses.losses.settings import FIELD_NAMES, NOT_FIELDS, SPECS, Spec, check_nonnegative
+from st_cached_losses.losses.settings import (
+    FIELD_NAMES,
+    NOT_FIELDS,
+    SPECS,
+    Spec,
+    check_max_scale,
+    check_nonnegative,
+)
 
 __all__ = [
     "LOSS_DEFAULTS",
@@ -409,10 +416,8 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             f"scale={args.scale} and temperature={args.temperature} disagree (scale = 1 / temperature = "
             f"{1 / args.temperature:g}); set only one of scale and temperature."
         )
-    if args.learnable_scale and args.max_scale < args.loss_scale:
-        raise ValueError(
-            f"max_scale={args.max_scale} must be >= the initial scale {args.loss_scale:g} with learnable_scale."
-        )
+    if args.learnable_scale:
+        check_max_scale(args.max_scale, args.loss_scale)
     if args.loss == "gist" and not args.guide_model:
         raise ValueError(
             "loss='gist' needs guide_model: the path of the guide SentenceTransformer (e.g. the model "

@@ -25,7 +25,16 @@ from st_cached_losses.functional.checks import (
     memory_bytes,
 )
 
-__all__ = ["FIELD_NAMES", "NOT_FIELDS", "SPECS", "Setting", "Spec", "check_bool", "check_nonnegative"]
+__all__ = [
+    "FIELD_NAMES",
+    "NOT_FIELDS",
+    "SPECS",
+    "Setting",
+    "Spec",
+    "check_bool",
+    "check_max_scale",
+    "check_nonnegative",
+]
 
 T = TypeVar("T")
 
@@ -34,6 +43,14 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}.")
     return value
+
+
+def check_max_scale(max_scale: float, scale: float) -> None:
+    """A learnable scale's clamp is at least the scale."""
+    if max_scale < scale:
+        raise ValueError(
+            f"max_scale must be >= scale with learnable_scale, got max_scale={max_scale!r} and scale={scale!r}."
+        )
 
 
 def _budget_or_none(name: str, value: Any) -> int | None:
@@ -159,8 +176,9 @@ SPECS: dict[str, Spec] = {
     "mini_batch_num_tokens": Spec(
         None,
         "Optional budget of real (non-padding) tokens per encoder mini-batch instead of a fixed row count, as "
-        "in sentence-transformers: long texts get smaller mini-batches; mini_batch_size is then not used. "
-        "'auto': the largest budget that fits mini_batch_memory_budget.",
+        "in sentence-transformers: rows are packed while their token count stays within it (a longer row "
+        "alone), longest first, so long texts get smaller mini-batches (for data of very uneven length); "
+        "mini_batch_size is then not used. 'auto': the largest budget that fits mini_batch_memory_budget.",
         _mini_batch_num_tokens,
     ),
     "symmetric": Spec(
@@ -182,11 +200,14 @@ SPECS: dict[str, Spec] = {
     ),
     "hardness_mode": Spec(
         None,
-        "Hardness weighting of negatives: in_batch_negatives, hard_negatives or all_negatives (adds "
-        "hardness_strength * stop_grad(similarity) to those logits); default none.",
+        "Hardness weighting of negatives (default none): in_batch_negatives (Lan et al. 2025), hard_negatives "
+        "(EmbeddingGemma) or all_negatives: adds hardness_strength * stop_grad(similarity) (not scaled) to those "
+        "negatives' logits, as sentence-transformers does.",
     ),
     "hardness_strength": Spec(
-        0.0, "The hardness penalty's alpha (e.g. 9 in_batch_negatives, 5 hard_negatives)."
+        0.0,
+        "The hardness penalty's alpha, non-negative (e.g. 9 in_batch_negatives, 5 hard_negatives); unused while "
+        "hardness_mode is none.",
     ),
     "guide": Spec(
         None,
@@ -244,8 +265,10 @@ SPECS: dict[str, Spec] = {
     ),
     "mask_duplicates": Spec(
         False,
-        "Drop from a row's negatives the candidates whose text equals its positive or belongs to a pair sharing "
-        "its anchor or positive (false negatives), also across processes.",
+        "Mask false negatives found by equal inputs (token ids), on this process and across processes (which "
+        "the NO_DUPLICATES sampler cannot see beyond one process's batch): rows sharing their anchor or their "
+        "positive are duplicates; a row's negatives lose the positives of its duplicates, and any candidate "
+        "(hard negatives included) equal to its own positive.",
         check_bool,
         "changed",
     ),
