@@ -1,12 +1,13 @@
 """One spec per loss setting: its default, its one check (one wording), its help text, whether the model
 card's config lists it, and which field of the arguments sets it.
 
-The losses check their arguments with these specs (constructor and every assignment), the plain settings
-are :class:`Setting` descriptors built from them, ``get_config_dict`` lists the extras from them, and the
-configuration layer takes each field's default and help text from them and passes every field a loss's
-constructor takes (``tests/config/test_training_args.py`` holds that every constructor argument of every
-loss is a field, or on :data:`NOT_FIELDS` with the reason). Adding a plain setting is one entry here, one
-``Setting()`` line on the loss, its parameter in the signatures, and its use.
+Every loss setting that is a field of the arguments has a spec here. The losses check their arguments
+with these specs' checks (constructor and every assignment), the plain settings are :class:`Setting`
+descriptors built from them, ``get_config_dict`` lists the extras from them, and the configuration layer
+builds each field from its spec (default, help) and checks it with the spec's check, refusing it for a
+loss whose signature lacks it (``tests/config/test_training_args.py`` holds that every constructor argument
+of every loss is a field, or on :data:`NOT_FIELDS` with the reason). Adding a setting is one entry here,
+its field line (the annotation the parser reads) and its parameter in the signatures, and its use.
 """
 
 from __future__ import annotations
