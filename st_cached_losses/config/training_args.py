@@ -50,7 +50,6 @@ from st_cached_losses.config.registry import (
 from st_cached_losses.losses import CachedInfoNCEBase
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
-    TWO_DIRECTIONS,
     check_directions,
     check_hardness,
     resolve_similarity,
@@ -189,18 +188,22 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
 
     @property
     def loss_directions(self) -> tuple[str, ...] | None:
-        """``directions`` as a tuple (None: the loss's default)."""
+        """``directions`` as a tuple (None: the loss's default); checked by ``__post_init__``."""
         if self.directions is None:
             return None
-        return tuple(
-            d.strip() for d in str(self.directions).split(",") if d.strip()
-        )  # checked by __post_init__
+        return tuple(d.strip() for d in str(self.directions).split(",") if d.strip())
 
     @property
     def loss_partition_mode(self) -> str:
+        """``partition_mode``, else the loss's own ('joint' where its default follows other arguments)."""
         if self.partition_mode is not None:
             return self.partition_mode
-        return "per_direction" if self.loss == "clip" else "joint"
+        return self._own_default("partition_mode", "joint")
+
+    def _own_default(self, param: str, otherwise: Any) -> Any:
+        """The chosen loss's default of its argument ``param``, or ``otherwise`` where it has none (or None)."""
+        default = getattr(loss_parameters(self.loss).get(param), "default", None)
+        return otherwise if default is None or default is inspect.Parameter.empty else default
 
     def _map_scale_learning_rate(self) -> None:
         """Give a learnable scale its own learning rate through sentence-transformers'
@@ -429,7 +432,7 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             "(lambda_d, e.g. 3e-5; SPLADE's CachedSpladeLoss has no default either)."
         )
     if args.directions is not None or args.partition_mode is not None:
-        directions = args.loss_directions or (TWO_DIRECTIONS if args.loss == "clip" else ONE_DIRECTION)
+        directions = args.loss_directions or args._own_default("directions", ONE_DIRECTION)
         check_directions(directions, args.loss_partition_mode, "directions")
         if args.symmetric is not None:
             raise ValueError("give either symmetric or directions / partition_mode, not both.")
