@@ -274,7 +274,7 @@ SPECS: dict[str, Spec] = {
         "changed",
     ),
     "show_progress_bar": Spec(
-        False, "Show tqdm bars over the loss's encoder mini-batches.", check_bool, "never"
+        False, "Show tqdm bars over the loss's encoder mini-batches (both passes).", check_bool, "never"
     ),
     "sort_by_length": Spec(
         True,

@@ -57,8 +57,7 @@ other row's documents).""",
     "partition_mode": """\
 partition_mode: ``"joint"`` (one softmax over every selected term; GTE with all four directions) or
     ``"per_direction"`` (one per direction, averaged; not with ``query_to_query`` / ``doc_to_doc``).""",
-    "hardness": "show_progress_bar: tqdm bars over the mini-batches of both passes.\n"
-    + _spec_entries("hardness_mode", "hardness_strength"),
+    "hardness": _spec_entries("show_progress_bar", "hardness_mode", "hardness_strength"),
     "mask_duplicates": _spec_entries("mask_duplicates"),
     "engine": _spec_entries(
         "sort_by_length",
