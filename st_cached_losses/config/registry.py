@@ -8,9 +8,7 @@ parser (:mod:`st_cached_losses.config.cli`) share one table.
 
 from __future__ import annotations
 
-import difflib
 import inspect
-from collections.abc import Sequence
 from typing import Any
 
 from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss
@@ -24,6 +22,7 @@ from st_cached_losses.losses import (
     CachedSparseLoss,
     CachedTiledLoss,
 )
+from st_cached_losses.losses.options import closest_name_hint  # the hint of every configuration error
 
 __all__ = [
     "BASE_LOSSES",
@@ -94,9 +93,3 @@ LOSS_DEFAULT_SCALES: dict[str, float] = {name: _st_default_scale(name) for name 
 DEFAULT_GIST_TEMPERATURE = 0.01
 #: the default learning rate of a learnable scale (its own optimizer group, see ``scale_learning_rate``)
 DEFAULT_SCALE_LEARNING_RATE = 1e-2
-
-
-def closest_name_hint(word: str, choices: Sequence[str]) -> str:
-    """``" Did you mean 'x'?"`` for the choice closest to a misspelt ``word``, or ``""`` if none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" Did you mean {close[0]!r}?" if close else ""

@@ -24,6 +24,7 @@ Example::
 # class's ``__module__`` is its documented path (set just below the class).
 
 import dataclasses
+import functools
 import inspect
 import math
 import re
@@ -46,27 +47,21 @@ from st_cached_losses.config.registry import (
     closest_name_hint,
     loss_parameters,
 )
-from st_cached_losses.functional import scale_value
 from st_cached_losses.losses import CachedInfoNCEBase
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
-    TWO_DIRECTIONS,
-    VALID_DIRECTIONS,
     check_directions,
     check_hardness,
     resolve_similarity,
 )
-from st_cached_losses.losses.settings import FIELD_NAMES, NOT_FIELDS, SPECS
-
-
-def _spec_field(name: str, default: Any = dataclasses.MISSING, help: str | None = None) -> Any:
-    """A field whose default and help text are the loss setting's spec (``losses/settings.py``)."""
-    spec = SPECS[name]
-    return field(
-        default=spec.default if default is dataclasses.MISSING else default,
-        metadata={"help": help or spec.help},
-    )
-
+from st_cached_losses.losses.settings import (
+    FIELD_NAMES,
+    NOT_FIELDS,
+    SPECS,
+    Spec,
+    check_max_scale,
+    check_nonnegative,
+)
 
 __all__ = [
     "LOSS_DEFAULTS",
@@ -85,6 +80,36 @@ SCALE_PARAMETER_PATTERN = r"^(?!(?:.*\.)?model\.)(?:.*\.)?logit_scale$"
 #: what the loss's scale is called among the trainer's parameter names (a user pattern matching one of these
 #: already sets the scale's learning rate)
 _SCALE_PARAMETER_NAMES = ("logit_scale", "loss.logit_scale")
+
+#: the fields that set no loss argument, in the same form as the loss settings' specs
+_ARGUMENT_SPECS = {
+    "scale_learning_rate": Spec(
+        DEFAULT_SCALE_LEARNING_RATE,
+        f"Learning rate of a learnable scale (default {DEFAULT_SCALE_LEARNING_RATE:g}), in an optimizer group of its "
+        "own: at a fine-tuning learning_rate (1e-4) the scale barely moves (Adam changes log(scale) by about the "
+        "learning rate per step). With learnable_scale it is added to learning_rate_mapping as {'"
+        + SCALE_PARAMETER_PATTERN
+        + "': rate}, unless a pattern of the user's learning_rate_mapping already matches 'logit_scale' (the "
+        "user's rate is kept). The learning rate schedule applies to it as to every group. 0 or None: the scale "
+        "trains at learning_rate.",
+        functools.partial(check_nonnegative, example=f"{DEFAULT_SCALE_LEARNING_RATE:g}"),
+    )
+}
+#: field name -> (the loss argument it sets, None for none; its spec)
+FIELD_SPECS: dict[str, tuple[str | None, Spec]] = {
+    **{FIELD_NAMES.get(name, name): (name, spec) for name, spec in SPECS.items()},
+    **{name: (None, spec) for name, spec in _ARGUMENT_SPECS.items()},
+}
+
+
+def _spec_field(name: str, default: Any = dataclasses.MISSING, more: str = "") -> Any:
+    """The field of the setting ``name`` (a loss argument's, or one of :data:`_ARGUMENT_SPECS`): its spec's
+    default (or ``default``) and help (and ``more``)."""
+    spec = SPECS[name] if name in SPECS else _ARGUMENT_SPECS[name]
+    return field(
+        default=spec.default if default is dataclasses.MISSING else default,
+        metadata={"help": spec.help + more},
+    )
 
 
 @dataclass
@@ -110,169 +135,48 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             "class names are accepted too."
         },
     )
-    scale: Optional[float] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": f"Similarity scale = 1 / temperature (default {DEFAULT_SCALE:g}; 'gist' "
-            f"{1 / DEFAULT_GIST_TEMPERATURE:g}, 'sparse' {LOSS_DEFAULT_SCALES['sparse']:g} and 'multi_vector' "
-            f"{LOSS_DEFAULT_SCALES['multi_vector']:g}, as sentence-transformers' own losses); the initial value when "
-            "learnable. Give scale or temperature; both only if they agree."
-        },
+    scale: Optional[float] = _spec_field(  # noqa: UP045
+        "scale",
+        more=f" Default: the loss's own, as sentence-transformers' losses: {DEFAULT_SCALE:g}; 'gist' "
+        f"{1 / DEFAULT_GIST_TEMPERATURE:g}, 'sparse' {LOSS_DEFAULT_SCALES['sparse']:g} and 'multi_vector' "
+        f"{LOSS_DEFAULT_SCALES['multi_vector']:g}.",
     )
-    temperature: Optional[float] = field(  # noqa: UP045
-        default=None,
-        metadata={"help": "Softmax temperature = 1 / scale, e.g. 0.05. Give scale or temperature."},
-    )
-    learnable_scale: bool = field(
-        default=False,
-        metadata={
-            "help": "Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale ('clip' and "
-            "'tiled' only)."
-        },
-    )
+    temperature: Optional[float] = _spec_field("temperature")  # noqa: UP045
+    learnable_scale: bool = _spec_field("learnable_scale")
     max_scale: float = _spec_field("max_scale")
-    scale_learning_rate: Optional[float] = field(  # noqa: UP045
-        default=DEFAULT_SCALE_LEARNING_RATE,
-        metadata={
-            "help": f"Learning rate of a learnable scale (default {DEFAULT_SCALE_LEARNING_RATE:g}), in an optimizer "
-            "group of its own: at a fine-tuning learning_rate (1e-4) the scale barely moves (Adam changes "
-            "log(scale) by about the learning rate per step). With learnable_scale it is added to "
-            "learning_rate_mapping as {'" + SCALE_PARAMETER_PATTERN + "': rate}, unless a pattern of the "
-            "user's learning_rate_mapping already matches 'logit_scale' (the user's rate is kept). The learning "
-            "rate schedule applies to it as to every group. 0 or None: the scale trains at learning_rate."
-        },
-    )
-    similarity: Optional[str] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "Similarity of embeddings: 'cosine' or 'dot' (dot product); default the loss's own: cosine, "
-            "'sparse' dot (as SparseMultipleNegativesRankingLoss). 'multi_vector': 'maxsim' (default, "
-            "colbert_scores), 'meanmaxsim' (mean_colbert_scores) or 'xtr' (xtr_scores, top_k 256)."
-        },
-    )
-    mini_batch_size: Union[int, str] = field(  # noqa: UP007
-        default=32,
-        metadata={
-            "help": "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Should be "
-            "smaller than per_device_train_batch_size, or caching is off. 'auto': the largest that fits "
-            "mini_batch_memory_budget, measured at the first step and logged."
-        },
-    )
-    mini_batch_num_tokens: Optional[Union[int, str]] = field(  # noqa: UP007, UP045
-        default=None,
-        metadata={
-            "help": "Optional budget of real (non-padding) tokens per encoder mini-batch instead of a fixed "
-            "row count, as in sentence-transformers: long texts get smaller mini-batches; mini_batch_size is "
-            "then not used. 'auto': the largest budget that fits mini_batch_memory_budget."
-        },
-    )
+    scale_learning_rate: Optional[float] = _spec_field("scale_learning_rate")  # noqa: UP045
+    similarity: Optional[str] = _spec_field("similarity_fct")  # noqa: UP045
+    mini_batch_size: Union[int, str] = _spec_field("mini_batch_size")  # noqa: UP007
+    mini_batch_num_tokens: Optional[Union[int, str]] = _spec_field("mini_batch_num_tokens")  # noqa: UP007, UP045
     tile_size: Optional[int] = _spec_field(  # noqa: UP045
-        "tile_size", help=SPECS["tile_size"].help + " 'tiled', 'gist', 'sparse' and 'multi_vector' only."
+        "tile_size", more=" 'tiled', 'gist', 'sparse' and 'multi_vector' only."
     )
-    symmetric: Optional[bool] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "'tiled' only: also the positive -> anchors direction, averaged (the CLIP loss); default "
-            "false. ('mnr' is one-directional, 'clip' always symmetric.)"
-        },
-    )
+    symmetric: Optional[bool] = _spec_field("symmetric")  # noqa: UP045
     gather_across_devices: bool = _spec_field("gather_across_devices")
     mask_duplicates: bool = _spec_field("mask_duplicates")
     loss_show_progress_bar: bool = _spec_field("show_progress_bar")
-    path: str = _spec_field("path", help=SPECS["path"].help + " Not 'tiled' (always tiled).")
-    memory_budget: Optional[str] = _spec_field(  # noqa: UP045
-        "memory_budget", None, SPECS["memory_budget"].help + " None: that default."
-    )
+    path: str = _spec_field("path", more=" Not 'tiled' (always tiled).")
+    memory_budget: Optional[str] = _spec_field("memory_budget", None, " None: that default.")  # noqa: UP045
     sort_by_length: bool = _spec_field("sort_by_length")
     reuse_last_graph: bool = _spec_field("reuse_last_graph")
     keep_params_unsharded: bool = _spec_field("keep_params_unsharded")
     graph_memory_budget: Optional[str] = _spec_field("graph_memory_budget")  # noqa: UP045
     mini_batch_memory_budget: Optional[str] = _spec_field("mini_batch_memory_budget")  # noqa: UP045
-    directions: Optional[str] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "'mnr' / 'clip' / 'tiled': the similarity terms, comma-separated, as sentence-transformers' "
-            "MultipleNegativesRankingLoss: query_to_doc (required), query_to_query, doc_to_query, doc_to_doc. "
-            "Default: the loss's own (query_to_doc; clip: query_to_doc,doc_to_query)."
-        },
-    )
-    partition_mode: Optional[str] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "'joint' (one softmax over every term; GTE with all four directions) or 'per_direction' "
-            "(one per direction, averaged). Default: the loss's own ('joint'; clip: 'per_direction')."
-        },
-    )
-    hardness_mode: Optional[str] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "Hardness weighting of negatives: in_batch_negatives, hard_negatives or all_negatives (adds "
-            "hardness_strength * stop_grad(similarity) to those logits); default none."
-        },
-    )
-    hardness_strength: float = field(
-        default=0.0,
-        metadata={"help": "The hardness penalty's alpha (e.g. 9 in_batch_negatives, 5 hard_negatives)."},
-    )
-    guide_model: Optional[str] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "'gist' only (required there): the guide SentenceTransformer, a local path (or a Hub name when "
-            "online); loaded on the trained model's device, never trained."
-        },
-    )
-    margin_strategy: str = field(
-        default="absolute",
-        metadata={
-            "help": "'gist' only: 'absolute' or 'relative' margin for removing negatives the guide rates high."
-        },
-    )
-    margin: float = field(default=0.0, metadata={"help": "'gist' only: the margin of margin_strategy."})
-    contrast_anchors: bool = field(
-        default=True, metadata={"help": "'gist' only: contrast each anchor with the other anchors."}
-    )
-    contrast_positives: bool = field(
-        default=True, metadata={"help": "'gist' only: contrast each positive with the other positives."}
-    )
-    document_regularizer_weight: Optional[float] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "'sparse' only (required there): weight of the documents' FLOPS regulariser (lambda_d), on "
-            "every column but the first (on every column with use_document_regularizer_only), e.g. 3e-5."
-        },
-    )
-    query_regularizer_weight: Optional[float] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "'sparse' only: weight of the queries' FLOPS regulariser (lambda_q), on the first column, "
-            "e.g. 5e-5; none: no query regulariser (inference-free models)."
-        },
-    )
-    document_regularizer_threshold: Optional[int] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "'sparse' only: the documents' FLOPS counts only rows with more than this many non-zero "
-            "entries (FLOPS with l0 masking); none: every row."
-        },
-    )
-    query_regularizer_threshold: Optional[int] = field(  # noqa: UP045
-        default=None,
-        metadata={"help": "'sparse' only: as document_regularizer_threshold, for the queries' FLOPS."},
-    )
-    use_document_regularizer_only: bool = field(
-        default=False,
-        metadata={
-            "help": "'sparse' only: every column is a document (symmetric data): one regulariser over all of "
-            "them, weighted by document_regularizer_weight."
-        },
-    )
-    score_mini_batch_size: Optional[int] = field(  # noqa: UP045
-        default=None,
-        metadata={
-            "help": "'multi_vector' only: sentence-transformers' scoring chunk, kept for their config (default "
-            "mini_batch_size); the scoring tiles are sized from memory_budget and never change the result."
-        },
-    )
+    directions: Optional[str] = _spec_field("directions")  # noqa: UP045
+    partition_mode: Optional[str] = _spec_field("partition_mode")  # noqa: UP045
+    hardness_mode: Optional[str] = _spec_field("hardness_mode")  # noqa: UP045
+    hardness_strength: float = _spec_field("hardness_strength")
+    guide_model: Optional[str] = _spec_field("guide")  # noqa: UP045
+    margin_strategy: str = _spec_field("margin_strategy")
+    margin: float = _spec_field("margin")
+    contrast_anchors: bool = _spec_field("contrast_anchors")
+    contrast_positives: bool = _spec_field("contrast_positives")
+    document_regularizer_weight: Optional[float] = _spec_field("document_regularizer_weight")  # noqa: UP045
+    query_regularizer_weight: Optional[float] = _spec_field("query_regularizer_weight")  # noqa: UP045
+    document_regularizer_threshold: Optional[int] = _spec_field("document_regularizer_threshold")  # noqa: UP045
+    query_regularizer_threshold: Optional[int] = _spec_field("query_regularizer_threshold")  # noqa: UP045
+    use_document_regularizer_only: bool = _spec_field("use_document_regularizer_only")
+    score_mini_batch_size: Optional[int] = _spec_field("score_mini_batch_size")  # noqa: UP045
 
     def __post_init__(self) -> None:
         # ours first: a wrong loss setting is reported before anything else is set up
@@ -284,23 +188,22 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
 
     @property
     def loss_directions(self) -> tuple[str, ...] | None:
-        """``directions`` as a tuple (None: the loss's default)."""
+        """``directions`` as a tuple (None: the loss's default); checked by ``__post_init__``."""
         if self.directions is None:
             return None
-        names = tuple(d.strip() for d in str(self.directions).split(",") if d.strip())
-        unknown = [d for d in names if d not in VALID_DIRECTIONS]
-        if unknown:
-            raise ValueError(
-                f"directions: {unknown} are not directions; choose among {', '.join(VALID_DIRECTIONS)} "
-                f"(comma-separated).{closest_name_hint(unknown[0], list(VALID_DIRECTIONS))}"
-            )
-        return names
+        return tuple(d.strip() for d in str(self.directions).split(",") if d.strip())
 
     @property
     def loss_partition_mode(self) -> str:
+        """``partition_mode``, else the loss's own ('joint' where its default follows other arguments)."""
         if self.partition_mode is not None:
             return self.partition_mode
-        return "per_direction" if self.loss == "clip" else "joint"
+        return self._own_default("partition_mode", "joint")
+
+    def _own_default(self, param: str, otherwise: Any) -> Any:
+        """The chosen loss's default of its argument ``param``, or ``otherwise`` where it has none (or None)."""
+        default = getattr(loss_parameters(self.loss).get(param), "default", None)
+        return otherwise if default is None or default is inspect.Parameter.empty else default
 
     def _map_scale_learning_rate(self) -> None:
         """Give a learnable scale its own learning rate through sentence-transformers'
@@ -387,26 +290,19 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         return kwargs
 
     def _loss_argument(self, name: str) -> Any:
-        """The value of the loss's argument ``name`` these fields set, or ``_LOSS_DEFAULT``."""
-        given_terms = self.directions is not None or self.partition_mode is not None
+        """The value of the loss's argument ``name`` these fields set, or ``_LOSS_DEFAULT`` (a field's None:
+        the loss's own default)."""
         if name == "scale":
             return self.loss_scale
         if name == "temperature":
             return 1.0 / self.loss_scale
-        if name == "directions":
-            return self.loss_directions if self.loss_directions is not None else _LOSS_DEFAULT
         if name == "partition_mode":
+            given_terms = self.directions is not None or self.partition_mode is not None
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
-        if name == "symmetric":
-            return bool(self.symmetric) if self.symmetric is not None else _LOSS_DEFAULT
-        if name == "similarity_fct":
-            if self.similarity is None:
-                return _LOSS_DEFAULT  # the loss's own: sentence-transformers' default
-            if self.loss in _SIMILARITY_FUNCTIONS:  # the callables their loss takes (and names in its config)
-                return _SIMILARITY_FUNCTIONS[self.loss]()[self.similarity]
-            return self.similarity
-        value = getattr(self, FIELD_NAMES.get(name, name))
-        return _LOSS_DEFAULT if value is None and name in _NONE_IS_LOSS_DEFAULT else value
+        if name == "similarity_fct" and self.similarity is not None and self.loss in _SIMILARITY_FUNCTIONS:
+            return _SIMILARITY_FUNCTIONS[self.loss]()[self.similarity]  # the callables their loss takes
+        value = self.loss_directions if name == "directions" else getattr(self, FIELD_NAMES.get(name, name))
+        return _LOSS_DEFAULT if value is None else value
 
     def loss_settings(self) -> dict[str, Any]:
         """The fields that configure the chosen loss and their values (what the model card lists): the
@@ -444,8 +340,6 @@ def _token_similarities() -> dict[str, Any]:
 
 #: losses that take sentence-transformers' similarity callables: the field's names -> the callables
 _SIMILARITY_FUNCTIONS = {"sparse": _sparse_similarities, "multi_vector": _token_similarities}
-#: fields whose None means the loss's own default (not None)
-_NONE_IS_LOSS_DEFAULT = {"memory_budget"}
 #: fields derived from others for the loss (listed by ``loss_settings`` on their own terms)
 _DERIVED = {"scale", "temperature", "directions", "partition_mode"}
 
@@ -494,7 +388,8 @@ def user_stacklevel() -> int:
 
 
 def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
-    """Check the loss fields of ``args`` and put them in canonical form (``args.loss``, ``args.similarity``).
+    """Check the loss fields of ``args`` and put them in canonical form (``args.loss``, ``args.similarity``,
+    ``"auto"``, ``directions`` given as a list).
 
     Raises:
         ValueError: naming the field of an invalid value or combination.
@@ -508,11 +403,13 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             f"{closest_name_hint(key, list(LOSS_ALIASES))}"
         )
     args.loss = LOSS_ALIASES[key]
-
-    for name in ("scale", "temperature"):
-        if getattr(args, name) is not None:
-            scale_value(getattr(args, name), name)  # the losses' own check and wording
-    SPECS["max_scale"].check("max_scale", args.max_scale)  # before it is compared with the scale below
+    for name in ("mini_batch_size", "mini_batch_num_tokens"):
+        value = getattr(args, name)
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step
+    if isinstance(args.directions, (list, tuple)):  # given as a list in Python or YAML
+        args.directions = ",".join(args.directions)
+    _validate_spec_fields(args)
     if (
         args.scale is not None
         and args.temperature is not None
@@ -522,69 +419,24 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             f"scale={args.scale} and temperature={args.temperature} disagree (scale = 1 / temperature = "
             f"{1 / args.temperature:g}); set only one of scale and temperature."
         )
-    _validate_taken_fields(args)
-    validate_option_fields(args)
-    _validate_spec_fields(args)
-    if args.learnable_scale and args.loss not in ("clip", "tiled"):
+    if args.learnable_scale:
+        check_max_scale(args.max_scale, args.loss_scale)
+    if args.loss == "gist" and not args.guide_model:
         raise ValueError(
-            f"learnable_scale=True is supported by loss='clip' or loss='tiled', not loss={args.loss!r} (a fixed "
-            "scale)."
+            "loss='gist' needs guide_model: the path of the guide SentenceTransformer (e.g. the model "
+            "before fine-tuning, or a stronger one)."
         )
-    if args.loss == "sparse":
-        if args.document_regularizer_weight is None:
-            raise ValueError(
-                "loss='sparse' needs document_regularizer_weight: the weight of the documents' FLOPS regulariser "
-                "(lambda_d, e.g. 3e-5; SPLADE's CachedSpladeLoss has no default either)."
-            )
-        for name in (
-            "document_regularizer_weight",
-            "query_regularizer_weight",
-            "document_regularizer_threshold",
-            "query_regularizer_threshold",
-        ):
-            value = getattr(args, name)
-            if value is not None and (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not math.isfinite(value)
-                or value < 0
-            ):
-                raise ValueError(f"{name} must be a finite number >= 0 or None, got {value!r}.")
-    if args.score_mini_batch_size is not None and (
-        isinstance(args.score_mini_batch_size, bool)
-        or not isinstance(args.score_mini_batch_size, int)
-        or args.score_mini_batch_size <= 0
-    ):
+    if args.loss == "sparse" and args.document_regularizer_weight is None:
         raise ValueError(
-            f"score_mini_batch_size must be a positive integer or None, got {args.score_mini_batch_size!r}."
+            "loss='sparse' needs document_regularizer_weight: the weight of the documents' FLOPS regulariser "
+            "(lambda_d, e.g. 3e-5; SPLADE's CachedSpladeLoss has no default either)."
         )
-    rate = args.scale_learning_rate
-    if rate is not None and (
-        isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate < 0
-    ):
-        raise ValueError(
-            f"scale_learning_rate must be a finite number >= 0 (0 or None: the scale trains at learning_rate), "
-            f"got {rate!r}; e.g. {DEFAULT_SCALE_LEARNING_RATE:g}."
-        )
-    if args.learnable_scale and args.max_scale < args.loss_scale:
-        raise ValueError(
-            f"max_scale={args.max_scale} must be >= the initial scale {args.loss_scale:g} with learnable_scale."
-        )
-    if args.symmetric is not None and args.loss != "tiled":
-        raise ValueError(
-            f"symmetric applies to loss='tiled' only ('mnr' is one-directional, 'clip' always symmetric); "
-            f"got loss={args.loss!r}. Remove symmetric, or use loss='tiled'."
-        )
-    # tile_size: by its spec, and refused for a loss that does not take it (_validate_spec_fields)
-    for name in ("mini_batch_size", "mini_batch_num_tokens"):
-        value = getattr(args, name)
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step
-            continue
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            if name == "mini_batch_num_tokens":  # sentence-transformers' sentence, which their tests match
-                raise ValueError(f"{name} must be a positive integer or None. Got {value!r}.")
-            raise ValueError(f"{name} must be a positive integer or 'auto', got {value!r}.")
+    if args.directions is not None or args.partition_mode is not None:
+        directions = args.loss_directions or args._own_default("directions", ONE_DIRECTION)
+        check_directions(directions, args.loss_partition_mode, "directions")
+        if args.symmetric is not None:
+            raise ValueError("give either symmetric or directions / partition_mode, not both.")
+    check_hardness(args.hardness_mode, args.hardness_strength, "hardness_mode")
     _validate_similarity(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size
@@ -598,9 +450,39 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
         )
 
 
+#: loss arguments every loss takes in some form: the scale (or temperature, its inverse), and the
+#: similarity (a name whose meaning depends on the loss, see ``_validate_similarity``)
+_ANY_LOSS = {"scale", "temperature", "similarity_fct"}
+
+
+def _validate_spec_fields(args: CachedLossTrainingArguments) -> None:
+    """Each field by its spec's check (the losses' own, naming the field), and only for a loss that takes
+    it: a field away from its default that the chosen loss would ignore is an error (not silence) naming
+    the losses that take it (which loss takes a field is its signature's answer alone)."""
+    taken = loss_parameters(args.loss)
+    for f in dataclasses.fields(args):
+        param, spec = FIELD_SPECS.get(f.name, (None, None))
+        value = getattr(args, f.name)
+        if spec is None or value is None:
+            continue
+        spec.check(f.name, value)
+        if param is None or param in _ANY_LOSS or param in taken or value == f.default:
+            continue
+        takers = [f"loss={name!r}" for name in LOSSES if param in loss_parameters(name)]
+        takers_text = f"{takers[0]} only" if len(takers) == 1 else f"{', '.join(takers[:-1])} or {takers[-1]}"
+        raise ValueError(
+            f"{f.name} does not apply to loss={args.loss!r} ({args.loss_class.__name__} does not take {param}): "
+            f"{f.name} applies to {takers_text}. Remove {f.name}."
+        )
+
+
 def _validate_similarity(args: CachedLossTrainingArguments) -> None:
     """``similarity`` in canonical form for the chosen loss (None: the loss's own default)."""
     if args.similarity is None:
+        return
+    if args.loss == "gist":
+        if args.similarity != "cosine":
+            raise ValueError("loss='gist' compares cosine similarities; remove similarity (or set 'cosine').")
         return
     if args.loss == "multi_vector":
         name = str(args.similarity).lower()
@@ -619,107 +501,3 @@ def _validate_similarity(args: CachedLossTrainingArguments) -> None:
             "the similarity matrix, so only these two are possible ('maxsim', 'meanmaxsim', 'xtr': "
             "loss='multi_vector')."
         ) from None
-
-
-#: fields that their own checks refuse for a loss without them (with their own wording)
-_OWN_CHECKS = {
-    "scale",
-    "temperature",
-    "similarity",
-    "symmetric",
-    "learnable_scale",
-    "guide_model",
-    "margin_strategy",
-}
-
-
-def _validate_taken_fields(args: CachedLossTrainingArguments) -> None:
-    """A field away from its default that sets an argument of some loss, but not of the chosen one, is
-    refused, naming it (the GIST fields for another loss, and the MNRL options for 'gist', are refused by
-    :func:`validate_option_fields` in words of their own)."""
-    fields = {f.name: f for f in dataclasses.fields(args)}
-    taken = {FIELD_NAMES.get(p, p) for p in loss_parameters(args.loss)}
-    gist_only = {"guide_model", "margin_strategy", "margin", "contrast_anchors", "contrast_positives"}
-    if args.loss == "gist":
-        taken |= {"directions", "partition_mode", "hardness_mode", "hardness_strength"}
-    for name in LOSSES:
-        for param in loss_parameters(name):
-            field_name = FIELD_NAMES.get(param, param)
-            if (
-                param in NOT_FIELDS
-                or param in SPECS
-                or field_name in _OWN_CHECKS
-                or field_name in gist_only
-                or field_name in taken
-                or field_name not in fields
-            ):
-                continue
-            if getattr(args, field_name) != fields[field_name].default:
-                raise ValueError(
-                    f"{field_name} does not apply to loss={args.loss!r} ({args.loss_class.__name__} does not "
-                    f"take {param}). Remove {field_name}."
-                )
-
-
-def validate_option_fields(args: CachedLossTrainingArguments) -> None:
-    """The MNRL options (as the losses check them) and GIST's fields, each only where it applies."""
-    gist_fields = {
-        "guide_model": None,
-        "margin_strategy": "absolute",
-        "margin": 0.0,
-        "contrast_anchors": True,
-        "contrast_positives": True,
-    }
-    mnrl_fields = {
-        "directions": None,
-        "partition_mode": None,
-        "hardness_mode": None,
-        "hardness_strength": 0.0,
-    }
-    if args.loss == "gist":
-        if not args.guide_model:
-            raise ValueError(
-                "loss='gist' needs guide_model: the path of the guide SentenceTransformer (e.g. the model "
-                "before fine-tuning, or a stronger one)."
-            )
-        for name, default in {**mnrl_fields, "mask_duplicates": False}.items():
-            if getattr(args, name) != default:
-                raise ValueError(f"{name} does not apply to loss='gist' (GISTEmbed's own terms); remove it.")
-        if args.similarity not in (None, "cosine"):
-            raise ValueError("loss='gist' compares cosine similarities; remove similarity (or set 'cosine').")
-        if args.margin_strategy not in ("absolute", "relative"):
-            raise ValueError(
-                f"margin_strategy must be 'absolute' or 'relative', got {args.margin_strategy!r}."
-            )
-        if not math.isfinite(args.margin):
-            raise ValueError(f"margin must be a finite number, got {args.margin!r}.")
-        return
-    for name, unset in gist_fields.items():
-        if getattr(args, name) != unset:
-            raise ValueError(f"{name} applies to loss='gist' only, got loss={args.loss!r}. Remove {name}.")
-    if isinstance(args.directions, (list, tuple)):  # given as a list in Python or YAML
-        args.directions = ",".join(args.directions)
-    if args.directions is not None or args.partition_mode is not None:
-        directions = args.loss_directions or (TWO_DIRECTIONS if args.loss == "clip" else ONE_DIRECTION)
-        check_directions(directions, args.loss_partition_mode, "directions")
-        if args.symmetric is not None:
-            raise ValueError("give either symmetric or directions / partition_mode, not both.")
-    check_hardness(args.hardness_mode, args.hardness_strength, "hardness_mode")
-
-
-def _validate_spec_fields(args: CachedLossTrainingArguments) -> None:
-    """The fields of plain loss settings: each by its spec's check (naming the field), and only for a loss
-    that takes it (a field away from its default that the loss would ignore is an error, not silence)."""
-    fields = {f.name: f for f in dataclasses.fields(args)}
-    taken = set(loss_parameters(args.loss))
-    for name, spec in SPECS.items():
-        field_name = FIELD_NAMES.get(name, name)
-        value = getattr(args, field_name)
-        if value is None or field_name not in fields:
-            continue
-        spec.check(field_name, value)
-        if name not in taken and value != fields[field_name].default:
-            raise ValueError(
-                f"{field_name} does not apply to loss={args.loss!r} ({args.loss_class.__name__} does not take "
-                f"{name}). Remove {field_name}."
-            )

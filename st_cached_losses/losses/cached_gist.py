@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import math
 from typing import Any, cast
 
 import torch
@@ -17,7 +16,6 @@ from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
 from st_cached_losses.losses.settings import Setting, refused_setting
 from st_cached_losses.losses.signatures import shared_docs
 
-MARGIN_STRATEGIES = ("absolute", "relative")
 _NO_TOKENIZER = "Both the training model and the guiding model must have a tokenizer attribute."
 
 
@@ -31,18 +29,6 @@ def _not_a_gist_setting(name: str) -> property:
         "for this option.",
         "GIST",
     )
-
-
-def _margin_strategy(name: str, value: Any) -> str:
-    if value not in MARGIN_STRATEGIES:
-        raise ValueError(f"{name} must be 'absolute' or 'relative', got {value!r}.")
-    return str(value)
-
-
-def _margin(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}.")
-    return float(value)
 
 
 class CachedGISTLoss(CachedInfoNCEBase):
@@ -210,10 +196,10 @@ class CachedGISTLoss(CachedInfoNCEBase):
             self._check_guide(self.guide, True)
         self._gather_across_devices = value
 
-    margin_strategy = Setting[str](check=_margin_strategy)
-    margin = Setting[float](check=_margin)
-    contrast_anchors = Setting[bool](check=check_bool)
-    contrast_positives = Setting[bool](check=check_bool)
+    margin_strategy = Setting[str]()
+    margin = Setting[float]()
+    contrast_anchors = Setting[bool]()
+    contrast_positives = Setting[bool]()
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values, then the extras

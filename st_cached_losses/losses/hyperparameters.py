@@ -25,7 +25,7 @@ from st_cached_losses.losses.options import (
     resolve_similarity,
     similarity_name,
 )
-from st_cached_losses.losses.settings import SPECS, Setting, check_bool
+from st_cached_losses.losses.settings import SPECS, Setting, check_bool, check_max_scale
 
 __all__ = ["CachedLossHyperparameters"]
 
@@ -122,10 +122,7 @@ class CachedLossHyperparameters(nn.Module):
         if check_bool("learnable_scale", value) == self._learnable_scale:
             return
         if value:
-            if self.max_scale < self._scale:
-                raise ValueError(
-                    f"max_scale must be >= scale, got max_scale={self.max_scale!r} and scale={self._scale!r}."
-                )
+            check_max_scale(self.max_scale, self._scale)
             # CLIP's parametrisation: the log of the scale is learned, the scale is clamped at max_scale
             self.logit_scale = nn.Parameter(torch.tensor(math.log(self._scale), dtype=torch.float32))
         else:
@@ -140,8 +137,8 @@ class CachedLossHyperparameters(nn.Module):
     @max_scale.setter
     def max_scale(self, value: float) -> None:
         value = SPECS["max_scale"].check("max_scale", value)
-        if self.learnable_scale and value < self.scale:
-            raise ValueError(f"max_scale must be >= scale, got max_scale={value!r} and scale={self.scale!r}.")
+        if self.learnable_scale:
+            check_max_scale(value, self.scale)
         self._max_scale = value
 
     @property

@@ -30,9 +30,16 @@ __all__ = [
     "check_directions",
     "check_hardness",
     "check_splittable_model",
+    "closest_name_hint",
     "resolve_similarity",
     "similarity_name",
 ]
+
+
+def closest_name_hint(word: str, choices: Sequence[str]) -> str:
+    """``" Did you mean 'x'?"`` for the choice closest to a misspelt ``word``, or ``""`` if none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
 
 def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarity:
@@ -166,9 +173,11 @@ def check_directions(directions: Sequence[str], partition_mode: str, owner: str)
     directions = tuple(directions)
     if not directions:
         raise ValueError("At least one direction must be specified.")
-    if set(directions) - set(VALID_DIRECTIONS):
+    unknown = [d for d in directions if d not in VALID_DIRECTIONS]
+    if unknown:
         raise ValueError(
-            f"Invalid directions: {set(directions) - set(VALID_DIRECTIONS)}. Valid: {set(VALID_DIRECTIONS)}"
+            f"Invalid directions: {set(unknown)}. Valid: {set(VALID_DIRECTIONS)}"
+            f"{closest_name_hint(str(unknown[0]), VALID_DIRECTIONS)}"
         )
     if "query_to_doc" not in directions:
         raise ValueError("'query_to_doc' direction is required (contains the positive pair).")
@@ -189,11 +198,9 @@ def check_hardness(hardness_mode: str | None, hardness_strength: float, owner: s
     """sentence-transformers' checks (and warning) of the hardness options."""
     if hardness_mode not in VALID_HARDNESS_MODES:
         modes = [mode for mode in VALID_HARDNESS_MODES if mode is not None]
-        close = difflib.get_close_matches(str(hardness_mode), modes, n=1, cutoff=0.6)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ValueError(
             f"hardness_mode must be one of {', '.join(map(repr, modes))} (or leave it unset: no hardness weighting), "
-            f"got {hardness_mode!r}.{hint}"
+            f"got {hardness_mode!r}.{closest_name_hint(str(hardness_mode), modes)}"
         )
     if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
         raise ValueError(

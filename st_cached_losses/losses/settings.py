@@ -1,12 +1,13 @@
 """One spec per loss setting: its default, its one check (one wording), its help text, whether the model
 card's config lists it, and which field of the arguments sets it.
 
-The losses check their arguments with these specs (constructor and every assignment), the plain settings
-are :class:`Setting` descriptors built from them, ``get_config_dict`` lists the extras from them, and the
-configuration layer takes each field's default and help text from them and passes every field a loss's
-constructor takes (``tests/config/test_training_args.py`` holds that every constructor argument of every
-loss is a field, or on :data:`NOT_FIELDS` with the reason). Adding a plain setting is one entry here, one
-``Setting()`` line on the loss, its parameter in the signatures, and its use.
+Every loss setting that is a field of the arguments has a spec here. The losses check their arguments
+with these specs' checks (constructor and every assignment), the plain settings are :class:`Setting`
+descriptors built from them, ``get_config_dict`` lists the extras from them, and the configuration layer
+builds each field from its spec (default, help) and checks it with the spec's check, refusing it for a
+loss whose signature lacks it (``tests/config/test_training_args.py`` holds that every constructor argument
+of every loss is a field, or on :data:`NOT_FIELDS` with the reason). Adding a setting is one entry here,
+its field line (the annotation the parser reads) and its parameter in the signatures, and its use.
 """
 
 from __future__ import annotations
@@ -16,10 +17,25 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.functional.checks import check_path, check_positive_int, memory_bytes
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, scale_value
+from st_cached_losses.functional.checks import (
+    check_mini_batch_num_tokens,
+    check_mini_batch_size,
+    check_path,
+    check_positive_int,
+    memory_bytes,
+)
 
-__all__ = ["FIELD_NAMES", "NOT_FIELDS", "SPECS", "Setting", "Spec", "check_bool"]
+__all__ = [
+    "FIELD_NAMES",
+    "NOT_FIELDS",
+    "SPECS",
+    "Setting",
+    "Spec",
+    "check_bool",
+    "check_max_scale",
+    "check_nonnegative",
+]
 
 T = TypeVar("T")
 
@@ -28,6 +44,14 @@ def check_bool(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}.")
     return value
+
+
+def check_max_scale(max_scale: float, scale: float) -> None:
+    """A learnable scale's clamp is at least the scale."""
+    if max_scale < scale:
+        raise ValueError(
+            f"max_scale must be >= scale with learnable_scale, got max_scale={max_scale!r} and scale={scale!r}."
+        )
 
 
 def _budget_or_none(name: str, value: Any) -> int | None:
@@ -53,14 +77,65 @@ def _positive_number(name: str, value: Any) -> float:
     return float(value)
 
 
+def check_nonnegative(name: str, value: Any, *, optional: bool = True, example: str = "3e-5") -> float | None:
+    """A finite number >= 0 (a regulariser's weight or threshold, a learning rate), or None where
+    ``optional``; returned as a float."""
+    if value is None and optional:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise ValueError(
+            f"{name} must be a finite number >= 0{' or None' * optional}, got {value!r}; e.g. {example}."
+        )
+    return float(value)
+
+
+def _threshold(name: str, value: Any) -> float | None:
+    return check_nonnegative(name, value, example="100 (non-zero entries)")
+
+
+def _scale(name: str, value: Any) -> float:
+    return scale_value(value, name)
+
+
+def _mini_batch_size(name: str, value: Any) -> Any:
+    check_mini_batch_size(value)
+    return value
+
+
+def _mini_batch_num_tokens(name: str, value: Any) -> Any:
+    check_mini_batch_num_tokens(value)
+    return value
+
+
+def _margin_strategy(name: str, value: Any) -> str:
+    if value not in ("absolute", "relative"):
+        raise ValueError(f"{name} must be 'absolute' or 'relative', got {value!r}.")
+    return str(value)
+
+
+def _finite(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    return float(value)
+
+
 def _unchecked(name: str, value: Any) -> Any:
+    """For the settings checked together with another (``directions`` with ``partition_mode``:
+    ``options.check_directions``; ``hardness_mode`` with ``hardness_strength``: ``options.check_hardness``)
+    or by the loss that takes them (``similarity_fct``, ``guide``)."""
     return value
 
 
 @dataclass(frozen=True)
 class Spec:
-    """A loss setting. ``check(name, value)`` returns the value the loss keeps or raises a ``ValueError``
-    naming the setting; ``config``: ``"changed"`` lists it in ``get_config_dict`` when it differs from the
+    """A loss setting. ``default``: every loss's (None where the losses differ: each its signature's, and
+    the field's None means the loss's own); ``help``: the field's (and ``--help``'s); ``check(name, value)``
+    returns the value the loss keeps or raises a ``ValueError`` naming the setting; ``config``: ``"changed"`` lists it in ``get_config_dict`` when it differs from the
     default, ``"never"`` for settings that never change the result (speed and memory only), ``"own"`` where
     the loss writes it itself (sentence-transformers' keys and the settings that go together)."""
 
@@ -71,7 +146,118 @@ class Spec:
 
 
 SPECS: dict[str, Spec] = {
+    "scale": Spec(
+        None,
+        "Similarity scale = 1 / temperature; the initial value when learnable. Give scale or temperature; both "
+        "only if they agree.",
+        _scale,
+    ),
+    "temperature": Spec(
+        None, "Softmax temperature = 1 / scale, e.g. 0.05. Give scale or temperature.", _scale
+    ),
+    "learnable_scale": Spec(
+        False,
+        "Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale ('clip' and 'tiled' only).",
+        check_bool,
+    ),
     "max_scale": Spec(100.0, "Upper clamp of a learnable scale (CLIP uses 100).", _positive_number),
+    "similarity_fct": Spec(
+        None,
+        "Similarity of embeddings: 'cosine' or 'dot' (dot product); default the loss's own: cosine, 'sparse' dot "
+        "(as SparseMultipleNegativesRankingLoss). 'multi_vector': 'maxsim' (default, colbert_scores), "
+        "'meanmaxsim' (mean_colbert_scores) or 'xtr' (xtr_scores, top_k 256).",
+    ),
+    "mini_batch_size": Spec(
+        32,
+        "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Should be smaller "
+        "than per_device_train_batch_size, or caching is off. 'auto': the largest that fits "
+        "mini_batch_memory_budget, measured at the first step and logged.",
+        _mini_batch_size,
+    ),
+    "mini_batch_num_tokens": Spec(
+        None,
+        "Optional budget of real (non-padding) tokens per encoder mini-batch instead of a fixed row count, as "
+        "in sentence-transformers: rows are packed while their token count stays within it (a longer row "
+        "alone), longest first, so long texts get smaller mini-batches (for data of very uneven length); "
+        "mini_batch_size is then not used. 'auto': the largest budget that fits mini_batch_memory_budget.",
+        _mini_batch_num_tokens,
+    ),
+    "symmetric": Spec(
+        None,
+        "'tiled' only: also the positive -> anchors direction, averaged (the CLIP loss); default false. ('mnr' "
+        "is one-directional, 'clip' always symmetric.)",
+        check_bool,
+    ),
+    "directions": Spec(
+        None,
+        "'mnr' / 'clip' / 'tiled': the similarity terms, comma-separated, as sentence-transformers' "
+        "MultipleNegativesRankingLoss: query_to_doc (required), query_to_query, doc_to_query, doc_to_doc. "
+        "Default: the loss's own (query_to_doc; clip: query_to_doc,doc_to_query).",
+    ),
+    "partition_mode": Spec(
+        None,
+        "'joint' (one softmax over every term; GTE with all four directions) or 'per_direction' (one per "
+        "direction, averaged). Default: the loss's own ('joint'; clip: 'per_direction').",
+    ),
+    "hardness_mode": Spec(
+        None,
+        "Hardness weighting of negatives (default none): in_batch_negatives (Lan et al. 2025), hard_negatives "
+        "(EmbeddingGemma) or all_negatives: adds hardness_strength * stop_grad(similarity) (not scaled) to those "
+        "negatives' logits, as sentence-transformers does.",
+    ),
+    "hardness_strength": Spec(
+        0.0,
+        "The hardness penalty's alpha, non-negative (e.g. 9 in_batch_negatives, 5 hard_negatives); unused while "
+        "hardness_mode is none.",
+    ),
+    "guide": Spec(
+        None,
+        "'gist' only (required there): the guide SentenceTransformer, a local path (or a Hub name when online); "
+        "loaded on the trained model's device, never trained.",
+    ),
+    "margin_strategy": Spec(
+        "absolute",
+        "'gist' only: 'absolute' or 'relative' margin for removing negatives the guide rates high.",
+        _margin_strategy,
+    ),
+    "margin": Spec(0.0, "'gist' only: the margin of margin_strategy.", _finite),
+    "contrast_anchors": Spec(True, "'gist' only: contrast each anchor with the other anchors.", check_bool),
+    "contrast_positives": Spec(
+        True, "'gist' only: contrast each positive with the other positives.", check_bool
+    ),
+    "document_regularizer_weight": Spec(
+        None,
+        "'sparse' only (required there): weight of the documents' FLOPS regulariser (lambda_d), on every column "
+        "but the first (on every column with use_document_regularizer_only), e.g. 3e-5.",
+        check_nonnegative,
+    ),
+    "query_regularizer_weight": Spec(
+        None,
+        "'sparse' only: weight of the queries' FLOPS regulariser (lambda_q), on the first column, e.g. 5e-5; "
+        "none: no query regulariser (inference-free models).",
+        check_nonnegative,
+    ),
+    "document_regularizer_threshold": Spec(
+        None,
+        "'sparse' only: the documents' FLOPS counts only rows with more than this many non-zero entries (FLOPS "
+        "with l0 masking); none: every row.",
+        _threshold,
+    ),
+    "query_regularizer_threshold": Spec(
+        None, "'sparse' only: as document_regularizer_threshold, for the queries' FLOPS.", _threshold
+    ),
+    "use_document_regularizer_only": Spec(
+        False,
+        "'sparse' only: every column is a document (symmetric data): one regulariser over all of them, "
+        "weighted by document_regularizer_weight.",
+        check_bool,
+    ),
+    "score_mini_batch_size": Spec(
+        None,
+        "'multi_vector' only: sentence-transformers' scoring chunk, kept for their config (default "
+        "mini_batch_size); the scoring tiles are sized from memory_budget and never change the result.",
+        check_positive_int,
+    ),
     "gather_across_devices": Spec(
         False,
         "Score each process's rows against every process's candidates (multi-GPU / multi-node, exact "
@@ -80,13 +266,15 @@ SPECS: dict[str, Spec] = {
     ),
     "mask_duplicates": Spec(
         False,
-        "Drop from a row's negatives the candidates whose text equals its positive or belongs to a pair sharing "
-        "its anchor or positive (false negatives), also across processes.",
+        "Mask false negatives found by equal inputs (token ids), on this process and across processes (which "
+        "the NO_DUPLICATES sampler cannot see beyond one process's batch): rows sharing their anchor or their "
+        "positive are duplicates; a row's negatives lose the positives of its duplicates, and any candidate "
+        "(hard negatives included) equal to its own positive.",
         check_bool,
         "changed",
     ),
     "show_progress_bar": Spec(
-        False, "Show tqdm bars over the loss's encoder mini-batches.", check_bool, "never"
+        False, "Show tqdm bars over the loss's encoder mini-batches (both passes).", check_bool, "never"
     ),
     "sort_by_length": Spec(
         True,

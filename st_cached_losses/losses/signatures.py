@@ -49,11 +49,7 @@ DOCS = {
 similarity_fct: ``sentence_transformers.util.cos_sim`` / ``"cosine"`` (default) or ``dot_score`` /
     ``"dot"`` (GEMM tiles); any other function ``f(a, b) -> (len(a), len(b))`` (e.g. ``euclidean_sim``)
     is scored exactly tile by tile through autograd (slower). The full matrix is never built.""",
-    "mini_batches": """\
-mini_batch_size: rows per encoder forward, or ``"auto"``; sets the memory, not the result.
-mini_batch_num_tokens: optional budget of real (non-padding) tokens per encoder mini-batch, as in
-    sentence-transformers: rows are packed while their token count stays within it (a longer row
-    alone), longest rows first, and ``mini_batch_size`` is not used. For data of very uneven length.""",
+    "mini_batches": _spec_entries("mini_batch_size", "mini_batch_num_tokens"),
     "directions": """\
 ``"query_to_doc"`` (required: every candidate column), ``"query_to_query"`` (the other anchors),
 ``"doc_to_query"`` (the positive against every anchor), ``"doc_to_doc"`` (the positive against every
@@ -61,17 +57,8 @@ other row's documents).""",
     "partition_mode": """\
 partition_mode: ``"joint"`` (one softmax over every selected term; GTE with all four directions) or
     ``"per_direction"`` (one per direction, averaged; not with ``query_to_query`` / ``doc_to_doc``).""",
-    "hardness": """\
-show_progress_bar: tqdm bars over the mini-batches of both passes.
-hardness_mode: ``None``, ``"in_batch_negatives"`` (Lan et al. 2025), ``"hard_negatives"``
-    (EmbeddingGemma) or ``"all_negatives"``: adds ``hardness_strength * stop_grad(similarity)`` (not
-    scaled) to those negatives' logits, as sentence-transformers does.
-hardness_strength: the penalty's ``alpha``, non-negative; unused while ``hardness_mode`` is None.""",
-    "mask_duplicates": """\
-mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and across
-    processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch). Rows sharing
-    their anchor or their positive are duplicates: a row's negatives lose the positives of its
-    duplicates, and any candidate (hard negatives included) equal to its own positive. Off by default.""",
+    "hardness": _spec_entries("show_progress_bar", "hardness_mode", "hardness_strength"),
+    "mask_duplicates": _spec_entries("mask_duplicates"),
     "engine": _spec_entries(
         "sort_by_length",
         "reuse_last_graph",

@@ -10,7 +10,6 @@ they were set. The regularisers' weights and ``use_document_regularizer_only`` a
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, cast
 
 from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
@@ -29,6 +28,7 @@ from st_cached_losses.losses.options import (
     check_hardness,
     resolve_similarity,
 )
+from st_cached_losses.losses.settings import check_nonnegative as weight_value  # the weights' one check
 
 logger = logging.getLogger(__name__)
 
@@ -51,16 +51,6 @@ def is_flops(regularizer: nn.Module) -> bool:
         isinstance(regularizer, FlopsLoss)
         and type(regularizer).compute_loss_from_embeddings is FlopsLoss.compute_loss_from_embeddings
     )
-
-
-def weight_value(name: str, value: float | None, *, optional: bool, example: str = "3e-5") -> float | None:
-    """A regulariser's weight (or threshold): a finite number, or None where ``optional``."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        what = "a finite number or None" if optional else "a finite number"
-        raise ValueError(f"{name} must be {what}, got {value!r}; e.g. {example}.")
-    return float(value)
 
 
 def _base_option(name: str, doc: str) -> property:

@@ -253,6 +253,9 @@ def test_config_citation_and_tags(model, caplog):
         ours(model, document_regularizer_threshold="100")
     with pytest.raises(ValueError, match="query_regularizer_weight"):
         ours(model, query_regularizer_weight=float("inf"))
+    for name in ("document_regularizer_weight", "query_regularizer_threshold"):  # the fields' one check
+        with pytest.raises(ValueError, match=f"{name} must be a finite number >= 0"):
+            ours(model, **{name: -1.0})
 
 
 def test_sparse_encoder_trainer_logs_components_and_saves(tmp_path):
