@@ -296,7 +296,7 @@ class CachedSparseLoss(SparseLossSettings):
     def _compact_across(self) -> bool:
         """Whether the loss stage reads every process's rows together (gathered or by ring): every process
         must then keep the same form, agreed on in one all-reduce."""
-        return bool(self.gather_across_devices) and is_distributed()
+        return on_core(self.loss) and bool(self.gather_across_devices) and is_distributed()
 
     # ------------------------------------------------------------------ the loss stage
 

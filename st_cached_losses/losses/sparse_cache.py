@@ -88,7 +88,7 @@ class CompactSparseRows:
         parts = [p for column in columns for p in column]
         packed = [p.dim() == 3 for p in parts]
         self.compact = bool(parts) and all(packed)
-        if self.across() and self.active():  # the same on every process: each joins the all-reduce
+        if self.active() and self.across():  # the same on every process: each joins the all-reduce
             device = parts[0].device if parts else torch.device("cpu")
             flag = torch.tensor([int(self.compact)], dtype=torch.long, device=device)
             self.compact = bool(all_reduce_min(flag, "all_reduce_cache_form")[0])
