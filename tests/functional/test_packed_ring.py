@@ -1,7 +1,9 @@
 """Packed rows across processes (gloo on CPU, spawned from pytest): token rows (MaxSim, MeanMaxSim, XTR) and
 sparse rows (SparseDot, one direction and symmetric) by ring exchange and gathered, each process holding a
 different number of rows at a width of its own (its own longest row), equal the single-process loss of the
-global batch, values and gradients; the gradients come back at each process's own width."""
+global batch, values and gradients; the gradients come back at each process's own width. The FLOPS
+regulariser of packed rows across processes (``dim=``, ``across_processes=True``, with and without a
+threshold) equals the single-process one of the global dense rows, in the same spawn."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from st_cached_losses.functional import infonce_loss_and_grad
+from st_cached_losses.functional.flops import flops_loss_and_grad
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.functional.sparse import SparseDot, dense_rows, pack_rows
 from tests.functional.test_multi_vector import token_case
@@ -22,6 +25,7 @@ CASES = {
     "sparse-symmetric": {"similarity": "sparse", "symmetric": True},
 }
 SCALE = 1.5
+FLOPS_THRESHOLDS = [None, 4]
 
 
 def _own(sizes: list[int], rank: int) -> slice:
@@ -72,6 +76,10 @@ def _worker(rank: int, world: int, sizes: list[int]) -> dict:
                 "grads": [res.grad_anchors, *res.grad_candidates],
                 "widths": [int(r.shape[1]) for r in rows],
             }
+    packed = [pack_rows(x[_own(sizes, rank)]) for x in _sparse_global(sum(sizes))]
+    for threshold in FLOPS_THRESHOLDS:
+        res = flops_loss_and_grad(packed, threshold, grad_output=0.7, across_processes=True, dim=V)
+        out[("flops", threshold)] = {"loss": res.loss, "grads": res.grads}
     return out
 
 
@@ -117,3 +125,19 @@ def test_packed_ring_and_gather_equal_single_process(sizes):
                         want = ref[own][:, : g.shape[1]]
                         assert not ref[own][:, g.shape[1] :].any()
                     torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12, msg=f"{case} {name} {k}")
+    for threshold in FLOPS_THRESHOLDS:
+        rows = _sparse_global(sum(sizes))
+        ref = flops_loss_and_grad(rows, threshold, grad_output=0.7)
+        if threshold is not None:  # the threshold masks some rows, not all
+            counted = sum(int(((r != 0).sum(1) > threshold).sum()) for r in rows)
+            assert 0 < counted < 3 * sum(sizes)
+        assert all(g.abs().max() > 0 for g in ref.grads)
+        for rank, r in enumerate(per_rank):  # every process: the global value
+            torch.testing.assert_close(r[("flops", threshold)]["loss"], ref.loss, rtol=1e-12, atol=0)
+            own = _own(sizes, rank)
+            for g, want, x in zip(r[("flops", threshold)]["grads"], ref.grads, rows):
+                # each process's gradient is W times its rows' share (DDP averages), on the kept entries
+                packed = pack_rows(x[own])
+                assert not g[..., 0].any()
+                got = dense_rows(packed, V, values=g[..., 1]) / w
+                torch.testing.assert_close(got, want[own] * (x[own] != 0), rtol=1e-12, atol=1e-15)
