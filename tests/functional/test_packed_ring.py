@@ -141,3 +141,29 @@ def test_packed_ring_and_gather_equal_single_process(sizes):
                 assert not g[..., 0].any()
                 got = dense_rows(packed, V, values=g[..., 1]) / w
                 torch.testing.assert_close(got, want[own] * (x[own] != 0), rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ring_of_one_process_equals_the_local_loss(case):
+    """Without a process group the ring is one visit of this process's own block: the local core's loss
+    and gradients, at each column's own width (the columns differ in width: padded to one, cut back)."""
+    from st_cached_losses.functional.parallel import ring_loss_and_grad
+
+    rows, opts = _inputs(case, [7], 0)
+    assert len({r.shape[1] for r in rows[1:]}) > 1
+    ref = infonce_loss_and_grad(rows[0], rows[1:], scale=SCALE, **opts)
+    if isinstance(opts["similarity"], SparseDot):
+        opts["similarity"] = SparseDot(V)
+    out = ring_loss_and_grad(rows[0], rows[1:], [7], scale=SCALE, tile_size=3, **opts)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=0)
+    for g, want in zip([out.grad_anchors, *out.grad_candidates], [ref.grad_anchors, *ref.grad_candidates]):
+        assert g is not None and want is not None and g.shape == want.shape
+        torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
+
+
+def test_xtr_ring_refuses_terms_that_score_documents_against_anchors():
+    from st_cached_losses.functional.parallel import ring_loss_and_grad
+
+    rows, _ = _inputs("xtr", [5], 0)
+    with pytest.raises(ValueError, match="scores queries against documents only"):
+        ring_loss_and_grad(rows[0], rows[1:], [5], scale=SCALE, similarity=XTR(5), symmetric=True)
