@@ -497,16 +497,23 @@ def ring_terms_solve(
     embeddings when guided, its keys when masking) visit every process once per pass, the next block in
     flight while the current one is scored; a visiting block's gradient travels with it and is home after
     the circle. Row statistics never leave their process; the statistics of a softmax down the columns
-    (the symmetric loss's positives against every anchor) travel with their block."""
+    (the symmetric loss's positives against every anchor) travel with their block.
+
+    Rows are ``(b, *row_shape)``: embeddings ``(b, d)``, or packed rows (token rows ``(b, t, d + 1)``,
+    sparse rows ``(b, k, 2)``). Every travelling tensor (the candidate columns, and the anchors when a term
+    reads them) must have the same row shape on every process (the caller pads packed rows to a common
+    width: :func:`~.parallel.ring_loss_and_grad`); the rows (anchors) may have a shape of their own."""
     terms, score, guide, keys = spec.terms, spec.score, spec.guide, spec.keys
     me, w = rank(), len(sizes)
     cols = list(cols)
     s = scale_value(scale)
     need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
-    b, dim = anchors.shape
+    b = anchors.shape[0]
     k = len(cols)
     pair = transposed_pair(terms, score)
-    tile = tile_side(spec.tile_size, spec.memory_budget, buffers=3 + terms.guided)
+    # a token score's logit costs q_tokens x d_tokens elements (the block plan's entry cost)
+    cost = score.entry_cost(anchors, cols)
+    tile = tile_side(spec.tile_size, spec.memory_budget, buffers=(3 + terms.guided) * cost)
     src = _Sources.of(spec, anchors, cols, None, s, prenorm=False, with_grad=with_grad)
     gsrc = _guide_sources(guide, 0, prenorm=False)
     thr = _thresholds(gsrc, terms, tile)
@@ -514,8 +521,16 @@ def ring_terms_solve(
     local = [t for t in terms.terms if t.cols == "q_local"]
     reads_q_all = any(t.cols == "q_all" and (pair is None or t != pair[1]) for t in visiting)
     names = [f"c{j}" for j in range(k)] + (["q_all"] if reads_q_all else [])
-    # what travels: the columns side by side (b, K', d); the guide's (b, K, g); the keys (b, K + 1)
-    own = [torch.stack([*cols, anchors][: len(names)], dim=1).contiguous()]
+    # what travels: the columns side by side (b, K', *row_shape); the guide's (b, K, g); the keys (b, K + 1)
+    travelling = [*cols, anchors][: len(names)]
+    row_shape = travelling[0].shape[1:]
+    if any(t.shape[1:] != row_shape for t in travelling):
+        raise ValueError(
+            "the ring exchange sends the columns (and the anchors when a term reads them) side by side: their "
+            f"rows must have one shape, got {[tuple(t.shape[1:]) for t in travelling]} (pad packed rows to a "
+            "common width first)."
+        )
+    own = [torch.stack(travelling, dim=1).contiguous()]
     if guide is not None:
         own.append(torch.stack(guide.candidates, dim=1).contiguous())
     if keys is not None:
@@ -523,6 +538,9 @@ def ring_terms_solve(
         own.append(torch.stack([*keys.candidates, key_anchor], dim=1).contiguous())
     n_groups = len(terms.weights)
     m, ssum = _group_stats(n_groups, b, src.q)
+    # a score that keeps per-block data (SparseDot's CSR forms) forgets a visiting block once scored:
+    # the blocks of every process would otherwise pile up
+    release = getattr(score.fn, "release", None) or (lambda: None)
 
     def bind(owner: int, tensors: list[Tensor], g_block: Tensor | None, **col_state: Any) -> list[Bound]:
         """The terms against a visiting block (and, for this process's own block, the local terms)."""
@@ -558,6 +576,7 @@ def ring_terms_solve(
     def visit_stats(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
         col_state = {"col_stats": (carried[0][:, 0], carried[0][:, 1])} if pair is not None else {}
         term_stats(bind(owner, tensors, None, **col_state), m, ssum, scale=s, row_tile=tile, col_tile=tile)
+        release()
 
     # the column softmax's statistics of each block's positives travel with it and come home complete
     col_acc = [torch.stack(init_stats(b, src.q), dim=1)] if pair is not None else []
@@ -581,8 +600,9 @@ def ring_terms_solve(
         gs_total += term_grads(
             bound, lse, terms.weights, scale=s, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
         )
+        release()
 
-    g_block = torch.zeros(b, len(names), dim, dtype=src.q.dtype, device=anchors.device)
+    g_block = torch.zeros(b, len(names), *row_shape, dtype=src.q.dtype, device=anchors.device)
     (g_block,) = ring_exchange(own, [g_block], sizes, visit_grads)
     for j, n in enumerate(names):
         src.grads[n if n != "q_all" else "q_local"].add_(g_block[:, j])

@@ -224,18 +224,24 @@ def _prepared(
     rows = anchors
     with_row_data = getattr(score.fn, "with_row_data", None)
     if with_row_data is not None:
-        if any(t.rows != "q" or not t.cols.startswith("c") for t in term_set.terms):
-            raise ValueError(
-                f"{score.fn!r} scores queries against documents only (its top-k runs over the document "
-                "columns' tokens): the loss's terms may score only the anchors against the candidate columns "
-                "(query_to_doc), not documents against anchors."
-            )
+        check_row_data_terms(score, term_set)
         rows = with_row_data(anchors, cols, memory_budget)
     spec = LossSpec(
         terms=term_set, score=score, row_offset=row_offset, path=path, chunk_size=chunk_size,
         tile_size=tile_size, memory_budget=memory_budget, guide=guide, keys=keys,
     )  # fmt: skip
     return rows, cols, spec
+
+
+def check_row_data_terms(score: Score, terms: TermSet) -> None:
+    """A score whose rows carry data computed from every column (XTR's thresholds) scores the anchors
+    against the candidate columns only."""
+    if any(t.rows != "q" or not t.cols.startswith("c") for t in terms.terms):
+        raise ValueError(
+            f"{score.fn!r} scores queries against documents only (its top-k runs over the document "
+            "columns' tokens): the loss's terms may score only the anchors against the candidate columns "
+            "(query_to_doc), not documents against anchors."
+        )
 
 
 def check_terms(

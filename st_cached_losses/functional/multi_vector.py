@@ -23,7 +23,9 @@ retrieved one of the document's tokens. The top-k depends on the whole batch, so
 streaming pass (:func:`xtr_thresholds`) that keeps each query token's running top-``k + 1`` over the
 document tokens of every column, tile by tile, and turns it into a per-query-token threshold; the
 threshold travels with the query rows as one more channel (:meth:`XTR.with_row_data`), after which each
-(query, document) score is again a function of the pair and is scored tile by tile like MaxSim.
+(query, document) score is again a function of the pair and is scored tile by tile like MaxSim. Across
+processes by ring exchange, each visiting block of documents is merged into the running top-``k + 1``
+(:meth:`XTR.row_state`) before the thresholds are taken (:meth:`XTR.with_row_state`).
 
 Shapes: ``b`` rows of a tile, ``t`` columns of a tile, ``tq`` / ``td`` query / document tokens, ``d``
 the token embedding dimension.
@@ -40,8 +42,10 @@ __all__ = [
     "MaxSim",
     "pack_tokens",
     "pad_tokens",
+    "thresholds_from_top",
     "unpack_tokens",
     "xtr_thresholds",
+    "xtr_top_values",
 ]
 
 #: The score of a document without any scored token, as sentence-transformers gives it.
@@ -141,35 +145,54 @@ def xtr_thresholds(queries: Tensor, columns: list[Tensor], top_k: int, memory_bu
     ``top_k`` tokens; only near-ties within rounding of each other can differ (and exact ties, where
     ``torch.topk`` itself picks an arbitrary subset).
 
-    Streaming: query rows in chunks, document rows in chunks, each chunk's top-``k + 1`` merged with the
-    running one; the largest intermediate is one ``(rows, tq, docs * td)`` tile and the ``(rows, tq, k + 1)``
-    running values, sized from ``memory_budget`` bytes."""
+    Streaming (:func:`xtr_top_values`): the running top-``k + 1`` over the columns' tokens, then
+    :func:`thresholds_from_top`; across processes the same running values are merged block by block."""
+    return thresholds_from_top(xtr_top_values(queries, columns, top_k, memory_budget), top_k)
+
+
+def thresholds_from_top(best: Tensor, top_k: int) -> Tensor:
+    """``(B, tq)`` thresholds from the running top-``k + 1`` values ``best (B, tq, k + 1)`` (descending,
+    ``-inf`` where fewer tokens were seen): the midpoint of the ``top_k``-th and ``(top_k + 1)``-th, which is
+    ``-inf`` when at most ``top_k`` scored tokens were seen (every one of them is retrieved)."""
+    return best[..., top_k - 1] / 2 + best[..., top_k] / 2
+
+
+def xtr_top_values(
+    queries: Tensor, columns: list[Tensor], top_k: int, memory_budget: int, best: Tensor | None = None
+) -> Tensor:
+    """``(B, tq, k + 1)`` the ``top_k + 1`` largest similarities of each query token of packed ``queries
+    (B, tq, d + 1)`` over the scored tokens of the packed document ``columns`` (each ``(n, td_k, d + 1)``)
+    and, when given, the running values ``best`` (the same shape, from other columns: another process's
+    documents); descending, ``-inf`` for slots no scored token filled. fp32 (fp64 kept), no graph.
+
+    Query rows in chunks, document rows in chunks, each chunk's top-``k + 1`` merged with the running one;
+    the largest intermediate is one ``(rows, tq, docs * td)`` tile and the ``(rows, tq, k + 1)`` running
+    values, sized from ``memory_budget`` bytes."""
     acc = _accumulation_dtype(queries)
     q, _ = unpack_tokens(queries)
     b_all, tq = q.shape[:2]
-    total = sum(int(unpack_tokens(c)[1].sum()) for c in columns)
-    out = torch.full((b_all, tq), float("-inf"), dtype=acc, device=queries.device)
-    if total <= top_k:
-        return out
     k1 = top_k + 1
-    td_max = max(c.shape[1] for c in columns)
+    if best is None:
+        best = torch.full((b_all, tq, k1), float("-inf"), dtype=acc, device=queries.device)
+    td_max = max([c.shape[1] for c in columns], default=1)
     elems = max(1, memory_budget // (4 * 3))  # fp32 tile, its masked copy and the merged candidates
     rb = max(1, min(b_all, elems // (tq * (2 * k1 + td_max))))
+    out = torch.empty_like(best)
     with torch.no_grad():
         for r0 in range(0, b_all, rb):
             qc = q[r0 : r0 + rb].to(acc)
-            best = qc.new_empty(qc.shape[0], tq, 0)  # (rb, tq, <= k + 1), the running top values
+            run = best[r0 : r0 + rb]  # (rb, tq, k + 1), the running top values
             for col in columns:
                 c_all, m_all = unpack_tokens(col)
                 n, td = c_all.shape[:2]
-                cb = max(1, min(n, (elems // (qc.shape[0] * tq) - 2 * k1) // td))
+                cb = max(1, min(n, (elems // (qc.shape[0] * tq) - 2 * k1) // max(td, 1)))
                 for c0 in range(0, n, cb):
                     c, m = c_all[c0 : c0 + cb].to(acc), m_all[c0 : c0 + cb]
                     sim = torch.einsum("ash,bth->asbt", qc, c)  # (rb, tq, cb, td)
                     sim.masked_fill_(~m[None, None], float("-inf"))
-                    merged = torch.cat([best, sim.flatten(2)], dim=-1)
-                    best = merged.topk(min(k1, merged.shape[-1]), dim=-1).values  # sorted, descending
-            out[r0 : r0 + rb] = best[..., top_k - 1] / 2 + best[..., top_k] / 2
+                    merged = torch.cat([run, sim.flatten(2)], dim=-1)
+                    run = merged.topk(k1, dim=-1).values  # sorted, descending
+            out[r0 : r0 + rb] = run
     return out
 
 
@@ -207,7 +230,19 @@ class XTR:
         """Packed ``queries (B, tq, d + 1)`` as ``(B, tq, d + 2)``: the embeddings, each query token's
         retrieval threshold against every token of ``columns`` (detached), then the mask; the result keeps
         ``queries``' graph (the threshold channel gets no gradient)."""
-        thr = xtr_thresholds(queries, columns, self.top_k, memory_budget)  # fp32 (fp64 kept)
+        return self.with_row_state(queries, self.row_state(queries, columns, memory_budget))
+
+    def row_state(
+        self, queries: Tensor, columns: list[Tensor], memory_budget: int, state: Tensor | None = None
+    ) -> Tensor:
+        """What the rows' data is made of, over ``columns`` and a previous ``state`` (other columns: the
+        blocks of other processes visiting in a ring): each query token's running top-``k + 1``
+        similarities (:func:`xtr_top_values`)."""
+        return xtr_top_values(queries, columns, self.top_k, memory_budget, state)
+
+    def with_row_state(self, queries: Tensor, state: Tensor) -> Tensor:
+        """:meth:`with_row_data` from a finished :meth:`row_state` (every column of every process seen)."""
+        thr = thresholds_from_top(state, self.top_k)  # fp32 (fp64 kept)
         # a half-precision threshold would round away from the midpoint: the rows travel in its dtype
         queries = queries.to(thr.dtype)
         return torch.cat([queries[..., :-1], thr.unsqueeze(-1), queries[..., -1:]], dim=-1)

@@ -10,6 +10,11 @@ process's embeddings, as an :class:`~st_cached_losses.functional.infonce.InfoNCE
 * :func:`ring_loss_and_grad`: candidate blocks travel around a ring (Inf-CL); nothing is gathered.
   Memory ``O(local B x d)`` per process, whatever the number of processes.
 
+Packed rows (a score of 3-D rows: MaxSim / MeanMaxSim / XTR token rows ``(n, t, d + 1)``, SparseDot's
+sparse rows ``(n, k, 2)``) may have a width of their own on each process: both strategies pad them to the
+widest of every process first (one all-reduce of the widths; the padding is exact: mask 0, or index 0 and
+value 0) and return each process's gradients at its own width.
+
 Weighting: process ``r`` returns ``W / B_global * sum_{i in r} loss_i``, so the mean over processes is
 the global mean loss and DDP's gradient average is the exact full-batch gradient, even when processes
 hold different numbers of rows. A tensor scale lives outside DDP: its gradient is averaged here.
@@ -35,6 +40,7 @@ from st_cached_losses.distributed import (
     is_distributed,
     own_rows,
     rank,
+    ring_exchange,
     world_size,
 )
 from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, validate_keys
@@ -44,6 +50,7 @@ from st_cached_losses.functional.infonce import (
     InfoNCEOutput,
     LossPath,
     Similarity,
+    check_row_data_terms,
     check_terms,
     infonce,
     infonce_loss_and_grad,
@@ -87,13 +94,27 @@ def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[in
 
 
 def pad_to_common_tokens(columns: Sequence[Tensor]) -> list[Tensor]:
-    """Packed token columns (``(b, t_k, d + 1)``, :mod:`.multi_vector`) padded on the right to the widest
-    ``t_k`` of every process, column by column, so that they can be gathered (each process trims its
-    padding to its own longest row). One all-reduce of the widths; nothing outside a process group.
-    The padding has mask 0: it changes no score, and its gradient is 0."""
+    """Packed columns (token rows ``(b, t_k, d + 1)``, :mod:`.multi_vector`; sparse rows ``(b, k, 2)``,
+    :mod:`.sparse`) padded on the right to the widest ``t_k`` of every process, column by column, so that
+    they can be gathered (each process trims its padding to its own width). One all-reduce of the widths;
+    nothing outside a process group. The padding is zeros (mask 0; index 0 and value 0): it changes no
+    score, and its gradient is 0."""
     widths = torch.tensor([-c.shape[1] for c in columns], dtype=torch.long, device=columns[0].device)
     all_reduce_min(widths, "all_reduce_token_widths")  # min of the negated widths: the widest
     return [pad_tokens(c, -w) for c, w in zip(columns, widths.tolist())]
+
+
+def _common_width(tensors: Sequence[Tensor]) -> int:
+    """The widest dim 1 of ``tensors`` (packed rows) over every process: one all-reduce of one number
+    (nothing outside a process group)."""
+    width = torch.tensor([-max(t.shape[1] for t in tensors)], dtype=torch.long, device=tensors[0].device)
+    all_reduce_min(width, "all_reduce_token_widths")  # min of the negated widths: the widest
+    return -int(width[0])
+
+
+def _trimmed(grads: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
+    """Gradients wrt padded packed rows cut back to the caller's own widths (the padding's are 0)."""
+    return [g[:, : x.shape[1]] if g.dim() == 3 else g for g, x in zip(grads, like)]
 
 
 def _reads_anchors_all(terms: TermSet | None) -> bool:
@@ -170,6 +191,9 @@ def gathered_loss_and_grad(
     Collectives: one all-gather per gathered tensor (the keys in one), and with ``with_grad`` one
     all-reduce per gathered tensor (and one for a tensor scale's gradient).
     """
+    given = [anchors, *candidates]
+    if Score(similarity).packed:  # packed rows: every process's padded to one width per column
+        anchors, *candidates = pad_to_common_tokens(given)
     cands_all, kwargs = _gathered(all_gather_rows, locals())
     w, b = len(sizes), anchors.shape[0]
     factor = _weight(sizes) * b  # the core averages over local rows
@@ -182,6 +206,8 @@ def gathered_loss_and_grad(
     g_anchors = out.grad_anchors
     if out.grad_anchors_all is not None and g_anchors is not None:
         g_anchors = g_anchors + own_rows(all_reduce_sum(out.grad_anchors_all, "all_reduce_grad"), sizes)
+    assert g_anchors is not None  # asked for
+    g_anchors, *g_cands = _trimmed([g_anchors, *g_cands], given)
     return InfoNCEOutput(out.loss * factor, g_anchors, g_cands, None, mean_scale_grad(out.grad_scale, w))
 
 
@@ -274,6 +300,12 @@ def ring_loss_and_grad(
     embeddings and keys when the loss reads them) visits it once per pass, the next one already in
     flight while the current one is scored (:func:`~.directions.ring_terms_solve`).
 
+    Packed rows travel padded to one width, the widest column (or anchors, when they travel) of every
+    process (one all-reduce); the gradients come back at each process's own widths. A score whose rows
+    carry data computed from every column (XTR: each query token's threshold from its top-``k + 1`` over
+    every process's document tokens) gets it from a first pass of the column blocks around the ring, each
+    visiting block merged into the rows' running state.
+
     No finiteness check inside: a process raising on its own NaN in the middle of the ring would leave
     its peers blocked in a send / receive; :func:`agree_on_sizes` checks every process first.
     """
@@ -281,21 +313,55 @@ def ring_loss_and_grad(
         raise ValueError(
             f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {path!r}."
         )
-    cols = list(candidates)
-    if Score(similarity).packed:
-        raise ValueError(
-            "scores of packed rows (MaxSim, SparseDot) are not computed by the ring exchange: gather the "
-            "embeddings instead (gathered_loss_and_grad)."
-        )
+    score, given = Score(similarity), list(candidates)
+    cols = given
     check_terms(terms, symmetric, guide, anchors, cols)
     keys = None
     if candidate_keys is not None:
         validate_keys(anchor_keys, candidate_keys, None, anchors, cols, None, symmetric)
         keys = Keys(anchor_keys, list(candidate_keys))
+    term_set = loss_terms(terms, symmetric, len(cols))
+    row_state = getattr(score.fn, "row_state", None)
+    if row_state is not None:
+        check_row_data_terms(score, term_set)
+    rows = anchors
     with torch.no_grad():
+        if score.packed:
+            # every block travels with one row shape: the columns (and the anchors when a term reads
+            # them) padded to the widest of every process (exact: mask 0 / index 0 and value 0)
+            anchors_travel = any(t.cols == "q_all" for t in term_set.terms)
+            width = _common_width([*cols, anchors] if anchors_travel else cols)
+            cols = [pad_tokens(c, width) for c in cols]
+            rows = pad_tokens(anchors, width) if anchors_travel else anchors
+        if row_state is not None:
+            rows = _ring_row_data(score, rows, cols, sizes, memory_budget)
         spec = LossSpec(
-            loss_terms(terms, symmetric, len(cols)), Score(similarity), tile_size=tile_size,
-            memory_budget=memory_budget, guide=guide, keys=keys,
-        )  # fmt: skip
-        solution = ring_terms_solve(spec, anchors, cols, sizes, scale=scale, with_grad=with_grad)
-    return InfoNCEOutput(*solution)
+            term_set, score, tile_size=tile_size, memory_budget=memory_budget, guide=guide, keys=keys
+        )
+        loss, g_a, g_c, g_all, g_s = ring_terms_solve(
+            spec, rows, cols, sizes, scale=scale, with_grad=with_grad
+        )
+    if g_a is not None:
+        if row_state is not None:  # rows carrying data of their own (XTR's thresholds)
+            g_a = score.fn.without_row_data(g_a).to(anchors.dtype)  # type: ignore[union-attr]
+        g_a, *g_c = _trimmed([g_a, *g_c], [anchors, *given])
+    return InfoNCEOutput(loss, g_a, g_c, g_all, g_s)
+
+
+def _ring_row_data(
+    score: Score, rows: Tensor, cols: list[Tensor], sizes: list[int], memory_budget: int
+) -> Tensor:
+    """The rows with the data a score computes from every column of every process (XTR: each query token's
+    threshold from its top-``k + 1`` similarities over every process's document tokens), by a first ring
+    pass: each visiting block of columns updates the rows' running state (:meth:`~.multi_vector.XTR.row_state`)."""
+    fn: Any = score.fn
+    state: Tensor | None = None
+
+    def visit(owner: int, blocks: list[Tensor], carried: list[Tensor]) -> None:
+        nonlocal state
+        block = blocks[0]  # (n, K, *row_shape)
+        state = fn.row_state(rows, [block[:, j] for j in range(block.shape[1])], memory_budget, state)
+
+    ring_exchange([torch.stack(cols, dim=1).contiguous()], [], sizes, visit)
+    assert state is not None  # every process's block visited
+    return fn.with_row_state(rows, state)

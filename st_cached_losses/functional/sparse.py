@@ -153,6 +153,10 @@ class SparseDot:
             entry[slot] = _csr_t(c, self.dim) if transposed else _csr(c, self.dim)
         return cast(Tensor, entry[slot])
 
+    def release(self) -> None:
+        """Forget the column blocks read so far (the ring calls it after each visiting block)."""
+        self._columns.clear()
+
     def __repr__(self) -> str:
         return f"SparseDot(dim={self.dim})"
 

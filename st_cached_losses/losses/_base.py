@@ -206,8 +206,6 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             warn_no_process_group_once(type(self).__name__)
         # also the finiteness check, agreed on by every process
         sizes = agree_on_sizes(embeddings, self.gather_across_devices)
-        if sizes is not None:
-            embeddings = self._gatherable(embeddings)
         scale = self.scale_tensor()
         kwargs = self._core_kwargs(step, len(embeddings[0]), len(embeddings) - 1)
         if not with_backward and torch.is_grad_enabled():  # a caller asking for autograd, not the cache
@@ -216,11 +214,12 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
                     # each process's own rows: average the scale's gradient as DDP averages the model's
                     scale.register_hook(mean_scale_grad)
                 return infonce(embeddings[0], embeddings[1:], scale=scale, check_finite=False, **kwargs)
+            embeddings = self._gatherable(embeddings)  # (loss_and_grad pads packed rows itself)
             return gathered_infonce(embeddings[0], embeddings[1:], sizes, scale=scale, **kwargs)
         # the scale whose gradient the core computes: stage 2's leaf, or the scale itself called directly
         if isinstance(scale, Tensor):
             scale = step.scale_leaf if step.scale_leaf is not None else scale
-        ring = self.path == "tiled" and self._ring_capable
+        ring = self.path == "tiled"
         out = loss_and_grad(
             embeddings[0], embeddings[1:], sizes, ring=ring, with_grad=with_backward, scale=scale, **kwargs
         )
@@ -230,7 +229,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         grads = [out.grad_anchors, *out.grad_candidates]
         for pieces, grad in zip(reps, grads):
             for piece, g in zip(pieces, grad.split([p.shape[0] for p in pieces])):
-                if g.dim() == 3:  # token rows padded to a common width (_gatherable): the piece's own
+                if g.dim() == 3:  # token rows: the column's width, a mini-batch's own may be narrower
                     g = g[:, : piece.shape[1]]
                 g = g.to(piece.dtype)
                 piece.grad = g if piece.grad is None else piece.grad + g
@@ -247,11 +246,9 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             loss = loss + (scale - scale.detach()) * grad_scale.detach().to(scale.dtype)
         return loss
 
-    #: Across processes with ``path="tiled"``, the loss stage is the ring exchange (else it is gathered).
-    _ring_capable = True
-
     def _gatherable(self, embeddings: list[Tensor]) -> list[Tensor]:
-        """The embeddings as every process gathers them (the multi-vector loss pads token rows)."""
+        """The embeddings as every process gathers them with autograd (the multi-vector loss pads token
+        rows; the cached path's ``loss_and_grad`` pads packed rows itself)."""
         return embeddings
 
     def _stage2(

@@ -82,7 +82,6 @@ def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None)
 class CachedMultiVectorLoss(CachedInfoNCEBase):
     _citations = (GRADCACHE_CITATION, MNRL_CITATION)
     equivalent_st_loss = "CachedMultiVectorMultipleNegativesRankingLoss"
-    _ring_capable = False  # token rows are gathered (padded to a common width), never passed around a ring
 
     directions = _not_a_multi_vector_setting("directions")
     partition_mode = _not_a_multi_vector_setting("partition_mode")
@@ -152,12 +151,16 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
             score_mini_batch_size: kept for sentence-transformers' signature and config (default:
                 ``mini_batch_size``); the scoring tiles are sized from ``memory_budget`` (or ``tile_size``)
                 instead, and never change the result.
-            gather_across_devices: score each process's queries against every process's documents. Token
-                rows are padded to the widest of every process before the gather (processes may hold
-                different numbers of rows and tokens).
+            gather_across_devices: score each process's queries against every process's documents,
+                gathered, or by ring exchange with ``path="tiled"``. Token rows are padded to the widest of
+                every process first (processes may hold different numbers of rows and tokens); XTR's top-k
+                runs over every process's document tokens either way (under the ring, by a first pass of
+                the document blocks around it).
             show_progress_bar: tqdm bars over the mini-batches of both passes.
             path: the loss-stage plan: ``"auto"``, ``"chunked"`` (query chunks against every document) or
-                ``"tiled"`` (tiles in both dimensions); across processes always gathered.
+                ``"tiled"`` (tiles in both dimensions); across processes, ``"tiled"`` is the ring exchange
+                (each process holds its own rows and one visiting block, never every process's documents),
+                the others gather.
             tile_size: the tile side of the tiled path (rows and documents).
             memory_budget: bytes of score tiles (token similarities included) to hold at once.
             sort_by_length / reuse_last_graph: engine options, never changing the result.

@@ -279,21 +279,24 @@ class CachedSparseLoss(SparseLossSettings):
         if core:
             self._core_options()
         # the engine's cache keeps the embeddings packed when that is exact and saves memory
-        self.cache.form = CompactSparseRows(self._compact_allowed)
+        self.cache.form = CompactSparseRows(self._compact_allowed, across=self._compact_across)
 
     def _compact_allowed(self) -> bool:
         """Whether this step's embeddings may be kept packed (:mod:`~st_cached_losses.losses.sparse_cache`):
-        the core computes the base loss with dot products, the regularisers are FLOPS, nothing is gathered
-        across processes (every process would have to agree on the form), and the model is a SPLADE
-        encoder whose exactly-zero entries have no gradient."""
+        the core computes the base loss with dot products, the regularisers are FLOPS, and the model is a
+        SPLADE encoder whose exactly-zero entries have no gradient. Across processes (gathered or ring) too:
+        the processes agree on the form (:meth:`_compact_across`)."""
         if not on_core(self.loss) or self._core_options()[1] != "dot":
-            return False
-        if self.gather_across_devices and is_distributed():
             return False
         regularisers = [self.document_regularizer]
         if self.query_regularizer_weight is not None and self.query_regularizer is not None:
             regularisers.append(self.query_regularizer)
         return all(is_flops(r) for r in regularisers) and zero_gradient_at_zero(self.model)
+
+    def _compact_across(self) -> bool:
+        """Whether the loss stage reads every process's rows together (gathered or by ring): every process
+        must then keep the same form, agreed on in one all-reduce."""
+        return on_core(self.loss) and bool(self.gather_across_devices) and is_distributed()
 
     # ------------------------------------------------------------------ the loss stage
 

@@ -17,14 +17,20 @@ custom module) keeps the dense form.
 When. The form is used when every mini-batch's packed rows take at most ``2 * max_density`` of the dense
 bytes (an index and a value per kept entry, padded to the widest row); otherwise the step is kept dense as
 before. A packed mini-batch is never made dense again unless another one of the step was too dense.
+Across processes (the loss stage gathers the rows, or passes them around a ring), every process must read
+the same form: the step's decision is then one all-reduce (the minimum of each process's "every mini-batch
+packed" flag), so that one process's dense mini-batch keeps every process's step dense. Processes'
+packed rows may differ in width (their densest row): the loss stage pads them to a common one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
+from st_cached_losses.distributed import all_reduce_min
 from st_cached_losses.engine.features import unwrap_model
 from st_cached_losses.functional.sparse import MAX_PACKED_DIM, dense_rows, pack_rows
 
@@ -54,10 +60,17 @@ def zero_gradient_at_zero(model: nn.Module) -> bool:
 
 class CompactSparseRows:
     """Keeps vocabulary-sized rows packed (their non-zero entries) while ``active()`` and while every
-    mini-batch of the step is sparse enough (``max_density``); ``compact`` tells what the last step kept."""
+    mini-batch of the step is sparse enough (``max_density``) on every process that reads the rows together
+    (``across()``: the loss stage is across processes); ``compact`` tells what the last step kept."""
 
-    def __init__(self, active: Callable[[], bool], max_density: float = MAX_DENSITY) -> None:
+    def __init__(
+        self,
+        active: Callable[[], bool],
+        max_density: float = MAX_DENSITY,
+        across: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.active = active
+        self.across = across
         self.max_density = max_density
         self.dim: int | None = None  # V, once a mini-batch was packed
         self.compact = False
@@ -75,6 +88,10 @@ class CompactSparseRows:
         parts = [p for column in columns for p in column]
         packed = [p.dim() == 3 for p in parts]
         self.compact = bool(parts) and all(packed)
+        if self.active() and self.across():  # the same on every process: each joins the all-reduce
+            device = parts[0].device if parts else torch.device("cpu")
+            flag = torch.tensor([int(self.compact)], dtype=torch.long, device=device)
+            self.compact = bool(all_reduce_min(flag, "all_reduce_cache_form")[0])
         if self.compact or not any(packed):
             return columns
         # some mini-batch was too dense: every column dense, as the loss stage reads one form

@@ -272,56 +272,75 @@ def _mv_features(model, texts):
     return [{**model.preprocess(t, task=task), "task": task} for t, task in zip(texts, tasks)]
 
 
-def _mv_worker(rank: int, world: int, path: str, sizes: list[int], n_cols: int, kwargs: dict):
+#: (name, columns, loss options) run in one spawn per world size; "tiled" across processes is the ring
+DIST_CASES = [
+    ("maxsim-gathered", 3, {}),
+    ("maxsim-ring", 3, {"path": "tiled", "tile_size": 2}),
+    (
+        "meanmaxsim-ring",
+        2,
+        {"similarity_fct": mean_colbert_scores, "scale": 5.0, "path": "tiled", "tile_size": 2},
+    ),
+    ("xtr-gathered", 3, {"similarity_fct": XTRScores(top_k=6)}),
+    ("xtr-ring", 3, {"similarity_fct": XTRScores(top_k=6), "path": "tiled", "tile_size": 3}),
+]
+
+
+def _mv_worker(rank: int, world: int, path: str, sizes: list[int]):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = _load_mv(path)
-    ddp = DDP(model)
-    loss = CachedMultiVectorLoss(model, mini_batch_size=2, gather_across_devices=True, **kwargs)
-    loss.model = ddp  # what the trainer does with a wrapped model
-    out = []
-    for step in range(2):
-        texts = _global_texts(sum(sizes), n_cols, step)
-        start = sum(sizes[:rank])
-        feats = _mv_features(model, [t[start : start + sizes[rank]] for t in texts])
-        ddp.zero_grad(set_to_none=True)
-        value = loss(feats)
-        value.backward()
-        grads = torch.cat(
-            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()]
-        )
-        widths = [int(f["input_ids"].shape[1]) for f in feats]
-        out.append({"loss": value.item(), "grads": grads, "widths": widths})
+    from st_cached_losses.distributed import STATS
+
+    out = {}
+    for name, n_cols, kwargs in DIST_CASES:
+        model = _load_mv(path)
+        ddp = DDP(model)
+        loss = CachedMultiVectorLoss(model, mini_batch_size=2, gather_across_devices=True, **kwargs)
+        loss.model = ddp  # what the trainer does with a wrapped model
+        for step in range(2):
+            texts = _global_texts(sum(sizes), n_cols, step)
+            start = sum(sizes[:rank])
+            feats = _mv_features(model, [t[start : start + sizes[rank]] for t in texts])
+            ddp.zero_grad(set_to_none=True)
+            STATS.reset()
+            value = loss(feats)
+            value.backward()
+            grads = torch.cat(
+                [
+                    (p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                    for p in model.parameters()
+                ]
+            )
+            widths = [int(f["input_ids"].shape[1]) for f in feats]
+            kinds = sorted(STATS.calls)
+            out[(name, step)] = {"loss": value.item(), "grads": grads, "widths": widths, "kinds": kinds}
     return out
 
 
-@pytest.mark.parametrize(
-    ("sizes", "n_cols", "kwargs"),
-    [
-        ([3, 2], 3, {}),
-        ([2, 4], 2, {"similarity_fct": mean_colbert_scores, "scale": 5.0, "path": "tiled", "tile_size": 2}),
-        ([3, 2], 3, {"similarity_fct": XTRScores(top_k=6)}),
-    ],
-    ids=["w2-triplets", "w2-meanmaxsim-tiled", "w2-xtr-triplets"],
-)
-def test_two_processes_equal_single_process_global_batch(mv_dir, sizes, n_cols, kwargs):
-    """2 gloo processes with unequal rows and token widths: DDP's gradients equal the single-process
-    gradients of ST's non-cached loss on the concatenated batch, every step."""
+@pytest.mark.parametrize("sizes", [[3, 2], [2, 4, 1]], ids=["w2", "w3"])
+def test_processes_equal_single_process_global_batch(mv_dir, sizes):
+    """2 and 3 gloo processes with unequal rows and token widths, gathered and by ring (``path="tiled"``),
+    MaxSim, MeanMaxSim and XTR: DDP's gradients equal the single-process gradients of ST's non-cached loss
+    on the concatenated batch, every step (the ring's and the gather's alike)."""
     from tests.support.dist_utils import run_distributed
 
-    per_rank = run_distributed(_mv_worker, len(sizes), mv_dir, sizes, n_cols, kwargs)
-    st_kwargs = {k: v for k, v in kwargs.items() if k in ("similarity_fct", "scale")}
-    for step in range(2):
-        model = _load_mv(mv_dir)
-        texts = _global_texts(sum(sizes), n_cols, step)
-        oracle = MultiVectorMultipleNegativesRankingLoss(model, **st_kwargs)
-        ref_loss, ref_grads = param_grads(model, oracle, _mv_features(model, texts))
-        results = [r[step] for r in per_rank]
-        assert results[0]["widths"] != results[1]["widths"], "the processes must differ in token widths"
-        mean_loss = sum(r["loss"] for r in results) / len(results)
-        assert mean_loss == pytest.approx(ref_loss.item(), rel=1e-5)
-        for r in results:
-            assert_grads_close(r["grads"], ref_grads, rtol=1e-5)
+    per_rank = run_distributed(_mv_worker, len(sizes), mv_dir, sizes, timeout=600)
+    for name, n_cols, kwargs in DIST_CASES:
+        st_kwargs = {k: v for k, v in kwargs.items() if k in ("similarity_fct", "scale")}
+        for step in range(2):
+            model = _load_mv(mv_dir)
+            texts = _global_texts(sum(sizes), n_cols, step)
+            oracle = MultiVectorMultipleNegativesRankingLoss(model, **st_kwargs)
+            ref_loss, ref_grads = param_grads(model, oracle, _mv_features(model, texts))
+            results = [r[(name, step)] for r in per_rank]
+            assert len({tuple(r["widths"]) for r in results}) > 1, "the processes must differ in token widths"
+            ring = name.endswith("ring")
+            for r in results:  # the ring sends blocks and gathers nothing; the gather the opposite
+                assert ("ring_send" in r["kinds"]) is ring and ("all_gather" in r["kinds"]) is not ring, name
+            mean_loss = sum(r["loss"] for r in results) / len(results)
+            assert mean_loss == pytest.approx(ref_loss.item(), rel=1e-5), (name, step)
+            for r in results:
+                assert_grads_close(r["grads"], ref_grads, rtol=1e-5)
 
 
 # --------------------------------------------------------------------------- token embeddings as inputs
