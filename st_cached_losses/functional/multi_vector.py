@@ -7,9 +7,11 @@ through every tile slice, gather and gradient buffer of the core without any of 
 gradient wrt a packed tensor is 0 in the mask channel.
 
 :class:`MaxSim` is a similarity function in the sense of :mod:`.score` (``f(a, c) -> (len(a), len(c))``),
-so the core scores it tile by tile, rows x columns, and takes each tile's gradient by autograd on that
-tile alone: the largest intermediate is one tile's ``(b, t, q_tokens, d_tokens)`` token similarities,
-never the ``(Q, Q*N, q_tokens, d_tokens)`` tensor. The arithmetic is sentence-transformers'
+so the core scores it tile by tile, rows x columns, and takes each tile's gradient in closed form
+(:meth:`MaxSim.vjp`: each query token's weight goes to the document token that wins its max, a gather and
+a scatter of token rows from the winners the scoring kept, instead of autograd's two more products of the
+token similarities): the largest intermediate is one tile's ``(b, t, q_tokens, d_tokens)`` token
+similarities, never the ``(Q, Q*N, q_tokens, d_tokens)`` tensor. The arithmetic is sentence-transformers'
 ``maxsim`` (``sentence_transformers.util.similarity``) per (query, document) pair: padded document
 tokens are excluded from the max (filled with the dtype's minimum), padded query tokens from the sum
 (multiplied by 0), a document without any token scores :data:`EMPTY_DOCUMENT_SCORE`, and MeanMaxSim
@@ -106,6 +108,63 @@ class MaxSim:
         sim = torch.einsum("ash,bth->abst", q, c)  # (b, t, tq, td)
         return self._reduce(sim, q_mask[:, None, :], c_mask[None, :, None, :])
 
+    @torch.no_grad()
+    def scores_and_state(self, queries: Tensor, documents: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`__call__` without a graph, and what :meth:`vjp` needs of the tile: the index of the
+        document token that wins each query token's max, ``(b, t, tq)`` (ties as ``torch.max`` resolves
+        them, as autograd through :meth:`__call__` would route the gradient)."""
+        q, q_mask = unpack_tokens(queries)
+        c, c_mask = unpack_tokens(documents)
+        sim = torch.einsum("ash,bth->abst", q, c)  # (b, t, tq, td)
+        sim.masked_fill_(~c_mask[None, :, None, :], torch.finfo(sim.dtype).min)
+        best, winner = sim.max(-1)  # (b, t, tq) each
+        return self._finish(best, q_mask[:, None, :], c_mask[None, :, None, :]), winner
+
+    @torch.no_grad()
+    def vjp(
+        self,
+        g: Tensor,
+        queries: Tensor,
+        documents: Tensor,
+        rows: bool,
+        cols: bool,
+        state: Tensor | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """The gradients of ``sum(g * self(queries, documents))`` (``g``: ``(b, t)``) wrt the packed
+        ``queries`` (if ``rows``) and ``documents`` (if ``cols``), 0 in the mask channel, in closed form:
+        each query token's max passes its weight ``w = g * mask (/ token count)`` to the one document token
+        that wins it (``state``: the winners from :meth:`scores_and_state`, else found again), so
+
+            d/dq_as = sum_b w_abs c_b[win_abs],    d/dc_bj = sum_(a, s: win_abs = j) w_abs q_as
+
+        a gather and a scatter of ``(b, t, tq, d)`` rows instead of autograd's two more products of the
+        ``(b, t, tq, td)`` token similarities."""
+        if state is None:
+            state = self.scores_and_state(queries, documents)[1]
+        q, q_mask = unpack_tokens(queries)
+        c, c_mask = unpack_tokens(documents)
+        b, tq, d = q.shape
+        t, td = c.shape[:2]
+        acc = _accumulation_dtype(q)
+        w = g.to(acc) * c_mask.any(-1)[None, :]  # an empty document's score is a constant
+        if self.length_normalize:
+            w = w / q_mask.sum(-1).clamp(min=1).to(acc)[:, None]
+        w = (w[:, :, None] * q_mask[:, None, :]).to(q.dtype)  # (b, t, tq)
+        start = torch.arange(t, device=q.device) * td  # each document's first row in (t * td, d)
+        grad_q = grad_c = None
+        if rows:
+            # per query token, its t winners side by side: (b, tq, t, d), then (1, t) @ (t, d) per token
+            won = c.reshape(t * td, d).index_select(0, (start + state.transpose(1, 2)).reshape(-1))
+            grad_q = (w.transpose(1, 2).unsqueeze(-2) @ won.view(b, tq, t, d)).squeeze(-2)  # (b, tq, d)
+            del won
+            grad_q = torch.cat([grad_q, grad_q.new_zeros(b, tq, 1)], dim=-1)
+        if cols:
+            sent = (w[..., None] * q[:, None]).reshape(-1, d)  # (b * t * tq, d), rows in state's order
+            grad_c = c.new_zeros(t * td, d).index_add_(0, (start[:, None] + state).reshape(-1), sent)
+            del sent
+            grad_c = torch.cat([grad_c.view(t, td, d), grad_c.new_zeros(t, td, 1)], dim=-1)
+        return grad_q, grad_c
+
     def pairwise(self, queries: Tensor, documents: Tensor) -> Tensor:
         """``(b,)`` scores of query ``i`` against document ``i`` (both ``b`` packed rows): a tile's
         diagonal without the rest of the tile."""
@@ -121,7 +180,11 @@ class MaxSim:
         # (einsum keeps its inputs, not its output, for backward): one tile-sized tensor, not two
         sim.masked_fill_(~c_mask, torch.finfo(sim.dtype).min)
         best = sim.amax(-1) if not torch.is_grad_enabled() else sim.max(-1).values  # (..., tq)
-        acc = torch.float64 if best.dtype == torch.float64 else torch.float32  # sums in fp32 (fp64 kept)
+        return self._finish(best, q_mask, c_mask)
+
+    def _finish(self, best: Tensor, q_mask: Tensor, c_mask: Tensor) -> Tensor:
+        """Each query token's best similarity ``(..., tq)`` to scores ``(...)`` (masks as in :meth:`_reduce`)."""
+        acc = _accumulation_dtype(best)  # sums in fp32 (fp64 kept)
         scores = (best.to(acc) * q_mask).sum(-1)  # padded query tokens add 0
         scores = scores.masked_fill(~c_mask.any(-1).any(-1), EMPTY_DOCUMENT_SCORE)
         if self.length_normalize:

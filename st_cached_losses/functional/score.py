@@ -12,14 +12,15 @@ operands (rows sliced like any other operand) and costs ``q_tokens x d_tokens`` 
 block plan accounts for (:meth:`Score.entry_cost`). A function with ``packed_rows = True``
 (:class:`~.sparse.SparseDot`) reads other packed ``(n, k, c)`` rows the same way and states its own
 ``entry_cost``; a function with a ``vjp(g, a, c, rows, cols)`` method gives a tile's gradients in closed form
-instead of through autograd.
+instead of through autograd, and with a ``scores_and_state(a, c)`` method it keeps what that ``vjp`` needs
+of a scored tile (MaxSim: the max's winners) so that the gradient does not score the tile again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -36,10 +37,12 @@ Similarity = Literal["cosine", "dot"] | ScoreFn
 @dataclass
 class TileGraph:
     """A function score's tile ``sim (b, t)`` with its autograd graph to ``leaves`` (the tile's rows and
-    columns, detached; those that want a gradient require it)."""
+    columns, detached; those that want a gradient require it); or, for a function with a closed-form
+    ``vjp`` that keeps what it needs of a tile (``scores_and_state``), that ``state`` and no graph."""
 
     sim: Tensor
     leaves: tuple[Tensor, Tensor]
+    state: Any = None
 
 
 class Score:
@@ -107,7 +110,13 @@ class Score:
         gradient: :meth:`accumulate` then back-propagates it instead of scoring the tile again. The graph
         holds what the function's backward saves (for MaxSim the max's indices, ``(b, t, q_tokens)``), not
         the token similarities."""
-        if self.fn is None or not (rows_grad or cols_grad) or hasattr(self.fn, "vjp"):
+        if self.fn is None or not (rows_grad or cols_grad):
+            return self.logits(q, c, scale), None
+        keeping = getattr(self.fn, "scores_and_state", None)
+        if keeping is not None:  # what the closed-form vjp needs of the tile, instead of a graph
+            sim, state = keeping(q, c)
+            return self._checked(sim, q, c).to(q.dtype) * scale, TileGraph(sim, (q, c), state)
+        if hasattr(self.fn, "vjp"):
             return self.logits(q, c, scale), None
         leaves = (q.detach().requires_grad_(rows_grad), c.detach().requires_grad_(cols_grad))
         with torch.enable_grad():
@@ -145,7 +154,8 @@ class Score:
             return
         vjp = getattr(self.fn, "vjp", None)
         if vjp is not None:  # the function's own closed-form gradients
-            g_q, g_c = vjp(g, q, c, g_rows is not None, g_cols is not None)
+            kept = {"state": graph.state} if graph is not None and graph.state is not None else {}
+            g_q, g_c = vjp(g, q, c, g_rows is not None, g_cols is not None, **kept)
             if g_rows is not None:
                 g_rows.add_(g_q)
             if g_cols is not None:

@@ -138,6 +138,30 @@ def test_maxsim_matches_sentence_transformers_colbert_scores() -> None:
 
 
 @pytest.mark.parametrize("length_normalize", [False, True])
+@pytest.mark.parametrize("wanted", [(True, True), (True, False), (False, True)])
+def test_maxsim_closed_form_vjp_equals_autograd(length_normalize: bool, wanted: tuple[bool, bool]) -> None:
+    """The core's tile gradient (:meth:`MaxSim.vjp`, from the winners kept by ``scores_and_state`` or found
+    again) is autograd's through :meth:`MaxSim.__call__`: padded tokens, an empty document, a query without
+    tokens, and tied document tokens (routed as torch's max routes them)."""
+    q, cols = token_case(6, 1, tq=4, td=5, d=3, seed=5)
+    docs = cols[0].clone()
+    docs[:, 1, :-1] = docs[:, 0, :-1]  # ties between tokens 0 and 1 of every document
+    docs[:, :2, -1] = 1.0
+    docs[2, :, -1] = 0.0  # a document without any scored token
+    sim = MaxSim(length_normalize)
+    g = torch.randn(6, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    aq, ad = q.clone().requires_grad_(wanted[0]), docs.clone().requires_grad_(wanted[1])
+    ref = torch.autograd.grad(sim(aq, ad), [x for x in (aq, ad) if x.requires_grad], g)
+    scores, winners = sim.scores_and_state(q, docs)
+    torch.testing.assert_close(scores, sim(q, docs), rtol=0, atol=0)
+    for kept in ({"state": winners}, {}):
+        got = [x for x in sim.vjp(g, q, docs, *wanted, **kept) if x is not None]
+        assert len(got) == len(ref)
+        for mine, theirs in zip(got, ref):
+            torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("length_normalize", [False, True])
 def test_maxsim_pairwise_is_the_diagonal(length_normalize: bool) -> None:
     q, cols = token_case(6, 1, td=5)
     sim = MaxSim(length_normalize)
