@@ -380,7 +380,7 @@ class GradCache(MiniBatchPlanner):
         # exactly like the non-cached loss. Not under gradient synchronisation, where the one
         # synchronised forward must be the last one before the backward (and ranks may differ in
         # batch size).
-        keep_all = self.fits_in_one(columns, trim_leading=trim, counts=counts) and not sync
+        keep_all = self.fits_in_one(columns, counts=counts) and not sync
         # released by the session after its replay, or here if stages 1 and 2 fail
         held = self._hold(model)
         try:

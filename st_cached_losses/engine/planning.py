@@ -236,9 +236,7 @@ class MiniBatchPlanner:
                 self.agreed_counts(model, [], False, str(error) or type(error).__name__)
         raise error
 
-    def fits_in_one(
-        self, columns: Sequence[Features], *, trim_leading: bool = True, counts: Sequence[int] | None = None
-    ) -> bool:
+    def fits_in_one(self, columns: Sequence[Features], *, counts: Sequence[int] | None = None) -> bool:
         """Whether every column is a single mini-batch (then caching buys nothing); with agreed
         ``counts``, whether those are all one."""
         if counts is not None:
