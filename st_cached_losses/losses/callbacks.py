@@ -46,14 +46,6 @@ class name, so that ``restore_callback_states_from_checkpoint`` never tries to r
 from it."""
 
 
-def _named_losses(losses: nn.Module | dict[str, nn.Module] | list[nn.Module]) -> dict[str, nn.Module]:
-    if isinstance(losses, dict):
-        return dict(losses)
-    if isinstance(losses, nn.Module):
-        return {"": losses}
-    return {str(i): loss for i, loss in enumerate(losses)}
-
-
 def _stateful(loss: nn.Module) -> list[nn.Module]:
     """The modules inside ``loss`` (itself, or an inner loss of a wrapper such as MatryoshkaLoss) that
     carry a learnable scale."""
@@ -75,7 +67,11 @@ class LossStateCallback(TrainerCallback):
     """
 
     def __init__(self, losses: nn.Module | dict[str, nn.Module] | list[nn.Module]) -> None:
-        self.losses = _named_losses(losses)
+        if isinstance(losses, nn.Module):
+            losses = {"": losses}
+        elif not isinstance(losses, dict):
+            losses = {str(i): loss for i, loss in enumerate(losses)}
+        self.losses = dict(losses)
         # found once: walking the losses means walking the whole model they hold, and the scale is read
         # after every step (a loss's submodules do not change once it is built)
         self._scaled: dict[str, nn.Module] = {}
