@@ -315,15 +315,12 @@ class CachedLossArgumentParser(HfArgumentParser):
 
     def _parse_command_line(self, argv: list[str], defaults: Mapping[str, Any]) -> tuple[Any, ...]:
         self.check_keys(defaults, source="defaults")
-        sources = [dict(defaults)]
+        values = dict(defaults)
         config, argv = _split_config(argv)
         if config is not None:
             from_file = load_config(config)
             self.check_keys(from_file, source=config)
-            sources.append(from_file)
-        values: dict[str, Any] = {}
-        for source in sources:
-            values = _merge(values, source)
+            values = _merge(values, from_file)
         values = copy.deepcopy(values)  # the parsed arguments must not share a dict or list with `defaults`
         self.set_defaults(**values)  # before --help is printed: it shows the script's and the file's values
         given = self._fields_given(argv)

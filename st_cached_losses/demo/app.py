@@ -181,16 +181,6 @@ def pick_metrics(results: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def format_table(rows: dict[str, dict[str, float]]) -> str:
-    """A markdown table: one row per run ("before", "after", ...), one column per metric."""
-    return metrics_table(
-        {
-            name: {label: metrics.get(label, float("nan")) for label, _ in METRICS}
-            for name, metrics in rows.items()
-        }
-    )
-
-
 # ---------------------------------------------------------------------------------------------- the run
 
 
@@ -315,7 +305,7 @@ def print_summary(summary: dict[str, Any]) -> None:
         print(
             f"retrieval on {summary['eval_pairs']} held-out pairs (query: docstring summary, corpus: sources)"
         )
-        print(format_table(summary["metrics"]))
+        print(metrics_table(summary["metrics"]))
     if "card" in summary:
         print(f"model and model card saved in {summary['model_dir']} ({summary['card']})")
     if "push_dry_run" in summary:

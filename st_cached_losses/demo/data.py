@@ -41,10 +41,9 @@ def _pairs_in_file(path: Path) -> list[tuple[str, str]]:
         summary = _summary(doc)
         if summary is None:
             continue
-        body = node.body
-        start = body[1].lineno if len(body) > 1 else None
-        if start is None:
+        if len(node.body) < 2:  # the docstring alone
             continue
+        start = node.body[1].lineno
         header = lines[node.lineno - 1].strip()
         code = "\n".join(line.strip() for line in lines[start - 1 : node.end_lineno] if line.strip())
         document = f"{header}\n{code}"

@@ -8,10 +8,8 @@ either: which rows each mini-batch embeds, and how many mini-batches every proce
 
 What it does beyond GradCache (Gao et al., 2021):
 
-* the plans (:mod:`st_cached_losses.engine.planning`): rows sorted by length and each mini-batch's padding
-  trimmed, mini-batches by row count or by a budget of real tokens, and under a sharded wrapper the
-  same number of mini-batch forwards and replays on every process (agreed once per step; an input one
-  process refuses is raised on every process at that agreement, not left to a peer's hang);
+* the plans of :mod:`st_cached_losses.engine.planning` (rows sorted by length, padding trimmed, token
+  budgets, the same mini-batches on every process under a sharded wrapper);
 * the RNG state (CPU and every initialised accelerator) is snapshotted per mini-batch and restored at
   replay, so dropout masks are identical in both forwards; autocast settings are replayed too;
 * the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
@@ -20,10 +18,8 @@ What it does beyond GradCache (Gao et al., 2021):
 * under DDP every replay but the last runs in ``no_sync()``: one gradient all-reduce per step, and none
   inside an outer ``no_sync`` (gradient accumulation); likewise FSDP2 (``set_requires_gradient_sync``:
   one reduce-scatter per step), FSDP1 (``no_sync()``) and DeepSpeed (its accumulation boundary);
-* with ``keep_params_unsharded`` an FSDP2 model's parameters are all-gathered once per step, by the
-  step's first forward of each group, and kept until the step ends (resharded after its last replay),
-  instead of once for every mini-batch forward and every replay: one all-gather and one
-  reduce-scatter per parameter group per step, for the memory of every group's full parameters.
+* with ``keep_params_unsharded`` an FSDP2 model's parameters are all-gathered once per step instead of
+  once per mini-batch forward and per replay (see :class:`GradCache`'s arguments).
 """
 
 from __future__ import annotations
@@ -384,7 +380,7 @@ class GradCache(MiniBatchPlanner):
         # exactly like the non-cached loss. Not under gradient synchronisation, where the one
         # synchronised forward must be the last one before the backward (and ranks may differ in
         # batch size).
-        keep_all = self.fits_in_one(columns, trim_leading=trim, counts=counts) and not sync
+        keep_all = self.fits_in_one(columns, counts=counts) and not sync
         # released by the session after its replay, or here if stages 1 and 2 fail
         held = self._hold(model)
         try:

@@ -152,7 +152,14 @@ class MiniBatchPlanner:
             size = self.rows_per_mini_batch
             spans = [(i, min(i + size, b)) for i in range(0, b, size)]
         else:
-            spans = _pack(self._token_counts(features, b)[order].tolist(), tokens)
+            counts = token_counts(features, b)
+            if counts is None:
+                raise ValueError(
+                    f"mini_batch_num_tokens={self.mini_batch_num_tokens} needs each row's token count, read "
+                    f"from the inputs' 2-D attention_mask, and this column has none (keys {sorted(features)}); "
+                    "set mini_batch_num_tokens=None and use mini_batch_size instead."
+                )
+            spans = _pack(counts[order].tolist(), tokens)
         fillers: list[MiniBatch] = []
         if count is not None and count > len(spans):
             spans = _spread(spans, count)
@@ -180,7 +187,8 @@ class MiniBatchPlanner:
             if error is not None:
                 raise ValueError(error)
             return None
-        agree = self.agrees(model)
+        # past meets(): whether the processes also agree on the mini-batches (not under DDP by default)
+        agree = is_sharded(model) if self.agree_mini_batches is None else self.agree_mini_batches
         counts: list[int] = []
         if error is None and agree:
             try:
@@ -209,11 +217,6 @@ class MiniBatchPlanner:
                 + " ".join(f"Rank {r}: {msg}" for r, msg in causes.items())
             ) from exc
 
-    def agrees(self, model: nn.Module) -> bool:
-        """Whether the processes agree on the mini-batches each step (see :meth:`agreed_counts`)."""
-        wanted = is_sharded(model) if self.agree_mini_batches is None else self.agree_mini_batches
-        return wanted and self.meets(model)
-
     @staticmethod
     def meets(model: nn.Module) -> bool:
         """Whether the processes meet at the start of each step (:meth:`agreed_counts`'s one small
@@ -233,9 +236,7 @@ class MiniBatchPlanner:
                 self.agreed_counts(model, [], False, str(error) or type(error).__name__)
         raise error
 
-    def fits_in_one(
-        self, columns: Sequence[Features], *, trim_leading: bool = True, counts: Sequence[int] | None = None
-    ) -> bool:
+    def fits_in_one(self, columns: Sequence[Features], *, counts: Sequence[int] | None = None) -> bool:
         """Whether every column is a single mini-batch (then caching buys nothing); with agreed
         ``counts``, whether those are all one."""
         if counts is not None:
@@ -253,16 +254,6 @@ class MiniBatchPlanner:
                 if tokens is None or int(tokens.sum()) > budget:
                     return False
         return True
-
-    def _token_counts(self, features: Features, batch_size: int) -> Tensor:
-        tokens = token_counts(features, batch_size)
-        if tokens is None:
-            raise ValueError(
-                f"mini_batch_num_tokens={self.mini_batch_num_tokens} needs each row's token count, read from "
-                f"the inputs' 2-D attention_mask, and this column has none (keys {sorted(features)}); set "
-                "mini_batch_num_tokens=None and use mini_batch_size instead."
-            )
-        return tokens
 
 
 def _spread(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:

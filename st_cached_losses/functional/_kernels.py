@@ -113,10 +113,9 @@ class LogSumExp:
     def unstack(t: Tensor) -> LogSumExp:
         return LogSumExp(t[:, 0], t[:, 1])
 
-    def log_softmax(self, logits: Tensor, dim: int) -> Tensor:
-        """``logits - lse`` along ``dim`` of a ``(b, t)`` block, as a new tensor."""
-        if dim == 1:
-            return (logits - self.m[:, None]).sub_(self.log_s[:, None])
+    def log_softmax(self, logits: Tensor) -> Tensor:
+        """``logits - lse`` down the columns of a ``(b, t)`` block (this holds the ``t`` columns'
+        log-sum-exps), as a new tensor."""
         return (logits - self.m[None, :]).sub_(self.log_s[None, :])
 
 

@@ -81,9 +81,7 @@ def check_mini_batch_size(value: int | str) -> None:
 
 def check_mini_batch_num_tokens(value: int | str | None) -> None:
     """None, a positive ``int``, or ``"auto"``; sentence-transformers' wording for the int."""
-    if value == "auto":
-        return
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+    if value not in (None, "auto") and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
         raise ValueError(
             f"mini_batch_num_tokens must be a positive integer or None. Got {value!r}; or 'auto' to size it "
             "from a memory budget."

@@ -10,13 +10,8 @@ and GIST are other term sets, and duplicate keys mask every term. Two entry poin
 * :func:`infonce_loss_and_grad` -- the loss together with its gradient wrt every embedding, for the
   cache stage of GradCache, where the loss is the last node of its own graph.
 
-Inputs, in the notation of the shape comments:
-
-* ``anchors``: ``(B, d)`` -- this process's rows (queries);
-* ``candidates``: one ``(N, d)`` tensor or a sequence of them (the positives first, then hard
-  negatives). ``N == B`` on one process; ``N == W * B`` when gathered from ``W`` ranks, with
-  ``row_offset`` the index of this rank's first positive in the gathered columns;
-* ``anchors_all``: ``(N, d)``, the gathered anchors, only for the symmetric loss across ranks.
+The inputs are :func:`infonce_loss_and_grad`'s arguments: ``anchors (B, d)``, candidate columns ``(N, d)``
+(``N == B`` on one process, ``N == W * B`` gathered from ``W`` ranks).
 
 Row ``i``'s loss is ``logsumexp_c(s * <q_i, c>) - s * <q_i, p_{row_offset + i}>`` over every candidate
 of every column. The symmetric loss averages it with each positive's loss against the anchors.

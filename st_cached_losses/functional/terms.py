@@ -279,7 +279,7 @@ def _logit_grad(b: Bound, block: Tensor, lse: LogSumExp, weight: float, ij, c0: 
     """``w_g * P_g (+ w_c * P_c) - Y`` of one tile, in place of the logits."""
     p_col = None
     if b.col_lse is not None:  # the softmax down the columns, before the block is overwritten
-        p_col = exp_flushed_(b.col_lse[c0:c1].log_softmax(block, 0)).mul_(b.col_weight)
+        p_col = exp_flushed_(b.col_lse[c0:c1].log_softmax(block)).mul_(b.col_weight)
     g = block.sub_(lse.m[:, None]).sub_(lse.log_s[:, None])  # in place: the block is not needed after
     exp_flushed_(g).mul_(weight)
     if p_col is not None:

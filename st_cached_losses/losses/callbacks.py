@@ -46,14 +46,6 @@ class name, so that ``restore_callback_states_from_checkpoint`` never tries to r
 from it."""
 
 
-def _named_losses(losses: nn.Module | dict[str, nn.Module] | list[nn.Module]) -> dict[str, nn.Module]:
-    if isinstance(losses, dict):
-        return dict(losses)
-    if isinstance(losses, nn.Module):
-        return {"": losses}
-    return {str(i): loss for i, loss in enumerate(losses)}
-
-
 def _stateful(loss: nn.Module) -> list[nn.Module]:
     """The modules inside ``loss`` (itself, or an inner loss of a wrapper such as MatryoshkaLoss) that
     carry a learnable scale."""
@@ -75,23 +67,24 @@ class LossStateCallback(TrainerCallback):
     """
 
     def __init__(self, losses: nn.Module | dict[str, nn.Module] | list[nn.Module]) -> None:
-        self.losses = _named_losses(losses)
+        if isinstance(losses, nn.Module):
+            losses = {"": losses}
+        elif not isinstance(losses, dict):
+            losses = {str(i): loss for i, loss in enumerate(losses)}
+        self.losses = dict(losses)
         # found once: walking the losses means walking the whole model they hold, and the scale is read
         # after every step (a loss's submodules do not change once it is built)
-        self._stateful_modules: dict[str, nn.Module] = {}
+        self._scaled: dict[str, nn.Module] = {}
         for name, loss in self.losses.items():
             for i, module in enumerate(_stateful(loss)):
-                self._stateful_modules[f"{name}.{i}" if name else str(i)] = module
-
-    def _modules(self) -> dict[str, nn.Module]:
-        return self._stateful_modules
+                self._scaled[f"{name}.{i}" if name else str(i)] = module
 
     def state_dict(self) -> dict[str, Any]:
-        return {key: _logit_scale(module).detach().cpu().clone() for key, module in self._modules().items()}
+        return {key: _logit_scale(module).detach().cpu().clone() for key, module in self._scaled.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = []
-        for key, module in self._modules().items():
+        for key, module in self._scaled.items():
             if key not in state:
                 missing.append(f"{key} ({type(module).__name__})")
                 continue
@@ -108,16 +101,10 @@ class LossStateCallback(TrainerCallback):
                 sorted(state) or "none",
             )
 
-    def covers(self, loss: nn.Module) -> bool:
-        """Whether this callback saves the scale of ``loss`` (one of its losses, or inside one of them).
-        Asked on every call of a loss with a learnable scale, hence the look-up among the few modules
-        that carry one rather than a walk through the model."""
-        return any(module is loss for module in self._stateful_modules.values())
-
     def scales(self) -> dict[str, float]:
         """The current ``logit_scale`` values as plain floats, for ``trainer_state.json`` (a float32
         value survives the JSON round trip exactly)."""
-        return {key: float(_logit_scale(module).detach()) for key, module in self._modules().items()}
+        return {key: float(_logit_scale(module).detach()) for key, module in self._scaled.items()}
 
     def record(self, state: TrainerState) -> None:
         """Put the current scale into ``state``, which the trainer writes into the next checkpoint.
@@ -176,9 +163,9 @@ class LossStateCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if not self._stateful_modules:  # no learnable scale: nothing to save, restore or log
+        if not self._scaled:  # no learnable scale: nothing to save, restore or log
             return
-        _ACTIVE.update(self._stateful_modules.values())
+        _ACTIVE.update(self._scaled.values())
         # train() starts from a fresh state unless it resumes, so a step past 0 means a resumed run
         if state.global_step > 0:
             self.restore(args, state)
@@ -187,19 +174,19 @@ class LossStateCallback(TrainerCallback):
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        for module in self._stateful_modules.values():
+        for module in self._scaled.values():
             _ACTIVE.discard(module)
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if self._stateful_modules:
+        if self._scaled:
             self.record(state)
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if not state.is_world_process_zero or not self._stateful_modules:
+        if not state.is_world_process_zero or not self._scaled:
             return
         folder = os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
         if os.path.isdir(folder):
@@ -217,7 +204,7 @@ class LossStateCallback(TrainerCallback):
             return
         scales = {
             ("scale" if key == "0" else f"scale_{key}"): float(m.scale)  # type: ignore[arg-type]
-            for key, m in self._modules().items()
+            for key, m in self._scaled.items()
         }
         logs.update(scales)
         # the trainer appended this log to its history just before calling back: keep them the same
