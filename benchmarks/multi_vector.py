@@ -10,6 +10,9 @@ Contenders, on the same packed token embeddings (queries ``(B, tq, d)``, ``N`` d
 * ``ours``: ``infonce_loss_and_grad(..., similarity=MaxSim())`` (tiles sized from the 64 MiB default budget,
   per-tile autograd).
 
+Defaults: the issue's shape (32 query tokens, 180 document tokens, d = 128), pairs (one document column),
+B = 256 / 512 / 1,024 (a CPU run; 4,096 and up want a GPU).
+
 Run: ``.venv/bin/python benchmarks/multi_vector.py`` (``--sizes``, ``--repeats``). Writes
 ``benchmarks/results/multi_vector.{md,csv}``.
 """
@@ -76,13 +79,13 @@ def measure(fn, q, cols, repeats: int) -> tuple[float, float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sizes", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024])
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--tq", type=int, default=32)
-    parser.add_argument("--td", type=int, default=96)
-    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--td", type=int, default=180)
+    parser.add_argument("--dim", type=int, default=128)
     parser.add_argument(
-        "--columns", type=int, default=2, help="document columns (positives + hard negatives)"
+        "--columns", type=int, default=1, help="document columns (positives + hard negatives)"
     )
     args = parser.parse_args()
     rows = []

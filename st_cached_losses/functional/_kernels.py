@@ -191,10 +191,9 @@ def plan_blocks(
     tile_size: int | None,
     memory_budget: int,
     buffers: int,
-    min_auto_chunk: int = MIN_AUTO_CHUNK,
 ) -> Plan:
     """Pick the path and block sizes: ``buffers`` fp32 blocks of ``rows x columns-in-block`` live at once;
-    ``"auto"`` chunks when the budget holds ``min_auto_chunk`` rows (fewer rows make thin GEMMs)."""
+    ``"auto"`` chunks when the budget holds :data:`MIN_AUTO_CHUNK` rows (fewer rows make thin GEMMs)."""
     row_bytes = 4 * buffers * n_cols
     if path == "auto":
         if chunk_size is not None:
@@ -202,7 +201,7 @@ def plan_blocks(
         elif tile_size is not None:
             path = "tiled"
         else:
-            path = "chunked" if memory_budget // row_bytes >= min(n_rows, min_auto_chunk) else "tiled"
+            path = "chunked" if memory_budget // row_bytes >= min(n_rows, MIN_AUTO_CHUNK) else "tiled"
     if path == "chunked":
         chunk = chunk_size if chunk_size is not None else max(1, memory_budget // row_bytes)
         return Plan("chunked", min(chunk, n_rows), n_cols)
