@@ -115,10 +115,8 @@ class MaxSim:
         them, as autograd through :meth:`__call__` would route the gradient)."""
         q, q_mask = unpack_tokens(queries)
         c, c_mask = unpack_tokens(documents)
-        sim = torch.einsum("ash,bth->abst", q, c)  # (b, t, tq, td)
-        sim.masked_fill_(~c_mask[None, :, None, :], torch.finfo(sim.dtype).min)
-        best, winner = sim.max(-1)  # (b, t, tq) each
-        return self._finish(best, q_mask[:, None, :], c_mask[None, :, None, :]), winner
+        best, winner = self._masked(torch.einsum("ash,bth->abst", q, c), c_mask[None, :, None, :]).max(-1)
+        return self._finish(best, q_mask[:, None, :], c_mask[None, :, None, :]), winner  # (b, t), (b, t, tq)
 
     @torch.no_grad()
     def vjp(
@@ -176,11 +174,15 @@ class MaxSim:
     def _reduce(self, sim: Tensor, q_mask: Tensor, c_mask: Tensor) -> Tensor:
         """Token similarities ``(..., tq, td)`` to scores ``(...)``; the masks broadcast against
         ``(..., tq)`` (queries) and ``(..., tq, td)`` (documents)."""
-        # padded document tokens never win the max (0 would beat a real negative similarity); in place
-        # (einsum keeps its inputs, not its output, for backward): one tile-sized tensor, not two
-        sim.masked_fill_(~c_mask, torch.finfo(sim.dtype).min)
+        sim = self._masked(sim, c_mask)
         best = sim.amax(-1) if not torch.is_grad_enabled() else sim.max(-1).values  # (..., tq)
         return self._finish(best, q_mask, c_mask)
+
+    @staticmethod
+    def _masked(sim: Tensor, c_mask: Tensor) -> Tensor:
+        """Padded document tokens never win the max (0 would beat a real negative similarity); in place
+        (einsum keeps its inputs, not its output, for backward): one tile-sized tensor, not two."""
+        return sim.masked_fill_(~c_mask, torch.finfo(sim.dtype).min)
 
     def _finish(self, best: Tensor, q_mask: Tensor, c_mask: Tensor) -> Tensor:
         """Each query token's best similarity ``(..., tq)`` to scores ``(...)`` (masks as in :meth:`_reduce`)."""

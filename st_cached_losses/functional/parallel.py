@@ -99,17 +99,15 @@ def pad_to_common_tokens(columns: Sequence[Tensor]) -> list[Tensor]:
     they can be gathered (each process trims its padding to its own width). One all-reduce of the widths;
     nothing outside a process group. The padding is zeros (mask 0; index 0 and value 0): it changes no
     score, and its gradient is 0."""
-    widths = torch.tensor([-c.shape[1] for c in columns], dtype=torch.long, device=columns[0].device)
+    return [pad_tokens(c, w) for c, w in zip(columns, _widest(columns))]
+
+
+def _widest(tensors: Sequence[Tensor]) -> list[int]:
+    """Each tensor's dim 1 (packed rows' width) widened to the widest of every process at that position:
+    one all-reduce (nothing outside a process group)."""
+    widths = torch.tensor([-t.shape[1] for t in tensors], dtype=torch.long, device=tensors[0].device)
     all_reduce_min(widths, "all_reduce_token_widths")  # min of the negated widths: the widest
-    return [pad_tokens(c, -w) for c, w in zip(columns, widths.tolist())]
-
-
-def _common_width(tensors: Sequence[Tensor]) -> int:
-    """The widest dim 1 of ``tensors`` (packed rows) over every process: one all-reduce of one number
-    (nothing outside a process group)."""
-    width = torch.tensor([-max(t.shape[1] for t in tensors)], dtype=torch.long, device=tensors[0].device)
-    all_reduce_min(width, "all_reduce_token_widths")  # min of the negated widths: the widest
-    return -int(width[0])
+    return [-w for w in widths.tolist()]
 
 
 def _trimmed(grads: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
@@ -330,7 +328,7 @@ def ring_loss_and_grad(
             # every block travels with one row shape: the columns (and the anchors when a term reads
             # them) padded to the widest of every process (exact: mask 0 / index 0 and value 0)
             anchors_travel = any(t.cols == "q_all" for t in term_set.terms)
-            width = _common_width([*cols, anchors] if anchors_travel else cols)
+            width = max(_widest([*cols, anchors] if anchors_travel else cols))
             cols = [pad_tokens(c, width) for c in cols]
             rows = pad_tokens(anchors, width) if anchors_travel else anchors
         if row_state is not None:
