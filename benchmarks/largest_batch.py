@@ -92,15 +92,15 @@ def sparse_contenders(vocab: int, nnz: int) -> dict[str, Callable[[int], tuple[i
 
 
 def multi_vector_contenders() -> dict[str, Callable[[int], tuple[int, float]]]:
-    from multi_vector import inputs, run_st
+    from multi_vector import inputs, run_st, st_inputs
 
     from st_cached_losses.functional import infonce_loss_and_grad
     from st_cached_losses.functional.multi_vector import MaxSim, pack_tokens
 
     def theirs(b: int) -> tuple[int, float]:
-        q, cols = inputs(b, 1, 32, 180, 128)
-        held = nbytes([q[0], q[1], *[t for c in cols for t in c]])
-        return footprint(held, lambda: run_st(q, cols))
+        reps, masks = st_inputs(*inputs(b, 1, 32, 180, 128))
+        held = nbytes([t for column in reps + masks for t in column])
+        return footprint(held, lambda: run_st(reps, masks))
 
     def ours(b: int) -> tuple[int, float]:
         q, cols = inputs(b, 1, 32, 180, 128)
