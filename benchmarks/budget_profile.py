@@ -6,10 +6,12 @@ The packaged all-MiniLM-L6-v2 in training mode, stdlib text pairs, ``CachedMNRLo
 one mode after the other in one process (``none`` first, on a fresh heap): ``none`` (no budget) and
 ``budget`` (``--budget-mib``; by default half the plain loss's peak for this B and L recorded in
 ``benchmarks/results/graph_budget.csv``). Per mode: the median step, its first two stages (embed and
-loss) and its third (replay and backward), and every encoder forward timed (mean over the steps after the warm-up) and classed as ``no-grad``
-(first stage), ``kept`` (first stage, graph kept), ``graph`` (first stage, the column's last
-forward) or ``replay`` (third stage), split into full-length mini-batches (padded to L) and shorter
-ones, with the minor page faults (``getrusage``) each forward took. CPU only.
+loss) and its third (replay and backward), and every encoder forward timed (means over the steps
+after the warm-up) and classed as ``no-grad`` (first stage), ``kept`` (first stage, its graph kept for
+the backward: the budget's, and the step's last forward), ``graph`` (first stage with a graph that is
+replayed anyway: a column's last forward) or ``replay`` (third stage), split into full-length
+mini-batches (padded to L) and shorter ones, with the minor page faults (``getrusage``) each took.
+CPU only.
 
 Run: ``.venv/bin/python benchmarks/budget_profile.py --batch-size 1024 --max-seq-length 32``. Writes
 ``benchmarks/results/budget_profile.md``.
