@@ -25,7 +25,7 @@ CSV when ``--reuse-peaks``) and ``--no-warmup``; ``--peaks-only`` measures the (
 ``--alternate`` runs the contenders batch by batch in one process instead. On glibc's heap that favours the
 budget: a contender inherits the heap the previous one left (``ours`` the plain loss's freed gigabytes,
 ``ours-budget-half`` the heap ``ours-budget-all`` grew), and at B = 256 half the peak took 0.67x
-``ours`` alternating against 0.94x back to back), while a training run holds one loss only.
+``ours`` alternating against 0.94x back to back, while a training run holds one loss only.
 """
 
 from __future__ import annotations
