@@ -20,7 +20,6 @@ Run: ``.venv/bin/python benchmarks/budget_profile.py --batch-size 1024 --max-seq
 from __future__ import annotations
 
 import argparse
-import csv
 import gc
 import os
 import statistics
@@ -35,19 +34,15 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from benchmarks.graph_budget import minilm  # noqa: E402
+from benchmarks.graph_budget import minilm, read_rows  # noqa: E402
 from benchmarks.kept_forward import minor_faults  # noqa: E402
 
 
 def recorded_half_peak(b: int, length: int) -> int | None:
     """Half the plain loss's peak for (B, L) from graph_budget.csv, in bytes, if recorded."""
-    path = ROOT / "benchmarks" / "results" / "graph_budget.csv"
-    if not path.exists():
-        return None
-    with open(path) as f:
-        for row in csv.DictReader(f):
-            if (int(row["B"]), int(row["L"]), row["contender"]) == (b, length, "mnrl"):
-                return int(float(row["peak_mib"]) * 2**20) // 2
+    for row in read_rows(ROOT / "benchmarks" / "results" / "graph_budget.csv"):
+        if (row["B"], row["L"], row["contender"]) == (b, length, "mnrl"):
+            return int(row["peak_mib"] * 2**20) // 2
     return None
 
 

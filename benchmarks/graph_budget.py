@@ -177,6 +177,18 @@ def run(
     return rows
 
 
+def read_rows(csv_path: Path) -> list[dict]:
+    """The rows of a ``graph_budget.csv`` (none if it does not exist), numbers as numbers."""
+    if not csv_path.exists():
+        return []
+    with open(csv_path) as f:
+        return [
+            {**r, "B": int(r["B"]), "L": int(r.get("L") or 128), "median_s": float(r["median_s"]),
+             "peak_mib": float(r["peak_mib"]), "budget_mib": float(r["budget_mib"]) if r["budget_mib"] else ""}
+            for r in csv.DictReader(f)
+        ]  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -219,14 +231,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     out = Path(args.out)
     csv_path = out / "graph_budget.csv"
-    old: list[dict] = []
-    if csv_path.exists():
-        with open(csv_path) as f:
-            old = [
-                {**r, "B": int(r["B"]), "L": int(r.get("L") or 128), "median_s": float(r["median_s"]),
-                 "peak_mib": float(r["peak_mib"]), "budget_mib": float(r["budget_mib"]) if r["budget_mib"] else ""}
-                for r in csv.DictReader(f)
-            ]  # fmt: skip
+    old = read_rows(csv_path)
     if args.table_only:
         rows = old
     else:

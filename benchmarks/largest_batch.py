@@ -92,10 +92,7 @@ def sparse_contenders(vocab: int, nnz: int) -> dict[str, Callable[[int], tuple[i
 
 
 def multi_vector_contenders() -> dict[str, Callable[[int], tuple[int, float]]]:
-    from multi_vector import inputs, run_st, st_inputs
-
-    from st_cached_losses.functional import infonce_loss_and_grad
-    from st_cached_losses.functional.multi_vector import MaxSim, pack_tokens
+    from multi_vector import inputs, ours_inputs, run_ours, run_st, st_inputs
 
     def theirs(b: int) -> tuple[int, float]:
         reps, masks = st_inputs(*inputs(b, 1, 32, 180, 128))
@@ -103,15 +100,8 @@ def multi_vector_contenders() -> dict[str, Callable[[int], tuple[int, float]]]:
         return footprint(held, lambda: run_st(reps, masks))
 
     def ours(b: int) -> tuple[int, float]:
-        q, cols = inputs(b, 1, 32, 180, 128)
-        packed = [pack_tokens(*q)] + [pack_tokens(*c) for c in cols]
-        del q, cols
-        return footprint(
-            nbytes(packed),
-            lambda: infonce_loss_and_grad(
-                packed[0], packed[1:], scale=1.0, similarity=MaxSim(), check_finite=False
-            ),
-        )
+        (packed,) = ours_inputs(*inputs(b, 1, 32, 180, 128))
+        return footprint(nbytes(packed), lambda: run_ours(packed))
 
     return {"theirs": theirs, "ours": ours}
 
