@@ -9,6 +9,8 @@ STAMP := $(VENV)/.installed
 # cannot reach is warned about (pip retries it a few times) and skipped. `make TORCH_INDEX=` leaves it
 # out: pip then takes torch==2.13.0 from the default index, which on Linux is the CUDA build.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+# the torch the environments here are built with (.venv and make dist's fresh one); the package itself asks torch>=2.6
+TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
@@ -18,13 +20,13 @@ export TOKENIZERS_PARALLELISM := false
 # CPU its tests JIT-compile one comm op with the system C++ compiler on first use (~1 minute, then cached).
 export DS_BUILD_OPS := 0
 
-.PHONY: install test lint format demo bench model-cards clean wheels
+.PHONY: install test lint format demo bench model-cards clean wheels dist
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first: a bare torch requirement would otherwise pull a multi-GB CUDA build.
-	$(PY) -m pip install --quiet --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "torch==2.13.0"
+	$(PY) -m pip install --quiet --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[dev,examples]" -c constraints.txt
 	$(if $(TORCH_INDEX),$(PY) -c "import sys; import torch; torch.version.cuda and sys.exit('torch ' + \
 		torch.__version__ + ' is a CUDA build (TORCH_INDEX=$(TORCH_INDEX)): remove $(VENV) and check that index')")
@@ -96,5 +98,11 @@ model-cards: $(STAMP)
 	$(ACCELERATE_2) examples/train_accelerate.py --disable_tqdm true
 	cp output/examples/accelerate/README.md model_cards/accelerate.md
 
+# The release: sdist and wheel in dist/, twine check --strict, the wheel's contents checked (the package and
+# its license only), then installed by itself into a fresh build/dist-venv (torch first, as above) where
+# tools/smoke_train.py trains one step. See tools/dist_check.py.
+dist: $(STAMP)
+	$(PY) tools/dist_check.py --python $(PYTHON) --torch "$(TORCH)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
