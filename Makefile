@@ -20,7 +20,7 @@ export TOKENIZERS_PARALLELISM := false
 # CPU its tests JIT-compile one comm op with the system C++ compiler on first use (~1 minute, then cached).
 export DS_BUILD_OPS := 0
 
-.PHONY: install test lint format demo bench model-cards clean wheels dist
+.PHONY: install test lint format demo bench model-cards clean wheels dist compat
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -103,6 +103,11 @@ model-cards: $(STAMP)
 # tools/smoke_train.py trains one step. See tools/dist_check.py.
 dist: $(STAMP)
 	$(PY) tools/dist_check.py --python $(PYTHON) --torch "$(TORCH)" $(if $(TORCH_INDEX),--torch-index $(TORCH_INDEX))
+
+# The suite against the newest torch / transformers / sentence-transformers / accelerate the registry offers
+# and against pyproject's floors, each in a throw-away environment (build/compat-*): see tools/compat.sh.
+compat:
+	PYTHON=$(PYTHON) bash tools/compat.sh
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# `make compat`: the suite against the newest releases the registry offers and against the package's declared
+# floors, each in a throw-away virtual environment (build/compat-newest, build/compat-floor), made anew.
+#
+#   newest: the newest torch (on Linux PyPI's CUDA build, which runs on a CPU), transformers,
+#           sentence-transformers and accelerate, with none of constraints.txt's pins and no pip cap on torch
+#   floor:  torch, transformers and sentence-transformers at pyproject.toml's floors (read from it)
+#
+# The source tree is tested (pytest imports the package from the checkout); each environment gets the
+# package's dependencies and its dev and examples extras. COMPAT_ENVS picks environments (default
+# "newest floor"), COMPAT_PYTEST the pytest arguments (default: the whole suite, -q), COMPAT_KEEP=1 reuses
+# environments an earlier run built (to run other tests in them). The versions each
+# environment ran and its pytest summary line are appended to build/compat/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+ENVS=${COMPAT_ENVS:-newest floor}
+read -r -a PYTEST_ARGS <<<"${COMPAT_PYTEST:--q -p no:cacheprovider}"
+OUT=build/compat
+mkdir -p "$OUT"
+: >"$OUT/summary.txt"
+
+# the floors, as pyproject.toml declares them ("name>=X")
+floor() { sed -n "s/^ *\"$1>=\([0-9.]*\).*/\1/p" pyproject.toml | head -1; }
+
+status=0
+for env in $ENVS; do
+    venv=build/compat-$env
+    py=$venv/bin/python
+    if [ "${COMPAT_KEEP:-0}" = 1 ] && [ -x "$py" ]; then
+        env=keep-$env
+    else
+        rm -rf "$venv"
+        "$PYTHON" -m venv "$venv"
+        "$py" -m pip install --quiet --upgrade pip
+    fi
+    case $env in
+    keep-*) env=${env#keep-} ;;
+    newest)
+        # PIP_CONSTRAINT= lifts a machine-wide pip constraint (some machines cap torch); constraints.txt unused
+        PIP_CONSTRAINT= "$py" -m pip install --quiet --upgrade torch
+        PIP_CONSTRAINT= "$py" -m pip install --quiet --upgrade ".[dev,examples]" transformers \
+            sentence-transformers accelerate
+        ;;
+    floor)
+        "$py" -m pip install --quiet "torch==$(floor torch)"
+        "$py" -m pip install --quiet ".[dev,examples]" "torch==$(floor torch)" \
+            "transformers==$(floor transformers)" "sentence-transformers==$(floor sentence-transformers)"
+        ;;
+    *)
+        echo "unknown environment $env (newest, floor)" >&2
+        exit 2
+        ;;
+    esac
+    versions=$("$py" -c "import importlib.metadata as m; print(', '.join(f'{p} {m.version(p)}' for p in \
+        ('torch', 'transformers', 'sentence-transformers', 'accelerate', 'datasets', 'peft', 'deepspeed')))")
+    echo "== $env: $versions"
+    # the checkout's package, not the installed copy: pytest puts the repository root first on sys.path
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false DS_BUILD_OPS=0 \
+        "$py" -m pytest "${PYTEST_ARGS[@]}" 2>&1 | tee "$OUT/$env.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || status=1
+    echo "$env: $versions" >>"$OUT/summary.txt"
+    echo "  pytest exit $rc: $(grep -E '(passed|failed|error)' "$OUT/$env.log" | tail -1)" >>"$OUT/summary.txt"
+done
+echo
+cat "$OUT/summary.txt"
+exit $status
