@@ -38,9 +38,10 @@ for env in $ENVS; do
     case $env in
     keep-*) env=${env#keep-} ;;
     newest)
-        # PIP_CONSTRAINT= lifts a machine-wide pip constraint (some machines cap torch); constraints.txt unused
-        PIP_CONSTRAINT= "$py" -m pip install --quiet --upgrade torch
-        PIP_CONSTRAINT= "$py" -m pip install --quiet --upgrade ".[dev,examples]" transformers \
+        # an empty constraints file replaces a machine-wide pip constraint (some machines cap torch);
+        # constraints.txt is not used either
+        PIP_CONSTRAINT=/dev/null "$py" -m pip install --quiet --upgrade torch
+        PIP_CONSTRAINT=/dev/null "$py" -m pip install --quiet --upgrade ".[dev,examples]" transformers \
             sentence-transformers accelerate
         ;;
     floor)
@@ -62,7 +63,7 @@ for env in $ENVS; do
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || status=1
     echo "$env: $versions" >>"$OUT/summary.txt"
-    echo "  pytest exit $rc: $(grep -E '(passed|failed|error)' "$OUT/$env.log" | tail -1)" >>"$OUT/summary.txt"
+    echo "  pytest exit $rc: $(grep -E '^(=+ )?[0-9]+ (passed|failed|errors?|skipped|tests? collected)' "$OUT/$env.log" | tail -1)" >>"$OUT/summary.txt"
 done
 echo
 cat "$OUT/summary.txt"
