@@ -63,10 +63,10 @@ def _type_name(annotation: typing.Any) -> str:
     args = [a for a in typing.get_args(annotation) if a is not type(None)]
     optional = type(None) in typing.get_args(annotation)
     if args:
-        name = " | ".join(_type_name(a) for a in args)
+        name = " or ".join(_type_name(a) for a in args)
     else:
         name = getattr(annotation, "__name__", str(annotation))
-    return f"{name} | None" if optional and args else name
+    return f"{name} or None" if optional and args else name
 
 
 def _cell(text: str) -> str:
