@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import logging
+import re
 import sys
 import typing
 from pathlib import Path
@@ -117,13 +118,30 @@ def loss_names_table() -> str:
 
 
 GENERATED = {"<!-- settings-table -->": settings_table, "<!-- loss-names-table -->": loss_names_table}
+TYPE_ALIASES = re.compile(r"<!-- type-aliases: ([\w. ]+) -->")
+
+
+def type_aliases(paths: str) -> str:
+    """A heading (anchored at the alias's path) and the definition, as Python prints it, of each type alias
+    ``module.Name`` in ``paths``: griffe's inspection cannot render a ``typing`` alias as an object."""
+    import importlib
+
+    out = []
+    for path in paths.split():
+        module, name = path.rsplit(".", 1)
+        value = getattr(importlib.import_module(module), name)
+        text = repr(value).replace("typing.", "").replace("torch.Tensor", "Tensor")
+        out.append(
+            f"### `{name}` {{ #{path} }}\n\nType alias in `{module}`:\n\n```python\n{name} = {text}\n```\n"
+        )
+    return "\n".join(out)
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
     for marker, build in GENERATED.items():
         if marker in markdown:
             markdown = markdown.replace(marker, build())
-    return markdown
+    return TYPE_ALIASES.sub(lambda match: type_aliases(match.group(1)), markdown)
 
 
 def on_files(files: Files, config) -> Files:
@@ -140,3 +158,36 @@ def on_files(files: Files, config) -> Files:
                 )
             )
     return files
+
+
+def _public_names() -> dict[str, list[str]]:
+    """Module -> the names its ``__all__`` exports, for every module of the package but the demo's entry point."""
+    import importlib
+    import pkgutil
+
+    import st_cached_losses
+
+    out = {"st_cached_losses": [n for n in st_cached_losses.__all__ if not n.startswith("_")]}
+    for info in pkgutil.walk_packages(st_cached_losses.__path__, "st_cached_losses."):
+        if any(part.startswith("_") for part in info.name.split(".")):
+            continue
+        module = importlib.import_module(info.name)
+        out[info.name] = list(getattr(module, "__all__", []))
+    return out
+
+
+def on_post_build(config) -> None:
+    """Every name a module of the package exports appears in the API reference (as an object heading of its
+    own, under the path where it is documented): a new public name without a place in ``docs/api/`` fails the
+    strict build."""
+    log = logging.getLogger("mkdocs.hooks.api_coverage")
+    ids: set[str] = set()
+    for page in Path(config["site_dir"], "api").rglob("*.html"):
+        ids.update(re.findall(r'id="(st_cached_losses[\w.]*)"', page.read_text()))
+    documented = {identifier.rsplit(".", 1)[-1] for identifier in ids} | {i for i in ids}
+    for module, names in _public_names().items():
+        for name in names:
+            if name not in documented and f"{module}.{name}" not in documented:
+                log.warning(
+                    "API reference: %s.%s (in its __all__) appears on no page of docs/api/", module, name
+                )
