@@ -6,6 +6,7 @@ page is updated with it."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def _text(node: ast.AST) -> str | None:
     return None
 
 
+@functools.cache
 def _messages() -> list[str]:
     """The first argument of every call in the package whose text can be read statically."""
     out = []
