@@ -15,6 +15,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# mkdocs-material 9.8 prints a banner about its successor on every build
+export NO_MKDOCS_2_WARNING := 1
 # deepspeed (the dev extra) installs from a source archive: with DS_BUILD_OPS=0 (its Linux default, set here so
 # that a DS_BUILD_OPS=1 in the environment cannot make the install need CUDA) nothing is compiled at install; on
 # CPU its tests JIT-compile one comm op with the system C++ compiler on first use (~1 minute, then cached).
