@@ -78,23 +78,27 @@ def settings_table() -> str:
     """Markdown table of the arguments' own fields, in their declaration order."""
     from sentence_transformers import SentenceTransformerTrainingArguments
 
+    from st_cached_losses.config.cli import ALTERNATIVE_FIELDS
     from st_cached_losses.config.registry import LOSSES, loss_parameters
     from st_cached_losses.config.training_args import FIELD_SPECS, CachedLossTrainingArguments
 
     inherited = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     hints = typing.get_type_hints(CachedLossTrainingArguments)
     parameters = {name: loss_parameters(name) for name in LOSSES}
-    rows = ["| field | type | default | losses | meaning |", "|---|---|---|---|---|"]
+    rows = ["| field | type | default | losses that take it | meaning |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(CachedLossTrainingArguments):
         if f.name in inherited:
             continue
         argument = FIELD_SPECS[f.name][0] if f.name in FIELD_SPECS else None
+        # fields that are one setting in two forms (scale / temperature): a loss taking either takes both
+        group = next((g for g in ALTERNATIVE_FIELDS if f.name in g), (f.name,))
+        arguments = {FIELD_SPECS[g][0] if g in FIELD_SPECS else g for g in group}
         if f.name == "loss":
             takes = "all"
         elif argument is None:
             takes = "all (sets no loss argument)"
         else:
-            names = [name for name in LOSSES if argument in parameters[name]]
+            names = [name for name in LOSSES if arguments & set(parameters[name])]
             takes = "all" if len(names) == len(LOSSES) else ", ".join(f"`{n}`" for n in names)
         default = "-" if f.default is None else f"`{f.default!r}`"
         help_text = f.metadata.get("help", "")
