@@ -18,6 +18,7 @@ import logging
 import re
 import sys
 import typing
+import warnings
 from pathlib import Path
 
 from mkdocs.structure.files import File, Files
@@ -56,6 +57,8 @@ class _SharedEntries(logging.Filter):
 
 def on_startup(command: str, dirty: bool) -> None:
     _griffe_workaround()
+    # preloading typing (mkdocs.yml) has griffe read typing.io / typing.re, which warn on Python 3.11
+    warnings.filterwarnings("ignore", r"typing\.(io|re) is deprecated", DeprecationWarning)
     for name in ("griffe", "mkdocs.plugins.griffe", "mkdocs.plugins.mkdocstrings_handlers.python"):
         logging.getLogger(name).addFilter(_SharedEntries())
 
