@@ -15,12 +15,14 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# mkdocs-material 9.8 prints a banner about its successor on every build
+export NO_MKDOCS_2_WARNING := 1
 # deepspeed (the dev extra) installs from a source archive: with DS_BUILD_OPS=0 (its Linux default, set here so
 # that a DS_BUILD_OPS=1 in the environment cannot make the install need CUDA) nothing is compiled at install; on
 # CPU its tests JIT-compile one comm op with the system C++ compiler on first use (~1 minute, then cached).
 export DS_BUILD_OPS := 0
 
-.PHONY: install test lint format demo bench model-cards clean wheels dist compat
+.PHONY: install test lint format demo bench model-cards clean wheels dist compat docs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +47,11 @@ format: $(STAMP)
 
 test: lint
 	$(PY) -m pytest -q
+	$(VENV)/bin/mkdocs build --strict --quiet
+
+# The documentation site (docs/, mkdocs.yml) into site/: strict, so a broken link or reference fails.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 demo: $(STAMP)
 	$(PY) -m st_cached_losses.demo
@@ -110,4 +117,4 @@ compat:
 	PYTHON=$(PYTHON) bash tools/compat.sh
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) build dist site *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,200 @@
+"""mkdocs hooks (``hooks:`` in mkdocs.yml): what the site reads from the package and the repository at build time.
+
+* ``<!-- settings-table -->`` in a page becomes the table of every field ``CachedLossTrainingArguments`` adds to
+  sentence-transformers' training arguments: its type, default, the losses that take it (from the losses'
+  signatures, as the arguments' own check decides) and its help text (the specs in
+  ``st_cached_losses/losses/settings.py``). Nothing in it is typed into the docs.
+* ``<!-- loss-names-table -->``: the names ``loss:`` accepts, each loss's class and the model it trains (the
+  registry in ``st_cached_losses/config/registry.py``).
+* The plots and CSV files of ``benchmarks/results/`` are served under ``results/`` (the pages link
+  ``results/<name>.png``): they are read from where the benchmarks write them, never copied into ``docs/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import logging
+import re
+import sys
+import typing
+import warnings
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _griffe_workaround() -> None:
+    """``CachedLossTrainingArguments.__module__`` is its documented path, ``st_cached_losses.training_args``
+    (what checkpoints pickle), but the ``__init__`` that ``dataclass`` generated keeps the defining module's:
+    griffe's inspection then sees each as an alias of the other (``CyclicAliasError``). In this build process
+    only, the ``__init__`` gets the class's module too."""
+    from st_cached_losses.config.training_args import CachedLossTrainingArguments
+
+    CachedLossTrainingArguments.__init__.__module__ = CachedLossTrainingArguments.__module__
+
+
+class _SharedEntries(logging.Filter):
+    """Some losses document several arguments in one entry (``path / tile_size / memory_budget: ...``), which
+    griffe's Google parser reports as an unknown, untyped parameter (or, wrapped, as no ``name: description``
+    pair); they render as written. Those reports, and only those, are logged as INFO so that ``--strict``
+    fails on any other warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if record.levelno == logging.WARNING and (
+            (" / " in message and "parameter '" in message.lower())
+            or "Failed to get 'name: description' pair" in message
+        ):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def on_startup(command: str, dirty: bool) -> None:
+    _griffe_workaround()
+    # preloading typing (mkdocs.yml) has griffe read typing.io / typing.re, which warn on Python 3.11
+    warnings.filterwarnings("ignore", r"typing\.(io|re) is deprecated", DeprecationWarning)
+    for name in ("griffe", "mkdocs.plugins.griffe", "mkdocs.plugins.mkdocstrings_handlers.python"):
+        logging.getLogger(name).addFilter(_SharedEntries())
+
+
+def _type_name(annotation: typing.Any) -> str:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    optional = type(None) in typing.get_args(annotation)
+    if args:
+        name = " or ".join(_type_name(a) for a in args)
+    else:
+        name = getattr(annotation, "__name__", str(annotation))
+    return f"{name} or None" if optional and args else name
+
+
+def _cell(text: str) -> str:
+    return html.escape(text).replace("|", "\\|").replace("\n", " ")
+
+
+def settings_table() -> str:
+    """Markdown table of the arguments' own fields, in their declaration order."""
+    from sentence_transformers import SentenceTransformerTrainingArguments
+
+    from st_cached_losses.config.cli import ALTERNATIVE_FIELDS
+    from st_cached_losses.config.registry import LOSSES, loss_parameters
+    from st_cached_losses.config.training_args import FIELD_SPECS, CachedLossTrainingArguments
+
+    inherited = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
+    hints = typing.get_type_hints(CachedLossTrainingArguments)
+    parameters = {name: loss_parameters(name) for name in LOSSES}
+    rows = ["| field | type | default | losses that take it | meaning |", "|---|---|---|---|---|"]
+    for f in dataclasses.fields(CachedLossTrainingArguments):
+        if f.name in inherited:
+            continue
+        argument = FIELD_SPECS[f.name][0] if f.name in FIELD_SPECS else None
+        # fields that are one setting in two forms (scale / temperature): a loss taking either takes both
+        group = next((g for g in ALTERNATIVE_FIELDS if f.name in g), (f.name,))
+        arguments = {FIELD_SPECS[g][0] if g in FIELD_SPECS else g for g in group}
+        if f.name == "loss":
+            takes = "all"
+        elif argument is None:
+            takes = "all (sets no loss argument)"
+        else:
+            names = [name for name in LOSSES if arguments & set(parameters[name])]
+            takes = "all" if len(names) == len(LOSSES) else ", ".join(f"`{n}`" for n in names)
+        default = "-" if f.default is None else f"`{f.default!r}`"
+        help_text = f.metadata.get("help", "")
+        rows.append(
+            f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {default} | {takes} | {_cell(help_text)} |"
+        )
+    return "\n".join(rows)
+
+
+def loss_names_table() -> str:
+    from st_cached_losses.config.registry import LOSS_ALIASES, LOSSES, MODEL_KINDS
+
+    rows = ["| `loss:` | class | model it trains | also accepted |", "|---|---|---|---|"]
+    for name, cls in LOSSES.items():
+        aliases = sorted(a for a, n in LOSS_ALIASES.items() if n == name and a != name)
+        rows.append(
+            f"| `{name}` | `{cls.__name__}` | `{MODEL_KINDS.get(name, '?')}` | "
+            f"{', '.join(f'`{a}`' for a in aliases)} |"
+        )
+    return "\n".join(rows)
+
+
+GENERATED = {"<!-- settings-table -->": settings_table, "<!-- loss-names-table -->": loss_names_table}
+TYPE_ALIASES = re.compile(r"<!-- type-aliases: ([\w. ]+) -->")
+
+
+def type_aliases(paths: str) -> str:
+    """A heading (anchored at the alias's path) and the definition, as Python prints it, of each type alias
+    ``module.Name`` in ``paths``: griffe's inspection cannot render a ``typing`` alias as an object."""
+    import importlib
+
+    out = []
+    for path in paths.split():
+        module, name = path.rsplit(".", 1)
+        value = getattr(importlib.import_module(module), name)
+        text = repr(value).replace("typing.", "").replace("torch.Tensor", "Tensor")
+        out.append(
+            f"### `{name}` {{ #{path} }}\n\nType alias in `{module}`:\n\n```python\n{name} = {text}\n```\n"
+        )
+    return "\n".join(out)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    for marker, build in GENERATED.items():
+        if marker in markdown:
+            markdown = markdown.replace(marker, build())
+    return TYPE_ALIASES.sub(lambda match: type_aliases(match.group(1)), markdown)
+
+
+def on_files(files: Files, config) -> Files:
+    """Serve benchmarks/results' plots and data as ``results/...`` (their Markdown tables are included into
+    the benchmarks page by pymdownx.snippets instead)."""
+    for path in sorted(RESULTS.rglob("*")):
+        if path.is_file() and path.suffix in (".png", ".csv", ".json"):
+            files.append(
+                File(
+                    f"results/{path.relative_to(RESULTS).as_posix()}",
+                    src_dir=str(RESULTS.parent),
+                    dest_dir=config["site_dir"],
+                    use_directory_urls=config["use_directory_urls"],
+                )
+            )
+    return files
+
+
+def _public_names() -> dict[str, list[str]]:
+    """Module -> the names its ``__all__`` exports, for every module of the package but the demo's entry point."""
+    import importlib
+    import pkgutil
+
+    import st_cached_losses
+
+    out = {"st_cached_losses": [n for n in st_cached_losses.__all__ if not n.startswith("_")]}
+    for info in pkgutil.walk_packages(st_cached_losses.__path__, "st_cached_losses."):
+        if any(part.startswith("_") for part in info.name.split(".")):
+            continue
+        module = importlib.import_module(info.name)
+        out[info.name] = list(getattr(module, "__all__", []))
+    return out
+
+
+def on_post_build(config) -> None:
+    """Every name a module of the package exports appears in the API reference (as an object heading of its
+    own, under the path where it is documented): a new public name without a place in ``docs/api/`` fails the
+    strict build."""
+    log = logging.getLogger("mkdocs.hooks.api_coverage")
+    ids: set[str] = set()
+    for page in Path(config["site_dir"], "api").rglob("*.html"):
+        ids.update(re.findall(r'id="(st_cached_losses[\w.]*)"', page.read_text()))
+    documented = {identifier.rsplit(".", 1)[-1] for identifier in ids} | {i for i in ids}
+    for module, names in _public_names().items():
+        for name in names:
+            if name not in documented and f"{module}.{name}" not in documented:
+                log.warning(
+                    "API reference: %s.%s (in its __all__) appears on no page of docs/api/", module, name
+                )
