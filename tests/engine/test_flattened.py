@@ -10,16 +10,16 @@ the layout of decoder embedding models) whose forward honours flattened inputs o
 that restart at 0 and no attention mask, transformers builds a block-diagonal mask, so each row attends only
 to itself, exactly as flash attention's varlen kernel does.
 
-Proven here: the engine slices a flattened column per sequence (the rows' tokens, with ``cu_seq_lens_q`` and
-every other per-sequence key rebuilt: exactly the collator's output for those rows), counts its rows and
-tokens from the sequence lengths, and the cached losses (CachedMNRLoss, CachedCLIPLoss, CachedGISTLoss) on
-flattened columns give the loss and parameter gradients of the padded run and of sentence-transformers'
-non-cached losses: mini-batches that divide the batch and that do not, a token budget, sorting on and off,
-evaluation, graphs kept within a budget, ``"auto"`` sizes, duplicate masks, a padded column beside a
-flattened one. On 7d62a70 every cached run here failed: the engine read a flattened column as one row
-(``input_ids`` is ``(1, total)``), warned that the batch of "1 rows" fit in one mini-batch and then raised
-a shape mismatch putting the B embeddings back in place; ``mini_batch_num_tokens`` was refused (no
-attention mask).
+Proven here: the engine slices a flattened column per sequence (the rows' tokens, with ``cu_seq_lens_q``
+and every other per-sequence key rebuilt: exactly the collator's output for those rows), counts its rows
+and tokens from the sequence lengths, and the cached losses (CachedMNRLoss, CachedCLIPLoss,
+CachedGISTLoss, CachedMultiVectorLoss with flattened documents) on flattened columns give the loss and
+parameter gradients of the padded run and of sentence-transformers' non-cached losses: mini-batches that
+divide the batch and that do not, a token budget, sorting on and off, evaluation, graphs kept within a
+budget, ``"auto"`` sizes, duplicate masks, a padded column beside a flattened one. On 7d62a70 every cached
+run here failed: the engine read a flattened column as one row (``input_ids`` is ``(1, total)``), warned
+that the batch of "1 rows" fit in one mini-batch and then raised a shape mismatch putting the B
+embeddings back in place; ``mini_batch_num_tokens`` was refused (no attention mask).
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ def guides(tmp_path_factory):
     return same, other
 
 
-def tokenize(model, texts: list[str], *, flat: bool) -> dict:
-    """The model's features of ``texts``: padded, or flattened as sentence-transformers flattens them
-    when flash attention's varlen kernels are on (the same collator and options as its Transformer)."""
+def tokenize(model, texts: list[str], *, flat: bool, **kwargs) -> dict:
+    """The model's features of ``texts`` (``kwargs`` to its ``preprocess``, e.g. ``task``): padded, or
+    flattened as sentence-transformers flattens them when flash attention's varlen kernels are on (the
+    same collator and options as its Transformer)."""
     transformer = model[0]
     transformer.data_collator = DataCollatorWithFlattening(
         return_seq_idx=True, return_flash_attn_kwargs=True, return_position_ids=True
@@ -71,7 +72,7 @@ def tokenize(model, texts: list[str], *, flat: bool) -> dict:
     transformer._flatten_position_offset = 0
     transformer.can_flatten_inputs = flat
     try:
-        return model.preprocess(texts)
+        return model.preprocess(texts, **kwargs)
     finally:
         transformer.can_flatten_inputs = False
 
@@ -274,5 +275,47 @@ def test_a_padded_column_beside_a_flattened_one(model):
     mixed = [padded[0], flat[1], padded[2]]
     ref_loss, ref = param_grads(model, st_mnrl(model), padded)
     loss, ours = param_grads(model, lambda f: CachedMNRLoss(model, mini_batch_size=4)(f, None), mixed)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(ours, ref)
+
+
+@pytest.fixture(scope="module")
+def multi_vector(tmp_path_factory):
+    """A MultiVectorEncoder on a tiny Qwen2 (token projection, MultiVectorMask, Normalize, as the encoder
+    builds it from a plain checkpoint), with the word-level tokenizer padding on the right."""
+    from sentence_transformers import MultiVectorEncoder
+    from transformers import BertTokenizerFast
+
+    path = tmp_path_factory.mktemp("flat_mv") / "qwen2"
+    make_tiny_decoder(path, seed=2)
+    torch.manual_seed(2)
+    model = MultiVectorEncoder(str(path), device="cpu")
+    model[0].processor = BertTokenizerFast.from_pretrained(str(path), padding_side="right")
+    return model
+
+
+@pytest.mark.parametrize(
+    "options", [{"mini_batch_size": 3}, {"mini_batch_num_tokens": 20}], ids=["mb3", "tokens20"]
+)
+def test_cached_multi_vector_on_flattened_documents(multi_vector, options):
+    """Multi-vector: queries padded (sentence-transformers never flattens query-expansion queries),
+    documents flattened; their MultiVectorMask re-pads each mini-batch's token embeddings. The same loss
+    and gradients as sentence-transformers' non-cached MultiVectorMultipleNegativesRankingLoss on padded
+    documents."""
+    from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
+
+    from st_cached_losses import CachedMultiVectorLoss
+
+    model = multi_vector
+    cols = texts(3, seed=23)
+    tasks = ("query", "document", "document")
+    padded = [{**tokenize(model, t, flat=False, task=task), "task": task} for t, task in zip(cols, tasks)]
+    flat = [padded[0]] + [
+        {**tokenize(model, t, flat=True, task="document"), "task": "document"} for t in cols[1:]
+    ]
+    assert all(is_flattened(f) for f in flat[1:])
+    oracle = MultiVectorMultipleNegativesRankingLoss(model)
+    ref_loss, ref = param_grads(model, oracle, padded)
+    loss, ours = param_grads(model, CachedMultiVectorLoss(model, **options), flat)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert_grads_close(ours, ref)
