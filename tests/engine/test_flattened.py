@@ -174,6 +174,15 @@ def test_token_budget_counts_sequence_lengths(model, budget, sort_by_length):
             n = mb.features["input_ids"].shape[1]
             assert n == int(token_counts(flat[k], B)[mb.rows].sum())
             assert n <= budget or len(mb.rows) == 1
+        # as many mini-batches as other processes run (a sharded wrapper): halved ones and fillers, each
+        # a well-formed flattened batch of its rows
+        agreed = cache.plan(k, flat[k], count=len(plan) + B)
+        assert len(agreed) == len(plan) + B and sum(mb.filler for mb in agreed) > 0
+        for mb in agreed:
+            f = mb.features
+            assert batch_size_of(f) == len(mb.rows)
+            assert int(f["cu_seq_lens_q"][-1]) == f["input_ids"].shape[1] == f["position_ids"].shape[1]
+            assert f["seq_idx"].max() == len(mb.rows) - 1
     ref_loss, ref = param_grads(model, st_mnrl(model), padded)
     options = {"mini_batch_num_tokens": budget, "sort_by_length": sort_by_length}
     loss, ours = param_grads(model, lambda f: CachedMNRLoss(model, **options)(f, None), flat)
