@@ -328,3 +328,53 @@ def test_cached_multi_vector_on_flattened_documents(multi_vector, options):
     loss, ours = param_grads(model, CachedMultiVectorLoss(model, **options), flat)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert_grads_close(ours, ref)
+
+
+@pytest.fixture(scope="module")
+def decoder_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("flat_dist") / "qwen2"
+    make_tiny_decoder(path, seed=4)
+    return str(path)
+
+
+def _ddp_worker(rank: int, world: int, path: str, sizes: list[int], options: dict, agree: bool) -> dict:
+    """One DDP step of CachedMNRLoss gathered across processes, on this process's rows, flattened."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests.support.tiny_model import load_tiny_decoder
+
+    assert torch.distributed.get_world_size() == world
+    model = load_tiny_decoder(path)
+    cols = texts(3, seed=29)
+    start = sum(sizes[:rank])
+    feats = [tokenize(model, t[start : start + sizes[rank]], flat=True) for t in cols]
+    loss_fn = CachedMNRLoss(model, gather_across_devices=True, **options)
+    loss_fn.cache.agree_mini_batches = agree
+    loss_fn.model = DDP(model)  # what sentence-transformers' trainer does with a wrapped model
+    loss = loss_fn(feats, None)
+    loss.backward()
+    return {"loss": float(loss), "grads": flat_grads(model)}
+
+
+@pytest.mark.parametrize(
+    ("options", "agree"),
+    [({"mini_batch_size": 2}, False), ({"mini_batch_num_tokens": 16}, True)],
+    ids=["rows", "tokens-agreed"],
+)
+def test_flattened_across_processes_equal_the_global_batch(decoder_dir, options, agree):
+    """2 gloo processes with unequal flattened batches (4 and 6 rows), gathered: every process's
+    parameter gradients are those of sentence-transformers' MNRL on the padded global batch (with
+    ``agree_mini_batches`` and a token budget of 16, the process of 4 rows cuts 3 mini-batches per column
+    where the other cuts 5, 4 and 5: it runs halved mini-batches and fillers to match)."""
+    from tests.support.dist_utils import run_distributed
+    from tests.support.tiny_model import load_tiny_decoder
+
+    sizes = [4, 6]
+    per_rank = run_distributed(_ddp_worker, 2, decoder_dir, sizes, options, agree)
+    model = load_tiny_decoder(decoder_dir)
+    padded = [tokenize(model, t, flat=False) for t in texts(3, seed=29)]
+    ref_loss, ref = param_grads(model, st_mnrl(model), padded)
+    # each process returns its share of the global loss, which DDP's mean makes the global batch's
+    assert sum(r["loss"] for r in per_rank) / 2 == pytest.approx(float(ref_loss), rel=1e-5)
+    for r in per_rank:
+        assert_grads_close(r["grads"], ref)
