@@ -1,9 +1,21 @@
 """A batch's inputs as the caching engine sees them: the row count of a column, the inputs of some of
 its rows with the padding they do not need cut away, each row's length, and whether a model's
-positions allow cutting leading padding. No model is run here."""
+positions allow cutting leading padding. No model is run here.
+
+A column comes in one of two layouts, and every function here understands both:
+
+* padded: tensors ``(B, T, ...)``, rows padded to a common length, an ``attention_mask`` ``(B, T)``;
+* flattened (padding-free, transformers' ``DataCollatorWithFlattening``, which sentence-transformers
+  uses whenever flash attention's variable-length kernels are on): every row's tokens concatenated into
+  one sequence, ``input_ids`` / ``position_ids`` / ``seq_idx`` ``(1, total)``, rows delimited by
+  ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``(B + 1,)`` (cumulative lengths from 0), ``max_length_q`` /
+  ``max_length_k`` the longest row, no attention mask. Slicing such a column gathers the selected rows'
+  tokens and rebuilds the per-sequence keys for them (:func:`is_flattened`).
+"""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from typing import Any
 
@@ -16,7 +28,10 @@ __all__ = [
     "Features",
     "batch_size_of",
     "check_splittable",
+    "input_ids_by_row",
+    "is_flattened",
     "longest_first",
+    "mini_batch_length",
     "model_device",
     "position_shift_invariant",
     "row_lengths",
@@ -39,7 +54,23 @@ def model_device(model: nn.Module) -> torch.device:
     return first.device if first is not None else torch.device("cpu")
 
 
+def is_flattened(features: Features) -> bool:
+    """Whether a column is flattened (padding-free): its rows concatenated into one sequence and
+    delimited by ``cu_seq_lens_q`` ``(B + 1,)``, as ``DataCollatorWithFlattening`` writes it."""
+    bounds = features.get("cu_seq_lens_q")
+    return isinstance(bounds, Tensor) and bounds.dim() == 1 and bounds.numel() >= 1
+
+
+def _flat_lengths(features: Features, key: str = "cu_seq_lens_q") -> Tensor:
+    """A flattened column's row lengths from its cumulative lengths ``key``: ``(B,)`` int64 on the CPU."""
+    bounds = features[key].detach().to("cpu", torch.long)
+    return bounds[1:] - bounds[:-1]
+
+
 def batch_size_of(features: Features) -> int:
+    """Rows of a column: the leading dimension of its inputs, or a flattened column's sequences."""
+    if is_flattened(features):
+        return int(features["cu_seq_lens_q"].numel()) - 1
     for key in ("input_ids", "attention_mask", "inputs_embeds", "pixel_values"):
         value = features.get(key)
         if isinstance(value, Tensor) and value.dim() >= 1:
@@ -78,7 +109,13 @@ def slice_features(
     a left-padded row's tokens after its padding, so cutting that padding would change its embedding
     (and make the result depend on the mini-batch). Everything else (e.g. a Router's task name) is
     passed through.
+
+    A flattened column (:func:`is_flattened`) has no padding: the selected rows' tokens are gathered,
+    row after row in the order of ``rows``, and its per-sequence keys rebuilt for them
+    (:func:`_slice_flattened`).
     """
+    if is_flattened(features):
+        return _slice_flattened(features, rows, batch_size)
     mask = features.get("attention_mask")
     span: slice | None = None
     seq_len = None
@@ -97,8 +134,64 @@ def slice_features(
     return out
 
 
+def _slice_flattened(features: Features, rows: Tensor, batch_size: int) -> Features:
+    """:func:`slice_features` of a flattened column: one sequence of the ``m`` selected rows' tokens.
+
+    Token-level tensors (``(1, total, ...)``: ``input_ids``, ``position_ids``, ...) keep the selected
+    rows' tokens, so each row keeps its own positions (also an offset such as RoBERTa's); ``seq_idx``
+    numbers the rows of the mini-batch ``0 .. m - 1``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` become
+    the mini-batch's cumulative lengths ``(m + 1,)`` and ``max_length_q`` / ``max_length_k`` its
+    longest row (each in the type, dtype and device it came in); tensors with one entry per row
+    ``(B, ...)`` are indexed; anything else is passed through.
+    """
+    total = int(features["cu_seq_lens_q"][-1])
+    picked = rows.detach().to("cpu", torch.long)
+    # per side of the attention (queries, keys: the same rows for self-attention), the picked rows' lengths
+    side = {"q": _flat_lengths(features)[picked]}
+    side["k"] = (
+        _flat_lengths(features, "cu_seq_lens_k")[picked]
+        if isinstance(features.get("cu_seq_lens_k"), Tensor)
+        else side["q"]
+    )
+    lengths = side["q"]
+    ends = lengths.cumsum(0)
+    n = int(ends[-1]) if len(ends) else 0
+    # (n,) each kept token's index in the column's sequence, row after row: its row's start plus its
+    # offset within the row
+    starts = features["cu_seq_lens_q"].detach().to("cpu", torch.long)[:-1][picked]
+    tokens = torch.repeat_interleave(starts - (ends - lengths), lengths) + torch.arange(n)
+    out: Features = {}
+    for key, value in features.items():
+        if key in ("cu_seq_lens_q", "cu_seq_lens_k") and isinstance(value, Tensor):
+            own = side[key[-1]]
+            cumulative = torch.cat([own.new_zeros(1), own.cumsum(0)])
+            out[key] = cumulative.to(device=value.device, dtype=value.dtype)
+        elif key in ("max_length_q", "max_length_k"):
+            own = side[key[-1]]
+            longest = int(own.max()) if len(own) else 0
+            is_tensor = isinstance(value, Tensor)
+            out[key] = torch.tensor(longest, dtype=value.dtype, device=value.device) if is_tensor else longest
+        elif key == "seq_idx" and isinstance(value, Tensor) and value.shape[-1] == total:
+            numbered = torch.repeat_interleave(torch.arange(len(picked)), lengths)
+            out[key] = (
+                numbered.to(device=value.device, dtype=value.dtype).expand(*value.shape[:-1], n).contiguous()
+            )
+        elif (
+            isinstance(value, Tensor) and value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == total
+        ):
+            out[key] = value.index_select(1, tokens.to(value.device))
+        elif isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
+            out[key] = value.index_select(0, picked.to(value.device))
+        else:
+            out[key] = value
+    return out
+
+
 def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) -> Tensor | None:
-    """Per row, the positions it occupies once trimmed as :func:`slice_features` trims: ``(B,)``."""
+    """Per row, the positions it occupies once trimmed as :func:`slice_features` trims: ``(B,)``; a
+    flattened column's row lengths (it has no padding)."""
+    if is_flattened(features):
+        return _flat_lengths(features)
     mask = features.get("attention_mask")
     if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
         return None
@@ -120,11 +213,39 @@ def longest_first(lengths: Tensor | None, batch_size: int) -> Tensor:
 
 def token_counts(features: Features, batch_size: int) -> Tensor | None:
     """Per row, its real (non-padding) tokens, read from the attention mask: ``(B,)``; None without a
-    ``(B, T)`` mask. What sentence-transformers' ``mini_batch_num_tokens`` budgets (not the padded length)."""
+    ``(B, T)`` mask. What sentence-transformers' ``mini_batch_num_tokens`` budgets (not the padded length).
+    A flattened column's row lengths (every token is real)."""
+    if is_flattened(features):
+        return _flat_lengths(features)
     mask = features.get("attention_mask")
     if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
         return None
     return mask.ne(0).sum(1).cpu()
+
+
+def mini_batch_length(features: Features, lengths: Tensor | None, rows: Tensor) -> int:
+    """The length per row a mini-batch of ``rows`` is embedded at, so that ``len(rows)`` times it counts
+    the positions its forward runs on (what the graph-memory estimates scale with): padded, its
+    longest row (``lengths`` from :func:`row_lengths`); flattened, its rows' mean length, rounded up
+    (no row is padded to the longest). 1 without lengths to tell."""
+    if lengths is None or len(rows) == 0:
+        return 1
+    picked = lengths[rows.cpu()]
+    if is_flattened(features):
+        return -(-int(picked.sum()) // len(rows))
+    return int(picked.max())
+
+
+def input_ids_by_row(features: Features) -> Tensor | list[list[int]]:
+    """Each row's token ids as a tokenizer's ``batch_decode`` takes them (to re-tokenise the text for
+    another model): a padded column's ``input_ids`` ``(B, T)`` as they are (its padding is a special
+    token, skipped when decoding), a flattened column's one list per row."""
+    ids = features["input_ids"]
+    if not is_flattened(features):
+        return ids
+    bounds = features["cu_seq_lens_q"].tolist()
+    flat = ids.reshape(-1).tolist()
+    return [flat[start:end] for start, end in itertools.pairwise(bounds)]
 
 
 #: names under which transformers models keep a learned table of absolute positions

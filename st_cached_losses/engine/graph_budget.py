@@ -28,6 +28,7 @@ from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
     longest_first,
+    mini_batch_length,
     model_device,
     row_lengths,
     slice_features,
@@ -146,7 +147,10 @@ class GraphKeeper:
         self.flat = [mb for plan in plans for mb in plan]
         self.index = {id(mb): i for i, mb in enumerate(self.flat)}
         lengths = [row_lengths(f, batch_size_of(f), trim_leading) for f in columns]
-        self.sizes = [(len(mb.rows), _padded_length(lengths[mb.column], mb.rows)) for mb in self.flat]
+        self.sizes = [
+            (len(mb.rows), mini_batch_length(columns[mb.column], lengths[mb.column], mb.rows))
+            for mb in self.flat
+        ]
 
     def wants(self, mb: MiniBatch) -> bool:
         """Whether ``mb``'s first-stage forward runs with a graph through :meth:`forward`."""
@@ -180,11 +184,6 @@ class GraphKeeper:
             mb.kept = out
             self.used += nbytes
         return out
-
-
-def _padded_length(lengths: Tensor | None, rows: Tensor) -> int:
-    """The length a mini-batch of these rows is padded to (1 without an attention mask to tell)."""
-    return int(lengths[rows].max()) if lengths is not None and len(rows) else 1
 
 
 def _agreed(kept: set[int], n: int, device: torch.device) -> set[int]:
@@ -236,7 +235,7 @@ def pick_mini_batch(
     del out
     per_row = max(measured[0], 1) / len(rows)
     if by_tokens:
-        per_token = per_row / max(_padded_length(lengths[k], rows), 1)
+        per_token = per_row / max(mini_batch_length(features, lengths[k], rows), 1)
         chosen = max(int(budget // per_token), 1)
     else:
         chosen = max(int(budget // per_row), 1)

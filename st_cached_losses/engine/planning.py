@@ -2,7 +2,8 @@
 column each encoder mini-batch embeds, in which order, and how many mini-batches every process runs.
 
 * rows are sorted by length (longest first) before they are cut, and each mini-batch's padding is
-  trimmed when it is sliced (leading padding only where positions are shift-invariant);
+  trimmed when it is sliced (leading padding only where positions are shift-invariant); a flattened
+  (padding-free) column is cut the same way, per sequence (see :mod:`~st_cached_losses.engine.features`);
 * mini-batches by row count or, as sentence-transformers' ``mini_batch_num_tokens``, by a budget of
   real (non-padding) tokens, packed greedily (a row longer than the budget alone);
 * under a sharded wrapper (FSDP1, FSDP2, DeepSpeed), whose forwards are collectives, the processes
@@ -156,7 +157,8 @@ class MiniBatchPlanner:
             if counts is None:
                 raise ValueError(
                     f"mini_batch_num_tokens={self.mini_batch_num_tokens} needs each row's token count, read "
-                    f"from the inputs' 2-D attention_mask, and this column has none (keys {sorted(features)}); "
+                    "from the inputs' 2-D attention_mask (or a flattened column's cu_seq_lens_q), and this "
+                    f"column has neither (keys {sorted(features)}); "
                     "set mini_batch_num_tokens=None and use mini_batch_size instead."
                 )
             spans = _pack(counts[order].tolist(), tokens)

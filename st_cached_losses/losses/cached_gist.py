@@ -6,7 +6,7 @@ import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_cached_losses.engine.features import batch_size_of, model_device, unwrap_model
+from st_cached_losses.engine.features import batch_size_of, input_ids_by_row, model_device, unwrap_model
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
 from st_cached_losses.functional.directions import Guide
 from st_cached_losses.functional.terms import gist_terms
@@ -248,6 +248,8 @@ class CachedGISTLoss(CachedInfoNCEBase):
         if self.must_retokenize:
             decode = self._model_tokenizer.batch_decode
             guide = cast(Any, self.guide)
-            features = [guide.preprocess(decode(f["input_ids"], skip_special_tokens=True)) for f in features]
+            features = [
+                guide.preprocess(decode(input_ids_by_row(f), skip_special_tokens=True)) for f in features
+            ]
         device = model_device(self.guide)
         return [{k: v.to(device) if isinstance(v, Tensor) else v for k, v in f.items()} for f in features]
