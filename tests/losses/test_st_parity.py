@@ -19,10 +19,11 @@ Left out, and why:
   (``loss.loss.scale``) and assigns an arbitrary ``nn.CosineSimilarity`` module, which we refuse by design (the
   loss is tiled and never calls the function; only ``cos_sim`` / ``dot_score``). Its assignments are tested below
   (:func:`test_hyperparameters_stay_assignable`).
-* ``test_cmnrl.py::test_cmnrl_attributes_and_config_back_compat``: it compares ``get_config_dict()`` with
-  ``==`` to their nine keys, while ours adds our own (``symmetric`` and the extras that differ from their
-  defaults, which the model card shows). Everything else it checks is checked below, with the same arguments (:func:`test_attributes_and_config_back_compat`).
-* ``test_gradcache.py``: it tests ``GradCacheLoss``, a wrapper that sentence-transformers 6.2 does not ship.
+
+Their test files themselves, unchanged, run with their classes and with ours in ``tests/st_upstream/`` (their
+``test_cmnrl.py``, ``test_cached_mnsrl.py``, ``test_gradcache.py``, ``test_cached_gist_embed.py`` and
+``test_cached_splade.py``; ``test_cmnrl_attributes_and_config_back_compat`` included, which compares configs with
+``==``: ours has no key theirs lacks unless an extra of ours is in use).
 
 Part 2 checks the behaviours issue 12 lists: assignments after construction take effect (against their loss
 after the same assignment) and are validated again, their positional order, their config keys and values,
