@@ -26,6 +26,8 @@ _EXPORTS = {
     "CachedTiledLoss": "st_cached_losses.losses",
     "LossStateCallback": "st_cached_losses.losses.callbacks",
     "CachedLossTrainingArguments": "st_cached_losses.config.training_args",
+    "CachedSparseEncoderTrainingArguments": "st_cached_losses.config.training_args",
+    "CachedMultiVectorEncoderTrainingArguments": "st_cached_losses.config.training_args",
     "build_loss": "st_cached_losses.config.factory",
     "CachedLossArgumentParser": "st_cached_losses.config.cli",
 }
@@ -36,7 +38,9 @@ __all__ = [
     "CachedLossArgumentParser",
     "CachedLossTrainingArguments",
     "CachedMNRLoss",
+    "CachedMultiVectorEncoderTrainingArguments",
     "CachedMultiVectorLoss",
+    "CachedSparseEncoderTrainingArguments",
     "CachedSparseLoss",
     "CachedTiledLoss",
     "LossStateCallback",
@@ -49,7 +53,11 @@ if TYPE_CHECKING:
     from st_cached_losses import functional
     from st_cached_losses.config.cli import CachedLossArgumentParser
     from st_cached_losses.config.factory import build_loss
-    from st_cached_losses.config.training_args import CachedLossTrainingArguments
+    from st_cached_losses.config.training_args import (
+        CachedLossTrainingArguments,
+        CachedMultiVectorEncoderTrainingArguments,
+        CachedSparseEncoderTrainingArguments,
+    )
     from st_cached_losses.losses import (
         CachedCLIPLoss,
         CachedGISTLoss,

@@ -13,7 +13,10 @@ from st_cached_losses.config.training_args import (
     LOSS_DEFAULTS,
     LOSS_FIELDS,
     SCALE_PARAMETER_PATTERN,
+    CachedLossArguments,
     CachedLossTrainingArguments,
+    CachedMultiVectorEncoderTrainingArguments,
+    CachedSparseEncoderTrainingArguments,
 )
 
 __all__ = [
@@ -26,7 +29,10 @@ __all__ = [
     "LOSS_DEFAULTS",
     "LOSS_FIELDS",
     "SCALE_PARAMETER_PATTERN",
+    "CachedLossArguments",
     "CachedLossTrainingArguments",
+    "CachedMultiVectorEncoderTrainingArguments",
+    "CachedSparseEncoderTrainingArguments",
     "build_loss",
     "check_dataset_columns",
     "closest_name_hint",

@@ -182,3 +182,35 @@ def test_functional_holds_one_autograd_function():
             ):
                 functions.append(f"{path.name}:{node.name}")
     assert functions == ["directions.py:InfoNCEFunction"]
+
+
+#: helpers of ``st_cached_losses.distributed`` that communicate nothing (the process's rank, the world size, a
+#: warning): the losses may read them; every other name there is a collective
+_NOT_COLLECTIVES = {"is_distributed", "rank", "world_size", "warn_no_process_group_once", "PeersFailed"}
+
+
+def test_losses_call_no_collective():
+    """The losses orchestrate: a collective they need runs inside the functional layer or the engine (issue 32,
+    finding 9: ``losses/sparse_cache.py`` all-reduced its cache form itself)."""
+    import st_cached_losses.distributed as distributed
+
+    collectives = set(distributed.__all__) - _NOT_COLLECTIVES
+    offenders = []
+    for path in sorted((PACKAGE / "losses").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for module, names in _imports(path):
+            if module == "torch.distributed" or module.startswith("torch.distributed."):
+                offenders.append(f"{path.name} imports {module}")
+            if module == "st_cached_losses.distributed":
+                offenders += [f"{path.name} imports {n}" for n in names if n not in _NOT_COLLECTIVES]
+            if module == "torch" and "distributed" in names:
+                offenders.append(f"{path.name} imports torch.distributed")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if called in collectives:
+                    offenders.append(f"{path.name}:{node.lineno} calls {called}")
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("dist", "torch.distributed"):
+                offenders.append(f"{path.name}:{node.lineno} uses {ast.unparse(node)}")
+    assert not offenders, offenders

@@ -1,4 +1,5 @@
-"""The configuration layer: a run's arguments (``CachedLossTrainingArguments``, their checks), the loss
+"""The configuration layer: a run's arguments (``CachedLossTrainingArguments`` and its sparse and multi-vector
+counterparts, their checks), the loss
 registry and factory (``build_loss``), the command-line / YAML / JSON parser and the model card.
 
 May import the losses, the engine and the functional layer; nothing above it (the demo).
@@ -7,12 +8,20 @@ May import the losses, the engine and the functional layer; nothing above it (th
 from st_cached_losses.config.cli import CachedLossArgumentParser
 from st_cached_losses.config.factory import build_loss, check_dataset_columns
 from st_cached_losses.config.model_card import CachedLossCardCallback
-from st_cached_losses.config.training_args import CachedLossTrainingArguments
+from st_cached_losses.config.training_args import (
+    CachedLossArguments,
+    CachedLossTrainingArguments,
+    CachedMultiVectorEncoderTrainingArguments,
+    CachedSparseEncoderTrainingArguments,
+)
 
 __all__ = [
     "CachedLossArgumentParser",
+    "CachedLossArguments",
     "CachedLossCardCallback",
     "CachedLossTrainingArguments",
+    "CachedMultiVectorEncoderTrainingArguments",
+    "CachedSparseEncoderTrainingArguments",
     "build_loss",
     "check_dataset_columns",
 ]

@@ -33,14 +33,19 @@ import json
 import os
 import re
 import sys
+import types
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from transformers import HfArgumentParser
 
 from st_cached_losses.config.registry import closest_name_hint
-from st_cached_losses.config.training_args import LOSS_FIELDS, CachedLossTrainingArguments
+from st_cached_losses.config.training_args import (
+    LOSS_FIELDS,
+    CachedLossArguments,
+    CachedLossTrainingArguments,
+)
 
 #: fields that say the same thing in two ways: a source that sets one drops the others from the sources
 #: below it (script defaults < configuration file < command line)
@@ -139,14 +144,46 @@ def _count_or_auto(text: str) -> int | str:
 _count_or_auto.__name__ = "integer or 'auto'"  # argparse's "invalid <name> value" message
 
 
+def _number_or_mapping(hint: Any) -> bool:
+    """Whether a field's type is a union of a number and a mapping without ``str`` (sentence-transformers'
+    ``MultiVectorEncoderTrainingArguments.max_length``: ``int | None | dict[str, int]``), which
+    ``HfArgumentParser`` refuses (one type per flag)."""
+    args = get_args(hint)
+    return (
+        get_origin(hint) in (Union, types.UnionType)
+        and str not in args
+        and int in args
+        and any(get_origin(a) is dict or a is dict for a in args)
+    )
+
+
+def _int_or_json(text: str) -> Any:
+    """A flag's text as an integer, or as a JSON mapping (``{"query": 32, "document": 180}``)."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a JSON mapping") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a JSON mapping")
+    return value
+
+
+_int_or_json.__name__ = "integer or JSON mapping"  # argparse's "invalid <name> value" message
+
+
 class CachedLossArgumentParser(HfArgumentParser):
-    """``HfArgumentParser`` for :class:`~st_cached_losses.config.training_args.CachedLossTrainingArguments` and a
-    script's own dataclasses, with closest-name errors, the loss fields first in ``--help``, and
-    configuration files plus overrides.
+    """``HfArgumentParser`` for :class:`~st_cached_losses.config.training_args.CachedLossTrainingArguments` (or
+    the sparse / multi-vector arguments classes) and a script's own dataclasses, with closest-name errors, the
+    loss fields first in ``--help``, and configuration files plus overrides.
 
     Args:
         dataclass_types: the dataclasses to fill, in the order the parse methods return them (default:
-            ``CachedLossTrainingArguments`` alone).
+            ``CachedLossTrainingArguments`` alone; ``CachedSparseEncoderTrainingArguments`` for 'sparse',
+            ``CachedMultiVectorEncoderTrainingArguments`` for 'multi_vector').
         kwargs: passed to ``argparse.ArgumentParser`` (e.g. ``description=__doc__``).
     """
 
@@ -193,18 +230,16 @@ class CachedLossArgumentParser(HfArgumentParser):
                 f"the annotations of {dtype.__name__} could not be resolved ({err}): define the dataclass at "
                 "module level, with the names of its annotations imported."
             ) from err
-        if self._loss_group is None and any(
-            issubclass(d, CachedLossTrainingArguments) for d in self.dataclass_types
-        ):
+        if self._loss_group is None and any(issubclass(d, CachedLossArguments) for d in self.dataclass_types):
             self._loss_group = self.add_argument_group(
-                "cached loss (CachedLossTrainingArguments)",
+                f"cached loss ({dtype.__name__})",
                 "The loss and its hyperparameters; every training argument below can be set as well.",
             )
         fields = [f for f in dataclasses.fields(dtype) if f.init]
-        if issubclass(dtype, CachedLossTrainingArguments):
-            rest = self.add_argument_group(
-                "training (SentenceTransformerTrainingArguments, TrainingArguments)"
-            )
+        if issubclass(dtype, CachedLossArguments):
+            # the model kind's own arguments class (SentenceTransformerTrainingArguments, ...), then transformers'
+            kind = next(b for b in dtype.__mro__[1:] if b.__module__.startswith("sentence_transformers"))
+            rest = self.add_argument_group(f"training ({kind.__name__}, TrainingArguments)")
             groups = [
                 (self._loss_group, [f for f in fields if f.name in LOSS_FIELDS]),
                 (rest, [f for f in fields if f.name not in LOSS_FIELDS]),
@@ -217,11 +252,20 @@ class CachedLossArgumentParser(HfArgumentParser):
             groups = [(self.add_argument_group(title, description), fields)]
         for group, group_fields in groups:
             for f in group_fields:
-                f.type = hints[f.name]
+                converter = None
+                if _number_or_mapping(hints[f.name]):
+                    # argparse takes one type per flag: parsed from its text here (a copy of the field, so
+                    # that the dataclass's own stays as declared)
+                    f, converter = copy.copy(f), _int_or_json
+                    f.type = Optional[str]  # noqa: UP045  # HfArgumentParser reads typing's form
+                else:
+                    f.type = hints[f.name]
                 self._parse_dataclass_field(group, f)
                 for action in group._group_actions:
                     if action.dest != f.name:
                         continue
+                    if converter is not None:
+                        action.type = converter
                     if action.dest in _COUNT_OR_AUTO:
                         action.type = _count_or_auto
                     if action.help:

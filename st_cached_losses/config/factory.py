@@ -14,7 +14,7 @@ from typing import Any
 from torch import nn
 
 from st_cached_losses.config.registry import BASE_LOSSES, MODEL_KINDS
-from st_cached_losses.config.training_args import CachedLossTrainingArguments, user_stacklevel
+from st_cached_losses.config.training_args import ARGUMENTS_CLASSES, CachedLossArguments, user_stacklevel
 from st_cached_losses.losses import CachedGISTLoss, CachedInfoNCEBase
 
 __all__ = ["LABEL_COLUMNS", "build_loss", "check_dataset_columns"]
@@ -24,7 +24,7 @@ LABEL_COLUMNS = ("label", "labels", "score", "scores")
 
 
 def build_loss(
-    model: nn.Module, args: CachedLossTrainingArguments, train_dataset: Any | None = None
+    model: nn.Module, args: CachedLossArguments, train_dataset: Any | None = None
 ) -> CachedInfoNCEBase:
     """The cached loss ``args`` describe, for ``model`` (pass it as ``loss=`` to the trainer).
 
@@ -42,9 +42,10 @@ def build_loss(
         loss a ``SparseMultipleNegativesRankingLoss`` built from the fields, the regularisers ``FlopsLoss``) or
         :class:`CachedMultiVectorLoss`.
     """
-    if not isinstance(args, CachedLossTrainingArguments):
+    if not isinstance(args, CachedLossArguments):
         raise TypeError(
-            f"build_loss needs CachedLossTrainingArguments, got {type(args).__name__}; parse the run's arguments "
+            f"build_loss needs CachedLossTrainingArguments (or CachedSparseEncoderTrainingArguments / "
+            f"CachedMultiVectorEncoderTrainingArguments), got {type(args).__name__}; parse the run's arguments "
             "with st_cached_losses.CachedLossArgumentParser, or build CachedLossTrainingArguments(...) directly."
         )
     check_model_kind(model, args)
@@ -62,7 +63,7 @@ def build_loss(
     return args.loss_class(model, **args.loss_kwargs())
 
 
-def check_model_kind(model: nn.Module, args: CachedLossTrainingArguments) -> None:
+def check_model_kind(model: nn.Module, args: CachedLossArguments) -> None:
     """A sentence-transformers model of another kind than the loss trains (a SentenceTransformer for
     'sparse', say) raises a ``ValueError`` naming the kind the loss needs and its trainer; a module of none
     of these kinds (a user's own) is left to the loss."""
@@ -74,7 +75,8 @@ def check_model_kind(model: nn.Module, args: CachedLossTrainingArguments) -> Non
     if found and needed not in found:
         raise ValueError(
             f"loss={args.loss!r} ({args.loss_class.__name__}) trains a {needed}, got a {found[0]}: load the model "
-            f"as sentence_transformers.{needed}(...) and train it with {needed}Trainer, or choose a loss for a "
+            f"as sentence_transformers.{needed}(...) and train it with {needed}Trainer and "
+            f"{ARGUMENTS_CLASSES[needed].__name__}, or choose a loss for a "
             f"{found[0]}: "
             + ", ".join(repr(name) for name, kind in MODEL_KINDS.items() if kind == found[0])
             + "."
@@ -92,9 +94,7 @@ def _text_columns(column_names: Sequence[str]) -> list[str]:
     return columns
 
 
-def check_dataset_columns(
-    dataset: Any, args: CachedLossTrainingArguments, name: str = "train_dataset"
-) -> None:
+def check_dataset_columns(dataset: Any, args: CachedLossArguments, name: str = "train_dataset") -> None:
     """Check, before any training step, that ``dataset`` suits the loss ``args`` describe.
 
     The cached losses need at least two text columns, ``(anchor, positive[, negative_1, ...])``; a label

@@ -26,7 +26,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from st_cached_losses.config.training_args import LOSS_DEFAULTS, CachedLossTrainingArguments
+from st_cached_losses.config.training_args import LOSS_DEFAULTS, CachedLossArguments
 
 SECTION_TITLE = "Cached loss training"
 
@@ -41,7 +41,7 @@ class CachedLossCardCallback(TrainerCallback):
     """
 
     def _update(self, args: TrainingArguments, model: Any) -> None:
-        if not isinstance(args, CachedLossTrainingArguments) or model is None:
+        if not isinstance(args, CachedLossArguments) or model is None:
             return
         card = getattr(model, "model_card_data", None)
         if card is None or card.non_default_hyperparameters.get("loss") == args.loss:
@@ -168,7 +168,7 @@ def add_training_section(
     )
     if metrics:
         body += f" {metrics_caption}:\n\n" + metrics_table(metrics)
-    if isinstance(args, CachedLossTrainingArguments):
+    if isinstance(args, CachedLossArguments):
         settings = json.dumps(args.loss_settings(), indent=4)
-        body += f"\n\nLoss settings (`CachedLossTrainingArguments`):\n\n```json\n{settings}\n```"
+        body += f"\n\nLoss settings (`{type(args).__name__}`):\n\n```json\n{settings}\n```"
     return add_card_section(model_dir, SECTION_TITLE, body)

@@ -1,9 +1,12 @@
-"""Configure a cached loss through TrainingArguments: the arguments class and the checks of its fields.
+"""Configure a cached loss through TrainingArguments: the arguments classes and the checks of their fields.
 
-``CachedLossTrainingArguments`` adds the loss choice and every loss hyperparameter to
-sentence-transformers' ``SentenceTransformerTrainingArguments``. Invalid combinations fail when the
-arguments are built (:func:`validate_loss_fields`, run by ``__post_init__``), naming the field, before any
-model is loaded or any training step runs. The settings are saved with every checkpoint
+``CachedLossArguments`` holds the loss choice and every loss hyperparameter, one field per setting; mixed
+into each model kind's arguments, it makes the class that kind's trainer takes: ``CachedLossTrainingArguments``
+(``SentenceTransformerTrainingArguments``), ``CachedSparseEncoderTrainingArguments``
+(``SparseEncoderTrainingArguments``) and ``CachedMultiVectorEncoderTrainingArguments``
+(``MultiVectorEncoderTrainingArguments``). Invalid combinations fail when the arguments are built
+(:func:`validate_loss_fields`, run by ``__post_init__``), naming the field, before any model is loaded or any
+training step runs. The settings are saved with every checkpoint
 (``training_args.bin``, they are part of the TrainingArguments) and listed in the model card.
 
 Below this module: the loss registry (:mod:`st_cached_losses.config.registry`). Above it, each in a module
@@ -31,9 +34,12 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union  # HfArgumentParser reads these annotations at run time
+from typing import Any, ClassVar, Optional, Union  # HfArgumentParser reads these annotations at run time
 
 from sentence_transformers import SentenceTransformerTrainingArguments
+from sentence_transformers.base.training_args import BaseTrainingArguments
+from sentence_transformers.multi_vector_encoder import MultiVectorEncoderTrainingArguments
+from sentence_transformers.sparse_encoder import SparseEncoderTrainingArguments
 
 from st_cached_losses.config.registry import (
     BASE_LOSSES,
@@ -64,10 +70,14 @@ from st_cached_losses.losses.settings import (
 )
 
 __all__ = [
+    "ARGUMENTS_CLASSES",
     "LOSS_DEFAULTS",
     "LOSS_FIELDS",
     "SCALE_PARAMETER_PATTERN",
+    "CachedLossArguments",
     "CachedLossTrainingArguments",
+    "CachedMultiVectorEncoderTrainingArguments",
+    "CachedSparseEncoderTrainingArguments",
     "user_stacklevel",
     "validate_loss_fields",
 ]
@@ -102,6 +112,18 @@ FIELD_SPECS: dict[str, tuple[str | None, Spec]] = {
 }
 
 
+#: the help of the ``loss`` field (its default differs by arguments class)
+_LOSS_HELP = (
+    "Which cached loss: 'mnr' (CachedMNRLoss, InfoNCE anchor -> candidates), 'clip' "
+    "(CachedCLIPLoss, symmetric InfoNCE), 'tiled' (CachedTiledLoss, Inf-CL-style tiles, ring across "
+    "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; needs guide_model), all for a "
+    "SentenceTransformer; 'sparse' (CachedSparseLoss, SPLADE: SparseMultipleNegativesRankingLoss plus "
+    "FLOPS regularisers; needs document_regularizer_weight) for a SparseEncoder; 'multi_vector' "
+    "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder. The "
+    "class names are accepted too."
+)
+
+
 def _spec_field(name: str, default: Any = dataclasses.MISSING, more: str = "") -> Any:
     """The field of the setting ``name`` (a loss argument's, or one of :data:`_ARGUMENT_SPECS`): its spec's
     default (or ``default``) and help (and ``more``)."""
@@ -113,28 +135,27 @@ def _spec_field(name: str, default: Any = dataclasses.MISSING, more: str = "") -
 
 
 @dataclass
-class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
-    """``SentenceTransformerTrainingArguments`` plus the choice of cached loss and all its hyperparameters.
+class CachedLossArguments(BaseTrainingArguments):
+    """The choice of cached loss and all its hyperparameters, on top of sentence-transformers' training
+    arguments: the one set of fields (one spec per setting) of the three arguments classes, one per model kind,
+    each accepted by that kind's trainer (whose data collator stamps each column's task, e.g. ``"query"`` for
+    the first): :class:`CachedLossTrainingArguments` (``SentenceTransformerTrainer``),
+    :class:`CachedSparseEncoderTrainingArguments` (``SparseEncoderTrainer``) and
+    :class:`CachedMultiVectorEncoderTrainingArguments` (``MultiVectorEncoderTrainer``). Build one of those.
 
     Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
     file through :class:`~st_cached_losses.config.cli.CachedLossArgumentParser` (or ``HfArgumentParser``).
-    Invalid combinations raise a ``ValueError`` naming the field when the arguments are built; a
-    ``mini_batch_size`` that is not smaller than ``per_device_train_batch_size`` only warns (the batch
-    then fits in one mini-batch: caching is off), at the user's line.
+    Invalid combinations raise a ``ValueError`` naming the field when the arguments are built, and so does a
+    loss for another model kind than the class trains (naming the class to use); a ``mini_batch_size`` that
+    is not smaller than ``per_device_train_batch_size`` only warns (the batch then fits in one mini-batch:
+    caching is off), at the user's line.
     """
 
-    loss: str = field(
-        default="mnr",
-        metadata={
-            "help": "Which cached loss: 'mnr' (CachedMNRLoss, InfoNCE anchor -> candidates), 'clip' "
-            "(CachedCLIPLoss, symmetric InfoNCE), 'tiled' (CachedTiledLoss, Inf-CL-style tiles, ring across "
-            "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; needs guide_model), all for a "
-            "SentenceTransformer; 'sparse' (CachedSparseLoss, SPLADE: SparseMultipleNegativesRankingLoss plus "
-            "FLOPS regularisers; needs document_regularizer_weight) for a SparseEncoder; 'multi_vector' "
-            "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder. The "
-            "class names are accepted too."
-        },
-    )
+    #: the model kind (sentence-transformers' class name) whose trainer takes this arguments class; None: any
+    #: (this base class, which no trainer takes)
+    trains: ClassVar[str | None] = None
+
+    loss: str = field(default="mnr", metadata={"help": _LOSS_HELP})
     scale: Optional[float] = _spec_field(  # noqa: UP045
         "scale",
         more=f" Default: the loss's own, as sentence-transformers' losses: {DEFAULT_SCALE:g}; 'gist' "
@@ -318,6 +339,69 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         return {name: getattr(self, name) for name in names}
 
 
+@dataclass
+class CachedLossTrainingArguments(CachedLossArguments, SentenceTransformerTrainingArguments):
+    """``SentenceTransformerTrainingArguments`` plus the choice of cached loss and all its hyperparameters
+    (:class:`CachedLossArguments`' fields), for ``SentenceTransformerTrainer``: the losses 'mnr', 'clip',
+    'tiled' and 'gist'. 'sparse' and 'multi_vector' train other models with other trainers:
+    :class:`CachedSparseEncoderTrainingArguments` and :class:`CachedMultiVectorEncoderTrainingArguments`.
+
+    Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
+    file through :class:`~st_cached_losses.config.cli.CachedLossArgumentParser` (or ``HfArgumentParser``).
+    Invalid combinations raise a ``ValueError`` naming the field when the arguments are built; a
+    ``mini_batch_size`` that is not smaller than ``per_device_train_batch_size`` only warns (the batch
+    then fits in one mini-batch: caching is off), at the user's line.
+    """
+
+    trains: ClassVar[str | None] = "SentenceTransformer"
+
+
+@dataclass
+class CachedSparseEncoderTrainingArguments(CachedLossArguments, SparseEncoderTrainingArguments):
+    """``SparseEncoderTrainingArguments`` plus the cached loss's fields (:class:`CachedLossArguments`'), for
+    ``SparseEncoderTrainer``: loss 'sparse' (the default; ``document_regularizer_weight`` is required).
+
+    Example::
+
+        args = CachedSparseEncoderTrainingArguments(
+            output_dir="out", document_regularizer_weight=3e-5, query_regularizer_weight=5e-5, mini_batch_size=32
+        )
+        trainer = SparseEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    """
+
+    trains: ClassVar[str | None] = "SparseEncoder"
+
+    loss: str = field(default="sparse", metadata={"help": _LOSS_HELP})
+
+
+@dataclass
+class CachedMultiVectorEncoderTrainingArguments(CachedLossArguments, MultiVectorEncoderTrainingArguments):
+    """``MultiVectorEncoderTrainingArguments`` plus the cached loss's fields (:class:`CachedLossArguments`'),
+    for ``MultiVectorEncoderTrainer``, whose collator tokenizes the first column as queries (ColBERT's query
+    expansion included) and the others as documents: loss 'multi_vector' (the default).
+
+    Example::
+
+        args = CachedMultiVectorEncoderTrainingArguments(output_dir="out", similarity="maxsim", mini_batch_size=32)
+        trainer = MultiVectorEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    """
+
+    trains: ClassVar[str | None] = "MultiVectorEncoder"
+
+    loss: str = field(default="multi_vector", metadata={"help": _LOSS_HELP})
+
+
+#: the arguments class of each model kind (its trainer takes it)
+ARGUMENTS_CLASSES: dict[str, type[CachedLossArguments]] = {
+    cls.trains: cls  # type: ignore[misc]
+    for cls in (
+        CachedLossTrainingArguments,
+        CachedSparseEncoderTrainingArguments,
+        CachedMultiVectorEncoderTrainingArguments,
+    )
+}
+
+
 #: what ``_loss_argument`` returns to leave the loss's own default
 _LOSS_DEFAULT = object()
 
@@ -344,8 +428,9 @@ _SIMILARITY_FUNCTIONS = {"sparse": _sparse_similarities, "multi_vector": _token_
 _DERIVED = {"scale", "temperature", "directions", "partition_mode"}
 
 
-_INHERITED = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
-#: the fields CachedLossTrainingArguments adds to SentenceTransformerTrainingArguments, and their defaults
+_INHERITED = {f.name for f in dataclasses.fields(BaseTrainingArguments)}
+#: the fields CachedLossArguments adds to sentence-transformers' training arguments, and their defaults (those
+#: of CachedLossTrainingArguments: 'sparse' and 'multi_vector' are the other classes' default losses)
 LOSS_DEFAULTS: dict[str, Any] = {
     f.name: f.default for f in dataclasses.fields(CachedLossTrainingArguments) if f.name not in _INHERITED
 }
@@ -356,7 +441,13 @@ LOSS_FIELDS = tuple(LOSS_DEFAULTS)
 # ``st_cached_losses.training_args`` (a re-export of this module's names) is the one kept for good, so
 # checkpoints written before the move into ``config/`` load, and those written after load with an older
 # version too.
-CachedLossTrainingArguments.__module__ = "st_cached_losses.training_args"
+for _cls in (
+    CachedLossArguments,
+    CachedLossTrainingArguments,
+    CachedSparseEncoderTrainingArguments,
+    CachedMultiVectorEncoderTrainingArguments,
+):
+    _cls.__module__ = "st_cached_losses.training_args"
 
 
 # frames that build the arguments on the user's behalf: a warning skips them to point at the user's line
@@ -387,7 +478,7 @@ def user_stacklevel() -> int:
 # ---------------------------------------------------------------------- the loss fields
 
 
-def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
+def validate_loss_fields(args: CachedLossArguments) -> None:
     """Check the loss fields of ``args`` and put them in canonical form (``args.loss``, ``args.similarity``,
     ``"auto"``, ``directions`` given as a list).
 
@@ -403,6 +494,7 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
             f"{closest_name_hint(key, list(LOSS_ALIASES))}"
         )
     args.loss = LOSS_ALIASES[key]
+    _check_model_kind(args)
     for name in ("mini_batch_size", "mini_batch_num_tokens"):
         value = getattr(args, name)
         if isinstance(value, str) and value.strip().lower() == "auto":
@@ -450,12 +542,29 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
         )
 
 
+def _check_model_kind(args: CachedLossArguments) -> None:
+    """The loss trains the model kind of the arguments class: the kind's trainer takes only its own class,
+    and its data collator is the one that tokenizes each column for its task (a 'sparse' or 'multi_vector' run
+    through ``SentenceTransformerTrainer`` would tokenize the queries as documents)."""
+    trains = type(args).trains
+    needed = MODEL_KINDS[args.loss]
+    if trains is None or trains == needed:
+        return
+    cls = ARGUMENTS_CLASSES[needed].__name__
+    raise ValueError(
+        f"loss={args.loss!r} trains a {needed} with {needed}Trainer, which takes {cls} (its data collator "
+        f"tokenizes queries as queries); {type(args).__name__} is for {trains}Trainer. Build {cls}(...) with the "
+        f"same fields (from a file or the command line: CachedLossArgumentParser({cls})), or choose a loss for a "
+        f"{trains}: " + ", ".join(repr(name) for name, kind in MODEL_KINDS.items() if kind == trains) + "."
+    )
+
+
 #: loss arguments every loss takes in some form: the scale (or temperature, its inverse), and the
 #: similarity (a name whose meaning depends on the loss, see ``_validate_similarity``)
 _ANY_LOSS = {"scale", "temperature", "similarity_fct"}
 
 
-def _validate_spec_fields(args: CachedLossTrainingArguments) -> None:
+def _validate_spec_fields(args: CachedLossArguments) -> None:
     """Each field by its spec's check (the losses' own, naming the field), and only for a loss that takes
     it: a field away from its default that the chosen loss would ignore is an error (not silence) naming
     the losses that take it (which loss takes a field is its signature's answer alone)."""
@@ -476,7 +585,7 @@ def _validate_spec_fields(args: CachedLossTrainingArguments) -> None:
         )
 
 
-def _validate_similarity(args: CachedLossTrainingArguments) -> None:
+def _validate_similarity(args: CachedLossArguments) -> None:
     """``similarity`` in canonical form for the chosen loss (None: the loss's own default)."""
     if args.similarity is None:
         return

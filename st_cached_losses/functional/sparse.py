@@ -32,9 +32,12 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from st_cached_losses.distributed import all_reduce_min
+
 __all__ = [
     "MAX_PACKED_DIM",
     "SparseDot",
+    "agree_packed",
     "dense_rows",
     "kept",
     "pack_rows",
@@ -45,6 +48,14 @@ __all__ = [
 
 #: Indices are stored in the values' float channel: exact up to ``2 ** 24`` (fp32's mantissa).
 MAX_PACKED_DIM = 2**24
+
+
+def agree_packed(packed: bool, device: torch.device) -> bool:
+    """Whether every process keeps its rows packed this step: the minimum of each process's ``packed`` flag,
+    one all-reduce (every process must call it). Processes that read one another's rows (gathered, or by
+    ring) must read one form: one process's dense mini-batch keeps every process's step dense."""
+    flag = torch.tensor([int(packed)], dtype=torch.long, device=device)
+    return bool(all_reduce_min(flag, "all_reduce_cache_form")[0])
 
 
 def pack_rows(x: Tensor) -> Tensor:

@@ -13,7 +13,12 @@ from st_cached_losses.functional.parallel import pad_to_common_tokens
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
-from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
+from st_cached_losses.losses.options import (
+    ONE_DIRECTION,
+    check_bool,
+    scoring_config_name,
+    scoring_from_config,
+)
 from st_cached_losses.losses.settings import refused_setting
 from st_cached_losses.losses.signatures import shared_docs
 
@@ -49,9 +54,8 @@ def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None)
             return MaxSim(names[similarity_fct.lower()])
         if similarity_fct.lower() in ("xtr", "xtr_scores"):
             return XTR()
-        raise ValueError(
-            f"similarity_fct={similarity_fct!r} is not a multi-vector score: use 'maxsim', 'meanmaxsim' or 'xtr'."
-        )
+        # as a config writes it (get_config_dict, theirs and ours): "xtr_scores(top_k=5)", "XTRScores(...)"
+        similarity_fct = scoring_from_config(similarity_fct)
     from sentence_transformers.multi_vector_encoder import scoring
 
     fn: Any = similarity_fct
@@ -274,12 +278,11 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
         """sentence-transformers' six keys, the same values for the same settings, then the extras that
         differ from their defaults."""
         from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
-        from sentence_transformers.util import similarity_fct_name
 
         fn = self.similarity_fct if self.similarity_fct is not None else colbert_scores
         config: dict[str, Any] = {
             "scale": self.scale,
-            "similarity_fct": fn if isinstance(fn, str) else similarity_fct_name(fn),
+            "similarity_fct": scoring_config_name(fn),
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
             "score_mini_batch_size": self.score_mini_batch_size,

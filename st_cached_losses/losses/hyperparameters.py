@@ -4,6 +4,7 @@ silently ignored nor accepted when invalid. Also the config for the model card a
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -273,7 +274,12 @@ class CachedLossHyperparameters(nn.Module):
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' nine keys (same values for the same settings; ``scale`` is the current,
         learned value), then the extras sentence-transformers does not have, where they differ from their
-        defaults (``symmetric``, a learnable scale with its clamp, and the specs' ``"changed"`` settings)."""
+        defaults (a learnable scale with its clamp, and the specs' ``"changed"`` settings).
+
+        A drop-in for theirs: with no extra in use it equals their loss's config for the same settings (their
+        tests compare it with ``==``), and every key is an argument of this loss's constructor, so
+        ``type(loss)(model, **loss.get_config_dict())`` rebuilds it. (The symmetric loss is said by its
+        ``directions`` and ``partition_mode``, as in theirs; no ``symmetric`` key.)"""
         config: dict[str, Any] = {
             "scale": self.scale,
             "similarity_fct": similarity_name(self.similarity),
@@ -285,13 +291,13 @@ class CachedLossHyperparameters(nn.Module):
             "hardness_mode": self.hardness_mode,
             "hardness_strength": self.hardness_strength,
         }
-        if self.symmetric:  # said in so many words (the directions say it too)
-            config["symmetric"] = True
         return {**config, **self._changed_settings()}
 
     def _changed_settings(self) -> dict[str, Any]:
         """The extras of the config: a learnable scale and its clamp, and each ``"changed"`` setting of this
-        loss that differs from its default."""
+        loss that differs from its default; only those its constructor takes (a setting assigned to a loss
+        whose constructor lacks it, such as ``learnable_scale`` on ``CachedMNRLoss``, would make the config
+        unable to rebuild the loss)."""
         extras: dict[str, Any] = {}
         if self.learnable_scale:
             extras.update(learnable_scale=True, max_scale=self.max_scale)
@@ -300,4 +306,5 @@ class CachedLossHyperparameters(nn.Module):
                 value = getattr(self, name)
                 if value != spec.default:
                     extras[name] = value
-        return extras
+        taken = inspect.signature(type(self).__init__).parameters
+        return {name: value for name, value in extras.items() if name in taken}

@@ -3,6 +3,7 @@ model (it must be splittable into mini-batches) and the columns a step receives.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import functools
 import logging
@@ -14,6 +15,7 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.functional import Similarity
+from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.losses.settings import check_bool
 
 logger = logging.getLogger(__name__)
@@ -31,7 +33,10 @@ __all__ = [
     "check_hardness",
     "check_splittable_model",
     "closest_name_hint",
+    "parse_call",
     "resolve_similarity",
+    "scoring_config_name",
+    "scoring_from_config",
     "similarity_name",
 ]
 
@@ -92,6 +97,72 @@ def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarit
             f"matrix, like sentence_transformers.util.cos_sim; on (2, 3) and (4, 3) it returned {got}."
         )
     return similarity_fct
+
+
+def parse_call(text: str) -> tuple[str, dict[str, Any]] | None:
+    """A scoring function as sentence-transformers' configs write it (``similarity_fct_name``):
+    ``"xtr_scores"`` -> ``("xtr_scores", {})``, ``"XTRScores(top_k=5, chunk_elements=None)"`` ->
+    ``("XTRScores", {"top_k": 5, "chunk_elements": None})``; None for anything else (positional arguments,
+    values that are not literals). Parsed, never evaluated."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if isinstance(node, ast.Name):
+        return node.id, {}
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+        return None
+    keywords: dict[str, Any] = {}
+    for keyword in node.keywords:
+        if keyword.arg is None:  # **mapping
+            return None
+        try:
+            keywords[keyword.arg] = ast.literal_eval(keyword.value)
+        except ValueError:
+            return None
+    return node.func.id, keywords
+
+
+def scoring_from_config(text: str) -> Callable[..., Tensor]:
+    """A scoring function from its config string (``similarity_fct_name``'s form): ``colbert_scores``,
+    ``mean_colbert_scores`` or ``xtr_scores`` with keyword arguments (a ``functools.partial``), or
+    ``XTRScores(...)``; anything else raises."""
+    from sentence_transformers.multi_vector_encoder import scoring
+
+    call = parse_call(text)
+    functions = {
+        name: getattr(scoring, name)
+        for name in ("colbert_scores", "mean_colbert_scores", "xtr_scores", "XTRScores")
+    }
+    if call is None or call[0] not in functions:
+        raise ValueError(
+            f"similarity_fct={text!r} is not a multi-vector score: use 'maxsim', 'meanmaxsim' or 'xtr', or a "
+            "config's 'colbert_scores', 'mean_colbert_scores(length_normalize=...)', 'xtr_scores(top_k=...)' or "
+            "'XTRScores(top_k=...)'."
+        )
+    name, keywords = call
+    try:
+        if name == "XTRScores":
+            return functions[name](**keywords)
+        # a partial with an unknown keyword is refused below, by the callables' rule
+        return functools.partial(functions[name], **keywords)
+    except TypeError as err:
+        raise ValueError(f"similarity_fct={text!r}: {err}.") from None
+
+
+def scoring_config_name(fn: Any) -> str:
+    """The config's name of a scoring function: sentence-transformers' for theirs; for the core's own
+    :class:`MaxSim` / :class:`XTR`, the name of their function it equals, so that the config rebuilds it and
+    reads as theirs."""
+    from sentence_transformers.util import similarity_fct_name
+
+    if isinstance(fn, str):
+        return fn
+    if isinstance(fn, MaxSim):
+        return "mean_colbert_scores" if fn.length_normalize else "colbert_scores"
+    if isinstance(fn, XTR):
+        return f"xtr_scores(top_k={fn.top_k!r})"
+    return similarity_fct_name(fn)
 
 
 def similarity_name(similarity: Similarity) -> str:

@@ -19,8 +19,9 @@ bytes (an index and a value per kept entry, padded to the widest row); otherwise
 before. A packed mini-batch is never made dense again unless another one of the step was too dense.
 Across processes (the loss stage gathers the rows, or passes them around a ring), every process must read
 the same form: the step's decision is then one all-reduce (the minimum of each process's "every mini-batch
-packed" flag), so that one process's dense mini-batch keeps every process's step dense. Processes'
-packed rows may differ in width (their densest row): the loss stage pads them to a common one.
+packed" flag, :func:`~st_cached_losses.functional.sparse.agree_packed`), so that one process's dense
+mini-batch keeps every process's step dense. Processes' packed rows may differ in width (their densest row):
+the loss stage pads them to a common one.
 """
 
 from __future__ import annotations
@@ -30,9 +31,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.distributed import all_reduce_min
 from st_cached_losses.engine.features import unwrap_model
-from st_cached_losses.functional.sparse import MAX_PACKED_DIM, dense_rows, pack_rows
+from st_cached_losses.functional.sparse import MAX_PACKED_DIM, agree_packed, dense_rows, pack_rows
 
 __all__ = ["MAX_DENSITY", "CompactSparseRows", "zero_gradient_at_zero"]
 
@@ -90,8 +90,7 @@ class CompactSparseRows:
         self.compact = bool(parts) and all(packed)
         if self.active() and self.across():  # the same on every process: each joins the all-reduce
             device = parts[0].device if parts else torch.device("cpu")
-            flag = torch.tensor([int(self.compact)], dtype=torch.long, device=device)
-            self.compact = bool(all_reduce_min(flag, "all_reduce_cache_form")[0])
+            self.compact = agree_packed(self.compact, device)
         if self.compact or not any(packed):
             return columns
         # some mini-batch was too dense: every column dense, as the loss stage reads one form

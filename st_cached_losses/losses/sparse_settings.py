@@ -28,6 +28,7 @@ from st_cached_losses.losses.options import (
     check_hardness,
     resolve_similarity,
 )
+from st_cached_losses.losses.settings import SPECS
 from st_cached_losses.losses.settings import check_nonnegative as weight_value  # the weights' one check
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,51 @@ class SparseLossSettings(CachedInfoNCEBase):
             # the default query regulariser, as the constructor would have made it
             self.query_regularizer = FlopsLoss(cast(Any, self.model), threshold=None)
         self._use_document_regularizer_only = value
+
+    @property
+    def document_regularizer_threshold(self) -> float | None:
+        """The documents' FLOPS counts only rows with more than this many non-zero entries; None: every row.
+        Kept by the regulariser itself (``document_regularizer.threshold``, as in sentence-transformers), so an
+        assignment to either is seen; None for a regulariser without a threshold."""
+        return self._threshold_of("document")
+
+    @document_regularizer_threshold.setter
+    def document_regularizer_threshold(self, value: float | None) -> None:
+        self._set_threshold("document", value)
+
+    @property
+    def query_regularizer_threshold(self) -> float | None:
+        """As :attr:`document_regularizer_threshold`, for the queries' FLOPS (``query_regularizer.threshold``);
+        None without a query regulariser (``use_document_regularizer_only``)."""
+        return self._threshold_of("query")
+
+    @query_regularizer_threshold.setter
+    def query_regularizer_threshold(self, value: float | None) -> None:
+        self._set_threshold("query", value)
+
+    def _threshold_of(self, kind: str) -> float | None:
+        regularizer = getattr(self, f"{kind}_regularizer")
+        return getattr(regularizer, "threshold", None) if regularizer is not None else None
+
+    def _set_threshold(self, kind: str, value: float | None) -> None:
+        name = f"{kind}_regularizer_threshold"
+        SPECS[name].check(name, value)
+        regularizer = getattr(self, f"{kind}_regularizer")
+        if regularizer is None:
+            if value is None:
+                return
+            raise ValueError(
+                f"{name} needs a query regulariser: with use_document_regularizer_only=True every column is a "
+                "document. Set use_document_regularizer_only=False first."
+            )
+        if not hasattr(regularizer, "threshold"):
+            if value is None:
+                return
+            raise ValueError(
+                f"{name}: the {kind} regulariser is a {type(regularizer).__name__}, which has no threshold; set "
+                f"its own attributes ({kind}_regularizer), or use the default FlopsLoss."
+            )
+        regularizer.threshold = value  # read by the regulariser at every step (FLOPS counts rows above it)
 
     @property
     def learnable_scale(self) -> bool:

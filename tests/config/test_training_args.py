@@ -15,10 +15,12 @@ from transformers import HfArgumentParser
 
 from st_cached_losses import CachedCLIPLoss, CachedLossArgumentParser, CachedMNRLoss, CachedTiledLoss
 from st_cached_losses.config.factory import build_loss, check_dataset_columns
-from st_cached_losses.config.registry import DEFAULT_SCALE_LEARNING_RATE
+from st_cached_losses.config.registry import DEFAULT_SCALE_LEARNING_RATE, LOSS_ALIASES, MODEL_KINDS
 from st_cached_losses.config.training_args import (
+    ARGUMENTS_CLASSES,
     LOSS_FIELDS,
     SCALE_PARAMETER_PATTERN,
+    CachedLossArguments,
     CachedLossTrainingArguments,
 )
 from tests.support.tiny_model import make_tiny_model, random_texts
@@ -26,8 +28,25 @@ from tests.support.tiny_model import make_tiny_model, random_texts
 BASE = {"output_dir": "unused", "use_cpu": True, "report_to": "none"}
 
 
-def parse_cli(argv: list[str]) -> CachedLossTrainingArguments:
-    (args,) = HfArgumentParser(CachedLossTrainingArguments).parse_args_into_dataclasses(
+def _class_of(loss: str) -> type[CachedLossArguments]:
+    """The arguments class that trains the model kind of ``loss`` (a misspelt loss: the default class, which
+    names the closest loss)."""
+    name = LOSS_ALIASES.get(str(loss).lower(), "mnr")
+    return ARGUMENTS_CLASSES[MODEL_KINDS[name]]
+
+
+def _arguments(**kwargs) -> CachedLossArguments:
+    """The arguments of the class that trains the loss's model kind (its trainer takes only that class)."""
+    return _class_of(kwargs.get("loss", "mnr"))(**kwargs)
+
+
+def parse_cli(
+    argv: list[str], cls: type[CachedLossArguments] = CachedLossTrainingArguments
+) -> CachedLossArguments:
+    # sentence-transformers' MultiVectorEncoderTrainingArguments has a field HfArgumentParser refuses (max_length:
+    # int | None | dict): CachedLossArgumentParser reads that class, that field included
+    parser = HfArgumentParser(cls) if cls.trains != "MultiVectorEncoder" else CachedLossArgumentParser(cls)
+    (args,) = parser.parse_args_into_dataclasses(
         ["--output_dir", "unused", "--use_cpu", "--report_to", "none", *argv]
     )
     return args
@@ -271,9 +290,8 @@ def test_training_run_driven_only_by_a_yaml_file(tmp_path):
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     summary = main([str(tmp_path / "run.yaml")])
     assert summary["loss"] == "CachedTiledLoss" and summary["steps"] == 2 and summary["batch_size"] == 16
-    assert summary["loss_config"]["symmetric"] is True and summary["loss_config"]["scale"] == pytest.approx(
-        10.0
-    )
+    assert summary["loss_config"]["partition_mode"] == "per_direction"
+    assert summary["loss_config"]["scale"] == pytest.approx(10.0)
     card = (tmp_path / "out" / "README.md").read_text()
     assert "loss:CachedTiledLoss" in card and "cheng2024breaking" in card and "- `tile_size`: 8" in card
     saved = torch.load(tmp_path / "out" / "checkpoint-2" / "training_args.bin", weights_only=False)
@@ -625,7 +643,7 @@ def test_loss_settings_list_only_what_the_loss_takes(loss):
         "sparse": {"document_regularizer_weight": 3e-5, "query_regularizer_weight": 5e-5},
         "multi_vector": {"score_mini_batch_size": 8},
     }.get(loss, {})
-    args = CachedLossTrainingArguments(output_dir="out", per_device_train_batch_size=64, loss=loss, **extra)
+    args = _arguments(output_dir="out", per_device_train_batch_size=64, loss=loss, **extra)
     settings = args.loss_settings()
     gist_only = {"guide_model", "margin", "margin_strategy", "contrast_anchors", "contrast_positives"}
     sparse_only = {
@@ -676,7 +694,7 @@ def test_fields_of_engine_settings_reach_the_loss(tmp_path):
     assert loss.graph_memory_budget == 10**9 and loss.mini_batch_memory_budget == 512 * 10**6
     with pytest.raises(ValueError, match="path does not apply to loss='tiled'"):
         CachedLossTrainingArguments(output_dir="out", loss="tiled", path="chunked")
-    with pytest.raises(ValueError, match="graph_memory_budget must be a number of bytes"):
+    with pytest.raises(ValueError, match="graph_memory_budget must be a positive number of bytes"):
         CachedLossTrainingArguments(output_dir="out", graph_memory_budget="lots")
 
 
@@ -762,7 +780,7 @@ def test_sparse_loss_from_the_arguments(tmp_path, source):
         False,
     )
 
-    scaled = CachedLossTrainingArguments(
+    scaled = _arguments(
         **BASE,
         **{**SPARSE_FIELDS, "temperature": 0.05, "similarity": "cosine", "gather_across_devices": True},
     )
@@ -797,26 +815,28 @@ def test_multi_vector_loss_from_the_arguments(tmp_path, source):
         "tiled",
         16,
     )
-    default = build_loss(model, CachedLossTrainingArguments(**BASE, loss="multi_vector", mini_batch_size=4))
+    default = build_loss(model, _arguments(**BASE, loss="multi_vector", mini_batch_size=4))
     assert (default.scale, default.similarity) == (1.0, MaxSim())
     assert default.get_config_dict()["similarity_fct"] == colbert_scores.__name__
     mean = build_loss(
         model,
-        CachedLossTrainingArguments(
+        _arguments(
             **BASE, loss="CachedMultiVectorLoss", similarity="MeanMaxSim", scale=8.0, mini_batch_size=4
         ),
     )
     assert (mean.scale, mean.similarity_fct, mean.similarity) == (8.0, mean_colbert_scores, MaxSim(True))
 
 
-def _parsed(tmp_path, source: str, fields: dict) -> CachedLossTrainingArguments:
+def _parsed(tmp_path, source: str, fields: dict) -> CachedLossArguments:
     if source == "dict":
-        return CachedLossTrainingArguments(**BASE, **fields)
+        return _arguments(**BASE, **fields)
     if source == "yaml":
         (tmp_path / "run.yaml").write_text(yaml.safe_dump({**BASE, **fields}))
-        (args,) = CachedLossArgumentParser().parse_yaml_file(str(tmp_path / "run.yaml"))
+        (args,) = CachedLossArgumentParser(_class_of(fields["loss"])).parse_yaml_file(
+            str(tmp_path / "run.yaml")
+        )
         return args
-    return parse_cli(_cli_argv(fields))
+    return parse_cli(_cli_argv(fields), _class_of(fields["loss"]))
 
 
 @pytest.mark.parametrize(
@@ -852,7 +872,7 @@ def _parsed(tmp_path, source: str, fields: dict) -> CachedLossTrainingArguments:
 )
 def test_fields_the_chosen_loss_does_not_take_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        CachedLossTrainingArguments(**BASE, **kwargs)
+        _arguments(**BASE, **kwargs)
 
 
 def test_a_model_of_another_kind_is_refused_naming_the_one_needed(tmp_path):
@@ -861,19 +881,17 @@ def test_a_model_of_another_kind_is_refused_naming_the_one_needed(tmp_path):
     from tests.support.tiny_model import make_tiny_splade
 
     dense = make_tiny_model(tmp_path / "dense")
-    sparse_args = CachedLossTrainingArguments(
-        **BASE, loss="sparse", document_regularizer_weight=3e-5, mini_batch_size=4
-    )
+    sparse_args = _arguments(**BASE, loss="sparse", document_regularizer_weight=3e-5, mini_batch_size=4)
     with pytest.raises(
         ValueError, match=r"trains a SparseEncoder, got a SentenceTransformer.*SparseEncoderTrainer"
     ):
         build_loss(dense, sparse_args)
     with pytest.raises(ValueError, match=r"trains a MultiVectorEncoder.*'mnr', 'clip', 'tiled', 'gist'"):
-        build_loss(dense, CachedLossTrainingArguments(**BASE, loss="multi_vector", mini_batch_size=4))
+        build_loss(dense, _arguments(**BASE, loss="multi_vector", mini_batch_size=4))
     with pytest.raises(ValueError, match=r"trains a SentenceTransformer, got a SparseEncoder.*'sparse'"):
         build_loss(
             make_tiny_splade(tmp_path / "splade"),
-            CachedLossTrainingArguments(**BASE, loss="mnr", mini_batch_size=4),
+            _arguments(**BASE, loss="mnr", mini_batch_size=4),
         )
 
 
@@ -882,7 +900,7 @@ def test_model_card_lists_the_sparse_settings_only(tmp_path):
     loss's): the callback's non-default hyperparameters, from loss_settings."""
     from st_cached_losses.config.training_args import LOSS_DEFAULTS
 
-    args = CachedLossTrainingArguments(**BASE, **SPARSE_FIELDS)
+    args = _arguments(**BASE, **SPARSE_FIELDS)
     changed = {k: v for k, v in args.loss_settings().items() if v != LOSS_DEFAULTS[k]}
     assert changed == {k: v for k, v in SPARSE_FIELDS.items()}
 
@@ -894,5 +912,5 @@ def test_tile_size_reaches_every_loss_that_takes_it(loss):
     extra = {"guide_model": "guide"} if loss == "gist" else {}
     if loss == "sparse":
         extra["document_regularizer_weight"] = 3e-5
-    args = CachedLossTrainingArguments(**ARGS, loss=loss, tile_size=64, **extra)
+    args = _arguments(**ARGS, loss=loss, tile_size=64, **extra)
     assert args.loss_kwargs()["tile_size"] == 64 and args.loss_settings()["tile_size"] == 64

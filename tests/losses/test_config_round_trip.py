@@ -1,0 +1,174 @@
+"""Every loss rebuilt from its own ``get_config_dict()`` (issue 32, finding 4), and the config a drop-in for
+sentence-transformers' (finding 8: with their nine keys' settings, ours equals theirs, no ``symmetric`` key)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+from sentence_transformers.multi_vector_encoder.scoring import (
+    XTRScores,
+    colbert_scores,
+    mean_colbert_scores,
+    xtr_scores,
+)
+from sentence_transformers.sentence_transformer import losses as st_losses
+from sentence_transformers.sparse_encoder.losses import FlopsLoss, SparseMultipleNegativesRankingLoss
+from sentence_transformers.util import dot_score
+
+from st_cached_losses import (
+    CachedCLIPLoss,
+    CachedGISTLoss,
+    CachedMNRLoss,
+    CachedMultiVectorLoss,
+    CachedSparseLoss,
+    CachedTiledLoss,
+)
+from st_cached_losses.functional.multi_vector import XTR, MaxSim
+from tests.support.tiny_model import make_tiny_model, make_tiny_multi_vector, make_tiny_splade
+
+TWO = ("query_to_doc", "doc_to_query")
+FOUR = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("round_trip")
+    return {
+        "dense": make_tiny_model(root / "dense"),
+        "guide": make_tiny_model(root / "guide", seed=1),
+        "splade": make_tiny_splade(root / "splade"),
+        "multi_vector": make_tiny_multi_vector(root / "mv"),
+    }
+
+
+def _round_trip(cls: type, model: Any, loss: Any) -> None:
+    config = loss.get_config_dict()
+    rebuilt = cls(model, **config)
+    assert rebuilt.get_config_dict() == config
+
+
+DENSE = [
+    (CachedMNRLoss, {}),
+    (CachedMNRLoss, {"directions": TWO, "partition_mode": "per_direction"}),
+    (CachedMNRLoss, {"directions": FOUR, "hardness_mode": "in_batch_negatives", "hardness_strength": 9.0}),
+    (CachedMNRLoss, {"scale": 50.0, "similarity_fct": dot_score, "mask_duplicates": True, "path": "tiled"}),
+    (CachedMNRLoss, {"mini_batch_size": "auto", "mini_batch_num_tokens": 64}),
+    (CachedCLIPLoss, {}),
+    (CachedCLIPLoss, {"learnable_scale": True, "scale": 14.0, "max_scale": 50.0}),
+    (CachedCLIPLoss, {"directions": ("query_to_doc",), "partition_mode": "joint"}),
+    (CachedTiledLoss, {}),
+    (CachedTiledLoss, {"symmetric": True, "tile_size": 4}),
+    (CachedTiledLoss, {"directions": TWO, "partition_mode": "joint", "learnable_scale": True}),
+]
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs"), DENSE, ids=lambda v: v.__name__ if isinstance(v, type) else str(v)
+)
+def test_dense_losses_rebuild_from_their_config(models, cls, kwargs):
+    _round_trip(cls, models["dense"], cls(models["dense"], **kwargs))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"margin_strategy": "relative", "margin": 0.1, "contrast_anchors": False, "temperature": 0.05}],
+)
+def test_gist_rebuilds_from_its_config(models, kwargs):
+    _round_trip(CachedGISTLoss, models["dense"], CachedGISTLoss(models["dense"], models["guide"], **kwargs))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {
+            "query_regularizer_weight": 5e-5,
+            "document_regularizer_threshold": 10,
+            "query_regularizer_threshold": 5,
+        },
+        {"use_document_regularizer_only": True, "mini_batch_num_tokens": 64, "tile_size": 4},
+    ],
+)
+def test_sparse_rebuilds_from_its_config(models, kwargs):
+    model = models["splade"]
+    loss = CachedSparseLoss(model, SparseMultipleNegativesRankingLoss(model), 3e-5, **kwargs)
+    _round_trip(CachedSparseLoss, model, loss)
+
+
+@pytest.mark.parametrize(
+    "similarity_fct",
+    [
+        None,
+        colbert_scores,
+        mean_colbert_scores,
+        functools.partial(mean_colbert_scores, length_normalize=False),
+        xtr_scores,
+        XTRScores(top_k=5),
+        functools.partial(xtr_scores, top_k=5),
+        "xtr",
+        MaxSim(True),
+        XTR(7),
+    ],
+    ids=str,
+)
+def test_multi_vector_rebuilds_from_its_config(models, similarity_fct):
+    model = models["multi_vector"]
+    loss = CachedMultiVectorLoss(model, similarity_fct=similarity_fct, score_mini_batch_size=4)
+    _round_trip(CachedMultiVectorLoss, model, loss)
+    rebuilt = CachedMultiVectorLoss(model, **loss.get_config_dict())
+    assert rebuilt.similarity == loss.similarity  # the same score: MaxSim / MeanMaxSim / XTR with its top_k
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("XTRScores(top_k=5, chunk_elements=None)", XTR(5)),
+        ("xtr_scores(top_k=5)", XTR(5)),
+        ("mean_colbert_scores(length_normalize=False)", MaxSim(False)),
+        ("mean_colbert_scores", MaxSim(True)),
+        ("colbert_scores", MaxSim(False)),
+    ],
+)
+def test_multi_vector_takes_their_config_strings(models, text, expected):
+    assert CachedMultiVectorLoss(models["multi_vector"], similarity_fct=text).similarity == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["xtr_scores(top_k=k)", "xtr_scores(5)", "xtr_kd_scores", "cos_sim", "xtr_scores(x=1)"]
+)
+def test_multi_vector_refuses_other_strings(models, text):
+    with pytest.raises(ValueError, match="similarity_fct"):
+        CachedMultiVectorLoss(models["multi_vector"], similarity_fct=text)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"directions": TWO, "partition_mode": "per_direction"},
+        {
+            "directions": FOUR,
+            "partition_mode": "joint",
+            "hardness_mode": "all_negatives",
+            "hardness_strength": 5.0,
+        },
+        {"scale": 30.0, "similarity_fct": dot_score, "mini_batch_size": 4, "gather_across_devices": True},
+    ],
+)
+def test_config_equals_theirs_for_their_settings(models, kwargs):
+    """Their ``test_cmnrl_attributes_and_config_back_compat`` compares configs with ``==``."""
+    model = models["dense"]
+    theirs = st_losses.CachedMultipleNegativesRankingLoss(model, **kwargs).get_config_dict()
+    assert CachedMNRLoss(model, **kwargs).get_config_dict() == theirs
+    if kwargs.get("directions") == TWO:
+        assert CachedCLIPLoss(model, **kwargs).get_config_dict() == theirs
+
+
+def test_sparse_regularizers_stay_flops(models):
+    model = models["splade"]
+    loss = CachedSparseLoss(
+        model, SparseMultipleNegativesRankingLoss(model), 3e-5, document_regularizer_threshold=10
+    )
+    assert isinstance(loss.document_regularizer, FlopsLoss)
