@@ -10,8 +10,9 @@ What it does beyond GradCache (Gao et al., 2021):
 
 * the plans of :mod:`st_cached_losses.engine.planning` (rows sorted by length, padding trimmed, token
   budgets, the same mini-batches on every process under a sharded wrapper);
-* the RNG state (CPU and every initialised accelerator) is snapshotted per mini-batch and restored at
-  replay, so dropout masks are identical in both forwards; autocast settings are replayed too;
+* the RNG state (CPU and every available accelerator: CUDA, MPS, XPU, :mod:`~st_cached_losses.engine.rng`)
+  is snapshotted per mini-batch and restored at replay, so dropout masks are identical in both forwards;
+  autocast settings are replayed too;
 * the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
   forward), columns whose encoder is frozen are not replayed, and a batch that fits in one
   mini-batch is not cached at all (the loss takes the plain autograd path);
@@ -43,7 +44,8 @@ from st_cached_losses.engine.features import (
     position_shift_invariant,
 )
 from st_cached_losses.engine.graph_budget import GraphKeeper, pick_mini_batch
-from st_cached_losses.engine.planning import MiniBatch, MiniBatchPlanner, RandState, unsort
+from st_cached_losses.engine.planning import MiniBatch, MiniBatchPlanner, unsort
+from st_cached_losses.engine.rng import RandState
 from st_cached_losses.engine.wrappers import (
     LocalBackward,
     Unsharded,

@@ -34,6 +34,7 @@ from st_cached_losses.engine.features import (
     unwrap_model,
 )
 from st_cached_losses.engine.planning import MiniBatch
+from st_cached_losses.engine.rng import RandState
 
 __all__ = ["PROBE_ROWS", "GraphKeeper", "GraphMeter", "choose_kept", "pick_mini_batch", "work_of"]
 
@@ -228,10 +229,9 @@ def pick_mini_batch(
     meter = GraphMeter(unwrap_model(model))
     device = model_device(model)
     measured: list[int] = []
-    devices = [device.index or 0] if device.type == "cuda" else []
     # the bare module: a wrapper would expect this graph's backward (FSDP2's forward stays a collective,
-    # which every process runs here at its first step)
-    with torch.random.fork_rng(devices=devices), torch.enable_grad(), meter.measure(device, measured):
+    # which every process runs here at its first step); every device type's random state forked
+    with RandState().replay(), torch.enable_grad(), meter.measure(device, measured):
         out = encode(unwrap_model(model), probe)
     del out
     per_row = max(measured[0], 1) / len(rows)

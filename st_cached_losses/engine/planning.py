@@ -12,7 +12,8 @@ column each encoder mini-batch embeds, in which order, and how many mini-batches
   cannot cut) is raised at that same all-gather on every process, naming the process and the cause;
 * :func:`unsort` puts the mini-batches' outputs back in the column's row order.
 
-:class:`RandState` is what a mini-batch keeps to replay its forward with the same dropout masks.
+:class:`RandState` (from :mod:`st_cached_losses.engine.rng`, re-exported here) is what a mini-batch keeps to
+replay its forward with the same dropout masks.
 
 No forward, backward or loss here: :class:`MiniBatchPlanner` is the planning half of
 :class:`~st_cached_losses.engine.gradcache.GradCache`, which runs the plans.
@@ -21,7 +22,7 @@ No forward, backward or loss here: :class:`MiniBatchPlanner` is the planning hal
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn, cast
 
@@ -46,31 +47,11 @@ from st_cached_losses.engine.features import (
     slice_features,
     token_counts,
 )
+from st_cached_losses.engine.rng import RandState
 from st_cached_losses.engine.wrappers import is_sharded, is_wrapped
 from st_cached_losses.functional.multi_vector import pad_tokens
 
 __all__ = ["MiniBatch", "MiniBatchPlanner", "RandState", "unsort"]
-
-
-class RandState:
-    """The RNG state of the CPU and of every initialised CUDA device, replayable."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = (
-            torch.cuda.get_rng_state_all()
-            if torch.cuda.is_available() and torch.cuda.is_initialized()
-            else None
-        )
-
-    @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
-        devices = list(range(len(self.cuda))) if self.cuda is not None else []
-        with torch.random.fork_rng(devices=devices, enabled=True):
-            torch.set_rng_state(self.cpu)
-            if self.cuda is not None:
-                torch.cuda.set_rng_state_all(self.cuda)
-            yield
 
 
 @dataclass
