@@ -86,7 +86,8 @@ class MiniBatchPlanner:
     mini_batch_num_tokens: int | str | None
     sort_by_length: bool
     agree_mini_batches: bool | None
-    #: what ``"auto"`` sizes resolved to at the first step (see GradCache.resolve_auto)
+    #: what ``"auto"`` sizes resolved to (see GradCache.resolve_auto: at the first step, and again for
+    #: longer rows)
     auto_size: int | None
 
     def _resolved(self, name: str) -> int | None:
@@ -140,7 +141,11 @@ class MiniBatchPlanner:
                     f"from the inputs' 2-D attention_mask, and this column has none (keys {sorted(features)}); "
                     "set mini_batch_num_tokens=None and use mini_batch_size instead."
                 )
-            spans = _pack(counts[order].tolist(), tokens)
+            # an "auto" budget is one of memory, measured per padded token: counted as the mini-batch pads
+            widths = None
+            if self.mini_batch_num_tokens == "auto" and lengths is not None:
+                widths = lengths[order].tolist()
+            spans = _pack(counts[order].tolist(), tokens, widths)
         fillers: list[MiniBatch] = []
         if count is not None and count > len(spans):
             spans = _spread(spans, count)
@@ -250,16 +255,21 @@ def _spread(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _pack(tokens: list[int], budget: int) -> list[tuple[int, int]]:
+def _pack(tokens: list[int], budget: int, widths: list[int] | None = None) -> list[tuple[int, int]]:
     """sentence-transformers' packing: consecutive rows while their token sum stays within ``budget``,
-    at least one row per span: ``(start, end)`` spans covering ``range(len(tokens))``."""
+    at least one row per span: ``(start, end)`` spans covering ``range(len(tokens))``. With ``widths``
+    (each row's padded length) a span counts its padded tokens instead: rows times its widest row."""
     spans = []
-    start, total = 0, 0
+    start, total, widest = 0, 0, 0
     for i, n in enumerate(tokens):
-        if i > start and total + n > budget:
+        wide = max(widest, widths[i]) if widths is not None else 0
+        need = (i - start + 1) * wide if widths is not None else total + n
+        if i > start and need > budget:
             spans.append((start, i))
             start, total = i, 0
+            wide = widths[i] if widths is not None else 0
         total += n
+        widest = wide
     if tokens:
         spans.append((start, len(tokens)))
     return spans
