@@ -338,9 +338,12 @@ class GradCache(MiniBatchPlanner):
         packed as ``(m, t, d + 1)`` (:func:`~st_cached_losses.functional.multi_vector.pack_tokens`)."""
         # ranks run different numbers of mini-batch forwards: no buffer broadcast may wait inside them
         skip_forward_buffer_sync(model)
-        # a fresh dict: SentenceTransformer modules write their outputs into the one they get
+        # a fresh dict: SentenceTransformer modules write their outputs into the one they get. Contiguous:
+        # a trimmed slice is a strided view of the batch, a compiled model guards on its inputs' strides,
+        # and views of some widths and whole rows of others would each compile a graph of their own
+        features = {k: v.contiguous() if isinstance(v, Tensor) else v for k, v in features.items()}
         if not self.tokens:
-            return model(dict(features))["sentence_embedding"]
+            return model(features)["sentence_embedding"]
         # a multi-vector model routes by task (query / document: prefix, length, mask); its output
         # attention_mask is the scoring mask
         out = model(dict(features), task=features.get("task"))
