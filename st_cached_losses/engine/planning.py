@@ -239,6 +239,12 @@ class MiniBatchPlanner:
                 tokens = token_counts(features, b)
                 if tokens is None or int(tokens.sum()) > budget:
                     return False
+                # an "auto" budget counts padded tokens (see plan): every row as wide as the widest, at
+                # most as wide as untrimmed; otherwise every mini-batch's graph would be kept at once
+                if self.mini_batch_num_tokens == "auto":
+                    ends = row_lengths(features, b, trim_leading=False)
+                    if ends is None or b * int(ends.max()) > budget:
+                        return False
         return True
 
 
