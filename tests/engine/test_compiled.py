@@ -82,6 +82,53 @@ def test_compiled_model_dropout_replayed_and_recompiles_bounded(model):
             other = _reference(model, compiled, loss, feats, seed=99)
             assert (other - theirs).abs().max() > 1e-3 * theirs.abs().max()
     print(f"compiles per step: {compiles}, graphs: {counters['stats']['unique_graphs']}")
-    # the first static graph, then dynamic ones per grad mode: and no compile at all for new lengths
-    assert sum(compiles) <= 5, compiles
-    assert compiles[-1] == 0, compiles
+    # the first static graph, then a dynamic one per grad mode, all in the first step (its mini-batches
+    # have several shapes already); no compile at all for the new lengths of later steps. On 7d62a70,
+    # strided trimmed slices beside whole rows compiled [4, 1, 0]
+    assert sum(compiles) <= 3, compiles
+    assert compiles[1:] == [0, 0], compiles
+
+
+@pytest.fixture
+def one_process_group():
+    """A gloo process group of one process, enough for DDP to wrap a model and reduce its gradients."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_compiled_ddp_still_one_reduction_per_step(model, one_process_group):
+    """``torch_compile=True`` under DDP: accelerate compiles the DDP-wrapped model, so the loss gets
+    ``OptimizedModule(DDP(model))``. Recognised as DDP through the compile wrapper, every replay but the
+    last runs in ``no_sync()``: one gradient reduction per step, as without compiling (on 7d62a70: one
+    per replay, 6 here). The compiled module runs eagerly (``force_eager``): the wrapper is the point, and
+    tracing DDP's forward takes a minute on a 2-core machine."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model.eval()  # no dropout: the compiled and the plain run compare as they are
+    reductions = {"n": 0}
+
+    def hook(state, bucket):
+        reductions["n"] += 1
+        return default_hooks.allreduce_hook(None, bucket)
+
+    ddp = DDP(model)
+    ddp.register_comm_hook(None, hook)
+    feats = [model.preprocess(random_texts(6, seed=k)) for k in range(2)]
+    out = {}
+    for name, wrapped in (("plain", ddp), ("compiled", torch.compile(ddp, backend="eager"))):
+        loss = st_cached_losses.CachedMNRLoss(wrapped, mini_batch_size=2)
+        model.zero_grad(set_to_none=True)
+        reductions["n"] = 0
+        with torch.compiler.set_stance("force_eager"):
+            loss(feats, None).backward()
+        out[name] = (reductions["n"], _grads(model).clone())
+    model.train()
+    assert out["plain"][0] == out["compiled"][0] == 1, out
+    assert out["plain"][1].abs().max() > 0
+    torch.testing.assert_close(out["compiled"][1], out["plain"][1], rtol=0, atol=0)
