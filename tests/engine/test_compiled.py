@@ -14,7 +14,12 @@
 
 Backend ``aot_eager``: the same dynamo capture and AOTAutograd forward / backward split (dropout
 decomposed, its randomness drawn from the global generator as compiled code draws it) as inductor, without
-inductor's C++ compilation, which takes minutes per graph on a 2-core CI machine.
+inductor's code generation and C++ compilation of every graph: on the shared 2-core machine this was
+written on, ``aot_eager``'s capture alone took most of a minute, so inductor would push the test far past
+its time.
+
+Under DDP the trainer compiles the wrapped model (``OptimizedModule(DDP(model))``): the engine must still
+recognise DDP through the compile wrapper (last test).
 """
 
 from __future__ import annotations
