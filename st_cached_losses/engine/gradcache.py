@@ -10,8 +10,9 @@ What it does beyond GradCache (Gao et al., 2021):
 
 * the plans of :mod:`st_cached_losses.engine.planning` (rows sorted by length, padding trimmed, token
   budgets, the same mini-batches on every process under a sharded wrapper);
-* the RNG state (CPU and every initialised accelerator) is snapshotted per mini-batch and restored at
-  replay, so dropout masks are identical in both forwards; autocast settings are replayed too;
+* the RNG state (CPU and every available accelerator: CUDA, MPS, XPU, :mod:`~st_cached_losses.engine.rng`)
+  is snapshotted per mini-batch and restored at replay, so dropout masks are identical in both forwards;
+  autocast settings are replayed too;
 * the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
   forward), columns whose encoder is frozen are not replayed, and a batch that fits in one
   mini-batch is not cached at all (the loss takes the plain autograd path);
@@ -42,8 +43,9 @@ from st_cached_losses.engine.features import (
     model_device,
     position_shift_invariant,
 )
-from st_cached_losses.engine.graph_budget import GraphKeeper, pick_mini_batch
-from st_cached_losses.engine.planning import MiniBatch, MiniBatchPlanner, RandState, unsort
+from st_cached_losses.engine.graph_budget import GraphKeeper, pick_mini_batch, row_span
+from st_cached_losses.engine.planning import MiniBatch, MiniBatchPlanner, unsort
+from st_cached_losses.engine.rng import RandState
 from st_cached_losses.engine.wrappers import (
     LocalBackward,
     Unsharded,
@@ -263,6 +265,8 @@ class GradCache(MiniBatchPlanner):
     mini_batch_memory_budget: int | None = None
     tokens: bool = False
     auto_size: int | None = field(default=None, repr=False)
+    # the shortest and longest rows (padded lengths, in tokens) auto_size holds for: rows outside re-size
+    auto_span: tuple[int, int] = field(default=(0, 0), repr=False)
     form: CacheForm | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -274,14 +278,28 @@ class GradCache(MiniBatchPlanner):
         )
 
     def resolve_auto(self, model: nn.Module, columns: Sequence[Features], trim_leading: bool) -> None:
-        """Size ``"auto"`` mini-batches, once, from this (the first) batch: the largest whose graph fits
-        in ``mini_batch_memory_budget`` (on CUDA, by default half the device's free memory), measured on
-        the batch's longest rows; logged. The result of training does not depend on it."""
+        """Size ``"auto"`` mini-batches: the largest whose graph fits in ``mini_batch_memory_budget`` (on
+        CUDA, by default half the device's free memory), measured on the batch's longest rows (and, for
+        a token budget, its shortest); logged.
+
+        Sized at the first step, and measured again at every step whose rows (over every process) reach
+        outside the lengths measured so far: longer rows for either setting (a graph grows with its
+        rows' length, so a size measured on short rows would let a later batch of long ones hold many
+        times the budget), shorter ones for a token budget (a row's own costs weigh more per token). A
+        new size never exceeds the old one (it holds for every length seen), so a mini-batch stays
+        within the budget whatever the order of the batches. The result of training does not depend
+        on it."""
         by_tokens = self.mini_batch_num_tokens == "auto"
-        if self.auto_size is not None or not (by_tokens or self.mini_batch_size == "auto"):
+        if not (by_tokens or self.mini_batch_size == "auto"):
             return
-        budget = self.mini_batch_memory_budget
         device = model_device(model)
+        shortest, longest = row_span(columns, trim_leading, device)
+        if self.auto_size is not None:
+            low, high = self.auto_span
+            if longest <= high and (shortest >= low or not by_tokens):
+                return
+            shortest, longest = min(shortest, low), max(longest, high)
+        budget = self.mini_batch_memory_budget
         if budget is None:
             if device.type != "cuda":
                 raise ValueError(
@@ -289,25 +307,44 @@ class GradCache(MiniBatchPlanner):
                     f"budget: set mini_batch_memory_budget (e.g. '2GB'); on {device.type} there is no default."
                 )
             budget = torch.cuda.mem_get_info(device)[0] // 2
-        self.auto_size = pick_mini_batch(
-            model, columns, trim_leading, budget, by_tokens=by_tokens, encode=self.encode
-        )
+        size = pick_mini_batch(model, columns, trim_leading, budget, by_tokens=by_tokens, encode=self.encode)
         what = "mini_batch_num_tokens" if by_tokens else "mini_batch_size"
-        logger.info(
-            "%s='auto': %d for a budget of %.3g GB of activations (measured on this batch's longest rows).",
-            what,
-            self.auto_size,
-            budget / 1e9,
-        )
+        if self.auto_size is None:
+            logger.info(
+                "%s='auto': %d for a budget of %.3g GB of activations (measured on this batch's rows of "
+                "%d to %d tokens).",
+                what,
+                size,
+                budget / 1e9,
+                shortest,
+                longest,
+            )
+        else:
+            size = min(size, self.auto_size)
+            logger.info(
+                "%s='auto': re-sized from %d to %d for a budget of %.3g GB of activations: this batch's "
+                "rows reach outside the %d to %d tokens measured before (now %d to %d).",
+                what,
+                self.auto_size,
+                size,
+                budget / 1e9,
+                *self.auto_span,
+                shortest,
+                longest,
+            )
+        self.auto_size, self.auto_span = size, (shortest, longest)
 
     def encode(self, model: nn.Module, features: Features) -> Tensor:
         """One mini-batch's embeddings ``(m, d)``; with ``tokens``, its token embeddings and scoring mask
         packed as ``(m, t, d + 1)`` (:func:`~st_cached_losses.functional.multi_vector.pack_tokens`)."""
         # ranks run different numbers of mini-batch forwards: no buffer broadcast may wait inside them
         skip_forward_buffer_sync(model)
-        # a fresh dict: SentenceTransformer modules write their outputs into the one they get
+        # a fresh dict: SentenceTransformer modules write their outputs into the one they get. Contiguous:
+        # a trimmed slice is a strided view of the batch, a compiled model guards on its inputs' strides,
+        # and views of some widths and whole rows of others would each compile a graph of their own
+        features = {k: v.contiguous() if isinstance(v, Tensor) else v for k, v in features.items()}
         if not self.tokens:
-            return model(dict(features))["sentence_embedding"]
+            return model(features)["sentence_embedding"]
         # a multi-vector model routes by task (query / document: prefix, length, mask); its output
         # attention_mask is the scoring mask
         out = model(dict(features), task=features.get("task"))

@@ -35,8 +35,17 @@ from st_cached_losses.engine.features import (
     unwrap_model,
 )
 from st_cached_losses.engine.planning import MiniBatch
+from st_cached_losses.engine.rng import RandState
 
-__all__ = ["PROBE_ROWS", "GraphKeeper", "GraphMeter", "choose_kept", "pick_mini_batch", "work_of"]
+__all__ = [
+    "PROBE_ROWS",
+    "GraphKeeper",
+    "GraphMeter",
+    "choose_kept",
+    "pick_mini_batch",
+    "row_span",
+    "work_of",
+]
 
 
 def work_of(rows: int, length: int) -> int:
@@ -195,6 +204,20 @@ def _agreed(kept: set[int], n: int, device: torch.device) -> set[int]:
     return {int(i) for i in flags.nonzero().flatten().tolist()}
 
 
+def row_span(columns: Sequence[Features], trim_leading: bool, device: torch.device) -> tuple[int, int]:
+    """The shortest and the longest row of any column, in tokens as a mini-batch pads them (1 for
+    columns without an attention mask), over every process: where they all size ``"auto"`` together,
+    they must all decide alike whether to measure again."""
+    lengths = [x for x in (row_lengths(f, batch_size_of(f), trim_leading) for f in columns) if x is not None]
+    shortest = min((int(x.min()) for x in lengths if len(x)), default=1)
+    longest = max((int(x.max()) for x in lengths if len(x)), default=1)
+    if is_distributed():
+        # the maximum as the minimum of the negative: one small all-reduce for both
+        span = all_reduce_min(torch.tensor([shortest, -longest], device=device), "all_reduce_auto")
+        shortest, longest = int(span[0]), -int(span[1])
+    return shortest, longest
+
+
 #: rows of the probe forward that sizes ``mini_batch_size="auto"`` (the longest rows of the batch)
 PROBE_ROWS = 4
 
@@ -208,37 +231,60 @@ def pick_mini_batch(
     by_tokens: bool,
     encode: Callable[[nn.Module, Features], Tensor],
 ) -> int:
-    """The largest mini-batch (rows, or with ``by_tokens`` a budget of real tokens) whose forward's graph
-    fits in ``budget`` bytes, from one measured forward of the batch's longest rows (at most
-    :data:`PROBE_ROWS`), with a graph and the RNG restored afterwards (the probe changes no dropout mask
-    of the step). Every process takes the smallest of their choices."""
+    """The largest mini-batch (rows, or with ``by_tokens`` a budget of tokens) whose forward's graph fits
+    in ``budget`` bytes, from measured forwards with a graph and the RNG restored afterwards (a probe
+    changes no dropout mask of the step). Every process takes the smallest of their choices.
+
+    Rows: one forward of the batch's longest rows (at most :data:`PROBE_ROWS`), padded as a mini-batch
+    of them is; a mini-batch of shorter rows holds less. Tokens: the bytes per padded token, the larger
+    of the longest rows' and the shortest rows' (a row's own costs, such as its pooled output, weigh
+    more on a short row), so that a mini-batch of any of the batch's lengths fits; the planner then
+    packs ``"auto"`` token budgets by padded tokens (see ``MiniBatchPlanner.plan``)."""
     lengths = [row_lengths(f, batch_size_of(f), trim_leading) for f in columns]
     if by_tokens and any(x is None for x in lengths):
         raise ValueError(
             "mini_batch_num_tokens='auto' needs each row's token count, read from the inputs' attention_mask, "
             "and a column has none; use mini_batch_size='auto' instead."
         )
+    device = model_device(model)
     # the column holding the longest row, and its longest rows
     longest = [int(x.max()) if x is not None and len(x) else 0 for x in lengths]
     k = max(range(len(columns)), key=lambda c: longest[c])
-    features, b = columns[k], batch_size_of(columns[k])
+    b = batch_size_of(columns[k])
     rows = longest_first(lengths[k], b)[: min(PROBE_ROWS, b)]
-    probe = slice_features(features, rows, b, trim_leading=trim_leading)
-    meter = GraphMeter(unwrap_model(model))
-    device = model_device(model)
-    measured: list[int] = []
-    devices = [device.index or 0] if device.type == "cuda" else []
-    # the bare module: a wrapper would expect this graph's backward (FSDP2's forward stays a collective,
-    # which every process runs here at its first step)
-    with torch.random.fork_rng(devices=devices), torch.enable_grad(), meter.measure(device, measured):
-        out = encode(unwrap_model(model), probe)
-    del out
-    per_row = max(measured[0], 1) / len(rows)
+    per_row = _probe(model, columns[k], rows, trim_leading, encode, device)
     if by_tokens:
-        per_token = per_row / max(mini_batch_length(features, lengths[k], rows), 1)
+        per_token = per_row / max(mini_batch_length(columns[k], lengths[k], rows), 1)
+        # the column holding the shortest row, and its shortest rows
+        shortest = [int(x.min()) if x is not None and len(x) else 1 << 62 for x in lengths]
+        s = min(range(len(columns)), key=lambda c: shortest[c])
+        b = batch_size_of(columns[s])
+        rows = longest_first(lengths[s], b)[-min(PROBE_ROWS, b) :]
+        per_short_row = _probe(model, columns[s], rows, trim_leading, encode, device)
+        per_token = max(per_token, per_short_row / max(mini_batch_length(columns[s], lengths[s], rows), 1))
         chosen = max(int(budget // per_token), 1)
     else:
         chosen = max(int(budget // per_row), 1)
     if is_distributed():
         chosen = int(all_reduce_min(torch.tensor([chosen], device=device), "all_reduce_auto")[0])
     return chosen
+
+
+def _probe(
+    model: nn.Module,
+    features: Features,
+    rows: Tensor,
+    trim_leading: bool,
+    encode: Callable[[nn.Module, Features], Tensor],
+    device: torch.device,
+) -> float:
+    """Bytes per row of the graph of one forward of ``rows`` of a column (a mini-batch of them)."""
+    probe = slice_features(features, rows, batch_size_of(features), trim_leading=trim_leading)
+    meter = GraphMeter(unwrap_model(model))
+    measured: list[int] = []
+    # the bare module: a wrapper would expect this graph's backward (FSDP2's forward stays a collective,
+    # which every process runs here at its first step); every device type's random state forked
+    with RandState().replay(), torch.enable_grad(), meter.measure(device, measured):
+        out = encode(unwrap_model(model), probe)
+    del out
+    return max(measured[0], 1) / len(rows)

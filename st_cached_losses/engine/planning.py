@@ -13,7 +13,8 @@ column each encoder mini-batch embeds, in which order, and how many mini-batches
   cannot cut) is raised at that same all-gather on every process, naming the process and the cause;
 * :func:`unsort` puts the mini-batches' outputs back in the column's row order.
 
-:class:`RandState` is what a mini-batch keeps to replay its forward with the same dropout masks.
+:class:`RandState` (from :mod:`st_cached_losses.engine.rng`, re-exported here) is what a mini-batch keeps to
+replay its forward with the same dropout masks.
 
 No forward, backward or loss here: :class:`MiniBatchPlanner` is the planning half of
 :class:`~st_cached_losses.engine.gradcache.GradCache`, which runs the plans.
@@ -22,7 +23,7 @@ No forward, backward or loss here: :class:`MiniBatchPlanner` is the planning hal
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NoReturn, cast
 
@@ -47,31 +48,11 @@ from st_cached_losses.engine.features import (
     slice_features,
     token_counts,
 )
+from st_cached_losses.engine.rng import RandState
 from st_cached_losses.engine.wrappers import is_sharded, is_wrapped
 from st_cached_losses.functional.multi_vector import pad_tokens
 
 __all__ = ["MiniBatch", "MiniBatchPlanner", "RandState", "unsort"]
-
-
-class RandState:
-    """The RNG state of the CPU and of every initialised CUDA device, replayable."""
-
-    def __init__(self) -> None:
-        self.cpu = torch.get_rng_state()
-        self.cuda = (
-            torch.cuda.get_rng_state_all()
-            if torch.cuda.is_available() and torch.cuda.is_initialized()
-            else None
-        )
-
-    @contextlib.contextmanager
-    def replay(self) -> Iterator[None]:
-        devices = list(range(len(self.cuda))) if self.cuda is not None else []
-        with torch.random.fork_rng(devices=devices, enabled=True):
-            torch.set_rng_state(self.cpu)
-            if self.cuda is not None:
-                torch.cuda.set_rng_state_all(self.cuda)
-            yield
 
 
 @dataclass
@@ -106,7 +87,8 @@ class MiniBatchPlanner:
     mini_batch_num_tokens: int | str | None
     sort_by_length: bool
     agree_mini_batches: bool | None
-    #: what ``"auto"`` sizes resolved to at the first step (see GradCache.resolve_auto)
+    #: what ``"auto"`` sizes resolved to (see GradCache.resolve_auto: at the first step, and again for
+    #: longer rows)
     auto_size: int | None
 
     def _resolved(self, name: str) -> int | None:
@@ -161,7 +143,11 @@ class MiniBatchPlanner:
                     f"column has neither (keys {sorted(features)}); "
                     "set mini_batch_num_tokens=None and use mini_batch_size instead."
                 )
-            spans = _pack(counts[order].tolist(), tokens)
+            # an "auto" budget is one of memory, measured per padded token: counted as the mini-batch pads
+            widths = None
+            if self.mini_batch_num_tokens == "auto" and lengths is not None:
+                widths = lengths[order].tolist()
+            spans = _pack(counts[order].tolist(), tokens, widths)
         fillers: list[MiniBatch] = []
         if count is not None and count > len(spans):
             spans = _spread(spans, count)
@@ -255,6 +241,12 @@ class MiniBatchPlanner:
                 tokens = token_counts(features, b)
                 if tokens is None or int(tokens.sum()) > budget:
                     return False
+                # an "auto" budget counts padded tokens (see plan): every row as wide as the widest, at
+                # most as wide as untrimmed; otherwise every mini-batch's graph would be kept at once
+                if self.mini_batch_num_tokens == "auto":
+                    ends = row_lengths(features, b, trim_leading=False)
+                    if ends is None or b * int(ends.max()) > budget:
+                        return False
         return True
 
 
@@ -271,16 +263,21 @@ def _spread(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _pack(tokens: list[int], budget: int) -> list[tuple[int, int]]:
+def _pack(tokens: list[int], budget: int, widths: list[int] | None = None) -> list[tuple[int, int]]:
     """sentence-transformers' packing: consecutive rows while their token sum stays within ``budget``,
-    at least one row per span: ``(start, end)`` spans covering ``range(len(tokens))``."""
+    at least one row per span: ``(start, end)`` spans covering ``range(len(tokens))``. With ``widths``
+    (each row's padded length) a span counts its padded tokens instead: rows times its widest row."""
     spans = []
-    start, total = 0, 0
+    start, total, widest = 0, 0, 0
     for i, n in enumerate(tokens):
-        if i > start and total + n > budget:
+        wide = max(widest, widths[i]) if widths is not None else 0
+        need = (i - start + 1) * wide if widths is not None else total + n
+        if i > start and need > budget:
             spans.append((start, i))
             start, total = i, 0
+            wide = widths[i] if widths is not None else 0
         total += n
+        widest = wide
     if tokens:
         spans.append((start, len(tokens)))
     return spans

@@ -9,6 +9,7 @@ engine (``gradcache``) decides when."""
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -24,6 +25,7 @@ __all__ = [
     "LocalBackward",
     "Unsharded",
     "accumulate_locally",
+    "bare",
     "fsdp2_modules",
     "grad_sync_on",
     "is_ddp",
@@ -38,12 +40,25 @@ __all__ = [
 ]
 
 
+def bare(model: nn.Module) -> nn.Module:
+    """``model`` without ``torch.compile``'s wrapper (an ``OptimizedModule``, what the trainer hands the
+    loss with ``torch_compile=True``, around the DDP / FSDP1 / DeepSpeed wrapper when there is one): the
+    wrapper's type and flags belong to the module inside, and attributes set on the compile wrapper
+    would not reach it. Forwards still go through the compiled module."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # nothing was compiled in this process (and importing dynamo is slow)
+        return model
+    while isinstance(model, eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
+
+
 def is_ddp(model: nn.Module) -> bool:
-    return isinstance(model, nn.parallel.DistributedDataParallel)
+    return isinstance(bare(model), nn.parallel.DistributedDataParallel)
 
 
 def is_static_graph(model: nn.Module) -> bool:
-    return is_ddp(model) and bool(getattr(model, "static_graph", False))
+    return is_ddp(model) and bool(getattr(bare(model), "static_graph", False))
 
 
 def is_fsdp1(model: nn.Module) -> bool:
@@ -51,7 +66,7 @@ def is_fsdp1(model: nn.Module) -> bool:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
         return False
-    return isinstance(model, FullyShardedDataParallel)
+    return isinstance(bare(model), FullyShardedDataParallel)
 
 
 def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
@@ -65,13 +80,13 @@ def fsdp2_modules(model: nn.Module) -> list[nn.Module]:
 
 def is_deepspeed(model: nn.Module) -> bool:
     # by name: deepspeed is not a dependency, and importing it to check would be slow
-    return any(c.__name__ == "DeepSpeedEngine" for c in type(model).__mro__)
+    return any(c.__name__ == "DeepSpeedEngine" for c in type(bare(model)).__mro__)
 
 
 def is_zero3(model: nn.Module) -> bool:
     """A DeepSpeed engine with ZeRO stage 3: its parameters are partitioned (an empty tensor on each
     process outside the forward and backward of their module) and it owns their gradients."""
-    return is_deepspeed(model) and int(model.zero_optimization_stage()) == 3  # type: ignore[operator]
+    return is_deepspeed(model) and int(bare(model).zero_optimization_stage()) == 3  # type: ignore[operator]
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -103,6 +118,7 @@ def grad_sync_on(model: nn.Module) -> bool:
     accumulation boundary or off it (it keeps no full gradients between backwards; the boundary only
     decides the optimizer step), and :class:`CoalescedBackward` needs the engine's synchronised last
     replay to flush its one reduction of the step."""
+    model = bare(model)
     if is_ddp(model):
         return bool(getattr(model, "require_backward_grad_sync", True))
     if is_fsdp1(model):
@@ -121,6 +137,7 @@ def unsynced(model: nn.Module) -> Iterator[None]:
     """Gradient reduction off for forward *and* backward inside: DDP's and FSDP1's ``no_sync()``,
     FSDP2's ``set_requires_gradient_sync(False)``, DeepSpeed's accumulation boundary off; restored on
     exit (an outer setting that had it off already stays off). Nothing for a model in no wrapper."""
+    model = bare(model)
     if is_ddp(model) or is_fsdp1(model):
         with model.no_sync():  # type: ignore[operator]
             yield
@@ -184,6 +201,8 @@ class LocalBackward:
 
     @classmethod
     def of(cls, model: nn.Module) -> LocalBackward | None:
+        # the module inside the wrapper is called directly: under torch.compile, uncompiled
+        model = bare(model)
         if not (is_static_graph(model) or is_deepspeed(model)):
             return None
         inner = model.module
@@ -273,6 +292,7 @@ def skip_forward_buffer_sync(model: nn.Module) -> None:
     DDP broadcasts buffers at a forward that follows a synchronised one; ranks run different numbers of
     mini-batch forwards (unequal batches, token budgets), so such a collective would not line up across
     ranks and hang. Text encoders' buffers are constants (position ids)."""
+    model = bare(model)
     if is_ddp(model):
         model.require_forward_param_sync = False  # type: ignore[assignment]
 

@@ -160,7 +160,7 @@ class CachedLossHyperparameters(nn.Module):
     @property
     def mini_batch_size(self) -> int | str:
         """Rows per encoder mini-batch, or ``"auto"``: the largest that fits ``mini_batch_memory_budget``,
-        sized at the first step (what it chose: ``loss.cache.auto_size``)."""
+        sized at the first step and again for longer rows (what it chose: ``loss.cache.auto_size``)."""
         return self.cache.mini_batch_size
 
     @mini_batch_size.setter

@@ -310,3 +310,73 @@ def test_auto_needs_a_budget_off_cuda(model_dir):
         loss(feats, None)
     with pytest.raises(ValueError, match="mini_batch_size must be a positive integer or 'auto'"):
         st_cached_losses.CachedMNRLoss(model, mini_batch_size="big")
+
+
+def _graph_bytes_per_mini_batch(model, loss, feats) -> list[int]:
+    """What each mini-batch of the loss's plan for these columns holds in graph (the engine's meter)."""
+    from st_cached_losses.engine.features import position_shift_invariant
+
+    trim = position_shift_invariant(model)
+    sizes = []
+    for k, f in enumerate(feats):
+        for mb in loss.cache.plan(k, f, trim_leading=trim):
+            out: list[int] = []
+            with GraphMeter(model).measure(torch.device("cpu"), out):
+                model(dict(mb.features))["sentence_embedding"]
+            sizes.append(out[0])
+    return sizes
+
+
+@pytest.mark.parametrize("setting", ["mini_batch_size", "mini_batch_num_tokens"])
+def test_auto_re_sizes_for_longer_rows_and_keeps_the_budget(model_dir, setting, caplog):
+    """Issue 32 (7): a first batch of short texts, then one of 60-word texts; sized once from the first
+    batch, a mini-batch of the second held 16x its budget. Re-sized (logged) for the longer rows, every
+    mini-batch of every step stays within 1.25x the budget, and the gradients are still the full batch's."""
+    model = _load(model_dir, train=False)
+    budget = 1_200_000  # about 6 rows of 60 words, 60 rows of 3
+    short = [model.preprocess(random_texts(16, seed=k, min_words=1, max_words=3)) for k in range(2)]
+    long = [model.preprocess(random_texts(16, seed=10 + k, min_words=55, max_words=60)) for k in range(2)]
+    assert long[0]["input_ids"].shape[1] > 5 * short[0]["input_ids"].shape[1]
+    loss = st_cached_losses.CachedMNRLoss(model, mini_batch_memory_budget=budget, **{setting: "auto"})
+    worst = []
+    with caplog.at_level("INFO", logger="st_cached_losses.engine.gradcache"):
+        for step, feats in enumerate([short, long, short]):
+            _, grads, _, _ = _step(model, loss, feats)
+            if step == 0:
+                first = loss.cache.auto_size
+            worst.append(max(_graph_bytes_per_mini_batch(model, loss, feats)) / budget)
+            if step == 1:
+                explicit = st_cached_losses.CachedMNRLoss(model, mini_batch_size=16)  # one mini-batch
+                _, ref, _, _ = _step(model, explicit, feats)
+                assert ref.abs().max() > 0
+                # fp32 sums over 60-token rows in other groupings: ~1e-5 of the largest entry
+                assert (grads - ref).abs().max() <= 5e-5 * ref.abs().max()
+    print(f"{setting}: auto {first} -> {loss.cache.auto_size}, worst graph / budget per step {worst}")
+    assert max(worst) <= 1.25, worst
+    assert loss.cache.auto_size < first  # re-sized for the long rows (and not back for short ones)
+    assert sum("re-sized" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_auto_token_budget_counts_padding(model_dir):
+    """Issue 32 (7), a token budget: a column of a few long rows among many short ones. Packed by real
+    tokens, a mini-batch holding a long row pads the short rows it packs with it to the long row's
+    length, many times the tokens counted; an ``"auto"`` budget (one of memory) counts padded tokens."""
+    model = _load(model_dir, train=False)
+    budget = 1_200_000
+    texts = [
+        random_texts(2, seed=20 + k, min_words=55, max_words=60)
+        + random_texts(30, seed=30 + k, min_words=1, max_words=3)
+        for k in range(2)
+    ]
+    feats = [model.preprocess(t) for t in texts]
+    loss = st_cached_losses.CachedMNRLoss(
+        model, mini_batch_num_tokens="auto", mini_batch_memory_budget=budget
+    )
+    _, grads, _, replays = _step(model, loss, feats)
+    assert grads.abs().max() > 0
+    # cached (its real tokens would fit in one mini-batch, its padded ones do not): the mini-batches'
+    # graphs are not all held at once
+    assert replays > 0
+    worst = max(_graph_bytes_per_mini_batch(model, loss, feats)) / budget
+    print(f"auto tokens {loss.cache.auto_size}, worst graph / budget {worst}")
+    assert worst <= 1.25
