@@ -1,5 +1,6 @@
-"""A batch's inputs as the caching engine sees them: the row count of a column, the inputs of some of
-its rows with the padding they do not need cut away, each row's length, and whether a model's
+"""A batch's inputs as the caching engine sees them: the row count of a column, which positions of each
+row are real tokens (:func:`real_tokens`, the one place that decides it), the inputs of some of its rows
+with the padding they do not need cut away, each row's length and token count, and whether a model's
 positions allow cutting leading padding. No model is run here."""
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ __all__ = [
     "longest_first",
     "model_device",
     "position_shift_invariant",
+    "real_tokens",
     "row_lengths",
     "slice_features",
     "token_counts",
@@ -67,24 +69,48 @@ def check_splittable(features: Features) -> None:
         )
 
 
+#: the key under which sentence-transformers marks ColBERT query-expansion positions, ``(B, T)``
+EXPANSION_KEY = "query_expansion_positions"
+
+
+def real_tokens(features: Features, batch_size: int) -> Tensor | None:
+    """Per row and position, whether it is a real token: ``(B, T)`` bool, None without a 2-D attention mask.
+
+    A real token is one the model attends to (``attention_mask`` non-zero) or one it scores without
+    attending to it: ColBERT's query-expansion positions, which sentence-transformers marks in
+    ``features["query_expansion_positions"]`` when a query is expanded with ``attend=False`` (PyLate and
+    Stanford ColBERT checkpoints). Their attention mask is 0, yet ``MultiVectorMask`` scores them, so
+    trimming them as padding would drop scored tokens. Every trim, length sort and token count of the
+    engine reads this, so that no caller has to know about expansion.
+    """
+    mask = features.get("attention_mask")
+    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
+        return None
+    real = mask.ne(0)
+    expansion = features.get(EXPANSION_KEY)
+    if isinstance(expansion, Tensor) and expansion.shape == mask.shape:
+        real = real | expansion.to(real.device).ne(0)
+    return real
+
+
 def slice_features(
     features: Features, rows: Tensor, batch_size: int, *, trim_leading: bool = True
 ) -> Features:
     """The inputs of ``rows`` (``(m,)`` indices), with padding no row of them needs trimmed away.
 
     Tensors whose first dim is the batch are indexed; of those, the ones laid out like the attention
-    mask ``(B, T, ...)`` are cut to the span of positions any selected row attends to: trailing padding
-    always, leading (left) padding only with ``trim_leading``. A model with absolute positions numbers
-    a left-padded row's tokens after its padding, so cutting that padding would change its embedding
-    (and make the result depend on the mini-batch). Everything else (e.g. a Router's task name) is
-    passed through.
+    mask ``(B, T, ...)`` are cut to the span of real tokens (:func:`real_tokens`) of the selected rows:
+    trailing padding always, leading (left) padding only with ``trim_leading``. A model with absolute
+    positions numbers a left-padded row's tokens after its padding, so cutting that padding would change
+    its embedding (and make the result depend on the mini-batch). Everything else (e.g. a Router's task
+    name) is passed through.
     """
-    mask = features.get("attention_mask")
+    real = real_tokens(features, batch_size)
     span: slice | None = None
     seq_len = None
-    if isinstance(mask, Tensor) and mask.dim() == 2:
-        seq_len = mask.shape[1]
-        used = mask.index_select(0, rows).ne(0).any(0).nonzero()
+    if real is not None:
+        seq_len = real.shape[1]
+        used = real.index_select(0, rows.to(real.device)).any(0).nonzero()
         if used.numel() > 0:
             span = slice(int(used[0]) if trim_leading else 0, int(used[-1]) + 1)
     out: Features = {}
@@ -99,10 +125,10 @@ def slice_features(
 
 def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) -> Tensor | None:
     """Per row, the positions it occupies once trimmed as :func:`slice_features` trims: ``(B,)``."""
-    mask = features.get("attention_mask")
-    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
+    real = real_tokens(features, batch_size)
+    if real is None:
         return None
-    used = mask.ne(0).cpu()
+    used = real.cpu()
     pos = torch.arange(used.shape[1])
     end = torch.where(used, pos, -1).amax(1) + 1
     if not trim_leading:
@@ -119,12 +145,13 @@ def longest_first(lengths: Tensor | None, batch_size: int) -> Tensor:
 
 
 def token_counts(features: Features, batch_size: int) -> Tensor | None:
-    """Per row, its real (non-padding) tokens, read from the attention mask: ``(B,)``; None without a
-    ``(B, T)`` mask. What sentence-transformers' ``mini_batch_num_tokens`` budgets (not the padded length)."""
-    mask = features.get("attention_mask")
-    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
-        return None
-    return mask.ne(0).sum(1).cpu()
+    """Per row, its real tokens (:func:`real_tokens`: attended, or ColBERT expansion positions): ``(B,)``;
+    None without a ``(B, T)`` mask. What ``mini_batch_num_tokens`` budgets (not the padded length).
+
+    sentence-transformers budgets attended tokens only; expansion positions are counted here because the
+    encoder runs over them and the loss scores them, so they cost memory like any other token."""
+    real = real_tokens(features, batch_size)
+    return None if real is None else real.sum(1).cpu()
 
 
 #: names under which transformers models keep a learned table of absolute positions

@@ -146,8 +146,9 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
                 query token tie with (or lie within rounding of) its ``top_k``-th best may be retrieved
                 differently than ``torch.topk`` picks them (a measure-zero event on continuous embeddings).
             mini_batch_size: rows per encoder forward; sets the memory, not the result.
-            mini_batch_num_tokens: a budget of real (non-padding) tokens per encoder mini-batch instead of
-                ``mini_batch_size``, as sentence-transformers.
+            mini_batch_num_tokens: a budget of real tokens per encoder mini-batch instead of
+                ``mini_batch_size``, as sentence-transformers; a query's ColBERT expansion positions count
+                as real tokens (the encoder runs over them and the loss scores them).
             score_mini_batch_size: kept for sentence-transformers' signature and config (default:
                 ``mini_batch_size``); the scoring tiles are sized from ``memory_budget`` (or ``tile_size``)
                 instead, and never change the result.

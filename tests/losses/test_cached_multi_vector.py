@@ -36,9 +36,22 @@ def mv_model(tmp_path_factory) -> MultiVectorEncoder:
     return make_tiny_multi_vector(tmp_path_factory.mktemp("mv") / "bert")
 
 
+#: ColBERT query expansion as sentence-transformers sets it for a PyLate / Stanford ColBERT checkpoint that
+#: does not attend to its expansion tokens: queries padded to 24 tokens, the padding scored, not attended
+EXPANSION = {"strategy": "fixed", "attend": False, "length": 24}
+
+
+def with_expansion(model: MultiVectorEncoder, expansion: bool) -> MultiVectorEncoder:
+    """``model`` (a copy, left alone) with query expansion on (attend False) when ``expansion``."""
+    if expansion:
+        model[0].query_expansion = dict(EXPANSION)
+    return model
+
+
 def mv_features(model: MultiVectorEncoder, n: int, n_cols: int, seed: int = 0) -> list[dict]:
     """Column 0 tokenised as queries, the others as documents, each with its task stamped (as the collator
-    does); ragged lengths (1 to 20 words)."""
+    does); ragged lengths (1 to 20 words). With query expansion on, every query is 24 positions wide, its
+    expansion positions marked in ``query_expansion_positions`` with attention mask 0."""
     return [
         {
             **model.preprocess(random_texts(n, seed=seed + k, min_words=1, max_words=20), task=task),
@@ -52,6 +65,7 @@ def _grads_of(model, loss, features):
     return param_grads(model, loss, features)
 
 
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
 @pytest.mark.parametrize("n_cols", [2, 3], ids=["pairs", "triplets"])
 @pytest.mark.parametrize(
     ("similarity_fct", "scale"),
@@ -63,8 +77,10 @@ def _grads_of(model, loss, features):
     [(3, {}), (4, {"path": "tiled", "tile_size": 2}), (32, {})],
     ids=["mb3", "mb4-tiled2", "one-mini-batch"],
 )
-def test_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, scale, mini_batch_size, extra):
-    model = copy.deepcopy(mv_model)
+def test_matches_st_multi_vector_mnrl(
+    mv_model, n_cols, similarity_fct, scale, mini_batch_size, extra, expansion
+):
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
     features = mv_features(model, 7, n_cols)
     oracle = MultiVectorMultipleNegativesRankingLoss(model, scale=scale, similarity_fct=similarity_fct)
     ref_loss, ref_grads = _grads_of(model, oracle, features)
@@ -77,6 +93,7 @@ def test_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, scale, m
     assert_grads_close(grads, ref_grads, rtol=1e-5)
 
 
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
 @pytest.mark.parametrize("n_cols", [2, 3], ids=["pairs", "triplets"])
 @pytest.mark.parametrize(
     "similarity_fct",
@@ -88,11 +105,13 @@ def test_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, scale, m
     [(3, {}), (4, {"path": "tiled", "tile_size": 2}), (2, {"memory_budget": 20_000})],
     ids=["mb3", "mb4-tiled2", "mb2-small-budget"],
 )
-def test_xtr_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, mini_batch_size, extra):
+def test_xtr_matches_st_multi_vector_mnrl(
+    mv_model, n_cols, similarity_fct, mini_batch_size, extra, expansion
+):
     """XTR's global top-k over every in-batch document token (a streaming threshold pass, then the tiles)
     equals sentence-transformers' non-cached loss with the same XTR scoring: loss and parameter
-    gradients, mini-batches that do not divide the batch of 7."""
-    model = copy.deepcopy(mv_model)
+    gradients, mini-batches that do not divide the batch of 7, with and without query expansion."""
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
     features = mv_features(model, 7, n_cols)
     oracle = MultiVectorMultipleNegativesRankingLoss(model, similarity_fct=similarity_fct)
     ref_loss, ref_grads = _grads_of(model, oracle, features)
@@ -128,6 +147,50 @@ def test_xtr_top_k_is_below_the_token_pool(mv_model):
     assert len(set(values.values())) == 3, values
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mini_batch_size": 4},
+        {"mini_batch_size": 64},
+        {"mini_batch_num_tokens": 40},
+        {"mini_batch_size": 4, "graph_memory_budget": 200_000},
+        {"mini_batch_size": "auto", "mini_batch_memory_budget": 300_000},
+        {"mini_batch_num_tokens": "auto", "mini_batch_memory_budget": 300_000},
+    ],
+    ids=["mb4", "mb64", "tokens40", "graph-budget", "auto-rows", "auto-tokens"],
+)
+def test_query_expansion_tokens_are_scored(mv_model, options):
+    """Issue 32, finding 1: with ColBERT query expansion that the encoder does not attend to (attention mask
+    0 at the expansion positions, which the model scores), the loss and gradients equal
+    sentence-transformers' non-cached and cached losses: 11 rows, 3 columns, queries expanded to 24
+    tokens; mini-batches by rows (4, and 64: one), by a token budget, with graphs kept within a budget
+    and sized ``"auto"`` (the probe's rows, their lengths and token counts include expansion positions).
+    On 7d62a70 the engine trimmed each mini-batch to the attended span and lost the scored expansion
+    tokens (loss 3.430 against 3.811 at mini-batch 4)."""
+    model = with_expansion(copy.deepcopy(mv_model), True)
+    features = mv_features(model, 11, 3)
+    queries = features[0]
+    expansion = queries["query_expansion_positions"]
+    assert queries["input_ids"].shape[1] == 24 and expansion.any(1).all()
+    assert not (expansion & queries["attention_mask"].bool()).any()  # scored, not attended
+    ref_loss, ref_grads = _grads_of(model, MultiVectorMultipleNegativesRankingLoss(model), features)
+    st_loss, st_grads = _grads_of(
+        model, CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=4), features
+    )
+    torch.testing.assert_close(st_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    ours = CachedMultiVectorLoss(model, **options)
+    with pytest.warns(UserWarning) if options.get("mini_batch_size") == 64 else _no_warning():
+        loss, grads = _grads_of(model, ours, features)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, st_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref_grads, rtol=1e-5)
+    assert_grads_close(grads, st_grads, rtol=1e-5)
+    # the expansion tokens matter: scoring only the attended ones gives another loss
+    plain = [{k: v for k, v in f.items() if k != "query_expansion_positions"} for f in features]
+    with torch.no_grad():
+        assert abs(ours(plain).item() - ref_loss.item()) > 1e-2
+
+
 class _no_warning:
     def __enter__(self):
         return self
@@ -136,9 +199,10 @@ class _no_warning:
         return False
 
 
-def test_token_budget_and_evaluation_match(mv_model):
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
+def test_token_budget_and_evaluation_match(mv_model, expansion):
     """mini_batch_num_tokens mini-batches, and the no-grad (evaluation) loss, equal the oracle's loss."""
-    model = copy.deepcopy(mv_model)
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
     features = mv_features(model, 6, 2, seed=3)
     oracle = MultiVectorMultipleNegativesRankingLoss(model)
     ref_loss, ref_grads = _grads_of(model, oracle, features)
@@ -150,7 +214,8 @@ def test_token_budget_and_evaluation_match(mv_model):
         torch.testing.assert_close(ours(features), ref_loss, rtol=1e-5, atol=1e-6)
 
 
-def test_matches_st_cached_loss_and_signature(mv_model):
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
+def test_matches_st_cached_loss_and_signature(mv_model, expansion):
     """Their cached loss's keyword-only signature is a prefix of ours (names, defaults), and the same
     loss for the same arguments; config keys and values equal theirs."""
     theirs = inspect.signature(CachedMultiVectorMultipleNegativesRankingLoss.__init__).parameters
@@ -159,7 +224,7 @@ def test_matches_st_cached_loss_and_signature(mv_model):
     for name, p in theirs.items():
         assert mine[name].kind == p.kind and mine[name].default == p.default, name
 
-    model = copy.deepcopy(mv_model)
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
     features = mv_features(model, 5, 3, seed=9)
     kwargs = {"scale": 2.0, "mini_batch_size": 2, "score_mini_batch_size": 3}
     st = CachedMultiVectorMultipleNegativesRankingLoss(model, **kwargs)
@@ -283,6 +348,9 @@ DIST_CASES = [
     ),
     ("xtr-gathered", 3, {"similarity_fct": XTRScores(top_k=6)}),
     ("xtr-ring", 3, {"similarity_fct": XTRScores(top_k=6), "path": "tiled", "tile_size": 3}),
+    # query expansion on (attend False): the expansion positions are scored on every process
+    ("maxsim-gathered-expansion", 3, {}),
+    ("xtr-ring-expansion", 2, {"similarity_fct": XTRScores(top_k=6), "path": "tiled", "tile_size": 3}),
 ]
 
 
@@ -293,7 +361,7 @@ def _mv_worker(rank: int, world: int, path: str, sizes: list[int]):
 
     out = {}
     for name, n_cols, kwargs in DIST_CASES:
-        model = _load_mv(path)
+        model = with_expansion(_load_mv(path), name.endswith("expansion"))
         ddp = DDP(model)
         loss = CachedMultiVectorLoss(model, mini_batch_size=2, gather_across_devices=True, **kwargs)
         loss.model = ddp  # what the trainer does with a wrapped model
@@ -320,7 +388,7 @@ def _mv_worker(rank: int, world: int, path: str, sizes: list[int]):
 @pytest.mark.parametrize("sizes", [[3, 2], [2, 4, 1]], ids=["w2", "w3"])
 def test_processes_equal_single_process_global_batch(mv_dir, sizes):
     """2 and 3 gloo processes with unequal rows and token widths, gathered and by ring (``path="tiled"``),
-    MaxSim, MeanMaxSim and XTR: DDP's gradients equal the single-process gradients of ST's non-cached loss
+    MaxSim, MeanMaxSim and XTR, with and without query expansion: DDP's gradients equal the single-process gradients of ST's non-cached loss
     on the concatenated batch, every step (the ring's and the gather's alike)."""
     from tests.support.dist_utils import run_distributed
 
@@ -328,7 +396,7 @@ def test_processes_equal_single_process_global_batch(mv_dir, sizes):
     for name, n_cols, kwargs in DIST_CASES:
         st_kwargs = {k: v for k, v in kwargs.items() if k in ("similarity_fct", "scale")}
         for step in range(2):
-            model = _load_mv(mv_dir)
+            model = with_expansion(_load_mv(mv_dir), name.endswith("expansion"))
             texts = _global_texts(sum(sizes), n_cols, step)
             oracle = MultiVectorMultipleNegativesRankingLoss(model, **st_kwargs)
             ref_loss, ref_grads = param_grads(model, oracle, _mv_features(model, texts))
