@@ -402,7 +402,7 @@ def test_processes_equal_single_process_global_batch(mv_dir, sizes):
             ref_loss, ref_grads = param_grads(model, oracle, _mv_features(model, texts))
             results = [r[(name, step)] for r in per_rank]
             assert len({tuple(r["widths"]) for r in results}) > 1, "the processes must differ in token widths"
-            ring = name.endswith("ring")
+            ring = "-ring" in name
             for r in results:  # the ring sends blocks and gathers nothing; the gather the opposite
                 assert ("ring_send" in r["kinds"]) is ring and ("all_gather" in r["kinds"]) is not ring, name
             mean_loss = sum(r["loss"] for r in results) / len(results)
@@ -472,3 +472,109 @@ def test_token_gradients_with_ragged_mini_batch_widths(similarity_fct):
         )
     # 3 mini-batches per column, 3 columns: 9 forwards without a graph, 9 replays, all as "document"
     assert model.tasks == ["document"] * 18
+
+
+def _boundary_ties(model, features, top_k: int) -> int:
+    """Query tokens whose ``top_k``-th and ``(top_k + 1)``-th similarities over every in-batch document token
+    are equal (the top-k must cut exact ties), in sentence-transformers' flat layout."""
+    with torch.no_grad():
+        outs = [model(dict(f), task=f["task"]) for f in features]
+    q, qm = outs[0]["token_embeddings"], outs[0]["attention_mask"].bool()
+    width = max(o["token_embeddings"].shape[1] for o in outs[1:])
+    docs = torch.stack(
+        [
+            torch.nn.functional.pad(o["token_embeddings"], (0, 0, 0, width - o["token_embeddings"].shape[1]))
+            for o in outs[1:]
+        ],
+        1,
+    )
+    masks = torch.stack(
+        [
+            torch.nn.functional.pad(o["attention_mask"].bool(), (0, width - o["attention_mask"].shape[1]))
+            for o in outs[1:]
+        ],
+        1,
+    )
+    sim = torch.einsum("qsh,nth->qsnt", q, docs.flatten(0, 1)).flatten(2)
+    sim = sim.masked_fill(~masks.flatten()[None, None], float("-inf"))
+    top = sim.topk(top_k + 1, dim=-1).values
+    return int(((top[..., top_k - 1] == top[..., top_k]) & qm).sum())
+
+
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
+@pytest.mark.parametrize("mini_batch_size", [4, 64])
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_xtr_ties_from_a_repeated_document(mv_model, top_k, mini_batch_size, expansion):
+    """Issue 32, finding 2: a hard negative shared by four queries makes exact ties between its copies' token
+    similarities; XTR retrieves exactly ``top_k`` tokens per query token, as sentence-transformers'
+    ``torch.topk`` does, so the loss and gradients equal their non-cached and cached losses (11 rows, 3
+    columns). On 7d62a70 every tied copy above a midpoint threshold was retrieved (gradient errors 0.06 at
+    top_k 2, 0.19 at top_k 8)."""
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
+    texts = [random_texts(11, seed=k, min_words=1, max_words=20) for k in range(3)]
+    texts[2][1:4] = [texts[2][0]] * 3  # one hard negative for four queries
+    features = [
+        {**model.preprocess(t, task=task), "task": task}
+        for t, task in zip(texts, ["query", "document", "document"])
+    ]
+    assert _boundary_ties(model, features, top_k) > 0
+    sim = XTRScores(top_k=top_k)
+    ref_loss, ref_grads = _grads_of(
+        model, MultiVectorMultipleNegativesRankingLoss(model, similarity_fct=sim), features
+    )
+    st = CachedMultiVectorMultipleNegativesRankingLoss(
+        model, similarity_fct=sim, mini_batch_size=mini_batch_size
+    )
+    st_loss, st_grads = _grads_of(model, st, features)
+    ours = CachedMultiVectorLoss(model, similarity_fct=sim, mini_batch_size=mini_batch_size)
+    with pytest.warns(UserWarning) if mini_batch_size >= 11 else _no_warning():
+        loss, grads = _grads_of(model, ours, features)
+    for want, want_grads in ((ref_loss, ref_grads), (st_loss, st_grads)):
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+        assert_grads_close(grads, want_grads, rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_xtr_near_ties_match_st(top_k):
+    """Issue 32, finding 2: near-ties without exact ones (copies of a document whose tokens differ by a
+    couple of float32 ulps: the ``top_k``-th and ``(top_k + 1)``-th similarities 6e-8 apart) are retrieved
+    as sentence-transformers' ``torch.topk`` retrieves them: the loss and the gradients wrt the token
+    embeddings equal their non-cached and cached losses' to 1e-5 (on 7d62a70 a midpoint threshold within
+    rounding of both values took the wrong token: gradient errors of 4-7e-3)."""
+    lengths = [[5, 3, 6, 2, 4, 6, 3, 5, 4, 2, 6] for _ in range(3)]
+    cols = _token_columns(lengths, dim=8, seed=2)
+    with torch.no_grad():
+        base = cols[2]["token_embeddings"]
+        for j in range(1, 5):  # copies of row 0, each token nudged by about 2 j ulps
+            base[j] = base[0] * (1 + 2 * j * torch.finfo(torch.float32).eps)
+            cols[2]["attention_mask"][j] = cols[2]["attention_mask"][0]
+        q, qm = cols[0]["token_embeddings"], cols[0]["attention_mask"]
+        docs = torch.stack([c["token_embeddings"] for c in cols[1:]], 1).flatten(0, 2)  # their flat layout
+        masks = torch.stack([c["attention_mask"] for c in cols[1:]], 1).flatten()
+        top = (q @ docs.T).masked_fill(~masks, float("-inf")).topk(top_k + 1, dim=-1).values
+        gap = (top[..., top_k - 1] - top[..., top_k])[qm]
+    assert (gap > 0).all() and (gap < 1e-7).any()  # near ties, not exact ones
+    sim = XTRScores(top_k=top_k)
+
+    def grads_of(loss_fn):
+        leaves = [
+            {**c, "token_embeddings": c["token_embeddings"].detach().clone().requires_grad_()} for c in cols
+        ]
+        value = loss_fn(leaves)
+        value.backward()
+        return value.detach(), torch.cat([c["token_embeddings"].grad.flatten() for c in leaves])
+
+    ref_loss, ref = grads_of(MultiVectorMultipleNegativesRankingLoss(_TokenPassthrough(), similarity_fct=sim))
+    st_loss, st = grads_of(
+        CachedMultiVectorMultipleNegativesRankingLoss(
+            _TokenPassthrough(), similarity_fct=sim, mini_batch_size=4
+        )
+    )
+    loss, ours = grads_of(
+        CachedMultiVectorLoss(
+            _TokenPassthrough(), similarity_fct=sim, mini_batch_size=4, reuse_last_graph=False
+        )
+    )
+    for want_loss, want in ((ref_loss, ref), (st_loss, st)):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+        assert_grads_close(ours, want, rtol=1e-5)
