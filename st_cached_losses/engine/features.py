@@ -1,16 +1,19 @@
-"""A batch's inputs as the caching engine sees them: the row count of a column, the inputs of some of
-its rows with the padding they do not need cut away, each row's length, and whether a model's
+"""A batch's inputs as the caching engine sees them: the row count of a column, which positions of each
+row are real tokens (:func:`real_tokens`, the one place that decides it), the inputs of some of its rows
+with the padding they do not need cut away, each row's length and token count, and whether a model's
 positions allow cutting leading padding. No model is run here.
 
 A column comes in one of two layouts, and every function here understands both:
 
-* padded: tensors ``(B, T, ...)``, rows padded to a common length, an ``attention_mask`` ``(B, T)``;
+* padded: tensors ``(B, T, ...)``, rows padded to a common length, an ``attention_mask`` ``(B, T)``
+  (ColBERT query-expansion positions have mask 0 and are still real tokens);
 * flattened (padding-free, transformers' ``DataCollatorWithFlattening``, which sentence-transformers
   uses whenever flash attention's variable-length kernels are on): every row's tokens concatenated into
   one sequence, ``input_ids`` / ``position_ids`` / ``seq_idx`` ``(1, total)``, rows delimited by
   ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``(B + 1,)`` (cumulative lengths from 0), ``max_length_q`` /
   ``max_length_k`` the longest row, no attention mask. Slicing such a column gathers the selected rows'
-  tokens and rebuilds the per-sequence keys for them (:func:`is_flattened`).
+  tokens and rebuilds the per-sequence keys for them (:func:`is_flattened`). Every token of it is real
+  (sentence-transformers never flattens expanded queries).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ __all__ = [
     "mini_batch_length",
     "model_device",
     "position_shift_invariant",
+    "real_tokens",
     "row_lengths",
     "slice_features",
     "token_counts",
@@ -98,17 +102,41 @@ def check_splittable(features: Features) -> None:
         )
 
 
+#: the key under which sentence-transformers marks ColBERT query-expansion positions, ``(B, T)``
+EXPANSION_KEY = "query_expansion_positions"
+
+
+def real_tokens(features: Features, batch_size: int) -> Tensor | None:
+    """Per row and position, whether it is a real token: ``(B, T)`` bool, None without a 2-D attention mask.
+
+    A real token is one the model attends to (``attention_mask`` non-zero) or one it scores without
+    attending to it: ColBERT's query-expansion positions, which sentence-transformers marks in
+    ``features["query_expansion_positions"]`` when a query is expanded with ``attend=False`` (PyLate and
+    Stanford ColBERT checkpoints). Their attention mask is 0, yet ``MultiVectorMask`` scores them, so
+    trimming them as padding would drop scored tokens. Every trim, length sort and token count of the
+    engine reads this, so that no caller has to know about expansion.
+    """
+    mask = features.get("attention_mask")
+    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
+        return None
+    real = mask.ne(0)
+    expansion = features.get(EXPANSION_KEY)
+    if isinstance(expansion, Tensor) and expansion.shape == mask.shape:
+        real = real | expansion.to(real.device).ne(0)
+    return real
+
+
 def slice_features(
     features: Features, rows: Tensor, batch_size: int, *, trim_leading: bool = True
 ) -> Features:
     """The inputs of ``rows`` (``(m,)`` indices), with padding no row of them needs trimmed away.
 
     Tensors whose first dim is the batch are indexed; of those, the ones laid out like the attention
-    mask ``(B, T, ...)`` are cut to the span of positions any selected row attends to: trailing padding
-    always, leading (left) padding only with ``trim_leading``. A model with absolute positions numbers
-    a left-padded row's tokens after its padding, so cutting that padding would change its embedding
-    (and make the result depend on the mini-batch). Everything else (e.g. a Router's task name) is
-    passed through.
+    mask ``(B, T, ...)`` are cut to the span of real tokens (:func:`real_tokens`) of the selected rows:
+    trailing padding always, leading (left) padding only with ``trim_leading``. A model with absolute
+    positions numbers a left-padded row's tokens after its padding, so cutting that padding would change
+    its embedding (and make the result depend on the mini-batch). Everything else (e.g. a Router's task
+    name) is passed through.
 
     A flattened column (:func:`is_flattened`) has no padding: the selected rows' tokens are gathered,
     row after row in the order of ``rows``, and its per-sequence keys rebuilt for them
@@ -116,12 +144,12 @@ def slice_features(
     """
     if is_flattened(features):
         return _slice_flattened(features, rows, batch_size)
-    mask = features.get("attention_mask")
+    real = real_tokens(features, batch_size)
     span: slice | None = None
     seq_len = None
-    if isinstance(mask, Tensor) and mask.dim() == 2:
-        seq_len = mask.shape[1]
-        used = mask.index_select(0, rows).ne(0).any(0).nonzero()
+    if real is not None:
+        seq_len = real.shape[1]
+        used = real.index_select(0, rows.to(real.device)).any(0).nonzero()
         if used.numel() > 0:
             span = slice(int(used[0]) if trim_leading else 0, int(used[-1]) + 1)
     out: Features = {}
@@ -192,10 +220,10 @@ def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) 
     flattened column's row lengths (it has no padding)."""
     if is_flattened(features):
         return _flat_lengths(features)
-    mask = features.get("attention_mask")
-    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
+    real = real_tokens(features, batch_size)
+    if real is None:
         return None
-    used = mask.ne(0).cpu()
+    used = real.cpu()
     pos = torch.arange(used.shape[1])
     end = torch.where(used, pos, -1).amax(1) + 1
     if not trim_leading:
@@ -212,15 +240,16 @@ def longest_first(lengths: Tensor | None, batch_size: int) -> Tensor:
 
 
 def token_counts(features: Features, batch_size: int) -> Tensor | None:
-    """Per row, its real (non-padding) tokens, read from the attention mask: ``(B,)``; None without a
-    ``(B, T)`` mask. What sentence-transformers' ``mini_batch_num_tokens`` budgets (not the padded length).
-    A flattened column's row lengths (every token is real)."""
+    """Per row, its real tokens (:func:`real_tokens`: attended, or ColBERT expansion positions): ``(B,)``;
+    None without a ``(B, T)`` mask. What ``mini_batch_num_tokens`` budgets (not the padded length). A
+    flattened column's row lengths (every token is real).
+
+    sentence-transformers budgets attended tokens only; expansion positions are counted here because the
+    encoder runs over them and the loss scores them, so they cost memory like any other token."""
     if is_flattened(features):
         return _flat_lengths(features)
-    mask = features.get("attention_mask")
-    if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
-        return None
-    return mask.ne(0).sum(1).cpu()
+    real = real_tokens(features, batch_size)
+    return None if real is None else real.sum(1).cpu()
 
 
 def mini_batch_length(features: Features, lengths: Tensor | None, rows: Tensor) -> int:

@@ -223,10 +223,11 @@ class GradCache(MiniBatchPlanner):
 
     Args:
         mini_batch_size: rows per encoder mini-batch; unused when ``mini_batch_num_tokens`` is set.
-        mini_batch_num_tokens: budget of real (non-padding: from the attention mask, or a flattened
-            column's sequence lengths) tokens per
-            mini-batch, as sentence-transformers' ``mini_batch_num_tokens``: rows are packed greedily while
-            their token sum stays within it, a row longer than the budget is a mini-batch of its own, and
+        mini_batch_num_tokens: budget of real tokens per mini-batch (attended, or ColBERT expansion
+            positions: :func:`~st_cached_losses.engine.features.real_tokens`; a flattened column's
+            sequence lengths), as sentence-transformers' ``mini_batch_num_tokens``: rows are packed
+            greedily while their token sum stays within it, a row longer than the budget is a mini-batch
+            of its own, and
             ``mini_batch_size`` is not used. None: ``mini_batch_size`` rows per mini-batch.
         sort_by_length: embed each column's rows from longest to shortest, so mini-batches pad little.
         reuse_last_graph: keep the graph of the last first-stage mini-batch instead of replaying it.

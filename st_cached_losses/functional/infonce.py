@@ -142,8 +142,11 @@ def infonce_loss_and_grad(
             with_grad=True,
         )
     out = InfoNCEOutput(*solution)
-    if rows is not anchors and out.grad_anchors is not None:  # rows carrying data of their own (XTR)
-        out.grad_anchors = spec.score.fn.without_row_data(out.grad_anchors).to(anchors.dtype)  # type: ignore[union-attr]
+    if rows is not anchors:  # rows and columns carrying data of their own (XTR), maybe upcast
+        if out.grad_anchors is not None:
+            out.grad_anchors = spec.score.fn.without_row_data(out.grad_anchors).to(anchors.dtype)  # type: ignore[union-attr]
+        given = candidate_columns(candidates)
+        out.grad_candidates = [g.to(c.dtype) for g, c in zip(out.grad_candidates, given)]
     return out
 
 
@@ -202,9 +205,10 @@ def _prepared(
     **_: object,  # the entry point's other arguments (scale, grad_output)
 ) -> tuple[Tensor, list[Tensor], LossSpec]:
     """Both entry points' checks of their arguments (all of them, by name); the rows as the score reads
-    them (the anchors, or for a score whose rows carry data computed from every column, XTR's thresholds,
-    the anchors with that data: built here, where every column, gathered across processes or not, is at
-    hand), the candidate columns and the call's options."""
+    them (the anchors, or for a score whose rows carry data computed from every column, XTR's retrieved
+    tokens, the anchors with that data: built here, where every column, gathered across processes or not,
+    is at hand), the candidate columns as the score reads them (XTR's carry their documents' ids) and the
+    call's options."""
     cols = candidate_columns(candidates)
     score = Score(similarity)
     check_terms(terms, symmetric, guide, anchors, cols)
@@ -220,6 +224,8 @@ def _prepared(
     with_row_data = getattr(score.fn, "with_row_data", None)
     if with_row_data is not None:
         check_row_data_terms(score, term_set)
+        # the columns are every process's here (gathered): their rows are numbered from 0
+        cols = score.fn.with_column_data(cols)  # type: ignore[union-attr]
         rows = with_row_data(anchors, cols, memory_budget)
     spec = LossSpec(
         terms=term_set, score=score, row_offset=row_offset, path=path, chunk_size=chunk_size,
@@ -229,7 +235,7 @@ def _prepared(
 
 
 def check_row_data_terms(score: Score, terms: TermSet) -> None:
-    """A score whose rows carry data computed from every column (XTR's thresholds) scores the anchors
+    """A score whose rows carry data computed from every column (XTR's retrieved tokens) scores the anchors
     against the candidate columns only."""
     if any(t.rows != "q" or not t.cols.startswith("c") for t in terms.terms):
         raise ValueError(

@@ -21,13 +21,16 @@ as ``torch.max`` resolves them.
 :class:`XTR` is sentence-transformers' ``xtr_scores`` (Lee et al. 2023): each query token keeps only its
 ``top_k`` best document tokens over *every* in-batch document token, a document's per-token maximum is
 taken over its retrieved tokens (0 when none), and the sum is divided by the number of query tokens that
-retrieved one of the document's tokens. The top-k depends on the whole batch, so the core first runs a
-streaming pass (:func:`xtr_thresholds`) that keeps each query token's running top-``k + 1`` over the
-document tokens of every column, tile by tile, and turns it into a per-query-token threshold; the
-threshold travels with the query rows as one more channel (:meth:`XTR.with_row_data`), after which each
-(query, document) score is again a function of the pair and is scored tile by tile like MaxSim. Across
-processes by ring exchange, each visiting block of documents is merged into the running top-``k + 1``
-(:meth:`XTR.row_state`) before the thresholds are taken (:meth:`XTR.with_row_state`).
+retrieved one of the document's tokens. The top-k depends on the whole batch, so the core first numbers
+the documents (:meth:`XTR.with_column_data`: each document's id in its mask channel, in
+sentence-transformers' query-major order) and runs a streaming pass (:func:`xtr_top_keys`) that keeps
+each query token's running top-``k`` (values and ``(document, token)`` keys) over the document tokens of
+every column, tile by tile: exactly ``k`` per query token, ties at the ``k``-th value broken by the flat
+``documents x tokens`` index. The retrieved tokens travel with the query rows as channels
+(:meth:`XTR.with_row_data`); each (query, document) score is then again a function of the pair, scored
+tile by tile like MaxSim, its retrieval looked up by key (never re-decided from a tile's recomputed
+similarities). Across processes by ring exchange, each visiting block of documents is merged into the
+running top-``k`` (:meth:`XTR.row_state`) before the rows take it (:meth:`XTR.with_row_state`).
 
 Shapes: ``b`` rows of a tile, ``t`` columns of a tile, ``tq`` / ``td`` query / document tokens, ``d``
 the token embedding dimension.
@@ -42,12 +45,11 @@ __all__ = [
     "EMPTY_DOCUMENT_SCORE",
     "XTR",
     "MaxSim",
+    "document_ids",
     "pack_tokens",
     "pad_tokens",
-    "thresholds_from_top",
     "unpack_tokens",
-    "xtr_thresholds",
-    "xtr_top_values",
+    "xtr_top_keys",
 ]
 
 #: The score of a document without any scored token, as sentence-transformers gives it.
@@ -198,81 +200,115 @@ def _accumulation_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def xtr_thresholds(queries: Tensor, columns: list[Tensor], top_k: int, memory_budget: int) -> Tensor:
-    """``(B, tq)`` per-query-token retrieval thresholds of packed ``queries (B, tq, d + 1)`` against every
-    scored token of the packed document ``columns`` (each ``(n, td_k, d + 1)``), in fp32 (fp64 kept).
-
-    A document token is retrieved by query token ``(i, s)`` when its similarity is at least the threshold:
-    the midpoint of the ``top_k``-th and ``(top_k + 1)``-th largest similarities of that query token over
-    every scored document token of every column, or ``-inf`` when there are at most ``top_k`` scored
-    tokens (all of them are retrieved). The midpoint, not the ``top_k``-th value itself, so that the
-    scoring pass, whose products may round differently in another tile shape, retrieves the same
-    ``top_k`` tokens; only near-ties within rounding of each other can differ (and exact ties, where
-    ``torch.topk`` itself picks an arbitrary subset).
-
-    Streaming (:func:`xtr_top_values`): the running top-``k + 1`` over the columns' tokens, then
-    :func:`thresholds_from_top`; across processes the same running values are merged block by block."""
-    return thresholds_from_top(xtr_top_values(queries, columns, top_k, memory_budget), top_k)
+#: bits of a retrieval key for the token position (the rest is the document's id): keys order as
+#: ``(document, token)`` pairs, which is sentence-transformers' flat ``documents x tokens`` index order
+_TOKEN_BITS = 20
+#: the key of an empty slot or a padded token: after every real token in key order
+_NO_KEY = torch.iinfo(torch.int64).max
 
 
-def thresholds_from_top(best: Tensor, top_k: int) -> Tensor:
-    """``(B, tq)`` thresholds from the running top-``k + 1`` values ``best (B, tq, k + 1)`` (descending,
-    ``-inf`` where fewer tokens were seen): the midpoint of the ``top_k``-th and ``(top_k + 1)``-th, which is
-    ``-inf`` when at most ``top_k`` scored tokens were seen (every one of them is retrieved)."""
-    return best[..., top_k - 1] / 2 + best[..., top_k] / 2
+def document_ids(documents: Tensor) -> Tensor:
+    """``(n,)`` int64 ids of packed documents whose mask channel carries ``id + 1`` (:meth:`XTR.with_column_data`);
+    -1 for a document without any scored token."""
+    return documents[..., -1].detach().amax(-1).to(torch.int64) - 1
 
 
-def xtr_top_values(
-    queries: Tensor, columns: list[Tensor], top_k: int, memory_budget: int, best: Tensor | None = None
-) -> Tensor:
-    """``(B, tq, k + 1)`` the ``top_k + 1`` largest similarities of each query token of packed ``queries
-    (B, tq, d + 1)`` over the scored tokens of the packed document ``columns`` (each ``(n, td_k, d + 1)``)
-    and, when given, the running values ``best`` (the same shape, from other columns: another process's
-    documents); descending, ``-inf`` for slots no scored token filled. fp32 (fp64 kept), no graph.
+def xtr_top_keys(
+    queries: Tensor,
+    columns: list[Tensor],
+    top_k: int,
+    memory_budget: int,
+    state: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The ``top_k`` document tokens each query token retrieves, as ``torch.topk`` picks them over
+    sentence-transformers' flat ``documents x tokens`` layout: ``(values, keys)``, both ``(B, tq, top_k)``,
+    of packed ``queries (B, tq, d + 1)`` over the scored tokens of the id-carrying document ``columns``
+    (:meth:`XTR.with_column_data`, each ``(n, td_k, d + 1)``), merged with a running ``state`` from other
+    columns (another process's documents). fp32 values (fp64 kept), no graph.
 
-    Query rows in chunks, document rows in chunks, each chunk's top-``k + 1`` merged with the running one;
-    the largest intermediate is one ``(rows, tq, docs * td)`` tile and the ``(rows, tq, k + 1)`` running
-    values, sized from ``memory_budget`` bytes."""
+    Exactly ``top_k`` per query token (fewer when fewer tokens are scored: the empty slots have the key
+    ``_NO_KEY``): every token whose similarity is above the ``top_k``-th largest, then, among the tokens
+    equal to it, those of the lowest key ``(document id, token position)``, i.e. first in
+    sentence-transformers' flat index. A rule of the tokens alone, so the same whatever the tiles, the
+    processes or the ring's order. (``torch.topk`` on the CPU takes exactly ``top_k`` too, but picks among
+    tied elements as its ``std::partial_sort`` heap or ``std::nth_element`` leaves them, an order of the
+    whole row's history that no streaming pass can replay; it mostly keeps the first ones.)
+
+    Streaming: query rows in chunks, document rows in chunks, each chunk's candidates merged into the
+    running top (:func:`_merge_top`); the largest intermediate is one ``(rows, tq, top_k + docs * td)``
+    block of values and of keys, sized from ``memory_budget`` bytes."""
     acc = _accumulation_dtype(queries)
     q, _ = unpack_tokens(queries)
     b_all, tq = q.shape[:2]
-    k1 = top_k + 1
-    if best is None:
-        best = torch.full((b_all, tq, k1), float("-inf"), dtype=acc, device=queries.device)
+    k = top_k
+    if state is None:
+        values = torch.full((b_all, tq, k), float("-inf"), dtype=acc, device=queries.device)
+        keys = torch.full((b_all, tq, k), _NO_KEY, dtype=torch.int64, device=queries.device)
+    else:
+        values, keys = state
     td_max = max([c.shape[1] for c in columns], default=1)
-    elems = max(1, memory_budget // (4 * 3))  # fp32 tile, its masked copy and the merged candidates
-    rb = max(1, min(b_all, elems // (tq * (2 * k1 + td_max))))
-    out = torch.empty_like(best)
+    # per candidate: its value and key, their merged copies, the masked tie keys and the top-k's indices
+    elems = max(1, memory_budget // 40)
+    rb = max(1, min(b_all, elems // (tq * (2 * k + td_max))))
+    out_v, out_k = torch.empty_like(values), torch.empty_like(keys)
+    positions = torch.arange(td_max, device=queries.device)
     with torch.no_grad():
         for r0 in range(0, b_all, rb):
             qc = q[r0 : r0 + rb].to(acc)
-            run = best[r0 : r0 + rb]  # (rb, tq, k + 1), the running top values
+            run_v, run_k = values[r0 : r0 + rb], keys[r0 : r0 + rb]
             for col in columns:
                 c_all, m_all = unpack_tokens(col)
+                ids_all = document_ids(col)
                 n, td = c_all.shape[:2]
-                cb = max(1, min(n, (elems // (qc.shape[0] * tq) - 2 * k1) // max(td, 1)))
+                cb = max(1, min(n, (elems // (qc.shape[0] * tq) - 2 * k) // max(td, 1)))
                 for c0 in range(0, n, cb):
                     c, m = c_all[c0 : c0 + cb].to(acc), m_all[c0 : c0 + cb]
                     sim = torch.einsum("ash,bth->asbt", qc, c)  # (rb, tq, cb, td)
                     sim.masked_fill_(~m[None, None], float("-inf"))
-                    merged = torch.cat([run, sim.flatten(2)], dim=-1)
-                    run = merged.topk(k1, dim=-1).values  # sorted, descending
-            out[r0 : r0 + rb] = run
-    return out
+                    tile_keys = (ids_all[c0 : c0 + cb, None] << _TOKEN_BITS) + positions[None, :td]
+                    tile_keys = tile_keys.masked_fill(~m, _NO_KEY).flatten()  # (cb * td,)
+                    run_v, run_k = _merge_top(
+                        torch.cat([run_v, sim.flatten(2)], dim=-1),
+                        torch.cat([run_k, tile_keys.expand(*run_k.shape[:2], -1)], dim=-1),
+                        k,
+                    )
+            out_v[r0 : r0 + rb], out_k[r0 : r0 + rb] = run_v, run_k
+    return out_v, out_k
+
+
+def _merge_top(values: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The first ``k`` of ``(..., n)`` candidates in the order (value descending, key ascending): every
+    candidate above the ``k``-th largest value, then the lowest keys of those equal to it. ``(..., k)``
+    values (descending) and keys; ``-inf`` candidates carry ``_NO_KEY``, so slots they fill stay empty."""
+    top_v, top_i = values.topk(k, dim=-1)  # sorted, descending: the multiset is topk's whatever the ties
+    kth = top_v[..., -1:]
+    above = top_v > kth  # the first g slots, g = how many candidates beat the k-th value
+    tie_keys = keys.masked_fill(values != kth, _NO_KEY).topk(k, dim=-1, largest=False).values  # ascending
+    slot = torch.arange(k, device=values.device)
+    ties_from = (slot - above.sum(-1, keepdim=True)).clamp(min=0)  # slot g takes the lowest tie key
+    return top_v, torch.where(above, keys.gather(-1, top_i), tie_keys.gather(-1, ties_from))
 
 
 class XTR:
     """sentence-transformers' ``xtr_scores`` / ``XTRScores(top_k)`` for every (query, document) pair, on
-    packed documents (:func:`pack_tokens`) and packed queries that carry their retrieval thresholds
-    (:meth:`with_row_data`, which the core calls once per loss call with every document column).
+    packed documents that carry their ids (:meth:`with_column_data`) and packed queries that carry the
+    document tokens each of their tokens retrieves (:meth:`with_row_data`; the core calls both once per loss
+    call, with every document column).
 
-    Per query token ``s`` and document ``j``: the retrieved tokens are the document's scored tokens whose
-    similarity reaches the token's threshold (:func:`xtr_thresholds`); ``m_s`` is the largest retrieved
-    similarity, or 0 when none is retrieved (``alpha_s`` = whether one is). The score is
-    ``sum_s m_s / max(1, sum_s alpha_s)`` over the query's scored tokens; a document without any scored
-    token scores :data:`EMPTY_DOCUMENT_SCORE`. The gradient is exact: through the max to the retrieved
-    token that wins it (ties as ``torch.max`` resolves them), nothing through the retrieval itself or the
-    count, as in sentence-transformers."""
+    Per query token ``s`` and document ``j``: the retrieved tokens are those of the query token's ``top_k``
+    over every in-batch document token (:func:`xtr_top_keys`: exactly ``top_k``, ties as ``torch.topk``
+    breaks them) that belong to ``j``; ``m_s`` is the largest retrieved similarity, or 0 when none is
+    retrieved (``alpha_s`` = whether one is). The score is ``sum_s m_s / max(1, sum_s alpha_s)`` over the
+    query's scored tokens; a document without any scored token scores :data:`EMPTY_DOCUMENT_SCORE`. The
+    retrieval is decided once, by the first pass, and looked up by key in every tile (never by comparing
+    a tile's recomputed similarities with a threshold, which a different rounding in another tile shape
+    could tip). The gradient is exact: through the max to the retrieved token that wins it (ties as
+    ``torch.max`` resolves them), nothing through the retrieval itself or the count, as in
+    sentence-transformers.
+
+    Layouts: documents ``(t, td, d + 1)``, the mask channel ``id + 1`` on scored tokens and 0 on padding
+    (fp32 at least: ids up to 2**24 documents); queries ``(b, tq, d + 2 top_k + 1)``: the embeddings, the
+    retrieved tokens' document ids (-1 in empty slots), their positions, then the mask."""
 
     #: operands are packed token tensors (read by :class:`~.score.Score`)
     token_score = True
@@ -291,53 +327,111 @@ class XTR:
     def __hash__(self) -> int:
         return hash((XTR, self.top_k))
 
+    def with_column_data(
+        self, columns: list[Tensor], row_offset: int = 0, n_rows: int | None = None
+    ) -> list[Tensor]:
+        """The packed document ``columns`` (each ``(n, td, d + 1)``) with each document's id in the mask
+        channel (``id + 1`` on its scored tokens, 0 on padding): ``id = (row_offset + row) * N + column``
+        for ``N`` columns, sentence-transformers' query-major document order over every process's rows
+        (``row_offset``: this process's first row, ``n_rows``: the rows of every process, to check that the
+        ids are exact in the columns' dtype). Half-precision columns come back in fp32 (ids beyond 256 /
+        2048 are not exact in bf16 / fp16); the result keeps the columns' graph (the mask channel gets no
+        gradient)."""
+        n_cols = len(columns)
+        total = n_rows if n_rows is not None else row_offset + max([c.shape[0] for c in columns], default=0)
+        out = []
+        for j, col in enumerate(columns):
+            dtype = col.dtype if col.dtype in (torch.float32, torch.float64) else torch.float32
+            exact = int(2 / torch.finfo(dtype).eps)  # every integer up to 2**24 (fp32), 2**53 (fp64)
+            if n_cols * total >= exact:
+                raise ValueError(
+                    f"XTR numbers the batch's {n_cols * total} documents in the token rows' {dtype}, exact "
+                    f"only below {exact}: use fewer rows per step."
+                )
+            rows = torch.arange(col.shape[0], device=col.device, dtype=dtype)
+            ids = (rows + row_offset) * n_cols + (j + 1)  # id + 1: 0 stays padding
+            mask = col[..., -1].detach().ne(0)
+            out.append(torch.cat([col[..., :-1].to(dtype), (mask * ids[:, None]).unsqueeze(-1)], dim=-1))
+        return out
+
     def with_row_data(self, queries: Tensor, columns: list[Tensor], memory_budget: int) -> Tensor:
-        """Packed ``queries (B, tq, d + 1)`` as ``(B, tq, d + 2)``: the embeddings, each query token's
-        retrieval threshold against every token of ``columns`` (detached), then the mask; the result keeps
-        ``queries``' graph (the threshold channel gets no gradient)."""
+        """Packed ``queries (B, tq, d + 1)`` as ``(B, tq, d + 2 top_k + 1)``: the embeddings, the ids and
+        positions of the document tokens each query token retrieves from the id-carrying ``columns``
+        (:meth:`with_column_data`), then the mask; the result keeps ``queries``' graph (the retrieval
+        channels get no gradient)."""
         return self.with_row_state(queries, self.row_state(queries, columns, memory_budget))
 
     def row_state(
-        self, queries: Tensor, columns: list[Tensor], memory_budget: int, state: Tensor | None = None
-    ) -> Tensor:
-        """What the rows' data is made of, over ``columns`` and a previous ``state`` (other columns: the
-        blocks of other processes visiting in a ring): each query token's running top-``k + 1``
-        similarities (:func:`xtr_top_values`)."""
-        return xtr_top_values(queries, columns, self.top_k, memory_budget, state)
+        self,
+        queries: Tensor,
+        columns: list[Tensor],
+        memory_budget: int,
+        state: tuple[Tensor, Tensor] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """What the rows' data is made of, over the id-carrying ``columns`` and a previous ``state`` (other
+        columns: the blocks of other processes visiting in a ring): each query token's running top-k
+        values and keys (:func:`xtr_top_keys`)."""
+        return xtr_top_keys(queries, columns, self.top_k, memory_budget, state)
 
-    def with_row_state(self, queries: Tensor, state: Tensor) -> Tensor:
+    def with_row_state(self, queries: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
         """:meth:`with_row_data` from a finished :meth:`row_state` (every column of every process seen)."""
-        thr = thresholds_from_top(state, self.top_k)  # fp32 (fp64 kept)
-        # a half-precision threshold would round away from the midpoint: the rows travel in its dtype
-        queries = queries.to(thr.dtype)
-        return torch.cat([queries[..., :-1], thr.unsqueeze(-1), queries[..., -1:]], dim=-1)
+        keys = state[1]
+        found = keys != _NO_KEY
+        acc = _accumulation_dtype(queries)  # ids and positions exact (fp32 at least)
+        doc = torch.where(found, keys >> _TOKEN_BITS, -1).to(acc)
+        pos = torch.where(found, keys & ((1 << _TOKEN_BITS) - 1), 0).to(acc)
+        queries = queries.to(acc)
+        return torch.cat([queries[..., :-1], doc, pos, queries[..., -1:]], dim=-1)
 
-    @staticmethod
-    def without_row_data(x: Tensor) -> Tensor:
-        """A ``(B, tq, d + 2)`` tensor laid out as :meth:`with_row_data`'s (rows or their gradient) back as
-        ``(B, tq, d + 1)``: the threshold channel dropped."""
-        return torch.cat([x[..., :-2], x[..., -1:]], dim=-1)
+    def without_row_data(self, x: Tensor) -> Tensor:
+        """A tensor laid out as :meth:`with_row_data`'s (rows or their gradient) back as ``(B, tq, d + 1)``:
+        the retrieval channels dropped."""
+        return torch.cat([x[..., : -2 * self.top_k - 1], x[..., -1:]], dim=-1)
+
+    def _split(self, queries: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Embeddings ``(b, tq, d)``, retrieved document ids and positions ``(b, tq, top_k)`` (int64) and the
+        mask ``(b, tq)`` of retrieval-carrying rows."""
+        k = self.top_k
+        data = queries[..., -2 * k - 1 : -1].detach().to(torch.int64)
+        doc, pos = data[..., :k].contiguous(), data[..., k:]
+        return queries[..., : -2 * k - 1], doc, pos, queries[..., -1].detach().ne(0)
 
     def __call__(self, queries: Tensor, documents: Tensor) -> Tensor:
-        """``(b, t)`` scores of threshold-carrying ``queries (b, tq, d + 2)`` against packed
-        ``documents (t, td, d + 1)``."""
-        q, thr, q_mask = queries[..., :-2], queries[..., -2].detach(), queries[..., -1].detach().ne(0)
+        """``(b, t)`` scores of retrieval-carrying ``queries`` against id-carrying ``documents (t, td, d + 1)``."""
+        q, doc, pos, q_mask = self._split(queries)
         c, c_mask = unpack_tokens(documents)
-        sim = torch.einsum("ash,bth->abst", q, c)  # (b, t, tq, td)
-        return self._reduce(sim, thr[:, None, :, None], q_mask[:, None, :], c_mask[None, :, None, :])
+        t, td = c.shape[:2]
+        ids = document_ids(documents)
+        # each retrieved token's document among this tile's, by id (a tile's documents need not be sorted)
+        order = ids.argsort()
+        at = torch.searchsorted(ids[order], doc).clamp(max=max(t - 1, 0))
+        hit = (ids[order][at] == doc) & (doc >= 0) if t else torch.zeros_like(doc, dtype=torch.bool)
+        flat = torch.where(hit, order[at] * td + pos, t * td)  # misses go to a spare slot
+        b, tq = q.shape[:2]
+        retrieved = torch.zeros(b, tq, t * td + 1, dtype=torch.bool, device=q.device)
+        retrieved = retrieved.scatter_(-1, flat, True)[..., :-1].view(b, tq, t, td).transpose(1, 2)
+        sim = torch.einsum("ash,bth->abst", q.to(c.dtype), c)  # (b, t, tq, td)
+        return self._reduce(
+            sim, retrieved & c_mask[None, :, None, :], q_mask[:, None, :], c_mask[None, :, None, :]
+        )
 
     def pairwise(self, queries: Tensor, documents: Tensor) -> Tensor:
         """``(b,)`` scores of query ``i`` against document ``i``: a tile's diagonal alone."""
-        q, thr, q_mask = queries[..., :-2], queries[..., -2].detach(), queries[..., -1].detach().ne(0)
+        q, doc, pos, q_mask = self._split(queries)
         c, c_mask = unpack_tokens(documents)
-        sim = torch.einsum("ash,ath->ast", q, c)  # (b, tq, td)
-        return self._reduce(sim, thr[:, :, None], q_mask, c_mask[:, None, :])
+        b, tq = q.shape[:2]
+        td = c.shape[1]
+        hit = doc == document_ids(documents)[:, None, None]  # (b, tq, top_k)
+        hit &= doc >= 0
+        retrieved = torch.zeros(b, tq, td + 1, dtype=torch.bool, device=q.device)
+        retrieved = retrieved.scatter_(-1, torch.where(hit, pos, td), True)[..., :-1]  # (b, tq, td)
+        sim = torch.einsum("ash,ath->ast", q.to(c.dtype), c)  # (b, tq, td)
+        return self._reduce(sim, retrieved & c_mask[:, None, :], q_mask, c_mask[:, None, :])
 
     @staticmethod
-    def _reduce(sim: Tensor, thr: Tensor, q_mask: Tensor, c_mask: Tensor) -> Tensor:
-        """Token similarities ``(..., tq, td)`` to scores ``(...)``; ``thr`` broadcasts against them, the
-        masks against ``(..., tq)`` (queries) and ``(..., tq, td)`` (documents)."""
-        retrieved = c_mask & (sim >= thr)  # (..., tq, td)
+    def _reduce(sim: Tensor, retrieved: Tensor, q_mask: Tensor, c_mask: Tensor) -> Tensor:
+        """Token similarities ``(..., tq, td)`` to scores ``(...)``; ``retrieved`` is theirs, the masks
+        broadcast against ``(..., tq)`` (queries) and ``(..., tq, td)`` (documents)."""
         best = sim.masked_fill(~retrieved, float("-inf"))
         best = best.amax(-1) if not torch.is_grad_enabled() else best.max(-1).values  # (..., tq)
         alpha = retrieved.any(-1) & q_mask  # query tokens that retrieved one of the document's tokens

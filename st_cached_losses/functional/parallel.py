@@ -300,9 +300,10 @@ def ring_loss_and_grad(
 
     Packed rows travel padded to one width, the widest column (or anchors, when they travel) of every
     process (one all-reduce); the gradients come back at each process's own widths. A score whose rows
-    carry data computed from every column (XTR: each query token's threshold from its top-``k + 1`` over
+    carry data computed from every column (XTR: the tokens each query token retrieves, its top-``k`` over
     every process's document tokens) gets it from a first pass of the column blocks around the ring, each
-    visiting block merged into the rows' running state.
+    visiting block merged into the rows' running state; XTR's columns first number their documents over
+    every process's rows.
 
     No finiteness check inside: a process raising on its own NaN in the middle of the ring would leave
     its peers blocked in a send / receive; :func:`agree_on_sizes` checks every process first.
@@ -332,6 +333,8 @@ def ring_loss_and_grad(
             cols = [pad_tokens(c, width) for c in cols]
             rows = pad_tokens(anchors, width) if anchors_travel else anchors
         if row_state is not None:
+            # the columns number their documents over every process's rows before they travel
+            cols = score.fn.with_column_data(cols, sum(sizes[: rank()]), sum(sizes))  # type: ignore[union-attr]
             rows = _ring_row_data(score, rows, cols, sizes, memory_budget)
         spec = LossSpec(
             term_set, score, tile_size=tile_size, memory_budget=memory_budget, guide=guide, keys=keys
@@ -340,9 +343,10 @@ def ring_loss_and_grad(
             spec, rows, cols, sizes, scale=scale, with_grad=with_grad
         )
     if g_a is not None:
-        if row_state is not None:  # rows carrying data of their own (XTR's thresholds)
+        if row_state is not None:  # rows carrying data of their own (XTR's retrieved tokens)
             g_a = score.fn.without_row_data(g_a).to(anchors.dtype)  # type: ignore[union-attr]
         g_a, *g_c = _trimmed([g_a, *g_c], [anchors, *given])
+        g_c = [g.to(c.dtype) for g, c in zip(g_c, given)]
     return InfoNCEOutput(loss, g_a, g_c, g_all, g_s)
 
 
@@ -350,10 +354,10 @@ def _ring_row_data(
     score: Score, rows: Tensor, cols: list[Tensor], sizes: list[int], memory_budget: int
 ) -> Tensor:
     """The rows with the data a score computes from every column of every process (XTR: each query token's
-    threshold from its top-``k + 1`` similarities over every process's document tokens), by a first ring
+    top-``k`` tokens over every process's document tokens), by a first ring
     pass: each visiting block of columns updates the rows' running state (:meth:`~.multi_vector.XTR.row_state`)."""
     fn: Any = score.fn
-    state: Tensor | None = None
+    state: Any = None
 
     def visit(owner: int, blocks: list[Tensor], carried: list[Tensor]) -> None:
         nonlocal state

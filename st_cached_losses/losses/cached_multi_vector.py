@@ -145,13 +145,16 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
                 ``sentence_transformers.multi_vector_encoder.scoring``; or ``"maxsim"`` / ``"meanmaxsim"`` /
                 ``"xtr"``. XTR's top-k runs over every in-batch document token (every process's with
                 ``gather_across_devices``, as theirs): a first streaming pass over the same tiles keeps each
-                query token's running top-``k + 1`` and turns it into a retrieval threshold, then the scoring
-                pass scores tile by tile with it. Exact up to ties: document tokens whose similarities to a
-                query token tie with (or lie within rounding of) its ``top_k``-th best may be retrieved
-                differently than ``torch.topk`` picks them (a measure-zero event on continuous embeddings).
+                query token's running top-``k`` tokens, then the scoring pass scores tile by tile with them.
+                Exactly ``top_k`` tokens per query token, as ``torch.topk``; among tokens tied at the
+                ``top_k``-th similarity (a document repeated in the batch), those first in
+                sentence-transformers' flat ``documents x tokens`` order. (``torch.topk`` on the CPU picks
+                tied elements in an order of its sorting algorithm's history, not of their index: it agrees
+                with this rule in most, not all, such batches.)
             mini_batch_size: rows per encoder forward; sets the memory, not the result.
-            mini_batch_num_tokens: a budget of real (non-padding) tokens per encoder mini-batch instead of
-                ``mini_batch_size``, as sentence-transformers.
+            mini_batch_num_tokens: a budget of real tokens per encoder mini-batch instead of
+                ``mini_batch_size``, as sentence-transformers; a query's ColBERT expansion positions count
+                as real tokens (the encoder runs over them and the loss scores them).
             score_mini_batch_size: kept for sentence-transformers' signature and config (default:
                 ``mini_batch_size``); the scoring tiles are sized from ``memory_budget`` (or ``tile_size``)
                 instead, and never change the result.

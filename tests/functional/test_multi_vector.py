@@ -15,7 +15,7 @@ from st_cached_losses.functional.multi_vector import (
     pack_tokens,
     pad_tokens,
     unpack_tokens,
-    xtr_thresholds,
+    xtr_top_keys,
 )
 
 
@@ -198,17 +198,24 @@ def test_maxsim_memory_is_one_tile() -> None:
 # --------------------------------------------------------------------------- XTR
 
 
+def query_major(cols: list[torch.Tensor]) -> torch.Tensor:
+    """The document columns as sentence-transformers stacks them for ``xtr_scores``: ``(n * K, td, d + 1)``,
+    row ``i``'s ``K`` documents side by side (document ``i * K + k`` is column ``k``'s row ``i``)."""
+    width = max(c.shape[1] for c in cols)
+    return torch.stack([pad_tokens(c, width) for c in cols], dim=1).flatten(0, 1)
+
+
 def dense_xtr_scores(q: torch.Tensor, docs: torch.Tensor, top_k: int) -> torch.Tensor:
     """XTR over the full ``(Q, N, tq, td)`` similarities, written independently of the kernel: each query
-    token's ``top_k`` over every scored token of every document (by index, as ``torch.topk`` picks them),
-    the per-document max over the retrieved tokens (0 if none), divided by the query tokens that
-    retrieved one of the document's tokens."""
+    token's ``top_k`` over every scored token of every document, ties taken in the flat ``documents x
+    tokens`` index order (a stable sort), the per-document max over the retrieved tokens (0 if none),
+    divided by the query tokens that retrieved one of the document's tokens."""
     qe, qm = q[..., :-1], q[..., -1] != 0
     de, dm = docs[..., :-1], docs[..., -1] != 0
     sim = torch.einsum("qsh,nth->qsnt", qe, de)  # (Q, tq, N, td)
     flat = sim.masked_fill(~dm[None, None], float("-inf")).flatten(2)
     k = min(top_k, int(dm.sum()))
-    idx = flat.topk(k, dim=-1).indices
+    idx = flat.sort(dim=-1, descending=True, stable=True).indices[..., :k]
     retrieved = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True).view(sim.shape)
     best = sim.masked_fill(~retrieved, float("-inf")).max(-1).values  # (Q, tq, N)
     alpha = retrieved.any(-1) & qm[:, :, None]
@@ -217,11 +224,25 @@ def dense_xtr_scores(q: torch.Tensor, docs: torch.Tensor, top_k: int) -> torch.T
 
 
 def dense_xtr_loss(q, cols, scale, top_k):
-    width = max(c.shape[1] for c in cols)
-    docs = torch.cat([pad_tokens(c, width) for c in cols])  # (K n, td, d + 1)
-    return F.cross_entropy(scale * dense_xtr_scores(q, docs, top_k), torch.arange(q.shape[0]))
+    logits = scale * dense_xtr_scores(q, query_major(cols), top_k)  # (Q, Q * K), query-major
+    return F.cross_entropy(logits, torch.arange(q.shape[0]) * len(cols))
 
 
+def tied_case(n: int, n_cols: int, seed: int = 0, **kw) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`token_case` with exact ties everywhere: token embeddings on a grid of quarters (every
+    similarity is a multiple of 1/16, exact in any summation order) and one document repeated in
+    several rows of the last column (a hard negative shared by several queries)."""
+    q, cols = token_case(n, n_cols, seed=seed, **kw)
+    quarter = [(x[..., :-1] * 4).round() / 4 for x in (q, *cols)]
+    q = torch.cat([quarter[0], q[..., -1:]], dim=-1)
+    cols = [torch.cat([e, c[..., -1:]], dim=-1) for e, c in zip(quarter[1:], cols)]
+    last = cols[-1]
+    widest = int(last[..., -1].ne(0).sum(1).argmax())  # copied: the column keeps its width
+    last[[r for r in range(n) if r != widest][:4]] = last[widest].clone()  # a repeated document: exact ties
+    return q, cols
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
 @pytest.mark.parametrize("top_k", [1, 5, 37, 10_000])
 @pytest.mark.parametrize(
     "opts",
@@ -230,11 +251,14 @@ def dense_xtr_loss(q, cols, scale, top_k):
         {"path": "chunked", "chunk_size": 4},
         {"path": "tiled", "tile_size": 1},
         {"path": "tiled", "tile_size": 4},
-        {"memory_budget": 4_000},  # the threshold pass streams in tiles of a few rows and documents
+        {"memory_budget": 4_000},  # the retrieval pass streams in tiles of a few rows and documents
     ],
 )
-def test_xtr_matches_dense_reference(top_k: int, opts: dict) -> None:
-    q, cols = token_case(9, 2)
+def test_xtr_matches_dense_reference(top_k: int, opts: dict, ties: bool) -> None:
+    """Every path and tile shape equals the dense reference, values and gradients; with exact ties
+    (grid embeddings, a repeated document) too: exactly ``top_k`` tokens per query token, the tied ones
+    taken in the flat ``documents x tokens`` order."""
+    q, cols = tied_case(9, 2) if ties else token_case(9, 2)
     scale = 1.5
     rq, rc = leaves(q, cols)
     ref = dense_xtr_loss(rq, rc, scale, top_k)
@@ -270,37 +294,52 @@ def test_xtr_top_k_matters() -> None:
     assert losses[200] == losses[10_000]
 
 
-def test_xtr_thresholds_stream_equals_dense_topk() -> None:
-    """The streaming pass's thresholds, whatever its tiles, sit between each query token's top_k-th and
-    (top_k + 1)-th similarity over every scored document token of every column."""
-    q, cols = token_case(7, 3, tq=4, td=5, seed=4)
-    width = max(c.shape[1] for c in cols)
-    docs = torch.cat([pad_tokens(c, width) for c in cols])
+@pytest.mark.parametrize("top_k", [1, 3, 6, 40, 10_000])
+def test_xtr_top_keys_stream_equals_dense_topk(top_k: int) -> None:
+    """The streaming retrieval pass, whatever its tiles, keeps for each query token exactly the ``top_k``
+    tokens of the stable dense order (value descending, then flat ``documents x tokens`` index): with exact
+    ties (grid embeddings, a repeated document), and every scored token when there are fewer."""
+    q, cols = tied_case(7, 3, tq=4, td=5, seed=4)
+    xtr = XTR(top_k)
+    ided = xtr.with_column_data(cols)
+    docs = query_major(ided)
+    td = docs.shape[1]
     sim = torch.einsum("qsh,nth->qsnt", q[..., :-1], docs[..., :-1])
     flat = sim.masked_fill(docs[..., -1][None, None] == 0, float("-inf")).flatten(2)
-    top = flat.topk(7, dim=-1).values
-    expected = top[..., 5] / 2 + top[..., 6] / 2
+    pool = int((docs[..., -1] != 0).sum())
+    k = min(top_k, pool)
+    order = flat.sort(dim=-1, descending=True, stable=True)
+    want_doc, want_pos = order.indices[..., :k] // td, order.indices[..., :k] % td
+    # a key names (document, position); the query-major document number is sentence-transformers' own
+    ties_at_boundary = 0
     for budget in (100, 3_000, 2**30):
-        thr = xtr_thresholds(q, cols, 6, budget)
-        torch.testing.assert_close(thr, expected, rtol=0, atol=1e-12)
-        scored = q[..., -1] != 0  # padded query tokens are zeros: every similarity ties at 0
-        assert (top[..., 5] >= thr)[scored].all() and (top[..., 6] < thr)[scored].all()
-    assert torch.isinf(xtr_thresholds(q, cols, 10_000, 2**20)).all()  # fewer tokens than top_k: all retrieved
+        values, keys = xtr_top_keys(q, ided, top_k, budget)
+        assert values.shape == keys.shape == (7, 4, top_k)
+        got = xtr.with_row_state(q, (values, keys))[..., q.shape[-1] - 1 : -1]
+        doc, pos = got[..., :top_k].long(), got[..., top_k:].long()
+        assert (doc[..., k:] == -1).all()  # fewer scored tokens than top_k: empty slots
+        key = lambda dd, pp: (dd * 64 + pp).sort(-1).values  # noqa: E731
+        torch.testing.assert_close(key(doc[..., :k], pos[..., :k]), key(want_doc, want_pos), rtol=0, atol=0)
+        torch.testing.assert_close(values[..., :k], order.values[..., :k], rtol=0, atol=0)
+    if top_k < pool:
+        ties_at_boundary = int((order.values[..., k - 1] == order.values[..., k]).sum())
+        assert ties_at_boundary > 0  # the case holds ties the top-k must cut
 
 
 def test_xtr_matches_sentence_transformers_xtr_scores() -> None:
-    """The scores of sentence-transformers' xtr_scores on the same batch (their top-k over the same pool)."""
+    """The scores of sentence-transformers' xtr_scores on the same batch (their top-k over the same pool),
+    from the id-carrying columns and the rows carrying each token's retrieved tokens."""
     scoring = pytest.importorskip("sentence_transformers.multi_vector_encoder.scoring")
     q, cols = token_case(6, 2, dtype=torch.float32)
     width = max(c.shape[1] for c in cols)
-    docs = [pad_tokens(c, width) for c in cols]
     qe, qm = unpack_tokens(q)
-    stacked = torch.stack([unpack_tokens(c)[0] for c in docs], dim=1)  # (Q, N, td, d)
-    smask = torch.stack([unpack_tokens(c)[1] for c in docs], dim=1)
+    stacked = torch.stack([unpack_tokens(pad_tokens(c, width))[0] for c in cols], dim=1)  # (Q, N, td, d)
+    smask = torch.stack([unpack_tokens(pad_tokens(c, width))[1] for c in cols], dim=1)
     for top_k in (3, 20, 256):
         theirs = scoring.xtr_scores(qe, stacked, queries_mask=qm, documents_mask=smask, top_k=top_k)
         ours = XTR(top_k)
-        rows = ours.with_row_data(q, cols, 2**20)
+        docs = [pad_tokens(c, width) for c in ours.with_column_data(cols)]
+        rows = ours.with_row_data(q, docs, 2**20)
         mine = torch.stack([ours(rows, c) for c in docs], dim=2).reshape(q.shape[0], -1)
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-5)
         pair = ours.pairwise(rows, docs[0])

@@ -14,13 +14,15 @@ from st_cached_losses.functional import infonce_loss_and_grad
 from st_cached_losses.functional.flops import flops_loss_and_grad
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.functional.sparse import SparseDot, dense_rows, pack_rows
-from tests.functional.test_multi_vector import token_case
+from tests.functional.test_multi_vector import tied_case, token_case
 from tests.functional.test_sparse_rows import V, sparse_rows
 
 CASES = {
     "maxsim": {"similarity": MaxSim()},
     "meanmaxsim": {"similarity": MaxSim(length_normalize=True)},
     "xtr": {"similarity": XTR(5)},
+    # exact ties (grid embeddings, a document repeated across processes): exactly top_k, the same tokens
+    "xtr-ties": {"similarity": XTR(5)},
     "sparse": {"similarity": "sparse"},
     "sparse-symmetric": {"similarity": "sparse", "symmetric": True},
 }
@@ -33,8 +35,8 @@ def _own(sizes: list[int], rank: int) -> slice:
     return slice(start, start + sizes[rank])
 
 
-def _token_global(n: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    return token_case(n, 2, tq=6, td=8, seed=3)
+def _token_global(n: int, case: str = "") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return (tied_case if case.endswith("ties") else token_case)(n, 2, tq=6, td=8, seed=3)
 
 
 def _trim(packed: torch.Tensor) -> torch.Tensor:
@@ -54,7 +56,7 @@ def _inputs(case: str, sizes: list[int], rank: int) -> tuple[list[torch.Tensor],
     if opts["similarity"] == "sparse":
         opts["similarity"] = SparseDot(V)
         return [pack_rows(x[own]) for x in _sparse_global(sum(sizes))], opts
-    q, cols = _token_global(sum(sizes))
+    q, cols = _token_global(sum(sizes), case)
     return [_trim(x[own]) for x in (q, *cols)], opts
 
 
@@ -91,7 +93,7 @@ def _reference(case: str, n: int) -> tuple[torch.Tensor, list[torch.Tensor], lis
         rows = _sparse_global(n)
         opts["similarity"] = "dot"
     else:
-        q, cols = _token_global(n)
+        q, cols = _token_global(n, case)
         rows = [q, *cols]
     out = infonce_loss_and_grad(rows[0], rows[1:], scale=SCALE, **opts)
     return out.loss, [out.grad_anchors, *out.grad_candidates], rows  # type: ignore[list-item]

@@ -36,9 +36,22 @@ def mv_model(tmp_path_factory) -> MultiVectorEncoder:
     return make_tiny_multi_vector(tmp_path_factory.mktemp("mv") / "bert")
 
 
+#: ColBERT query expansion as sentence-transformers sets it for a PyLate / Stanford ColBERT checkpoint that
+#: does not attend to its expansion tokens: queries padded to 24 tokens, the padding scored, not attended
+EXPANSION = {"strategy": "fixed", "attend": False, "length": 24}
+
+
+def with_expansion(model: MultiVectorEncoder, expansion: bool) -> MultiVectorEncoder:
+    """``model`` (a copy, left alone) with query expansion on (attend False) when ``expansion``."""
+    if expansion:
+        model[0].query_expansion = dict(EXPANSION)
+    return model
+
+
 def mv_features(model: MultiVectorEncoder, n: int, n_cols: int, seed: int = 0) -> list[dict]:
     """Column 0 tokenised as queries, the others as documents, each with its task stamped (as the collator
-    does); ragged lengths (1 to 20 words)."""
+    does); ragged lengths (1 to 20 words). With query expansion on, every query is 24 positions wide, its
+    expansion positions marked in ``query_expansion_positions`` with attention mask 0."""
     return [
         {
             **model.preprocess(random_texts(n, seed=seed + k, min_words=1, max_words=20), task=task),
@@ -52,6 +65,7 @@ def _grads_of(model, loss, features):
     return param_grads(model, loss, features)
 
 
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
 @pytest.mark.parametrize("n_cols", [2, 3], ids=["pairs", "triplets"])
 @pytest.mark.parametrize(
     ("similarity_fct", "scale"),
@@ -63,8 +77,10 @@ def _grads_of(model, loss, features):
     [(3, {}), (4, {"path": "tiled", "tile_size": 2}), (32, {})],
     ids=["mb3", "mb4-tiled2", "one-mini-batch"],
 )
-def test_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, scale, mini_batch_size, extra):
-    model = copy.deepcopy(mv_model)
+def test_matches_st_multi_vector_mnrl(
+    mv_model, n_cols, similarity_fct, scale, mini_batch_size, extra, expansion
+):
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
     features = mv_features(model, 7, n_cols)
     oracle = MultiVectorMultipleNegativesRankingLoss(model, scale=scale, similarity_fct=similarity_fct)
     ref_loss, ref_grads = _grads_of(model, oracle, features)
@@ -77,6 +93,7 @@ def test_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, scale, m
     assert_grads_close(grads, ref_grads, rtol=1e-5)
 
 
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
 @pytest.mark.parametrize("n_cols", [2, 3], ids=["pairs", "triplets"])
 @pytest.mark.parametrize(
     "similarity_fct",
@@ -88,11 +105,13 @@ def test_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, scale, m
     [(3, {}), (4, {"path": "tiled", "tile_size": 2}), (2, {"memory_budget": 20_000})],
     ids=["mb3", "mb4-tiled2", "mb2-small-budget"],
 )
-def test_xtr_matches_st_multi_vector_mnrl(mv_model, n_cols, similarity_fct, mini_batch_size, extra):
+def test_xtr_matches_st_multi_vector_mnrl(
+    mv_model, n_cols, similarity_fct, mini_batch_size, extra, expansion
+):
     """XTR's global top-k over every in-batch document token (a streaming threshold pass, then the tiles)
     equals sentence-transformers' non-cached loss with the same XTR scoring: loss and parameter
-    gradients, mini-batches that do not divide the batch of 7."""
-    model = copy.deepcopy(mv_model)
+    gradients, mini-batches that do not divide the batch of 7, with and without query expansion."""
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
     features = mv_features(model, 7, n_cols)
     oracle = MultiVectorMultipleNegativesRankingLoss(model, similarity_fct=similarity_fct)
     ref_loss, ref_grads = _grads_of(model, oracle, features)
@@ -128,6 +147,50 @@ def test_xtr_top_k_is_below_the_token_pool(mv_model):
     assert len(set(values.values())) == 3, values
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mini_batch_size": 4},
+        {"mini_batch_size": 64},
+        {"mini_batch_num_tokens": 40},
+        {"mini_batch_size": 4, "graph_memory_budget": 200_000},
+        {"mini_batch_size": "auto", "mini_batch_memory_budget": 300_000},
+        {"mini_batch_num_tokens": "auto", "mini_batch_memory_budget": 300_000},
+    ],
+    ids=["mb4", "mb64", "tokens40", "graph-budget", "auto-rows", "auto-tokens"],
+)
+def test_query_expansion_tokens_are_scored(mv_model, options):
+    """Issue 32, finding 1: with ColBERT query expansion that the encoder does not attend to (attention mask
+    0 at the expansion positions, which the model scores), the loss and gradients equal
+    sentence-transformers' non-cached and cached losses: 11 rows, 3 columns, queries expanded to 24
+    tokens; mini-batches by rows (4, and 64: one), by a token budget, with graphs kept within a budget
+    and sized ``"auto"`` (the probe's rows, their lengths and token counts include expansion positions).
+    On 7d62a70 the engine trimmed each mini-batch to the attended span and lost the scored expansion
+    tokens (loss 3.430 against 3.811 at mini-batch 4)."""
+    model = with_expansion(copy.deepcopy(mv_model), True)
+    features = mv_features(model, 11, 3)
+    queries = features[0]
+    expansion = queries["query_expansion_positions"]
+    assert queries["input_ids"].shape[1] == 24 and expansion.any(1).all()
+    assert not (expansion & queries["attention_mask"].bool()).any()  # scored, not attended
+    ref_loss, ref_grads = _grads_of(model, MultiVectorMultipleNegativesRankingLoss(model), features)
+    st_loss, st_grads = _grads_of(
+        model, CachedMultiVectorMultipleNegativesRankingLoss(model, mini_batch_size=4), features
+    )
+    torch.testing.assert_close(st_loss, ref_loss, rtol=1e-5, atol=1e-6)
+    ours = CachedMultiVectorLoss(model, **options)
+    with pytest.warns(UserWarning) if options.get("mini_batch_size") == 64 else _no_warning():
+        loss, grads = _grads_of(model, ours, features)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, st_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref_grads, rtol=1e-5)
+    assert_grads_close(grads, st_grads, rtol=1e-5)
+    # the expansion tokens matter: scoring only the attended ones gives another loss
+    plain = [{k: v for k, v in f.items() if k != "query_expansion_positions"} for f in features]
+    with torch.no_grad():
+        assert abs(ours(plain).item() - ref_loss.item()) > 1e-2
+
+
 class _no_warning:
     def __enter__(self):
         return self
@@ -136,9 +199,10 @@ class _no_warning:
         return False
 
 
-def test_token_budget_and_evaluation_match(mv_model):
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
+def test_token_budget_and_evaluation_match(mv_model, expansion):
     """mini_batch_num_tokens mini-batches, and the no-grad (evaluation) loss, equal the oracle's loss."""
-    model = copy.deepcopy(mv_model)
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
     features = mv_features(model, 6, 2, seed=3)
     oracle = MultiVectorMultipleNegativesRankingLoss(model)
     ref_loss, ref_grads = _grads_of(model, oracle, features)
@@ -150,7 +214,8 @@ def test_token_budget_and_evaluation_match(mv_model):
         torch.testing.assert_close(ours(features), ref_loss, rtol=1e-5, atol=1e-6)
 
 
-def test_matches_st_cached_loss_and_signature(mv_model):
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
+def test_matches_st_cached_loss_and_signature(mv_model, expansion):
     """Their cached loss's keyword-only signature is a prefix of ours (names, defaults), and the same
     loss for the same arguments; config keys and values equal theirs."""
     theirs = inspect.signature(CachedMultiVectorMultipleNegativesRankingLoss.__init__).parameters
@@ -159,7 +224,7 @@ def test_matches_st_cached_loss_and_signature(mv_model):
     for name, p in theirs.items():
         assert mine[name].kind == p.kind and mine[name].default == p.default, name
 
-    model = copy.deepcopy(mv_model)
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
     features = mv_features(model, 5, 3, seed=9)
     kwargs = {"scale": 2.0, "mini_batch_size": 2, "score_mini_batch_size": 3}
     st = CachedMultiVectorMultipleNegativesRankingLoss(model, **kwargs)
@@ -283,6 +348,9 @@ DIST_CASES = [
     ),
     ("xtr-gathered", 3, {"similarity_fct": XTRScores(top_k=6)}),
     ("xtr-ring", 3, {"similarity_fct": XTRScores(top_k=6), "path": "tiled", "tile_size": 3}),
+    # query expansion on (attend False): the expansion positions are scored on every process
+    ("maxsim-gathered-expansion", 3, {}),
+    ("xtr-ring-expansion", 2, {"similarity_fct": XTRScores(top_k=6), "path": "tiled", "tile_size": 3}),
 ]
 
 
@@ -293,7 +361,7 @@ def _mv_worker(rank: int, world: int, path: str, sizes: list[int]):
 
     out = {}
     for name, n_cols, kwargs in DIST_CASES:
-        model = _load_mv(path)
+        model = with_expansion(_load_mv(path), name.endswith("expansion"))
         ddp = DDP(model)
         loss = CachedMultiVectorLoss(model, mini_batch_size=2, gather_across_devices=True, **kwargs)
         loss.model = ddp  # what the trainer does with a wrapped model
@@ -320,7 +388,7 @@ def _mv_worker(rank: int, world: int, path: str, sizes: list[int]):
 @pytest.mark.parametrize("sizes", [[3, 2], [2, 4, 1]], ids=["w2", "w3"])
 def test_processes_equal_single_process_global_batch(mv_dir, sizes):
     """2 and 3 gloo processes with unequal rows and token widths, gathered and by ring (``path="tiled"``),
-    MaxSim, MeanMaxSim and XTR: DDP's gradients equal the single-process gradients of ST's non-cached loss
+    MaxSim, MeanMaxSim and XTR, with and without query expansion: DDP's gradients equal the single-process gradients of ST's non-cached loss
     on the concatenated batch, every step (the ring's and the gather's alike)."""
     from tests.support.dist_utils import run_distributed
 
@@ -328,13 +396,13 @@ def test_processes_equal_single_process_global_batch(mv_dir, sizes):
     for name, n_cols, kwargs in DIST_CASES:
         st_kwargs = {k: v for k, v in kwargs.items() if k in ("similarity_fct", "scale")}
         for step in range(2):
-            model = _load_mv(mv_dir)
+            model = with_expansion(_load_mv(mv_dir), name.endswith("expansion"))
             texts = _global_texts(sum(sizes), n_cols, step)
             oracle = MultiVectorMultipleNegativesRankingLoss(model, **st_kwargs)
             ref_loss, ref_grads = param_grads(model, oracle, _mv_features(model, texts))
             results = [r[(name, step)] for r in per_rank]
             assert len({tuple(r["widths"]) for r in results}) > 1, "the processes must differ in token widths"
-            ring = name.endswith("ring")
+            ring = "-ring" in name
             for r in results:  # the ring sends blocks and gathers nothing; the gather the opposite
                 assert ("ring_send" in r["kinds"]) is ring and ("all_gather" in r["kinds"]) is not ring, name
             mean_loss = sum(r["loss"] for r in results) / len(results)
@@ -404,3 +472,109 @@ def test_token_gradients_with_ragged_mini_batch_widths(similarity_fct):
         )
     # 3 mini-batches per column, 3 columns: 9 forwards without a graph, 9 replays, all as "document"
     assert model.tasks == ["document"] * 18
+
+
+def _boundary_ties(model, features, top_k: int) -> int:
+    """Query tokens whose ``top_k``-th and ``(top_k + 1)``-th similarities over every in-batch document token
+    are equal (the top-k must cut exact ties), in sentence-transformers' flat layout."""
+    with torch.no_grad():
+        outs = [model(dict(f), task=f["task"]) for f in features]
+    q, qm = outs[0]["token_embeddings"], outs[0]["attention_mask"].bool()
+    width = max(o["token_embeddings"].shape[1] for o in outs[1:])
+    docs = torch.stack(
+        [
+            torch.nn.functional.pad(o["token_embeddings"], (0, 0, 0, width - o["token_embeddings"].shape[1]))
+            for o in outs[1:]
+        ],
+        1,
+    )
+    masks = torch.stack(
+        [
+            torch.nn.functional.pad(o["attention_mask"].bool(), (0, width - o["attention_mask"].shape[1]))
+            for o in outs[1:]
+        ],
+        1,
+    )
+    sim = torch.einsum("qsh,nth->qsnt", q, docs.flatten(0, 1)).flatten(2)
+    sim = sim.masked_fill(~masks.flatten()[None, None], float("-inf"))
+    top = sim.topk(top_k + 1, dim=-1).values
+    return int(((top[..., top_k - 1] == top[..., top_k]) & qm).sum())
+
+
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
+@pytest.mark.parametrize("mini_batch_size", [4, 64])
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_xtr_ties_from_a_repeated_document(mv_model, top_k, mini_batch_size, expansion):
+    """Issue 32, finding 2: a hard negative shared by four queries makes exact ties between its copies' token
+    similarities; XTR retrieves exactly ``top_k`` tokens per query token, as sentence-transformers'
+    ``torch.topk`` does, so the loss and gradients equal their non-cached and cached losses (11 rows, 3
+    columns). On 7d62a70 every tied copy above a midpoint threshold was retrieved (gradient errors 0.06 at
+    top_k 2, 0.19 at top_k 8)."""
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
+    texts = [random_texts(11, seed=k, min_words=1, max_words=20) for k in range(3)]
+    texts[2][1:4] = [texts[2][0]] * 3  # one hard negative for four queries
+    features = [
+        {**model.preprocess(t, task=task), "task": task}
+        for t, task in zip(texts, ["query", "document", "document"])
+    ]
+    assert _boundary_ties(model, features, top_k) > 0
+    sim = XTRScores(top_k=top_k)
+    ref_loss, ref_grads = _grads_of(
+        model, MultiVectorMultipleNegativesRankingLoss(model, similarity_fct=sim), features
+    )
+    st = CachedMultiVectorMultipleNegativesRankingLoss(
+        model, similarity_fct=sim, mini_batch_size=mini_batch_size
+    )
+    st_loss, st_grads = _grads_of(model, st, features)
+    ours = CachedMultiVectorLoss(model, similarity_fct=sim, mini_batch_size=mini_batch_size)
+    with pytest.warns(UserWarning) if mini_batch_size >= 11 else _no_warning():
+        loss, grads = _grads_of(model, ours, features)
+    for want, want_grads in ((ref_loss, ref_grads), (st_loss, st_grads)):
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+        assert_grads_close(grads, want_grads, rtol=1e-5)
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_xtr_near_ties_match_st(top_k):
+    """Issue 32, finding 2: near-ties without exact ones (copies of a document whose tokens differ by a
+    couple of float32 ulps: the ``top_k``-th and ``(top_k + 1)``-th similarities 6e-8 apart) are retrieved
+    as sentence-transformers' ``torch.topk`` retrieves them: the loss and the gradients wrt the token
+    embeddings equal their non-cached and cached losses' to 1e-5 (on 7d62a70 a midpoint threshold within
+    rounding of both values took the wrong token: gradient errors of 4-7e-3)."""
+    lengths = [[5, 3, 6, 2, 4, 6, 3, 5, 4, 2, 6] for _ in range(3)]
+    cols = _token_columns(lengths, dim=8, seed=2)
+    with torch.no_grad():
+        base = cols[2]["token_embeddings"]
+        for j in range(1, 5):  # copies of row 0, each token nudged by about 2 j ulps
+            base[j] = base[0] * (1 + 2 * j * torch.finfo(torch.float32).eps)
+            cols[2]["attention_mask"][j] = cols[2]["attention_mask"][0]
+        q, qm = cols[0]["token_embeddings"], cols[0]["attention_mask"]
+        docs = torch.stack([c["token_embeddings"] for c in cols[1:]], 1).flatten(0, 2)  # their flat layout
+        masks = torch.stack([c["attention_mask"] for c in cols[1:]], 1).flatten()
+        top = (q @ docs.T).masked_fill(~masks, float("-inf")).topk(top_k + 1, dim=-1).values
+        gap = (top[..., top_k - 1] - top[..., top_k])[qm]
+    assert (gap > 0).all() and (gap < 1e-7).any()  # near ties, not exact ones
+    sim = XTRScores(top_k=top_k)
+
+    def grads_of(loss_fn):
+        leaves = [
+            {**c, "token_embeddings": c["token_embeddings"].detach().clone().requires_grad_()} for c in cols
+        ]
+        value = loss_fn(leaves)
+        value.backward()
+        return value.detach(), torch.cat([c["token_embeddings"].grad.flatten() for c in leaves])
+
+    ref_loss, ref = grads_of(MultiVectorMultipleNegativesRankingLoss(_TokenPassthrough(), similarity_fct=sim))
+    st_loss, st = grads_of(
+        CachedMultiVectorMultipleNegativesRankingLoss(
+            _TokenPassthrough(), similarity_fct=sim, mini_batch_size=4
+        )
+    )
+    loss, ours = grads_of(
+        CachedMultiVectorLoss(
+            _TokenPassthrough(), similarity_fct=sim, mini_batch_size=4, reuse_last_graph=False
+        )
+    )
+    for want_loss, want in ((ref_loss, ref), (st_loss, st)):
+        torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
+        assert_grads_close(ours, want, rtol=1e-5)
