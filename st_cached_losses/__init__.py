@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _EXPORTS = {
     "CachedCLIPLoss": "st_cached_losses.losses",
+    "CachedCrossEncoderLoss": "st_cached_losses.losses",
     "CachedGISTLoss": "st_cached_losses.losses",
     "CachedMNRLoss": "st_cached_losses.losses",
     "CachedMultiVectorLoss": "st_cached_losses.losses",
@@ -32,6 +33,7 @@ _EXPORTS = {
 
 __all__ = [
     "CachedCLIPLoss",
+    "CachedCrossEncoderLoss",
     "CachedGISTLoss",
     "CachedLossArgumentParser",
     "CachedLossTrainingArguments",
@@ -52,6 +54,7 @@ if TYPE_CHECKING:
     from st_cached_losses.config.training_args import CachedLossTrainingArguments
     from st_cached_losses.losses import (
         CachedCLIPLoss,
+        CachedCrossEncoderLoss,
         CachedGISTLoss,
         CachedMNRLoss,
         CachedMultiVectorLoss,
