@@ -27,6 +27,7 @@ _EXPORTS = {
     "CachedTiledLoss": "st_cached_losses.losses",
     "LossStateCallback": "st_cached_losses.losses.callbacks",
     "CachedLossTrainingArguments": "st_cached_losses.config.training_args",
+    "CachedCrossEncoderTrainingArguments": "st_cached_losses.config.training_args",
     "build_loss": "st_cached_losses.config.factory",
     "CachedLossArgumentParser": "st_cached_losses.config.cli",
 }
@@ -34,6 +35,7 @@ _EXPORTS = {
 __all__ = [
     "CachedCLIPLoss",
     "CachedCrossEncoderLoss",
+    "CachedCrossEncoderTrainingArguments",
     "CachedGISTLoss",
     "CachedLossArgumentParser",
     "CachedLossTrainingArguments",
@@ -51,7 +53,10 @@ if TYPE_CHECKING:
     from st_cached_losses import functional
     from st_cached_losses.config.cli import CachedLossArgumentParser
     from st_cached_losses.config.factory import build_loss
-    from st_cached_losses.config.training_args import CachedLossTrainingArguments
+    from st_cached_losses.config.training_args import (
+        CachedCrossEncoderTrainingArguments,
+        CachedLossTrainingArguments,
+    )
     from st_cached_losses.losses import (
         CachedCLIPLoss,
         CachedCrossEncoderLoss,

@@ -13,6 +13,7 @@ from st_cached_losses.config.training_args import (
     LOSS_DEFAULTS,
     LOSS_FIELDS,
     SCALE_PARAMETER_PATTERN,
+    CachedCrossEncoderTrainingArguments,
     CachedLossTrainingArguments,
 )
 
@@ -26,6 +27,7 @@ __all__ = [
     "LOSS_DEFAULTS",
     "LOSS_FIELDS",
     "SCALE_PARAMETER_PATTERN",
+    "CachedCrossEncoderTrainingArguments",
     "CachedLossTrainingArguments",
     "build_loss",
     "check_dataset_columns",

@@ -7,9 +7,13 @@ May import the losses, the engine and the functional layer; nothing above it (th
 from st_cached_losses.config.cli import CachedLossArgumentParser
 from st_cached_losses.config.factory import build_loss, check_dataset_columns
 from st_cached_losses.config.model_card import CachedLossCardCallback
-from st_cached_losses.config.training_args import CachedLossTrainingArguments
+from st_cached_losses.config.training_args import (
+    CachedCrossEncoderTrainingArguments,
+    CachedLossTrainingArguments,
+)
 
 __all__ = [
+    "CachedCrossEncoderTrainingArguments",
     "CachedLossArgumentParser",
     "CachedLossCardCallback",
     "CachedLossTrainingArguments",

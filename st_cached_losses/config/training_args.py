@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union  # HfArgumentParser reads these annotations at run time
 
 from sentence_transformers import SentenceTransformerTrainingArguments
+from sentence_transformers.cross_encoder import CrossEncoderTrainingArguments
 
 from st_cached_losses.config.registry import (
     BASE_LOSSES,
@@ -47,7 +48,7 @@ from st_cached_losses.config.registry import (
     closest_name_hint,
     loss_parameters,
 )
-from st_cached_losses.losses import CachedInfoNCEBase
+from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
     check_directions,
@@ -67,6 +68,7 @@ __all__ = [
     "LOSS_DEFAULTS",
     "LOSS_FIELDS",
     "SCALE_PARAMETER_PATTERN",
+    "CachedCrossEncoderTrainingArguments",
     "CachedLossTrainingArguments",
     "user_stacklevel",
     "validate_loss_fields",
@@ -131,15 +133,16 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
             "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; needs guide_model), all for a "
             "SentenceTransformer; 'sparse' (CachedSparseLoss, SPLADE: SparseMultipleNegativesRankingLoss plus "
             "FLOPS regularisers; needs document_regularizer_weight) for a SparseEncoder; 'multi_vector' "
-            "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder. The "
-            "class names are accepted too."
+            "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder; "
+            "'cross_encoder' (CachedCrossEncoderLoss, a reranker's in-batch negatives ranking loss) for a "
+            "CrossEncoder, with CachedCrossEncoderTrainingArguments. The class names are accepted too."
         },
     )
     scale: Optional[float] = _spec_field(  # noqa: UP045
         "scale",
         more=f" Default: the loss's own, as sentence-transformers' losses: {DEFAULT_SCALE:g}; 'gist' "
         f"{1 / DEFAULT_GIST_TEMPERATURE:g}, 'sparse' {LOSS_DEFAULT_SCALES['sparse']:g} and 'multi_vector' "
-        f"{LOSS_DEFAULT_SCALES['multi_vector']:g}.",
+        f"{LOSS_DEFAULT_SCALES['multi_vector']:g}, 'cross_encoder' {LOSS_DEFAULT_SCALES['cross_encoder']:g}.",
     )
     temperature: Optional[float] = _spec_field("temperature")  # noqa: UP045
     learnable_scale: bool = _spec_field("learnable_scale")
@@ -177,6 +180,7 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
     query_regularizer_threshold: Optional[int] = _spec_field("query_regularizer_threshold")  # noqa: UP045
     use_document_regularizer_only: bool = _spec_field("use_document_regularizer_only")
     score_mini_batch_size: Optional[int] = _spec_field("score_mini_batch_size")  # noqa: UP045
+    num_negatives: Optional[Union[int, str]] = _spec_field("num_negatives")  # noqa: UP007, UP045
 
     def __post_init__(self) -> None:
         # ours first: a wrong loss setting is reported before anything else is set up
@@ -255,14 +259,15 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         return LOSS_DEFAULT_SCALES.get(str(self.loss), DEFAULT_SCALE)
 
     @property
-    def loss_class(self) -> type[CachedInfoNCEBase]:
+    def loss_class(self) -> type[CachedInfoNCEBase] | type[CachedCrossEncoderLoss]:
         """The loss class ``loss`` names."""
         return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
 
     @property
     def model_kind(self) -> str:
         """The sentence-transformers model class the chosen loss trains: ``"SentenceTransformer"``,
-        ``"SparseEncoder"`` ('sparse') or ``"MultiVectorEncoder"`` ('multi_vector')."""
+        ``"SparseEncoder"`` ('sparse'), ``"MultiVectorEncoder"`` ('multi_vector') or ``"CrossEncoder"``
+        ('cross_encoder')."""
         return MODEL_KINDS[LOSS_ALIASES[str(self.loss).lower()]]
 
     def loss_kwargs(self) -> dict[str, Any]:
@@ -299,6 +304,8 @@ class CachedLossTrainingArguments(SentenceTransformerTrainingArguments):
         if name == "partition_mode":
             given_terms = self.directions is not None or self.partition_mode is not None
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
+        if name == "num_negatives" and self.num_negatives == "all":
+            return None  # every in-batch negative
         if name == "similarity_fct" and self.similarity is not None and self.loss in _SIMILARITY_FUNCTIONS:
             return _SIMILARITY_FUNCTIONS[self.loss]()[self.similarity]  # the callables their loss takes
         value = self.loss_directions if name == "directions" else getattr(self, FIELD_NAMES.get(name, name))
@@ -357,6 +364,28 @@ LOSS_FIELDS = tuple(LOSS_DEFAULTS)
 # checkpoints written before the move into ``config/`` load, and those written after load with an older
 # version too.
 CachedLossTrainingArguments.__module__ = "st_cached_losses.training_args"
+
+
+@dataclass
+class CachedCrossEncoderTrainingArguments(CachedLossTrainingArguments, CrossEncoderTrainingArguments):
+    """:class:`CachedLossTrainingArguments` for a ``CrossEncoderTrainer`` (which accepts only its own
+    arguments class): the same fields, ``loss="cross_encoder"`` by default.
+
+    Example::
+
+        args = CachedCrossEncoderTrainingArguments(output_dir="out", per_device_train_batch_size=128,
+                                                   mini_batch_size=16, num_negatives=4)
+        trainer = CrossEncoderTrainer(model=model, args=args, train_dataset=train_dataset,
+                                      loss=build_loss(model, args))
+    """
+
+    loss: str = field(
+        default="cross_encoder",
+        metadata={"help": "Which cached loss: 'cross_encoder' (CachedCrossEncoderLoss) for a CrossEncoder."},
+    )
+
+
+CachedCrossEncoderTrainingArguments.__module__ = "st_cached_losses.training_args"
 
 
 # frames that build the arguments on the user's behalf: a warning skips them to point at the user's line
@@ -440,7 +469,13 @@ def validate_loss_fields(args: CachedLossTrainingArguments) -> None:
     _validate_similarity(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size
-    if args.mini_batch_num_tokens is None and isinstance(rows, int) and rows >= batch:
+    # (a reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely)
+    if (
+        args.mini_batch_num_tokens is None
+        and isinstance(rows, int)
+        and rows >= batch
+        and args.loss != "cross_encoder"
+    ):
         warnings.warn(
             f"mini_batch_size={args.mini_batch_size} >= per_device_train_batch_size={batch}: every batch fits in "
             "one encoder mini-batch, so caching is off (same result and memory as the non-cached loss). Use a "
@@ -480,6 +515,10 @@ def _validate_similarity(args: CachedLossTrainingArguments) -> None:
     """``similarity`` in canonical form for the chosen loss (None: the loss's own default)."""
     if args.similarity is None:
         return
+    if args.loss == "cross_encoder":
+        raise ValueError(
+            "loss='cross_encoder' scores (query, document) pairs with the model itself; remove similarity."
+        )
     if args.loss == "gist":
         if args.similarity != "cosine":
             raise ValueError("loss='gist' compares cosine similarities; remove similarity (or set 'cosine').")

@@ -49,15 +49,7 @@ def in_batch_negatives(batch_size: int, num_columns: int, num_negatives: int | N
     return every[allowed].reshape(batch_size, -1)
 
 
-def _check_num_negatives(name: str, value: Any) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ValueError(
-            f"{name} must be a positive integer or None (every in-batch negative), got {value!r}."
-        )
-    return value
-
-
-def _check_scale(name: str, value: Any) -> float | None:
+def _check_scale(name: str, value: Any) -> Any:
     # sentence-transformers skips the multiplication for a falsy scale (0 or None): accepted as theirs
     if value is None:
         return None
@@ -76,8 +68,8 @@ class CachedCrossEncoderLoss(nn.Module):
     #: The sentence-transformers loss this one equals, named in the model card's tags.
     equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
 
-    num_negatives = Setting[int | None](check=_check_num_negatives)
-    scale = Setting[float | None](check=_check_scale)
+    num_negatives = Setting[int | None]()
+    scale = Setting[float](check=_check_scale)
     show_progress_bar = Setting[bool](on_engine=True)
     sort_by_length = Setting[bool](on_engine=True)
     reuse_last_graph = Setting[bool](on_engine=True)
@@ -88,7 +80,7 @@ class CachedCrossEncoderLoss(nn.Module):
         self,
         model: nn.Module,
         num_negatives: int | None = 4,
-        scale: float | None = 10.0,
+        scale: float = 10.0,
         activation_fn: nn.Module | None = nn.Sigmoid(),  # noqa: B008 - theirs: one shared instance
         mini_batch_size: int | str = 32,
         show_progress_bar: bool = False,
@@ -122,7 +114,7 @@ class CachedCrossEncoderLoss(nn.Module):
         Args:
             model: the ``CrossEncoder`` to train, with one output label (``num_labels=1``).
             num_negatives: documents of other rows scored against each query (drawn at random, without
-                replacement); None: every other row's positive and hard negatives.
+                replacement); None (or ``"all"``): every other row's positive and hard negatives.
             scale: multiplies the activated scores (``1 / temperature``); 0 or None: not scaled, as theirs.
             activation_fn: applied to each pair's score before scaling; None: the raw score.
             mini_batch_size: pairs per model forward: sets the memory, never the result. ``"auto"``: the
@@ -336,6 +328,7 @@ class CachedCrossEncoderLoss(nn.Module):
         """The loss of one batch of ``(query, positive[, negative_1, ...])`` text columns; its backward
         replays the model. ``labels`` are unused; ``prompt`` and ``task`` are the model's ``preprocess``
         arguments (set per dataset by sentence-transformers' collator), applied to every pair."""
+        self._tag_model_card()
         batch_size = len(inputs[0]) if len(inputs) else 0
         features = self.features(self.pairs(inputs), prompt, task)
         if not torch.is_grad_enabled():
@@ -345,6 +338,14 @@ class CachedCrossEncoderLoss(nn.Module):
         return self.cache.step(self.model, [features], lambda cached: self._stage2(cached[0], batch_size))
 
     # ------------------------------------------------------------------ model card
+
+    def _tag_model_card(self) -> None:
+        """Once per loss: tag the model's card with this library and the loss this one equals."""
+        card = getattr(unwrap_model(self.model), "model_card_data", None)
+        if getattr(self, "_tagged", False) or card is None or not hasattr(card, "add_tags"):
+            return
+        card.add_tags(["st_cached_losses", f"equivalent-loss:{self.equivalent_st_loss}"])
+        self._tagged = True
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' keys, the same values for the same settings."""
