@@ -106,3 +106,25 @@ def test_a_sentence_transformer_is_refused_for_the_reranker_loss(tmp_path):
     args = CachedCrossEncoderTrainingArguments(output_dir=str(tmp_path))
     with pytest.raises(ValueError, match="CrossEncoder"):
         build_loss(make_tiny_model(tmp_path / "st"), args)
+
+
+def test_example_runs_end_to_end_on_a_tiny_reranker(tmp_path):
+    """examples/train_cached_cross_encoder.py trains, evaluates before and after, and writes the card."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_cached_cross_encoder.py"
+    spec = importlib.util.spec_from_file_location("train_cached_cross_encoder", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    make_tiny_cross_encoder(tmp_path / "ce")
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(tmp_path / "ce"), "--output_dir", str(out), "--max_steps", "2"]
+    argv += ["--train_pairs", "32", "--eval_queries", "4", "--candidates", "4", "--max_length", "32"]
+    argv += ["--per_device_train_batch_size", "8", "--mini_batch_size", "6", "--disable_tqdm", "true"]
+    trainer, metrics = module.main(argv)
+    assert isinstance(trainer.loss, CachedCrossEncoderLoss) and trainer.state.global_step == 2
+    assert set(metrics) == {"before", "after"} and set(metrics["after"]) == {"MRR@10", "NDCG@10"}
+    card = (out / "README.md").read_text()
+    assert "CachedCrossEncoderLoss" in card and "Cached loss training" in card
