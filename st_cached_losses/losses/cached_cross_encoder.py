@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from st_cached_losses.distributed import is_distributed
-from st_cached_losses.engine.features import Features, model_device, unwrap_model
+from st_cached_losses.engine.features import Features, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional.checks import check_mini_batch_num_tokens, check_mini_batch_size
 from st_cached_losses.functional.parallel import agree_on_sizes
@@ -266,12 +266,12 @@ class CachedCrossEncoderLoss(nn.Module):
 
     def features(self, pairs: list[tuple[str, str]], prompt: str | None, task: str | None) -> Features:
         """Every pair tokenized at once (prompt and task as the model's ``preprocess`` takes them); each
-        mini-batch is a slice of them with its padding trimmed, so the replay reads the very same tokens."""
+        mini-batch is a slice of them with its padding trimmed, so the replay reads the very same tokens.
+        They stay on the CPU: the engine moves each mini-batch to the model's device when it runs (with
+        every in-batch negative, ``B x B`` pairs would otherwise wait on the accelerator)."""
         inner = unwrap_model(self.model)
         kwargs = {"task": task} if task is not None else {}
-        features = inner.preprocess(pairs, prompt=prompt, **kwargs)  # type: ignore[operator]
-        device = model_device(self.model)
-        return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in features.items()}
+        return inner.preprocess(pairs, prompt=prompt, **kwargs)  # type: ignore[operator]
 
     def calculate_loss(
         self, logits: Sequence[Tensor], batch_size: int, *, total_rows: int | None = None
