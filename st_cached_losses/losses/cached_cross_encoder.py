@@ -252,6 +252,8 @@ class CachedCrossEncoderLoss(nn.Module):
                 f"{len(inputs)}. A 'label'/'score' column is not a text column."
             )
         queries, columns = list(inputs[0]), [list(c) for c in inputs[1:]]
+        if not queries:
+            raise ValueError(f"{type(self).__name__} got an empty batch: there is nothing to rank.")
         if any(len(c) != len(queries) for c in columns):
             raise ValueError(
                 f"{type(self).__name__}: every column needs one entry per query ({len(queries)}); got "
@@ -330,7 +332,11 @@ class CachedCrossEncoderLoss(nn.Module):
         arguments (set per dataset by sentence-transformers' collator), applied to every pair."""
         self._tag_model_card()
         batch_size = len(inputs[0]) if len(inputs) else 0
-        features = self.features(self.pairs(inputs), prompt, task)
+        try:
+            pairs = self.pairs(inputs)
+        except ValueError as exc:  # the other processes are about to wait for this one: tell them
+            self.cache.raise_on_every_process(self.model, exc)
+        features = self.features(pairs, prompt, task)
         if not torch.is_grad_enabled():
             # evaluation: the same loss, mini-batched, without caching or a graph
             (scores,) = self.cache.embed(self.model, [features])

@@ -249,6 +249,10 @@ def test_signature_config_and_checks(model_dirs):
         CachedCrossEncoderLoss(model, mini_batch_size=0)
     with pytest.raises(ValueError, match="at least two text columns"):
         loss([["only queries"]], None)
+    with pytest.raises(ValueError, match="empty batch"):
+        loss([[], []], None)
+    with pytest.raises(ValueError, match="one entry per query"):
+        loss([["w1", "w2"], ["w3"]], None)
 
 
 def test_refuses_other_models(model_dirs, tmp_path: Path):
