@@ -264,3 +264,16 @@ def test_refuses_other_models(model_dirs, tmp_path: Path):
     two_labels = make_tiny_cross_encoder(tmp_path / "two", num_labels=2)
     with pytest.raises(ValueError, match="1 output label"):
         CachedCrossEncoderLoss(two_labels)
+
+
+def test_auto_mini_batches_and_kept_graphs(model_dirs):
+    """``mini_batch_size="auto"`` (sized from a memory budget on the batch's longest pairs) and graphs kept
+    within ``graph_memory_budget`` change the memory, never the result."""
+    model = load(model_dirs["plain"])
+    inputs = columns(3)
+    theirs = step(model, MultipleNegativesRankingLoss(model), inputs)
+    auto = CachedCrossEncoderLoss(model, mini_batch_size="auto", mini_batch_memory_budget="300KB")
+    assert_same(step(model, auto, inputs), theirs)
+    assert auto.cache.auto_size is not None and 1 <= auto.cache.auto_size < 36  # several mini-batches
+    kept = CachedCrossEncoderLoss(model, mini_batch_size=5, graph_memory_budget="1MB")
+    assert_same(step(model, kept, inputs), theirs)
