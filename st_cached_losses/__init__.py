@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _EXPORTS = {
     "CachedCLIPLoss": "st_cached_losses.losses",
+    "CachedCrossEncoderLoss": "st_cached_losses.losses",
     "CachedGISTLoss": "st_cached_losses.losses",
     "CachedMNRLoss": "st_cached_losses.losses",
     "CachedMultiVectorLoss": "st_cached_losses.losses",
@@ -28,12 +29,15 @@ _EXPORTS = {
     "CachedLossTrainingArguments": "st_cached_losses.config.training_args",
     "CachedSparseEncoderTrainingArguments": "st_cached_losses.config.training_args",
     "CachedMultiVectorEncoderTrainingArguments": "st_cached_losses.config.training_args",
+    "CachedCrossEncoderTrainingArguments": "st_cached_losses.config.training_args",
     "build_loss": "st_cached_losses.config.factory",
     "CachedLossArgumentParser": "st_cached_losses.config.cli",
 }
 
 __all__ = [
     "CachedCLIPLoss",
+    "CachedCrossEncoderLoss",
+    "CachedCrossEncoderTrainingArguments",
     "CachedGISTLoss",
     "CachedLossArgumentParser",
     "CachedLossTrainingArguments",
@@ -54,12 +58,14 @@ if TYPE_CHECKING:
     from st_cached_losses.config.cli import CachedLossArgumentParser
     from st_cached_losses.config.factory import build_loss
     from st_cached_losses.config.training_args import (
+        CachedCrossEncoderTrainingArguments,
         CachedLossTrainingArguments,
         CachedMultiVectorEncoderTrainingArguments,
         CachedSparseEncoderTrainingArguments,
     )
     from st_cached_losses.losses import (
         CachedCLIPLoss,
+        CachedCrossEncoderLoss,
         CachedGISTLoss,
         CachedMNRLoss,
         CachedMultiVectorLoss,

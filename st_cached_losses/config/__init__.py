@@ -9,6 +9,7 @@ from st_cached_losses.config.cli import CachedLossArgumentParser
 from st_cached_losses.config.factory import build_loss, check_dataset_columns
 from st_cached_losses.config.model_card import CachedLossCardCallback
 from st_cached_losses.config.training_args import (
+    CachedCrossEncoderTrainingArguments,
     CachedLossArguments,
     CachedLossTrainingArguments,
     CachedMultiVectorEncoderTrainingArguments,
@@ -16,6 +17,7 @@ from st_cached_losses.config.training_args import (
 )
 
 __all__ = [
+    "CachedCrossEncoderTrainingArguments",
     "CachedLossArgumentParser",
     "CachedLossArguments",
     "CachedLossCardCallback",

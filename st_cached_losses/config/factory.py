@@ -15,7 +15,7 @@ from torch import nn
 
 from st_cached_losses.config.registry import BASE_LOSSES, MODEL_KINDS
 from st_cached_losses.config.training_args import ARGUMENTS_CLASSES, CachedLossArguments, user_stacklevel
-from st_cached_losses.losses import CachedGISTLoss, CachedInfoNCEBase
+from st_cached_losses.losses import CachedCrossEncoderLoss, CachedGISTLoss, CachedInfoNCEBase
 
 __all__ = ["LABEL_COLUMNS", "build_loss", "check_dataset_columns"]
 
@@ -25,13 +25,13 @@ LABEL_COLUMNS = ("label", "labels", "score", "scores")
 
 def build_loss(
     model: nn.Module, args: CachedLossArguments, train_dataset: Any | None = None
-) -> CachedInfoNCEBase:
+) -> CachedInfoNCEBase | CachedCrossEncoderLoss:
     """The cached loss ``args`` describe, for ``model`` (pass it as ``loss=`` to the trainer).
 
     Args:
         model: the model to train, of the kind the loss needs (``args.model_kind``): a SentenceTransformer
             for 'mnr', 'clip', 'tiled' and 'gist', a SparseEncoder for 'sparse', a MultiVectorEncoder for
-            'multi_vector' (another of these three kinds raises a ``ValueError`` naming the one needed).
+            'multi_vector', a CrossEncoder for 'cross_encoder' (another of these kinds raises a ``ValueError`` naming the one needed).
         args: the run's arguments; ``args.loss`` picks the class, the other loss fields its settings.
         train_dataset: optional; when given, checked against the loss with :func:`check_dataset_columns`,
             so that a dataset with too few text columns fails here rather than in the first training step.
@@ -39,8 +39,8 @@ def build_loss(
     Returns:
         A :class:`CachedMNRLoss`, :class:`CachedCLIPLoss`, :class:`CachedTiledLoss`, :class:`CachedGISTLoss`
         (its guide loaded from ``args.guide_model`` on the model's device), :class:`CachedSparseLoss` (its base
-        loss a ``SparseMultipleNegativesRankingLoss`` built from the fields, the regularisers ``FlopsLoss``) or
-        :class:`CachedMultiVectorLoss`.
+        loss a ``SparseMultipleNegativesRankingLoss`` built from the fields, the regularisers ``FlopsLoss``),
+        :class:`CachedMultiVectorLoss` or :class:`CachedCrossEncoderLoss`.
     """
     if not isinstance(args, CachedLossArguments):
         raise TypeError(

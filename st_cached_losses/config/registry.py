@@ -15,6 +15,7 @@ from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesR
 
 from st_cached_losses.losses import (
     CachedCLIPLoss,
+    CachedCrossEncoderLoss,
     CachedGISTLoss,
     CachedInfoNCEBase,
     CachedMNRLoss,
@@ -37,14 +38,15 @@ __all__ = [
     "loss_parameters",
 ]
 
-#: canonical loss name -> class
-LOSSES: dict[str, type[CachedInfoNCEBase]] = {
+#: canonical loss name -> class (the InfoNCE family, and the reranker loss, which scores pairs)
+LOSSES: dict[str, type[CachedInfoNCEBase] | type[CachedCrossEncoderLoss]] = {
     "mnr": CachedMNRLoss,
     "clip": CachedCLIPLoss,
     "tiled": CachedTiledLoss,
     "gist": CachedGISTLoss,
     "sparse": CachedSparseLoss,
     "multi_vector": CachedMultiVectorLoss,
+    "cross_encoder": CachedCrossEncoderLoss,
 }
 #: every accepted spelling (case-insensitive) -> canonical name
 LOSS_ALIASES: dict[str, str] = {
@@ -52,6 +54,8 @@ LOSS_ALIASES: dict[str, str] = {
     **{cls.__name__.lower(): name for name, cls in LOSSES.items()},
     "multi-vector": "multi_vector",
     "multivector": "multi_vector",
+    "cross-encoder": "cross_encoder",
+    "crossencoder": "cross_encoder",
 }
 #: the model (and trainer) each loss trains: sentence-transformers' class names
 MODEL_KINDS: dict[str, str] = {
@@ -61,6 +65,7 @@ MODEL_KINDS: dict[str, str] = {
     "gist": "SentenceTransformer",
     "sparse": "SparseEncoder",
     "multi_vector": "MultiVectorEncoder",
+    "cross_encoder": "CrossEncoder",
 }
 #: losses whose ranking loss is an object of its own, built by the factory from the fields: its class, whose
 #: constructor arguments (but the model) are fields too
@@ -87,8 +92,10 @@ def _st_default_scale(name: str) -> float:
 
 DEFAULT_SCALE = 20.0
 #: losses whose default scale is not DEFAULT_SCALE: sentence-transformers' own default (1.0, dot-product
-#: and MaxSim scores are unbounded), read from the signatures
-LOSS_DEFAULT_SCALES: dict[str, float] = {name: _st_default_scale(name) for name in ("sparse", "multi_vector")}
+#: and MaxSim scores are unbounded; 10.0 for the reranker's sigmoid scores), read from the signatures
+LOSS_DEFAULT_SCALES: dict[str, float] = {
+    name: _st_default_scale(name) for name in ("sparse", "multi_vector", "cross_encoder")
+}
 #: GISTEmbedLoss's default temperature (scale 100), used by loss='gist' when neither scale nor temperature is given
 DEFAULT_GIST_TEMPERATURE = 0.01
 #: the default learning rate of a learnable scale (its own optimizer group, see ``scale_learning_rate``)

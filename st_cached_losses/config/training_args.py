@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Optional, Union  # HfArgumentParser reads thes
 
 from sentence_transformers import SentenceTransformerTrainingArguments
 from sentence_transformers.base.training_args import BaseTrainingArguments
+from sentence_transformers.cross_encoder import CrossEncoderTrainingArguments
 from sentence_transformers.multi_vector_encoder import MultiVectorEncoderTrainingArguments
 from sentence_transformers.sparse_encoder import SparseEncoderTrainingArguments
 
@@ -53,7 +54,7 @@ from st_cached_losses.config.registry import (
     closest_name_hint,
     loss_parameters,
 )
-from st_cached_losses.losses import CachedInfoNCEBase
+from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
     check_directions,
@@ -74,6 +75,7 @@ __all__ = [
     "LOSS_DEFAULTS",
     "LOSS_FIELDS",
     "SCALE_PARAMETER_PATTERN",
+    "CachedCrossEncoderTrainingArguments",
     "CachedLossArguments",
     "CachedLossTrainingArguments",
     "CachedMultiVectorEncoderTrainingArguments",
@@ -119,8 +121,9 @@ _LOSS_HELP = (
     "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; needs guide_model), all for a "
     "SentenceTransformer; 'sparse' (CachedSparseLoss, SPLADE: SparseMultipleNegativesRankingLoss plus "
     "FLOPS regularisers; needs document_regularizer_weight) for a SparseEncoder; 'multi_vector' "
-    "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder. The "
-    "class names are accepted too."
+    "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder; "
+    "'cross_encoder' (CachedCrossEncoderLoss, a reranker's in-batch negatives ranking loss) for a CrossEncoder. "
+    "The class names are accepted too."
 )
 
 
@@ -160,7 +163,7 @@ class CachedLossArguments(BaseTrainingArguments):
         "scale",
         more=f" Default: the loss's own, as sentence-transformers' losses: {DEFAULT_SCALE:g}; 'gist' "
         f"{1 / DEFAULT_GIST_TEMPERATURE:g}, 'sparse' {LOSS_DEFAULT_SCALES['sparse']:g} and 'multi_vector' "
-        f"{LOSS_DEFAULT_SCALES['multi_vector']:g}.",
+        f"{LOSS_DEFAULT_SCALES['multi_vector']:g}, 'cross_encoder' {LOSS_DEFAULT_SCALES['cross_encoder']:g}.",
     )
     temperature: Optional[float] = _spec_field("temperature")  # noqa: UP045
     learnable_scale: bool = _spec_field("learnable_scale")
@@ -198,6 +201,7 @@ class CachedLossArguments(BaseTrainingArguments):
     query_regularizer_threshold: Optional[int] = _spec_field("query_regularizer_threshold")  # noqa: UP045
     use_document_regularizer_only: bool = _spec_field("use_document_regularizer_only")
     score_mini_batch_size: Optional[int] = _spec_field("score_mini_batch_size")  # noqa: UP045
+    num_negatives: Optional[Union[int, str]] = _spec_field("num_negatives")  # noqa: UP007, UP045
 
     def __post_init__(self) -> None:
         # ours first: a wrong loss setting is reported before anything else is set up
@@ -276,14 +280,15 @@ class CachedLossArguments(BaseTrainingArguments):
         return LOSS_DEFAULT_SCALES.get(str(self.loss), DEFAULT_SCALE)
 
     @property
-    def loss_class(self) -> type[CachedInfoNCEBase]:
+    def loss_class(self) -> type[CachedInfoNCEBase] | type[CachedCrossEncoderLoss]:
         """The loss class ``loss`` names."""
         return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
 
     @property
     def model_kind(self) -> str:
         """The sentence-transformers model class the chosen loss trains: ``"SentenceTransformer"``,
-        ``"SparseEncoder"`` ('sparse') or ``"MultiVectorEncoder"`` ('multi_vector')."""
+        ``"SparseEncoder"`` ('sparse'), ``"MultiVectorEncoder"`` ('multi_vector') or ``"CrossEncoder"``
+        ('cross_encoder')."""
         return MODEL_KINDS[LOSS_ALIASES[str(self.loss).lower()]]
 
     def loss_kwargs(self) -> dict[str, Any]:
@@ -320,6 +325,8 @@ class CachedLossArguments(BaseTrainingArguments):
         if name == "partition_mode":
             given_terms = self.directions is not None or self.partition_mode is not None
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
+        if name == "num_negatives" and self.num_negatives == "all":
+            return None  # every in-batch negative
         if name == "similarity_fct" and self.similarity is not None and self.loss in _SIMILARITY_FUNCTIONS:
             return _SIMILARITY_FUNCTIONS[self.loss]()[self.similarity]  # the callables their loss takes
         value = self.loss_directions if name == "directions" else getattr(self, FIELD_NAMES.get(name, name))
@@ -391,6 +398,24 @@ class CachedMultiVectorEncoderTrainingArguments(CachedLossArguments, MultiVector
     loss: str = field(default="multi_vector", metadata={"help": _LOSS_HELP})
 
 
+@dataclass
+class CachedCrossEncoderTrainingArguments(CachedLossArguments, CrossEncoderTrainingArguments):
+    """``CrossEncoderTrainingArguments`` plus the cached loss's fields (:class:`CachedLossArguments`'), for
+    ``CrossEncoderTrainer`` (which accepts only its own arguments class): loss 'cross_encoder' (the default).
+
+    Example::
+
+        args = CachedCrossEncoderTrainingArguments(output_dir="out", per_device_train_batch_size=128,
+                                                   mini_batch_size=16, num_negatives=4)
+        trainer = CrossEncoderTrainer(model=model, args=args, train_dataset=train_dataset,
+                                      loss=build_loss(model, args))
+    """
+
+    trains: ClassVar[str | None] = "CrossEncoder"
+
+    loss: str = field(default="cross_encoder", metadata={"help": _LOSS_HELP})
+
+
 #: the arguments class of each model kind (its trainer takes it)
 ARGUMENTS_CLASSES: dict[str, type[CachedLossArguments]] = {
     cls.trains: cls  # type: ignore[misc]
@@ -398,6 +423,7 @@ ARGUMENTS_CLASSES: dict[str, type[CachedLossArguments]] = {
         CachedLossTrainingArguments,
         CachedSparseEncoderTrainingArguments,
         CachedMultiVectorEncoderTrainingArguments,
+        CachedCrossEncoderTrainingArguments,
     )
 }
 
@@ -446,6 +472,7 @@ for _cls in (
     CachedLossTrainingArguments,
     CachedSparseEncoderTrainingArguments,
     CachedMultiVectorEncoderTrainingArguments,
+    CachedCrossEncoderTrainingArguments,
 ):
     _cls.__module__ = "st_cached_losses.training_args"
 
@@ -532,7 +559,13 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
     _validate_similarity(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size
-    if args.mini_batch_num_tokens is None and isinstance(rows, int) and rows >= batch:
+    # (a reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely)
+    if (
+        args.mini_batch_num_tokens is None
+        and isinstance(rows, int)
+        and rows >= batch
+        and args.loss != "cross_encoder"
+    ):
         warnings.warn(
             f"mini_batch_size={args.mini_batch_size} >= per_device_train_batch_size={batch}: every batch fits in "
             "one encoder mini-batch, so caching is off (same result and memory as the non-cached loss). Use a "
@@ -589,6 +622,10 @@ def _validate_similarity(args: CachedLossArguments) -> None:
     """``similarity`` in canonical form for the chosen loss (None: the loss's own default)."""
     if args.similarity is None:
         return
+    if args.loss == "cross_encoder":
+        raise ValueError(
+            "loss='cross_encoder' scores (query, document) pairs with the model itself; remove similarity."
+        )
     if args.loss == "gist":
         if args.similarity != "cosine":
             raise ValueError("loss='gist' compares cosine similarities; remove similarity (or set 'cosine').")

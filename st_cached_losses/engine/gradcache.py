@@ -251,6 +251,10 @@ class GradCache(MiniBatchPlanner):
             a column's mini-batches (each trimmed to its own longest row) are padded on the right to the
             column's longest, and each mini-batch's gradient is cut back to its own width (the padding
             never has one).
+        output: the key of the model's output that a mini-batch's forward yields (without ``tokens``):
+            ``"sentence_embedding"``, a SentenceTransformer's ``(m, d)`` rows; ``"scores"``, a CrossEncoder's
+            ``(m, 1)`` score of each (query, document) pair, where the rows are pairs and the cached
+            quantity is one score per row.
         form: how the cached embeddings and gradients are kept (:class:`~.cache_form.CacheForm`, a loss's
             hook: e.g. only the non-zero entries of sparse rows); None: as the mini-batches output them.
     """
@@ -265,6 +269,7 @@ class GradCache(MiniBatchPlanner):
     graph_memory_budget: int | None = None
     mini_batch_memory_budget: int | None = None
     tokens: bool = False
+    output: str = "sentence_embedding"
     auto_size: int | None = field(default=None, repr=False)
     # the shortest and longest rows (padded lengths, in tokens) auto_size holds for: rows outside re-size
     auto_span: tuple[int, int] = field(default=(0, 0), repr=False)
@@ -336,16 +341,27 @@ class GradCache(MiniBatchPlanner):
         self.auto_size, self.auto_span = size, (shortest, longest)
 
     def encode(self, model: nn.Module, features: Features) -> Tensor:
-        """One mini-batch's embeddings ``(m, d)``; with ``tokens``, its token embeddings and scoring mask
-        packed as ``(m, t, d + 1)`` (:func:`~st_cached_losses.functional.multi_vector.pack_tokens`)."""
+        """One mini-batch's embeddings ``(m, d)`` (the model's ``output``, e.g. pair scores ``(m, 1)``); with
+        ``tokens``, its token embeddings and scoring mask packed as ``(m, t, d + 1)``
+        (:func:`~st_cached_losses.functional.multi_vector.pack_tokens`)."""
         # ranks run different numbers of mini-batch forwards: no buffer broadcast may wait inside them
         skip_forward_buffer_sync(model)
-        # a fresh dict: SentenceTransformer modules write their outputs into the one they get. Contiguous:
-        # a trimmed slice is a strided view of the batch, a compiled model guards on its inputs' strides,
-        # and views of some widths and whole rows of others would each compile a graph of their own
-        features = {k: v.contiguous() if isinstance(v, Tensor) else v for k, v in features.items()}
+        # a column may wait on the CPU (a reranker's B x (1 + k) tokenized pairs): only the mini-batch
+        # that runs goes to the model's device. Inputs already on an accelerator stay where they are (a
+        # model whose parameters are offloaded to the CPU still computes there). A fresh dict:
+        # SentenceTransformer modules write their outputs into the one they get. Contiguous: a trimmed
+        # slice is a strided view of the batch, a compiled model guards on its inputs' strides, and views
+        # of some widths and whole rows of others would each compile a graph of their own
+        device = model_device(model)
+        moved = device.type != "cpu"
+        features = {
+            k: (v.to(device) if moved and v.device.type == "cpu" else v).contiguous()
+            if isinstance(v, Tensor)
+            else v
+            for k, v in features.items()
+        }
         if not self.tokens:
-            return model(features)["sentence_embedding"]
+            return model(features)[self.output]
         # a multi-vector model routes by task (query / document: prefix, length, mask); its output
         # attention_mask is the scoring mask
         out = model(dict(features), task=features.get("task"))

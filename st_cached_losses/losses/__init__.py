@@ -8,6 +8,7 @@ sentence-transformers and transformers; never the configuration or the demo.
 
 from st_cached_losses.losses._base import CachedInfoNCEBase
 from st_cached_losses.losses.cached_clip import CachedCLIPLoss
+from st_cached_losses.losses.cached_cross_encoder import CachedCrossEncoderLoss
 from st_cached_losses.losses.cached_gist import CachedGISTLoss
 from st_cached_losses.losses.cached_mnr import CachedMNRLoss
 from st_cached_losses.losses.cached_multi_vector import CachedMultiVectorLoss
@@ -16,6 +17,7 @@ from st_cached_losses.losses.cached_tiled import CachedTiledLoss
 
 __all__ = [
     "CachedCLIPLoss",
+    "CachedCrossEncoderLoss",
     "CachedGISTLoss",
     "CachedInfoNCEBase",
     "CachedMNRLoss",

@@ -124,6 +124,15 @@ def _finite(name: str, value: Any) -> float:
     return float(value)
 
 
+def _num_negatives(name: str, value: Any) -> int | None:
+    """A positive number of in-batch negatives, or None / ``"all"``: every one there is."""
+    if value is None or value == "all":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, or 'all' (None in Python), got {value!r}.")
+    return value
+
+
 def _unchecked(name: str, value: Any) -> Any:
     """For the settings checked together with another (``directions`` with ``partition_mode``:
     ``options.check_directions``; ``hardness_mode`` with ``hardness_strength``: ``options.check_hardness``)
@@ -258,6 +267,12 @@ SPECS: dict[str, Spec] = {
         "mini_batch_size); the scoring tiles are sized from memory_budget and never change the result.",
         check_positive_int,
     ),
+    "num_negatives": Spec(
+        4,
+        "'cross_encoder' only: documents of other rows scored against each query, drawn at random as "
+        "sentence-transformers' reranker loss draws them (default 4); 'all': every other row's documents.",
+        _num_negatives,
+    ),
     "gather_across_devices": Spec(
         False,
         "Score each process's rows against every process's candidates (multi-GPU / multi-node, exact "
@@ -346,6 +361,8 @@ NOT_FIELDS = {
     "construct CachedSparseLoss yourself for another base loss",
     "document_regularizer": "an object: the default FlopsLoss, counting rows above document_regularizer_threshold; "
     "construct CachedSparseLoss yourself for another regulariser",
+    "activation_fn": "an nn.Module: the default (torch.nn.Sigmoid, as sentence-transformers'); construct "
+    "CachedCrossEncoderLoss yourself for another activation",
     "query_regularizer": "an object: the default FlopsLoss, counting rows above query_regularizer_threshold; "
     "construct CachedSparseLoss yourself for another regulariser",
 }

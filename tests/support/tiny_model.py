@@ -148,3 +148,30 @@ def make_tiny_multi_vector(path: Path, seed: int = 0):
     make_tiny_model(path, seed=seed)
     torch.manual_seed(seed)
     return MultiVectorEncoder(str(path), device="cpu")
+
+
+def make_tiny_cross_encoder(
+    path: Path,
+    *,
+    dropout: float = 0.0,
+    hidden: int = 32,
+    seed: int = 0,
+    max_length: int = 64,
+    words: Sequence[str] = WORDS,
+    num_labels: int = 1,
+):
+    """Write a 2-layer random BERT for sequence classification (``num_labels``) + tokenizer to ``path`` and load
+    it as a ``CrossEncoder`` (a reranker scoring (query, document) pairs)."""
+    from sentence_transformers.cross_encoder import CrossEncoder
+    from transformers import BertForSequenceClassification
+
+    tokenizer, config = _bert_tokenizer_and_config(path, words, hidden, dropout)
+    config.num_labels = num_labels
+    # BERT's default init (0.02) scores every pair alike (spread ~1e-5): the gradient is then a sum of
+    # nearly cancelling per-pair terms and any two summation orders differ by rounding alone; wider
+    # weights give scores that differ (spread ~0.4), as a trained reranker's do
+    config.initializer_range = 0.2
+    torch.manual_seed(seed)
+    BertForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return CrossEncoder(str(path), device="cpu", max_length=max_length)

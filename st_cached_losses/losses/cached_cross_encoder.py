@@ -1,0 +1,386 @@
+"""The cached reranker loss: sentence-transformers' cross-encoder ``CachedMultipleNegativesRankingLoss`` on
+the GradCache engine, where the rows are (query, document) pairs and the cached quantity is each pair's
+score."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from st_cached_losses.distributed import is_distributed
+from st_cached_losses.engine.features import Features, unwrap_model
+from st_cached_losses.engine.gradcache import GradCache
+from st_cached_losses.functional.checks import check_mini_batch_num_tokens, check_mini_batch_size
+from st_cached_losses.functional.parallel import agree_on_sizes
+from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
+from st_cached_losses.losses.settings import SPECS, Setting
+
+__all__ = ["CachedCrossEncoderLoss", "in_batch_negatives"]
+
+
+def in_batch_negatives(batch_size: int, num_columns: int, num_negatives: int | None) -> Tensor:
+    """Which candidates each anchor is scored against besides its own, drawn as sentence-transformers'
+    cross-encoder ``MultipleNegativesRankingLoss`` draws them (the same call on the CPU generator, so a
+    seeded step picks the same negatives as theirs).
+
+    The candidates are the ``num_columns`` columns (positive, hard negatives) flattened column-major, so
+    candidate ``c * batch_size + i`` is row ``i`` of column ``c``; an anchor never gets its own row's
+    candidates.
+
+    Args:
+        batch_size: anchors ``B``.
+        num_columns: candidate columns (1 + hard negatives).
+        num_negatives: negatives per anchor, drawn without replacement; None, or at least the
+            ``B * num_columns - num_columns`` there are: every other row's candidates, in order.
+
+    Returns:
+        ``(B, k)`` indices into the flattened candidates.
+    """
+    # (B, B * num_columns): True off each anchor's own row in every column
+    allowed = ~torch.eye(batch_size, dtype=torch.bool).repeat(1, num_columns)
+    available = batch_size * num_columns - num_columns
+    if num_negatives is not None and num_negatives < available:
+        return torch.multinomial(allowed.float(), num_negatives)
+    every = torch.arange(batch_size * num_columns).repeat(batch_size, 1)
+    return every[allowed].reshape(batch_size, -1)
+
+
+def _check_scale(name: str, value: Any) -> Any:
+    # sentence-transformers skips the multiplication for a falsy scale (0 or None): accepted as theirs
+    if value is None:
+        return None
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not torch.isfinite(torch.tensor(value))
+    ):
+        raise ValueError(f"{name} must be a finite number (or None: no scaling), got {value!r}; e.g. 10.0.")
+    return value
+
+
+class CachedCrossEncoderLoss(nn.Module):
+    #: Tells sentence-transformers' wrappers that this loss back-propagates by replaying the model.
+    uses_gradient_cache = True
+    #: The sentence-transformers loss this one equals, named in the model card's tags.
+    equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
+
+    num_negatives = Setting[int | None]()
+    scale = Setting[float](check=_check_scale)
+    show_progress_bar = Setting[bool](on_engine=True)
+    sort_by_length = Setting[bool](on_engine=True)
+    reuse_last_graph = Setting[bool](on_engine=True)
+    keep_params_unsharded = Setting[bool](on_engine=True)
+    graph_memory_budget = Setting[int | None](on_engine=True)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        num_negatives: int | None = 4,
+        scale: float = 10.0,
+        activation_fn: nn.Module | None = nn.Sigmoid(),  # noqa: B008 - theirs: one shared instance
+        mini_batch_size: int | str = 32,
+        show_progress_bar: bool = False,
+        *,
+        mini_batch_num_tokens: int | str | None = None,
+        sort_by_length: bool = True,
+        reuse_last_graph: bool = True,
+        keep_params_unsharded: bool = False,
+        graph_memory_budget: int | str | None = None,
+        mini_batch_memory_budget: int | str | None = None,
+    ) -> None:
+        """
+        Multiple-negatives ranking loss for rerankers (``CrossEncoder``) with GradCache: each query is scored
+        against its positive, ``num_negatives`` documents of other rows and its hard negatives, each pair a full
+        forward of the joint text, with the memory of one mini-batch of pairs, exactly.
+
+        The loss is the cross-entropy of picking the positive among ``scale * activation_fn(score)`` of the
+        query's pairs, as sentence-transformers' cross-encoder ``MultipleNegativesRankingLoss``. Every pair is
+        tokenized once and scored without a graph in mini-batches cut from the pairs sorted by their joint
+        length (so a mini-batch pads little); the loss and its gradient wrt every pair's score are computed at
+        once (``B x (1 + k)`` numbers); in backward the model is replayed mini-batch by mini-batch, with the
+        RNG state of its first forward (the same dropout masks), and the last mini-batch's graph is kept
+        from the first pass instead of being replayed.
+
+        The in-batch negatives are drawn exactly as theirs (the same ``torch.multinomial`` call on the CPU
+        generator, before any forward), so a seeded step equals theirs. Across processes each process draws
+        its negatives from its own batch, as theirs, and the loss is the mean over every process's queries:
+        with DDP's gradient average, the gradient of one process on all the pairs, also when the processes
+        hold different numbers of rows.
+
+        Args:
+            model: the ``CrossEncoder`` to train, with one output label (``num_labels=1``).
+            num_negatives: documents of other rows scored against each query (drawn at random, without
+                replacement); None (or ``"all"``): every other row's positive and hard negatives.
+            scale: multiplies the activated scores (``1 / temperature``); 0 or None: not scaled, as theirs.
+            activation_fn: applied to each pair's score before scaling; None: the raw score.
+            mini_batch_size: pairs per model forward: sets the memory, never the result. ``"auto"``: the
+                largest that fits ``mini_batch_memory_budget``, measured at the first step.
+            show_progress_bar: tqdm bars over the mini-batches of both passes.
+            mini_batch_num_tokens: a budget of real (non-padding) tokens of the joint pair per mini-batch
+                instead of ``mini_batch_size``: pairs, longest first, are packed while their tokens fit (a
+                longer pair alone). ``"auto"``: the largest budget that fits ``mini_batch_memory_budget``.
+            sort_by_length: score the pairs longest first, so that mini-batches pad little; never changes the
+                result.
+            reuse_last_graph: keep the last mini-batch's graph from the first pass instead of replaying it;
+                never changes the result.
+            keep_params_unsharded: under FSDP2, gather every parameter group once per step instead of once
+                per mini-batch forward and replay (the memory of the full parameters).
+            graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-pass graphs to keep instead of
+                replaying their mini-batches, the largest first; the same gradients, fewer forwards.
+            mini_batch_memory_budget: with ``"auto"`` mini-batches, the activation memory one mini-batch may
+                take (on CUDA by default half the free memory).
+
+        References:
+            - Henderson et al., Efficient Natural Language Response Suggestion for Smart Reply, 2017, section
+              4.4: https://huggingface.co/papers/1705.00652
+            - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
+              https://huggingface.co/papers/2101.06983
+
+        Requirements:
+            1. A ``CrossEncoder`` with ``num_labels=1``.
+            2. A ``per_device_train_batch_size`` larger than ``mini_batch_size`` (else nothing is cached:
+               the same result and memory as the non-cached loss).
+
+        Inputs:
+            +-------------------------------------------------+--------+-------------------------------+
+            | Inputs                                          | Labels | Number of Model Output Labels |
+            +=================================================+========+===============================+
+            | (anchor, positive) pairs                        | none   | 1                             |
+            +-------------------------------------------------+--------+-------------------------------+
+            | (anchor, positive, negative) triplets           | none   | 1                             |
+            +-------------------------------------------------+--------+-------------------------------+
+            | (anchor, positive, negative_1, ..., negative_n) | none   | 1                             |
+            +-------------------------------------------------+--------+-------------------------------+
+
+        Recommendations:
+            - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates a positive.
+
+        Relations:
+            - Same loss and gradients as ``sentence_transformers.cross_encoder.losses.MultipleNegativesRankingLoss``
+              and its ``CachedMultipleNegativesRankingLoss`` (for the same seed).
+
+        Example:
+            ::
+
+                from datasets import Dataset
+                from sentence_transformers.cross_encoder import CrossEncoder, CrossEncoderTrainer
+                from st_cached_losses import CachedCrossEncoderLoss
+
+                model = CrossEncoder("microsoft/mpnet-base", num_labels=1)
+                train_dataset = Dataset.from_dict({
+                    "query": ["What are pandas?", "What is the capital of France?"],
+                    "answer": ["Pandas are a kind of bear.", "The capital of France is Paris."],
+                })
+                loss = CachedCrossEncoderLoss(model, mini_batch_size=32)
+                trainer = CrossEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
+                trainer.train()
+        """
+        super().__init__()
+        _check_model(model, type(self).__name__)
+        self.model = model
+        self.num_negatives = num_negatives
+        self.scale = scale
+        self.activation_fn = activation_fn
+        # the rows the engine caches are pairs, and what it keeps of each is the model's score
+        self.cache = GradCache(
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            mini_batch_memory_budget=SPECS["mini_batch_memory_budget"].check(
+                "mini_batch_memory_budget", mini_batch_memory_budget
+            ),
+            graph_memory_budget=SPECS["graph_memory_budget"].check(
+                "graph_memory_budget", graph_memory_budget
+            ),
+            output="scores",
+        )
+        self.show_progress_bar = show_progress_bar
+        self.sort_by_length = sort_by_length
+        self.reuse_last_graph = reuse_last_graph
+        self.keep_params_unsharded = keep_params_unsharded
+
+    # ------------------------------------------------------------------ settings the engine keeps
+
+    @property
+    def mini_batch_size(self) -> int | str:
+        """Pairs per model forward, or ``"auto"`` (what it chose: ``loss.cache.auto_size``)."""
+        return self.cache.mini_batch_size
+
+    @mini_batch_size.setter
+    def mini_batch_size(self, value: int | str) -> None:
+        check_mini_batch_size(value)
+        if value != self.cache.mini_batch_size:
+            self.cache.auto_size = None  # sized again at the next step if "auto"
+        self.cache.mini_batch_size = value
+
+    @property
+    def mini_batch_num_tokens(self) -> int | str | None:
+        """The budget of real tokens per mini-batch of pairs, or None (``mini_batch_size`` pairs)."""
+        return self.cache.mini_batch_num_tokens
+
+    @mini_batch_num_tokens.setter
+    def mini_batch_num_tokens(self, value: int | str | None) -> None:
+        check_mini_batch_num_tokens(value)
+        if value != self.cache.mini_batch_num_tokens:
+            self.cache.auto_size = None
+        self.cache.mini_batch_num_tokens = value
+
+    @property
+    def mini_batch_memory_budget(self) -> int | None:
+        """Bytes of activations one mini-batch may take, for ``"auto"`` sizes."""
+        return self.cache.mini_batch_memory_budget
+
+    @mini_batch_memory_budget.setter
+    def mini_batch_memory_budget(self, value: int | str | None) -> None:
+        parsed = SPECS["mini_batch_memory_budget"].check("mini_batch_memory_budget", value)
+        if parsed != self.cache.mini_batch_memory_budget:
+            self.cache.auto_size = None
+        self.cache.mini_batch_memory_budget = parsed
+
+    # ------------------------------------------------------------------ the step
+
+    def pairs(self, inputs: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
+        """The (query, document) pairs of one step, column-major: every query with its positive, then
+        with each in-batch negative (one draw per call, see :func:`in_batch_negatives`), then with each
+        hard-negative column; pair ``c * B + i`` is query ``i``'s ``c``-th candidate."""
+        if len(inputs) < 2:
+            raise ValueError(
+                f"{type(self).__name__} needs at least two text columns, (query, positive[, negatives...]); got "
+                f"{len(inputs)}. A 'label'/'score' column is not a text column."
+            )
+        queries, columns = list(inputs[0]), [list(c) for c in inputs[1:]]
+        if not queries:
+            raise ValueError(f"{type(self).__name__} got an empty batch: there is nothing to rank.")
+        if any(len(c) != len(queries) for c in columns):
+            raise ValueError(
+                f"{type(self).__name__}: every column needs one entry per query ({len(queries)}); got "
+                f"{[len(c) for c in columns]}."
+            )
+        flat = [doc for column in columns for doc in column]
+        chosen = in_batch_negatives(len(queries), len(columns), self.num_negatives)
+        candidates = [columns[0]]
+        candidates += [[flat[j] for j in column.tolist()] for column in chosen.T]
+        candidates += columns[1:]
+        return [(q, doc) for column in candidates for q, doc in zip(queries, column)]
+
+    def features(self, pairs: list[tuple[str, str]], prompt: str | None, task: str | None) -> Features:
+        """Every pair tokenized at once (prompt and task as the model's ``preprocess`` takes them); each
+        mini-batch is a slice of them with its padding trimmed, so the replay reads the very same tokens.
+        They stay on the CPU: the engine moves each mini-batch to the model's device when it runs (with
+        every in-batch negative, ``B x B`` pairs would otherwise wait on the accelerator)."""
+        inner = unwrap_model(self.model)
+        kwargs = {"task": task} if task is not None else {}
+        return inner.preprocess(pairs, prompt=prompt, **kwargs)  # type: ignore[operator]
+
+    def calculate_loss(
+        self, logits: Sequence[Tensor], batch_size: int, *, total_rows: int | None = None
+    ) -> Tensor:
+        """The loss of the pairs' scores (sentence-transformers' interface).
+
+        Args:
+            logits: pieces of the ``(B * (1 + k),)`` scores in pair order (column-major, see :meth:`pairs`).
+            batch_size: queries ``B``.
+            total_rows: queries of every process, or None for this process alone. Given, this process returns
+                its share, ``sum of its rows' losses * world size / total_rows``: DDP's gradient average of
+                the shares is the gradient of the mean over every process's rows.
+
+        Returns:
+            The mean cross-entropy of each query's positive among ``scale * activation_fn(score)`` of its
+            pairs (its share of the global mean with ``total_rows``).
+        """
+        # (B, 1 + k): row i holds query i's positive first
+        scores = torch.cat([t.reshape(-1) for t in logits]).reshape(-1, batch_size).T
+        if self.activation_fn is not None:
+            scores = self.activation_fn(scores)
+        if self.scale:
+            scores = scores * self.scale
+        labels = torch.zeros(batch_size, dtype=torch.long, device=scores.device)
+        if total_rows is None:
+            return F.cross_entropy(scores, labels)
+        world = torch.distributed.get_world_size()
+        return F.cross_entropy(scores, labels, reduction="sum") * (world / total_rows)
+
+    def _total_rows(self, scores: Tensor, batch_size: int) -> int | None:
+        """Every process's query count (None in one process); checks that the scores are finite, on
+        every process alike (one small all-gather, which every process reaches after its forwards)."""
+        # one finite number per query iff its scores are: the processes may score different numbers of pairs
+        per_row = scores.detach().reshape(-1, batch_size).sum(0, keepdim=True).T
+        sizes = agree_on_sizes([per_row], across_processes=True)
+        return sum(sizes) if sizes is not None and is_distributed() else None
+
+    def _stage2(self, scores: Tensor, batch_size: int) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
+        """GradCache's stage 2: the loss and its gradient wrt every pair's score ``(N, 1)``."""
+        total = self._total_rows(scores, batch_size)
+        leaf = scores.detach().requires_grad_()
+        with torch.enable_grad():
+            loss = self.calculate_loss([leaf], batch_size, total_rows=total)
+            (grad,) = torch.autograd.grad(loss, leaf)
+        return loss.detach(), [grad], []
+
+    def forward(
+        self,
+        inputs: Sequence[Sequence[str]],
+        labels: Tensor | None = None,
+        prompt: str | None = None,
+        task: str | None = None,
+    ) -> Tensor:
+        """The loss of one batch of ``(query, positive[, negative_1, ...])`` text columns; its backward
+        replays the model. ``labels`` are unused; ``prompt`` and ``task`` are the model's ``preprocess``
+        arguments (set per dataset by sentence-transformers' collator), applied to every pair."""
+        self._tag_model_card()
+        batch_size = len(inputs[0]) if len(inputs) else 0
+        try:
+            pairs = self.pairs(inputs)
+        except ValueError as exc:  # the other processes are about to wait for this one: tell them
+            self.cache.raise_on_every_process(self.model, exc)
+        features = self.features(pairs, prompt, task)
+        if not torch.is_grad_enabled():
+            # evaluation: the same loss, mini-batched, without caching or a graph
+            (scores,) = self.cache.embed(self.model, [features])
+            return self.calculate_loss([scores], batch_size, total_rows=self._total_rows(scores, batch_size))
+        return self.cache.step(self.model, [features], lambda cached: self._stage2(cached[0], batch_size))
+
+    # ------------------------------------------------------------------ model card
+
+    def _tag_model_card(self) -> None:
+        """Once per loss: tag the model's card with this library and the loss this one equals."""
+        card = getattr(unwrap_model(self.model), "model_card_data", None)
+        if getattr(self, "_tagged", False) or card is None or not hasattr(card, "add_tags"):
+            return
+        card.add_tags(["st_cached_losses", f"equivalent-loss:{self.equivalent_st_loss}"])
+        self._tagged = True
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """sentence-transformers' keys, the same values for the same settings."""
+        from sentence_transformers.util import fullname
+
+        return {
+            "scale": self.scale,
+            "num_negatives": self.num_negatives,
+            "activation_fn": fullname(self.activation_fn),
+            "mini_batch_size": self.mini_batch_size,
+        }
+
+    @property
+    def citation(self) -> str:
+        """BibTeX for the model card: GradCache and the multiple-negatives ranking loss."""
+        return GRADCACHE_CITATION + MNRL_CITATION
+
+
+def _check_model(model: nn.Module, owner: str) -> None:
+    """A ``CrossEncoder`` with one output label, as sentence-transformers' loss requires."""
+    from sentence_transformers.cross_encoder import CrossEncoder
+
+    inner = unwrap_model(model)
+    if not isinstance(inner, CrossEncoder):
+        raise ValueError(
+            f"{owner} expects a model of type CrossEncoder, but got a model of type {type(inner)}."
+        )
+    if inner.num_labels != 1:
+        raise ValueError(
+            f"{owner} expects a model with 1 output label, but got a model with {inner.num_labels} output labels; "
+            "load it as CrossEncoder(..., num_labels=1)."
+        )
