@@ -2,7 +2,7 @@
 
 Each ```python block of README.md and docs/**/*.md is one test, run as written in a fresh namespace and a
 temporary working directory, with three substitutions: the model names the snippets load (all-MiniLM-L6-v2, a
-SPLADE checkpoint, ModernBERT, a decoder) become tiny random models written offline
+SPLADE checkpoint, ModernBERT, a decoder, a reranker) become tiny random models written offline
 (``tests/support/tiny_model.py``), so nothing is downloaded and each snippet takes seconds. A page's YAML
 blocks whose first line is ``# <name>.yaml`` are written to that file first (the configuration page's
 ``run.yaml``). A block preceded by ``<!-- snippet: skip (reason) -->`` is not run: the marker says why
@@ -50,6 +50,7 @@ SNIPPETS = [
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """Model name in the docs -> the folder of a tiny random model of the same kind."""
     from tests.support.tiny_model import (
+        make_tiny_cross_encoder,
         make_tiny_decoder,
         make_tiny_model,
         make_tiny_multi_vector,
@@ -62,11 +63,13 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     make_tiny_splade(root / "mlm").save_pretrained(str(root / "splade"))
     make_tiny_multi_vector(root / "mv_bert").save_pretrained(str(root / "multi_vector"))
     make_tiny_decoder(root / "decoder_raw").save_pretrained(str(root / "decoder"))
+    make_tiny_cross_encoder(root / "reranker_raw").save_pretrained(str(root / "reranker"))
     return {
         "all-MiniLM-L6-v2": str(root / "dense"),
         "naver/splade-cocondenser-ensembledistil": str(root / "splade"),
         "answerdotai/ModernBERT-base": str(root / "multi_vector"),
         "path/to/decoder-embedding-model": str(root / "decoder"),
+        "microsoft/MiniLM-L12-H384-uncased": str(root / "reranker"),
     }
 
 
@@ -80,6 +83,7 @@ def test_every_page_has_snippets_collected():
         "docs/guides/gist.md",
         "docs/guides/sparse.md",
         "docs/guides/multi-vector.md",
+        "docs/guides/cross-encoder.md",
         "docs/configuration.md",
         "docs/functional.md",
     ):
