@@ -8,7 +8,7 @@ replayed nor trained.
 
 Every option is a field of CachedLossTrainingArguments or of ExampleArguments below (--help):
 
-    python examples/train_cached_gist.py                   # tiny CPU defaults, about a minute
+    python examples/train_cached_gist.py                   # tiny CPU defaults (times: examples/README.md)
     python examples/train_cached_gist.py --guide_model path/to/a/stronger/model --margin 0.05
     python examples/train_cached_gist.py --margin_strategy relative --margin 0.1 --contrast_anchors false
     python examples/train_cached_gist.py examples/configs/cached_gist.yaml

@@ -11,7 +11,7 @@ checkpoints: queries are padded to 32 tokens with [MASK] tokens that the encoder
 
 Every option is a field of CachedMultiVectorEncoderTrainingArguments or of ExampleArguments below (--help):
 
-    python examples/train_cached_multi_vector.py                   # tiny CPU defaults
+    python examples/train_cached_multi_vector.py                   # tiny CPU defaults (times: examples/README.md)
     python examples/train_cached_multi_vector.py --similarity meanmaxsim --query_length 0   # no expansion
     python examples/train_cached_multi_vector.py --per_device_train_batch_size 512 --mini_batch_size 32
     python examples/train_cached_multi_vector.py examples/configs/cached_multi_vector.yaml

@@ -12,7 +12,7 @@ starts from an MLM checkpoint (e.g. distilbert-base-uncased with its head) and t
 
 Every option is a field of CachedSparseEncoderTrainingArguments or of ExampleArguments below (--help):
 
-    python examples/train_cached_sparse.py                  # tiny CPU defaults
+    python examples/train_cached_sparse.py                  # tiny CPU defaults (times: examples/README.md)
     python examples/train_cached_sparse.py --document_regularizer_weight 1e-4 --query_regularizer_weight 1e-4
     python examples/train_cached_sparse.py --per_device_train_batch_size 512 --mini_batch_size 32 \\
         --train_pairs 4096
