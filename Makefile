@@ -87,7 +87,7 @@ wheels:
 	du -sh $(WHEELS)
 
 # The model cards in model_cards/, regenerated from the demo and the examples (about 4.5 minutes on 2 CPU
-# cores). The demo writes its card for DEMO_REPO; its push_to_hub dry run (--push_dry_run, st_cached_losses/demo/hub.py,
+# cores before the GIST, sparse and multi-vector examples; see examples/README.md for each one's time). The demo writes its card for DEMO_REPO; its push_to_hub dry run (--push_dry_run, st_cached_losses/demo/hub.py,
 # nothing is sent) copies the folder a real push would upload to output/demo_hub_upload, whose card is demo.md.
 DEMO_REPO := your-username/all-MiniLM-L6-v2-stdlib-cached-mnr
 ACCELERATE_2 := $(VENV)/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
@@ -102,6 +102,12 @@ model-cards: $(STAMP)
 	cp output/examples/cached_clip/README.md model_cards/cached_clip.md
 	$(PY) examples/train_cached_tiled.py --disable_tqdm true
 	cp output/examples/cached_tiled/README.md model_cards/cached_tiled.md
+	$(PY) examples/train_cached_gist.py --disable_tqdm true
+	cp output/examples/cached_gist/README.md model_cards/cached_gist.md
+	$(PY) examples/train_cached_sparse.py --disable_tqdm true
+	cp output/examples/cached_sparse/README.md model_cards/cached_sparse.md
+	$(PY) examples/train_cached_multi_vector.py --disable_tqdm true
+	cp output/examples/cached_multi_vector/README.md model_cards/cached_multi_vector.md
 	$(ACCELERATE_2) examples/train_accelerate.py --disable_tqdm true
 	cp output/examples/accelerate/README.md model_cards/accelerate.md
 

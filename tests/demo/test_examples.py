@@ -139,11 +139,33 @@ def check_card(card: str, loss_class: str, citations: list[str], settings: dict)
             ["gao2021scaling", "cheng2024breaking", "radford2021learning"],
             {"loss": "tiled", "symmetric": True, "tile_size": 32},
         ),
+        (  # the tiny model guided by itself, frozen (the script's default guide: the packaged MiniLM)
+            "train_cached_gist",
+            ["--guide_model", "{tiny_model}"],
+            "CachedGISTLoss",
+            ["gao2021scaling", "solatorio2024gistembed"],
+            {"loss": "gist", "temperature": 0.01},
+        ),
+        (  # SPLADE on the tiny BERT's weights with a fresh MLM head, through SparseEncoderTrainer
+            "train_cached_sparse",
+            [],
+            "CachedSparseLoss",
+            ["gao2021scaling", "formal2022distillationhardnegativesampling", "paria2020minimizing"],
+            {"loss": "sparse", "document_regularizer_weight": 3e-05},
+        ),
+        (  # ColBERT on the tiny BERT's weights, queries expanded to 8 tokens, MultiVectorEncoderTrainer
+            "train_cached_multi_vector",
+            ["--query_length", "8"],
+            "CachedMultiVectorLoss",
+            ["gao2021scaling", "henderson2017efficient"],
+            {"loss": "multi_vector", "similarity": "maxsim"},
+        ),
     ],
 )
 def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, citations, settings, capfd):
     module = load_example(name)
     out = tmp_path / "out"
+    extra = [tiny_model if a == "{tiny_model}" else a for a in extra]
     trainer, metrics = module.main(
         ["--model_name_or_path", tiny_model, "--output_dir", str(out), *TINY, *extra]
     )
@@ -172,6 +194,21 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
     if name == "train_cached_clip" and extra:  # fixed at the command line's scale, no temperature left
         assert not trainer.loss.learnable_scale and float(trainer.loss.scale) == 30.0
         assert "- `temperature`: None" in card and "- `temperature`: 0.05" not in card
+    if name == "train_cached_gist":  # guided by a second, frozen model: the trained one is a copy
+        assert trainer.loss.guide is not trainer.model
+        assert all(not p.requires_grad or p.grad is None for p in trainer.loss.guide.parameters())
+    if name == "train_cached_sparse":  # a SparseEncoder trained by its own trainer, FLOPS logged
+        assert type(trainer).__name__ == "SparseEncoderTrainer" and "SparseEncoder" in card
+        assert any("document_regularizer_loss" in entry for entry in trainer.state.log_history)
+    if name == "train_cached_multi_vector":  # ColBERT's query expansion, expansion positions not attended
+        assert type(trainer).__name__ == "MultiVectorEncoderTrainer"
+        assert trainer.model[0].query_expansion == {
+            "strategy": "fixed",
+            "attend": False,
+            "token": None,
+            "length": 8,
+        }
+        assert '"query_expansion"' in (out / "sentence_bert_config.json").read_text()
 
 
 @pytest.mark.parametrize(
@@ -185,6 +222,7 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
             (30.0, None, 30.0),
         ),
         ("train_cached_tiled", ["examples/configs/cached_tiled.yaml", "--temp", "0.1"], (None, 0.1, 10.0)),
+        ("train_cached_gist", ["examples/configs/cached_gist.yaml", "--scale", "50"], (50.0, None, 50.0)),
     ],
 )
 def test_scale_or_temperature_from_the_command_line_replaces_the_defaults_one(name, argv, expected):
@@ -259,7 +297,17 @@ def test_accelerate_example_two_processes(tmp_path, tiny_model):
 
 
 @pytest.mark.parametrize(
-    "name", ["train_cached_mnr", "train_cached_clip", "train_cached_tiled", "train_accelerate", "demo"]
+    "name",
+    [
+        "train_cached_mnr",
+        "train_cached_clip",
+        "train_cached_tiled",
+        "train_cached_gist",
+        "train_cached_sparse",
+        "train_cached_multi_vector",
+        "train_accelerate",
+        "demo",
+    ],
 )
 def test_example_help_explains_the_fields(name, capsys):
     if name == "demo":
