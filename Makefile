@@ -108,6 +108,8 @@ model-cards: $(STAMP)
 	cp output/examples/cached_sparse/README.md model_cards/cached_sparse.md
 	$(PY) examples/train_cached_multi_vector.py --disable_tqdm true
 	cp output/examples/cached_multi_vector/README.md model_cards/cached_multi_vector.md
+	$(PY) examples/train_cached_cross_encoder.py --disable_tqdm true
+	cp output/examples/cached_cross_encoder/README.md model_cards/cached_cross_encoder.md
 	$(ACCELERATE_2) examples/train_accelerate.py --disable_tqdm true
 	cp output/examples/accelerate/README.md model_cards/accelerate.md
 
