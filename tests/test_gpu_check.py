@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -158,7 +159,11 @@ def package_wheel(folder: Path, local: str) -> Path:
         for p in sorted((ROOT / "st_cached_losses").rglob("*"))
         if p.is_file() and (p.suffix == ".py" or p.name == "py.typed")
     }
-    version = f"{project['version']}+{local}"
+    # the version is written once, in the package (pyproject.toml reads it: dynamic = ["version"])
+    written = re.search(
+        r'^__version__ = "([^"]+)"', (ROOT / "st_cached_losses" / "__init__.py").read_text(), re.M
+    )
+    version = f"{project.get('version') or written.group(1)}+{local}"
     return make_wheel(folder, project["name"], version, project["dependencies"], files)
 
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from st_cached_losses.distributed import is_distributed
+from st_cached_losses.distributed import is_distributed, world_size
 from st_cached_losses.engine.features import Features, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional.checks import check_mini_batch_num_tokens, check_mini_batch_size
@@ -300,8 +300,7 @@ class CachedCrossEncoderLoss(nn.Module):
         labels = torch.zeros(batch_size, dtype=torch.long, device=scores.device)
         if total_rows is None:
             return F.cross_entropy(scores, labels)
-        world = torch.distributed.get_world_size()
-        return F.cross_entropy(scores, labels, reduction="sum") * (world / total_rows)
+        return F.cross_entropy(scores, labels, reduction="sum") * (world_size() / total_rows)
 
     def _total_rows(self, scores: Tensor, batch_size: int) -> int | None:
         """Every process's query count (None in one process); checks that the scores are finite, on

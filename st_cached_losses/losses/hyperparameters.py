@@ -4,7 +4,6 @@ silently ignored nor accepted when invalid. Also the config for the model card a
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -295,9 +294,9 @@ class CachedLossHyperparameters(nn.Module):
 
     def _changed_settings(self) -> dict[str, Any]:
         """The extras of the config: a learnable scale and its clamp, and each ``"changed"`` setting of this
-        loss that differs from its default; only those its constructor takes (a setting assigned to a loss
-        whose constructor lacks it, such as ``learnable_scale`` on ``CachedMNRLoss``, would make the config
-        unable to rebuild the loss)."""
+        loss that differs from its default. A setting assigned after construction to a loss whose constructor
+        lacks it (``learnable_scale`` on ``CachedMNRLoss``) is listed too: the config says how the model was
+        trained, even where ``type(loss)(model, **config)`` cannot rebuild that loss."""
         extras: dict[str, Any] = {}
         if self.learnable_scale:
             extras.update(learnable_scale=True, max_scale=self.max_scale)
@@ -306,5 +305,4 @@ class CachedLossHyperparameters(nn.Module):
                 value = getattr(self, name)
                 if value != spec.default:
                     extras[name] = value
-        taken = inspect.signature(type(self).__init__).parameters
-        return {name: value for name, value in extras.items() if name in taken}
+        return extras

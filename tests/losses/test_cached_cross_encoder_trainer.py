@@ -92,12 +92,24 @@ def test_loss_from_the_arguments_and_model_card(tmp_path):
         ({"num_negatives": 0}, "num_negatives must be"),
         ({"similarity": "cosine"}, "remove similarity"),
         ({"learnable_scale": True}, "learnable_scale does not apply"),
-        ({"loss": "mnr", "num_negatives": 2}, "num_negatives does not apply"),
     ],
 )
 def test_fields_the_reranker_loss_does_not_take_are_refused(tmp_path, kwargs, match):
     with pytest.raises(ValueError, match=match):
         CachedCrossEncoderTrainingArguments(output_dir=str(tmp_path), **kwargs)
+
+
+def test_num_negatives_is_refused_for_other_losses(tmp_path):
+    from st_cached_losses import CachedLossTrainingArguments
+
+    with pytest.raises(ValueError, match="num_negatives does not apply"):
+        CachedLossTrainingArguments(output_dir=str(tmp_path), loss="mnr", num_negatives=2)
+
+
+def test_a_loss_for_another_model_kind_is_refused(tmp_path):
+    """CrossEncoderTrainer takes only its own arguments class, so the reranker's arguments train a reranker."""
+    with pytest.raises(ValueError, match="trains a SentenceTransformer"):
+        CachedCrossEncoderTrainingArguments(output_dir=str(tmp_path), loss="mnr")
 
 
 def test_a_sentence_transformer_is_refused_for_the_reranker_loss(tmp_path):
