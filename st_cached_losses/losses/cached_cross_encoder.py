@@ -14,9 +14,9 @@ from torch import Tensor, nn
 from st_cached_losses.distributed import is_distributed, world_size
 from st_cached_losses.engine.features import Features, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
-from st_cached_losses.functional.checks import check_mini_batch_num_tokens, check_mini_batch_size
 from st_cached_losses.functional.parallel import agree_on_sizes
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
+from st_cached_losses.losses.mini_batch_settings import MiniBatchSettings
 from st_cached_losses.losses.settings import SPECS, Setting
 
 __all__ = ["CachedCrossEncoderLoss", "in_batch_negatives"]
@@ -62,7 +62,7 @@ def _check_scale(name: str, value: Any) -> Any:
     return value
 
 
-class CachedCrossEncoderLoss(nn.Module):
+class CachedCrossEncoderLoss(MiniBatchSettings, nn.Module):
     #: Tells sentence-transformers' wrappers that this loss back-propagates by replaying the model.
     uses_gradient_cache = True
     #: The sentence-transformers loss this one equals, named in the model card's tags.
@@ -201,44 +201,6 @@ class CachedCrossEncoderLoss(nn.Module):
         self.sort_by_length = sort_by_length
         self.reuse_last_graph = reuse_last_graph
         self.keep_params_unsharded = keep_params_unsharded
-
-    # ------------------------------------------------------------------ settings the engine keeps
-
-    @property
-    def mini_batch_size(self) -> int | str:
-        """Pairs per model forward, or ``"auto"`` (what it chose: ``loss.cache.auto_size``)."""
-        return self.cache.mini_batch_size
-
-    @mini_batch_size.setter
-    def mini_batch_size(self, value: int | str) -> None:
-        check_mini_batch_size(value)
-        if value != self.cache.mini_batch_size:
-            self.cache.auto_size = None  # sized again at the next step if "auto"
-        self.cache.mini_batch_size = value
-
-    @property
-    def mini_batch_num_tokens(self) -> int | str | None:
-        """The budget of real tokens per mini-batch of pairs, or None (``mini_batch_size`` pairs)."""
-        return self.cache.mini_batch_num_tokens
-
-    @mini_batch_num_tokens.setter
-    def mini_batch_num_tokens(self, value: int | str | None) -> None:
-        check_mini_batch_num_tokens(value)
-        if value != self.cache.mini_batch_num_tokens:
-            self.cache.auto_size = None
-        self.cache.mini_batch_num_tokens = value
-
-    @property
-    def mini_batch_memory_budget(self) -> int | None:
-        """Bytes of activations one mini-batch may take, for ``"auto"`` sizes."""
-        return self.cache.mini_batch_memory_budget
-
-    @mini_batch_memory_budget.setter
-    def mini_batch_memory_budget(self, value: int | str | None) -> None:
-        parsed = SPECS["mini_batch_memory_budget"].check("mini_batch_memory_budget", value)
-        if parsed != self.cache.mini_batch_memory_budget:
-            self.cache.auto_size = None
-        self.cache.mini_batch_memory_budget = parsed
 
     # ------------------------------------------------------------------ the step
 

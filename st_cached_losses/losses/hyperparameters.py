@@ -4,6 +4,7 @@ silently ignored nor accepted when invalid. Also the config for the model card a
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -13,8 +14,8 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional import LossPath, Similarity, scale_value
-from st_cached_losses.functional.checks import check_mini_batch_num_tokens, check_mini_batch_size
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, GTE_CITATION, HARDNESS_CITATION
+from st_cached_losses.losses.mini_batch_settings import MiniBatchSettings
 from st_cached_losses.losses.options import (
     ONE_DIRECTION,
     TWO_DIRECTIONS,
@@ -30,7 +31,7 @@ from st_cached_losses.losses.settings import SPECS, Setting, check_bool, check_m
 __all__ = ["CachedLossHyperparameters"]
 
 
-class CachedLossHyperparameters(nn.Module):
+class CachedLossHyperparameters(MiniBatchSettings, nn.Module):
     """The settable hyperparameters of :class:`~st_cached_losses.losses._base.CachedInfoNCEBase`; the
     values live in private attributes (and in the engine, ``self.cache``) set by its constructor."""
 
@@ -61,7 +62,7 @@ class CachedLossHyperparameters(nn.Module):
         """The constructor's plain settings, each checked by its spec; through this class's own
         descriptors, so that a subclass that hides a setting (CachedGISTLoss) still starts from its default."""
         for name, value in values.items():
-            descriptor = vars(CachedLossHyperparameters)[name]
+            descriptor = inspect.getattr_static(CachedLossHyperparameters, name)
             if isinstance(descriptor, Setting):
                 descriptor.__set__(self, value)
             else:
@@ -155,43 +156,6 @@ class CachedLossHyperparameters(nn.Module):
     def similarity(self) -> Similarity:
         """The core's similarity: ``"cosine"``, ``"dot"`` (GEMM tiles) or the function itself."""
         return self._similarity
-
-    @property
-    def mini_batch_size(self) -> int | str:
-        """Rows per encoder mini-batch, or ``"auto"``: the largest that fits ``mini_batch_memory_budget``,
-        sized at the first step and again for longer rows (what it chose: ``loss.cache.auto_size``)."""
-        return self.cache.mini_batch_size
-
-    @mini_batch_size.setter
-    def mini_batch_size(self, value: int | str) -> None:
-        check_mini_batch_size(value)
-        if value != self.cache.mini_batch_size:
-            self.cache.auto_size = None  # sized again at the next step if "auto"
-        self.cache.mini_batch_size = value
-
-    @property
-    def mini_batch_num_tokens(self) -> int | str | None:
-        return self.cache.mini_batch_num_tokens
-
-    @mini_batch_num_tokens.setter
-    def mini_batch_num_tokens(self, value: int | str | None) -> None:
-        check_mini_batch_num_tokens(value)
-        if value != self.cache.mini_batch_num_tokens:
-            self.cache.auto_size = None
-        self.cache.mini_batch_num_tokens = value
-
-    @property
-    def mini_batch_memory_budget(self) -> int | None:
-        """Bytes of activations one encoder mini-batch may take, for ``mini_batch_size="auto"`` (or
-        ``mini_batch_num_tokens="auto"``); set in bytes or as a size such as ``"2GB"``."""
-        return self.cache.mini_batch_memory_budget
-
-    @mini_batch_memory_budget.setter
-    def mini_batch_memory_budget(self, value: int | str | None) -> None:
-        parsed = SPECS["mini_batch_memory_budget"].check("mini_batch_memory_budget", value)
-        if parsed != self.cache.mini_batch_memory_budget:
-            self.cache.auto_size = None
-        self.cache.mini_batch_memory_budget = parsed
 
     @property
     def directions(self) -> tuple[str, ...]:
