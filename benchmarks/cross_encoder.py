@@ -13,8 +13,11 @@ same negatives drawn).
   machine noise hits them alike; the first step of each is a warm-up; medians of ``--repeats`` steps and
   their ratio (ours / theirs) are reported;
 * peak memory: on CUDA the allocator's peak during one step (``torch.cuda.max_memory_allocated``, reset before
-  it) above what was allocated before it; on CPU the peak of live tensor bytes, counted by a dispatch mode
-  (``tests/support/memory.py``: deterministic), in a run of its own outside the timed steps;
+  it) above what was allocated before it; on CPU (``--cpu-memory rss``, the default) the peak resident set of a
+  fresh process of its own during one step (after a small warm-up step) above its resident set before it (``VmHWM`` reset through
+  ``/proc/self/clear_refs``; glibc's mmap threshold fixed at 64 KiB so that a freed tensor's pages go back to
+  the system), or (``--cpu-memory dispatch``) the peak of live tensor bytes counted by a dispatch mode
+  (``tests/support/memory.py``: deterministic, but each op is intercepted: hours at B = 128);
 * padded tokens: what each contender feeds the model per pass (ours: pairs sorted by joint length, each
   mini-batch trimmed to its longest; theirs: pairs in their order, tokenized per mini-batch).
 
@@ -121,6 +124,45 @@ def peak_bytes(model: Any, loss: torch.nn.Module, columns: list[list[str]], seed
     return meter.peak_bytes
 
 
+def _proc_status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def rss_child(args: argparse.Namespace) -> None:
+    """In a fresh process (``--rss-child``): one step of one contender; prints the peak resident set above
+    the one before the step, in bytes."""
+    model = reranker("cpu", args.max_length)
+    k = None if args.num_negatives[0] == "all" else int(args.num_negatives[0])
+    loss = contenders(model, k, args.mini_batch_size)[args.rss_child]
+    columns = batches(args.batch_sizes[0], 1, args.doc_words)[0]
+    # a small step first: what the first step of a process sets up once (kernels, thread pools, the
+    # tokenizer's caches) is not the step's memory
+    run_step(model, loss, [column[:3] for column in columns], 1, "cpu")
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    base = _proc_status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    run_step(model, loss, columns, 0, "cpu")
+    print(f"RSS_PEAK_BYTES {(_proc_status_kb('VmHWM') - base) * 1024}", flush=True)
+
+
+def rss_peak_bytes(name: str, batch_size: int, num_negatives: int | None, args: argparse.Namespace) -> int:
+    """``rss_child`` of contender ``name`` in a fresh process (its pages its own alone)."""
+    import subprocess
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    command = [sys.executable, __file__, "--rss-child", name, "--batch-sizes", str(batch_size)]
+    command += ["--num-negatives", "all" if num_negatives is None else str(num_negatives)]
+    command += ["--mini-batch-size", str(args.mini_batch_size), "--max-length", str(args.max_length)]
+    if args.doc_words is not None:
+        command += ["--doc-words", str(args.doc_words)]
+    out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
+    return int(next(line for line in out.splitlines() if line.startswith("RSS_PEAK_BYTES")).split()[1])
+
+
 def padded_tokens(
     model: Any, name: str, columns: list[list[str]], num_negatives: int | None, mini: int
 ) -> int:
@@ -187,7 +229,11 @@ def measure(
                 "contender": name,
                 "median_s": statistics.median(times[name]),
                 "times_s": " ".join(f"{t:.4f}" for t in times[name]),
-                "peak_bytes": peak_bytes(model, loss, data[0], 0, args.device),
+                "peak_bytes": (
+                    rss_peak_bytes(name, batch_size, num_negatives, args)
+                    if torch.device(args.device).type == "cpu" and args.cpu_memory == "rss"
+                    else peak_bytes(model, loss, data[0], 0, args.device)
+                ),
                 "padded_tokens": padded_tokens(model, name, data[0], num_negatives, args.mini_batch_size),
             }
         )
@@ -239,9 +285,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--quick", action="store_true", help="smoke run: B 6, k 2 and all, short pairs, 3 repeats"
     )
     parser.add_argument(
+        "--cpu-memory",
+        choices=["rss", "dispatch"],
+        default="rss",
+        help="CPU peak memory: a fresh process's peak resident set, or live tensor bytes (slow)",
+    )
+    parser.add_argument("--rss-child", choices=["ours", "theirs"], default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
         "--out", default=None, help="CSV / Markdown path stem (default results/cross_encoder)"
     )
     args = parser.parse_args(argv)
+    if args.rss_child is not None:
+        rss_child(args)
+        return []
     if args.quick:
         args.batch_sizes, args.num_negatives, args.repeats, args.mini_batch_size = [6], ["2", "all"], 3, 6
         args.max_length, args.doc_words = 48, args.doc_words or 24
@@ -264,7 +320,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     lines = [
         f"CachedCrossEncoderLoss (ours) vs sentence-transformers' cached reranker loss (theirs): MiniLM-L6 + new "
         f"head, {describe_device(args.device)}, mini_batch_size {args.mini_batch_size}, max_length "
-        f"{args.max_length}, medians of {args.repeats} steps.",
+        f"{args.max_length}, medians of {args.repeats} steps; peak memory on the CPU: {args.cpu_memory}.",
         "",
         "| B | num_negatives | pairs | ours s | theirs s | time ours/theirs | ours MB | theirs MB | memory ours/theirs "
         "| padded tokens ours/theirs |",
