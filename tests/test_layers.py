@@ -7,7 +7,9 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -214,3 +216,110 @@ def test_losses_call_no_collective():
             if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("dist", "torch.distributed"):
                 offenders.append(f"{path.name}:{node.lineno} uses {ast.unparse(node)}")
     assert not offenders, offenders
+
+
+def _documented_objects(
+    module: Any, body: list[ast.stmt], prefix: str = ""
+) -> Iterator[tuple[str, Any, str]]:
+    """``(qualified name, object, docstring as written)`` for each class and function defined at the top of
+    ``body`` (and in the classes' bodies) whose source has a docstring."""
+    for node in body:
+        if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        found = vars(module).get(node.name) if isinstance(module, type) else getattr(module, node.name, None)
+        if isinstance(found, property):
+            found = found.fget if found.fget is not None and found.fget.__name__ == node.name else found.fset
+        found = getattr(found, "__func__", found)  # staticmethod, classmethod
+        written = ast.get_docstring(node)
+        if found is None or getattr(found, "__name__", None) != node.name:
+            continue  # defined under a condition, or replaced (an overload's stub)
+        if written is not None:
+            yield prefix + node.name, found, written
+        if isinstance(node, ast.ClassDef) and isinstance(found, type):
+            yield from _documented_objects(found, node.body, f"{prefix}{node.name}.")
+
+
+def test_no_docstring_is_assembled_at_import():
+    """Every class's and function's docstring is the one its source shows: none is filled in, templated
+    or replaced when the module is imported (what a reader sees is what ``help()`` and the API reference show)."""
+    import importlib
+    import inspect
+
+    assembled = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        if name.split(".")[1:2] == ["demo"]:
+            continue  # the demo app (its UI) is not part of the library's API
+        module = importlib.import_module(name)
+        for qualname, obj, written in _documented_objects(module, ast.parse(path.read_text()).body):
+            if inspect.cleandoc(obj.__doc__ or "") != inspect.cleandoc(written):
+                assembled.append(f"{name}.{qualname}")
+    assert not assembled, f"docstrings that differ from their source: {assembled}"
+
+
+@pytest.fixture(scope="module")
+def one_loss_of_each_kind(tmp_path_factory):
+    """An instance of every loss class, on tiny random models of their kinds."""
+    from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss
+
+    import st_cached_losses as s
+    from tests.support.tiny_model import (
+        make_tiny_cross_encoder,
+        make_tiny_model,
+        make_tiny_multi_vector,
+        make_tiny_splade,
+    )
+
+    base = tmp_path_factory.mktemp("layer_losses")
+    model = make_tiny_model(base / "st")
+    splade = make_tiny_splade(base / "splade")
+    return [
+        s.CachedMNRLoss(model),
+        s.CachedCLIPLoss(model, learnable_scale=True),
+        s.CachedTiledLoss(model),
+        s.CachedGISTLoss(model, model),
+        s.CachedSparseLoss(
+            splade, SparseMultipleNegativesRankingLoss(splade), document_regularizer_weight=3e-5
+        ),
+        s.CachedMultiVectorLoss(make_tiny_multi_vector(base / "mv")),
+        s.CachedCrossEncoderLoss(make_tiny_cross_encoder(base / "ce")),
+    ]
+
+
+def test_no_loss_refuses_an_inherited_setting(one_loss_of_each_kind):
+    """Every public property and setting a loss class has (its own or inherited) can be read, and assigned
+    the value it holds: a loss carries only the settings it takes, none inherited to be refused."""
+    import inspect
+
+    from st_cached_losses.losses.settings import Setting
+
+    refused = []
+    for loss in one_loss_of_each_kind:
+        for name, member in inspect.getmembers(type(loss)):
+            if name.startswith("_") or not isinstance(member, (property, Setting)):
+                continue
+            try:
+                value = getattr(loss, name)
+                if isinstance(member, Setting) or member.fset is not None:
+                    setattr(loss, name, value)
+            except (AttributeError, ValueError, TypeError) as err:
+                refused.append(f"{type(loss).__name__}.{name}: {err}")
+    assert not refused, refused
+
+
+def test_the_mnr_loss_reads_in_three_files():
+    """CachedMNRLoss, its settings and its docstring: its own module, the core it is built on and the specs
+    of its settings; nothing else of the losses layer defines what it is."""
+    import inspect
+
+    from st_cached_losses.losses import CachedMNRLoss
+    from st_cached_losses.losses.settings import Setting
+
+    mine = "st_cached_losses.losses."
+    classes = [cls for cls in CachedMNRLoss.__mro__ if cls.__module__.startswith(mine)]
+    defining = {cls.__module__ for cls in classes}
+    for name, member in inspect.getmembers(CachedMNRLoss):
+        if not name.startswith("_") and isinstance(member, (property, Setting)):
+            defining.add(next(cls.__module__ for cls in CachedMNRLoss.__mro__ if name in vars(cls)))
+    assert defining <= {mine + "cached_mnr", mine + "_base"}, defining
+    assert CachedMNRLoss.__init__.__doc__ and "{" not in CachedMNRLoss.__init__.__doc__.split("Example")[0]

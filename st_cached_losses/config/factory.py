@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -53,7 +53,7 @@ def build_loss(
         check_dataset_columns(train_dataset, args)
     base = BASE_LOSSES.get(args.loss)
     if base is not None:
-        return args.loss_class(model, base(model, **args.base_loss_kwargs()), **args.loss_kwargs())
+        return cast(Any, args.loss_class)(model, base(model, **args.base_loss_kwargs()), **args.loss_kwargs())
     if args.loss == "gist":
         from sentence_transformers import SentenceTransformer
 

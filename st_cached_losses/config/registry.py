@@ -23,7 +23,7 @@ from st_cached_losses.losses import (
     CachedSparseLoss,
     CachedTiledLoss,
 )
-from st_cached_losses.losses.options import closest_name_hint  # the hint of every configuration error
+from st_cached_losses.losses.settings import closest_name_hint  # the hint of every configuration error
 
 __all__ = [
     "BASE_LOSSES",

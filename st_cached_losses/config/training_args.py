@@ -55,19 +55,17 @@ from st_cached_losses.config.registry import (
     loss_parameters,
 )
 from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
-from st_cached_losses.losses.options import (
-    ONE_DIRECTION,
-    check_directions,
-    check_hardness,
-    resolve_similarity,
-)
 from st_cached_losses.losses.settings import (
     FIELD_NAMES,
     NOT_FIELDS,
+    ONE_DIRECTION,
     SPECS,
     Spec,
+    check_directions,
+    check_hardness,
     check_max_scale,
     check_nonnegative,
+    resolve_similarity,
 )
 
 __all__ = [
@@ -172,9 +170,7 @@ class CachedLossArguments(BaseTrainingArguments):
     similarity: Optional[str] = _spec_field("similarity_fct")  # noqa: UP045
     mini_batch_size: Union[int, str] = _spec_field("mini_batch_size")  # noqa: UP007
     mini_batch_num_tokens: Optional[Union[int, str]] = _spec_field("mini_batch_num_tokens")  # noqa: UP007, UP045
-    tile_size: Optional[int] = _spec_field(  # noqa: UP045
-        "tile_size", more=" 'tiled', 'gist', 'sparse' and 'multi_vector' only."
-    )
+    tile_size: Optional[int] = _spec_field("tile_size")  # noqa: UP045
     symmetric: Optional[bool] = _spec_field("symmetric")  # noqa: UP045
     gather_across_devices: bool = _spec_field("gather_across_devices")
     mask_duplicates: bool = _spec_field("mask_duplicates")
@@ -258,7 +254,7 @@ class CachedLossArguments(BaseTrainingArguments):
         ours: dict[str, float] = {}
         if (
             self.learnable_scale
-            and self.loss in ("clip", "tiled")
+            and "learnable_scale" in loss_parameters(self.loss)
             and rate
             and not any(re.search(p, name) for p in users for name in _SCALE_PARAMETER_NAMES)
         ):

@@ -1,47 +1,47 @@
-"""Shared machinery of the cached InfoNCE losses: construction, the forward (evaluation without a graph,
-or the GradCache engine) and the loss stage (one process, gathered across processes, or by ring
-exchange, through ``st_cached_losses.functional.parallel``). The hyperparameters' properties live in
-``hyperparameters.py``, their checks in ``options.py``."""
+"""The core every cached embedding loss is built on: the model, the GradCache engine and its settings, the
+scale, the forward (evaluation without a graph, or the engine's three stages) and the loss stage (one
+process, gathered across processes, or by ring exchange, through ``st_cached_losses.functional.parallel``).
+
+What only some losses have is theirs: the learnable scale is the :class:`LearnableScale` mixin (MNR, CLIP,
+tiled, GIST), the terms of sentence-transformers' ranking options live on :class:`CachedMNRLoss`, the
+regularisers on :class:`CachedSparseLoss`. A setting is one constructor parameter and one spec
+(``settings.py``), checked on every assignment.
+"""
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.distributed import is_distributed, warn_no_process_group_once
-from st_cached_losses.engine.features import batch_size_of
+from st_cached_losses.engine.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
-from st_cached_losses.functional import (
-    DEFAULT_MEMORY_BUDGET,
-    LossPath,
-    infonce,
-    scale_value,
-)
-from st_cached_losses.functional.keys import input_hashes
+from st_cached_losses.functional import LossPath, infonce, scale_value
+from st_cached_losses.functional.checks import check_mini_batch_num_tokens, check_mini_batch_size
 from st_cached_losses.functional.parallel import (
     agree_on_sizes,
     gathered_infonce,
     loss_and_grad,
     mean_scale_grad,
 )
-from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses.callbacks import warn_if_scale_unsaved
-from st_cached_losses.losses.hyperparameters import CachedLossHyperparameters
-from st_cached_losses.losses.options import (
-    ONE_DIRECTION,
-    check_columns,
-    check_directions,
-    check_hardness,
-    check_splittable_model,
-    resolve_similarity,
-)
-from st_cached_losses.losses.settings import SPECS
+from st_cached_losses.losses.citations import GRADCACHE_CITATION
+from st_cached_losses.losses.settings import SPECS, Setting, check_bool, check_max_scale
+
+__all__ = [
+    "CachedInfoNCEBase",
+    "EngineSettings",
+    "LearnableScale",
+    "StepData",
+    "check_columns",
+    "check_splittable_model",
+]
 
 
 @dataclass
@@ -58,108 +58,170 @@ class StepData:
     scale_leaf: Tensor | None = None
 
 
-class CachedInfoNCEBase(CachedLossHyperparameters):
-    """Base of :class:`CachedMNRLoss`, :class:`CachedCLIPLoss` and :class:`CachedTiledLoss`.
+class EngineSettings:
+    """The settings a loss keeps on its GradCache engine (``loss.cache``): the encoder mini-batches (rows, a
+    token budget, or ``"auto"`` sized to a memory budget) and how they are run. None changes the result.
+    Shared by every cached loss, the reranker loss included; a change of the mini-batch sizes forgets what
+    ``"auto"`` chose, so the next step sizes them again."""
 
-    The constructor takes sentence-transformers' ``CachedMultipleNegativesRankingLoss`` arguments in its
-    positional order (subclasses change only defaults), then our extras, keyword-only. Every hyperparameter
-    is a property, validated when constructed and again whenever it is set.
+    cache: GradCache
+
+    show_progress_bar = Setting[bool](on_engine=True)
+    sort_by_length = Setting[bool](on_engine=True)
+    reuse_last_graph = Setting[bool](on_engine=True)
+    keep_params_unsharded = Setting[bool](on_engine=True)
+    graph_memory_budget = Setting[int | None](on_engine=True)
+
+    @property
+    def mini_batch_size(self) -> int | str:
+        """Rows per encoder mini-batch, or ``"auto"``: the largest that fits ``mini_batch_memory_budget``,
+        sized at the first step and again for longer rows (what it chose: ``loss.cache.auto_size``)."""
+        return self.cache.mini_batch_size
+
+    @mini_batch_size.setter
+    def mini_batch_size(self, value: int | str) -> None:
+        check_mini_batch_size(value)
+        if value != self.cache.mini_batch_size:
+            self.cache.auto_size = None  # sized again at the next step if "auto"
+        self.cache.mini_batch_size = value
+
+    @property
+    def mini_batch_num_tokens(self) -> int | str | None:
+        """The budget of real tokens per mini-batch, or None (``mini_batch_size`` rows per mini-batch)."""
+        return self.cache.mini_batch_num_tokens
+
+    @mini_batch_num_tokens.setter
+    def mini_batch_num_tokens(self, value: int | str | None) -> None:
+        check_mini_batch_num_tokens(value)
+        if value != self.cache.mini_batch_num_tokens:
+            self.cache.auto_size = None
+        self.cache.mini_batch_num_tokens = value
+
+    @property
+    def mini_batch_memory_budget(self) -> int | None:
+        """Bytes of activations one encoder mini-batch may take, for ``mini_batch_size="auto"`` (or
+        ``mini_batch_num_tokens="auto"``); set in bytes or as a size such as ``"2GB"``."""
+        return self.cache.mini_batch_memory_budget
+
+    @mini_batch_memory_budget.setter
+    def mini_batch_memory_budget(self, value: int | str | None) -> None:
+        parsed = SPECS["mini_batch_memory_budget"].check("mini_batch_memory_budget", value)
+        if parsed != self.cache.mini_batch_memory_budget:
+            self.cache.auto_size = None
+        self.cache.mini_batch_memory_budget = parsed
+
+
+class CachedInfoNCEBase(EngineSettings, nn.Module):
+    """The core of the cached embedding losses (:class:`CachedMNRLoss`, :class:`CachedCLIPLoss`,
+    :class:`CachedTiledLoss`, :class:`CachedGISTLoss`, :class:`CachedSparseLoss`,
+    :class:`CachedMultiVectorLoss`): the engine, a fixed scale, the forward and the loss stage. A loss
+    supplies its terms (:meth:`_loss_terms`), its config (``get_config_dict``), its citations, and sets
+    ``gather_across_devices`` (the sparse loss keeps it on its base loss).
     """
+
+    #: BibTeX entries of the model card's citation
+    _citations: tuple[str, ...] = (GRADCACHE_CITATION,)
+    #: The sentence-transformers loss this one equals (the same loss and gradients for the same options),
+    #: named in the model card's tags next to ``loss:<our class>``.
+    equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
+    #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates
+    #: by replaying the encoder: Matryoshka then decorates :meth:`calculate_loss` instead of the model.
+    uses_gradient_cache = True
+
+    gather_across_devices = Setting[bool]()
+    path = Setting[LossPath]()
+    tile_size = Setting[int | None]()
+    memory_budget = Setting[int]()
 
     def __init__(
         self,
         model: nn.Module,
-        scale: float = 20.0,
-        similarity_fct: Callable[..., Tensor] | str = cos_sim,
-        mini_batch_size: int | str = 32,
-        mini_batch_num_tokens: int | str | None = None,
-        gather_across_devices: bool = False,
-        directions: Sequence[str] = ONE_DIRECTION,
-        partition_mode: str = "joint",
-        show_progress_bar: bool = False,
-        hardness_mode: str | None = None,
-        hardness_strength: float = 0.0,
         *,
-        learnable_scale: bool = False,
-        max_scale: float = 100.0,
-        path: LossPath = "auto",
-        tile_size: int | None = None,
-        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
-        mask_duplicates: bool = False,
-        sort_by_length: bool = True,
-        reuse_last_graph: bool = True,
-        keep_params_unsharded: bool = False,
-        graph_memory_budget: int | str | None = None,
-        mini_batch_memory_budget: int | str | None = None,
+        scale: float,
+        mini_batch_size: int | str,
+        mini_batch_num_tokens: int | str | None,
+        mini_batch_memory_budget: int | str | None,
+        show_progress_bar: bool,
+        sort_by_length: bool,
+        reuse_last_graph: bool,
+        keep_params_unsharded: bool,
+        graph_memory_budget: int | str | None,
+        path: LossPath,
+        tile_size: int | None,
+        memory_budget: int | str,
     ) -> None:
         super().__init__()
-        owner = type(self).__name__
-        check_splittable_model(model, owner)
+        check_splittable_model(model, type(self).__name__)
         self.model = model
-        self._similarity_fct = similarity_fct
-        self._similarity = resolve_similarity(similarity_fct)
-        scale = scale_value(scale)
-        # checked against the scale by learnable_scale's setter, below
-        max_scale = SPECS["max_scale"].check("max_scale", max_scale)
-        self._directions = check_directions(directions, partition_mode, owner)
-        self._partition_mode = partition_mode
-        check_hardness(hardness_mode, hardness_strength, owner)
-        self._hardness_mode = hardness_mode
-        self._hardness_strength = hardness_strength
         self.cache = GradCache(mini_batch_size=mini_batch_size, mini_batch_num_tokens=mini_batch_num_tokens)
-        self._init_settings(
-            mini_batch_memory_budget=mini_batch_memory_budget,
-            gather_across_devices=gather_across_devices,
-            show_progress_bar=show_progress_bar,
-            mask_duplicates=mask_duplicates,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
-            path=path,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
-        )
-        self._max_scale = max_scale
-        self._scale = scale
+        self.mini_batch_memory_budget = mini_batch_memory_budget
+        self.show_progress_bar = show_progress_bar
+        self.sort_by_length = sort_by_length
+        self.reuse_last_graph = reuse_last_graph
+        self.keep_params_unsharded = keep_params_unsharded
+        self.graph_memory_budget = graph_memory_budget
+        self.path = path
+        self.tile_size = tile_size
+        self.memory_budget = memory_budget
+        self._scale = scale_value(scale)
         self._warned_caching_off = False
         self._tagged = False
-        self._learnable_scale = False
-        self.learnable_scale = learnable_scale
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ the scale
 
-    def _core_kwargs(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
-        """The core's options; ``n_columns``: candidate columns (positives and hard negatives) of this step."""
-        return {
-            "similarity": self.similarity,
-            "path": self.path,
-            "tile_size": self.tile_size,
-            "memory_budget": self.memory_budget,
-            **self._loss_terms(step, n_rows, n_columns),
-        }
+    @property
+    def scale(self) -> float:
+        """The scale (1 / temperature) the similarities are multiplied by."""
+        return self._scale
 
-    def _step_data(self, features: list[dict[str, Any]]) -> StepData:
-        """What this call's loss stage needs from the features (a subclass adds its own)."""
-        # false negatives are recognised by their token ids (embeddings differ under dropout)
-        return StepData(keys=[input_hashes(f) for f in features] if self._mask_duplicates else None)
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale = scale_value(value)
 
-    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
-        """Which loss the core computes: the terms of sentence-transformers' options (what a subclass with
-        other terms overrides), and the duplicate keys that mask them (those of these rows: a wrapper may
-        call the loss stage on other rows, and masks nothing then)."""
-        kwargs: dict[str, Any] = {}
-        keys = step.keys if step.keys is not None and len(step.keys[0]) == n_rows else None
-        if keys is not None:
-            kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
-        kwargs["terms"] = mnrl_terms(
-            self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength, n_columns
-        )
-        return kwargs
+    @property
+    def temperature(self) -> float:
+        """``1 / scale``."""
+        return 1.0 / self.scale
 
-    #: The sentence-transformers loss this one equals (the same loss and gradients for the same options),
-    #: named in the model card's tags next to ``loss:<our class>``.
-    equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
+    @temperature.setter
+    def temperature(self, value: float) -> None:
+        temperature = scale_value(value, name="temperature")
+        if temperature != self.temperature:  # else unchanged: 1 / (1 / s) may round
+            self.scale = 1.0 / temperature
+
+    def scale_tensor(self) -> Tensor | float:
+        """The scale the loss stage multiplies by: a float, or (:class:`LearnableScale`) a tensor with its graph."""
+        return self.scale
+
+    # ------------------------------------------------------------------ model card
+
+    def _citation_parts(self) -> tuple[str, ...]:
+        return self._citations
+
+    @property
+    def citation(self) -> str:
+        """BibTeX for the model card."""
+        return "".join(self._citation_parts())
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """The loss's settings for the model card: its sentence-transformers counterpart's keys, then our
+        extras in use (each loss writes its own)."""
+        raise NotImplementedError
+
+    def _changed_settings(self) -> dict[str, Any]:
+        """The extras of the config: a learnable scale and its clamp, and each ``"changed"`` setting of this
+        loss that differs from its default. A setting assigned after construction to a loss whose constructor
+        lacks it is listed too: the config says how the model was
+        trained, even where ``type(loss)(model, **config)`` cannot rebuild that loss."""
+        extras: dict[str, Any] = {}
+        if getattr(self, "learnable_scale", False):
+            extras.update(learnable_scale=True, max_scale=self.max_scale)
+        for name, spec in SPECS.items():
+            if spec.config == "changed" and isinstance(getattr(type(self), name, None), Setting):
+                value = getattr(self, name)
+                if value != spec.default:
+                    extras[name] = value
+        return extras
 
     def _tag_model_card(self) -> None:
         """Once per loss: tag the model's card with this library and the loss this one equals."""
@@ -169,9 +231,25 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         card.add_tags(["st_cached_losses", f"equivalent-loss:{self.equivalent_st_loss}"])
         self._tagged = True
 
-    #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates
-    #: by replaying the encoder: Matryoshka then decorates :meth:`calculate_loss` instead of the model.
-    uses_gradient_cache = True
+    # ------------------------------------------------------------------ the loss stage
+
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
+        """The core's options that say which loss it computes (``terms``, ``similarity``, a guide, duplicate
+        keys): the loss's own; ``n_columns``: candidate columns (positives and hard negatives) of this step."""
+        raise NotImplementedError
+
+    def _core_kwargs(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
+        """The core's options: the loss stage's plan and the loss's terms."""
+        return {
+            "path": self.path,
+            "tile_size": self.tile_size,
+            "memory_budget": self.memory_budget,
+            **self._loss_terms(step, n_rows, n_columns),
+        }
+
+    def _step_data(self, features: list[dict[str, Any]]) -> StepData:
+        """What this call's loss stage needs from the features besides the embeddings (a loss adds its own)."""
+        return StepData()
 
     def calculate_loss(
         self,
@@ -287,7 +365,7 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
             check_columns(features, type(self).__name__)
         except ValueError as exc:  # the other processes are about to wait for this one: tell them
             self.cache.raise_on_every_process(self.model, exc)
-        if self.learnable_scale and torch.is_grad_enabled():
+        if getattr(self, "learnable_scale", False) and torch.is_grad_enabled():
             # the stock trainer saves only the model: say so once if no LossStateCallback saves the scale
             warn_if_scale_unsaved(self)
         step = self._step_data(features)
@@ -299,3 +377,119 @@ class CachedInfoNCEBase(CachedLossHyperparameters):
         scale = self.scale_tensor()
         extra = [scale] if isinstance(scale, Tensor) else []
         return self.cache.step(self.model, features, lambda e: self._stage2(e, labels, step), extra=extra)
+
+
+def check_splittable_model(model: nn.Module, owner: str) -> None:
+    """Refuse a StaticEmbedding model: its inputs (flat token ids with offsets) have no batch dimension
+    to cut into mini-batches."""
+    try:
+        from sentence_transformers.sentence_transformer.modules import StaticEmbedding
+    except ImportError:  # pragma: no cover - layout of other versions
+        return
+    if any(isinstance(m, StaticEmbedding) for m in unwrap_model(model).modules()):
+        raise ValueError(
+            f"{owner} is not compatible with a SentenceTransformer model based on a StaticEmbedding: its inputs "
+            "(flat token ids with offsets, no batch dimension) cannot be split into mini-batches. Use "
+            "sentence-transformers' MultipleNegativesRankingLoss, which is cheap for such models."
+        )
+
+
+def check_columns(sentence_features: Sequence[dict[str, Any]], owner: str) -> None:
+    """At least (anchor, positive), every column splittable, and the same number of rows in each."""
+    if len(sentence_features) < 2:
+        raise ValueError(
+            f"{owner} needs at least two text columns, (anchor, positive[, negatives...]); got "
+            f"{len(sentence_features)}. Check the dataset's columns (a 'label'/'score' column is not a text column)."
+        )
+    sizes = []
+    for features in sentence_features:
+        check_splittable(features)
+        sizes.append(batch_size_of(features))
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"all columns must have the same number of rows, got {sizes}: every anchor needs one positive (and "
+            "one row in each hard-negative column)."
+        )
+    if sizes[0] == 0:
+        raise ValueError(
+            f"{owner} got an empty batch: column 0 (the anchors) of this batch has 0 rows (rows per column: "
+            f"{sizes}). Every step needs at least one (anchor, positive) pair on every process; check the "
+            "sampler or the dataset split that produced this batch (e.g. drop_last, or fewer rows than processes)."
+        )
+
+
+class LearnableScale(CachedInfoNCEBase):
+    """The scale learned as CLIP's ``logit_scale = log(scale)`` parameter, clamped at ``max_scale``, for the
+    losses that offer it (``learnable_scale`` in their constructor): MNR, CLIP, tiled and GIST."""
+
+    logit_scale: nn.Parameter
+    _learnable_scale: bool = False
+    _max_scale: float = 100.0
+
+    def _init_learnable_scale(self, learnable_scale: bool, max_scale: float) -> None:
+        self.max_scale = max_scale
+        self.learnable_scale = learnable_scale
+
+    @property
+    def scale(self) -> float:
+        """The current scale (1 / temperature), as a float; the learned value when learnable."""
+        if self.learnable_scale:
+            return float(self.logit_scale.detach().exp().clamp(max=self.max_scale))
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        value = scale_value(value)
+        if value == self.scale:
+            return  # a learnable scale is not rewritten through log(exp(x)), which may round
+        if self.learnable_scale:
+            if value > self.max_scale:
+                raise ValueError(
+                    f"scale must be <= max_scale={self.max_scale!r} with learnable_scale, got {value!r}."
+                )
+            with torch.no_grad():
+                self.logit_scale.fill_(math.log(value))
+        self._scale = value
+
+    @property
+    def learnable_scale(self) -> bool:
+        """Whether the scale is learned, as CLIP's ``logit_scale = log(scale)`` parameter, clamped at
+        ``max_scale``. Turning it on after the optimizer was built leaves the new parameter out of it."""
+        return self._learnable_scale
+
+    @learnable_scale.setter
+    def learnable_scale(self, value: bool) -> None:
+        if check_bool("learnable_scale", value) == self._learnable_scale:
+            return
+        if value:
+            check_max_scale(self.max_scale, self._scale)
+            # CLIP's parametrisation: the log of the scale is learned, the scale is clamped at max_scale
+            self.logit_scale = nn.Parameter(torch.tensor(math.log(self._scale), dtype=torch.float32))
+        else:
+            self._scale = self.scale
+            del self.logit_scale
+        self._learnable_scale = value
+
+    @property
+    def max_scale(self) -> float:
+        return self._max_scale
+
+    @max_scale.setter
+    def max_scale(self, value: float) -> None:
+        value = SPECS["max_scale"].check("max_scale", value)
+        if self.learnable_scale:
+            check_max_scale(value, self.scale)
+        self._max_scale = value
+
+    def scale_tensor(self) -> Tensor | float:
+        """The scale with its graph to ``logit_scale`` when learnable, else the float.
+
+        A learnable scale is kept at most ``max_scale`` by clamping the parameter itself (as CLIP does
+        after each optimizer step), not its image: a clamp inside the graph would have no gradient above
+        the limit, so a scale that one step carried past it could never come back.
+        """
+        if self.learnable_scale:
+            with torch.no_grad():
+                self.logit_scale.clamp_(max=math.log(self.max_scale))
+            return self.logit_scale.float().exp()
+        return self._scale

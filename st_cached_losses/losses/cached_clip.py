@@ -6,16 +6,14 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
-from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses.cached_mnr import CachedMNRLoss
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION
-from st_cached_losses.losses.options import TWO_DIRECTIONS
-from st_cached_losses.losses.signatures import arguments, shared_docs
+from st_cached_losses.losses.settings import TWO_DIRECTIONS
 
 
-class CachedCLIPLoss(CachedInfoNCEBase):
+class CachedCLIPLoss(CachedMNRLoss):
     _citations = (GRADCACHE_CITATION, CLIP_CITATION)
 
-    @shared_docs
     def __init__(
         self,
         model: nn.Module,
@@ -39,6 +37,7 @@ class CachedCLIPLoss(CachedInfoNCEBase):
         graph_memory_budget: int | str | None = None,
         mini_batch_memory_budget: int | str | None = None,
         path: LossPath = "auto",
+        tile_size: int | None = None,
         memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         """
@@ -53,22 +52,20 @@ class CachedCLIPLoss(CachedInfoNCEBase):
 
         Args:
             model: the SentenceTransformer to train.
-            scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity. The initial value when learnable (CLIP starts at 1/0.07 = 14.3).
-            {doc:similarity}
-            {doc:mini_batches}
-            gather_across_devices: score each process's anchors against the candidates of every process (anchors too, for the symmetric direction).
-            directions: the similarity terms of each row, as sentence-transformers' ``MultipleNegativesRankingLoss``
-                (the default is the symmetric loss):
-                {doc:directions}
-            {doc:partition_mode}
-            {doc:hardness}
+            scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity. The initial
+                value when learnable (CLIP starts at 1/0.07 = 14.3).
+            directions: the similarity terms of each row (default: both directions, the symmetric loss); as
+                :class:`CachedMNRLoss`'s.
+            partition_mode: default ``"per_direction"``: the two cross-entropies averaged.
+            gather_across_devices: score each process's anchors against the candidates of every process
+                (anchors too, for the positive -> anchors direction).
             learnable_scale: learn the scale (as ``logit_scale = log(scale)``); give the trainer
                 ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it with checkpoints.
             max_scale: the clamp of a learned scale (CLIP: 100).
-            {doc:mask_duplicates}
-                Both directions are masked alike: a positive's negatives lose the anchors of its row's duplicates.
-            {doc:engine}
-            {spec:path memory_budget}
+            mask_duplicates: as :class:`CachedMNRLoss`'s; both directions are masked alike: a positive's
+                negatives lose the anchors of its row's duplicates.
+
+        Every other argument is :class:`CachedMNRLoss`'s, with the same default and meaning.
 
         References:
             - Radford et al., Learning Transferable Visual Models From Natural Language Supervision, 2021:
@@ -76,7 +73,7 @@ class CachedCLIPLoss(CachedInfoNCEBase):
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
               https://huggingface.co/papers/2101.06983
 
-        {doc:inputs}
+        Inputs: as :class:`CachedMNRLoss`'s.
 
         Relations:
             - Same loss as ``sentence_transformers.sentence_transformer.losses.MultipleNegativesSymmetricRankingLoss`` /
@@ -98,4 +95,27 @@ class CachedCLIPLoss(CachedInfoNCEBase):
                 )
                 trainer.train()
         """
-        super().__init__(**arguments(locals()))
+        super().__init__(
+            model,
+            scale,
+            similarity_fct,
+            mini_batch_size,
+            mini_batch_num_tokens,
+            gather_across_devices,
+            directions,
+            partition_mode,
+            show_progress_bar,
+            hardness_mode,
+            hardness_strength,
+            learnable_scale=learnable_scale,
+            max_scale=max_scale,
+            mask_duplicates=mask_duplicates,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+            keep_params_unsharded=keep_params_unsharded,
+            graph_memory_budget=graph_memory_budget,
+            mini_batch_memory_budget=mini_batch_memory_budget,
+            path=path,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
+        )

@@ -15,9 +15,9 @@ from st_cached_losses.distributed import is_distributed, world_size
 from st_cached_losses.engine.features import Features, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional.parallel import agree_on_sizes
+from st_cached_losses.losses._base import EngineSettings
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
-from st_cached_losses.losses.mini_batch_settings import MiniBatchSettings
-from st_cached_losses.losses.settings import SPECS, Setting
+from st_cached_losses.losses.settings import Setting
 
 __all__ = ["CachedCrossEncoderLoss", "in_batch_negatives"]
 
@@ -62,7 +62,7 @@ def _check_scale(name: str, value: Any) -> Any:
     return value
 
 
-class CachedCrossEncoderLoss(MiniBatchSettings, nn.Module):
+class CachedCrossEncoderLoss(EngineSettings, nn.Module):
     #: Tells sentence-transformers' wrappers that this loss back-propagates by replaying the model.
     uses_gradient_cache = True
     #: The sentence-transformers loss this one equals, named in the model card's tags.
@@ -70,11 +70,6 @@ class CachedCrossEncoderLoss(MiniBatchSettings, nn.Module):
 
     num_negatives = Setting[int | None]()
     scale = Setting[float](check=_check_scale)
-    show_progress_bar = Setting[bool](on_engine=True)
-    sort_by_length = Setting[bool](on_engine=True)
-    reuse_last_graph = Setting[bool](on_engine=True)
-    keep_params_unsharded = Setting[bool](on_engine=True)
-    graph_memory_budget = Setting[int | None](on_engine=True)
 
     def __init__(
         self,
@@ -187,16 +182,10 @@ class CachedCrossEncoderLoss(MiniBatchSettings, nn.Module):
         self.activation_fn = activation_fn
         # the rows the engine caches are pairs, and what it keeps of each is the model's score
         self.cache = GradCache(
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            mini_batch_memory_budget=SPECS["mini_batch_memory_budget"].check(
-                "mini_batch_memory_budget", mini_batch_memory_budget
-            ),
-            graph_memory_budget=SPECS["graph_memory_budget"].check(
-                "graph_memory_budget", graph_memory_budget
-            ),
-            output="scores",
+            mini_batch_size=mini_batch_size, mini_batch_num_tokens=mini_batch_num_tokens, output="scores"
         )
+        self.mini_batch_memory_budget = mini_batch_memory_budget
+        self.graph_memory_budget = graph_memory_budget
         self.show_progress_bar = show_progress_bar
         self.sort_by_length = sort_by_length
         self.reuse_last_graph = reuse_last_graph

@@ -3,39 +3,23 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
-from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.engine.features import batch_size_of, input_ids_by_row, model_device, unwrap_model
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
 from st_cached_losses.functional.directions import Guide
 from st_cached_losses.functional.terms import gist_terms
-from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
+from st_cached_losses.losses._base import LearnableScale, StepData
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
-from st_cached_losses.losses.options import ONE_DIRECTION, check_bool
-from st_cached_losses.losses.settings import Setting, refused_setting
-from st_cached_losses.losses.signatures import shared_docs
+from st_cached_losses.losses.settings import Setting, check_bool
 
 _NO_TOKENIZER = "Both the training model and the guiding model must have a tokenizer attribute."
 
 
-def _not_a_gist_setting(name: str) -> property:
-    """A setting of the other losses that GIST does not use: reading or assigning it raises."""
-    return refused_setting(
-        name,
-        "CachedGISTLoss",
-        "GIST's terms are fixed (anchor-positive, plus contrast_anchors / contrast_positives and the hard "
-        "negatives) and its guide, not the inputs, decides which in-batch negatives count. Use CachedMNRLoss "
-        "for this option.",
-        "GIST",
-    )
-
-
-class CachedGISTLoss(CachedInfoNCEBase):
+class CachedGISTLoss(LearnableScale):
     _citations = (GRADCACHE_CITATION, GIST_CITATION)
     equivalent_st_loss = "CachedGISTEmbedLoss"
 
-    @shared_docs
     def __init__(
         self,
         model: nn.Module,
@@ -50,6 +34,8 @@ class CachedGISTLoss(CachedInfoNCEBase):
         contrast_positives: bool = True,
         gather_across_devices: bool = False,
         *,
+        learnable_scale: bool = False,
+        max_scale: float = 100.0,
         path: LossPath = "auto",
         tile_size: int | None = None,
         memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
@@ -73,10 +59,9 @@ class CachedGISTLoss(CachedInfoNCEBase):
         then our extras, keyword-only. Every argument is also a property, read and assigned between steps
         (``guide`` too: a new guide is checked as at construction and ``must_retokenize`` is decided again);
         ``scale`` (``1 / temperature``) and ``learnable_scale`` / ``max_scale`` (CLIP's learned, clamped
-        ``log(scale)``, as on ``CachedMNRLoss``) as well. It exposes only the settings GIST uses: reading or
-        assigning ``directions``, ``partition_mode``, ``symmetric``, ``similarity_fct``, ``hardness_mode``,
-        ``hardness_strength`` or ``mask_duplicates`` raises an ``AttributeError`` naming it (the guide, not
-        these, decides which negatives count).
+        ``log(scale)``, as on ``CachedMNRLoss``) as well. It has only the settings GIST uses: not
+        ``directions``, ``partition_mode``, ``symmetric``, ``similarity_fct``, ``hardness_mode``,
+        ``hardness_strength`` nor ``mask_duplicates`` (the guide, not these, decides which negatives count).
 
         Args:
             model: the SentenceTransformer to train.
@@ -95,9 +80,15 @@ class CachedGISTLoss(CachedInfoNCEBase):
             contrast_positives: also contrast each positive with every other positive.
             gather_across_devices: score each process's anchors against every process's positives and
                 negatives (the guide's embeddings of them are gathered too).
+            learnable_scale: learn the scale as CLIP's ``logit_scale = log(scale)``, clamped at ``max_scale``
+                (sentence-transformers' GIST losses have a fixed temperature); give the trainer
+                ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it.
+            max_scale: the clamp of a learned scale.
             path / tile_size / memory_budget: the loss-stage algorithm (``"auto"``, ``"chunked"`` or
                 ``"tiled"``; tiled across processes is the ring exchange) and its block sizes.
-            {doc:engine}
+            sort_by_length / reuse_last_graph / keep_params_unsharded / graph_memory_budget /
+                mini_batch_memory_budget: how the engine runs the mini-batches, as on :class:`CachedMNRLoss`;
+                never the result.
 
         References:
             - Solatorio, GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding
@@ -114,23 +105,20 @@ class CachedGISTLoss(CachedInfoNCEBase):
         """
         super().__init__(
             model,
-            1.0 / scale_value(temperature, name="temperature"),
-            cos_sim,
-            mini_batch_size,
-            mini_batch_num_tokens,
-            gather_across_devices,
-            ONE_DIRECTION,
-            "joint",
-            show_progress_bar,
-            path=path,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
+            scale=1.0 / scale_value(temperature, name="temperature"),
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            mini_batch_memory_budget=mini_batch_memory_budget,
+            show_progress_bar=show_progress_bar,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
             keep_params_unsharded=keep_params_unsharded,
             graph_memory_budget=graph_memory_budget,
-            mini_batch_memory_budget=mini_batch_memory_budget,
+            path=path,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
         )
+        self.gather_across_devices = gather_across_devices
         if not hasattr(model, "tokenizer"):
             raise ValueError(_NO_TOKENIZER)
         # kept from construction: the trainer later puts a DDP / FSDP wrapper, without a tokenizer, in .model
@@ -140,14 +128,17 @@ class CachedGISTLoss(CachedInfoNCEBase):
         self.margin = margin
         self.contrast_anchors = contrast_anchors
         self.contrast_positives = contrast_positives
+        self._init_learnable_scale(learnable_scale, max_scale)
 
     def __setattr__(self, name: str, value: Any) -> None:
+        # nn.Module files a module (the guide) before any property could see it: the one setting whose
+        # assignment is checked here
         if name == "guide":
             # at construction and on every assignment: a guide that cannot serve raises, and whether it reads
             # the model's token ids or the re-tokenised texts is decided for this guide
             self._check_guide(value, self.gather_across_devices)
             super().__setattr__(name, value)
-            super().__setattr__("must_retokenize", self._must_retokenize(value))
+            super().__setattr__("must_retokenize", cast(Any, self._must_retokenize(value)))
             return
         super().__setattr__(name, value)
 
@@ -175,17 +166,9 @@ class CachedGISTLoss(CachedInfoNCEBase):
             return True
         return not same_vocab or getattr(guide, "max_seq_length", 0) < getattr(model, "max_seq_length", 0)
 
-    # ------------------------------------------------------------------ hyperparameters
+    # ------------------------------------------------------------------ settings
 
-    directions = _not_a_gist_setting("directions")
-    partition_mode = _not_a_gist_setting("partition_mode")
-    symmetric = _not_a_gist_setting("symmetric")
-    similarity_fct = _not_a_gist_setting("similarity_fct")
-    hardness_mode = _not_a_gist_setting("hardness_mode")
-    hardness_strength = _not_a_gist_setting("hardness_strength")
-    mask_duplicates = _not_a_gist_setting("mask_duplicates")
-
-    @property
+    @property  # a Setting on the base: here it checks the guide too
     def gather_across_devices(self) -> bool:
         return self._gather_across_devices
 
@@ -216,10 +199,6 @@ class CachedGISTLoss(CachedInfoNCEBase):
             "gather_across_devices": self.gather_across_devices,
         }
         return {**config, **self._changed_settings()}
-
-    @property
-    def citation(self) -> str:
-        return "".join(self._citations)
 
     # ------------------------------------------------------------------ forward
 

@@ -1,21 +1,79 @@
+"""The multiple-negatives ranking loss with GradCache, and the options of sentence-transformers'
+``MultipleNegativesRankingLoss`` it shares with :class:`CachedCLIPLoss` and :class:`CachedTiledLoss` (which
+are this loss with other defaults): the similarity, the directions and their partition, hardness weighting
+and the masking of duplicates."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
-from st_cached_losses.losses._base import CachedInfoNCEBase
-from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
-from st_cached_losses.losses.options import ONE_DIRECTION
-from st_cached_losses.losses.signatures import arguments, shared_docs
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, Similarity
+from st_cached_losses.functional.keys import input_hashes
+from st_cached_losses.functional.terms import mnrl_terms
+from st_cached_losses.losses._base import LearnableScale, StepData
+from st_cached_losses.losses.citations import (
+    GRADCACHE_CITATION,
+    GTE_CITATION,
+    HARDNESS_CITATION,
+    MNRL_CITATION,
+)
+from st_cached_losses.losses.settings import (
+    ONE_DIRECTION,
+    TWO_DIRECTIONS,
+    VALID_DIRECTIONS,
+    ConfigTuple,
+    Setting,
+    check_bool,
+    check_directions,
+    check_hardness,
+    resolve_similarity,
+    similarity_name,
+)
+
+__all__ = ["CachedMNRLoss", "ranking_citations", "ranking_terms"]
 
 
-class CachedMNRLoss(CachedInfoNCEBase):
+def ranking_terms(
+    step: StepData,
+    n_rows: int,
+    n_columns: int,
+    directions: Sequence[str],
+    partition_mode: str,
+    hardness_mode: str | None,
+    hardness_strength: float,
+) -> dict[str, Any]:
+    """The core's ``terms`` for sentence-transformers' ranking options, and the duplicate keys that mask
+    them (those of these rows: a wrapper may call the loss stage on other rows, and masks nothing then)."""
+    kwargs: dict[str, Any] = {
+        "terms": mnrl_terms(directions, partition_mode, hardness_mode, hardness_strength, n_columns)
+    }
+    keys = step.keys if step.keys is not None and len(step.keys[0]) == n_rows else None
+    if keys is not None:
+        kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
+    return kwargs
+
+
+def ranking_citations(
+    directions: Sequence[str], partition_mode: str, hardness_mode: str | None, hardness_strength: float
+) -> tuple[str, ...]:
+    """The papers of the ranking options in use: GTE's four directions in one softmax, hardness weighting."""
+    extra: tuple[str, ...] = ()
+    if set(directions) == set(VALID_DIRECTIONS) and partition_mode == "joint":
+        extra += (GTE_CITATION,)
+    if hardness_mode is not None and hardness_strength > 0:
+        extra += (HARDNESS_CITATION,)
+    return extra
+
+
+class CachedMNRLoss(LearnableScale):
     _citations = (GRADCACHE_CITATION, MNRL_CITATION)
 
-    @shared_docs
+    mask_duplicates = Setting[bool]()
+
     def __init__(
         self,
         model: nn.Module,
@@ -30,6 +88,8 @@ class CachedMNRLoss(CachedInfoNCEBase):
         hardness_mode: str | None = None,
         hardness_strength: float = 0.0,
         *,
+        learnable_scale: bool = False,
+        max_scale: float = 100.0,
         mask_duplicates: bool = False,
         sort_by_length: bool = True,
         reuse_last_graph: bool = True,
@@ -37,6 +97,7 @@ class CachedMNRLoss(CachedInfoNCEBase):
         graph_memory_budget: int | str | None = None,
         mini_batch_memory_budget: int | str | None = None,
         path: LossPath = "auto",
+        tile_size: int | None = None,
         memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
     ) -> None:
         """
@@ -53,17 +114,55 @@ class CachedMNRLoss(CachedInfoNCEBase):
 
         Args:
             model: the SentenceTransformer to train.
-            scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity.
-            {doc:similarity}
-            {doc:mini_batches}
-            gather_across_devices: score each process's anchors against the candidates of every process.
-            directions: the similarity terms of each row, as sentence-transformers' ``MultipleNegativesRankingLoss``:
-                {doc:directions}
-            {doc:partition_mode}
-            {doc:hardness}
-            {doc:mask_duplicates}
-            {doc:engine}
-            {spec:path memory_budget}
+            scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity. The initial
+                value when learnable.
+            similarity_fct: ``sentence_transformers.util.cos_sim`` / ``"cosine"`` (default) or ``dot_score`` /
+                ``"dot"`` (GEMM tiles); any other function ``f(a, b) -> (len(a), len(b))`` (e.g.
+                ``euclidean_sim``) is scored exactly tile by tile through autograd (slower). The full matrix is
+                never built.
+            mini_batch_size: rows per encoder forward (GradCache's chunk): sets the memory, never the result.
+                Should be smaller than the batch, or caching is off. ``"auto"``: the largest that fits
+                ``mini_batch_memory_budget``, measured at the first step (and again for longer rows) and logged.
+            mini_batch_num_tokens: a budget of real (non-padding) tokens per encoder mini-batch instead of
+                ``mini_batch_size`` rows, as in sentence-transformers: rows are packed longest first while their
+                token count stays within it (a longer row alone); ``"auto"``: the largest budget that fits
+                ``mini_batch_memory_budget``.
+            gather_across_devices: score each process's anchors against the candidates of every process
+                (exact global-batch gradients across processes).
+            directions: the similarity terms of each row, as sentence-transformers'
+                ``MultipleNegativesRankingLoss``: ``"query_to_doc"`` (required: every candidate column),
+                ``"query_to_query"`` (the other anchors), ``"doc_to_query"`` (the positive against every
+                anchor), ``"doc_to_doc"`` (the positive against every other row's documents).
+            partition_mode: ``"joint"`` (one softmax over every selected term; GTE with all four directions) or
+                ``"per_direction"`` (one per direction, averaged; not with ``query_to_query`` / ``doc_to_doc``).
+            show_progress_bar: tqdm bars over the loss's encoder mini-batches (both passes).
+            hardness_mode: hardness weighting of negatives (default none): ``"in_batch_negatives"``,
+                ``"hard_negatives"`` or ``"all_negatives"`` add ``hardness_strength * stop_grad(similarity)``
+                (not scaled) to those negatives' logits, as sentence-transformers does.
+            hardness_strength: the hardness penalty's alpha, non-negative; unused while ``hardness_mode`` is None.
+            learnable_scale: learn the scale as CLIP's ``logit_scale = log(scale)``, clamped at ``max_scale``;
+                give the trainer ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it.
+            max_scale: the clamp of a learned scale (CLIP: 100).
+            mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and across
+                processes: rows sharing their anchor or their positive are duplicates; a row's negatives lose
+                the positives of its duplicates, and any candidate equal to its own positive. With the
+                positive -> anchors direction, a positive's negatives lose the anchors of its row's duplicates.
+            sort_by_length: embed each column's rows longest first (less padding); never changes the result.
+            reuse_last_graph: keep the last encoder mini-batch's graph from the first pass instead of replaying
+                it; never changes the result.
+            keep_params_unsharded: under FSDP2, gather every parameter group once per step and keep it until the
+                last replay, for the memory of the full parameters.
+            graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-pass encoder graphs to keep instead
+                of replaying their mini-batches, the longest first; the same gradients, fewer forwards. Default:
+                replay all but the last.
+            mini_batch_memory_budget: with ``"auto"`` sizes, the activation memory one encoder mini-batch may
+                take (bytes or a size such as ``"2GB"``; on CUDA by default half the free memory).
+            path: the loss stage's algorithm: ``"auto"`` (from the batch and ``memory_budget``), ``"chunked"``
+                (row chunks against every column) or ``"tiled"`` (Inf-CL-style tiles; across processes the
+                ring exchange); never changes the result.
+            tile_size: side of a logit tile / rows of a chunk of the loss stage (default: from
+                ``memory_budget``, at most 2048).
+            memory_budget: bytes of logit blocks the loss stage may hold at once, or a size such as ``"64MiB"``.
 
         References:
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
@@ -71,7 +170,21 @@ class CachedMNRLoss(CachedInfoNCEBase):
             - Henderson et al., Efficient Natural Language Response Suggestion for Smart Reply, 2017:
               https://huggingface.co/papers/1705.00652
 
-        {doc:inputs}
+        Requirements:
+            1. (anchor, positive) pairs, optionally with hard-negative columns (anchor, positive, negative_1,
+               ..., negative_n).
+            2. A model whose inputs have a batch dimension (not StaticEmbedding).
+
+        Inputs:
+            +-------------------------------------------------+--------+
+            | Texts                                           | Labels |
+            +=================================================+========+
+            | (anchor, positive) pairs                        | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative) triplets           | none   |
+            +-------------------------------------------------+--------+
+            | (anchor, positive, negative_1, ..., negative_n) | none   |
+            +-------------------------------------------------+--------+
 
         Recommendations:
             - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
@@ -98,4 +211,140 @@ class CachedMNRLoss(CachedInfoNCEBase):
                 trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
         """
-        super().__init__(**arguments(locals()))
+        super().__init__(
+            model,
+            scale=scale,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            mini_batch_memory_budget=mini_batch_memory_budget,
+            show_progress_bar=show_progress_bar,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+            keep_params_unsharded=keep_params_unsharded,
+            graph_memory_budget=graph_memory_budget,
+            path=path,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
+        )
+        self.gather_across_devices = gather_across_devices
+        self.similarity_fct = similarity_fct
+        self._directions = check_directions(directions, partition_mode, type(self).__name__)
+        self._partition_mode = partition_mode
+        check_hardness(hardness_mode, hardness_strength, type(self).__name__)
+        self._hardness_mode, self._hardness_strength = hardness_mode, hardness_strength
+        self.mask_duplicates = mask_duplicates
+        self._init_learnable_scale(learnable_scale, max_scale)
+
+    @property
+    def similarity_fct(self) -> Callable[..., Tensor] | str:
+        """What was given: ``cos_sim`` / ``dot_score`` (or ``"cosine"`` / ``"dot"``)."""
+        return self._similarity_fct
+
+    @similarity_fct.setter
+    def similarity_fct(self, value: Callable[..., Tensor] | str) -> None:
+        self._similarity = resolve_similarity(value)
+        self._similarity_fct = value
+
+    @property
+    def similarity(self) -> Similarity:
+        """The core's similarity: ``"cosine"``, ``"dot"`` (GEMM tiles) or the function itself."""
+        return self._similarity
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        return self._directions
+
+    @directions.setter
+    def directions(self, value: Sequence[str]) -> None:
+        directions = check_directions(value, self._partition_mode, type(self).__name__)
+        self._directions = directions
+
+    @property
+    def partition_mode(self) -> str:
+        return self._partition_mode
+
+    @partition_mode.setter
+    def partition_mode(self, value: str) -> None:
+        check_directions(self._directions, value, type(self).__name__)
+        self._partition_mode = value
+
+    @property
+    def symmetric(self) -> bool:
+        """Whether the loss has the positive -> anchors direction too (``directions=('query_to_doc',
+        'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two."""
+        return set(self._directions) == set(TWO_DIRECTIONS) and self._partition_mode == "per_direction"
+
+    @symmetric.setter
+    def symmetric(self, value: bool) -> None:
+        if check_bool("symmetric", value) == self.symmetric:
+            return  # e.g. False for four directions: stays four directions
+        directions, partition_mode = (
+            (TWO_DIRECTIONS, "per_direction") if value else (ONE_DIRECTION, self._partition_mode)
+        )
+        self._directions, self._partition_mode = directions, partition_mode
+
+    @property
+    def hardness_mode(self) -> str | None:
+        return self._hardness_mode
+
+    @hardness_mode.setter
+    def hardness_mode(self, value: str | None) -> None:
+        check_hardness(value, self._hardness_strength, type(self).__name__)
+        self._hardness_mode = value
+
+    @property
+    def hardness_strength(self) -> float:
+        return self._hardness_strength
+
+    @hardness_strength.setter
+    def hardness_strength(self, value: float) -> None:
+        check_hardness(self._hardness_mode, value, type(self).__name__)
+        self._hardness_strength = value
+
+    @property
+    def citation(self) -> str:
+        """BibTeX for the model card."""
+        extra = ranking_citations(
+            self._directions, self._partition_mode, self._hardness_mode, self._hardness_strength
+        )
+        return "".join(self._citation_parts() + extra)
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """sentence-transformers' nine keys (same values for the same settings; ``scale`` is the current,
+        learned value), then the extras sentence-transformers does not have, where they differ from their
+        defaults (a learnable scale with its clamp, and the specs' ``"changed"`` settings).
+
+        A drop-in for theirs: with no extra in use it equals their loss's config for the same settings (their
+        tests compare it with ``==``), and every key is an argument of this loss's constructor, so
+        ``type(loss)(model, **loss.get_config_dict())`` rebuilds it. (The symmetric loss is said by its
+        ``directions`` and ``partition_mode``, as in theirs; no ``symmetric`` key.)"""
+        config: dict[str, Any] = {
+            "scale": self.scale,
+            "similarity_fct": similarity_name(self.similarity),
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "gather_across_devices": self.gather_across_devices,
+            "directions": ConfigTuple(self.directions),
+            "partition_mode": self.partition_mode,
+            "hardness_mode": self.hardness_mode,
+            "hardness_strength": self.hardness_strength,
+        }
+        return {**config, **self._changed_settings()}
+
+    # ------------------------------------------------------------------ the loss stage
+
+    def _step_data(self, features: list[dict[str, Any]]) -> StepData:
+        # false negatives are recognised by their token ids (embeddings differ under dropout)
+        return StepData(keys=[input_hashes(f) for f in features] if self.mask_duplicates else None)
+
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
+        terms = ranking_terms(
+            step,
+            n_rows,
+            n_columns,
+            self.directions,
+            self.partition_mode,
+            self.hardness_mode,
+            self.hardness_strength,
+        )
+        return {"similarity": self.similarity, **terms}

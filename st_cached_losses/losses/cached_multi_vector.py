@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ast
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -13,27 +14,75 @@ from st_cached_losses.functional.parallel import pad_to_common_tokens
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
-from st_cached_losses.losses.options import (
-    ONE_DIRECTION,
-    check_bool,
-    scoring_config_name,
-    scoring_from_config,
-)
-from st_cached_losses.losses.settings import refused_setting
-from st_cached_losses.losses.signatures import shared_docs
+from st_cached_losses.losses.settings import ONE_DIRECTION
 
 __all__ = ["CachedMultiVectorLoss", "resolve_token_similarity"]
 
 
-def _not_a_multi_vector_setting(name: str) -> property:
-    """A setting of the single-vector losses that this loss does not take: reading or assigning it raises."""
-    return refused_setting(
-        name,
-        "CachedMultiVectorLoss",
-        "like sentence-transformers' CachedMultiVectorMultipleNegativesRankingLoss, it scores each query against "
-        "every document (query_to_doc, one softmax). Use CachedMNRLoss for this option on single-vector models.",
-        "the multi-vector loss",
-    )
+def parse_call(text: str) -> tuple[str, dict[str, Any]] | None:
+    """A scoring function as sentence-transformers' configs write it (``similarity_fct_name``):
+    ``"xtr_scores"`` -> ``("xtr_scores", {})``, ``"XTRScores(top_k=5, chunk_elements=None)"`` ->
+    ``("XTRScores", {"top_k": 5, "chunk_elements": None})``; None for anything else (positional arguments,
+    values that are not literals). Parsed, never evaluated."""
+    try:
+        node = ast.parse(text.strip(), mode="eval").body
+    except SyntaxError:
+        return None
+    if isinstance(node, ast.Name):
+        return node.id, {}
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
+        return None
+    keywords: dict[str, Any] = {}
+    for keyword in node.keywords:
+        if keyword.arg is None:  # **mapping
+            return None
+        try:
+            keywords[keyword.arg] = ast.literal_eval(keyword.value)
+        except ValueError:
+            return None
+    return node.func.id, keywords
+
+
+def scoring_from_config(text: str) -> Callable[..., Tensor]:
+    """A scoring function from its config string (``similarity_fct_name``'s form): ``colbert_scores``,
+    ``mean_colbert_scores`` or ``xtr_scores`` with keyword arguments (a ``functools.partial``), or
+    ``XTRScores(...)``; anything else raises."""
+    from sentence_transformers.multi_vector_encoder import scoring
+
+    call = parse_call(text)
+    functions = {
+        name: getattr(scoring, name)
+        for name in ("colbert_scores", "mean_colbert_scores", "xtr_scores", "XTRScores")
+    }
+    if call is None or call[0] not in functions:
+        raise ValueError(
+            f"similarity_fct={text!r} is not a multi-vector score: use 'maxsim', 'meanmaxsim' or 'xtr', or a "
+            "config's 'colbert_scores', 'mean_colbert_scores(length_normalize=...)', 'xtr_scores(top_k=...)' or "
+            "'XTRScores(top_k=...)'."
+        )
+    name, keywords = call
+    try:
+        if name == "XTRScores":
+            return functions[name](**keywords)
+        # a partial with an unknown keyword is refused below, by the callables' rule
+        return functools.partial(functions[name], **keywords)
+    except TypeError as err:
+        raise ValueError(f"similarity_fct={text!r}: {err}.") from None
+
+
+def scoring_config_name(fn: Any) -> str:
+    """The config's name of a scoring function: sentence-transformers' for theirs; for the core's own
+    :class:`MaxSim` / :class:`XTR`, the name of their function it equals, so that the config rebuilds it and
+    reads as theirs."""
+    from sentence_transformers.util import similarity_fct_name
+
+    if isinstance(fn, str):
+        return fn
+    if isinstance(fn, MaxSim):
+        return "mean_colbert_scores" if fn.length_normalize else "colbert_scores"
+    if isinstance(fn, XTR):
+        return f"xtr_scores(top_k={fn.top_k!r})"
+    return similarity_fct_name(fn)
 
 
 def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None) -> MaxSim | XTR:
@@ -87,14 +136,6 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
     _citations = (GRADCACHE_CITATION, MNRL_CITATION)
     equivalent_st_loss = "CachedMultiVectorMultipleNegativesRankingLoss"
 
-    directions = _not_a_multi_vector_setting("directions")
-    partition_mode = _not_a_multi_vector_setting("partition_mode")
-    symmetric = _not_a_multi_vector_setting("symmetric")
-    hardness_mode = _not_a_multi_vector_setting("hardness_mode")
-    hardness_strength = _not_a_multi_vector_setting("hardness_strength")
-    mask_duplicates = _not_a_multi_vector_setting("mask_duplicates")
-
-    @shared_docs
     def __init__(
         self,
         model: nn.Module,
@@ -183,7 +224,14 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
             1. (query, positive) pairs or (query, positive, negative_1, ..., negative_n) tuples.
             2. A ``MultiVectorEncoder`` (outputs ``token_embeddings`` and a scoring ``attention_mask``).
 
-        {doc:inputs_table}
+        Inputs:
+            +-------------------------------------------------+--------+
+            | Texts                                           | Labels |
+            +=================================================+========+
+            | (query, positive) pairs                         | none   |
+            +-------------------------------------------------+--------+
+            | (query, positive, negative_1, ..., negative_n)  | none   |
+            +-------------------------------------------------+--------+
 
         Relations:
             - Same loss and gradients as ``MultiVectorMultipleNegativesRankingLoss`` and
@@ -201,47 +249,27 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
                 trainer = MultiVectorEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
                 trainer.train()
         """
-        similarity = resolve_token_similarity(similarity_fct)
-        check_positive_int("score_mini_batch_size", score_mini_batch_size)
         super().__init__(
             model,
-            scale,
-            "dot",  # replaced below: the token score is not a (n, d) similarity the base could check
-            mini_batch_size,
-            mini_batch_num_tokens,
-            gather_across_devices,
-            ONE_DIRECTION,
-            "joint",
-            show_progress_bar,
-            path=path,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
+            scale=scale,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            mini_batch_memory_budget=mini_batch_memory_budget,
+            show_progress_bar=show_progress_bar,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
             keep_params_unsharded=keep_params_unsharded,
             graph_memory_budget=graph_memory_budget,
-            mini_batch_memory_budget=mini_batch_memory_budget,
+            path=path,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
         )
+        self.gather_across_devices = gather_across_devices
         self.cache.tokens = True  # the engine caches packed token embeddings and masks
-        self._similarity_fct = similarity_fct  # type: ignore[assignment]
-        self._similarity = similarity
-        self._score_mini_batch_size = score_mini_batch_size
+        self.similarity_fct = similarity_fct
+        self.score_mini_batch_size = score_mini_batch_size
 
     @property
-    def learnable_scale(self) -> bool:
-        """Always False: sentence-transformers' multi-vector losses have a fixed ``scale`` (assigning True
-        raises)."""
-        return False
-
-    @learnable_scale.setter
-    def learnable_scale(self, value: bool) -> None:
-        if check_bool("learnable_scale", value):
-            raise AttributeError(
-                "CachedMultiVectorLoss has a fixed scale (as sentence-transformers' multi-vector losses); "
-                "learnable_scale is not supported."
-            )
-
-    @property  # type: ignore[override]  # None (colbert_scores) as sentence-transformers' default
     def similarity_fct(self) -> Callable[..., Tensor] | str | None:
         """What was given (``None``: ``colbert_scores``)."""
         return self._similarity_fct
@@ -249,7 +277,12 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
     @similarity_fct.setter
     def similarity_fct(self, value: Callable[..., Tensor] | str | None) -> None:
         self._similarity = resolve_token_similarity(value)
-        self._similarity_fct = value  # type: ignore[assignment]
+        self._similarity_fct = value
+
+    @property
+    def similarity(self) -> MaxSim | XTR:
+        """The core's tile score: :class:`~st_cached_losses.functional.multi_vector.MaxSim` or ``XTR``."""
+        return self._similarity
 
     @property
     def score_mini_batch_size(self) -> int | str:
@@ -265,17 +298,13 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
         self._score_mini_batch_size = value
 
     def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
-        return {"terms": mnrl_terms(ONE_DIRECTION, "joint", None, 0.0, n_columns)}
+        return {
+            "similarity": self.similarity,
+            "terms": mnrl_terms(ONE_DIRECTION, "joint", None, 0.0, n_columns),
+        }
 
     def _gatherable(self, embeddings: list[Tensor]) -> list[Tensor]:
         return pad_to_common_tokens(embeddings)
-
-    def _citation_parts(self) -> tuple[str, ...]:
-        return self._citations
-
-    @property
-    def citation(self) -> str:
-        return "".join(self._citations)
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' six keys, the same values for the same settings, then the extras that

@@ -36,17 +36,13 @@ from st_cached_losses.functional.flops import flops_loss_and_grad
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.parallel import agree_on_sizes, loss_and_grad
 from st_cached_losses.functional.sparse import SparseDot
-from st_cached_losses.losses._base import StepData
+from st_cached_losses.losses._base import StepData, check_columns
 from st_cached_losses.losses.citations import (
     FLOPS_CITATION,
     GRADCACHE_CITATION,
     SPLADE_CITATION,
 )
-from st_cached_losses.losses.options import (
-    ONE_DIRECTION,
-    check_bool,
-    check_columns,
-)
+from st_cached_losses.losses.settings import check_bool
 from st_cached_losses.losses.sparse_cache import CompactSparseRows, zero_gradient_at_zero
 from st_cached_losses.losses.sparse_settings import SparseLossSettings, is_flops, on_core, weight_value
 
@@ -212,30 +208,22 @@ class CachedSparseLoss(SparseLossSettings):
                 f"CachedSparseLoss: the base loss {type(loss).__name__} has no compute_loss_from_embeddings"
                 "(embeddings, labels) method; pass a sparse-encoder loss such as SparseMultipleNegativesRankingLoss."
             )
-        core = on_core(loss)
-        base: Any = loss  # its settings, when the core computes it
         super().__init__(
             model,
-            base.scale if core else 1.0,
-            base.similarity_fct if core else "dot",
-            mini_batch_size,
-            mini_batch_num_tokens,
-            base.gather_across_devices if core else False,
-            base.directions if core else ONE_DIRECTION,
-            base.partition_mode if core else "joint",
-            show_progress_bar,
-            base.hardness_mode if core else None,
-            base.hardness_strength if core else 0.0,
-            path=path,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
-            mask_duplicates=mask_duplicates,
+            scale=cast(Any, loss).scale if on_core(loss) else 1.0,
+            mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens,
+            mini_batch_memory_budget=mini_batch_memory_budget,
+            show_progress_bar=show_progress_bar,
             sort_by_length=sort_by_length,
             reuse_last_graph=reuse_last_graph,
             keep_params_unsharded=keep_params_unsharded,
             graph_memory_budget=graph_memory_budget,
-            mini_batch_memory_budget=mini_batch_memory_budget,
+            path=path,
+            tile_size=tile_size,
+            memory_budget=memory_budget,
         )
+        self.mask_duplicates = mask_duplicates
         self.loss = loss
         self._checked: tuple[Any, ...] | None = None
         self._document_regularizer_weight: float = weight_value(
@@ -276,7 +264,7 @@ class CachedSparseLoss(SparseLossSettings):
             )
             query_weight = None
         self._query_regularizer_weight = query_weight
-        if core:
+        if on_core(loss):
             self._core_options()
         # the engine's cache keeps the embeddings packed when that is exact and saves memory
         self.cache.form = CompactSparseRows(self._compact_allowed, across=self._compact_across)

@@ -6,14 +6,12 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses.cached_mnr import CachedMNRLoss
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION, INFCL_CITATION
-from st_cached_losses.losses.options import ONE_DIRECTION, TWO_DIRECTIONS
-from st_cached_losses.losses.signatures import arguments, shared_docs
+from st_cached_losses.losses.settings import ONE_DIRECTION, TWO_DIRECTIONS
 
 
-class CachedTiledLoss(CachedInfoNCEBase):
-    @shared_docs
+class CachedTiledLoss(CachedMNRLoss):
     def __init__(
         self,
         model: nn.Module,
@@ -52,30 +50,24 @@ class CachedTiledLoss(CachedInfoNCEBase):
 
         Args:
             model: the SentenceTransformer to train.
-            scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity. The initial value when learnable.
-            {doc:similarity}
-            {doc:mini_batches}
-            gather_across_devices: score each process's anchors against the candidates of every process (by ring exchange).
+            gather_across_devices: score each process's anchors against the candidates of every process, by
+                ring exchange (each process holds its own rows and one visiting block).
             directions: the similarity terms of each row (default ``("query_to_doc",)``, or both directions
-                with ``symmetric=True``), as sentence-transformers' ``MultipleNegativesRankingLoss``:
-                {doc:directions}
-            {doc:partition_mode}
-                Default ``"joint"``, or ``"per_direction"`` with ``symmetric=True``.
-            {doc:hardness}
+                with ``symmetric=True``); as :class:`CachedMNRLoss`'s.
+            partition_mode: as :class:`CachedMNRLoss`'s; default ``"joint"``, or ``"per_direction"`` with
+                ``symmetric=True``.
             symmetric: shorthand: True for ``directions=("query_to_doc", "doc_to_query")``,
                 ``partition_mode="per_direction"`` (the CLIP loss), False for ``("query_to_doc",)``; None
                 (default): as ``directions`` say. Given with ``directions`` / ``partition_mode`` that say
                 otherwise (e.g. ``symmetric=True, partition_mode="joint"``), it raises: both directions in
                 one softmax are ``directions=("query_to_doc", "doc_to_query"), partition_mode="joint"``.
             tile_size: side of a logit tile (default: from ``memory_budget``, at most 2048).
-            learnable_scale: learn the scale as ``logit_scale = log(scale)``, clamped at ``max_scale``; give
-                the trainer ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it with checkpoints.
-            max_scale: the clamp of a learned scale.
-            {doc:mask_duplicates}
-                With ``symmetric``, a positive's negatives lose the anchors of its row's duplicates too, so both
-                directions are masked alike.
-            {doc:engine}
             memory_budget: bytes of logit tiles the loss stage may hold at once when ``tile_size`` is None.
+            mask_duplicates: as :class:`CachedMNRLoss`'s; with ``symmetric``, a positive's negatives lose the
+                anchors of its row's duplicates too, so both directions are masked alike.
+
+        Every other argument is :class:`CachedMNRLoss`'s, with the same default and meaning; the loss stage's
+        ``path`` is always ``"tiled"``.
 
         References:
             - Cheng et al., Breaking the Memory Barrier: Near Infinite Batch Size Scaling for Contrastive Loss,
@@ -83,7 +75,7 @@ class CachedTiledLoss(CachedInfoNCEBase):
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
               https://huggingface.co/papers/2101.06983
 
-        {doc:inputs}
+        Inputs: as :class:`CachedMNRLoss`'s.
 
         Relations:
             - Same loss as :class:`CachedMNRLoss` (``symmetric=False``) or :class:`CachedCLIPLoss`
@@ -101,8 +93,30 @@ class CachedTiledLoss(CachedInfoNCEBase):
                 trainer.train()
         """
         directions, partition_mode = _resolve_symmetric(symmetric, directions, partition_mode)
-        del symmetric  # resolved into directions and partition_mode
-        super().__init__(**arguments(locals(), path="tiled"))
+        super().__init__(
+            model,
+            scale,
+            similarity_fct,
+            mini_batch_size,
+            mini_batch_num_tokens,
+            gather_across_devices,
+            directions,
+            partition_mode,
+            show_progress_bar,
+            hardness_mode,
+            hardness_strength,
+            learnable_scale=learnable_scale,
+            max_scale=max_scale,
+            mask_duplicates=mask_duplicates,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+            keep_params_unsharded=keep_params_unsharded,
+            graph_memory_budget=graph_memory_budget,
+            mini_batch_memory_budget=mini_batch_memory_budget,
+            path="tiled",
+            tile_size=tile_size,
+            memory_budget=memory_budget,
+        )
 
     def _citation_parts(self) -> tuple[str, ...]:
         return (GRADCACHE_CITATION, INFCL_CITATION, *((CLIP_CITATION,) if self.symmetric else ()))

@@ -1,5 +1,7 @@
-"""One spec per loss setting: its default, its one check (one wording), its help text, whether the model
-card's config lists it, and which field of the arguments sets it.
+"""The losses' settings: one spec per setting (its default, its one check and wording, its help text, whether
+the model card's config lists it), the :class:`Setting` descriptor that checks a plain setting on every
+assignment, and the checks of the settings that go together (``directions`` with ``partition_mode``, the
+hardness options) or need sentence-transformers' objects (the similarity function).
 
 Every loss setting that is a field of the arguments has a spec here. The losses check their arguments
 with these specs' checks (constructor and every assignment), the plain settings are :class:`Setting`
@@ -12,12 +14,18 @@ its field line (the annotation the parser reads) and its parameter in the signat
 
 from __future__ import annotations
 
+import difflib
+import functools
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, overload
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, scale_value
+import torch
+from torch import Tensor
+
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, Similarity, scale_value
 from st_cached_losses.functional.checks import (
     check_mini_batch_num_tokens,
     check_mini_batch_size,
@@ -26,15 +34,28 @@ from st_cached_losses.functional.checks import (
     memory_bytes,
 )
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "FIELD_NAMES",
     "NOT_FIELDS",
+    "ONE_DIRECTION",
     "SPECS",
+    "TWO_DIRECTIONS",
+    "VALID_DIRECTIONS",
+    "VALID_HARDNESS_MODES",
+    "VALID_PARTITION_MODES",
+    "ConfigTuple",
     "Setting",
     "Spec",
     "check_bool",
+    "check_directions",
+    "check_hardness",
     "check_max_scale",
     "check_nonnegative",
+    "closest_name_hint",
+    "resolve_similarity",
+    "similarity_name",
 ]
 
 T = TypeVar("T")
@@ -135,8 +156,8 @@ def _num_negatives(name: str, value: Any) -> int | None:
 
 def _unchecked(name: str, value: Any) -> Any:
     """For the settings checked together with another (``directions`` with ``partition_mode``:
-    ``options.check_directions``; ``hardness_mode`` with ``hardness_strength``: ``options.check_hardness``)
-    or by the loss that takes them (``similarity_fct``, ``guide``)."""
+    :func:`check_directions`; ``hardness_mode`` with ``hardness_strength``: :func:`check_hardness`) or by the
+    loss that takes them (``similarity_fct``, ``guide``)."""
     return value
 
 
@@ -166,7 +187,8 @@ SPECS: dict[str, Spec] = {
     ),
     "learnable_scale": Spec(
         False,
-        "Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale ('clip' and 'tiled' only).",
+        "Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale ('mnr', 'clip', 'tiled' and "
+        "'gist').",
         check_bool,
     ),
     "max_scale": Spec(100.0, "Upper clamp of a learnable scale (CLIP uses 100).", _positive_number),
@@ -394,7 +416,7 @@ class Setting(Generic[T]):
             return getattr(obj.cache, self.name)  # type: ignore[attr-defined]
         return obj.__dict__["_" + self.name]
 
-    def __set__(self, obj: object, value: T) -> None:
+    def __set__(self, obj: object, value: Any) -> None:  # the check turns it into a T (e.g. '2GB')
         assert self.check is not None  # set by __set_name__
         value = self.check(self.name, value)
         if self.on_engine:
@@ -403,11 +425,141 @@ class Setting(Generic[T]):
             obj.__dict__["_" + self.name] = value
 
 
-def refused_setting(name: str, loss: str, reason: str, used_by: str) -> property:
-    """A setting of the other losses that ``loss`` does not take: reading or assigning it raises an
-    ``AttributeError`` saying ``reason``; ``used_by`` names the loss in the property's doc."""
+def closest_name_hint(word: str, choices: Sequence[str]) -> str:
+    """``" Did you mean 'x'?"`` for the choice closest to a misspelt ``word``, or ``""`` if none is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" Did you mean {close[0]!r}?" if close else ""
 
-    def refuse(*_: Any) -> Any:
-        raise AttributeError(f"{loss} has no setting {name!r}: {reason}")
 
-    return property(refuse, refuse, doc=f"Not used by {used_by}: reading or assigning {name!r} raises.")
+def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarity:
+    """Map sentence-transformers' ``cos_sim`` / ``dot_score`` (or "cosine" / "dot") to the core's GEMM
+    scores; any other function ``f(a, b) -> (len(a), len(b))`` (``util.euclidean_sim``,
+    ``util.manhattan_sim``, a user's) is scored exactly tile by tile through autograd (slower).
+
+    A ``functools.partial`` of cos_sim / dot_score with nothing bound counts as the function.
+    """
+    if isinstance(similarity_fct, str):
+        aliases = {
+            "cosine": "cosine",
+            "cos_sim": "cosine",
+            "cos": "cosine",
+            "dot": "dot",
+            "dot_score": "dot",
+            "dot_product": "dot",
+        }
+        if similarity_fct.lower() in aliases:
+            return aliases[similarity_fct.lower()]  # type: ignore[return-value]
+        raise ValueError(
+            f"similarity_fct={similarity_fct!r} is not a similarity name: pass 'cosine', 'dot' or a function such "
+            "as sentence_transformers.util.cos_sim, dot_score, euclidean_sim or manhattan_sim."
+        )
+    if not callable(similarity_fct):
+        raise ValueError(
+            f"similarity_fct must be a function f(a, b) -> (len(a), len(b)) scores or a name, got {similarity_fct!r}."
+        )
+    from sentence_transformers.util import cos_sim, dot_score
+
+    fn = similarity_fct
+    if isinstance(fn, functools.partial) and not fn.args and not fn.keywords:
+        fn = fn.func  # a bare partial(cos_sim) is cos_sim
+    if fn is cos_sim:
+        return "cosine"
+    if fn is dot_score:
+        return "dot"
+    # tried once on tiny inputs, so that a function of another shape fails here and not mid-training
+    try:
+        scores = similarity_fct(torch.randn(2, 3), torch.randn(4, 3))
+    except Exception as exc:
+        raise ValueError(
+            f"similarity_fct={similarity_fct!r} failed on a (2, 3) and a (4, 3) tensor ({exc}); it must map "
+            "embeddings a (n, d) and b (m, d) to an (n, m) similarity matrix, like sentence_transformers.util.cos_sim."
+        ) from exc
+    if not isinstance(scores, Tensor) or scores.shape != (2, 4):
+        got = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
+        raise ValueError(
+            f"similarity_fct={similarity_fct!r} must map embeddings a (n, d) and b (m, d) to an (n, m) similarity "
+            f"matrix, like sentence_transformers.util.cos_sim; on (2, 3) and (4, 3) it returned {got}."
+        )
+    return similarity_fct
+
+
+def similarity_name(similarity: Similarity) -> str:
+    """The config's name of a similarity (sentence-transformers writes the function's ``__name__``)."""
+    if isinstance(similarity, str):
+        return {"cosine": "cos_sim", "dot": "dot_score"}[similarity]
+    return getattr(similarity, "__name__", type(similarity).__name__)
+
+
+#: the values sentence-transformers' MultipleNegativesRankingLoss accepts for these options
+VALID_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
+VALID_PARTITION_MODES = ("joint", "per_direction")
+VALID_HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
+ONE_DIRECTION = ("query_to_doc",)
+TWO_DIRECTIONS = ("query_to_doc", "doc_to_query")
+
+
+class ConfigTuple(tuple[str, ...]):
+    """A tuple in a loss's config (``directions``, a tuple as in sentence-transformers' config) that also
+    equals the list a JSON round trip makes of it, so a config read back from a model card compares equal."""
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, list):
+            return list(self) == other
+        return tuple.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = tuple.__hash__
+
+
+def check_directions(directions: Sequence[str], partition_mode: str, owner: str) -> tuple[str, ...]:
+    """sentence-transformers' checks of ``directions`` and ``partition_mode`` (same rules and messages, plus
+    the fix); every valid combination is computed."""
+    if isinstance(directions, str) or not isinstance(directions, Sequence):
+        raise ValueError(
+            f"{owner}: directions must be a tuple of direction names, e.g. ('query_to_doc',), got {directions!r}."
+        )
+    directions = tuple(directions)
+    if not directions:
+        raise ValueError("At least one direction must be specified.")
+    unknown = [d for d in directions if d not in VALID_DIRECTIONS]
+    if unknown:
+        raise ValueError(
+            f"Invalid directions: {set(unknown)}. Valid: {set(VALID_DIRECTIONS)}"
+            f"{closest_name_hint(str(unknown[0]), VALID_DIRECTIONS)}"
+        )
+    if "query_to_doc" not in directions:
+        raise ValueError("'query_to_doc' direction is required (contains the positive pair).")
+    if len(set(directions)) != len(directions):
+        raise ValueError(f"{owner}: directions={directions!r} names a direction twice; name each once.")
+    if partition_mode not in VALID_PARTITION_MODES:
+        raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
+    if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
+        raise ValueError(
+            "partition_mode='per_direction' requires every direction's candidate pool to include the positive pair. "
+            "'query_to_query' and 'doc_to_doc' only contain same-type similarities and never include the positive, "
+            "making the per-direction loss ill-defined. Use partition_mode='joint' instead."
+        )
+    return directions
+
+
+def check_hardness(hardness_mode: str | None, hardness_strength: float, owner: str) -> None:
+    """sentence-transformers' checks (and warning) of the hardness options."""
+    if hardness_mode not in VALID_HARDNESS_MODES:
+        modes = [mode for mode in VALID_HARDNESS_MODES if mode is not None]
+        raise ValueError(
+            f"hardness_mode must be one of {', '.join(map(repr, modes))} (or leave it unset: no hardness weighting), "
+            f"got {hardness_mode!r}.{closest_name_hint(str(hardness_mode), modes)}"
+        )
+    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
+        raise ValueError(
+            f"{owner}: hardness_strength must be a non-negative number, got {hardness_strength!r}."
+        )
+    if not hardness_strength >= 0.0:
+        raise ValueError("hardness_strength must be non-negative.")
+    if hardness_mode is not None and hardness_strength == 0.0:
+        logger.warning(
+            f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
+            "effect. Set hardness_strength to a positive value to enable hardness weighting."
+        )

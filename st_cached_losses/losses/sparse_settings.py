@@ -17,18 +17,18 @@ from sentence_transformers.sparse_encoder.losses import FlopsLoss
 from torch import Tensor, nn
 
 from st_cached_losses.functional import Similarity, scale_value
-from st_cached_losses.losses._base import CachedInfoNCEBase
-from st_cached_losses.losses.citations import GTE_CITATION, HARDNESS_CITATION
-from st_cached_losses.losses.options import (
+from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
+from st_cached_losses.losses.cached_mnr import ranking_citations, ranking_terms
+from st_cached_losses.losses.settings import (
     ONE_DIRECTION,
+    SPECS,
     TWO_DIRECTIONS,
-    VALID_DIRECTIONS,
+    Setting,
     check_bool,
     check_directions,
     check_hardness,
     resolve_similarity,
 )
-from st_cached_losses.losses.settings import SPECS
 from st_cached_losses.losses.settings import check_nonnegative as weight_value  # the weights' one check
 
 logger = logging.getLogger(__name__)
@@ -85,6 +85,8 @@ class SparseLossSettings(CachedInfoNCEBase):
     _query_regularizer_weight: float | None
     _use_document_regularizer_only: bool
     _checked: tuple[Any, ...] | None
+
+    mask_duplicates = Setting[bool]()
 
     # ------------------------------------------------------------------ settings
 
@@ -174,19 +176,6 @@ class SparseLossSettings(CachedInfoNCEBase):
             )
         regularizer.threshold = value  # read by the regulariser at every step (FLOPS counts rows above it)
 
-    @property
-    def learnable_scale(self) -> bool:
-        """Always False: the base loss's ``scale`` is the temperature, fixed as in sentence-transformers."""
-        return False
-
-    @learnable_scale.setter
-    def learnable_scale(self, value: bool) -> None:
-        if check_bool("learnable_scale", value):
-            raise ValueError(
-                "CachedSparseLoss has no learnable scale: the base loss's scale is fixed, as in sentence-transformers' "
-                "SpladeLoss. Use CachedCLIPLoss / CachedMNRLoss for a learned temperature."
-            )
-
     def _mnrl(self, name: str) -> MultipleNegativesRankingLoss:
         """The base loss, when the core computes it; reading its settings otherwise is an error."""
         if not on_core(self.loss):
@@ -253,6 +242,19 @@ class SparseLossSettings(CachedInfoNCEBase):
     def scale_tensor(self) -> Tensor | float:
         return self._core_options()[0]
 
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
+        _, similarity = self._core_options()
+        terms = ranking_terms(
+            step,
+            n_rows,
+            n_columns,
+            self._directions,
+            self._partition_mode,
+            self._hardness_mode,
+            self._hardness_strength,
+        )
+        return {"similarity": similarity, **terms}
+
     # ------------------------------------------------------------------ model card
 
     def get_config_dict(self) -> dict[str, Any]:
@@ -289,10 +291,9 @@ class SparseLossSettings(CachedInfoNCEBase):
     @property
     def citation(self) -> str:
         """BibTeX for the model card: GradCache, SPLADE, FLOPS, and the base loss's options' papers."""
-        extra = []
+        extra: tuple[str, ...] = ()
         if on_core(self.loss):
-            if set(self.directions) == set(VALID_DIRECTIONS) and self.partition_mode == "joint":
-                extra.append(GTE_CITATION)
-            if self.hardness_mode is not None and self.hardness_strength > 0:
-                extra.append(HARDNESS_CITATION)
-        return "".join([*self._citations, *extra])
+            extra = ranking_citations(
+                self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength
+            )
+        return "".join(self._citations + extra)

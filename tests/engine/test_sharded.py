@@ -585,7 +585,7 @@ def _failure_worker(rank: int, world: int, path: str, cases: list[str]):
     where only rank 1's input is bad; what each rank raised and how long it took; then a clean step on
     every rank, which shows that none was left inside a collective (or FSDP2 in a broken state)."""
     from st_cached_losses import CachedMNRLoss
-    from st_cached_losses.losses.options import check_columns
+    from st_cached_losses.losses._base import check_columns
 
     model = shard(load_model(path))
     out = {}
