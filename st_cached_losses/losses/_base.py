@@ -133,6 +133,14 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     tile_size = Setting[int | None]()
     memory_budget = Setting[int]()
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a setting (a property or Setting of the class) receives every value assigned to it: nn.Module would
+        # file a module value (a similarity module, a guide) under _modules before the setter could check it
+        if isinstance(getattr(type(self), name, None), (property, Setting)):
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def __init__(
         self,
         model: nn.Module,

@@ -123,24 +123,24 @@ class CachedGISTLoss(LearnableScale):
             raise ValueError(_NO_TOKENIZER)
         # kept from construction: the trainer later puts a DDP / FSDP wrapper, without a tokenizer, in .model
         self._model_tokenizer = cast(Any, model).tokenizer
-        self.guide = guide  # checked, and must_retokenize decided (see __setattr__)
+        self.guide = guide  # checked, and must_retokenize decided
         self.margin_strategy = margin_strategy
         self.margin = margin
         self.contrast_anchors = contrast_anchors
         self.contrast_positives = contrast_positives
         self._init_learnable_scale(learnable_scale, max_scale)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        # nn.Module files a module (the guide) before any property could see it: the one setting whose
-        # assignment is checked here
-        if name == "guide":
-            # at construction and on every assignment: a guide that cannot serve raises, and whether it reads
-            # the model's token ids or the re-tokenised texts is decided for this guide
-            self._check_guide(value, self.gather_across_devices)
-            super().__setattr__(name, value)
-            super().__setattr__("must_retokenize", cast(Any, self._must_retokenize(value)))
-            return
-        super().__setattr__(name, value)
+    @property
+    def guide(self) -> nn.Module:
+        """The guide model (a registered submodule, as in sentence-transformers). Assigning one checks it as at
+        construction and decides again whether it reads the model's token ids or the re-tokenised texts."""
+        return self._modules["guide"]  # type: ignore[return-value]
+
+    @guide.setter
+    def guide(self, value: nn.Module) -> None:
+        self._check_guide(value, self.gather_across_devices)
+        self._modules["guide"] = value
+        self.must_retokenize = self._must_retokenize(value)
 
     @staticmethod
     def _check_guide(guide: nn.Module, gather: bool) -> None:
