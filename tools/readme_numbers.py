@@ -14,9 +14,9 @@ test suite, the demo and the examples.
 Every measured number goes to ``benchmarks/results/readme_numbers.json`` with the machine's CPU count and
 the date, merged with the numbers measured before. Run from the repository root::
 
-    .venv/bin/python benchmarks/readme_numbers.py                      # the count: collected vs stated
-    .venv/bin/python benchmarks/readme_numbers.py --write              # the README states the collected count
-    .venv/bin/python benchmarks/readme_numbers.py --measure demo examples --write
+    .venv/bin/python tools/readme_numbers.py                      # the count: collected vs stated
+    .venv/bin/python tools/readme_numbers.py --write              # the README states the collected count
+    .venv/bin/python tools/readme_numbers.py --measure demo examples --write
 """
 
 from __future__ import annotations
