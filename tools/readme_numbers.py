@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--measure", nargs="+", choices=("test", "demo", "examples"), default=[])
     parser.add_argument("--write", action="store_true", help="rewrite README.md (and examples/README.md)")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if the count is > {TOLERANCE:.0%} off")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if the count is > {TOLERANCE:.0%}% off")
     parser.add_argument(
         "--python", default=sys.executable, help="the Python that runs pytest and the scripts"
     )
