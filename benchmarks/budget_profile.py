@@ -23,19 +23,17 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from benchmarks.graph_budget import minilm, read_rows  # noqa: E402
-from benchmarks.kept_forward import minor_faults  # noqa: E402
+from benchmarks.graph_budget import minilm, read_rows
+from benchmarks.kept_forward import minor_faults
 
 
 def recorded_half_peak(b: int, length: int) -> int | None:

@@ -25,18 +25,16 @@ import csv
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from benchmarks.graph_budget import minilm  # noqa: E402
+from benchmarks.graph_budget import minilm
 
 
 def minor_faults() -> int:

@@ -26,21 +26,19 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad  # noqa: E402
-from st_cached_losses.functional.directions import Guide  # noqa: E402
-from st_cached_losses.functional.terms import gist_terms, mnrl_terms  # noqa: E402
-from tests.support.memory import PeakMemory  # noqa: E402
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad
+from st_cached_losses.functional.directions import Guide
+from st_cached_losses.functional.terms import gist_terms, mnrl_terms
+from tests.support.memory import PeakMemory
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CASES = {
