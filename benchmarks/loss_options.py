@@ -1,7 +1,7 @@
 """The loss stage with sentence-transformers' options and with GIST: time and memory at d = 384.
 
-The rows ``benchmarks/loss_stage.py`` has for the one-directional and symmetric losses, for the losses
-issue 12 added, measured side by side in one run (medians of ``--repeats``, interleaved):
+The rows ``benchmarks/loss_stage.py`` has for the one-directional and symmetric losses, for
+sentence-transformers' options and GIST, measured side by side in one run (medians of ``--repeats``, interleaved):
 
 * ``4-directions-joint``: ``directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")``,
   ``partition_mode="joint"`` (GTE);

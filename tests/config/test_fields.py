@@ -148,7 +148,7 @@ def test_fields_of_engine_settings_reach_the_loss(tmp_path):
 
 
 def test_mini_batch_size_auto_from_the_command_line_and_a_file(tmp_path):
-    """``auto`` (issue 21) is a value of the arguments too: from the command line (any case), a dict / YAML
+    """``auto`` is a value of the arguments too: from the command line (any case), a dict / YAML
     value, for rows or tokens; it reaches the loss with the memory budget, warns nothing about caching, and
     a word that is neither a count nor auto is a one-line parser error naming the field."""
     from tests.support.tiny_model import make_tiny_model

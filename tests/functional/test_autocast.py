@@ -1,4 +1,4 @@
-"""One dtype rule for the loss stage (issue 18): under ``torch.autocast(bfloat16)`` the similarities,
+"""One dtype rule for the loss stage: under ``torch.autocast(bfloat16)`` the similarities,
 statistics and gradients stay in fp32, on every path and for every option, so the loss and gradients
 are no further from the fp32 run than twice the dense reference's own bf16 error (here: equal to the
 fp32 run, since the loss stage ignores the caller's autocast), including the near-converged batch at

@@ -1,5 +1,5 @@
-"""The one core (issue 19): duplicate masks compose with every option on every path, and any similarity
-function sentence-transformers accepts is exact."""
+"""Duplicate masks and similarity functions in the core: duplicate masks compose with every option on every path,
+and any similarity function sentence-transformers accepts is exact."""
 
 from __future__ import annotations
 
