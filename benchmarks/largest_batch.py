@@ -27,21 +27,18 @@ import csv
 import functools
 import gc
 import os
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from _common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from st_cached_losses.functional.checks import memory_bytes  # noqa: E402
-from tests.support.memory import PeakMemory  # noqa: E402
+from st_cached_losses.functional.checks import memory_bytes
+from tests.support.memory import PeakMemory
 
 MiB = 2**20
 

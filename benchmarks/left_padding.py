@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import _common  # noqa: F401  (the repository root first on sys.path)
 import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -10,13 +10,10 @@ Run: ``.venv/bin/python benchmarks/loss_core_demo.py`` (about a minute and 300 M
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
+import _common  # noqa: F401  (the repository root first on sys.path)
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from st_cached_losses.functional import infonce_loss_and_grad
 from tests.support.memory import PeakMemory

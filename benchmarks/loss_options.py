@@ -1,7 +1,7 @@
 """The loss stage with sentence-transformers' options and with GIST: time and memory at d = 384.
 
-The rows ``benchmarks/loss_stage.py`` has for the one-directional and symmetric losses, for the losses
-issue 12 added, measured side by side in one run (medians of ``--repeats``, interleaved):
+The rows ``benchmarks/loss_stage.py`` has for the one-directional and symmetric losses, for
+sentence-transformers' options and GIST, measured side by side in one run (medians of ``--repeats``, interleaved):
 
 * ``4-directions-joint``: ``directions=("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")``,
   ``partition_mode="joint"`` (GTE);
@@ -26,21 +26,19 @@ import gc
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad  # noqa: E402
-from st_cached_losses.functional.directions import Guide  # noqa: E402
-from st_cached_losses.functional.terms import gist_terms, mnrl_terms  # noqa: E402
-from tests.support.memory import PeakMemory  # noqa: E402
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad
+from st_cached_losses.functional.directions import Guide
+from st_cached_losses.functional.terms import gist_terms, mnrl_terms
+from tests.support.memory import PeakMemory
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 CASES = {

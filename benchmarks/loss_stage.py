@@ -30,20 +30,18 @@ import csv
 import gc
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad  # noqa: E402
-from tests.support.memory import PeakMemory  # noqa: E402
-from tests.support.reference import reference_infonce, reference_infonce_blockwise_float64  # noqa: E402
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad
+from tests.support.memory import PeakMemory
+from tests.support.reference import reference_infonce, reference_infonce_blockwise_float64
 
 DENSE_LIMIT_BYTES = 12 * 2**30  # three B x C fp32 matrices must fit
 CHUNK_BUDGET = DEFAULT_MEMORY_BUDGET  # the matmul bound is chunked like ours

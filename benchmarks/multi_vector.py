@@ -25,19 +25,17 @@ import argparse
 import csv
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
+from _common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from st_cached_losses.functional import infonce_loss_and_grad  # noqa: E402
-from st_cached_losses.functional.multi_vector import MaxSim, pack_tokens  # noqa: E402
-from tests.support.memory import PeakMemory  # noqa: E402
+from st_cached_losses.functional import infonce_loss_and_grad
+from st_cached_losses.functional.multi_vector import MaxSim, pack_tokens
+from tests.support.memory import PeakMemory
 
 
 def inputs(b: int, n_cols: int, tq: int, td: int, d: int, seed: int = 0):

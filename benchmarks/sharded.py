@@ -54,8 +54,8 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import ROOT
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 #: (hidden, layers, attention heads, key/value heads, MLP width, vocabulary) of a Qwen2-style decoder

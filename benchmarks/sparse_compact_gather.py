@@ -12,7 +12,7 @@ regularisers, with gradients); the dense form is the same step with the form kep
 both forms are checked to agree (rtol 1e-5). Peak: tensor bytes allocated in the loss stage and alive at once
 (``tests/support/memory.py``).
 
-Run: ``PYTHONPATH=. .venv/bin/python benchmarks/sparse_compact_gather.py`` (``--rows 384,256``, ``--nnz 200``).
+Run: ``.venv/bin/python benchmarks/sparse_compact_gather.py`` (``--rows 384,256``, ``--nnz 200``).
 Prints a markdown table (rank 0's bytes, and the largest peak over processes).
 """
 
@@ -20,19 +20,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 from pathlib import Path
 
+import _common  # noqa: F401  (the repository root first on sys.path)
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from benchmarks.sparse_loss_stage import COLUMNS, splade_like  # noqa: E402
-from tests.support.dist_utils import run_distributed  # noqa: E402
-from tests.support.memory import PeakMemory  # noqa: E402
+from benchmarks.sparse_loss_stage import COLUMNS, splade_like
+from tests.support.dist_utils import run_distributed
+from tests.support.memory import PeakMemory
 
 MINI_BATCH = 32
 

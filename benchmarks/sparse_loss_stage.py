@@ -25,18 +25,16 @@ import csv
 import gc
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _common import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.support.memory import PeakMemory  # noqa: E402
+from tests.support.memory import PeakMemory
 
 COLUMNS = 3  # anchor, positive, one hard negative
 

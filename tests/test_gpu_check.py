@@ -1,4 +1,4 @@
-"""``make gpu-check`` (benchmarks/gpu_check.sh): a one-line no-op without a CUDA GPU, so CPU-only CI
+"""``make gpu-check`` (tools/gpu_check.sh): a one-line no-op without a CUDA GPU, so CPU-only CI
 stays green; with one, the steps it runs (checked here as a dry run behind a fake ``nvidia-smi``)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+SCRIPT = ROOT / "tools" / "gpu_check.sh"
 NO_GPU = "gpu-check: skipped, no CUDA GPU on this machine ("
 
 
@@ -113,9 +113,9 @@ def test_gpu_check_with_a_gpu_runs_suite_and_benchmarks_on_cuda(tmp_path):
     assert not (tmp_path / "venv").exists() and not (tmp_path / "out").exists()
 
 
-# --- the offline install step (benchmarks/gpu_venv.sh) -------------------------------------------------
+# --- the offline install step (tools/gpu_venv.sh) -------------------------------------------------
 
-VENV_SCRIPT = ROOT / "benchmarks" / "gpu_venv.sh"
+VENV_SCRIPT = ROOT / "tools" / "gpu_venv.sh"
 
 
 def make_wheel(folder: Path, name: str, version: str, requires: list[str], files: dict[str, str]) -> Path:

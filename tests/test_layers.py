@@ -192,8 +192,8 @@ _NOT_COLLECTIVES = {"is_distributed", "rank", "world_size", "warn_no_process_gro
 
 
 def test_losses_call_no_collective():
-    """The losses orchestrate: a collective they need runs inside the functional layer or the engine (issue 32,
-    finding 9: ``losses/sparse_cache.py`` all-reduced its cache form itself)."""
+    """The losses orchestrate: a collective they need runs inside the functional layer or the engine
+    (``losses/sparse_cache.py`` once all-reduced its cache form itself)."""
     import st_cached_losses.distributed as distributed
 
     collectives = set(distributed.__all__) - _NOT_COLLECTIVES

@@ -1,4 +1,4 @@
-"""README.md's set-up numbers follow the suite (``benchmarks/readme_numbers.py``): the test count it states
+"""README.md's set-up numbers follow the suite (``tools/readme_numbers.py``): the test count it states
 is within 25% of what pytest collects, and the script finds and rewrites each number it maintains."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def numbers():
-    spec = importlib.util.spec_from_file_location("readme_numbers", ROOT / "benchmarks" / "readme_numbers.py")
+    spec = importlib.util.spec_from_file_location("readme_numbers", ROOT / "tools" / "readme_numbers.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -26,7 +26,7 @@ def test_the_readmes_test_count_is_within_25_percent_of_the_collected_count(numb
     collected = numbers.collected_count(sys.executable, ROOT)
     assert numbers.off_by(stated, collected) <= numbers.TOLERANCE, (
         f"README.md says {stated} tests, pytest collects {collected}: run "
-        "`.venv/bin/python benchmarks/readme_numbers.py --write`"
+        "`.venv/bin/python tools/readme_numbers.py --write`"
     )
 
 

@@ -7,7 +7,7 @@ Every loss setting that is a field of the arguments has a spec here. The losses 
 with these specs' checks (constructor and every assignment), the plain settings are :class:`Setting`
 descriptors built from them, ``get_config_dict`` lists the extras from them, and the configuration layer
 builds each field from its spec (default, help) and checks it with the spec's check, refusing it for a
-loss whose signature lacks it (``tests/config/test_training_args.py`` holds that every constructor argument
+loss whose signature lacks it (``tests/config/test_fields.py`` holds that every constructor argument
 of every loss is a field, or on :data:`NOT_FIELDS` with the reason). Adding a setting is one entry here,
 its field line (the annotation the parser reads) and its parameter in the signatures, and its use.
 """

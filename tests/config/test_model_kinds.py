@@ -1,4 +1,4 @@
-"""The arguments route for every model kind (issue 32, finding 3): 'sparse' trains a SparseEncoder through
+"""The arguments route for every model kind: 'sparse' trains a SparseEncoder through
 SparseEncoderTrainer and 'multi_vector' a MultiVectorEncoder through MultiVectorEncoderTrainer, each from its own
 arguments class (one spec per setting: the classes share CachedLossArguments' fields), with their data collators'
 task stamping: the first column tokenized as queries (ColBERT's query expansion included)."""

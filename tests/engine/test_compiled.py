@@ -1,5 +1,5 @@
 """A compiled model (``torch_compile=True`` in the arguments: the trainer hands the loss a
-``torch.compile``'d model), issue 32 finding 13, on CPU with dropout on.
+``torch.compile``'d model), on CPU with dropout on.
 
 * The replay redraws the compiled forward's dropout masks: the cached loss's gradients equal the
   non-cached loss's (sentence-transformers' ``MultipleNegativesRankingLoss`` on the embeddings of the same

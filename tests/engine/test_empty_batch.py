@@ -1,4 +1,4 @@
-"""A batch with no rows (issue 18): a ``ValueError`` naming the column and the batch, in training and in
+"""A batch with no rows: a ``ValueError`` naming the column and the batch, in training and in
 evaluation, on one process; across processes (DDP, 2 gloo processes, with and without
 ``gather_across_devices``) one process at 0 rows stops every process within seconds through the
 library's raise-on-every-process path, not through a peer's timeout, and the next step runs."""

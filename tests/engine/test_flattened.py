@@ -1,4 +1,4 @@
-"""Padding-free (flattened) batches (issue 32, finding 11).
+"""Padding-free (flattened) batches.
 
 sentence-transformers 6.2 flattens text columns whenever flash attention's variable-length kernels are on
 (``Transformer._can_flatten_inputs``): ``DataCollatorWithFlattening`` concatenates a column's rows into one

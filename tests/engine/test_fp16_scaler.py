@@ -1,5 +1,5 @@
-"""fp16 autocast with loss scaling (``torch.amp.GradScaler``, the AMP recipe of GPUs without bf16), issue
-32 finding 12, on CPU: over several steps, one of them overflowing, the cached loss gives the scaled
+"""fp16 autocast with loss scaling (``torch.amp.GradScaler``, the AMP recipe of GPUs without bf16),
+on CPU: over several steps, one of them overflowing, the cached loss gives the scaled
 gradients, the skipped steps and the scale schedule of sentence-transformers' non-cached
 ``MultipleNegativesRankingLoss`` on the same tiny model. An overflow must reach the parameter gradients
 as inf / nan (the replay multiplies the cached gradients by the scaled ``grad_output`` and casts them to

@@ -41,7 +41,8 @@ from tests.support.dist_utils import accelerate_launch
 from tests.support.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "support" / "fsdp_train.py"
+#: run as a module from ROOT (every run's working directory), so that it imports this checkout's tests.support
+SCRIPT = ["-m", "tests.support.fsdp_train"]
 STEPS = 2
 #: GPUs for the unpatched FSDP2 / DeepSpeed path: two processes cannot share one GPU under NCCL
 ON_GPUS = torch.cuda.device_count() >= 2
@@ -84,7 +85,7 @@ def _args(model_dir: Path) -> list[str]:
 def one_process(model_dir: Path) -> dict:
     out = model_dir.parent / "one" / "out.json"
     out.parent.mkdir()
-    return _run([sys.executable, str(SCRIPT), *_args(model_dir), "--out", str(out)], out)
+    return _run([sys.executable, *SCRIPT, *_args(model_dir), "--out", str(out)], out)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +100,7 @@ def initial_params(model_dir: Path) -> torch.Tensor:
 def _launch(model_dir: Path, name: str, *extra: str) -> dict:
     out = model_dir.parent / name / "out.json"
     out.parent.mkdir()
-    return _run([*accelerate_launch(2), str(SCRIPT), *_args(model_dir), "--out", str(out), *extra], out)
+    return _run([*accelerate_launch(2), *SCRIPT, *_args(model_dir), "--out", str(out), *extra], out)
 
 
 def _check_same_training(two: dict, one: dict, initial: torch.Tensor) -> None:

@@ -1,4 +1,4 @@
-"""Graphs kept within a memory budget (issue 21): a budget that holds every mini-batch replays none
+"""Graphs kept within a memory budget: a budget that holds every mini-batch replays none
 (forwards counted) and gives the replay path's gradients bit for bit, dropout included; a budget for k
 of n mini-batches replays exactly n - k; the sizes are parsed the same everywhere; across processes
 (DDP and FSDP2, 2 gloo processes, unequal batches) kept graphs still give one gradient reduction per
@@ -329,8 +329,8 @@ def _graph_bytes_per_mini_batch(model, loss, feats) -> list[int]:
 
 @pytest.mark.parametrize("setting", ["mini_batch_size", "mini_batch_num_tokens"])
 def test_auto_re_sizes_for_longer_rows_and_keeps_the_budget(model_dir, setting, caplog):
-    """Issue 32 (7): a first batch of short texts, then one of 60-word texts; sized once from the first
-    batch, a mini-batch of the second held 16x its budget. Re-sized (logged) for the longer rows, every
+    """A first batch of short texts, then one of 60-word texts: sized once from the first batch, a
+    mini-batch of the second would hold 16x its budget. Re-sized (logged) for the longer rows, every
     mini-batch of every step stays within 1.25x the budget, and the gradients are still the full batch's."""
     model = _load(model_dir, train=False)
     budget = 1_200_000  # about 6 rows of 60 words, 60 rows of 3
@@ -358,7 +358,7 @@ def test_auto_re_sizes_for_longer_rows_and_keeps_the_budget(model_dir, setting, 
 
 
 def test_auto_token_budget_counts_padding(model_dir):
-    """Issue 32 (7), a token budget: a column of a few long rows among many short ones. Packed by real
+    """A token budget sized 'auto': a column of a few long rows among many short ones. Packed by real
     tokens, a mini-batch holding a long row pads the short rows it packs with it to the long row's
     length, many times the tokens counted; an ``"auto"`` budget (one of memory) counts padded tokens."""
     model = _load(model_dir, train=False)

@@ -1,4 +1,4 @@
-"""The replay restores the random state of every device type (issue 32, finding 10), proven on CPU with
+"""The replay restores the random state of every device type, proven on CPU with
 stand-ins for Apple's MPS and Intel's XPU: device modules whose generators record what is saved and
 restored, and a model whose dropout draws from the stand-in MPS generator. Without the restore, the
 replayed forward draws new masks and the gradients are not those of the first forward."""

@@ -1,4 +1,4 @@
-"""One dtype rule for the loss stage (issue 18): under ``torch.autocast(bfloat16)`` the similarities,
+"""One dtype rule for the loss stage: under ``torch.autocast(bfloat16)`` the similarities,
 statistics and gradients stay in fp32, on every path and for every option, so the loss and gradients
 are no further from the fp32 run than twice the dense reference's own bf16 error (here: equal to the
 fp32 run, since the loss stage ignores the caller's autocast), including the near-converged batch at
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
 from st_cached_losses.functional.directions import Guide
 from st_cached_losses.functional.terms import gist_terms, mnrl_terms
-from tests.functional.test_general_loss import st_gist_loss, st_mnrl_loss
+from tests.functional.test_terms import st_gist_loss, st_mnrl_loss
 from tests.support.reference import reference_infonce
 from tests.support.tiny_model import make_tiny_model, random_texts
 

@@ -495,7 +495,7 @@ def test_duplicate_masking_changes_each_direction(symmetric, n_rank, rank, devic
 
 
 def test_shared_positive_rule_spelled_out(device):
-    """Rows 0 and 1 share a positive (the issue's case), by hand: row 0 does not see d0_1, row 1 not d0_0,
+    """Rows 0 and 1 share a positive, by hand: row 0 does not see d0_1, row 1 not d0_0,
     positive 0 does not see anchor 1 and positive 1 not anchor 0; nothing else is masked."""
     g = torch.Generator().manual_seed(5)
     q = torch.nn.functional.normalize(torch.randn(4, 8, generator=g, dtype=torch.float64), dim=1)

@@ -1,4 +1,4 @@
-"""Memory budgets as users write them (issue 32, finding 6): a float that is a whole number of bytes (``6e9``),
+"""Memory budgets as users write them: a float that is a whole number of bytes (``6e9``),
 a number in a string (``"2.5e9"``), a size (``"2.5GB"``); a refusal shows the value as given."""
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ from tests.support.dist_utils import accelerate_launch
 from tests.support.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "tests" / "support" / "accelerate_train.py"
+#: run as a module from ROOT (every run's working directory), so that it imports this checkout's tests.support
+SCRIPT = ["-m", "tests.support.accelerate_train"]
 
 
 def _run(cmd: list[str], out: Path) -> dict:
@@ -34,16 +35,14 @@ def test_accelerate_launch_two_processes_matches_one(tmp_path):
     two = _run(
         [
             *accelerate_launch(2),
-            str(SCRIPT),
+            *SCRIPT,
             *args,
             "--out",
             str(tmp_path / "two.json"),
         ],
         tmp_path / "two.json",
     )
-    one = _run(
-        [sys.executable, str(SCRIPT), *args, "--out", str(tmp_path / "one.json")], tmp_path / "one.json"
-    )
+    one = _run([sys.executable, *SCRIPT, *args, "--out", str(tmp_path / "one.json")], tmp_path / "one.json")
     for name in ("mnr", "clip", "tiled"):
         assert two[name]["world"] == 2 and one[name]["world"] == 1
         assert len(two[name]["losses"]) == 3

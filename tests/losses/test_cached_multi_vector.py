@@ -160,7 +160,7 @@ def test_xtr_top_k_is_below_the_token_pool(mv_model):
     ids=["mb4", "mb64", "tokens40", "graph-budget", "auto-rows", "auto-tokens"],
 )
 def test_query_expansion_tokens_are_scored(mv_model, options):
-    """Issue 32, finding 1: with ColBERT query expansion that the encoder does not attend to (attention mask
+    """With ColBERT query expansion that the encoder does not attend to (attention mask
     0 at the expansion positions, which the model scores), the loss and gradients equal
     sentence-transformers' non-cached and cached losses: 11 rows, 3 columns, queries expanded to 24
     tokens; mini-batches by rows (4, and 64: one), by a token budget, with graphs kept within a budget
@@ -501,7 +501,7 @@ def _boundary_ties(model, features, top_k: int) -> int:
 @pytest.mark.parametrize("mini_batch_size", [4, 64])
 @pytest.mark.parametrize("top_k", [2, 8])
 def test_xtr_ties_from_a_repeated_document(mv_model, top_k, mini_batch_size, expansion):
-    """Issue 32, finding 2: a hard negative shared by four queries makes exact ties between its copies' token
+    """A hard negative shared by four queries makes exact ties between its copies' token
     similarities; XTR retrieves exactly ``top_k`` tokens per query token, as sentence-transformers'
     ``torch.topk`` does, so the loss and gradients equal their non-cached and cached losses (11 rows, 3
     columns). On 7d62a70 every tied copy above a midpoint threshold was retrieved (gradient errors 0.06 at
@@ -532,7 +532,7 @@ def test_xtr_ties_from_a_repeated_document(mv_model, top_k, mini_batch_size, exp
 
 @pytest.mark.parametrize("top_k", [2, 8])
 def test_xtr_near_ties_match_st(top_k):
-    """Issue 32, finding 2: near-ties without exact ones (copies of a document whose tokens differ by a
+    """Near-ties without exact ones (copies of a document whose tokens differ by a
     couple of float32 ulps: the ``top_k``-th and ``(top_k + 1)``-th similarities 6e-8 apart) are retrieved
     as sentence-transformers' ``torch.topk`` retrieves them: the loss and the gradients wrt the token
     embeddings equal their non-cached and cached losses' to 1e-5 (on 7d62a70 a midpoint threshold within

@@ -1,5 +1,5 @@
-"""Every loss rebuilt from its own ``get_config_dict()`` (issue 32, finding 4), and the config a drop-in for
-sentence-transformers' (finding 8: with their nine keys' settings, ours equals theirs, no ``symmetric`` key)."""
+"""Every loss rebuilt from its own ``get_config_dict()``, and the config a drop-in for
+sentence-transformers' (with their nine keys' settings, ours equals theirs, no ``symmetric`` key)."""
 
 from __future__ import annotations
 

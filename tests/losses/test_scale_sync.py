@@ -1,5 +1,5 @@
 """A learnable scale belongs to the loss, outside DDP / FSDP2: its gradient must still be averaged over
-the processes, or every process trains its own temperature (issue 18). W = 2 and 3 processes with
+the processes, or every process trains its own temperature. W = 2 and 3 processes with
 unequal batches, 3 optimizer steps, with and without ``gather_across_devices``: every process holds the
 same scale after every step, and that scale is the one a single process reaches on the same objective
 (the mean of the processes' losses without gathering; the global batch's loss with it)."""

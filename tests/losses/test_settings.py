@@ -1,4 +1,4 @@
-"""Settings that say what the loss does (issue 18): assigning any setting its current value changes
+"""Settings that say what the loss does: assigning any setting its current value changes
 nothing (loss, config, every other setting), and a contradiction raises however it is spelled, at
 construction and at assignment."""
 

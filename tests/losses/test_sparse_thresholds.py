@@ -1,4 +1,4 @@
-"""The sparse loss's regulariser thresholds are settings (issue 32, finding 5): readable, checked when set, and
+"""The sparse loss's regulariser thresholds are settings: readable, checked when set, and
 effective: an assignment gives the loss of sentence-transformers' SpladeLoss built with that threshold."""
 
 from __future__ import annotations

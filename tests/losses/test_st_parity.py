@@ -25,7 +25,7 @@ Their test files themselves, unchanged, run with their classes and with ours in 
 ``test_cached_splade.py``; ``test_cmnrl_attributes_and_config_back_compat`` included, which compares configs with
 ``==``: ours has no key theirs lacks unless an extra of ours is in use).
 
-Part 2 checks the behaviours issue 12 lists: assignments after construction take effect (against their loss
+Part 2 checks the behaviours users of their losses rely on: assignments after construction take effect (against their loss
 after the same assignment) and are validated again, their positional order, their config keys and values,
 ``temperature``, ``citation``, and invalid options being refused rather than ignored.
 """
@@ -337,7 +337,7 @@ def test_hyperparameters_stay_assignable(stsb_bert_tiny_model: SentenceTransform
     assert loss.get_config_dict()["similarity_fct"] == "dot_score"
 
 
-# ---------------------------------------------------------------- part 2: the behaviours issue 12 lists
+# ---------------------------------------------------------------- part 2: the behaviours users rely on
 
 _ST_KEYS = (
     "scale",
@@ -597,7 +597,7 @@ def test_setters_revalidate_the_combination(model):
     with pytest.raises(ValueError, match="joint"):
         loss.partition_mode = "per_direction"
     assert loss.partition_mode == "joint"
-    loss.symmetric = False  # already not symmetric: nothing changes (issue 18)
+    loss.symmetric = False  # already not symmetric: nothing changes
     assert loss.directions == ("query_to_doc", "query_to_query")
     loss.symmetric = True
     loss.symmetric = False  # from the symmetric loss: one direction

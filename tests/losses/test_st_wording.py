@@ -1,4 +1,4 @@
-"""The sentences sentence-transformers' own tests match in an error are in ours (issue 23): their tests
+"""The sentences sentence-transformers' own tests match in an error are in ours: their tests
 ``pytest.raises(ValueError, match=...)`` pass with our class bound in, whatever we add after the sentence."""
 
 from __future__ import annotations

@@ -387,8 +387,8 @@ def _assert_matches_uninterrupted(scale_runs, loss, model) -> None:
 
 @pytest.mark.parametrize("source", ["full_checkpoint", "stopped_checkpoint"])
 def test_learnable_scale_resumes_from_a_checkpoint_in_another_folder(tmp_path, scale_runs, source):
-    """Issue 10: resuming from another run's checkpoint-2 restored no scale with an explicit
-    LossStateCallback (it looked in its own output_dir/checkpoint-2)."""
+    """Resuming from another run's checkpoint-2 with an explicit LossStateCallback restores the scale from
+    that checkpoint (the callback once looked in its own output_dir/checkpoint-2 and restored none)."""
     from st_cached_losses import LossStateCallback
 
     out = tmp_path / "resumed"

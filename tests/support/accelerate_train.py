@@ -1,5 +1,5 @@
 """Train a few steps with the stock SentenceTransformerTrainer, once per loss; used by the tests both as
-``accelerate launch --cpu --num_processes 2 tests/support/accelerate_train.py ...`` (gather across processes)
+``accelerate launch --cpu --num_processes 2 -m tests.support.accelerate_train ...`` (gather across processes)
 and in a single process (the whole global batch), to compare the per-step losses.
 
 Writes ``{loss_name: {"losses": [...], "params": [...]}}`` as JSON to ``--out`` (from the main process).
@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 LOSSES = {
     "mnr": ("CachedMNRLoss", {}),

@@ -4,8 +4,8 @@ SentenceTransformerTrainer, with the model sharded by the trainer (``--fsdp``: F
 on the whole global batch (neither flag: the reference).
 
 Used by ``tests/engine/test_fsdp_trainer.py`` as
-``accelerate launch --multi_gpu --num_processes 2 tests/support/fsdp_train.py --fsdp ...`` and as
-``python tests/support/fsdp_train.py ...``. SGD without momentum or weight decay, so that one step's update is
+``accelerate launch --multi_gpu --num_processes 2 -m tests.support.fsdp_train --fsdp ...`` and as
+``python -m tests.support.fsdp_train ...``, from the repository root. SGD without momentum or weight decay, so that one step's update is
 the gradient times the learning rate and the comparison is of gradients, not of Adam's normalisation.
 
 Writes ``{"losses": [...], "params": [...], "world": W, "wrapper": ...}`` as JSON to ``--out`` (from
@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def full_params(model) -> list[float]:

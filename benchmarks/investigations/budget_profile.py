@@ -13,8 +13,9 @@ replayed anyway: a column's last forward) or ``replay`` (third stage), split int
 mini-batches (padded to L) and shorter ones, with the minor page faults (``getrusage``) each took.
 CPU only.
 
-Run: ``.venv/bin/python benchmarks/budget_profile.py --batch-size 1024 --max-seq-length 32``. Writes
-``benchmarks/results/budget_profile.md``.
+Run from the repository root:
+``.venv/bin/python -m benchmarks.investigations.budget_profile --batch-size 1024 --max-seq-length 32``.
+Writes ``benchmarks/investigations/results/budget_profile.md``.
 """
 
 from __future__ import annotations
@@ -23,19 +24,16 @@ import argparse
 import gc
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from benchmarks.graph_budget import minilm, read_rows  # noqa: E402
-from benchmarks.kept_forward import minor_faults  # noqa: E402
+from benchmarks._common import ROOT, minilm, read_rows
+from benchmarks.investigations.kept_forward import minor_faults
 
 
 def recorded_half_peak(b: int, length: int) -> int | None:
@@ -54,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="the first is a warm-up")
     parser.add_argument("--budget-mib", type=float, default=None)
     parser.add_argument("--modes", default="none,budget")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "investigations" / "results")
     args = parser.parse_args(argv)
     b, length = args.batch_size, args.max_seq_length
     budget = int(args.budget_mib * 2**20) if args.budget_mib else recorded_half_peak(b, length)

@@ -1,5 +1,5 @@
-"""The one core (issue 19): duplicate masks compose with every option on every path, and any similarity
-function sentence-transformers accepts is exact."""
+"""Duplicate masks and similarity functions in the core: duplicate masks compose with every option on every path,
+and any similarity function sentence-transformers accepts is exact."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from sentence_transformers import util
 
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
 from st_cached_losses.functional.terms import mnrl_terms
-from tests.functional.test_general_loss import _slices, grads_of, st_mnrl_loss
+from tests.functional.test_terms import _slices, grads_of, st_mnrl_loss
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 

@@ -6,7 +6,7 @@
 #
 # With one, it
 #   1. makes its own virtualenv ($GPU_VENV, default .venv-gpu; `make test` keeps the CPU-only .venv) with
-#      the package, its dev and examples extras, and inf-cl (benchmarks/gpu_venv.sh). If $PYTHON already
+#      the package, its dev and examples extras, and inf-cl (tools/gpu_venv.sh). If $PYTHON already
 #      imports a CUDA build of torch, that torch is kept, never reinstalled, and with a wheel folder
 #      ($GPU_WHEELS, default wheels/, from `make wheels`) nothing is downloaded: the offline way for a GPU
 #      machine with PyTorch preinstalled and no network. Otherwise the virtualenv gets a CUDA build of
@@ -40,7 +40,7 @@ fi
 
 PYTHON=${PYTHON:-python3}
 VENV=${GPU_VENV:-.venv-gpu}
-export PYTHON GPU_VENV=$VENV  # for benchmarks/gpu_venv.sh
+export PYTHON GPU_VENV=$VENV  # for tools/gpu_venv.sh
 OUT=${GPU_OUT:-benchmarks/results/gpu}
 DRY=${GPU_CHECK_DRY_RUN:-}
 PY=$VENV/bin/python
@@ -71,7 +71,7 @@ step() {
 
 # 1. the GPU virtualenv: a failure here ends the check
 install() {
-    bash benchmarks/gpu_venv.sh || return 1
+    bash tools/gpu_venv.sh || return 1
     "$PY" - <<'EOF'
 import sys
 

@@ -14,9 +14,9 @@ test suite, the demo and the examples.
 Every measured number goes to ``benchmarks/results/readme_numbers.json`` with the machine's CPU count and
 the date, merged with the numbers measured before. Run from the repository root::
 
-    .venv/bin/python benchmarks/readme_numbers.py                      # the count: collected vs stated
-    .venv/bin/python benchmarks/readme_numbers.py --write              # the README states the collected count
-    .venv/bin/python benchmarks/readme_numbers.py --measure demo examples --write
+    .venv/bin/python tools/readme_numbers.py                      # the count: collected vs stated
+    .venv/bin/python tools/readme_numbers.py --write              # the README states the collected count
+    .venv/bin/python tools/readme_numbers.py --measure demo examples --write
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--measure", nargs="+", choices=("test", "demo", "examples"), default=[])
     parser.add_argument("--write", action="store_true", help="rewrite README.md (and examples/README.md)")
-    parser.add_argument("--check", action="store_true", help=f"exit 1 if the count is > {TOLERANCE:.0%} off")
+    parser.add_argument("--check", action="store_true", help=f"exit 1 if the count is > {TOLERANCE:.0%}% off")
     parser.add_argument(
         "--python", default=sys.executable, help="the Python that runs pytest and the scripts"
     )

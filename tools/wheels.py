@@ -12,7 +12,7 @@ On a connected machine it
      for that Python and platform (so pip never sees torch here);
   4. adds a wheel of the package itself (``pip wheel --no-deps .``) and prints the folder's size.
 
-``python benchmarks/wheels.py --dest wheels --python-version 3.12 --platform manylinux_2_28_x86_64 ...``
+``python tools/wheels.py --dest wheels --python-version 3.12 --platform manylinux_2_28_x86_64 ...``
 """
 
 from __future__ import annotations

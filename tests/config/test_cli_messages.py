@@ -1,4 +1,4 @@
-"""The demo's command line as a user meets it (issue 23): a configuration file that is missing or malformed
+"""The demo's command line as a user meets it: a configuration file that is missing or malformed
 is one ``error:`` line and exit status 2, and ``--help`` is plain text with its own words for every flag."""
 
 from __future__ import annotations

