@@ -38,6 +38,8 @@ import csv
 import gc
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -149,7 +151,6 @@ def rss_child(args: argparse.Namespace) -> None:
 
 def rss_peak_bytes(name: str, batch_size: int, num_negatives: int | None, args: argparse.Namespace) -> int:
     """``rss_child`` of contender ``name`` in a fresh process (its pages its own alone)."""
-    import subprocess
 
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     command = [sys.executable, __file__, "--rss-child", name, "--batch-sizes", str(batch_size)]
