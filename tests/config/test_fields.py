@@ -86,7 +86,7 @@ def test_every_loss_field_is_its_specs():
 @pytest.mark.parametrize("loss", ["mnr", "clip", "tiled", "gist", "sparse", "multi_vector"])
 def test_loss_settings_list_only_what_the_loss_takes(loss):
     """The model card's loss settings: the chosen loss's own fields only (no GIST fields on an MNR card, no
-    tile_size or symmetric outside 'tiled', the sparse and multi-vector fields on their own cards only)."""
+    symmetric outside 'tiled', the sparse and multi-vector fields on their own cards only)."""
     extra = {
         "gist": {"guide_model": "guide"},
         "sparse": {"document_regularizer_weight": 3e-5, "query_regularizer_weight": 5e-5},
@@ -106,8 +106,8 @@ def test_loss_settings_list_only_what_the_loss_takes(loss):
     assert (sparse_only & set(settings)) == (sparse_only if loss == "sparse" else set())
     assert ("score_mini_batch_size" in settings) == (loss == "multi_vector")
     assert ("symmetric" in settings) == (loss == "tiled")
-    assert ("tile_size" in settings) == (loss in ("tiled", "gist", "sparse", "multi_vector"))
-    assert ("learnable_scale" in settings) == (loss in ("clip", "tiled"))
+    assert ("tile_size" in settings) == (loss != "cross_encoder")
+    assert ("learnable_scale" in settings) == (loss in ("mnr", "clip", "tiled", "gist"))
     assert ("mask_duplicates" in settings) == (loss not in ("gist", "multi_vector"))
     assert ("directions" in settings) == (loss not in ("gist", "multi_vector"))
     assert ("hardness_mode" in settings) == (loss not in ("gist", "multi_vector"))

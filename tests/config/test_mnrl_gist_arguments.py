@@ -47,7 +47,7 @@ def test_directions_as_a_yaml_list(tmp_path):
             ["--loss", "gist", "--guide_model", "x", "--directions", "query_to_doc"],
             "directions does not apply",
         ),
-        (["--loss", "gist", "--guide_model", "x", "--learnable_scale"], "learnable_scale"),
+        (["--loss", "gist", "--guide_model", "x", "--mask_duplicates"], "mask_duplicates"),
         (["--loss", "gist", "--guide_model", "x", "--margin_strategy", "percent"], "margin_strategy"),
         (
             ["--loss", "tiled", "--symmetric", "true", "--directions", "query_to_doc"],

@@ -356,7 +356,7 @@ def test_example_rejects_a_bad_config_before_training(tmp_path, tiny_model):
             "loss='nmr' is not a cached loss; choose one of 'mnr', 'clip', 'tiled', 'gist', 'sparse', 'multi_vector'",
         ),
         (["{bad_yaml}"], "unknown field(s) ['mini_bach_size']; see --help for the fields. Did you mean"),
-        (["--learnable_scale", "true"], "learnable_scale applies to loss='clip' or loss='tiled'"),
+        (["--margin", "0.1"], "margin applies to loss='gist' only"),
     ],
 )
 def test_command_line_errors_are_one_line_before_training(tmp_path, argv, message):
