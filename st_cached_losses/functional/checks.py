@@ -191,7 +191,7 @@ def raise_if_nonfinite(masks: Sequence[int]) -> None:
     """Raise :func:`nonfinite_error` naming every rank and column
     with NaN / inf embeddings, given every rank's :func:`nonfinite_columns` mask in rank order.
 
-    Every rank calls it with the same masks (after :func:`~st_cached_losses.distributed.exchange_shapes`), so every rank raises the same
+    Every rank calls it with the same masks (after :func:`~.distributed.exchange_shapes`), so every rank raises the same
     error at the same point, before any other collective of the step: none is left waiting on a peer
     that has already raised.
     """

@@ -26,7 +26,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.distributed import all_gather_rows, all_reduce_sum, rank, ring_exchange
 from st_cached_losses.functional._kernels import (
     DEFAULT_MEMORY_BUDGET,
     LogSumExp,
@@ -38,6 +37,7 @@ from st_cached_losses.functional._kernels import (
     tile_side,
 )
 from st_cached_losses.functional.checks import scale_value
+from st_cached_losses.functional.distributed import all_gather_rows, all_reduce_sum, rank, ring_exchange
 from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import (

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.distributed import (
+from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, validate_keys
+from st_cached_losses.functional.directions import Guide, Keys, LossSpec, gathered_guide, ring_terms_solve
+from st_cached_losses.functional.distributed import (
     all_gather_rows,
     all_reduce_min,
     all_reduce_sum,
@@ -43,8 +45,6 @@ from st_cached_losses.distributed import (
     ring_exchange,
     world_size,
 )
-from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, validate_keys
-from st_cached_losses.functional.directions import Guide, Keys, LossSpec, gathered_guide, ring_terms_solve
 from st_cached_losses.functional.infonce import (
     DEFAULT_MEMORY_BUDGET,
     InfoNCEOutput,

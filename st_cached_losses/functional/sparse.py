@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from st_cached_losses.distributed import all_reduce_min
+from st_cached_losses.functional.distributed import all_reduce_min
 
 __all__ = [
     "MAX_PACKED_DIM",

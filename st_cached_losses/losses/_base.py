@@ -14,7 +14,6 @@ import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_cached_losses.distributed import is_distributed, warn_no_process_group_once
 from st_cached_losses.engine.features import batch_size_of
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional import (
@@ -23,6 +22,7 @@ from st_cached_losses.functional import (
     infonce,
     scale_value,
 )
+from st_cached_losses.functional.distributed import is_distributed, warn_no_process_group_once
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.parallel import (
     agree_on_sizes,
