@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from st_cached_losses.functional.checks import memory_bytes  # noqa: E402
+from st_cached_losses.engine.checks import memory_bytes  # noqa: E402
 from tests.support.memory import PeakMemory  # noqa: E402
 
 MiB = 2**20

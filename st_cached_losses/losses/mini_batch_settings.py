@@ -4,8 +4,8 @@ budget per mini-batch, and the memory budget that ``"auto"`` sizes them to. Shar
 
 from __future__ import annotations
 
+from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size
 from st_cached_losses.engine.gradcache import GradCache
-from st_cached_losses.functional.checks import check_mini_batch_num_tokens, check_mini_batch_size
 from st_cached_losses.losses.settings import SPECS
 
 __all__ = ["MiniBatchSettings"]

@@ -17,14 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar, overload
 
+from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size, memory_bytes
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, scale_value
-from st_cached_losses.functional.checks import (
-    check_mini_batch_num_tokens,
-    check_mini_batch_size,
-    check_path,
-    check_positive_int,
-    memory_bytes,
-)
+from st_cached_losses.functional.checks import check_path, check_positive_int
 
 __all__ = [
     "FIELD_NAMES",
