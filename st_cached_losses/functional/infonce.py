@@ -3,7 +3,7 @@
 Every loss is a set of logit terms (:mod:`.terms`): the one-directional loss is ``query_to_doc``, the
 symmetric one ``query_to_doc`` and ``doc_to_query`` per direction, sentence-transformers' other options
 and GIST are other term sets, and duplicate keys mask every term. Two entry points share one driver
-(:mod:`.directions`):
+(:mod:`.local`):
 
 * :func:`infonce` -- an autograd-capable loss (one ``torch.autograd.Function`` that computes the
   gradients with the loss and keeps them, the inputs' size, until backward);
@@ -29,8 +29,10 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional._kernels import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional.autograd import InfoNCEFunction
 from st_cached_losses.functional.checks import candidate_columns, validate_inputs, validate_keys
-from st_cached_losses.functional.directions import Guide, InfoNCEFunction, Keys, LossSpec, terms_solve
+from st_cached_losses.functional.local import terms_solve
+from st_cached_losses.functional.options import Guide, Keys, LossSpec
 from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.score import Score, Similarity
 from st_cached_losses.functional.terms import TermSet, mnrl_terms

@@ -32,7 +32,6 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, validate_keys
-from st_cached_losses.functional.directions import Guide, Keys, LossSpec, gathered_guide, ring_terms_solve
 from st_cached_losses.functional.distributed import (
     all_gather_rows,
     all_reduce_min,
@@ -57,7 +56,9 @@ from st_cached_losses.functional.infonce import (
     loss_terms,
 )
 from st_cached_losses.functional.multi_vector import pad_tokens
+from st_cached_losses.functional.options import Guide, Keys, LossSpec
 from st_cached_losses.functional.precision import fp32_loss_stage
+from st_cached_losses.functional.ring import ring_terms_solve
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import TermSet
 
@@ -137,6 +138,13 @@ def _gathered_keys(
         "candidate_keys": [all_keys[:, j] for j in range(1, all_keys.shape[1])],
         "anchors_all_keys": all_keys[:, 0],
     }
+
+
+def gathered_guide(guide: Guide | None, sizes: list[int]) -> Guide | None:
+    """The guide's candidates from every process (its anchors stay: rows are this process's)."""
+    if guide is None:
+        return None
+    return Guide(guide.anchors, [all_gather_rows(c, sizes) for c in guide.candidates])
 
 
 def _gathered(
@@ -296,7 +304,7 @@ def ring_loss_and_grad(
 
     Each process keeps its own anchors; every process's candidate block (with its anchors, guide
     embeddings and keys when the loss reads them) visits it once per pass, the next one already in
-    flight while the current one is scored (:func:`~.directions.ring_terms_solve`).
+    flight while the current one is scored (:func:`~.ring.ring_terms_solve`).
 
     Packed rows travel padded to one width, the widest column (or anchors, when they travel) of every
     process (one all-reduce); the gradients come back at each process's own widths. A score whose rows
