@@ -43,7 +43,7 @@ class InfoNCEFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
         anchors, anchors_all, *rest = ctx.saved_tensors
         cols, (m, ssum) = list(rest[: ctx.n_cols]), rest[ctx.n_cols :]
-        need_scale_grad = ctx.needs_input_grad[1]
+        scale_grad = ctx.needs_input_grad[1]
         call = LocalCall(
             ctx.spec,
             anchors,
@@ -52,9 +52,9 @@ class InfoNCEFunction(torch.autograd.Function):
             ctx.s,
             with_grad=True,
             one_pass=False,
-            need_scale_grad=need_scale_grad,
+            need_scale_grad=scale_grad,
         )
         _, lse = row_lse(m, ssum)
-        gs = call.grads(lse, need_scale_grad)
-        g_a, g_c, g_all, g_s = call.finish(float(grad_loss), gs, ctx.scale_dtype if need_scale_grad else None)
+        gs = call.grads(lse, scale_grad)
+        g_a, g_c, g_all, g_s = call.finish(float(grad_loss), gs, ctx.scale_dtype if scale_grad else None)
         return (None, g_s, g_a, g_all, *g_c)

@@ -83,7 +83,7 @@ class Sources:
         sources its terms read."""
         used = {t.rows for t in spec.terms.terms} | {t.cols for t in spec.terms.terms}
         return cls(
-            anchors, cols, anchors_all, score=spec.score, scale=scale, row_offset=spec.row_offset,
+            anchors, cols, anchors_all, score=spec.score, scale=scale, row_offset=spec.options.row_offset,
             prenorm=prenorm, with_grad=with_grad, used=used, keys=spec.keys,
         )  # fmt: skip
 

@@ -149,19 +149,11 @@ def validate_inputs(
     *,
     symmetric: bool,
     row_offset: int,
-    chunk_size: int | None,
-    tile_size: int | None,
-    memory_budget: int,
-    path: str,
     check_finite: bool,
     tokens: bool = False,
 ) -> None:
     """The core's inputs: ``(rows, dim)`` embeddings, or with ``tokens`` (a score of packed rows) 3-D packed
     rows (multi-vector ``(rows, tokens, dim + 1)``, sparse ``(rows, k, 2)``) whose widths may differ."""
-    check_path("path", path)
-    check_positive_int("chunk_size", chunk_size)
-    check_positive_int("tile_size", tile_size)
-    check_positive_int("memory_budget", memory_budget)
     named = [("anchors", anchors)] + [(f"candidates[{k}]", c) for k, c in enumerate(cols)]
     if anchors_all is not None:
         named.append(("anchors_all", anchors_all))

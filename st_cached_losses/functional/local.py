@@ -41,7 +41,7 @@ class LocalCall:
         self, spec: LossSpec, anchors: Tensor, cols: list[Tensor], anchors_all: Tensor | None, s: float,
         *, with_grad: bool, one_pass: bool, need_scale_grad: bool,
     ) -> None:  # fmt: skip
-        terms, b = spec.terms, anchors.shape[0]
+        terms, b, o = spec.terms, anchors.shape[0], spec.options
         self.spec, self.s, self.b = spec, s, b
         self.anchors, self.cols, self.anchors_all = anchors, cols, anchors_all
         # the doc_to_query tiles are the transposes of query_to_doc's on one process (columns = these rows)
@@ -49,15 +49,14 @@ class LocalCall:
         # sharing tiles needs two passes, 4 GEMMs per shared tile and per other term; the fused chunks
         # take 3 per term in one pass: with four terms or more, those are cheaper
         n_terms = len(terms.terms)
-        if pair is not None and one_pass and spec.path != "tiled" and 4 * (n_terms - 1) >= 3 * n_terms:
+        if pair is not None and one_pass and o.path != "tiled" and 4 * (n_terms - 1) >= 3 * n_terms:
             pair = None
         scored = [t for t in terms.terms if pair is None or t != pair[1]]
         width = sum(cols[0].shape[0] if t.cols != "q_local" else b for t in scored)
         one_pass = one_pass and pair is None
         buffers = (1 + need_scale_grad + terms.guided) if one_pass else 3 + terms.guided
         self.plan = plan_blocks(
-            b, width, path=spec.path, chunk_size=spec.chunk_size, tile_size=spec.tile_size,
-            memory_budget=spec.memory_budget,
+            b, width, path=o.path, chunk_size=o.chunk_size, tile_size=o.tile_size, memory_budget=o.memory_budget,
             # a token score's chunks are as thin as the others': each chunk reads every column's tokens
             # again (MaxSim, B = 512, 180 document tokens: 1-row chunks 19 s, tiles 5.5 s)
             buffers=buffers * spec.score.entry_cost(anchors, cols),
@@ -65,9 +64,9 @@ class LocalCall:
         self.fused = one_pass and self.plan.path == "chunked"
         prenorm = self.plan.path == "chunked"
         self.src = Sources.of(spec, anchors, cols, anchors_all, s, prenorm=prenorm, with_grad=with_grad)
-        gsrc, thr = guide_sources(spec.guide, terms, spec.row_offset, prenorm, self.plan.row_tile)
+        gsrc, thr = guide_sources(o.guide, terms, o.row_offset, prenorm, self.plan.row_tile)
         self.m, self.ssum = group_stats(len(terms.weights), b, self.src.q)
-        self.bound = bind(terms.terms, self.src, spec.row_offset, gsrc, thr)
+        self.bound = bind(terms.terms, self.src, o.row_offset, gsrc, thr)
         self.pair = pair
         if pair is not None:
             g_back = pair[1].group  # the columns are these rows: their statistics are the group's own
@@ -101,7 +100,9 @@ class LocalCall:
 
     def loss(self, lse: Tensor) -> Tensor:
         """The mean loss over this process's rows, in the compute dtype, from the ``(G, b)`` log-sum-exps."""
-        total = loss_sum(self.spec.terms, lse, self.src, self.spec.row_offset, self.plan.row_tile, self.s)
+        total = loss_sum(
+            self.spec.terms, lse, self.src, self.spec.options.row_offset, self.plan.row_tile, self.s
+        )
         return (total / self.b).to(self.src.q.dtype)
 
     def finish(
@@ -127,7 +128,7 @@ def terms_solve(
     s = scale_value(scale)
     need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
     call = LocalCall(
-        spec, anchors, list(cols), anchors_all, s, with_grad=with_grad, one_pass=with_grad or spec.path != "tiled",
+        spec, anchors, list(cols), anchors_all, s, with_grad=with_grad, one_pass=with_grad or spec.options.path != "tiled",
         need_scale_grad=need_scale_grad,
     )  # fmt: skip
     if call.fused:

@@ -50,7 +50,7 @@ def ring_terms_solve(
     sparse rows ``(b, k, 2)``). Every travelling tensor (the candidate columns, and the anchors when a term
     reads them) must have the same row shape on every process (the caller pads packed rows to a common
     width: :func:`~.parallel.ring_loss_and_grad`); the rows (anchors) may have a shape of their own."""
-    terms, score, guide, keys = spec.terms, spec.score, spec.guide, spec.keys
+    terms, score, guide, keys = spec.terms, spec.score, spec.options.guide, spec.keys
     me, w = rank(), len(sizes)
     cols = list(cols)
     s = scale_value(scale)
@@ -60,7 +60,7 @@ def ring_terms_solve(
     pair = transposed_pair(terms, score)
     # a token score's logit costs q_tokens x d_tokens elements (the block plan's entry cost)
     cost = score.entry_cost(anchors, cols)
-    tile = tile_side(spec.tile_size, spec.memory_budget, buffers=(3 + terms.guided) * cost)
+    tile = tile_side(spec.options.tile_size, spec.options.memory_budget, buffers=(3 + terms.guided) * cost)
     src = Sources.of(spec, anchors, cols, None, s, prenorm=False, with_grad=with_grad)
     gsrc, thr = guide_sources(guide, terms, 0, False, tile)
     visiting = [t for t in terms.terms if t.cols != "q_local"]
