@@ -37,7 +37,7 @@ from _common import ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from st_cached_losses.functional.checks import memory_bytes
+from st_cached_losses.engine.checks import memory_bytes
 from tests.support.memory import PeakMemory
 
 MiB = 2**20

@@ -22,7 +22,7 @@ HEAVY = ("sentence_transformers", "transformers", "accelerate", "datasets")
     ["st_cached_losses.functional", "st_cached_losses.functional.parallel", "st_cached_losses.distributed"],
 )
 def test_pure_torch_layers_import_only_torch(module):
-    # also no module of ours above the functional layer (``distributed`` counts as functional)
+    # also no module of ours above the functional layer (``st_cached_losses.distributed`` re-exports its collectives)
     code = (
         f"import sys, {module}; print(' '.join(m for m in sys.modules if m.split('.')[0] in {HEAVY!r} or "
         "(m.startswith('st_cached_losses.') and m.split('.')[1] not in ('functional', 'distributed'))))"
@@ -65,13 +65,14 @@ def test_no_module_imports_private_names_of_another():
     assert not offenders, offenders
 
 
-def test_functional_and_distributed_import_nothing_above_them():
-    allowed = ("st_cached_losses.functional", "st_cached_losses.distributed")
-    for path in [*(PACKAGE / "functional").rglob("*.py"), PACKAGE / "distributed.py"]:
+def test_functional_imports_nothing_above_it():
+    for path in (PACKAGE / "functional").rglob("*.py"):
         for module, _ in _imports(path):
             top = module.split(".")[0]
             if top == "st_cached_losses":
-                assert module.startswith(allowed), f"{_module_name(path)} imports {module}"
+                assert module.startswith("st_cached_losses.functional"), (
+                    f"{_module_name(path)} imports {module}"
+                )
             else:
                 # the standard library and torch only
                 assert top == "torch" or top in sys.stdlib_module_names, (
@@ -138,11 +139,12 @@ def test_no_import_circle():
     assert not circles, f"import circles: {circles}"
 
 
-#: the layers, lowest first; ``distributed`` (collectives only) counts as the functional layer
+#: the layers, lowest first
 LAYERS = ("functional", "engine", "losses", "config", "demo")
 #: top-level modules that are no layer: the package face and the re-exports of documented paths
 TOP = {
     "st_cached_losses",
+    "st_cached_losses.distributed",
     "st_cached_losses.training_args",
     "st_cached_losses.model_card",
     "st_cached_losses.data",
@@ -154,8 +156,6 @@ def _layer(module: str) -> int:
     if module in TOP:
         return len(LAYERS)
     parts = module.split(".")
-    if parts[:2] == ["st_cached_losses", "distributed"]:
-        return LAYERS.index("functional")
     assert len(parts) > 1 and parts[1] in LAYERS, f"{module} is in no layer: put it in one (or in TOP)"
     return LAYERS.index(parts[1])
 
@@ -170,12 +170,13 @@ def test_every_module_imports_only_its_layer_and_those_below():
 def test_the_top_level_holds_at_most_five_modules():
     modules = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert len(modules) <= 5, sorted(modules)
-    assert {f"st_cached_losses.{m}" for m in modules} <= TOP | {"st_cached_losses.distributed"}
+    assert {f"st_cached_losses.{m}" for m in modules} <= TOP
 
 
 def test_functional_holds_one_autograd_function():
     """One InfoNCE core: every loss of the family is a set of logit terms of one autograd Function (the
-    statistics pass in forward, the tiles recomputed in backward), not a second code path."""
+    statistics pass in forward, the tiles recomputed in backward), not a second code path. (The other
+    Function is a collective: the all-gather whose backward sums over processes.)"""
     functions = []
     for path in sorted((PACKAGE / "functional").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -183,10 +184,10 @@ def test_functional_holds_one_autograd_function():
                 ast.unparse(base).endswith("autograd.Function") for base in node.bases
             ):
                 functions.append(f"{path.name}:{node.name}")
-    assert functions == ["directions.py:InfoNCEFunction"]
+    assert functions == ["autograd.py:InfoNCEFunction", "distributed.py:_GatherWithSummedGrad"]
 
 
-#: helpers of ``st_cached_losses.distributed`` that communicate nothing (the process's rank, the world size, a
+#: helpers of ``st_cached_losses.functional.distributed`` that communicate nothing (the process's rank, the world size, a
 #: warning): the losses may read them; every other name there is a collective
 _NOT_COLLECTIVES = {"is_distributed", "rank", "world_size", "warn_no_process_group_once", "PeersFailed"}
 
@@ -203,7 +204,7 @@ def test_losses_call_no_collective():
         for module, names in _imports(path):
             if module == "torch.distributed" or module.startswith("torch.distributed."):
                 offenders.append(f"{path.name} imports {module}")
-            if module == "st_cached_losses.distributed":
+            if module in ("st_cached_losses.distributed", "st_cached_losses.functional.distributed"):
                 offenders += [f"{path.name} imports {n}" for n in names if n not in _NOT_COLLECTIVES]
             if module == "torch" and "distributed" in names:
                 offenders.append(f"{path.name} imports torch.distributed")

@@ -4,7 +4,7 @@ snapshots of every device type (``rng``), graphs kept within a memory budget (``
 tokenizer features (``features``) and, in one module, the training wrappers: DDP / FSDP1 / FSDP2 /
 DeepSpeed (``wrappers``).
 
-No loss math. May import the functional layer (and ``st_cached_losses.distributed``), torch and tqdm; never
+No loss math. May import the functional layer, torch and tqdm; never
 the losses, the configuration or the demo.
 """
 

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from st_cached_losses.engine.cache_form import CacheForm
+from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size, memory_bytes
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
@@ -53,11 +54,6 @@ from st_cached_losses.engine.wrappers import (
     is_wrapped,
     skip_forward_buffer_sync,
     unsynced,
-)
-from st_cached_losses.functional.checks import (
-    check_mini_batch_num_tokens,
-    check_mini_batch_size,
-    memory_bytes,
 )
 from st_cached_losses.functional.multi_vector import pack_tokens
 

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.distributed import all_reduce_min, is_distributed
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
@@ -36,6 +35,7 @@ from st_cached_losses.engine.features import (
 )
 from st_cached_losses.engine.planning import MiniBatch
 from st_cached_losses.engine.rng import RandState
+from st_cached_losses.functional.distributed import all_reduce_min, is_distributed
 
 __all__ = [
     "PROBE_ROWS",

@@ -30,14 +30,6 @@ from typing import NoReturn, cast
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.distributed import (
-    PeersFailed,
-    agree_counts,
-    all_gather_rows,
-    exchange_shapes,
-    is_distributed,
-    world_size,
-)
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
@@ -50,6 +42,14 @@ from st_cached_losses.engine.features import (
 )
 from st_cached_losses.engine.rng import RandState
 from st_cached_losses.engine.wrappers import is_sharded, is_wrapped
+from st_cached_losses.functional.distributed import (
+    PeersFailed,
+    agree_counts,
+    all_gather_rows,
+    exchange_shapes,
+    is_distributed,
+    world_size,
+)
 from st_cached_losses.functional.multi_vector import pad_tokens
 
 __all__ = ["MiniBatch", "MiniBatchPlanner", "RandState", "unsort"]

@@ -6,6 +6,8 @@ Imports nothing from sentence_transformers or accelerate.
 from st_cached_losses.functional.checks import check_positive_int, scale_value
 from st_cached_losses.functional.infonce import (
     DEFAULT_MEMORY_BUDGET,
+    Guide,
+    InfoNCEOptions,
     InfoNCEOutput,
     LossPath,
     Similarity,
@@ -15,6 +17,8 @@ from st_cached_losses.functional.infonce import (
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
+    "Guide",
+    "InfoNCEOptions",
     "InfoNCEOutput",
     "LossPath",
     "Similarity",

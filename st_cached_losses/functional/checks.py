@@ -1,24 +1,19 @@
-"""The argument and input checks of the whole package, in one place: the losses, the caching engine,
-the functional core and the configuration all call these, so one value is accepted or refused with the
-same words everywhere. Pure torch."""
+"""The functional layer's checks of its arguments and inputs (the losses and the configuration call the
+scalar ones too, so that one value is accepted or refused with the same words everywhere). Pure torch;
+the engine's checks (mini-batch sizes, memory budgets) are in :mod:`st_cached_losses.engine.checks`."""
 
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
-from fractions import Fraction
 
 import torch
 from torch import Tensor
 
 __all__ = [
     "candidate_columns",
-    "check_mini_batch_num_tokens",
-    "check_mini_batch_size",
     "check_path",
     "check_positive_int",
-    "memory_bytes",
     "nonfinite_columns",
     "nonfinite_error",
     "raise_if_nonfinite",
@@ -40,79 +35,6 @@ def check_path(name: str, value: object) -> str:
     if value not in ("auto", "chunked", "tiled"):
         raise ValueError(f"{name} must be 'auto', 'chunked' or 'tiled', got {value!r}.")
     return str(value)
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-#: a number as a budget may be written: ``6000000000``, ``6e9``, ``2.5e9``, ``1.5``, ``.5``
-_NUMBER = r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?"
-
-
-def memory_bytes(value: int | float | str | None, name: str) -> int | None:
-    """A memory budget in bytes: None, a positive whole number of bytes (an ``int``, or a ``float`` such as
-    ``6e9`` that is one), or a string: a number (``"6000000000"``, ``"2.5e9"``) or a size such as ``"6GB"``
-    (10^9 bytes), ``"6GiB"`` (2^30), ``"512MB"``, ``"1.5 GiB"``; the one rule for every budget the package
-    accepts.
-
-    A size in a unit above bytes is rounded down to whole bytes (``"1.1KiB"``: 1126); a number of bytes must
-    be whole (``0.5`` bytes is refused, not rounded to 0). Every refusal shows the value as given.
-
-    Raises:
-        ValueError: for anything else, naming ``name`` and showing ``value``.
-    """
-    if value is None:
-        return None
-    usage = f"{name} must be a positive number of bytes or a size such as '6GB', '512MiB' or '1.5GiB', got {value!r}"
-    if isinstance(value, str):
-        match = re.fullmatch(rf"\s*({_NUMBER})\s*([a-zA-Z]*)\s*", value)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _UNITS:
-            raise ValueError(f"{usage}.")
-        # exact arithmetic: "2.5e9" is 2500000000 bytes, not a float that might round
-        amount = Fraction(match.group(1)) * _UNITS[unit]
-        whole = _UNITS[unit] > 1  # a size in KB, MiB, ...: whole bytes by rounding down
-    elif isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{usage}.")
-    elif isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{usage}: not a finite number.")
-    else:
-        amount, whole = Fraction(value), False
-    if amount <= 0:
-        raise ValueError(f"{usage}: not positive.")
-    if whole:
-        amount = Fraction(math.floor(amount))
-        if amount == 0:
-            raise ValueError(f"{usage}: less than one byte.")
-    if amount.denominator != 1:
-        raise ValueError(f"{usage}: not a whole number of bytes.")
-    return int(amount)
-
-
-def check_mini_batch_size(value: int | str) -> None:
-    """A positive ``int``, or ``"auto"`` (sized from a memory budget at the first step)."""
-    if value != "auto" and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"mini_batch_size must be a positive integer or 'auto', got {value!r}; e.g. 32.")
-
-
-def check_mini_batch_num_tokens(value: int | str | None) -> None:
-    """None, a positive ``int``, or ``"auto"``; sentence-transformers' wording for the int."""
-    if value not in (None, "auto") and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(
-            f"mini_batch_num_tokens must be a positive integer or None. Got {value!r}; or 'auto' to size it "
-            "from a memory budget."
-        )
 
 
 def scale_value(scale: float | Tensor, name: str = "scale") -> float:
@@ -191,7 +113,7 @@ def raise_if_nonfinite(masks: Sequence[int]) -> None:
     """Raise :func:`nonfinite_error` naming every rank and column
     with NaN / inf embeddings, given every rank's :func:`nonfinite_columns` mask in rank order.
 
-    Every rank calls it with the same masks (after :func:`~st_cached_losses.distributed.exchange_shapes`), so every rank raises the same
+    Every rank calls it with the same masks (after :func:`~.distributed.exchange_shapes`), so every rank raises the same
     error at the same point, before any other collective of the step: none is left waiting on a peer
     that has already raised.
     """
@@ -227,19 +149,11 @@ def validate_inputs(
     *,
     symmetric: bool,
     row_offset: int,
-    chunk_size: int | None,
-    tile_size: int | None,
-    memory_budget: int,
-    path: str,
     check_finite: bool,
     tokens: bool = False,
 ) -> None:
     """The core's inputs: ``(rows, dim)`` embeddings, or with ``tokens`` (a score of packed rows) 3-D packed
     rows (multi-vector ``(rows, tokens, dim + 1)``, sparse ``(rows, k, 2)``) whose widths may differ."""
-    check_path("path", path)
-    check_positive_int("chunk_size", chunk_size)
-    check_positive_int("tile_size", tile_size)
-    check_positive_int("memory_budget", memory_budget)
     named = [("anchors", anchors)] + [(f"candidates[{k}]", c) for k, c in enumerate(cols)]
     if anchors_all is not None:
         named.append(("anchors_all", anchors_all))

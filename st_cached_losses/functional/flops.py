@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from st_cached_losses.distributed import all_reduce_sum, is_distributed, world_size
+from st_cached_losses.functional.distributed import all_reduce_sum, is_distributed, world_size
 from st_cached_losses.functional.sparse import kept, packed_index, scatter_columns
 
 __all__ = ["FlopsOutput", "flops_loss_and_grad", "row_mask"]

@@ -6,37 +6,19 @@ reads it *packed*: one ``(n, t, d + 1)`` tensor whose last channel is the mask (
 through every tile slice, gather and gradient buffer of the core without any of them knowing. The
 gradient wrt a packed tensor is 0 in the mask channel.
 
-:class:`MaxSim` is a similarity function in the sense of :mod:`.score` (``f(a, c) -> (len(a), len(c))``),
-so the core scores it tile by tile, rows x columns, and takes each tile's gradient in closed form
-(:meth:`MaxSim.vjp`: each query token's weight goes to the document token that wins its max, a gather and
-a scatter of token rows from the winners the scoring kept, instead of autograd's two more products of the
-token similarities): the largest intermediate is one tile's ``(b, t, q_tokens, d_tokens)`` token
-similarities, never the ``(Q, Q*N, q_tokens, d_tokens)`` tensor. The arithmetic is sentence-transformers'
-``maxsim`` (``sentence_transformers.util.similarity``) per (query, document) pair: padded document
-tokens are excluded from the max (filled with the dtype's minimum), padded query tokens from the sum
-(multiplied by 0), a document without any token scores :data:`EMPTY_DOCUMENT_SCORE`, and MeanMaxSim
-divides by the query's token count (at least 1). The gradient through the max is exact, ties resolved
-as ``torch.max`` resolves them.
-
-:class:`XTR` is sentence-transformers' ``xtr_scores`` (Lee et al. 2023): each query token keeps only its
-``top_k`` best document tokens over *every* in-batch document token, a document's per-token maximum is
-taken over its retrieved tokens (0 when none), and the sum is divided by the number of query tokens that
-retrieved one of the document's tokens. The top-k depends on the whole batch, so the core first numbers
-the documents (:meth:`XTR.with_column_data`: each document's id in its mask channel, in
-sentence-transformers' query-major order) and runs a streaming pass (:func:`xtr_top_keys`) that keeps
-each query token's running top-``k`` (values and ``(document, token)`` keys) over the document tokens of
-every column, tile by tile: exactly ``k`` per query token, ties at the ``k``-th value broken by the flat
-``documents x tokens`` index. The retrieved tokens travel with the query rows as channels
-(:meth:`XTR.with_row_data`); each (query, document) score is then again a function of the pair, scored
-tile by tile like MaxSim, its retrieval looked up by key (never re-decided from a tile's recomputed
-similarities). Across processes by ring exchange, each visiting block of documents is merged into the
-running top-``k`` (:meth:`XTR.row_state`) before the rows take it (:meth:`XTR.with_row_state`).
+:class:`MaxSim` (ColBERT, MeanMaxSim) and :class:`XTR` are similarity functions in the sense of :mod:`.score`
+(``f(a, c) -> (len(a), len(c))``): the core scores them tile by tile, rows x columns, so the largest
+intermediate is one tile's ``(b, t, q_tokens, d_tokens)`` token similarities, never the
+``(Q, Q*N, q_tokens, d_tokens)`` tensor. XTR's retrieval depends on the whole batch: the core numbers the
+documents first, and the rows carry what each query token retrieves (see :class:`XTR`).
 
 Shapes: ``b`` rows of a tile, ``t`` columns of a tile, ``tq`` / ``td`` query / document tokens, ``d``
 the token embedding dimension.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -82,26 +64,22 @@ def pad_tokens(packed: Tensor, tokens: int) -> Tensor:
     return torch.cat([packed, packed.new_zeros(packed.shape[0], extra, packed.shape[2])], dim=1)
 
 
+@dataclass(unsafe_hash=True)
 class MaxSim:
     """``sum_i max_j <q_i, d_j>`` over a query's scored tokens ``i`` and a document's scored tokens ``j``
-    (ColBERT), divided by the query's token count when ``length_normalize`` (MeanMaxSim): the score of
-    sentence-transformers' ``colbert_scores`` / ``mean_colbert_scores`` for every (query, document) pair,
-    on packed operands (:func:`pack_tokens`)."""
+    (ColBERT), divided by the query's token count (at least 1) when ``length_normalize`` (MeanMaxSim): the
+    score of sentence-transformers' ``colbert_scores`` / ``mean_colbert_scores`` (their ``maxsim``) for
+    every (query, document) pair, on packed operands (:func:`pack_tokens`). Padded document tokens are
+    excluded from the max, padded query tokens from the sum, and a document without any token scores
+    :data:`EMPTY_DOCUMENT_SCORE`. A tile's gradient is exact and in closed form (:meth:`vjp`), ties in the
+    max resolved as ``torch.max`` resolves them."""
 
+    length_normalize: bool = False
     #: operands are packed ``(n, t, d + 1)`` token tensors (read by :class:`~.score.Score`)
     token_score = True
 
-    def __init__(self, length_normalize: bool = False) -> None:
-        self.length_normalize = bool(length_normalize)
-
-    def __repr__(self) -> str:
-        return f"MaxSim(length_normalize={self.length_normalize})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, MaxSim) and other.length_normalize == self.length_normalize
-
-    def __hash__(self) -> int:
-        return hash((MaxSim, self.length_normalize))
+    def __post_init__(self) -> None:
+        self.length_normalize = bool(self.length_normalize)
 
     def __call__(self, queries: Tensor, documents: Tensor) -> Tensor:
         """``(b, t)`` scores of packed ``queries (b, tq, d + 1)`` against packed ``documents (t, td, d + 1)``."""
@@ -289,11 +267,15 @@ def _merge_top(values: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return top_v, torch.where(above, keys.gather(-1, top_i), tie_keys.gather(-1, ties_from))
 
 
+@dataclass(unsafe_hash=True)
 class XTR:
-    """sentence-transformers' ``xtr_scores`` / ``XTRScores(top_k)`` for every (query, document) pair, on
-    packed documents that carry their ids (:meth:`with_column_data`) and packed queries that carry the
-    document tokens each of their tokens retrieves (:meth:`with_row_data`; the core calls both once per loss
-    call, with every document column).
+    """sentence-transformers' ``xtr_scores`` / ``XTRScores(top_k)`` (Lee et al. 2023) for every (query,
+    document) pair, on packed documents that carry their ids (:meth:`with_column_data`, in
+    sentence-transformers' query-major order) and packed queries that carry the document tokens each of
+    their tokens retrieves (:meth:`with_row_data`, from a streaming pass over every column,
+    :func:`xtr_top_keys`; the core calls both once per loss call, with every document column; in the ring,
+    each visiting block of documents is merged into the running top-``k``, :meth:`row_state`, before the rows
+    take it, :meth:`with_row_state`).
 
     Per query token ``s`` and document ``j``: the retrieved tokens are those of the query token's ``top_k``
     over every in-batch document token (:func:`xtr_top_keys`: exactly ``top_k``, ties as ``torch.topk``
@@ -310,22 +292,13 @@ class XTR:
     (fp32 at least: ids up to 2**24 documents); queries ``(b, tq, d + 2 top_k + 1)``: the embeddings, the
     retrieved tokens' document ids (-1 in empty slots), their positions, then the mask."""
 
+    top_k: int = 256
     #: operands are packed token tensors (read by :class:`~.score.Score`)
     token_score = True
 
-    def __init__(self, top_k: int = 256) -> None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0:
-            raise ValueError(f"top_k must be a positive integer, got {top_k!r}.")
-        self.top_k = top_k
-
-    def __repr__(self) -> str:
-        return f"XTR(top_k={self.top_k})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, XTR) and other.top_k == self.top_k
-
-    def __hash__(self) -> int:
-        return hash((XTR, self.top_k))
+    def __post_init__(self) -> None:
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k <= 0:
+            raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}.")
 
     def with_column_data(
         self, columns: list[Tensor], row_offset: int = 0, n_rows: int | None = None

@@ -26,12 +26,14 @@ all-gather); :func:`gathered_infonce` is the gathered loss with autograd.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from st_cached_losses.distributed import (
+from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite
+from st_cached_losses.functional.distributed import (
     all_gather_rows,
     all_reduce_min,
     all_reduce_sum,
@@ -43,23 +45,12 @@ from st_cached_losses.distributed import (
     ring_exchange,
     world_size,
 )
-from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite, validate_keys
-from st_cached_losses.functional.directions import Guide, Keys, LossSpec, gathered_guide, ring_terms_solve
-from st_cached_losses.functional.infonce import (
-    DEFAULT_MEMORY_BUDGET,
-    InfoNCEOutput,
-    LossPath,
-    Similarity,
-    check_row_data_terms,
-    check_terms,
-    infonce,
-    infonce_loss_and_grad,
-    loss_terms,
-)
+from st_cached_losses.functional.infonce import InfoNCEOutput, infonce, infonce_loss_and_grad
 from st_cached_losses.functional.multi_vector import pad_tokens
+from st_cached_losses.functional.options import Guide, InfoNCEOptions
 from st_cached_losses.functional.precision import fp32_loss_stage
+from st_cached_losses.functional.ring import ring_terms_solve
 from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.terms import TermSet
 
 __all__ = [
     "agree_on_sizes",
@@ -115,45 +106,45 @@ def _trimmed(grads: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
     return [g[:, : x.shape[1]] if g.dim() == 3 else g for g, x in zip(grads, like)]
 
 
-def _reads_anchors_all(terms: TermSet | None) -> bool:
-    """Whether a term scores against every process's anchors (they must be gathered)."""
-    return terms is not None and terms.uses_anchors_all
-
-
 def _weight(sizes: Sequence[int]) -> float:
     """Per row: the mean over processes of the weighted local sums is the global mean."""
     return len(sizes) / sum(sizes)
 
 
-def _gathered_keys(
-    anchor_keys: Tensor | None, candidate_keys: Sequence[Tensor] | None, sizes: list[int]
-) -> dict[str, object]:
-    """The duplicate keys of the gathered columns, every column's keys in one collective."""
-    if candidate_keys is None or anchor_keys is None:
-        return {}
-    all_keys = all_gather_rows(torch.stack([anchor_keys, *candidate_keys], dim=1), sizes)  # (N, K + 1)
-    return {
-        "anchor_keys": anchor_keys,
-        "candidate_keys": [all_keys[:, j] for j in range(1, all_keys.shape[1])],
-        "anchors_all_keys": all_keys[:, 0],
-    }
+def _own_rows_only(opts: InfoNCEOptions) -> None:
+    """The strategies place every process's rows themselves: the options say nothing of where they are."""
+    if opts.anchors_all is not None or opts.row_offset != 0 or opts.anchors_all_keys is not None:
+        raise ValueError(
+            "the strategies across processes take this process's rows and gather what they need: pass "
+            "neither anchors_all, row_offset nor anchors_all_keys."
+        )
 
 
 def _gathered(
-    gather: Callable[[Tensor, list[int]], Tensor], args: dict[str, Any]
-) -> tuple[list[Tensor], dict[str, Any]]:
-    """Every process's candidate columns (``gather``: with or without autograd) and the core's keywords for
-    this process's rows against them (the gathered anchors when a term reads them, the keys, the guide's
-    candidates, where this process's positives are), from ``args``, a gathered entry point's arguments."""
-    sizes, terms = args["sizes"], args["terms"]
-    kwargs = {k: args[k] for k in ("similarity", "symmetric", "path", "tile_size", "memory_budget")}
-    kwargs.update(row_offset=sum(sizes[: rank()]), check_finite=False)  # agreed on in agree_on_sizes
-    kwargs.update(_gathered_keys(args["anchor_keys"], args["candidate_keys"], sizes))
-    if args["symmetric"] or _reads_anchors_all(terms):
-        kwargs["anchors_all"] = gather(args["anchors"], sizes)
-    if terms is not None:
-        kwargs.update(terms=terms, guide=gathered_guide(args["guide"], sizes))
-    return [gather(c, sizes) for c in args["candidates"]], kwargs
+    gather: Callable[[Tensor, list[int]], Tensor],
+    anchors: Tensor,
+    candidates: Sequence[Tensor],
+    sizes: list[int],
+    opts: InfoNCEOptions,
+) -> tuple[list[Tensor], InfoNCEOptions]:
+    """Every process's candidate columns (``gather``: with or without autograd) and the options of this
+    process's rows against them: where its positives are, the gathered anchors when a term reads them, the
+    keys (every column's in one collective) and the guide's candidates."""
+    _own_rows_only(opts)
+    layout: dict[str, Any] = {"row_offset": sum(sizes[: rank()]), "check_finite": False}  # agree_on_sizes's
+    if opts.candidate_keys is not None and opts.anchor_keys is not None:
+        all_keys = all_gather_rows(torch.stack([opts.anchor_keys, *opts.candidate_keys], dim=1), sizes)
+        layout["candidate_keys"] = [all_keys[:, j] for j in range(1, all_keys.shape[1])]
+        layout["anchors_all_keys"] = all_keys[:, 0]
+    else:  # without anchor keys nothing is masked across processes
+        layout.update(anchor_keys=None, candidate_keys=None)
+    if opts.uses_anchors_all:
+        layout["anchors_all"] = gather(anchors, sizes)
+    if opts.guide is not None:  # its anchors stay: rows are this process's
+        layout["guide"] = Guide(
+            opts.guide.anchors, [all_gather_rows(c, sizes) for c in opts.guide.candidates]
+        )
+    return [gather(c, sizes) for c in candidates], replace(opts, **layout)
 
 
 @fp32_loss_stage
@@ -161,44 +152,34 @@ def gathered_loss_and_grad(
     anchors: Tensor,
     candidates: Sequence[Tensor],
     sizes: list[int],
+    options: InfoNCEOptions | None = None,
     *,
-    scale: float | Tensor,
-    similarity: Similarity = "cosine",
-    symmetric: bool = False,
-    path: LossPath = "auto",
-    tile_size: int | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
-    anchor_keys: Tensor | None = None,
-    candidate_keys: Sequence[Tensor] | None = None,
     with_grad: bool = True,
-    terms: TermSet | None = None,
-    guide: Guide | None = None,
+    **keywords: Any,
 ) -> InfoNCEOutput:
     """This process's share of the global InfoNCE, against all-gathered candidates.
 
     Args:
         anchors: ``(b, d)`` this process's anchors; ``candidates``: ``K x (b, d)``, its positives then
             hard negatives; ``sizes``: every process's ``b`` in rank order (:func:`agree_on_sizes`).
-        scale: a float, or a 0-d tensor whose gradient (averaged over processes) is returned when it
-            requires grad.
-        anchor_keys / candidate_keys: ``(b,)`` integer keys to mask duplicates (see ``infonce``);
-            gathered here with the embeddings.
+        options: the loss's options (:class:`~.options.InfoNCEOptions`; ``keywords`` replace its fields)
+            but where the rows are, which this sets; the keys and the guide's embeddings are gathered with
+            the embeddings, and a tensor scale's gradient is averaged over processes.
         with_grad: also the gradients wrt this process's embeddings; else the loss only.
-        terms / guide: the general loss (see ``infonce``); gathered like the rest.
 
     Collectives: one all-gather per gathered tensor (the keys in one), and with ``with_grad`` one
     all-reduce per gathered tensor (and one for a tensor scale's gradient).
     """
+    opts = InfoNCEOptions.of(options, keywords)
     given = [anchors, *candidates]
-    if Score(similarity).packed:  # packed rows: every process's padded to one width per column
+    if Score(opts.similarity).packed:  # packed rows: every process's padded to one width per column
         anchors, *candidates = pad_to_common_tokens(given)
-    cands_all, kwargs = _gathered(all_gather_rows, locals())
+    cands_all, core = _gathered(all_gather_rows, anchors, candidates, sizes, opts)
     w, b = len(sizes), anchors.shape[0]
     factor = _weight(sizes) * b  # the core averages over local rows
     if not with_grad:
-        value = infonce(anchors, cands_all, scale=scale, **kwargs)
-        return InfoNCEOutput(value * factor, None, [], None, None)
-    out = infonce_loss_and_grad(anchors, cands_all, scale=scale, grad_output=factor, **kwargs)
+        return InfoNCEOutput(infonce(anchors, cands_all, core) * factor, None, [], None, None)
+    out = infonce_loss_and_grad(anchors, cands_all, core, grad_output=factor)
     # every process scored everyone's candidates: sum their gradients, keep this process's rows
     g_cands = [own_rows(all_reduce_sum(g, "all_reduce_grad"), sizes) for g in out.grad_candidates]
     g_anchors = out.grad_anchors
@@ -214,22 +195,25 @@ def loss_and_grad(
     anchors: Tensor,
     candidates: Sequence[Tensor],
     sizes: list[int] | None,
+    options: InfoNCEOptions | None = None,
     *,
     ring: bool = False,
     with_grad: bool = True,
-    **options: Any,
+    **keywords: Any,
 ) -> InfoNCEOutput:
     """The loss stage wherever the rows are: one process (``sizes`` None: ``infonce_loss_and_grad``),
-    gathered, or by ring exchange (``ring``); ``options`` are :func:`gathered_loss_and_grad`'s keywords.
+    gathered, or by ring exchange (``ring``); ``options`` / ``keywords``: :class:`~.options.InfoNCEOptions`.
     Finiteness must have been checked by :func:`agree_on_sizes`."""
+    opts = InfoNCEOptions.of(options, keywords)
     anchors, candidates = anchors.detach(), [c.detach() for c in candidates]
     if sizes is not None:
         strategy = ring_loss_and_grad if ring else gathered_loss_and_grad
-        return strategy(anchors, candidates, sizes, with_grad=with_grad, **options)
+        return strategy(anchors, candidates, sizes, opts, with_grad=with_grad)
+    opts = replace(opts, check_finite=False)
     if with_grad:
-        return infonce_loss_and_grad(anchors, candidates, check_finite=False, **options)
+        return infonce_loss_and_grad(anchors, candidates, opts)
     with torch.no_grad():
-        loss = infonce(anchors, candidates, check_finite=False, **options)
+        loss = infonce(anchors, candidates, opts)
     return InfoNCEOutput(loss, None, [], None, None)
 
 
@@ -249,25 +233,17 @@ def gathered_infonce(
     anchors: Tensor,
     candidates: Sequence[Tensor],
     sizes: list[int],
-    *,
-    scale: float | Tensor,
-    similarity: Similarity = "cosine",
-    symmetric: bool = False,
-    path: LossPath = "auto",
-    tile_size: int | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
-    anchor_keys: Tensor | None = None,
-    candidate_keys: Sequence[Tensor] | None = None,
-    terms: TermSet | None = None,
-    guide: Guide | None = None,
+    options: InfoNCEOptions | None = None,
+    **keywords: Any,
 ) -> Tensor:
     """:func:`gathered_loss_and_grad`'s loss with autograd: the gather's backward sums over processes,
     and a tensor scale's gradient is averaged over processes by a hook."""
-    cands_all, kwargs = _gathered(gather_with_grad, locals())
+    opts = InfoNCEOptions.of(options, keywords)
+    cands_all, core = _gathered(gather_with_grad, anchors, candidates, sizes, opts)
     w, b = len(sizes), anchors.shape[0]
-    if isinstance(scale, Tensor) and scale.requires_grad:
-        scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
-    return infonce(anchors, cands_all, scale=scale, **kwargs) * (_weight(sizes) * b)
+    if isinstance(opts.scale, Tensor) and opts.scale.requires_grad:
+        opts.scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
+    return infonce(anchors, cands_all, core) * (_weight(sizes) * b)
 
 
 # --------------------------------------------------------------------------- the ring
@@ -278,69 +254,45 @@ def ring_loss_and_grad(
     anchors: Tensor,
     candidates: Sequence[Tensor],
     sizes: list[int],
+    options: InfoNCEOptions | None = None,
     *,
-    scale: float | Tensor,
-    similarity: Similarity = "cosine",
-    symmetric: bool = False,
-    path: LossPath = "auto",
-    tile_size: int | None = None,
-    memory_budget: int = DEFAULT_MEMORY_BUDGET,
-    anchor_keys: Tensor | None = None,
-    candidate_keys: Sequence[Tensor] | None = None,
     with_grad: bool = True,
-    terms: TermSet | None = None,
-    guide: Guide | None = None,
+    **keywords: Any,
 ) -> InfoNCEOutput:
     """:func:`gathered_loss_and_grad` by ring exchange (same arguments; ``path`` must be "auto" or
-    "tiled": the ring is tiled by construction).
-
-    Each process keeps its own anchors; every process's candidate block (with its anchors, guide
-    embeddings and keys when the loss reads them) visits it once per pass, the next one already in
-    flight while the current one is scored (:func:`~.directions.ring_terms_solve`).
-
-    Packed rows travel padded to one width, the widest column (or anchors, when they travel) of every
-    process (one all-reduce); the gradients come back at each process's own widths. A score whose rows
-    carry data computed from every column (XTR: the tokens each query token retrieves, its top-``k`` over
-    every process's document tokens) gets it from a first pass of the column blocks around the ring, each
-    visiting block merged into the rows' running state; XTR's columns first number their documents over
-    every process's rows.
+    "tiled": the ring is tiled by construction): each process keeps its rows, and every process's column
+    blocks visit it (:func:`~.ring.ring_terms_solve`). A score whose rows carry data computed from every
+    column (XTR: each query token's top-``k`` over every process's document tokens) gets it from a first
+    pass of the column blocks around the ring (:func:`_ring_row_data`), after XTR's columns numbered
+    their documents over every process's rows.
 
     No finiteness check inside: a process raising on its own NaN in the middle of the ring would leave
     its peers blocked in a send / receive; :func:`agree_on_sizes` checks every process first.
     """
-    if path not in ("auto", "tiled"):
+    opts = InfoNCEOptions.of(options, keywords)
+    if opts.path not in ("auto", "tiled"):
         raise ValueError(
-            f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {path!r}."
+            f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {opts.path!r}."
         )
-    score, given = Score(similarity), list(candidates)
-    cols = given
-    check_terms(terms, symmetric, guide, anchors, cols)
-    keys = None
-    if candidate_keys is not None:
-        validate_keys(anchor_keys, candidate_keys, None, anchors, cols, None, symmetric)
-        keys = Keys(anchor_keys, list(candidate_keys))
-    term_set = loss_terms(terms, symmetric, len(cols))
+    _own_rows_only(opts)
+    score, given = Score(opts.similarity), list(candidates)
+    spec = opts.spec(anchors, given, score)
     row_state = getattr(score.fn, "row_state", None)
-    if row_state is not None:
-        check_row_data_terms(score, term_set)
-    rows = anchors
+    cols, rows = given, anchors
     with torch.no_grad():
         if score.packed:
             # every block travels with one row shape: the columns (and the anchors when a term reads
             # them) padded to the widest of every process (exact: mask 0 / index 0 and value 0)
-            anchors_travel = any(t.cols == "q_all" for t in term_set.terms)
+            anchors_travel = any(t.cols == "q_all" for t in spec.terms.terms)
             width = max(_widest([*cols, anchors] if anchors_travel else cols))
             cols = [pad_tokens(c, width) for c in cols]
             rows = pad_tokens(anchors, width) if anchors_travel else anchors
         if row_state is not None:
             # the columns number their documents over every process's rows before they travel
             cols = score.fn.with_column_data(cols, sum(sizes[: rank()]), sum(sizes))  # type: ignore[union-attr]
-            rows = _ring_row_data(score, rows, cols, sizes, memory_budget)
-        spec = LossSpec(
-            term_set, score, tile_size=tile_size, memory_budget=memory_budget, guide=guide, keys=keys
-        )
+            rows = _ring_row_data(score, rows, cols, sizes, opts.memory_budget)
         loss, g_a, g_c, g_all, g_s = ring_terms_solve(
-            spec, rows, cols, sizes, scale=scale, with_grad=with_grad
+            spec, rows, cols, sizes, scale=opts.scale, with_grad=with_grad
         )
     if g_a is not None:
         if row_state is not None:  # rows carrying data of their own (XTR's retrieved tokens)
@@ -353,9 +305,8 @@ def ring_loss_and_grad(
 def _ring_row_data(
     score: Score, rows: Tensor, cols: list[Tensor], sizes: list[int], memory_budget: int
 ) -> Tensor:
-    """The rows with the data a score computes from every column of every process (XTR: each query token's
-    top-``k`` tokens over every process's document tokens), by a first ring
-    pass: each visiting block of columns updates the rows' running state (:meth:`~.multi_vector.XTR.row_state`)."""
+    """The rows with the data a score computes from every process's columns, by a first ring pass: each
+    visiting block of columns updates the rows' running state (:meth:`~.multi_vector.XTR.row_state`)."""
     fn: Any = score.fn
     state: Any = None
 

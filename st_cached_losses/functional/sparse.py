@@ -4,7 +4,8 @@ A vocabulary-sized SPLADE row ``(V,)`` has a few hundred non-zero entries out of
 *packed* form is one ``(n, k, 2)`` tensor per block of ``n`` rows: for each row its non-zero entries'
 vocabulary indices (channel 0, stored as floats: exact up to ``2 ** 24``) and values (channel 1), ``k`` the
 largest count of the block, shorter rows padded with index 0 and value 0. Only zeros are dropped, so
-:func:`dense_rows` gives back the dense rows bit for bit (a padding entry adds ``+0.0``).
+:func:`dense_rows` gives back the dense rows bit for bit (a padding entry adds ``+0.0``). :class:`SparseDot`
+is their dot product as a similarity function of :mod:`.score`.
 
 Why padded rows and not CSR: the packed tensor is an ordinary dense tensor with rows on dim 0, so it
 travels through every tile slice, ``index_select`` (the engine's mini-batch rows) and gradient buffer of the
@@ -13,13 +14,6 @@ core unchanged, as the multi-vector rows do (:mod:`.multi_vector`); a tile's row
 bytes before choosing it. A gradient wrt a packed tensor has the packed shape: the value channel holds
 the gradient wrt each kept entry, the index channel is 0 (an index has no gradient).
 
-:class:`SparseDot` is the dot product of packed rows as a similarity function of :mod:`.score`: a tile of
-rows is densified (``(b, V)``), the columns become a sparse CSR matrix, so a tile costs ``O(b V + t k)``
-memory and ``t k b`` multiply-adds instead of a ``t V b`` GEMM (sparse-dense products; the gradient wrt the
-columns a sampled product at their kept entries), and its backward gives the gradient of each kept
-entry only, in closed form (:meth:`SparseDot.vjp`, which the core calls instead of autograd). Exact: ``<a, c> = sum_m c_val[m] * a[c_idx[m]]`` over ``c``'s non-zero
-entries.
-
 Shapes: ``n`` rows, ``k`` kept entries per row, ``V`` the vocabulary, ``b`` rows of a tile, ``t`` columns
 of a tile.
 """
@@ -27,12 +21,13 @@ of a tile.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from st_cached_losses.distributed import all_reduce_min
+from st_cached_losses.functional.distributed import all_reduce_min
 
 __all__ = [
     "MAX_PACKED_DIM",
@@ -137,19 +132,24 @@ def _csr_t(packed: Tensor, dim: int) -> Tensor:
     return _sparse_csr(crow, rows[order], packed[..., 1][keep][order], (dim, packed.shape[0]))
 
 
+@dataclass(unsafe_hash=True)
 class SparseDot:
     """The dot product of packed sparse rows (:func:`pack_rows`) of dimension ``dim``, as a similarity
     function ``f(a (b, ka, 2), c (t, kc, 2)) -> (b, t)`` of :mod:`.score`: the same scores as ``"dot"`` on the
-    dense rows; the gradient of each kept entry comes from :meth:`vjp` (in closed form: no autograd graph
-    of a tile)."""
+    dense rows, exactly (``<a, c> = sum_m c_val[m] * a[c_idx[m]]`` over ``c``'s kept entries). A tile of rows
+    is densified (``(b, V)``) and its columns become a sparse CSR matrix: ``O(b V + t k)`` memory and
+    ``t k b`` multiply-adds instead of a ``t V b`` GEMM. The gradient of each kept entry comes from
+    :meth:`vjp` (in closed form: no autograd graph of a tile; wrt the columns, a sampled product at their
+    kept entries)."""
 
+    dim: int
     #: operands are packed 3-D rows (read by :class:`~.score.Score`)
     packed_rows = True
 
-    def __init__(self, dim: int) -> None:
-        if not 0 < dim <= MAX_PACKED_DIM:
-            raise ValueError(f"SparseDot needs 0 < dim <= 2**24, got {dim}.")
-        self.dim = int(dim)
+    def __post_init__(self) -> None:
+        if not 0 < self.dim <= MAX_PACKED_DIM:
+            raise ValueError(f"SparseDot needs 0 < dim <= 2**24, got {self.dim}.")
+        self.dim = int(self.dim)
         # the CSR forms of the column blocks already read (the chunked path reads every column once per row
         # chunk), keyed by the block's memory, layout and version; each entry holds its block, so that the
         # block's memory cannot be reused by another tensor while the key is cached. One instance per call.
@@ -167,15 +167,6 @@ class SparseDot:
     def release(self) -> None:
         """Forget the column blocks read so far (the ring calls it after each visiting block)."""
         self._columns.clear()
-
-    def __repr__(self) -> str:
-        return f"SparseDot(dim={self.dim})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, SparseDot) and other.dim == self.dim
-
-    def __hash__(self) -> int:
-        return hash((SparseDot, self.dim))
 
     @torch.no_grad()
     def __call__(self, a: Tensor, c: Tensor) -> Tensor:

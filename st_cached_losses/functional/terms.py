@@ -26,9 +26,9 @@ its text is row ``i``'s positive; a row's own entry never is. The symmetric loss
 their tiles where the columns of one are the rows of the other (one process, and the ring): a bound
 term then also feeds a softmax that runs down its columns.
 
-Kernels here work on bound terms (operands and gradient buffers attached) one tile at a time; the
-drivers in :mod:`.directions` bind them on one process, across gathered processes, or for each block
-visiting in a ring.
+Kernels here work on bound terms (operands and gradient buffers attached, :mod:`.binding`) one tile at
+a time; the drivers bind them on one process or against gathered columns (:mod:`.local`), or for each
+block visiting in a ring (:mod:`.ring`).
 """
 
 from __future__ import annotations

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.distributed import is_distributed, warn_no_process_group_once
+from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size
 from st_cached_losses.engine.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional import LossPath, infonce, scale_value
-from st_cached_losses.functional.checks import check_mini_batch_num_tokens, check_mini_batch_size
+from st_cached_losses.functional.distributed import is_distributed, warn_no_process_group_once
 from st_cached_losses.functional.parallel import (
     agree_on_sizes,
     gathered_infonce,

@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from st_cached_losses.distributed import is_distributed, world_size
 from st_cached_losses.engine.features import Features, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
+from st_cached_losses.functional.distributed import is_distributed, world_size
 from st_cached_losses.functional.parallel import agree_on_sizes
 from st_cached_losses.losses._base import EngineSettings
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION

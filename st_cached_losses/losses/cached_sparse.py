@@ -30,8 +30,8 @@ import torch
 from sentence_transformers.sparse_encoder.losses import FlopsLoss
 from torch import Tensor, nn
 
-from st_cached_losses.distributed import is_distributed, warn_no_process_group_once
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
+from st_cached_losses.functional.distributed import is_distributed, warn_no_process_group_once
 from st_cached_losses.functional.flops import flops_loss_and_grad
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.parallel import agree_on_sizes, loss_and_grad

@@ -25,14 +25,9 @@ from typing import Any, Generic, Literal, TypeVar, overload
 import torch
 from torch import Tensor
 
+from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size, memory_bytes
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, Similarity, scale_value
-from st_cached_losses.functional.checks import (
-    check_mini_batch_num_tokens,
-    check_mini_batch_size,
-    check_path,
-    check_positive_int,
-    memory_bytes,
-)
+from st_cached_losses.functional.checks import check_path, check_positive_int
 
 logger = logging.getLogger(__name__)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import st_cached_losses
+from st_cached_losses.engine.checks import memory_bytes
 from st_cached_losses.engine.graph_budget import GraphMeter
-from st_cached_losses.functional.checks import memory_bytes
 from tests.support.dist_utils import run_distributed
 from tests.support.tiny_model import make_tiny_model, random_texts
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from st_cached_losses.functional.checks import memory_bytes
+from st_cached_losses.engine.checks import memory_bytes
 
 
 @pytest.mark.parametrize(

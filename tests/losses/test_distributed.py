@@ -307,7 +307,7 @@ def test_gather_without_process_group_warns_once(model_dir):
     model = load_model(model_dir)
     loss = CachedCLIPLoss(model, mini_batch_size=2, gather_across_devices=True)
     feats = [model.preprocess(t) for t in global_texts(4, 2)]
-    import st_cached_losses.distributed as d
+    import st_cached_losses.functional.distributed as d
 
     d._warned.discard("CachedCLIPLoss")
     with warnings.catch_warnings(record=True) as caught:

@@ -1,0 +1,184 @@
+"""What a call of the loss stage is given besides the embeddings: :class:`InfoNCEOptions`, the options of
+every entry point, written once, and :class:`LossSpec`, what the drivers read: the options resolved for a
+call."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+from torch import Tensor
+
+from st_cached_losses.functional._kernels import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional.checks import check_path, check_positive_int, validate_keys
+from st_cached_losses.functional.score import Score, Similarity
+from st_cached_losses.functional.terms import PairKeys, TermSet, mnrl_terms
+
+__all__ = ["Guide", "InfoNCEOptions", "Keys", "LossPath", "LossSpec"]
+
+LossPath = Literal["auto", "chunked", "tiled"]
+
+
+@dataclass
+class Guide:
+    """A guide model's embeddings of the same batch (GIST): ``anchors`` ``(B, g)`` of this process,
+    ``candidates`` one ``(N, g)`` per column, laid out like the loss's candidates (gathered)."""
+
+    anchors: Tensor
+    candidates: list[Tensor]
+
+
+@dataclass
+class Keys:
+    """Duplicate keys of a call (``mask_duplicates``): ``anchors`` ``(B,)`` this process's anchors' (or
+    None: pairs are then compared by their positives only), ``candidates`` one ``(N,)`` per column, and
+    ``anchors_all`` ``(N,)`` every positive's anchor's (across processes; None on one process)."""
+
+    anchors: Tensor | None
+    candidates: list[Tensor]
+    anchors_all: Tensor | None = None
+
+    def sources(self, row_offset: int, b: int) -> dict[str, PairKeys]:
+        """The keys of every row and column source (see :class:`~.terms.PairKeys`)."""
+        pos = self.candidates[0]
+        pair_anchor = self.anchors_all if self.anchors_all is not None else self.anchors
+        rows = PairKeys(pos[row_offset : row_offset + b], self.anchors)
+        out = {"q": rows, "d": rows, "q_local": rows, "q_all": PairKeys(pos, pair_anchor)}
+        out["c0"] = out["q_all"]
+        out.update({f"c{k}": PairKeys(c, pairs=False) for k, c in enumerate(self.candidates) if k > 0})
+        return out
+
+
+@dataclass(frozen=True, kw_only=True, eq=False)
+class InfoNCEOptions:
+    """The options of every InfoNCE entry point (:func:`~.infonce.infonce`,
+    :func:`~.infonce.infonce_loss_and_grad` and the strategies of :mod:`.parallel`). An entry point takes
+    them as keywords (``infonce(a, c, scale=20.0, path="tiled")``) or as one object (``infonce(a, c,
+    options)``, keywords replacing its fields). Checked when made.
+
+    Args:
+        scale: ``1 / temperature``; a float or a 0-d tensor (its gradient is returned if it requires grad).
+        similarity: ``"cosine"`` (embeddings normalised once), ``"dot"``, or a function
+            ``f(a (b, d), c (t, d)) -> (b, t)`` scored exactly tile by tile through autograd (slower).
+        symmetric: also score each of this process's positives against every anchor, and average.
+        terms: the loss as logit terms (:mod:`st_cached_losses.functional.terms`: sentence-transformers'
+            ``directions`` / ``partition_mode`` / hardness options, or GIST's terms, built by
+            ``mnrl_terms`` / ``gist_terms``); replaces ``symmetric``. Across processes, pass the
+            gathered anchors as ``anchors_all`` when a term reads them (``terms.uses_anchors_all``).
+        guide: a guide model's embeddings (GIST), for terms that are guided.
+        path: ``"chunked"`` (row chunks against all candidates; one pass unless a softmax runs down the
+            columns), ``"tiled"`` (Inf-CL-style tiles in both dimensions, memory ``O((B + N) d)`` plus a
+            few tiles) or ``"auto"`` (chunked when ``memory_budget`` allows chunks of at least 64 rows).
+        chunk_size: rows per chunk for the chunked path (default: from ``memory_budget``).
+        tile_size: tile side for the tiled path (default: from ``memory_budget``, at most 2048).
+        memory_budget: bytes of logit blocks to hold at once when sizes are not given.
+        anchor_keys: ``(B,)`` integer keys (e.g. hashes of the token ids) of the anchors, with
+            ``candidate_keys`` (one ``(N,)`` per column) and, when ``N != B`` (across processes),
+            ``anchors_all_keys`` ``(N,)``, the keys of every positive's anchor; they mask false
+            negatives in every term. Pairs ``i != j`` are duplicates when their anchors' keys or their
+            positives' keys are equal; then pair ``j``'s entries (its positive, its anchor) are masked
+            out of row ``i``'s softmaxes, and any hard negative whose key equals row ``i``'s positive's
+            too. A row's own pair is never masked. Without ``anchor_keys`` only equal positives make
+            duplicates.
+        candidate_keys: see ``anchor_keys``.
+        anchors_all_keys: see ``anchor_keys``.
+        anchors_all: ``(N, d)`` gathered anchors, for ``symmetric=True`` across processes.
+        row_offset: index of this process's first positive in the (gathered) candidate columns.
+        check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs).
+
+    ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
+    against columns the caller gathered: the strategies of :mod:`.parallel` set them (and refuse the first
+    three); their finiteness check is :func:`~.parallel.agree_on_sizes`.
+    """
+
+    scale: float | Tensor = 20.0
+    similarity: Similarity = "cosine"
+    symmetric: bool = False
+    terms: TermSet | None = None
+    guide: Guide | None = None
+    path: LossPath = "auto"
+    chunk_size: int | None = None
+    tile_size: int | None = None
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    anchor_keys: Tensor | None = None
+    candidate_keys: Sequence[Tensor] | None = None
+    anchors_all_keys: Tensor | None = None
+    anchors_all: Tensor | None = None
+    row_offset: int = 0
+    check_finite: bool = True
+
+    def __post_init__(self) -> None:
+        Score(self.similarity)  # refuses anything but "cosine", "dot" or a function
+        check_path("path", self.path)
+        for name in ("chunk_size", "tile_size", "memory_budget"):
+            check_positive_int(name, getattr(self, name))
+        if self.terms is not None and self.symmetric:
+            raise ValueError("pass either terms or symmetric=True, not both: terms say every direction.")
+        if (self.terms is not None and self.terms.guided) != (self.guide is not None):
+            raise ValueError(
+                "guided terms (GIST) need guide=Guide(...) embeddings, and a guide needs guided terms."
+            )
+
+    @classmethod
+    def of(cls, options: InfoNCEOptions | None, keywords: dict[str, Any]) -> InfoNCEOptions:
+        """An entry point's options: ``options`` (default: the defaults) with ``keywords`` replacing its fields."""
+        if options is None:
+            return cls(**keywords)
+        if not isinstance(options, cls):
+            raise TypeError(
+                f"options must be an InfoNCEOptions, got {options!r}: pass the options as keywords."
+            )
+        return replace(options, **keywords) if keywords else options
+
+    @property
+    def uses_anchors_all(self) -> bool:
+        """Whether the loss scores against every process's anchors (they must be gathered)."""
+        return self.symmetric or (self.terms is not None and self.terms.uses_anchors_all)
+
+    def spec(self, anchors: Tensor, cols: list[Tensor], score: Score) -> LossSpec:
+        """What the drivers read for a call on ``anchors`` and candidate columns ``cols``, scored by ``score``:
+        the terms (the given ones, or the one-directional / symmetric loss's) and the keys, both checked
+        against the embeddings, as is the guide."""
+        guide = self.guide
+        if guide is not None and (
+            guide.anchors.shape[0] != anchors.shape[0]
+            or [c.shape[0] for c in guide.candidates] != [c.shape[0] for c in cols]
+        ):
+            raise ValueError(
+                f"the guide's embeddings must have the loss's rows: anchors {anchors.shape[0]}, columns "
+                f"{[c.shape[0] for c in cols]}; got {guide.anchors.shape[0]} and {[c.shape[0] for c in guide.candidates]}."
+            )
+        validate_keys(
+            self.anchor_keys, self.candidate_keys, self.anchors_all_keys, anchors, cols, self.anchors_all,
+            self.symmetric,
+        )  # fmt: skip
+        keys = None
+        if self.candidate_keys is not None:
+            keys = Keys(self.anchor_keys, list(self.candidate_keys), self.anchors_all_keys)
+        terms = self.terms
+        if terms is None:
+            directions = ("query_to_doc", "doc_to_query") if self.symmetric else ("query_to_doc",)
+            terms = mnrl_terms(directions, "per_direction", None, 0.0, len(cols))
+        # a score whose rows carry data computed from every column (XTR's retrieved tokens)
+        if hasattr(score.fn, "with_row_data") and any(
+            t.rows != "q" or not t.cols.startswith("c") for t in terms.terms
+        ):
+            raise ValueError(
+                f"{score.fn!r} scores queries against documents only (its top-k runs over the document "
+                "columns' tokens): the loss's terms may score only the anchors against the candidate columns "
+                "(query_to_doc), not documents against anchors."
+            )
+        return LossSpec(self, terms, score, keys)
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What the drivers read, fixed for a call: the options (where this process's positives are, the
+    block plan's inputs, the guide), and what they resolve to on the call's embeddings: the loss's terms,
+    its score and the duplicate keys."""
+
+    options: InfoNCEOptions
+    terms: TermSet
+    score: Score
+    keys: Keys | None = None

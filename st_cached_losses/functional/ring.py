@@ -1,0 +1,165 @@
+"""The ring driver: this process's rows against every process's columns, the column blocks passed around
+a ring of processes (Inf-CL), tiled by construction; nothing is gathered."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from st_cached_losses.functional._kernels import LogSumExp, Operand, init_stats, merge_stats, tile_side
+from st_cached_losses.functional.binding import (
+    Solution,
+    Sources,
+    bind,
+    finish_grads,
+    group_stats,
+    guide_sources,
+    loss_sum,
+    pair_up,
+    row_lse,
+    transposed_pair,
+)
+from st_cached_losses.functional.checks import scale_value
+from st_cached_losses.functional.distributed import all_reduce_sum, rank, ring_exchange
+from st_cached_losses.functional.options import Keys, LossSpec
+from st_cached_losses.functional.terms import Bound, term_grads, term_stats
+
+__all__ = ["ring_terms_solve"]
+
+
+def ring_terms_solve(
+    spec: LossSpec,
+    anchors: Tensor,
+    cols: Sequence[Tensor],
+    sizes: list[int],
+    *,
+    scale: float | Tensor,
+    with_grad: bool,
+) -> Solution:
+    """This process's share of the global loss (``W / B_global * sum`` over its rows) by ring exchange:
+    every process's columns (its candidates, its anchors when a term reads ``q_all``, its guide
+    embeddings when guided, its keys when masking) visit every process once per pass, the next block in
+    flight while the current one is scored; a visiting block's gradient travels with it and is home after
+    the circle. Row statistics never leave their process; the statistics of a softmax down the columns
+    (the symmetric loss's positives against every anchor) travel with their block.
+
+    Rows are ``(b, *row_shape)``: embeddings ``(b, d)``, or packed rows (token rows ``(b, t, d + 1)``,
+    sparse rows ``(b, k, 2)``). Every travelling tensor (the candidate columns, and the anchors when a term
+    reads them) must have the same row shape on every process (the caller pads packed rows to a common
+    width: :func:`~.parallel.ring_loss_and_grad`); the rows (anchors) may have a shape of their own."""
+    terms, score, guide, keys = spec.terms, spec.score, spec.options.guide, spec.keys
+    me, w = rank(), len(sizes)
+    cols = list(cols)
+    s = scale_value(scale)
+    need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
+    b = anchors.shape[0]
+    k = len(cols)
+    pair = transposed_pair(terms, score)
+    # a token score's logit costs q_tokens x d_tokens elements (the block plan's entry cost)
+    cost = score.entry_cost(anchors, cols)
+    tile = tile_side(spec.options.tile_size, spec.options.memory_budget, buffers=(3 + terms.guided) * cost)
+    src = Sources.of(spec, anchors, cols, None, s, prenorm=False, with_grad=with_grad)
+    gsrc, thr = guide_sources(guide, terms, 0, False, tile)
+    visiting = [t for t in terms.terms if t.cols != "q_local"]
+    local = [t for t in terms.terms if t.cols == "q_local"]
+    reads_q_all = any(t.cols == "q_all" and (pair is None or t != pair[1]) for t in visiting)
+    names = [f"c{j}" for j in range(k)] + (["q_all"] if reads_q_all else [])
+    # what travels: the columns side by side (b, K', *row_shape); the guide's (b, K, g); the keys (b, K + 1)
+    travelling = [*cols, anchors][: len(names)]
+    row_shape = travelling[0].shape[1:]
+    if any(t.shape[1:] != row_shape for t in travelling):
+        raise ValueError(
+            "the ring exchange sends the columns (and the anchors when a term reads them) side by side: their "
+            f"rows must have one shape, got {[tuple(t.shape[1:]) for t in travelling]} (pad packed rows to a "
+            "common width first)."
+        )
+    own = [torch.stack(travelling, dim=1).contiguous()]
+    if guide is not None:
+        own.append(torch.stack(guide.candidates, dim=1).contiguous())
+    if keys is not None:
+        key_anchor = keys.anchors if keys.anchors is not None else torch.full_like(keys.candidates[0], -1)
+        own.append(torch.stack([*keys.candidates, key_anchor], dim=1).contiguous())
+    n_groups = len(terms.weights)
+    m, ssum = group_stats(n_groups, b, src.q)
+    # a score that keeps per-block data (SparseDot's CSR forms) forgets a visiting block once scored:
+    # the blocks of every process would otherwise pile up
+    release = getattr(score.fn, "release", None) or (lambda: None)
+
+    def bind_block(
+        owner: int, tensors: list[Tensor], g_block: Tensor | None, **col_state: Any
+    ) -> list[Bound]:
+        """The terms against a visiting block (and, for this process's own block, the local terms)."""
+        blk, rest = tensors[0], tensors[1:]
+        grads = {}
+        if g_block is not None:  # this process's rows keep theirs; the block's travel with it
+            grads = {r: g for r, g in src.grads.items() if r in ("q", "d")}
+            grads.update({n: g_block[:, j] for j, n in enumerate(names)})
+        col_keys = None
+        if keys is not None:
+            kb = rest[-1]
+            anchor = kb[:, k] if keys.anchors is not None else None
+            col_keys = Keys(anchor, [kb[:, j] for j in range(k)]).sources(0, kb.shape[0])
+        visit = src.with_columns(
+            {n: score.operand(blk[:, j], 1.0, prenormalize=False) for j, n in enumerate(names)},
+            grads,
+            col_keys,
+        )
+        gvisit = None
+        if gsrc is not None:
+            gblk = rest[0]
+            gvisit = gsrc.with_columns(
+                {f"c{j}": Operand(gblk[:, j], True, 1.0, False) for j in range(k)}, {}, None
+            )
+        scored = [t for t in visiting if pair is None or t != pair[1]]  # the pair's back term rides along
+        bound = bind(scored, visit, 0 if owner == me else None, gvisit, thr)
+        if pair is not None:
+            bound = pair_up(bound, pair, terms.weights, **col_state)
+        if owner == me and local:
+            bound += bind(local, src, 0, gsrc, thr)
+        return bound
+
+    def visit_stats(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
+        col_state = {"col_stats": (carried[0][:, 0], carried[0][:, 1])} if pair is not None else {}
+        term_stats(
+            bind_block(owner, tensors, None, **col_state), m, ssum, scale=s, row_tile=tile, col_tile=tile
+        )
+        release()
+
+    # the column softmax's statistics of each block's positives travel with it and come home complete
+    col_acc = [torch.stack(init_stats(b, src.q), dim=1)] if pair is not None else []
+    col_acc = ring_exchange(own, col_acc, sizes, visit_stats)
+    if pair is not None:
+        g_back = pair[1].group  # joint with this process's own terms of the group, or alone
+        merge_stats(m[g_back], ssum[g_back], col_acc[0][:, 0], col_acc[0][:, 1])
+    rows_lse, lse = row_lse(m, ssum)
+    factor = w / sum(sizes)
+    loss = (loss_sum(terms, rows_lse, src, 0, tile, s) * factor).to(src.q.dtype)
+    if not with_grad:
+        return loss, None, [], None, None
+    gs_total = torch.zeros((), dtype=torch.float64, device=anchors.device)
+    if pair is not None:  # in pass 2 each block's finished column statistics travel with it
+        own.append(lse[pair[1].group].stacked())
+
+    def visit_grads(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
+        nonlocal gs_total
+        col_state = {"col_lse": LogSumExp.unstack(tensors[-1])} if pair is not None else {}
+        bound = bind_block(owner, tensors[:-1] if pair is not None else tensors, carried[0], **col_state)
+        gs_total += term_grads(
+            bound, lse, terms.weights, scale=s, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
+        )
+        release()
+
+    g_block = torch.zeros(b, len(names), *row_shape, dtype=src.q.dtype, device=anchors.device)
+    (g_block,) = ring_exchange(own, [g_block], sizes, visit_grads)
+    for j, n in enumerate(names):
+        src.grads[n if n != "q_all" else "q_local"].add_(g_block[:, j])
+    g_a, g_c, _ = finish_grads(src, anchors, cols, None, s, factor, tile)
+    g_s = None
+    if need_scale_grad:
+        # every process holds part of d(sum_r L_r)/ds = W dL/ds; the average is the true gradient
+        gs = all_reduce_sum((gs_total * factor).reshape(1), "all_reduce_scale")[0] / w
+        g_s = (gs / s).to(scale.dtype)  # type: ignore[union-attr]
+    return loss, g_a, g_c, None, g_s
