@@ -72,6 +72,26 @@ class EngineSettings:
     keep_params_unsharded = Setting[bool](on_engine=True)
     graph_memory_budget = Setting[int | None](on_engine=True)
 
+    def _init_engine(
+        self,
+        cache: GradCache,
+        *,
+        mini_batch_memory_budget: int | str | None,
+        show_progress_bar: bool,
+        sort_by_length: bool,
+        reuse_last_graph: bool,
+        keep_params_unsharded: bool,
+        graph_memory_budget: int | str | None,
+    ) -> None:
+        """Keep ``cache`` as the loss's engine and set its settings, each checked by its spec."""
+        self.cache = cache
+        self.mini_batch_memory_budget = mini_batch_memory_budget
+        self.show_progress_bar = show_progress_bar
+        self.sort_by_length = sort_by_length
+        self.reuse_last_graph = reuse_last_graph
+        self.keep_params_unsharded = keep_params_unsharded
+        self.graph_memory_budget = graph_memory_budget
+
     @property
     def mini_batch_size(self) -> int | str:
         """Rows per encoder mini-batch, or ``"auto"``: the largest that fits ``mini_batch_memory_budget``,
@@ -161,13 +181,15 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         super().__init__()
         check_splittable_model(model, type(self).__name__)
         self.model = model
-        self.cache = GradCache(mini_batch_size=mini_batch_size, mini_batch_num_tokens=mini_batch_num_tokens)
-        self.mini_batch_memory_budget = mini_batch_memory_budget
-        self.show_progress_bar = show_progress_bar
-        self.sort_by_length = sort_by_length
-        self.reuse_last_graph = reuse_last_graph
-        self.keep_params_unsharded = keep_params_unsharded
-        self.graph_memory_budget = graph_memory_budget
+        self._init_engine(
+            GradCache(mini_batch_size=mini_batch_size, mini_batch_num_tokens=mini_batch_num_tokens),
+            mini_batch_memory_budget=mini_batch_memory_budget,
+            show_progress_bar=show_progress_bar,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+            keep_params_unsharded=keep_params_unsharded,
+            graph_memory_budget=graph_memory_budget,
+        )
         self.path = path
         self.tile_size = tile_size
         self.memory_budget = memory_budget

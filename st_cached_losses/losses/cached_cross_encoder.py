@@ -181,15 +181,17 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         self.scale = scale
         self.activation_fn = activation_fn
         # the rows the engine caches are pairs, and what it keeps of each is the model's score
-        self.cache = GradCache(
-            mini_batch_size=mini_batch_size, mini_batch_num_tokens=mini_batch_num_tokens, output="scores"
+        self._init_engine(
+            GradCache(
+                mini_batch_size=mini_batch_size, mini_batch_num_tokens=mini_batch_num_tokens, output="scores"
+            ),
+            mini_batch_memory_budget=mini_batch_memory_budget,
+            show_progress_bar=show_progress_bar,
+            sort_by_length=sort_by_length,
+            reuse_last_graph=reuse_last_graph,
+            keep_params_unsharded=keep_params_unsharded,
+            graph_memory_budget=graph_memory_budget,
         )
-        self.mini_batch_memory_budget = mini_batch_memory_budget
-        self.graph_memory_budget = graph_memory_budget
-        self.show_progress_bar = show_progress_bar
-        self.sort_by_length = sort_by_length
-        self.reuse_last_graph = reuse_last_graph
-        self.keep_params_unsharded = keep_params_unsharded
 
     # ------------------------------------------------------------------ the step
 
