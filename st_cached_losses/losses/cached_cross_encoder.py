@@ -49,6 +49,58 @@ def in_batch_negatives(batch_size: int, num_columns: int, num_negatives: int | N
     return every[allowed].reshape(batch_size, -1)
 
 
+#: pairs per tokenizer call in :meth:`CachedCrossEncoderLoss.features`
+TOKENIZE_CHUNK = 64
+
+
+def _concat_padded(chunks: list[Features], tokenizer: Any) -> Features | None:
+    """The chunks' features as one batch, each chunk padded to the widest as the tokenizer pads (its side,
+    its pad token and token type): the very tensors of tokenizing every pair at once. None where a chunk
+    holds something this cannot join exactly (a sequence input whose padding value is unknown, non-batch
+    values that differ): the caller then tokenizes at once."""
+    if len(chunks) == 1:
+        return chunks[0]
+    masks = [c.get("attention_mask") for c in chunks]
+    if not all(isinstance(m, Tensor) and m.dim() == 2 for m in masks):
+        return None
+    pad_values = {
+        "input_ids": getattr(tokenizer, "pad_token_id", None),
+        "token_type_ids": getattr(tokenizer, "pad_token_type_id", None),
+        "attention_mask": 0,
+    }
+    left = getattr(tokenizer, "padding_side", "right") == "left"
+    width = max(m.shape[1] for m in masks)
+    out: Features = {}
+    for key, first in chunks[0].items():
+        values = [c.get(key) for c in chunks]
+        if not (isinstance(first, Tensor) and first.dim() >= 1 and first.shape[0] == masks[0].shape[0]):
+            # not per pair (a modality name, a prompt length): one value for every chunk
+            if not all(_same(v, first) for v in values[1:]):
+                return None
+            out[key] = first
+            continue
+        if not all(isinstance(v, Tensor) and v.shape[0] == m.shape[0] for v, m in zip(values, masks)):
+            return None
+        if all(v.dim() == 2 and v.shape == m.shape for v, m in zip(values, masks)):
+            # laid out like the attention mask: pad each chunk to the widest
+            if pad_values.get(key) is None:
+                return None
+            values = [
+                F.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]), value=pad_values[key])
+                for v in values
+            ]
+        elif any(v.shape[1:] != first.shape[1:] for v in values):
+            return None
+        out[key] = torch.cat(values)
+    return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool((a == b).all())
+    return bool(a == b)
+
+
 def _check_scale(name: str, value: Any) -> Any:
     # sentence-transformers skips the multiplication for a falsy scale (0 or None): accepted as theirs
     if value is None:
@@ -226,7 +278,16 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         every in-batch negative, ``B x B`` pairs would otherwise wait on the accelerator)."""
         inner = unwrap_model(self.model)
         kwargs = {"task": task} if task is not None else {}
-        return inner.preprocess(pairs, prompt=prompt, **kwargs)  # type: ignore[operator]
+
+        def tokenize(part: list[tuple[str, str]]) -> Features:
+            return dict(inner.preprocess(part, prompt=prompt, **kwargs))  # type: ignore[operator]
+
+        # in chunks: a fast tokenizer's working memory (each truncated pair's overflow included) is then
+        # that of one chunk, which the next reuses; at once, B = 128 with 4 negatives took ~28 MB more
+        # resident memory than theirs, which tokenizes per mini-batch
+        chunks = [tokenize(pairs[i : i + TOKENIZE_CHUNK]) for i in range(0, len(pairs), TOKENIZE_CHUNK)]
+        joined = _concat_padded(chunks, getattr(inner, "tokenizer", None))
+        return joined if joined is not None else tokenize(pairs)
 
     def calculate_loss(
         self, logits: Sequence[Tensor], batch_size: int, *, total_rows: int | None = None
