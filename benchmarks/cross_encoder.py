@@ -21,8 +21,8 @@ same negatives drawn).
 * padded tokens: what each contender feeds the model per pass (ours: pairs sorted by joint length, each
   mini-batch trimmed to its longest; theirs: pairs in their order, tokenized per mini-batch).
 
-Where ours saves: the pairs are cut into mini-batches after sorting by their joint length (little padding),
-tokenized once (theirs tokenizes every mini-batch in both passes), and the last mini-batch's graph is kept
+Where ours saves: the pairs are cut into mini-batches after sorting by their joint length (little padding;
+both tokenize a mini-batch's pairs when it runs, in both passes), and the last mini-batch's graph is kept
 from the first pass (theirs runs it again).
 
 Run on a quiet machine: ``.venv/bin/python benchmarks/cross_encoder.py --device cuda`` (B = 32, 128, 512;

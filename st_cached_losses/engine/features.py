@@ -14,12 +14,17 @@ A column comes in one of two layouts, and every function here understands both:
   ``max_length_k`` the longest row, no attention mask. Slicing such a column gathers the selected rows'
   tokens and rebuilds the per-sequence keys for them (:func:`is_flattened`). Every token of it is real
   (sentence-transformers never flattens expanded queries).
+
+A padded column may also be made per mini-batch (:class:`InputsOnDemand`): it holds only its attention
+mask, which is all the planning reads, and makes the inputs of the rows a mini-batch runs when it runs (a
+reranker's ``B x (1 + k)`` pairs are tokenized per mini-batch, so no step holds every pair's tokens).
 """
 
 from __future__ import annotations
 
 import itertools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +34,7 @@ Features = dict[str, Any]
 
 __all__ = [
     "Features",
+    "InputsOnDemand",
     "batch_size_of",
     "check_splittable",
     "input_ids_by_row",
@@ -43,6 +49,17 @@ __all__ = [
     "token_counts",
     "unwrap_model",
 ]
+
+
+class InputsOnDemand(dict[str, Any]):
+    """A padded column whose inputs are made per mini-batch: it holds its ``attention_mask`` ``(B, T)``
+    (what the planning reads: each row's real tokens) and ``make(rows, trim_leading)``, which returns the
+    inputs of ``rows`` as :func:`slice_features` would cut them from the whole padded column (padding no
+    row of them needs trimmed, leading padding only with ``trim_leading``)."""
+
+    def __init__(self, attention_mask: Tensor, make: Callable[[Tensor, bool], Features]) -> None:
+        super().__init__(attention_mask=attention_mask)
+        self.make = make
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -140,8 +157,10 @@ def slice_features(
 
     A flattened column (:func:`is_flattened`) has no padding: the selected rows' tokens are gathered,
     row after row in the order of ``rows``, and its per-sequence keys rebuilt for them
-    (:func:`_slice_flattened`).
+    (:func:`_slice_flattened`). A column made per mini-batch (:class:`InputsOnDemand`) makes them.
     """
+    if isinstance(features, InputsOnDemand):
+        return features.make(rows, trim_leading)
     if is_flattened(features):
         return _slice_flattened(features, rows, batch_size)
     real = real_tokens(features, batch_size)

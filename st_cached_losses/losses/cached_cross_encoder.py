@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from st_cached_losses.engine.features import Features, unwrap_model
+from st_cached_losses.engine.features import Features, InputsOnDemand, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional.distributed import is_distributed, world_size
 from st_cached_losses.functional.parallel import agree_on_sizes
@@ -49,56 +49,33 @@ def in_batch_negatives(batch_size: int, num_columns: int, num_negatives: int | N
     return every[allowed].reshape(batch_size, -1)
 
 
-#: pairs per tokenizer call in :meth:`CachedCrossEncoderLoss.features`
+#: pairs per tokenizer call when :meth:`CachedCrossEncoderLoss.features` measures the pairs
 TOKENIZE_CHUNK = 64
 
 
-def _concat_padded(chunks: list[Features], tokenizer: Any) -> Features | None:
-    """The chunks' features as one batch, each chunk padded to the widest as the tokenizer pads (its side,
-    its pad token and token type): the very tensors of tokenizing every pair at once. None where a chunk
-    holds something this cannot join exactly (a sequence input whose padding value is unknown, non-batch
-    values that differ): the caller then tokenizes at once."""
-    if len(chunks) == 1:
-        return chunks[0]
-    masks = [c.get("attention_mask") for c in chunks]
-    if not all(isinstance(m, Tensor) and m.dim() == 2 for m in masks):
-        return None
+def _pad(t: Tensor, width: int, left: bool, value: Any) -> Tensor:
+    """``(n, t)`` padded to ``(n, width)``, on the left or the right, with ``value``."""
+    return F.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]), value=value)
+
+
+def _pad_inputs(features: Features, width: int, tokenizer: Any) -> Features:
+    """A left-padded mini-batch's inputs padded on the left to ``width``, as the tokenizer pads."""
     pad_values = {
-        "input_ids": getattr(tokenizer, "pad_token_id", None),
-        "token_type_ids": getattr(tokenizer, "pad_token_type_id", None),
+        "input_ids": tokenizer.pad_token_id,
+        "token_type_ids": tokenizer.pad_token_type_id,
         "attention_mask": 0,
     }
-    left = getattr(tokenizer, "padding_side", "right") == "left"
-    width = max(m.shape[1] for m in masks)
-    out: Features = {}
-    for key, first in chunks[0].items():
-        values = [c.get(key) for c in chunks]
-        if not (isinstance(first, Tensor) and first.dim() >= 1 and first.shape[0] == masks[0].shape[0]):
-            # not per pair (a modality name, a prompt length): one value for every chunk
-            if not all(_same(v, first) for v in values[1:]):
-                return None
-            out[key] = first
-            continue
-        if not all(isinstance(v, Tensor) and v.shape[0] == m.shape[0] for v, m in zip(values, masks)):
-            return None
-        if all(v.dim() == 2 and v.shape == m.shape for v, m in zip(values, masks)):
-            # laid out like the attention mask: pad each chunk to the widest
-            if pad_values.get(key) is None:
-                return None
-            values = [
-                F.pad(v, (width - v.shape[1], 0) if left else (0, width - v.shape[1]), value=pad_values[key])
-                for v in values
-            ]
-        elif any(v.shape[1:] != first.shape[1:] for v in values):
-            return None
-        out[key] = torch.cat(values)
+    seq_len = features["attention_mask"].shape[1]
+    out = dict(features)
+    for key, value in features.items():
+        if isinstance(value, Tensor) and value.dim() == 2 and value.shape[1] == seq_len:
+            if key not in pad_values:
+                raise ValueError(
+                    f"cannot pad the reranker input {key!r} to the batch's width (the model has absolute "
+                    "positions and its tokenizer pads on the left); set tokenizer.padding_side = 'right'."
+                )
+            out[key] = _pad(value, width, True, pad_values[key])
     return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, Tensor) or isinstance(b, Tensor):
-        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and bool((a == b).all())
-    return bool(a == b)
 
 
 def _check_scale(name: str, value: Any) -> Any:
@@ -145,9 +122,10 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         forward of the joint text, with the memory of one mini-batch of pairs, exactly.
 
         The loss is the cross-entropy of picking the positive among ``scale * activation_fn(score)`` of the
-        query's pairs, as sentence-transformers' cross-encoder ``MultipleNegativesRankingLoss``. Every pair is
-        tokenized once and scored without a graph in mini-batches cut from the pairs sorted by their joint
-        length (so a mini-batch pads little); the loss and its gradient wrt every pair's score are computed at
+        query's pairs, as sentence-transformers' cross-encoder ``MultipleNegativesRankingLoss``. Every pair's
+        length is measured, and the pairs are scored without a graph in mini-batches cut from them sorted
+        by their joint length (so a mini-batch pads little), each mini-batch tokenized when it runs (no step
+        holds every pair's tokens); the loss and its gradient wrt every pair's score are computed at
         once (``B x (1 + k)`` numbers); in backward the model is replayed mini-batch by mini-batch, with the
         RNG state of its first forward (the same dropout masks), and the last mini-batch's graph is kept
         from the first pass instead of being replayed.
@@ -271,23 +249,39 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         candidates += columns[1:]
         return [(q, doc) for column in candidates for q, doc in zip(queries, column)]
 
-    def features(self, pairs: list[tuple[str, str]], prompt: str | None, task: str | None) -> Features:
-        """Every pair tokenized at once (prompt and task as the model's ``preprocess`` takes them); each
-        mini-batch is a slice of them with its padding trimmed, so the replay reads the very same tokens.
-        They stay on the CPU: the engine moves each mini-batch to the model's device when it runs (with
-        every in-batch negative, ``B x B`` pairs would otherwise wait on the accelerator)."""
+    def features(self, pairs: list[tuple[str, str]], prompt: str | None, task: str | None) -> InputsOnDemand:
+        """The step's pairs as the engine's column, made per mini-batch (:class:`InputsOnDemand`): it holds
+        every pair's attention mask (the planning sorts and cuts by it), and a mini-batch's pairs are
+        tokenized when it runs (prompt and task as the model's ``preprocess`` takes them), in the first pass
+        and again in the replay, as sentence-transformers' cached loss tokenizes them: the very tokens of
+        the whole batch tokenized at once, no step holds every pair's tokens (``B x B`` with every in-batch
+        negative), and they go to the model's device a mini-batch at a time."""
         inner = unwrap_model(self.model)
         kwargs = {"task": task} if task is not None else {}
+        tokenizer = getattr(inner, "tokenizer", None)
+        left = getattr(tokenizer, "padding_side", "right") == "left"
 
-        def tokenize(part: list[tuple[str, str]]) -> Features:
-            return dict(inner.preprocess(part, prompt=prompt, **kwargs))  # type: ignore[operator]
+        def tokenize(rows: Sequence[int]) -> Features:
+            return dict(inner.preprocess([pairs[i] for i in rows], prompt=prompt, **kwargs))  # type: ignore[operator]
 
-        # in chunks: a fast tokenizer's working memory (each truncated pair's overflow included) is then
-        # that of one chunk, which the next reuses; at once, B = 128 with 4 negatives took ~28 MB more
-        # resident memory than theirs, which tokenizes per mini-batch
-        chunks = [tokenize(pairs[i : i + TOKENIZE_CHUNK]) for i in range(0, len(pairs), TOKENIZE_CHUNK)]
-        joined = _concat_padded(chunks, getattr(inner, "tokenizer", None))
-        return joined if joined is not None else tokenize(pairs)
+        # the masks chunk by chunk: a fast tokenizer's working memory (each truncated pair's overflow
+        # included) is one chunk's
+        masks = [
+            tokenize(range(i, min(i + TOKENIZE_CHUNK, len(pairs))))["attention_mask"].bool()
+            for i in range(0, len(pairs), TOKENIZE_CHUNK)
+        ]
+        width = max(m.shape[1] for m in masks)
+        mask = torch.cat([_pad(m, width, left, False) for m in masks])
+
+        def make(rows: Tensor, trim_leading: bool) -> Features:
+            out = tokenize(rows.tolist())
+            if left and not trim_leading:
+                # a model with absolute positions numbers a left-padded pair's tokens after all the padding
+                # of the whole batch (see slice_features): pad to its width as the tokenizer pads
+                out = _pad_inputs(out, width, tokenizer)
+            return out
+
+        return InputsOnDemand(mask, make)
 
     def calculate_loss(
         self, logits: Sequence[Tensor], batch_size: int, *, total_rows: int | None = None

@@ -19,6 +19,7 @@ from sentence_transformers.cross_encoder.losses import (
 )
 
 from st_cached_losses import CachedCrossEncoderLoss
+from st_cached_losses.engine.features import InputsOnDemand, slice_features
 from st_cached_losses.losses import cached_cross_encoder
 from st_cached_losses.losses.cached_cross_encoder import in_batch_negatives
 from tests.support.tiny_model import make_tiny_cross_encoder, random_texts
@@ -83,7 +84,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("tokenize_chunk", [64, 5], ids=["tokenized-at-once", "tokenized-in-chunks"])
+@pytest.mark.parametrize(
+    "tokenize_chunk", [64, 5], ids=["masks-measured-at-once", "masks-measured-in-chunks"]
+)
 @pytest.mark.parametrize(("n_cols", "num_negatives", "mini_batch_size"), CASES)
 def test_equals_non_cached_loss(
     model_dirs, n_cols, num_negatives, mini_batch_size, tokenize_chunk, monkeypatch
@@ -97,31 +100,41 @@ def test_equals_non_cached_loss(
 
 
 @pytest.mark.parametrize("padding_side", ["right", "left"])
-def test_pairs_tokenized_in_chunks_are_the_pairs_tokenized_at_once(model_dirs, monkeypatch, padding_side):
-    """The step's pairs are tokenized a chunk at a time (the tokenizer's working memory is then one
-    chunk's) and joined, padded as the tokenizer pads: the same tensors as one call over every pair."""
+def test_pairs_are_tokenized_per_mini_batch_as_the_whole_batch_would_be(
+    model_dirs, monkeypatch, padding_side
+):
+    """The step's column holds the pairs' attention mask (measured a chunk at a time) and tokenizes a
+    mini-batch's pairs when it runs: the same inputs as slicing the whole batch tokenized at once, for
+    any rows, with and without leading padding cut, with a prompt."""
+    monkeypatch.setattr(cached_cross_encoder, "TOKENIZE_CHUNK", 7)
     model = load(model_dirs["plain"])
     model.tokenizer.padding_side = padding_side
     loss_fn = CachedCrossEncoderLoss(model, None)
     torch.manual_seed(0)
     pairs = loss_fn.pairs(columns(3))
+    n = len(pairs)
+    widths = {len(model.preprocess(pairs[i : i + 7])["input_ids"][0]) for i in range(0, n, 7)}
+    assert len(widths) > 1, "vacuous: every chunk pads to the same width"
+    picks = [
+        torch.arange(n),
+        torch.tensor([3, 0, 11]),
+        torch.randperm(n, generator=torch.Generator().manual_seed(1))[:9],
+    ]
     for prompt in (None, "w150 w151 "):
         at_once = dict(model.preprocess(pairs, prompt=prompt))
-        monkeypatch.setattr(cached_cross_encoder, "TOKENIZE_CHUNK", 7)
-        chunked = loss_fn.features(pairs, prompt, None)
-        # joined, not tokenized again at once (what it falls back to where it cannot join exactly)
-        parts = [dict(model.preprocess(pairs[i : i + 7], prompt=prompt)) for i in range(0, len(pairs), 7)]
-        joined = cached_cross_encoder._concat_padded(parts, model.tokenizer)
-        assert joined is not None
-        assert all(torch.equal(joined[k], v) for k, v in chunked.items() if isinstance(v, torch.Tensor))
-        assert chunked.keys() == at_once.keys()
-        widths = {len(model.preprocess(pairs[i : i + 7])["input_ids"][0]) for i in range(0, len(pairs), 7)}
-        assert len(widths) > 1, "vacuous: every chunk pads to the same width"
-        for key, value in at_once.items():
-            if isinstance(value, torch.Tensor):
-                assert torch.equal(chunked[key], value), key
-            else:
-                assert chunked[key] == value, key
+        column = loss_fn.features(pairs, prompt, None)
+        assert isinstance(column, InputsOnDemand)
+        assert torch.equal(column["attention_mask"], at_once["attention_mask"].bool())
+        for rows in picks:
+            for trim_leading in (True, False):
+                want = slice_features(at_once, rows, n, trim_leading=trim_leading)
+                got = slice_features(column, rows, n, trim_leading=trim_leading)
+                assert got.keys() == want.keys()
+                for key, value in want.items():
+                    if isinstance(value, torch.Tensor):
+                        assert torch.equal(got[key], value), (key, rows.tolist(), trim_leading)
+                    else:
+                        assert got[key] == value, key
 
 
 def test_equals_their_cached_loss_and_leaves_the_generator_as_theirs(model_dirs):
