@@ -70,25 +70,19 @@ def check_max_scale(max_scale: float, scale: float) -> None:
         )
 
 
-def _budget_or_none(name: str, value: Any) -> int | None:
+def _budget(name: str, value: Any, optional: bool = False) -> int | None:
+    """A memory budget in bytes (:func:`memory_bytes`'s forms), or None where ``optional``."""
+    if value is None and not optional:
+        raise ValueError(f"{name} must be a positive integer (bytes) or a size such as '64MiB', got None.")
     return memory_bytes(value, name)
 
 
-def _budget(name: str, value: Any) -> int:
-    if value is None:
-        raise ValueError(f"{name} must be a positive integer (bytes) or a size such as '64MiB', got None.")
-    parsed = memory_bytes(value, name)
-    assert parsed is not None
-    return parsed
+def _finite_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
 def _positive_number(name: str, value: Any) -> float:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value <= 0
-    ):
+    if not (_finite_number(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive number, got {value!r}; e.g. 100.0.")
     return float(value)
 
@@ -98,20 +92,15 @@ def check_nonnegative(name: str, value: Any, *, optional: bool = True, example: 
     ``optional``; returned as a float."""
     if value is None and optional:
         return None
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or value < 0
-    ):
+    if not (_finite_number(value) and value >= 0):
         raise ValueError(
             f"{name} must be a finite number >= 0{' or None' * optional}, got {value!r}; e.g. {example}."
         )
     return float(value)
 
 
-def _threshold(name: str, value: Any) -> float | None:
-    return check_nonnegative(name, value, example="100 (non-zero entries)")
+#: a FLOPS threshold's check
+_THRESHOLD = functools.partial(check_nonnegative, example="100 (non-zero entries)")
 
 
 def _scale(name: str, value: Any) -> float:
@@ -135,7 +124,7 @@ def _margin_strategy(name: str, value: Any) -> str:
 
 
 def _finite(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _finite_number(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}.")
     return float(value)
 
@@ -267,10 +256,10 @@ SPECS: dict[str, Spec] = {
         None,
         "'sparse' only: the documents' FLOPS counts only rows with more than this many non-zero entries (FLOPS "
         "with l0 masking); none: every row.",
-        _threshold,
+        _THRESHOLD,
     ),
     "query_regularizer_threshold": Spec(
-        None, "'sparse' only: as document_regularizer_threshold, for the queries' FLOPS.", _threshold
+        None, "'sparse' only: as document_regularizer_threshold, for the queries' FLOPS.", _THRESHOLD
     ),
     "use_document_regularizer_only": Spec(
         False,
@@ -352,14 +341,14 @@ SPECS: dict[str, Spec] = {
         None,
         "Bytes (or a size such as '6GB') of first-pass encoder graphs to keep instead of replaying their "
         "mini-batches, the longest first; the same gradients, fewer forwards. Default: replay all but the last.",
-        _budget_or_none,
+        functools.partial(_budget, optional=True),
         "never",
     ),
     "mini_batch_memory_budget": Spec(
         None,
         "With mini_batch_size='auto': the activation memory one encoder mini-batch may take (bytes or a size "
         "such as '2GB'; on CUDA by default half the free memory).",
-        _budget_or_none,
+        functools.partial(_budget, optional=True),
         "never",
     ),
 }
@@ -426,6 +415,12 @@ def closest_name_hint(word: str, choices: Sequence[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+_SIMILARITY_ALIASES = {
+    **dict.fromkeys(("cosine", "cos_sim", "cos"), "cosine"),
+    **dict.fromkeys(("dot", "dot_score", "dot_product"), "dot"),
+}
+
+
 def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarity:
     """Map sentence-transformers' ``cos_sim`` / ``dot_score`` (or "cosine" / "dot") to the core's GEMM
     scores; any other function ``f(a, b) -> (len(a), len(b))`` (``util.euclidean_sim``,
@@ -434,16 +429,8 @@ def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarit
     A ``functools.partial`` of cos_sim / dot_score with nothing bound counts as the function.
     """
     if isinstance(similarity_fct, str):
-        aliases = {
-            "cosine": "cosine",
-            "cos_sim": "cosine",
-            "cos": "cosine",
-            "dot": "dot",
-            "dot_score": "dot",
-            "dot_product": "dot",
-        }
-        if similarity_fct.lower() in aliases:
-            return aliases[similarity_fct.lower()]  # type: ignore[return-value]
+        if similarity_fct.lower() in _SIMILARITY_ALIASES:
+            return _SIMILARITY_ALIASES[similarity_fct.lower()]  # type: ignore[return-value]
         raise ValueError(
             f"similarity_fct={similarity_fct!r} is not a similarity name: pass 'cosine', 'dot' or a function such "
             "as sentence_transformers.util.cos_sim, dot_score, euclidean_sim or manhattan_sim."

@@ -54,9 +54,15 @@ def is_flops(regularizer: nn.Module) -> bool:
     )
 
 
+#: the base loss's settings read through this loss (each :func:`_base_option` adds its name), checked again
+#: at every step when one changed
+_BASE_OPTIONS: list[str] = []
+
+
 def _base_option(name: str, doc: str) -> property:
     """A setting of the base loss (their MNRL's attribute of the same name), read and set through this
     loss: the base loss holds it, as in sentence-transformers, so an assignment to either is seen."""
+    _BASE_OPTIONS.append(name)
 
     def get(self: SparseLossSettings) -> Any:
         return getattr(self._mnrl(name), name)
@@ -70,6 +76,32 @@ def _base_option(name: str, doc: str) -> property:
         except ValueError:
             setattr(base, name, old)
             raise
+
+    return property(get, set_, doc=doc)
+
+
+def _threshold_option(kind: str, doc: str) -> property:
+    """The FLOPS threshold of the ``kind`` ("document" / "query") regulariser, kept by the regulariser itself
+    (``<kind>_regularizer.threshold``); None where there is no regulariser or it has no threshold."""
+    name = f"{kind}_regularizer_threshold"
+
+    def get(self: SparseLossSettings) -> float | None:
+        return getattr(getattr(self, f"{kind}_regularizer"), "threshold", None)
+
+    def set_(self: SparseLossSettings, value: float | None) -> None:
+        SPECS[name].check(name, value)
+        regularizer = getattr(self, f"{kind}_regularizer")
+        if regularizer is None or not hasattr(regularizer, "threshold"):
+            if value is None:
+                return
+            raise ValueError(
+                f"{name} needs a query regulariser: with use_document_regularizer_only=True every column is a "
+                "document. Set use_document_regularizer_only=False first."
+                if regularizer is None
+                else f"{name}: the {kind} regulariser is a {type(regularizer).__name__}, which has no threshold; "
+                f"set its own attributes ({kind}_regularizer), or use the default FlopsLoss."
+            )
+        regularizer.threshold = value  # read by the regulariser at every step (FLOPS counts rows above it)
 
     return property(get, set_, doc=doc)
 
@@ -131,50 +163,17 @@ class SparseLossSettings(CachedInfoNCEBase):
             self.query_regularizer = FlopsLoss(cast(Any, self.model), threshold=None)
         self._use_document_regularizer_only = value
 
-    @property
-    def document_regularizer_threshold(self) -> float | None:
+    document_regularizer_threshold = _threshold_option(
+        "document",
         """The documents' FLOPS counts only rows with more than this many non-zero entries; None: every row.
         Kept by the regulariser itself (``document_regularizer.threshold``, as in sentence-transformers), so an
-        assignment to either is seen; None for a regulariser without a threshold."""
-        return self._threshold_of("document")
-
-    @document_regularizer_threshold.setter
-    def document_regularizer_threshold(self, value: float | None) -> None:
-        self._set_threshold("document", value)
-
-    @property
-    def query_regularizer_threshold(self) -> float | None:
+        assignment to either is seen; None for a regulariser without a threshold.""",
+    )
+    query_regularizer_threshold = _threshold_option(
+        "query",
         """As :attr:`document_regularizer_threshold`, for the queries' FLOPS (``query_regularizer.threshold``);
-        None without a query regulariser (``use_document_regularizer_only``)."""
-        return self._threshold_of("query")
-
-    @query_regularizer_threshold.setter
-    def query_regularizer_threshold(self, value: float | None) -> None:
-        self._set_threshold("query", value)
-
-    def _threshold_of(self, kind: str) -> float | None:
-        regularizer = getattr(self, f"{kind}_regularizer")
-        return getattr(regularizer, "threshold", None) if regularizer is not None else None
-
-    def _set_threshold(self, kind: str, value: float | None) -> None:
-        name = f"{kind}_regularizer_threshold"
-        SPECS[name].check(name, value)
-        regularizer = getattr(self, f"{kind}_regularizer")
-        if regularizer is None:
-            if value is None:
-                return
-            raise ValueError(
-                f"{name} needs a query regulariser: with use_document_regularizer_only=True every column is a "
-                "document. Set use_document_regularizer_only=False first."
-            )
-        if not hasattr(regularizer, "threshold"):
-            if value is None:
-                return
-            raise ValueError(
-                f"{name}: the {kind} regulariser is a {type(regularizer).__name__}, which has no threshold; set "
-                f"its own attributes ({kind}_regularizer), or use the default FlopsLoss."
-            )
-        regularizer.threshold = value  # read by the regulariser at every step (FLOPS counts rows above it)
+        None without a query regulariser (``use_document_regularizer_only``).""",
+    )
 
     def _mnrl(self, name: str) -> MultipleNegativesRankingLoss:
         """The base loss, when the core computes it; reading its settings otherwise is an error."""
@@ -219,15 +218,7 @@ class SparseLossSettings(CachedInfoNCEBase):
         """The base loss's settings, checked (again whenever they changed, however they were set): the
         scale and the core's similarity."""
         base = self._mnrl("options")
-        options = (
-            base.scale,
-            base.similarity_fct,
-            base.gather_across_devices,
-            base.directions,
-            base.partition_mode,
-            base.hardness_mode,
-            base.hardness_strength,
-        )
+        options = tuple(getattr(base, name) for name in _BASE_OPTIONS)
         if options != self._checked:
             scale = scale_value(base.scale)
             self._similarity = resolve_similarity(base.similarity_fct)
