@@ -27,6 +27,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -159,17 +160,12 @@ def _number_or_mapping(hint: Any) -> bool:
 
 def _int_or_json(text: str) -> Any:
     """A flag's text as an integer, or as a JSON mapping (``{"query": 32, "document": 180}``)."""
-    try:
+    with contextlib.suppress(ValueError):
         return int(text)
-    except ValueError:
-        pass
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a JSON mapping") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a JSON mapping")
-    return value
+    with contextlib.suppress(ValueError):  # json.JSONDecodeError is a ValueError
+        if isinstance(value := json.loads(text), dict):
+            return value
+    raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor a JSON mapping")
 
 
 _int_or_json.__name__ = "integer or JSON mapping"  # argparse's "invalid <name> value" message
@@ -367,16 +363,9 @@ class CachedLossArgumentParser(HfArgumentParser):
             values = _merge(values, from_file)
         values = copy.deepcopy(values)  # the parsed arguments must not share a dict or list with `defaults`
         self.set_defaults(**values)  # before --help is printed: it shows the script's and the file's values
-        given = self._fields_given(argv)
         # an alternative of a field the command line sets goes back to its own default (None for scale and
         # temperature), so `--scale 30` replaces a temperature from the defaults or the file
-        dropped = {
-            name
-            for group in ALTERNATIVE_FIELDS
-            if given.intersection(group)
-            for name in group
-            if name not in given and name in values
-        }
+        dropped = set(values) - set(_merge(values, dict.fromkeys(self._fields_given(argv))))
         if dropped:
             fields = {f.name: f for d in self.dataclass_types for f in dataclasses.fields(d) if f.init}
             self.set_defaults(**{name: _field_default(fields[name]) for name in dropped})

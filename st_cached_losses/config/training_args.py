@@ -323,8 +323,8 @@ class CachedLossArguments(BaseTrainingArguments):
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
         if name == "num_negatives" and self.num_negatives == "all":
             return None  # every in-batch negative
-        if name == "similarity_fct" and self.similarity is not None and self.loss in _SIMILARITY_FUNCTIONS:
-            return _SIMILARITY_FUNCTIONS[self.loss]()[self.similarity]  # the callables their loss takes
+        if name == "similarity_fct" and self.similarity is not None and _similarity_functions(self.loss):
+            return _similarity_functions(self.loss)[self.similarity]  # the callables their loss takes
         value = self.loss_directions if name == "directions" else getattr(self, FIELD_NAMES.get(name, name))
         return _LOSS_DEFAULT if value is None else value
 
@@ -428,24 +428,23 @@ ARGUMENTS_CLASSES: dict[str, type[CachedLossArguments]] = {
 _LOSS_DEFAULT = object()
 
 
-def _sparse_similarities() -> dict[str, Any]:
+def _similarity_functions(loss: str) -> dict[str, Any]:
+    """The similarity callables a loss takes ('sparse': sentence-transformers' ``cos_sim`` / ``dot_score``;
+    'multi_vector': the multi-vector scores), by the ``similarity`` field's names; empty for the others."""
+    from sentence_transformers.multi_vector_encoder import scoring
     from sentence_transformers.util import cos_sim, dot_score
 
-    return {"cosine": cos_sim, "dot": dot_score}
+    functions: dict[str, dict[str, Any]] = {
+        "sparse": {"cosine": cos_sim, "dot": dot_score},
+        "multi_vector": {
+            "maxsim": scoring.colbert_scores,
+            "meanmaxsim": scoring.mean_colbert_scores,
+            "xtr": scoring.xtr_scores,
+        },
+    }
+    return functions.get(loss, {})
 
 
-def _token_similarities() -> dict[str, Any]:
-    from sentence_transformers.multi_vector_encoder.scoring import (
-        colbert_scores,
-        mean_colbert_scores,
-        xtr_scores,
-    )
-
-    return {"maxsim": colbert_scores, "meanmaxsim": mean_colbert_scores, "xtr": xtr_scores}
-
-
-#: losses that take sentence-transformers' similarity callables: the field's names -> the callables
-_SIMILARITY_FUNCTIONS = {"sparse": _sparse_similarities, "multi_vector": _token_similarities}
 #: fields derived from others for the loss (listed by ``loss_settings`` on their own terms)
 _DERIVED = {"scale", "temperature", "directions", "partition_mode"}
 
@@ -463,13 +462,7 @@ LOSS_FIELDS = tuple(LOSS_DEFAULTS)
 # ``st_cached_losses.training_args`` (a re-export of this module's names) is the one kept for good, so
 # checkpoints written before the move into ``config/`` load, and those written after load with an older
 # version too.
-for _cls in (
-    CachedLossArguments,
-    CachedLossTrainingArguments,
-    CachedSparseEncoderTrainingArguments,
-    CachedMultiVectorEncoderTrainingArguments,
-    CachedCrossEncoderTrainingArguments,
-):
+for _cls in (CachedLossArguments, *ARGUMENTS_CLASSES.values()):
     _cls.__module__ = "st_cached_losses.training_args"
 
 
@@ -628,10 +621,10 @@ def _validate_similarity(args: CachedLossArguments) -> None:
         return
     if args.loss == "multi_vector":
         name = str(args.similarity).lower()
-        if name not in _token_similarities():
+        if name not in (scores := _similarity_functions("multi_vector")):
             raise ValueError(
                 f"similarity for loss='multi_vector' must be 'maxsim', 'meanmaxsim' or 'xtr' (the multi-vector "
-                f"scores), got {args.similarity!r}.{closest_name_hint(name, list(_token_similarities()))}"
+                f"scores), got {args.similarity!r}.{closest_name_hint(name, list(scores))}"
             )
         args.similarity = name
         return

@@ -88,9 +88,8 @@ class LossStateCallback(TrainerCallback):
             if key not in state:
                 missing.append(f"{key} ({type(module).__name__})")
                 continue
-            value = torch.as_tensor(state[key], dtype=_logit_scale(module).dtype)
             with torch.no_grad():
-                _logit_scale(module).copy_(value.to(_logit_scale(module).device))
+                _logit_scale(module).copy_(torch.as_tensor(state[key]))  # copy_ casts and moves
         if missing:
             # a loss added (or renamed in the dict of losses) since the checkpoint was saved
             logger.warning(
