@@ -248,7 +248,7 @@ class CachedLossArgumentParser(HfArgumentParser):
             groups = [(self.add_argument_group(title, description), fields)]
         for group, group_fields in groups:
             for f in group_fields:
-                converter = None
+                converter = _count_or_auto if f.name in _COUNT_OR_AUTO else None
                 if _number_or_mapping(hints[f.name]):
                     # argparse takes one type per flag: parsed from its text here (a copy of the field, so
                     # that the dataclass's own stays as declared)
@@ -257,13 +257,9 @@ class CachedLossArgumentParser(HfArgumentParser):
                 else:
                     f.type = hints[f.name]
                 self._parse_dataclass_field(group, f)
-                for action in group._group_actions:
-                    if action.dest != f.name:
-                        continue
+                for action in (a for a in group._group_actions if a.dest == f.name):
                     if converter is not None:
                         action.type = converter
-                    if action.dest in _COUNT_OR_AUTO:
-                        action.type = _count_or_auto
                     if action.help:
                         action.help = plain_text(action.help)
                     if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no_<field>

@@ -59,10 +59,7 @@ LOSS_ALIASES: dict[str, str] = {
 }
 #: the model (and trainer) each loss trains: sentence-transformers' class names
 MODEL_KINDS: dict[str, str] = {
-    "mnr": "SentenceTransformer",
-    "clip": "SentenceTransformer",
-    "tiled": "SentenceTransformer",
-    "gist": "SentenceTransformer",
+    **dict.fromkeys(("mnr", "clip", "tiled", "gist"), "SentenceTransformer"),
     "sparse": "SparseEncoder",
     "multi_vector": "MultiVectorEncoder",
     "cross_encoder": "CrossEncoder",

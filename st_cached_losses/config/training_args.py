@@ -1,18 +1,19 @@
 """Configure a cached loss through TrainingArguments: the arguments classes and the checks of their fields.
 
 ``CachedLossArguments`` holds the loss choice and every loss hyperparameter, one field per setting; mixed
-into each model kind's arguments, it makes the class that kind's trainer takes: ``CachedLossTrainingArguments``
-(``SentenceTransformerTrainingArguments``), ``CachedSparseEncoderTrainingArguments``
-(``SparseEncoderTrainingArguments``) and ``CachedMultiVectorEncoderTrainingArguments``
-(``MultiVectorEncoderTrainingArguments``). Invalid combinations fail when the arguments are built
+into each model kind's arguments, it makes the class that kind's trainer takes (:data:`ARGUMENTS_CLASSES`):
+``CachedLossTrainingArguments`` (``SentenceTransformerTrainingArguments``),
+``CachedSparseEncoderTrainingArguments``, ``CachedMultiVectorEncoderTrainingArguments`` and
+``CachedCrossEncoderTrainingArguments`` (``SparseEncoder...``, ``MultiVectorEncoder...``,
+``CrossEncoderTrainingArguments``). Invalid combinations fail when the arguments are built
 (:func:`validate_loss_fields`, run by ``__post_init__``), naming the field, before any model is loaded or any
-training step runs. The settings are saved with every checkpoint
-(``training_args.bin``, they are part of the TrainingArguments) and listed in the model card.
+training step runs. The settings are saved with every checkpoint (``training_args.bin``) and listed in the
+model card.
 
-Below this module: the loss registry (:mod:`st_cached_losses.config.registry`). Above it, each in a module
-of its own: the factory that builds the loss and checks a dataset against it
-(:mod:`st_cached_losses.config.factory`), the parser for the command line, YAML and JSON
-(:mod:`st_cached_losses.config.cli`) and the model card (:mod:`st_cached_losses.config.model_card`).
+Below this module: the loss registry (:mod:`st_cached_losses.config.registry`). Above it: the factory that
+builds the loss and checks a dataset against it (:mod:`st_cached_losses.config.factory`), the parser for the
+command line, YAML and JSON (:mod:`st_cached_losses.config.cli`) and the model card
+(:mod:`st_cached_losses.config.model_card`).
 
 Example::
 
@@ -345,15 +346,11 @@ class CachedLossArguments(BaseTrainingArguments):
 @dataclass
 class CachedLossTrainingArguments(CachedLossArguments, SentenceTransformerTrainingArguments):
     """``SentenceTransformerTrainingArguments`` plus the choice of cached loss and all its hyperparameters
-    (:class:`CachedLossArguments`' fields), for ``SentenceTransformerTrainer``: the losses 'mnr', 'clip',
-    'tiled' and 'gist'. 'sparse' and 'multi_vector' train other models with other trainers:
-    :class:`CachedSparseEncoderTrainingArguments` and :class:`CachedMultiVectorEncoderTrainingArguments`.
-
-    Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
-    file through :class:`~st_cached_losses.config.cli.CachedLossArgumentParser` (or ``HfArgumentParser``).
-    Invalid combinations raise a ``ValueError`` naming the field when the arguments are built; a
-    ``mini_batch_size`` that is not smaller than ``per_device_train_batch_size`` only warns (the batch
-    then fits in one mini-batch: caching is off), at the user's line.
+    (:class:`CachedLossArguments`' fields: how they are read from the command line, JSON or YAML and checked
+    is said there), for ``SentenceTransformerTrainer``: the losses 'mnr', 'clip', 'tiled' and 'gist'.
+    'sparse', 'multi_vector' and 'cross_encoder' train other models with other trainers:
+    :class:`CachedSparseEncoderTrainingArguments`, :class:`CachedMultiVectorEncoderTrainingArguments` and
+    :class:`CachedCrossEncoderTrainingArguments`.
     """
 
     trains: ClassVar[str | None] = "SentenceTransformer"
