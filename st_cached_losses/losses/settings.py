@@ -107,14 +107,9 @@ def _scale(name: str, value: Any) -> float:
     return scale_value(value, name)
 
 
-def _mini_batch_size(name: str, value: Any) -> Any:
-    check_mini_batch_size(value)
-    return value
-
-
-def _mini_batch_num_tokens(name: str, value: Any) -> Any:
-    check_mini_batch_num_tokens(value)
-    return value
+def _kept(check: Callable[[Any], None]) -> Callable[[str, Any], Any]:
+    """An engine check of one value (it names the setting itself) as a spec's check: the value is kept."""
+    return lambda name, value: check(value) or value  # type: ignore[func-returns-value]
 
 
 def _margin_strategy(name: str, value: Any) -> str:
@@ -187,7 +182,7 @@ SPECS: dict[str, Spec] = {
         "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Should be smaller "
         "than per_device_train_batch_size, or caching is off. 'auto': the largest that fits "
         "mini_batch_memory_budget, measured at the first step and logged.",
-        _mini_batch_size,
+        _kept(check_mini_batch_size),
     ),
     "mini_batch_num_tokens": Spec(
         None,
@@ -195,7 +190,7 @@ SPECS: dict[str, Spec] = {
         "in sentence-transformers: rows are packed while their token count stays within it (a longer row "
         "alone), longest first, so long texts get smaller mini-batches (for data of very uneven length); "
         "mini_batch_size is then not used. 'auto': the largest budget that fits mini_batch_memory_budget.",
-        _mini_batch_num_tokens,
+        _kept(check_mini_batch_num_tokens),
     ),
     "symmetric": Spec(
         None,
@@ -485,9 +480,7 @@ class ConfigTuple(tuple[str, ...]):
     equals the list a JSON round trip makes of it, so a config read back from a model card compares equal."""
 
     def __eq__(self, other: object) -> bool:
-        if isinstance(other, list):
-            return list(self) == other
-        return tuple.__eq__(self, other)
+        return list(self) == other if isinstance(other, list) else tuple.__eq__(self, other)
 
     def __ne__(self, other: object) -> bool:
         return not self == other

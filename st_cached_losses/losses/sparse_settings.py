@@ -209,10 +209,9 @@ class SparseLossSettings(CachedInfoNCEBase):
         if check_bool("symmetric", value) == self.symmetric:
             return
         base: Any = self._mnrl("symmetric")
-        directions, mode = (
+        base.directions, base.partition_mode = (
             (TWO_DIRECTIONS, "per_direction") if value else (ONE_DIRECTION, base.partition_mode)
         )
-        base.directions, base.partition_mode = tuple(directions), mode
 
     def _core_options(self) -> tuple[float, Similarity]:
         """The base loss's settings, checked (again whenever they changed, however they were set): the
