@@ -71,11 +71,8 @@ def scale_value(scale: float | Tensor, name: str = "scale") -> float:
 
 
 def nonfinite_error(where: str) -> ValueError:
-    """The one error for NaN / inf embeddings, whichever path (one process, gathered, ring) finds them.
-
-    A non-finite embedding makes the loss and every gradient NaN without any other symptom, so every
-    path refuses it with the same words: a user gets the same advice on one process and on many.
-    """
+    """The one error for NaN / inf embeddings (they make the loss and every gradient NaN without any other
+    symptom): the same words and advice whichever path finds them (one process, gathered, ring)."""
     return ValueError(
         f"non-finite (NaN or inf) values in {where}: the encoder diverged or its inputs are corrupt. Check the "
         "inputs, lower the learning rate, and under fp16 use a loss scaler or train in bf16 (fp16 overflows "
@@ -88,12 +85,9 @@ _LAST_BIT = 62
 
 
 def nonfinite_columns(columns: Sequence[Tensor]) -> Tensor:
-    """A 0-d int64 tensor on the columns' device: bit ``j`` is set when ``columns[j]`` holds NaN or inf
-    (columns from ``_LAST_BIT`` on share the last bit).
-
-    It stays on the device (no host sync) so that it can travel in :func:`exchange_shapes`' all-gather,
-    which the step does anyway: agreeing on finiteness then costs no extra collective.
-    """
+    """A 0-d int64 tensor on the columns' device, bit ``j`` set when ``columns[j]`` holds NaN or inf (from
+    ``_LAST_BIT`` on, columns share the last bit). No host sync: it travels in the step's
+    :func:`~.distributed.exchange_shapes` all-gather, so agreeing on finiteness costs no extra collective."""
     bad = torch.stack([~torch.isfinite(c).all() for c in columns]).long()
     low = bad[:_LAST_BIT]
     mask = (low << torch.arange(low.numel(), device=low.device)).sum()
@@ -110,13 +104,10 @@ def _column_name(j: int) -> str:
 
 
 def raise_if_nonfinite(masks: Sequence[int]) -> None:
-    """Raise :func:`nonfinite_error` naming every rank and column
-    with NaN / inf embeddings, given every rank's :func:`nonfinite_columns` mask in rank order.
-
-    Every rank calls it with the same masks (after :func:`~.distributed.exchange_shapes`), so every rank raises the same
-    error at the same point, before any other collective of the step: none is left waiting on a peer
-    that has already raised.
-    """
+    """Raise :func:`nonfinite_error` naming every rank and column with NaN / inf embeddings, given every
+    rank's :func:`nonfinite_columns` mask in rank order. Every rank calls it with the same masks (after
+    :func:`~.distributed.exchange_shapes`) and raises the same error before any other collective of the
+    step: none is left waiting on a peer that has already raised."""
     bad = {r: m for r, m in enumerate(masks) if m}
     if not bad:
         return
@@ -192,12 +183,7 @@ def validate_inputs(
                 "(positives, then each hard-negative column) needs one row per positive."
             )
     b = anchors.shape[0]
-    if (
-        isinstance(row_offset, bool)
-        or not isinstance(row_offset, int)
-        or row_offset < 0
-        or row_offset + b > n
-    ):
+    if isinstance(row_offset, bool) or not isinstance(row_offset, int) or not 0 <= row_offset <= n - b:
         raise ValueError(
             f"row_offset={row_offset!r} puts the positives of the {b} anchors at candidate rows "
             f"{row_offset}..{row_offset + b - 1 if isinstance(row_offset, int) else '?'}, outside the {n} candidate "

@@ -2,8 +2,8 @@
 over ranks, and a ring exchange of blocks. Every helper is a no-op without a process group (and with
 an initialised group of size 1).
 
-All collectives of this package go through :func:`_count`, so tests and benchmarks can see exactly
-how many calls and bytes one step costs (:data:`STATS`).
+Every collective of this package is counted in :data:`STATS`, so tests and benchmarks can see exactly
+how many calls and bytes one step costs.
 """
 
 from __future__ import annotations
@@ -58,10 +58,6 @@ class CollectiveStats:
 STATS = CollectiveStats()
 
 
-def _count(kind: str, nbytes: int) -> None:
-    STATS.add(kind, nbytes)
-
-
 def is_distributed() -> bool:
     """Whether a process group with more than one process is initialised."""
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -91,13 +87,10 @@ def warn_no_process_group_once(owner: str) -> None:
 def exchange_shapes(
     n: int, values: list[int], device: torch.device, what: str, flag: Tensor | None = None
 ) -> tuple[list[int], list[int]]:
-    """Every rank's row count and ``flag``, and a check that ``values`` (e.g. column count and embedding
-    dim) agree, in one small all-gather. Raises the same ``ValueError`` on every rank (no hang) on
-    disagreement.
-
-    ``flag`` (a 0-d integer tensor, e.g. which columns hold NaN) rides along so that a caller can agree
-    on it without a collective of its own; it is returned per rank, in rank order.
-    """
+    """Every rank's row count and ``flag`` (a 0-d integer tensor, e.g. which columns hold NaN, agreed on
+    without a collective of its own), in rank order, and a check that ``values`` (e.g. column count and
+    embedding dim) agree, in one small all-gather; on disagreement every rank raises the same
+    ``ValueError`` (no hang)."""
     mine_flag = flag if flag is not None else torch.zeros((), dtype=torch.long, device=device)
     if not is_distributed():
         return [n], [int(mine_flag)]
@@ -116,7 +109,7 @@ def exchange_shapes(
 def _gather_table(mine: Tensor, kind: str) -> list[list[int]]:
     """Every rank's small integer vector ``mine`` (the same length on every rank), as lists in rank order."""
     out = [torch.empty_like(mine) for _ in range(world_size())]
-    _count(kind, mine.numel() * mine.element_size())
+    STATS.add(kind, mine.nbytes)
     dist.all_gather(out, mine)
     return [t.tolist() for t in out]
 
@@ -136,14 +129,12 @@ class PeersFailed(RuntimeError):
 
 
 def agree_counts(counts: list[int], device: torch.device, error: str | None = None) -> list[int]:
-    """The largest of every rank's ``counts`` (e.g. mini-batches per column), in one small all-gather.
+    """The largest of every rank's ``counts`` (e.g. mini-batches per column), in one small all-gather;
+    ranks must pass as many counts (the same columns), else every rank raises the same ``ValueError``.
 
-    ``error`` is what went wrong on this rank before the collective (e.g. an input that cannot be cut
-    into mini-batches): every rank then raises :class:`PeersFailed` here (naming the failed ranks, and
-    carrying this rank's own ``error``), instead of waiting forever in a collective a failed rank will
-    never join. Ranks must pass the same
-    number of counts (the same columns); a disagreement raises the same ``ValueError`` on every rank.
-    """
+    ``error``: what went wrong on this rank before the collective (e.g. an input that cannot be cut into
+    mini-batches); every rank then raises :class:`PeersFailed` here (naming the failed ranks, carrying
+    this rank's ``error``) instead of waiting forever in a collective a failed rank will never join."""
     if len(counts) > _MAX_AGREED_COUNTS and error is None:
         error = f"at most {_MAX_AGREED_COUNTS} columns can be planned together, got {len(counts)}."
     if not is_distributed():
@@ -161,7 +152,7 @@ def agree_counts(counts: list[int], device: torch.device, error: str | None = No
         # a rank whose part of the all-gather is done may leave (and exit) while another still receives:
         # meet once more, so that every rank has read the table before any raises
         try:
-            _count("barrier", 0)
+            STATS.add("barrier", 0)
             dist.barrier()
         except RuntimeError:  # a failed rank that already left closes its connections
             pass
@@ -191,7 +182,7 @@ def all_gather_rows(x: Tensor, sizes: list[int]) -> Tensor:
     send = x if x.shape[0] == longest else torch.cat([x, x.new_zeros(longest - x.shape[0], *x.shape[1:])])
     send = send.contiguous()
     out = [torch.empty_like(send) for _ in sizes]
-    _count("all_gather", send.numel() * send.element_size())
+    STATS.add("all_gather", send.nbytes)
     dist.all_gather(out, send)
     return torch.cat([t[:n] for t, n in zip(out, sizes)])
 
@@ -199,7 +190,7 @@ def all_gather_rows(x: Tensor, sizes: list[int]) -> Tensor:
 def all_reduce_min(x: Tensor, kind: str = "all_reduce_min") -> Tensor:
     """The element-wise minimum of ``x`` over ranks, in place (returns it)."""
     if is_distributed():
-        _count(kind, x.numel() * x.element_size())
+        STATS.add(kind, x.nbytes)
         dist.all_reduce(x, op=dist.ReduceOp.MIN)
     return x
 
@@ -207,7 +198,7 @@ def all_reduce_min(x: Tensor, kind: str = "all_reduce_min") -> Tensor:
 def all_reduce_sum(x: Tensor, kind: str = "all_reduce") -> Tensor:
     """Sum ``x`` over ranks, in place (returns it)."""
     if is_distributed():
-        _count(kind, x.numel() * x.element_size())
+        STATS.add(kind, x.nbytes)
         dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
 
@@ -247,7 +238,7 @@ def _pass_on(blocks: list[Tensor], rows_in: int, nxt: int, prv: int, reqs: list[
     received = [b.new_empty((rows_in, *b.shape[1:])) for b in blocks]
     for b, r in zip(blocks, received):
         b = b.contiguous()
-        _count("ring_send", b.numel() * b.element_size())
+        STATS.add("ring_send", b.nbytes)
         for work in (dist.isend(b, nxt), dist.irecv(r, prv)):
             if work is not None:  # None only when this rank is not in the group
                 reqs.append(work)

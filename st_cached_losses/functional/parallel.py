@@ -65,13 +65,11 @@ __all__ = [
 
 def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[int] | None:
     """Every process's row count (``across_processes`` in a group of more than one process), else None;
-    and, on every path, the check that the embeddings ``columns`` (``K + 1`` of ``(b, d)``) are finite.
-
-    NaN / inf embeddings give a NaN loss and NaN gradients with no other symptom. Across processes the
-    check rides on the shape exchange, the first collective of the step, so every process raises the
-    same ``ValueError`` naming the culprits before any other collective (a process raising alone would
-    leave the others waiting; the ring would spread the NaN silently).
-    """
+    on every path, the check that the embeddings ``columns`` (``K + 1`` of ``(b, d)``) are finite (NaN /
+    inf give a NaN loss and gradients with no other symptom). Across processes the check rides on the
+    shape exchange, the step's first collective, so every process raises the same ``ValueError`` naming
+    the culprits before any other collective (a process raising alone would leave the others waiting;
+    the ring would spread the NaN silently)."""
     flags = nonfinite_columns(columns)
     if not across_processes or not is_distributed():
         raise_if_nonfinite([int(flags)])
