@@ -15,6 +15,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from st_cached_losses.functional.precision import accumulation_dtype
+
 NORM_EPS = 1e-12
 
 
@@ -30,8 +32,7 @@ class Operand:
     def __init__(self, x: Tensor, cosine: bool, mult: float, prenormalize: bool) -> None:
         self.x = x
         self.n = x.shape[0]
-        # fp32 accumulation for half types; fp64 stays fp64 (for gradcheck)
-        self.dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        self.dtype = accumulation_dtype(x)
         self.cosine = cosine
         # (n,) fp32: 1 / max(||x_i||, eps), the same clamp as F.normalize
         self.inv_norm = (

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional.distributed import all_reduce_sum, is_distributed, world_size
+from st_cached_losses.functional.precision import accumulation_dtype
 from st_cached_losses.functional.sparse import kept, packed_index, scatter_columns
 
 __all__ = ["FlopsOutput", "flops_loss_and_grad", "row_mask"]
@@ -53,11 +54,7 @@ def row_mask(block: Tensor, threshold: float | None) -> Tensor | None:
     if threshold is None:
         return None
     nonzero = kept(block) if block.dim() == 3 else block != 0
-    return (nonzero.sum(dim=1) > threshold).to(_acc_dtype(block))
-
-
-def _acc_dtype(block: Tensor) -> torch.dtype:
-    return torch.promote_types(block.dtype, torch.float32)
+    return (nonzero.sum(dim=1) > threshold).to(accumulation_dtype(block))
 
 
 @torch.no_grad()
@@ -90,7 +87,7 @@ def flops_loss_and_grad(
     packed = blocks[0].dim() == 3
     if packed and (dim is None or any(b.dim() != 3 for b in blocks)):
         raise ValueError("packed blocks need dim (the vocabulary size V), and every block packed.")
-    acc = _acc_dtype(blocks[0])
+    acc = accumulation_dtype(blocks[0])
     device = blocks[0].device
     masks = [row_mask(b, threshold) for b in blocks]
     width = dim if packed and dim is not None else blocks[0].shape[1]

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from st_cached_losses.functional.precision import accumulation_dtype
+
 __all__ = [
     "EMPTY_DOCUMENT_SCORE",
     "XTR",
@@ -123,7 +125,7 @@ class MaxSim:
         c, c_mask = unpack_tokens(documents)
         b, tq, d = q.shape
         t, td = c.shape[:2]
-        acc = _accumulation_dtype(q)
+        acc = accumulation_dtype(q)
         w = g.to(acc) * c_mask.any(-1)[None, :]  # an empty document's score is a constant
         if self.length_normalize:
             w = w / q_mask.sum(-1).clamp(min=1).to(acc)[:, None]
@@ -166,16 +168,12 @@ class MaxSim:
 
     def _finish(self, best: Tensor, q_mask: Tensor, c_mask: Tensor) -> Tensor:
         """Each query token's best similarity ``(..., tq)`` to scores ``(...)`` (masks as in :meth:`_reduce`)."""
-        acc = _accumulation_dtype(best)  # sums in fp32 (fp64 kept)
+        acc = accumulation_dtype(best)  # sums in fp32 (fp64 kept)
         scores = (best.to(acc) * q_mask).sum(-1)  # padded query tokens add 0
         scores = scores.masked_fill(~c_mask.any(-1).any(-1), EMPTY_DOCUMENT_SCORE)
         if self.length_normalize:
             scores = scores / q_mask.sum(-1).clamp(min=1).to(scores.dtype)
         return scores
-
-
-def _accumulation_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 #: bits of a retrieval key for the token position (the rest is the document's id): keys order as
@@ -215,7 +213,7 @@ def xtr_top_keys(
     Streaming: query rows in chunks, document rows in chunks, each chunk's candidates merged into the
     running top (:func:`_merge_top`); the largest intermediate is one ``(rows, tq, top_k + docs * td)``
     block of values and of keys, sized from ``memory_budget`` bytes."""
-    acc = _accumulation_dtype(queries)
+    acc = accumulation_dtype(queries)
     q, _ = unpack_tokens(queries)
     b_all, tq = q.shape[:2]
     k = top_k
@@ -350,7 +348,7 @@ class XTR:
         """:meth:`with_row_data` from a finished :meth:`row_state` (every column of every process seen)."""
         keys = state[1]
         found = keys != _NO_KEY
-        acc = _accumulation_dtype(queries)  # ids and positions exact (fp32 at least)
+        acc = accumulation_dtype(queries)  # ids and positions exact (fp32 at least)
         doc = torch.where(found, keys >> _TOKEN_BITS, -1).to(acc)
         pos = torch.where(found, keys & ((1 << _TOKEN_BITS) - 1), 0).to(acc)
         queries = queries.to(acc)
@@ -408,7 +406,7 @@ class XTR:
         best = sim.masked_fill(~retrieved, float("-inf"))
         best = best.amax(-1) if not torch.is_grad_enabled() else best.max(-1).values  # (..., tq)
         alpha = retrieved.any(-1) & q_mask  # query tokens that retrieved one of the document's tokens
-        acc = torch.float64 if best.dtype == torch.float64 else torch.float32
+        acc = accumulation_dtype(best)
         # a token that retrieved nothing imputes 0 (where, not a product: its max is -inf)
         total = torch.where(alpha, best.to(acc), torch.zeros((), dtype=acc, device=best.device)).sum(-1)
         scores = total / alpha.sum(-1).clamp(min=1).to(acc)

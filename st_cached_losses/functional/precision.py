@@ -16,13 +16,19 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar, cast
 
 import torch
+from torch import Tensor
 
-__all__ = ["autocast_off", "fp32_loss_stage"]
+__all__ = ["accumulation_dtype", "autocast_off", "fp32_loss_stage"]
 
 #: device types autocast may be enabled for (an unknown one is skipped)
 _DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
 
 F = TypeVar("F", bound=Callable[..., object])
+
+
+def accumulation_dtype(x: Tensor) -> torch.dtype:
+    """The dtype the loss stage computes ``x`` in: fp32, or fp64 for fp64 inputs (for gradcheck)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _enabled(device_type: str) -> bool:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional.distributed import all_reduce_min
+from st_cached_losses.functional.precision import accumulation_dtype
 
 __all__ = [
     "MAX_PACKED_DIM",
@@ -58,7 +59,7 @@ def pack_rows(x: Tensor) -> Tensor:
     entries (at least 1); each row's entries in increasing index order, then padding."""
     if x.dim() != 2 or x.shape[1] > MAX_PACKED_DIM:
         raise ValueError(f"pack_rows takes (rows, V) with V <= 2**24, got {tuple(x.shape)}.")
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(x)
     n = x.shape[0]
     nz = x != 0
     counts = nz.sum(1)  # (n,)
