@@ -45,15 +45,9 @@ class InfoNCEFunction(torch.autograd.Function):
         cols, (m, ssum) = list(rest[: ctx.n_cols]), rest[ctx.n_cols :]
         scale_grad = ctx.needs_input_grad[1]
         call = LocalCall(
-            ctx.spec,
-            anchors,
-            cols,
-            anchors_all,
-            ctx.s,
-            with_grad=True,
-            one_pass=False,
+            ctx.spec, anchors, cols, anchors_all, ctx.s, with_grad=True, one_pass=False,
             need_scale_grad=scale_grad,
-        )
+        )  # fmt: skip
         _, lse = row_lse(m, ssum)
         gs = call.grads(lse, scale_grad)
         g_a, g_c, g_all, g_s = call.finish(float(grad_loss), gs, ctx.scale_dtype if scale_grad else None)

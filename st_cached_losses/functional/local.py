@@ -92,12 +92,6 @@ class LocalCall:
             need_scale_grad=need_scale_grad,
         )  # fmt: skip
 
-    def fused_pass(self, with_grad: bool, need_scale_grad: bool) -> tuple[Tensor, Tensor]:
-        return fused_chunk(
-            self.bound, self.spec.terms.weights, n_rows=self.b, scale=self.s, chunk=self.plan.row_tile,
-            need_grads=with_grad, need_scale_grad=need_scale_grad,
-        )  # fmt: skip
-
     def loss(self, lse: Tensor) -> Tensor:
         """The mean loss over this process's rows, in the compute dtype, from the ``(G, b)`` log-sum-exps."""
         total = loss_sum(
@@ -132,7 +126,10 @@ def terms_solve(
         need_scale_grad=need_scale_grad,
     )  # fmt: skip
     if call.fused:
-        rows_lse, gs = call.fused_pass(with_grad, need_scale_grad)
+        rows_lse, gs = fused_chunk(
+            call.bound, spec.terms.weights, n_rows=call.b, scale=s, chunk=call.plan.row_tile, need_grads=with_grad,
+            need_scale_grad=need_scale_grad,
+        )  # fmt: skip
     else:
         rows_lse, lse = call.stats()
         gs = call.grads(lse, need_scale_grad) if with_grad else torch.zeros(())

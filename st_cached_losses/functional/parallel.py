@@ -12,8 +12,9 @@ process's embeddings, as an :class:`~st_cached_losses.functional.infonce.InfoNCE
 
 Packed rows (a score of 3-D rows: MaxSim / MeanMaxSim / XTR token rows ``(n, t, d + 1)``, SparseDot's
 sparse rows ``(n, k, 2)``) may have a width of their own on each process: both strategies pad them to the
-widest of every process first (one all-reduce of the widths; the padding is exact: mask 0, or index 0 and
-value 0) and return each process's gradients at its own width.
+widest of every process first (one all-reduce of the widths, none outside a process group; the padding is
+zeros, mask 0, or index 0 and value 0: it changes no score and its gradient is 0) and return each
+process's gradients at its own width.
 
 Weighting: process ``r`` returns ``W / B_global * sum_{i in r} loss_i``, so the mean over processes is
 the global mean loss and DDP's gradient average is the exact full-batch gradient, even when processes
@@ -84,16 +85,13 @@ def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[in
 
 def pad_to_common_tokens(columns: Sequence[Tensor]) -> list[Tensor]:
     """Packed columns (token rows ``(b, t_k, d + 1)``, :mod:`.multi_vector`; sparse rows ``(b, k, 2)``,
-    :mod:`.sparse`) padded on the right to the widest ``t_k`` of every process, column by column, so that
-    they can be gathered (each process trims its padding to its own width). One all-reduce of the widths;
-    nothing outside a process group. The padding is zeros (mask 0; index 0 and value 0): it changes no
-    score, and its gradient is 0."""
+    :mod:`.sparse`) padded on the right with zeros to the widest ``t_k`` of every process, column by
+    column, so that they can be gathered (see the module's notes on packed rows)."""
     return [pad_tokens(c, w) for c, w in zip(columns, _widest(columns))]
 
 
 def _widest(tensors: Sequence[Tensor]) -> list[int]:
-    """Each tensor's dim 1 (packed rows' width) widened to the widest of every process at that position:
-    one all-reduce (nothing outside a process group)."""
+    """Each tensor's dim 1 (packed rows' width) widened to the widest of every process at that position."""
     widths = torch.tensor([-t.shape[1] for t in tensors], dtype=torch.long, device=tensors[0].device)
     all_reduce_min(widths, "all_reduce_token_widths")  # min of the negated widths: the widest
     return [-w for w in widths.tolist()]
@@ -102,11 +100,6 @@ def _widest(tensors: Sequence[Tensor]) -> list[int]:
 def _trimmed(grads: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
     """Gradients wrt padded packed rows cut back to the caller's own widths (the padding's are 0)."""
     return [g[:, : x.shape[1]] if g.dim() == 3 else g for g, x in zip(grads, like)]
-
-
-def _weight(sizes: Sequence[int]) -> float:
-    """Per row: the mean over processes of the weighted local sums is the global mean."""
-    return len(sizes) / sum(sizes)
 
 
 def _own_rows_only(opts: InfoNCEOptions) -> None:
@@ -174,7 +167,7 @@ def gathered_loss_and_grad(
         anchors, *candidates = pad_to_common_tokens(given)
     cands_all, core = _gathered(all_gather_rows, anchors, candidates, sizes, opts)
     w, b = len(sizes), anchors.shape[0]
-    factor = _weight(sizes) * b  # the core averages over local rows
+    factor = w / sum(sizes) * b  # the module's weighting; the core averages over local rows
     if not with_grad:
         return InfoNCEOutput(infonce(anchors, cands_all, core) * factor, None, [], None, None)
     out = infonce_loss_and_grad(anchors, cands_all, core, grad_output=factor)
@@ -241,7 +234,7 @@ def gathered_infonce(
     w, b = len(sizes), anchors.shape[0]
     if isinstance(opts.scale, Tensor) and opts.scale.requires_grad:
         opts.scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
-    return infonce(anchors, cands_all, core) * (_weight(sizes) * b)
+    return infonce(anchors, cands_all, core) * (w / sum(sizes) * b)
 
 
 # --------------------------------------------------------------------------- the ring
@@ -279,8 +272,7 @@ def ring_loss_and_grad(
     cols, rows = given, anchors
     with torch.no_grad():
         if score.packed:
-            # every block travels with one row shape: the columns (and the anchors when a term reads
-            # them) padded to the widest of every process (exact: mask 0 / index 0 and value 0)
+            # every block travels with one row shape: the columns (and the anchors when a term reads them)
             anchors_travel = any(t.cols == "q_all" for t in spec.terms.terms)
             width = max(_widest([*cols, anchors] if anchors_travel else cols))
             cols = [pad_tokens(c, width) for c in cols]

@@ -31,14 +31,9 @@ __all__ = ["ring_terms_solve"]
 
 
 def ring_terms_solve(
-    spec: LossSpec,
-    anchors: Tensor,
-    cols: Sequence[Tensor],
-    sizes: list[int],
-    *,
-    scale: float | Tensor,
+    spec: LossSpec, anchors: Tensor, cols: Sequence[Tensor], sizes: list[int], *, scale: float | Tensor,
     with_grad: bool,
-) -> Solution:
+) -> Solution:  # fmt: skip
     """This process's share of the global loss (``W / B_global * sum`` over its rows) by ring exchange:
     every process's columns (its candidates, its anchors when a term reads ``q_all``, its guide
     embeddings when guided, its keys when masking) visit every process once per pass, the next block in

@@ -290,17 +290,9 @@ def _logit_grad(b: Bound, block: Tensor, lse: LogSumExp, weight: float, ij, c0: 
 
 
 def _apply(
-    b: Bound,
-    g: Tensor,
-    raw: Tensor | None,
-    q: Tensor,
-    c0: int,
-    c1: int,
-    r0: int,
-    r1: int,
-    scale: float,
+    b: Bound, g: Tensor, raw: Tensor | None, q: Tensor, c0: int, c1: int, r0: int, r1: int, scale: float,
     graph: TileGraph | None = None,
-) -> Tensor:
+) -> Tensor:  # fmt: skip
     """Accumulate one tile's logit gradient ``g`` into the bound buffers; returns its part of
     ``sum(G * s * sim)`` (0 when ``raw``, the tile's unpenalised logits, was not kept)."""
     g_rows = b.g_rows[r0:r1] if b.g_rows is not None else None
@@ -312,15 +304,9 @@ def _apply(
 
 
 def term_grads(
-    bound: Sequence[Bound],
-    lse: Sequence[LogSumExp],
-    weights: Sequence[float],
-    *,
-    scale: float,
-    row_tile: int,
-    col_tile: int,
-    need_scale_grad: bool,
-) -> Tensor:
+    bound: Sequence[Bound], lse: Sequence[LogSumExp], weights: Sequence[float], *, scale: float, row_tile: int,
+    col_tile: int, need_scale_grad: bool,
+) -> Tensor:  # fmt: skip
     """Second pass: recompute each tile and accumulate its gradients into the bound buffers. Returns
     ``sum(G * s * sim)`` (for the scale's gradient; 0 when not needed)."""
     gs = torch.zeros((), dtype=torch.float64, device=bound[0].rows.x.device)
@@ -333,15 +319,9 @@ def term_grads(
 
 
 def fused_chunk(
-    bound: Sequence[Bound],
-    weights: Sequence[float],
-    *,
-    n_rows: int,
-    scale: float,
-    chunk: int,
-    need_grads: bool,
+    bound: Sequence[Bound], weights: Sequence[float], *, n_rows: int, scale: float, chunk: int, need_grads: bool,
     need_scale_grad: bool,
-) -> tuple[Tensor, Tensor]:
+) -> tuple[Tensor, Tensor]:  # fmt: skip
     """Loss (fp64, summed over rows, without the positive logits) and the gradients into the bound
     buffers in one pass over row chunks: each chunk holds its logits of every term against every
     column, so each softmax is exact there and then and nothing is recomputed (three GEMMs per logit
