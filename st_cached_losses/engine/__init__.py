@@ -5,8 +5,7 @@ tokenizer features (``features``) and, in one module, the training wrappers: DDP
 DeepSpeed (``wrappers``).
 
 No loss math. May import the functional layer, torch and tqdm; never
-the losses, the configuration or the demo.
-"""
+the losses, the configuration or the demo."""
 
 from st_cached_losses.engine.gradcache import GradCache, LossAndGrad
 from st_cached_losses.engine.planning import MiniBatch, MiniBatchPlanner

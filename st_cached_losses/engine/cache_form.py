@@ -2,8 +2,7 @@
 implements (the sparse loss keeps only the non-zero entries of vocabulary-sized rows).
 
 Without a form the engine keeps each mini-batch's output as it comes (``out.detach().float()``), puts the
-column's rows back in order, and hands a replayed mini-batch the rows of the loss's gradient as they are.
-"""
+column's rows back in order, and hands a replayed mini-batch the rows of the loss's gradient as they are."""
 
 from __future__ import annotations
 

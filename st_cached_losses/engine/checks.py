@@ -37,8 +37,7 @@ def memory_bytes(value: int | float | str | None, name: str) -> int | None:
     be whole (``0.5`` bytes is refused, not rounded to 0). Every refusal shows the value as given.
 
     Raises:
-        ValueError: for anything else, naming ``name`` and showing ``value``.
-    """
+        ValueError: for anything else, naming ``name`` and showing ``value``."""
     if value is None:
         return None
     usage = f"{name} must be a positive number of bytes or a size such as '6GB', '512MiB' or '1.5GiB', got {value!r}"

@@ -17,8 +17,7 @@ A column comes in one of two layouts, and every function here understands both:
 
 A padded column may also be made per mini-batch (:class:`InputsOnDemand`): it holds only its attention
 mask, which is all the planning reads, and makes the inputs of the rows a mini-batch runs when it runs (a
-reranker's ``B x (1 + k)`` pairs are tokenized per mini-batch, so no step holds every pair's tokens).
-"""
+reranker's ``B x (1 + k)`` pairs are tokenized per mini-batch, so no step holds every pair's tokens)."""
 
 from __future__ import annotations
 
@@ -107,11 +106,8 @@ def batch_size_of(features: Features) -> int:
 
 def check_splittable(features: Features) -> None:
     """Refuse inputs without a batch dimension to split (e.g. StaticEmbedding's flat ids + offsets)."""
-    if (
-        "offsets" in features
-        and isinstance(features.get("input_ids"), Tensor)
-        and features["input_ids"].dim() == 1
-    ):
+    ids = features.get("input_ids")
+    if "offsets" in features and isinstance(ids, Tensor) and ids.dim() == 1:
         raise ValueError(
             "this model's inputs (flat input_ids with offsets, as produced by StaticEmbedding) have no batch "
             "dimension to split into mini-batches; a StaticEmbedding model is cheap enough to train with the "
@@ -131,8 +127,7 @@ def real_tokens(features: Features, batch_size: int) -> Tensor | None:
     ``features["query_expansion_positions"]`` when a query is expanded with ``attend=False`` (PyLate and
     Stanford ColBERT checkpoints). Their attention mask is 0, yet ``MultiVectorMask`` scores them, so
     trimming them as padding would drop scored tokens. Every trim, length sort and token count of the
-    engine reads this, so that no caller has to know about expansion.
-    """
+    engine reads this, so that no caller has to know about expansion."""
     mask = features.get("attention_mask")
     if not (isinstance(mask, Tensor) and mask.dim() == 2 and mask.shape[0] == batch_size):
         return None
@@ -157,8 +152,7 @@ def slice_features(
 
     A flattened column (:func:`is_flattened`) has no padding: the selected rows' tokens are gathered,
     row after row in the order of ``rows``, and its per-sequence keys rebuilt for them
-    (:func:`_slice_flattened`). A column made per mini-batch (:class:`InputsOnDemand`) makes them.
-    """
+    (:func:`_slice_flattened`). A column made per mini-batch (:class:`InputsOnDemand`) makes them."""
     if isinstance(features, InputsOnDemand):
         return features.make(rows, trim_leading)
     if is_flattened(features):
@@ -189,8 +183,7 @@ def _slice_flattened(features: Features, rows: Tensor, batch_size: int) -> Featu
     numbers the rows of the mini-batch ``0 .. m - 1``; ``cu_seq_lens_q`` / ``cu_seq_lens_k`` become
     the mini-batch's cumulative lengths ``(m + 1,)`` and ``max_length_q`` / ``max_length_k`` its
     longest row (each in the type, dtype and device it came in); tensors with one entry per row
-    ``(B, ...)`` are indexed; anything else is passed through.
-    """
+    ``(B, ...)`` are indexed; anything else is passed through."""
     total = int(features["cu_seq_lens_q"][-1])
     picked = rows.detach().to("cpu", torch.long)
     # per side of the attention (queries, keys: the same rows for self-attention), the picked rows' lengths
@@ -310,8 +303,7 @@ def position_shift_invariant(model: nn.Module) -> bool:
 
     True for rotary models (attention scores depend on position differences only) without a table of
     absolute positions: there, cutting a left-padded row's leading padding is exact. False whenever
-    unsure (BERT-style absolute positions, unknown models): padding is then kept as it came.
-    """
+    unsure (BERT-style absolute positions, unknown models): padding is then kept as it came."""
     inner = unwrap_model(model)
     if inner not in _SHIFT_INVARIANT:
         _SHIFT_INVARIANT[inner] = _shift_invariant(inner)

@@ -11,8 +11,7 @@ the total past the budget is dropped (replayed, as without a budget).
 The meter: on CUDA the caching allocator's count of bytes still allocated after the forward (what the
 graph holds); elsewhere the bytes of the tensors autograd saves for backward
 (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once, the model's own parameters
-and buffers not counted: deterministic, on any device.
-"""
+and buffers not counted: deterministic, on any device."""
 
 from __future__ import annotations
 
@@ -133,8 +132,7 @@ class GraphKeeper:
     The first forward with a graph calibrates the meter (under a sharded wrapper, where every replay is a
     collective, the processes then agree on the kept set: each keeps a mini-batch only if all do, one
     small all-reduce, and no process drops one later); :meth:`forward` runs and measures the others.
-    ``budget`` None: keeps nothing (the engine's plain rules apply).
-    """
+    ``budget`` None: keeps nothing (the engine's plain rules apply)."""
 
     def __init__(
         self,

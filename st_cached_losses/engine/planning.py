@@ -17,8 +17,7 @@ column each encoder mini-batch embeds, in which order, and how many mini-batches
 replay its forward with the same dropout masks.
 
 No forward, backward or loss here: :class:`MiniBatchPlanner` is the planning half of
-:class:`~st_cached_losses.engine.gradcache.GradCache`, which runs the plans.
-"""
+:class:`~st_cached_losses.engine.gradcache.GradCache`, which runs the plans."""
 
 from __future__ import annotations
 
@@ -122,8 +121,7 @@ class MiniBatchPlanner:
         makes it exactly that many: the largest mini-batches are halved while rows allow (a token
         budget only gets easier), then filler mini-batches (one row, the shortest, embedded again;
         its output unused and its gradient zero) come first, so that the column's last forward, the
-        one that keeps its graph, is a real one.
-        """
+        one that keeps its graph, is a real one."""
         # an error raised here (e.g. no attention mask to count tokens by) is raised on every process by
         # agreed_counts under a sharded wrapper
         check_splittable(features)

@@ -5,8 +5,7 @@ The CPU generator is always kept. Of the accelerators (CUDA, Apple's MPS, Intel'
 ``torch.accelerator`` names as the current one) each one that is available is kept, CUDA and XPU only
 once initialised: reading a device's state must not initialise it (a CPU-only step would otherwise
 create a CUDA context), and a device that was never initialised has drawn no mask yet. Where a module
-has one generator per device (``get_rng_state_all``), every device's is kept.
-"""
+has one generator per device (``get_rng_state_all``), every device's is kept."""
 
 from __future__ import annotations
 
@@ -68,8 +67,7 @@ class RandState:
     ``RandState()`` snapshots now; :meth:`replay` runs a block from the snapshot and afterwards puts
     back the state it found, so a replay neither reuses nor disturbs the training loop's random stream.
     ``RandState().replay()`` is therefore a fork of every device type's random state (a forward that
-    must not shift the step's dropout masks, such as a measuring probe).
-    """
+    must not shift the step's dropout masks, such as a measuring probe)."""
 
     def __init__(self) -> None:
         self.cpu = torch.get_rng_state()

@@ -170,8 +170,7 @@ def accumulate_locally(outs: Sequence[Tensor], grads: Sequence[Tensor], params: 
     until the step's all-reduce (``no_sync`` does not stop the count), and from then on waits for that
     many hooks per parameter before it reduces: replays seen by the reducer would make every later
     step skip its all-reduce. ``torch.autograd.grad`` does not run the hooks, so the reducer sees only
-    the final, synchronised replay; the sum below is what ``no_sync`` would have accumulated.
-    """
+    the final, synchronised replay; the sum below is what ``no_sync`` would have accumulated."""
     computed = torch.autograd.grad(list(outs), list(params), list(grads), allow_unused=True)
     with torch.no_grad():
         for p, g in zip(params, computed):
@@ -191,10 +190,8 @@ class LocalBackward:
     DeepSpeed ZeRO 1/2 goes the same way: its gradient hooks refuse a parameter whose gradient arrives
     twice in one step ("Gradient computed twice for this partition"), so only the final replay (plus
     the zero terms of :meth:`synced_backward`) reaches them, with the sum of every replay in ``.grad``.
-    ZeRO-3 cannot (its parameters are partitioned: an empty tensor outside their module's forward and
-    backward, so a full-size ``.grad`` cannot be set on them by hand): :meth:`of` returns a
-    :class:`CoalescedBackward` for it.
-    """
+    ZeRO-3 cannot (its parameters are partitioned, :func:`is_zero3`: a full-size ``.grad`` cannot be set
+    on them by hand): :meth:`of` returns a :class:`CoalescedBackward` for it."""
 
     module: nn.Module
     params: list[Tensor]
@@ -260,8 +257,7 @@ class CoalescedBackward(LocalBackward):
 
     The contract with the engine: gradients of :meth:`backward` are reduced at the next
     :meth:`synced_backward`, which the engine always calls last (:func:`grad_sync_on` is True under
-    ZeRO-3). ``engine.step()`` refuses to run while the reduction is still open.
-    """
+    ZeRO-3). ``engine.step()`` refuses to run while the reduction is still open."""
 
     engine: nn.Module
     _open: contextlib.ExitStack | None = field(default=None, repr=False)

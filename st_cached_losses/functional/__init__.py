@@ -1,7 +1,6 @@
 """Pure-torch InfoNCE math: exact, chunked or tiled, with gradients wrt the embeddings.
 
-Imports nothing from sentence_transformers or accelerate.
-"""
+Imports nothing from sentence_transformers or accelerate."""
 
 from st_cached_losses.functional.checks import check_positive_int, scale_value
 from st_cached_losses.functional.infonce import (

@@ -2,8 +2,7 @@
 running log-sum-exp, the tile plan and the map from gradients of normalised embeddings to raw ones.
 
 Nothing of size ``rows x candidates`` is ever held beyond one block. Notation of the shape comments:
-``b`` rows in a row tile, ``t`` columns in a column tile, ``d`` the embedding dimension.
-"""
+``b`` rows in a row tile, ``t`` columns in a column tile, ``d`` the embedding dimension."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ class Operand:
     With ``prenormalize=True`` one fp32 copy is made up front (the chunked path, where each chunk
     spans whole columns and re-normalising them per chunk would repeat work); otherwise only the
     per-row multipliers (``mult / ||x_i||``) are stored and each tile is normalised when it is read,
-    so memory stays ``O(n)`` beyond the input (the tiled path).
-    """
+    so memory stays ``O(n)`` beyond the input (the tiled path)."""
 
     def __init__(self, x: Tensor, cosine: bool, mult: float, prenormalize: bool) -> None:
         self.x = x

@@ -7,8 +7,7 @@ Tile sharing: where the documents of a ``doc_to_query`` term are the very column
 term's positives and its queries that term's rows (one process; each visiting block in the ring), the
 ``doc_to_query`` logits are the transpose of the ``query_to_doc`` tiles. The two are then bound as one
 term whose tiles feed both softmaxes (4 GEMMs per tile pair instead of 8), for GEMM scores without
-penalties or a guide on either.
-"""
+penalties or a guide on either."""
 
 from __future__ import annotations
 

@@ -42,9 +42,9 @@ def scale_value(scale: float | Tensor, name: str = "scale") -> float:
     finite and positive. ``name``: the argument named in errors (``"temperature"`` checks a temperature
     by the same rules).
 
-    Every refusal starts with sentence-transformers' sentence, ``"Scale must be a positive value."`` (their
-    tests match it; ``"Temperature must be a positive value."`` for a temperature), then says what was given.
-    """
+    Every refusal starts with sentence-transformers' sentence, ``"Scale must be a positive value."``
+    (their tests match it; ``"Temperature must be a positive value."`` for a temperature), then says what
+    was given."""
     example = "20.0" if name == "scale" else "0.05"
     other = "1 / temperature" if name == "scale" else "1 / scale"
     first = f"{name.capitalize()} must be a positive value."

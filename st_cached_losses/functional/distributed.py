@@ -3,8 +3,7 @@ over ranks, and a ring exchange of blocks. Every helper is a no-op without a pro
 an initialised group of size 1).
 
 Every collective of this package is counted in :data:`STATS`, so tests and benchmarks can see exactly
-how many calls and bytes one step costs.
-"""
+how many calls and bytes one step costs."""
 
 from __future__ import annotations
 
@@ -174,8 +173,7 @@ _MAX_AGREED_COUNTS = 62
 def all_gather_rows(x: Tensor, sizes: list[int]) -> Tensor:
     """Concatenate every rank's ``(n_r, d)`` rows in rank order: ``(sum(sizes), d)``; no autograd.
 
-    Unequal sizes are padded to the largest for the collective and cut back afterwards.
-    """
+    Unequal sizes are padded to the largest for the collective and cut back afterwards."""
     if len(sizes) == 1:
         return x
     longest = max(sizes)
@@ -260,8 +258,7 @@ def ring_exchange(
     after a full circle they are back with their owner, who gets them as the return value.
 
     ``visit(owner_rank, static_blocks, carried_blocks)`` is called ``W`` times, first with this rank's
-    own blocks, then its predecessor's, and so on. Memory: own blocks plus one set in flight.
-    """
+    own blocks, then its predecessor's, and so on. Memory: own blocks plus one set in flight."""
     w = len(sizes)
     if w == 1:
         visit(0, static, carried)

@@ -22,8 +22,7 @@ Blocks may also be packed sparse rows (``(n_k, k, 2)``, :mod:`.sparse`: only the
 column sums are then a scatter-add of the kept entries, the row counts those of the kept entries (only
 zeros were dropped: the same counts), and the gradient is returned on each row's kept entries only,
 packed like the block (index channel 0). That is the whole gradient wherever the encoder's Jacobian is
-zero at an exactly-zero output (SPLADE's ``log1p(relu(.))`` pooling): the caller decides.
-"""
+zero at an exactly-zero output (SPLADE's ``log1p(relu(.))`` pooling): the caller decides."""
 
 from __future__ import annotations
 
@@ -80,8 +79,7 @@ def flops_loss_and_grad(
             ignored outside a process group of more than one process.
         accumulate: per block a ``(n_k, V)`` tensor to add the gradient into, in place (then returned as
             ``grads``): no second ``(N, V)`` buffer; for packed blocks, a packed ``(n_k, k, 2)`` one.
-        dim: ``V``, for packed blocks (``(n_k, k, 2)``: every block packed), whose gradient is packed too.
-    """
+        dim: ``V``, for packed blocks (``(n_k, k, 2)``: every block packed), whose gradient is packed too."""
     if not blocks:
         raise ValueError("flops_loss_and_grad needs at least one block of rows.")
     packed = blocks[0].dim() == 3

@@ -13,8 +13,7 @@ and GIST are other term sets, and duplicate keys mask every term. Two entry poin
 Row ``i``'s loss is ``logsumexp_c(s * <q_i, c>) - s * <q_i, p_{row_offset + i}>`` over every candidate
 of every column (``N == B`` rows on one process, ``N == W * B`` gathered from ``W`` ranks). The symmetric
 loss averages it with each positive's loss against the anchors. Similarities are computed in fp32
-whatever the input dtype; gradients come back in the input dtype.
-"""
+whatever the input dtype; gradients come back in the input dtype."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ def infonce_loss_and_grad(
         grad_output: multiplies every gradient (the incoming gradient of the loss).
 
     Returns:
-        :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``.
-    """
+        :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``."""
     opts = InfoNCEOptions.of(options, keywords)
     with torch.no_grad():
         rows, cols, spec = _prepared(anchors, candidates, opts)
@@ -109,8 +107,7 @@ def infonce(
     Same arguments as :func:`infonce_loss_and_grad`, without ``grad_output``. Gradients flow to ``anchors``,
     every candidate column, ``anchors_all`` and a tensor ``scale``, each in its own dtype. When an input
     requires grad, the forward keeps the inputs and each row's ``O(B)`` log-sum-exp statistics, and the
-    backward recomputes each logit tile once; without one, only the loss is computed.
-    """
+    backward recomputes each logit tile once; without one, only the loss is computed."""
     opts = InfoNCEOptions.of(options, keywords)
     rows, cols, spec = _prepared(anchors, candidates, opts)
     scale = opts.scale

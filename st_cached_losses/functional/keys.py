@@ -19,8 +19,7 @@ def input_hashes(features: dict[str, Any]) -> Tensor:
     from the token ids rather than the embeddings, which differ under dropout. A padded column
     (``input_ids`` ``(B, T)``, padding where ``attention_mask`` is 0) or a flattened one (every row's
     ids concatenated, ``input_ids`` ``(1, total)``, rows delimited by ``cu_seq_lens_q`` ``(B + 1,)``):
-    one text has the same key in either. ``(B,)`` int64.
-    """
+    one text has the same key in either. ``(B,)`` int64."""
     ids = features.get("input_ids")
     if not isinstance(ids, Tensor) or ids.dim() != 2:
         raise ValueError("mask_duplicates needs token ids (a 2-D input_ids) to recognise identical inputs.")

@@ -13,8 +13,7 @@ intermediate is one tile's ``(b, t, q_tokens, d_tokens)`` token similarities, ne
 documents first, and the rows carry what each query token retrieves (see :class:`XTR`).
 
 Shapes: ``b`` rows of a tile, ``t`` columns of a tile, ``tq`` / ``td`` query / document tokens, ``d``
-the token embedding dimension.
-"""
+the token embedding dimension."""
 
 from __future__ import annotations
 

@@ -89,8 +89,7 @@ class InfoNCEOptions:
 
     ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
     against columns the caller gathered: the strategies of :mod:`.parallel` set them (and refuse the first
-    three); their finiteness check is :func:`~.parallel.agree_on_sizes`.
-    """
+    three); their finiteness check is :func:`~.parallel.agree_on_sizes`."""
 
     scale: float | Tensor = 20.0
     similarity: Similarity = "cosine"

@@ -21,8 +21,7 @@ the global mean loss and DDP's gradient average is the exact full-batch gradient
 hold different numbers of rows. A tensor scale lives outside DDP: its gradient is averaged here.
 
 :func:`agree_on_sizes` is the step's first collective (row counts, shapes and finiteness in one small
-all-gather); :func:`gathered_infonce` is the gathered loss with autograd.
-"""
+all-gather); :func:`gathered_infonce` is the gathered loss with autograd."""
 
 from __future__ import annotations
 
@@ -159,8 +158,7 @@ def gathered_loss_and_grad(
         with_grad: also the gradients wrt this process's embeddings; else the loss only.
 
     Collectives: one all-gather per gathered tensor (the keys in one), and with ``with_grad`` one
-    all-reduce per gathered tensor (and one for a tensor scale's gradient).
-    """
+    all-reduce per gathered tensor (and one for a tensor scale's gradient)."""
     opts = InfoNCEOptions.of(options, keywords)
     given = [anchors, *candidates]
     if Score(opts.similarity).packed:  # packed rows: every process's padded to one width per column
@@ -258,8 +256,7 @@ def ring_loss_and_grad(
     their documents over every process's rows.
 
     No finiteness check inside: a process raising on its own NaN in the middle of the ring would leave
-    its peers blocked in a send / receive; :func:`agree_on_sizes` checks every process first.
-    """
+    its peers blocked in a send / receive; :func:`agree_on_sizes` checks every process first."""
     opts = InfoNCEOptions.of(options, keywords)
     if opts.path not in ("auto", "tiled"):
         raise ValueError(

@@ -5,8 +5,7 @@ its own), gradients returned in each input's dtype.
 Under ``torch.autocast`` a matrix product of fp32 operands runs in bf16 / fp16: a logit tile would lose
 its low bits (at scale 50 a near-converged batch's loss turns negative) and mixing such a tile into an
 fp32 buffer fails outright. Every entry point of the loss stage, and the backward of its autograd
-functions (autograd may run them inside the caller's autocast region), runs with autocast off.
-"""
+functions (autograd may run them inside the caller's autocast region), runs with autocast off."""
 
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ block plan accounts for (:meth:`Score.entry_cost`). A function with ``packed_row
 (:class:`~.sparse.SparseDot`) reads other packed ``(n, k, c)`` rows the same way and states its own
 ``entry_cost``; a function with a ``vjp(g, a, c, rows, cols)`` method gives a tile's gradients in closed form
 instead of through autograd, and with a ``scores_and_state(a, c)`` method it keeps what that ``vjp`` needs
-of a scored tile (MaxSim: the max's winners) so that the gradient does not score the tile again.
-"""
+of a scored tile (MaxSim: the max's winners) so that the gradient does not score the tile again."""
 
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ bytes before choosing it. A gradient wrt a packed tensor has the packed shape: t
 the gradient wrt each kept entry, the index channel is 0 (an index has no gradient).
 
 Shapes: ``n`` rows, ``k`` kept entries per row, ``V`` the vocabulary, ``b`` rows of a tile, ``t`` columns
-of a tile.
-"""
+of a tile."""
 
 from __future__ import annotations
 

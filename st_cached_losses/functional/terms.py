@@ -28,8 +28,7 @@ term then also feeds a softmax that runs down its columns.
 
 Kernels here work on bound terms (operands and gradient buffers attached, :mod:`.binding`) one tile at
 a time; the drivers bind them on one process or against gathered columns (:mod:`.local`), or for each
-block visiting in a ring (:mod:`.ring`).
-"""
+block visiting in a ring (:mod:`.ring`)."""
 
 from __future__ import annotations
 
