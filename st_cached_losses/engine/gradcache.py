@@ -342,7 +342,7 @@ class GradCache(MiniBatchPlanner):
         (:func:`~st_cached_losses.functional.multi_vector.pack_tokens`)."""
         # ranks run different numbers of mini-batch forwards: no buffer broadcast may wait inside them
         skip_forward_buffer_sync(model)
-        # a column may wait on the CPU (a reranker's B x (1 + k) tokenized pairs): only the mini-batch
+        # a column may wait on the CPU (a reranker's pairs, tokenized per mini-batch): only the mini-batch
         # that runs goes to the model's device. Inputs already on an accelerator stay where they are (a
         # model whose parameters are offloaded to the CPU still computes there). A fresh dict:
         # SentenceTransformer modules write their outputs into the one they get. Contiguous: a trimmed
