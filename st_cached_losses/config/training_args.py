@@ -324,8 +324,12 @@ class CachedLossArguments(BaseTrainingArguments):
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
         if name == "num_negatives" and self.num_negatives == "all":
             return None  # every in-batch negative
-        if name == "similarity_fct" and self.similarity is not None and _similarity_functions(self.loss):
-            return _similarity_functions(self.loss)[self.similarity]  # the callables their loss takes
+        if (
+            name == "similarity_fct"
+            and self.similarity is not None
+            and (functions := _similarity_functions(self.loss))
+        ):
+            return functions[self.similarity]  # the callables their loss takes
         value = self.loss_directions if name == "directions" else getattr(self, FIELD_NAMES.get(name, name))
         return _LOSS_DEFAULT if value is None else value
 

@@ -261,20 +261,20 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         tokenizer = getattr(inner, "tokenizer", None)
         left = getattr(tokenizer, "padding_side", "right") == "left"
 
-        def tokenize(rows: Sequence[int]) -> Features:
-            return dict(inner.preprocess([pairs[i] for i in rows], prompt=prompt, **kwargs))  # type: ignore[operator]
+        def tokenize(part: list[tuple[str, str]]) -> Features:
+            return dict(inner.preprocess(part, prompt=prompt, **kwargs))  # type: ignore[operator]
 
         # the masks chunk by chunk: a fast tokenizer's working memory (each truncated pair's overflow
         # included) is one chunk's
         masks = [
-            tokenize(range(i, min(i + TOKENIZE_CHUNK, len(pairs))))["attention_mask"].bool()
+            tokenize(pairs[i : i + TOKENIZE_CHUNK])["attention_mask"].bool()
             for i in range(0, len(pairs), TOKENIZE_CHUNK)
         ]
         width = max(m.shape[1] for m in masks)
         mask = torch.cat([_pad(m, width, left, False) for m in masks])
 
         def make(rows: Tensor, trim_leading: bool) -> Features:
-            out = tokenize(rows.tolist())
+            out = tokenize([pairs[i] for i in rows.tolist()])
             if left and not trim_leading:
                 # a model with absolute positions numbers a left-padded pair's tokens after all the padding
                 # of the whole batch (see slice_features): pad to its width as the tokenizer pads
