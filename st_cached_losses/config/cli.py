@@ -117,18 +117,21 @@ def _yaml_problem(err: Exception) -> str:
 
 _ROLE = re.compile(r":(?:py:)?(?:class|meth|func|data|mod|attr|obj|exc|ref|doc):`~?([^`<]*?)(?:\s*<[^>]*>)?`")
 _LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+#: a Markdown cross-reference of mkdocstrings / autorefs: [`title`][identifier] or [title][identifier]
+_CROSS_REFERENCE = re.compile(r"\[`?([^\]`]+)`?\]\[[\w.]*\]")
 
 
 def plain_text(text: str) -> str:
-    """``text`` (a docstring, a field's help) without its reStructuredText markup, for ``--help``:
-    ``:class:`~a.b.C``` -> ``C``, ``:class:`a.b.C``` -> ``a.b.C``, double-backtick literals -> their text,
-    ``Example::`` -> ``Example:``."""
+    """``text`` (a docstring, a field's help) without its markup, for ``--help``: the docstrings' Markdown
+    cross-references ``[`C`][a.b.C]`` -> ``C``; reStructuredText's roles `` :class:`~a.b.C` `` -> ``C`` and
+    `` :class:`a.b.C` `` -> ``a.b.C``, double-backtick literals -> their text, ``Example::`` -> ``Example:``."""
 
     def role(match: re.Match[str]) -> str:
         target = match.group(1)
         return target.rsplit(".", 1)[-1] if match.group(0).split("`", 1)[1].startswith("~") else target
 
     text = _ROLE.sub(role, text)
+    text = _CROSS_REFERENCE.sub(r"\1", text)
     text = _LITERAL.sub(r"\1", text)
     return re.sub(r"(\w)::$", r"\1:", text, flags=re.MULTILINE)
 
