@@ -1,5 +1,5 @@
 """A batch's inputs as the caching engine sees them: the row count of a column, which positions of each
-row are real tokens (:func:`real_tokens`, the one place that decides it), the inputs of some of its rows
+row are real tokens ([`real_tokens`][st_cached_losses.engine.features.real_tokens], the one place that decides it), the inputs of some of its rows
 with the padding they do not need cut away, each row's length and token count, and whether a model's
 positions allow cutting leading padding. No model is run here.
 
@@ -12,10 +12,10 @@ A column comes in one of two layouts, and every function here understands both:
   one sequence, ``input_ids`` / ``position_ids`` / ``seq_idx`` ``(1, total)``, rows delimited by
   ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``(B + 1,)`` (cumulative lengths from 0), ``max_length_q`` /
   ``max_length_k`` the longest row, no attention mask. Slicing such a column gathers the selected rows'
-  tokens and rebuilds the per-sequence keys for them (:func:`is_flattened`). Every token of it is real
+  tokens and rebuilds the per-sequence keys for them ([`is_flattened`][st_cached_losses.engine.features.is_flattened]). Every token of it is real
   (sentence-transformers never flattens expanded queries).
 
-A padded column may also be made per mini-batch (:class:`InputsOnDemand`): it holds only its attention
+A padded column may also be made per mini-batch ([`InputsOnDemand`][st_cached_losses.engine.features.InputsOnDemand]): it holds only its attention
 mask, which is all the planning reads, and makes the inputs of the rows a mini-batch runs when it runs (a
 reranker's ``B x (1 + k)`` pairs are tokenized per mini-batch, so no step holds every pair's tokens)."""
 
@@ -53,7 +53,7 @@ __all__ = [
 class InputsOnDemand(dict[str, Any]):
     """A padded column whose inputs are made per mini-batch: it holds its ``attention_mask`` ``(B, T)``
     (what the planning reads: each row's real tokens) and ``make(rows, trim_leading)``, which returns the
-    inputs of ``rows`` as :func:`slice_features` would cut them from the whole padded column (padding no
+    inputs of ``rows`` as [`slice_features`][st_cached_losses.engine.features.slice_features] would cut them from the whole padded column (padding no
     row of them needs trimmed, leading padding only with ``trim_leading``)."""
 
     def __init__(self, attention_mask: Tensor, make: Callable[[Tensor, bool], Features]) -> None:
@@ -144,15 +144,15 @@ def slice_features(
     """The inputs of ``rows`` (``(m,)`` indices), with padding no row of them needs trimmed away.
 
     Tensors whose first dim is the batch are indexed; of those, the ones laid out like the attention
-    mask ``(B, T, ...)`` are cut to the span of real tokens (:func:`real_tokens`) of the selected rows:
+    mask ``(B, T, ...)`` are cut to the span of real tokens ([`real_tokens`][st_cached_losses.engine.features.real_tokens]) of the selected rows:
     trailing padding always, leading (left) padding only with ``trim_leading``. A model with absolute
     positions numbers a left-padded row's tokens after its padding, so cutting that padding would change
     its embedding (and make the result depend on the mini-batch). Everything else (e.g. a Router's task
     name) is passed through.
 
-    A flattened column (:func:`is_flattened`) has no padding: the selected rows' tokens are gathered,
+    A flattened column ([`is_flattened`][st_cached_losses.engine.features.is_flattened]) has no padding: the selected rows' tokens are gathered,
     row after row in the order of ``rows``, and its per-sequence keys rebuilt for them
-    (:func:`_slice_flattened`). A column made per mini-batch (:class:`InputsOnDemand`) makes them."""
+    (`_slice_flattened`). A column made per mini-batch ([`InputsOnDemand`][st_cached_losses.engine.features.InputsOnDemand]) makes them."""
     if isinstance(features, InputsOnDemand):
         return features.make(rows, trim_leading)
     if is_flattened(features):
@@ -176,7 +176,7 @@ def slice_features(
 
 
 def _slice_flattened(features: Features, rows: Tensor, batch_size: int) -> Features:
-    """:func:`slice_features` of a flattened column: one sequence of the ``m`` selected rows' tokens.
+    """[`slice_features`][st_cached_losses.engine.features.slice_features] of a flattened column: one sequence of the ``m`` selected rows' tokens.
 
     Token-level tensors (``(1, total, ...)``: ``input_ids``, ``position_ids``, ...) keep the selected
     rows' tokens, so each row keeps its own positions (also an offset such as RoBERTa's); ``seq_idx``
@@ -228,7 +228,7 @@ def _slice_flattened(features: Features, rows: Tensor, batch_size: int) -> Featu
 
 
 def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) -> Tensor | None:
-    """Per row, the positions it occupies once trimmed as :func:`slice_features` trims: ``(B,)``; a
+    """Per row, the positions it occupies once trimmed as [`slice_features`][st_cached_losses.engine.features.slice_features] trims: ``(B,)``; a
     flattened column's row lengths (it has no padding)."""
     if is_flattened(features):
         return _flat_lengths(features)
@@ -252,7 +252,7 @@ def longest_first(lengths: Tensor | None, batch_size: int) -> Tensor:
 
 
 def token_counts(features: Features, batch_size: int) -> Tensor | None:
-    """Per row, its real tokens (:func:`real_tokens`: attended, or ColBERT expansion positions): ``(B,)``;
+    """Per row, its real tokens ([`real_tokens`][st_cached_losses.engine.features.real_tokens]: attended, or ColBERT expansion positions): ``(B,)``;
     None without a ``(B, T)`` mask. What ``mini_batch_num_tokens`` budgets (not the padded length). A
     flattened column's row lengths (every token is real).
 
@@ -267,7 +267,7 @@ def token_counts(features: Features, batch_size: int) -> Tensor | None:
 def mini_batch_length(features: Features, lengths: Tensor | None, rows: Tensor) -> int:
     """The length per row a mini-batch of ``rows`` is embedded at, so that ``len(rows)`` times it counts
     the positions its forward runs on (what the graph-memory estimates scale with): padded, its
-    longest row (``lengths`` from :func:`row_lengths`); flattened, its rows' mean length, rounded up
+    longest row (``lengths`` from [`row_lengths`][st_cached_losses.engine.features.row_lengths]); flattened, its rows' mean length, rounded up
     (no row is padded to the longest). 1 without lengths to tell."""
     if lengths is None or len(rows) == 0:
         return 1
@@ -293,7 +293,7 @@ def input_ids_by_row(features: Features) -> Tensor | list[list[int]]:
 _ABSOLUTE_POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
 
 
-#: per model, the answer of :func:`position_shift_invariant` (it walks every module: once per model, not
+#: per model, the answer of [`position_shift_invariant`][st_cached_losses.engine.features.position_shift_invariant] (it walks every module: once per model, not
 #: once per step); weak keys, so a model is not kept alive by it
 _SHIFT_INVARIANT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
@@ -311,7 +311,7 @@ def position_shift_invariant(model: nn.Module) -> bool:
 
 
 def _shift_invariant(model: nn.Module) -> bool:
-    """The module walk behind :func:`position_shift_invariant`."""
+    """The module walk behind [`position_shift_invariant`][st_cached_losses.engine.features.position_shift_invariant]."""
     rotary = False
     for module in model.modules():
         for name in _ABSOLUTE_POSITION_TABLES:

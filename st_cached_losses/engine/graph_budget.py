@@ -49,13 +49,13 @@ __all__ = [
 
 def work_of(rows: int, length: int) -> int:
     """A mini-batch's size for the estimates: rows times its padded length (its activations grow with
-    both; attention's grow faster with the length, see :meth:`GraphMeter.estimate`)."""
+    both; attention's grow faster with the length, see [`GraphMeter.estimate`][st_cached_losses.engine.graph_budget.GraphMeter.estimate])."""
     return max(rows, 1) * max(length, 1)
 
 
 @dataclass
 class GraphMeter:
-    """Bytes held by the graphs of forwards run inside :meth:`measure`, and the estimate for a mini-batch
+    """Bytes held by the graphs of forwards run inside [`measure`][st_cached_losses.engine.graph_budget.GraphMeter.measure], and the estimate for a mini-batch
     of another size from the first measurement (``bytes_per_unit`` at ``reference_length``)."""
 
     model: nn.Module
@@ -92,7 +92,7 @@ class GraphMeter:
         out.append(total[0])
 
     def calibrate(self, nbytes: int, rows: int, length: int) -> None:
-        """The first measurement of the step: bytes per unit of :func:`work_of`."""
+        """The first measurement of the step: bytes per unit of [`work_of`][st_cached_losses.engine.graph_budget.work_of]."""
         self.bytes_per_unit = nbytes / work_of(rows, length)
         self.reference_length = max(length, 1)
 
@@ -131,7 +131,7 @@ class GraphKeeper:
 
     The first forward with a graph calibrates the meter (under a sharded wrapper, where every replay is a
     collective, the processes then agree on the kept set: each keeps a mini-batch only if all do, one
-    small all-reduce, and no process drops one later); :meth:`forward` runs and measures the others.
+    small all-reduce, and no process drops one later); [`forward`][st_cached_losses.engine.graph_budget.GraphKeeper.forward] runs and measures the others.
     ``budget`` None: keeps nothing (the engine's plain rules apply)."""
 
     def __init__(
@@ -160,7 +160,7 @@ class GraphKeeper:
         ]
 
     def wants(self, mb: MiniBatch) -> bool:
-        """Whether ``mb``'s first-stage forward runs with a graph through :meth:`forward`."""
+        """Whether ``mb``'s first-stage forward runs with a graph through [`forward`][st_cached_losses.engine.graph_budget.GraphKeeper.forward]."""
         if self.budget is None:
             return False
         if self.kept_ids is None:
@@ -233,7 +233,7 @@ def pick_mini_batch(
     in ``budget`` bytes, from measured forwards with a graph and the RNG restored afterwards (a probe
     changes no dropout mask of the step). Every process takes the smallest of their choices.
 
-    Rows: one forward of the batch's longest rows (at most :data:`PROBE_ROWS`), padded as a mini-batch
+    Rows: one forward of the batch's longest rows (at most [`PROBE_ROWS`][st_cached_losses.engine.graph_budget.PROBE_ROWS]), padded as a mini-batch
     of them is; a mini-batch of shorter rows holds less. Tokens: the bytes per padded token, the larger
     of the longest rows' and the shortest rows' (a row's own costs, such as its pooled output, weigh
     more on a short row), so that a mini-batch of any of the batch's lengths fits; the planner then
