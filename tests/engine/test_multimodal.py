@@ -270,3 +270,29 @@ def test_an_auto_token_budget_packs_vision_patches():
     # longest first: row 0 (30 wide) with one image row (2 x 30 + 64), then two image rows (2 x 10 + 128)
     assert [mb.rows.tolist() for mb in cache.plan(0, column)] == [[0, 1], [2, 3], [4]]
     assert not cache.fits_in_one([column])
+
+
+def test_a_flattened_column_keeps_its_rows_images():
+    """Padding-free text (``cu_seq_lens_q``) beside flattened image patches: the rows' tokens and their
+    images, both row after row in the order picked."""
+    lengths = torch.tensor([3, 2, 4])
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    grid = torch.tensor([[1, 2, 2], [1, 2, 4], [1, 2, 2]])
+    column = {
+        "input_ids": torch.arange(9)[None],
+        "position_ids": torch.cat([torch.arange(int(n)) for n in lengths])[None],
+        "cu_seq_lens_q": bounds,
+        "cu_seq_lens_k": bounds,
+        "max_length_q": 4,
+        "max_length_k": 4,
+        "image_grid_thw": grid,
+        "pixel_values": torch.arange(int(grid.prod(1).sum())).float()[:, None],
+        "num_images_per_sample": torch.tensor([2, 0, 1]),
+    }
+    part = slice_features(column, torch.tensor([2, 0]), 3)
+    assert part["input_ids"].tolist() == [[5, 6, 7, 8, 0, 1, 2]]
+    assert part["cu_seq_lens_q"].tolist() == [0, 4, 7]
+    assert part["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2], [1, 2, 4]]
+    assert part["pixel_values"].flatten().tolist() == [*range(12, 16), *range(12)]
+    assert part["num_images_per_sample"].tolist() == [1, 2]
+    assert token_counts(column, 3).tolist() == [3 + 12, 2, 4 + 4]
