@@ -149,6 +149,17 @@ def _count_or_auto(text: str) -> int | str:
 
 _count_or_auto.__name__ = "integer or 'auto'"  # argparse's "invalid <name> value" message
 
+#: fields that take a count or "all" on the command line
+_COUNT_OR_ALL = {"num_negatives"}
+
+
+def _count_or_all(text: str) -> int | str:
+    """A count, or ``"all"`` (every one there is)."""
+    return "all" if text.strip().lower() == "all" else int(text)
+
+
+_count_or_all.__name__ = "integer or 'all'"  # argparse's "invalid <name> value" message
+
 
 def _number_or_mapping(hint: Any) -> bool:
     """Whether a field's type is a union of a number and a mapping without ``str`` (sentence-transformers'
@@ -253,7 +264,13 @@ class CachedLossArgumentParser(HfArgumentParser):
             groups = [(self.add_argument_group(title, description), fields)]
         for group, group_fields in groups:
             for f in group_fields:
-                converter = _count_or_auto if f.name in _COUNT_OR_AUTO else None
+                converter = (
+                    _count_or_auto
+                    if f.name in _COUNT_OR_AUTO
+                    else _count_or_all
+                    if f.name in _COUNT_OR_ALL
+                    else None
+                )
                 if _number_or_mapping(hints[f.name]):
                     # argparse takes one type per flag: parsed from its text here (a copy of the field, so
                     # that the dataclass's own stays as declared)

@@ -324,8 +324,8 @@ class CachedLossArguments(BaseTrainingArguments):
         if name == "partition_mode":
             given_terms = self.directions is not None or self.partition_mode is not None
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
-        if name == "num_negatives" and self.num_negatives == "all":
-            return None  # every in-batch negative
+        if name == "num_negatives" and self.num_negatives in (None, "all"):
+            return None  # every in-batch negative (the field's None, as the loss's)
         if (
             name == "similarity_fct"
             and self.similarity is not None
@@ -524,6 +524,8 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         value = getattr(args, name)
         if isinstance(value, str) and value.strip().lower() == "auto":
             setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step
+    if args.loss == "cross_encoder" and args.num_negatives is None:
+        args.num_negatives = "all"  # None means every in-batch negative, as for the loss: the card says so
     if isinstance(args.directions, (list, tuple)):  # given as a list in Python or YAML
         args.directions = ",".join(args.directions)
     _validate_spec_fields(args)

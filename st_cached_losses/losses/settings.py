@@ -271,7 +271,7 @@ SPECS: dict[str, Spec] = {
     "num_negatives": Spec(
         4,
         "'cross_encoder' only: documents of other rows scored against each query, drawn at random as "
-        "sentence-transformers' reranker loss draws them (default 4); 'all': every other row's documents.",
+        "sentence-transformers' reranker loss draws them (default 4); 'all' (or None): every other row's documents.",
         _num_negatives,
     ),
     "gather_across_devices": Spec(
