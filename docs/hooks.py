@@ -142,7 +142,8 @@ def settings_table() -> str:
         rows.append(
             f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {default} | {takes} | {_text_cell(help_text)} |"
         )
-    return "\n".join(rows)
+    # a wrapper the stylesheet sizes the columns by (md_in_html renders the table inside it)
+    return '<div class="settings-table" markdown>\n\n' + "\n".join(rows) + "\n\n</div>"
 
 
 def loss_names_table() -> str:
