@@ -34,6 +34,7 @@ from st_cached_losses.engine.features import (
     batch_size_of,
     check_splittable,
     longest_first,
+    media_tokens,
     model_device,
     row_lengths,
     slice_features,
@@ -142,10 +143,13 @@ class MiniBatchPlanner:
                     "set mini_batch_num_tokens=None and use mini_batch_size instead."
                 )
             # an "auto" budget is one of memory, measured per padded token: counted as the mini-batch pads
-            widths = None
+            widths = extras = None
             if self.mini_batch_num_tokens == "auto" and lengths is not None:
                 widths = lengths[order].tolist()
-            spans = _pack(counts[order].tolist(), tokens, widths)
+                # its vision patches: a row's own, not padded to the widest
+                patches = media_tokens(features, b)
+                extras = patches[order].tolist() if patches is not None else None
+            spans = _pack(counts[order].tolist(), tokens, widths, extras)
         fillers: list[MiniBatch] = []
         if count is not None and count > len(spans):
             spans = _spread(spans, count)
@@ -243,7 +247,9 @@ class MiniBatchPlanner:
                 # most as wide as untrimmed; otherwise every mini-batch's graph would be kept at once
                 if self.mini_batch_num_tokens == "auto":
                     ends = row_lengths(features, b, trim_leading=False)
-                    if ends is None or b * int(ends.max()) > budget:
+                    patches = media_tokens(features, b)
+                    extra = 0 if patches is None else int(patches.sum())
+                    if ends is None or b * int(ends.max()) + extra > budget:
                         return False
         return True
 
@@ -261,20 +267,25 @@ def _spread(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _pack(tokens: list[int], budget: int, widths: list[int] | None = None) -> list[tuple[int, int]]:
+def _pack(
+    tokens: list[int], budget: int, widths: list[int] | None = None, extras: list[int] | None = None
+) -> list[tuple[int, int]]:
     """sentence-transformers' packing: consecutive rows while their token sum stays within ``budget``,
     at least one row per span: ``(start, end)`` spans covering ``range(len(tokens))``. With ``widths``
-    (each row's padded length) a span counts its padded tokens instead: rows times its widest row."""
+    (each row's padded length) a span counts its padded tokens instead: rows times its widest row, plus
+    the sum of its rows' ``extras`` (their vision patches, which are not padded)."""
     spans = []
-    start, total, widest = 0, 0, 0
+    start, total, widest, added = 0, 0, 0, 0
     for i, n in enumerate(tokens):
         wide = max(widest, widths[i]) if widths is not None else 0
-        need = (i - start + 1) * wide if widths is not None else total + n
+        own = extras[i] if extras is not None else 0
+        need = (i - start + 1) * wide + added + own if widths is not None else total + n
         if i > start and need > budget:
             spans.append((start, i))
-            start, total = i, 0
+            start, total, added = i, 0, 0
             wide = widths[i] if widths is not None else 0
         total += n
+        added += own
         widest = wide
     if tokens:
         spans.append((start, len(tokens)))
