@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Literal
 
 import torch
 from sentence_transformers.base.sampler import MultiDatasetDefaultBatchSampler
@@ -108,7 +107,7 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
         generator: torch.Generator | None = None,
         seed: int = 0,
         *,
-        order: Literal["proportional", "round_robin"] = "proportional",
+        order: str = "proportional",
         gradient_accumulation_steps: int = 1,
         world_size: int | None = None,
     ) -> None:

@@ -172,3 +172,65 @@ def test_the_world_size_is_read_from_the_running_processes():
         _build(order="random")
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be a whole number >= 1"):
         _build(gradient_accumulation_steps=0)
+
+
+# ---------------------------------------------------------------------- through the arguments and the command line
+
+
+@pytest.mark.parametrize("source", ["python", "command line", "yaml"])
+def test_same_dataset_from_the_arguments_the_command_line_and_yaml(tmp_path, source):
+    import pickle
+    import warnings
+
+    from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments
+
+    fields = {
+        "output_dir": str(tmp_path),
+        "multi_dataset_batch_sampler": "same_dataset",
+        "same_dataset_order": "round_robin",
+        "same_dataset_per_optimizer_step": True,
+        "gradient_accumulation_steps": 4,
+        "per_device_train_batch_size": 64,
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # mini_batch_size vs batch: not this test's
+        if source == "python":
+            args = CachedLossTrainingArguments(**fields)
+        elif source == "command line":
+            argv = [x for k, v in fields.items() for x in (f"--{k}", str(v).lower())]
+            (args,) = CachedLossArgumentParser().parse_command_line(argv)
+        else:
+            (tmp_path / "run.yaml").write_text("".join(f"{k}: {str(v).lower()}\n" for k, v in fields.items()))
+            (args,) = CachedLossArgumentParser().parse_yaml_file(tmp_path / "run.yaml")
+    chosen = args.multi_dataset_batch_sampler
+    assert chosen.func is SameDatasetBatchSampler
+    assert chosen.keywords == {"order": "round_robin", "gradient_accumulation_steps": 4}
+    # the checkpoint's training_args.bin holds it; the JSON / card leave the callable out, as for any
+    assert pickle.loads(pickle.dumps(args)).multi_dataset_batch_sampler.keywords == chosen.keywords
+    assert "multi_dataset_batch_sampler" not in args.to_dict()
+    sampler = chosen(
+        ConcatDataset([[0] * 8, [1] * 8]),
+        batch_samplers=[DefaultBatchSampler(range(8), 2, False), DefaultBatchSampler(range(8), 2, False)],
+        generator=torch.Generator(),
+        seed=0,
+    )
+    assert sampler.group_size == 4 and sampler.order == "round_robin"
+
+
+def test_the_options_without_the_sampler_and_a_bad_order_are_errors(tmp_path):
+    from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments
+
+    with pytest.raises(
+        ValueError, match="same_dataset_order applies to multi_dataset_batch_sampler='same_dataset' only"
+    ):
+        CachedLossTrainingArguments(output_dir=str(tmp_path), same_dataset_order="round_robin")
+    with pytest.raises(ValueError, match="same_dataset_order must be 'proportional' or 'round_robin'"):
+        CachedLossTrainingArguments(
+            output_dir=str(tmp_path), multi_dataset_batch_sampler="same_dataset", same_dataset_order="random"
+        )
+    # the stock values still work; --help names the new choice
+    args = CachedLossTrainingArguments(output_dir=str(tmp_path), multi_dataset_batch_sampler="round_robin")
+    assert args.multi_dataset_batch_sampler.value == "round_robin"
+    assert "'same_dataset': SameDatasetBatchSampler" in CachedLossArgumentParser().format_help().replace(
+        "\n", " "
+    )
