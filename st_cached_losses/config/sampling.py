@@ -52,7 +52,8 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
     and every process calls the same loss of a dict of losses.
 
     The order of the groups depends on the seed and the epoch only, so it is the same on every process and
-    after a resume from a checkpoint (the trainer skips the batches already seen):
+    after a resume from a checkpoint (the trainer skips the batches already seen; in a later epoch too, whose
+    number the sampler reads from the resumed data loader, the trainer giving it to neither wrapper):
 
     * ``order="proportional"`` (sentence-transformers' default): the groups of all datasets in a random
       order, a dataset with more groups chosen more often; every batch of every dataset is trained on.
@@ -171,6 +172,9 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
         return len(self.dataset_order()) * self.group_size
 
     def __iter__(self) -> Iterator[list[int]]:
+        resumed = _resumed_epoch()
+        if resumed is not None and resumed != self.epoch:
+            self.set_epoch(resumed)  # the datasets' batch samplers too
         running = current_world_size()
         if self.group_size % running != 0:
             raise ValueError(
@@ -191,6 +195,28 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
             group.sort(key=lambda batch: len(batch) == self.batch_size)
             for batch in group:
                 yield [offsets[d] + i for i in batch]
+
+
+def _resumed_epoch() -> int | None:
+    """The epoch of the trainer's data loader when it resumes mid-epoch from a checkpoint, else None.
+
+    Resuming, the trainer wraps the sharded sampler in accelerate's ``SkipBatchSampler`` and sets the epoch
+    on the data loader, which passes it to neither wrapper's sampler: this sampler would start every resumed
+    epoch in epoch 0's order (and so would sentence-transformers' own samplers). The data loader being
+    iterated (accelerate's ``GradientState().active_dataloader``, registered before it draws its first batch)
+    holds the epoch as its ``iteration``; only a loader that skips batches (a resumed one: evaluation loaders
+    never do) is read, so that evaluations keep their one order."""
+    from accelerate.data_loader import SkipBatchSampler
+    from accelerate.state import GradientState, is_initialized
+
+    if not is_initialized():
+        return None
+    references = GradientState().dataloader_references
+    loader = references[-1] if references else None
+    if loader is None or not isinstance(getattr(loader, "batch_sampler", None), SkipBatchSampler):
+        return None
+    iteration = getattr(loader, "iteration", None)
+    return iteration if isinstance(iteration, int) else None
 
 
 def _batches_then_refills(sampler: BatchSampler, batch_size: int, dataset: int) -> Iterator[list[int]]:

@@ -5,8 +5,8 @@ gloo processes), three datasets of 26, 14 and 9 rows (batch 4 per process: uneve
 At every optimizer step, every micro-step of every process holds rows of one dataset and calls that dataset's
 loss; every row of every dataset is trained on (proportional order, ``dataloader_drop_last=False``); the step's
 gradient equals one process's gradient of the naive InfoNCE on the same global batch; with gradient
-accumulation (per optimizer step) and after a resume from a checkpoint mid-epoch (the same steps, rows and
-gradients as the run that was not interrupted). sentence-transformers' ROUND_ROBIN, under the same launch,
+accumulation (per optimizer step) and after a resume from a checkpoint mid-epoch, in the first or the second
+epoch (the same steps, rows and gradients as the run that was not interrupted). sentence-transformers' ROUND_ROBIN, under the same launch,
 mixes datasets across processes in a step: what the sampler fixes."""
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ for _name, _n in SIZES.items():
     _start += _n
 
 
-def _launch(tmp_path: Path, world: int, scenarios: str, accumulation: int, save_steps: int) -> dict:
+def _launch(
+    tmp_path: Path, world: int, scenarios: str, accumulation: int, save_steps: int, epochs: int
+) -> dict:
     model = make_tiny_model(tmp_path / "bert")
     model.save(str(tmp_path / "st"))
     out = tmp_path / "result.json"
@@ -38,6 +40,7 @@ def _launch(tmp_path: Path, world: int, scenarios: str, accumulation: int, save_
         *accelerate_launch(world),
         *["-m", "tests.support.multi_dataset_train", "--model", str(tmp_path / "st"), "--out", str(out)],
         *["--scenarios", scenarios, "--accumulation", str(accumulation), "--save-steps", str(save_steps)],
+        *["--epochs", str(epochs)],
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -63,13 +66,26 @@ def _check_one_dataset_per_step(run: dict, world: int, accumulation: int) -> lis
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("world", "accumulation", "scenarios", "save_steps"),
-    [(2, 1, "same,same_resume,same_rr_accum,round_robin", 3), (3, 2, "same,same_resume,round_robin", 2)],
+    ("world", "accumulation", "scenarios", "save_steps", "epochs"),
+    [
+        # two epochs of 8 steps, resumed 2 steps into the second
+        (2, 1, "same,same_resume,same_rr_accum,round_robin", 10, 2),
+        # one epoch of 4 optimizer steps (2 micro-steps each), resumed after 2
+        (3, 2, "same,same_resume,round_robin", 2, 1),
+    ],
 )
-def test_every_process_trains_on_one_dataset_per_step(tmp_path, world, accumulation, scenarios, save_steps):
-    result = _launch(tmp_path, world, scenarios, accumulation, save_steps)
+def test_every_process_trains_on_one_dataset_per_step(
+    tmp_path, world, accumulation, scenarios, save_steps, epochs
+):
+    result = _launch(tmp_path, world, scenarios, accumulation, save_steps, epochs)
     same = result["same"]
     assert same["world"] == world and same["global_step"] == len(same["steps"]) > save_steps
+    per_epoch = len(same["steps"]) // epochs
+    if epochs == 2:  # each epoch its own order (so that resuming in the second one shows which it follows)
+        assert [s["rows"] for s in same["steps"][:per_epoch]] != [
+            s["rows"] for s in same["steps"][per_epoch:]
+        ]
+        assert save_steps > per_epoch
     chosen = _check_one_dataset_per_step(same, world, accumulation)
     assert set(chosen) == set(SIZES), "every dataset is trained on"
     seen = {r for step in same["steps"] for micro in step["rows"] for rank in micro for r in rank}
@@ -78,7 +94,8 @@ def test_every_process_trains_on_one_dataset_per_step(tmp_path, world, accumulat
     sizes = {len(rank) for step in same["steps"] for micro in step["rows"] for rank in micro}
     assert min(sizes) < 4 == max(sizes)
 
-    # resumed mid-epoch from the checkpoint at save_steps: the same steps as the uninterrupted run
+    # resumed mid-epoch from the checkpoint at save_steps: the same steps as the uninterrupted run (in the second
+    # epoch: its order, not the first's, which the trainer's resume alone would replay)
     resumed = result["same_resume"]
     assert resumed["global_step"] == same["global_step"]
     _check_one_dataset_per_step(resumed, world, accumulation)

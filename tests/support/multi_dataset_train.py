@@ -114,7 +114,7 @@ class StepChecker:
 
 
 def _train(
-    model_path: str, out_dir: Path, scenario: str, save_steps: int, accumulation: int
+    model_path: str, out_dir: Path, scenario: str, save_steps: int, accumulation: int, epochs: int = 1
 ) -> dict[str, Any]:
     import torch
     from sentence_transformers import (
@@ -138,7 +138,7 @@ def _train(
     common: dict[str, Any] = {
         "output_dir": str(out_dir / f"{scenario.removesuffix('_resume')}_{world}"),
         "per_device_train_batch_size": 4,
-        "num_train_epochs": 1,
+        "num_train_epochs": epochs,
         "learning_rate": 1e-3,
         "max_grad_norm": 0.0,  # no clipping: the gradients compared are the backward's
         "save_strategy": "no",
@@ -195,9 +195,10 @@ def main() -> None:
     parser.add_argument("--scenarios", default="same,same_resume,same_rr_accum,round_robin")
     parser.add_argument("--save-steps", type=int, default=3)
     parser.add_argument("--accumulation", type=int, default=1)
+    parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     results = {
-        name: _train(args.model, Path(args.out).parent, name, args.save_steps, args.accumulation)
+        name: _train(args.model, Path(args.out).parent, name, args.save_steps, args.accumulation, args.epochs)
         for name in args.scenarios.split(",")
     }
     if int(os.environ.get("RANK", "0")) == 0:
