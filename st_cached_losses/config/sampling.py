@@ -58,7 +58,8 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
     * ``order="proportional"`` (sentence-transformers' default): the groups of all datasets in a random
       order, a dataset with more groups chosen more often; every batch of every dataset is trained on.
     * ``order="round_robin"``: one group of each dataset in turn, until the dataset with the fewest groups
-      is exhausted (each dataset trained on equally, as sentence-transformers' ``ROUND_ROBIN``).
+      is exhausted (each dataset trained on equally, as sentence-transformers' ``ROUND_ROBIN``; a dataset
+      without a single batch is left out, with a warning, rather than stopping the others).
 
     A dataset whose batches do not fill its last group: with ``drop_last=False`` (the trainer's
     ``dataloader_drop_last``) the group is completed with batches re-drawn from a new pass over that dataset
@@ -157,8 +158,9 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
     def dataset_order(self) -> list[int]:
         """The dataset of each group of this epoch, in order (the same on every process)."""
         counts = self.groups_per_dataset()
-        if self.order == "round_robin":
-            return [d for _ in range(min(counts, default=0)) for d in range(len(counts))]
+        if self.order == "round_robin":  # a dataset without a batch is left out (it would stop every other)
+            kept = [d for d, count in enumerate(counts) if count]
+            return [d for _ in range(min((counts[d] for d in kept), default=0)) for d in kept]
         chosen = [d for d, count in enumerate(counts) for _ in range(count)]
         # a generator of its own: the order does not depend on how much the batch samplers draw
         generator = torch.Generator().manual_seed(self._seed + self.epoch)
@@ -169,7 +171,9 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
         return 0 if self.seed is None else int(self.seed)
 
     def __len__(self) -> int:
-        return len(self.dataset_order()) * self.group_size
+        counts = [count for count in self.groups_per_dataset() if count]
+        groups = min(counts, default=0) * len(counts) if self.order == "round_robin" else sum(counts)
+        return groups * self.group_size
 
     def __iter__(self) -> Iterator[list[int]]:
         resumed = _resumed_epoch()

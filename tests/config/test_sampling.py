@@ -127,6 +127,10 @@ def test_a_dataset_smaller_than_a_group_or_a_batch_is_kept():
     with pytest.warns(UserWarning, match=r"dataset\(s\) \[0\]"):
         sampler = _build(sizes=(3, 30), world_size=4, drop_last=True)
     assert sampler.groups_per_dataset() == [0, 1]
+    assert len(sampler) == len(list(sampler)) == 4  # dataset 1's one group
+    with pytest.warns(UserWarning, match="not trained on"):
+        robin = _build(sizes=(3, 30), world_size=4, drop_last=True, order="round_robin")
+    assert len(robin) == len(list(robin)) == 4  # the empty dataset does not stop the other
     sampler = _build(sizes=(3, 30), world_size=4, drop_last=False)
     batches = list(sampler)
     first = [b for b in batches if all(i < 3 for i in b)]
