@@ -14,7 +14,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,7 @@ from st_cached_losses.functional.parallel import (
 )
 from st_cached_losses.losses.callbacks import warn_if_scale_unsaved
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
+from st_cached_losses.losses.guards import check_model_kind, foreign_setting_owners
 from st_cached_losses.losses.settings import SPECS, Setting, check_bool, check_max_scale
 
 __all__ = [
@@ -65,12 +66,23 @@ class EngineSettings:
     ``"auto"`` chose, so the next step sizes them again."""
 
     cache: GradCache
+    #: the sentence-transformers model class (by name) the loss trains; another kind is refused at construction
+    model_kind: ClassVar[str]
 
     show_progress_bar = Setting[bool](on_engine=True)
     sort_by_length = Setting[bool](on_engine=True)
     reuse_last_graph = Setting[bool](on_engine=True)
     keep_params_unsharded = Setting[bool](on_engine=True)
     graph_memory_budget = Setting[int | None](on_engine=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a setting that only another cached loss has would be kept as a plain attribute and ignored: refuse it
+        if owners := foreign_setting_owners(self, name, EngineSettings):
+            raise ValueError(
+                f"{type(self).__name__} has no setting {name!r}: it is a setting of {', '.join(owners)}; build "
+                "that loss to use it."
+            )
+        super().__setattr__(name, value)
 
     def _init_engine(
         self,
@@ -147,6 +159,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates
     #: by replaying the encoder: Matryoshka then decorates [`calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss] instead of the model.
     uses_gradient_cache = True
+    model_kind: ClassVar[str] = "SentenceTransformer"
 
     gather_across_devices = Setting[bool]()
     path = Setting[LossPath]()
@@ -179,6 +192,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         memory_budget: int | str,
     ) -> None:
         super().__init__()
+        check_model_kind(model, type(self), EngineSettings)
         check_splittable_model(model, type(self).__name__)
         self.model = model
         self._init_engine(
