@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from st_cached_losses.engine.multimodal import (
+    imageless_keys,
     media_axes,
     media_keys,
     patches_per_row,
@@ -168,7 +169,8 @@ def slice_features(
     name) is passed through.
 
     Images and videos indexed per image, per video or per patch (`media_axes`) are
-    gathered for ``rows``, row after row; a kind of visual entry none of them has is left out.
+    gathered for ``rows``, row after row; a kind of visual entry none of them has is left out (sample-first
+    images too, :func:`~.multimodal.imageless_keys`).
 
     A flattened column ([`is_flattened`][st_cached_losses.engine.features.is_flattened]) has no padding: the selected rows' tokens are gathered,
     row after row in the order of ``rows``, and its per-sequence keys rebuilt for them
@@ -176,7 +178,8 @@ def slice_features(
     if isinstance(features, InputsOnDemand):
         return features.make(rows, trim_leading)
     axes = media_axes(features, batch_size)
-    media = media_keys(axes)
+    # keys indexed per entry (gathered in picked), and sample-first images of rows without any (left out)
+    media = media_keys(axes) | imageless_keys(features, rows, axes)
     picked = slice_media(features, rows, axes)
     if is_flattened(features):
         rest = {k: v for k, v in features.items() if k not in media}
