@@ -1,7 +1,7 @@
 """The images and videos of a multimodal column: which of its inputs are indexed per image, per video or per
 patch rather than per row, which rows those entries belong to, and the entries of any set of rows, in any
 order. No model is run here; [`slice_features`][st_cached_losses.engine.features.slice_features] calls
-`slice_media` for the keys `media_keys` names and indexes the others per row.
+[`slice_media`][st_cached_losses.engine.multimodal.slice_media] for the keys [`media_keys`][st_cached_losses.engine.multimodal.media_keys] names and indexes the others per row.
 
 sentence-transformers' processors lay a vision-language model's visual inputs out in three ways:
 
@@ -160,7 +160,7 @@ def untrimmed_keys(features: Mapping[str, Any]) -> set[str]:
 
 
 def imageless_keys(features: Mapping[str, Any], rows: Tensor, axes: list[MediaAxis]) -> set[str]:
-    """Sample-first images (:data:`_SAMPLE_FIRST` keys present) of ``rows`` none of which has an image (by
+    """Sample-first images (`_SAMPLE_FIRST` keys present) of ``rows`` none of which has an image (by
     ``num_images_per_sample``): the visual keys to leave out, as the processor leaves them out of a batch
     without images (Idefics3 drops all-zero padding images and fails when none is left)."""
     counts = features.get("num_images_per_sample")
