@@ -59,7 +59,7 @@ def check_model_kind(model: nn.Module, loss: type, root: type, *, strict: bool =
     """
     import sentence_transformers
 
-    needed: str = loss.model_kind
+    needed: str = loss.model_kind  # type: ignore[attr-defined]
     inner = unwrap_model(model)
     found = [kind for kind in MODEL_CLASSES if isinstance(inner, getattr(sentence_transformers, kind))]
     if needed in found or (not found and not strict):
@@ -68,7 +68,7 @@ def check_model_kind(model: nn.Module, loss: type, root: type, *, strict: bool =
         f"{loss.__name__} expects a model of type {needed}, but got a model of type {type(inner).__name__}."
     )
     if found:
-        others = [c.__name__ for c in _public_losses(root) if c.model_kind == found[0]]
+        others = [c.__name__ for c in _public_losses(root) if c.model_kind == found[0]]  # type: ignore[attr-defined]
         message += (
             f" {loss.__name__} trains a {needed}; for a {found[0]} use "
             + (", ".join(others) if others else "sentence-transformers' own losses")
@@ -105,4 +105,4 @@ def foreign_setting_owners(obj: Any, name: str, root: type) -> tuple[str, ...]:
     it does, or when no cached loss has it: an attribute of the user's own)."""
     if name.startswith("_"):
         return ()
-    return _foreign(type(obj), root).get(name, ())
+    return _foreign(type(obj), root).get(name, ())  # type: ignore[arg-type]
