@@ -19,7 +19,7 @@ A padded column may also be made per mini-batch ([`InputsOnDemand`][st_cached_lo
 mask, which is all the planning reads, and makes the inputs of the rows a mini-batch runs when it runs (a
 reranker's ``B x (1 + k)`` pairs are tokenized per mini-batch, so no step holds every pair's tokens).
 
-A multimodal column's images and videos (`multimodal`: Qwen-VL's flattened
+A multimodal column's images and videos ([`multimodal`][st_cached_losses.engine.multimodal]: Qwen-VL's flattened
 patches with their grids, gridless per-image pixels, sample-first pixels) go with their rows in either
 layout: a mini-batch gets exactly its rows' images, row after row, and its token counts
 ([`token_counts`][st_cached_losses.engine.features.token_counts]) include its rows' vision patches."""
@@ -35,6 +35,7 @@ import torch
 from torch import Tensor, nn
 
 from st_cached_losses.engine.multimodal import (
+    imageless_keys,
     media_axes,
     media_keys,
     patches_per_row,
@@ -167,8 +168,9 @@ def slice_features(
     its embedding (and make the result depend on the mini-batch). Everything else (e.g. a Router's task
     name) is passed through.
 
-    Images and videos indexed per image, per video or per patch (`media_axes`) are
-    gathered for ``rows``, row after row; a kind of visual entry none of them has is left out.
+    Images and videos indexed per image, per video or per patch ([`media_axes`][st_cached_losses.engine.multimodal.media_axes]) are
+    gathered for ``rows``, row after row; a kind of visual entry none of them has is left out (sample-first
+    images too, [`imageless_keys`][st_cached_losses.engine.multimodal.imageless_keys]).
 
     A flattened column ([`is_flattened`][st_cached_losses.engine.features.is_flattened]) has no padding: the selected rows' tokens are gathered,
     row after row in the order of ``rows``, and its per-sequence keys rebuilt for them
@@ -176,7 +178,8 @@ def slice_features(
     if isinstance(features, InputsOnDemand):
         return features.make(rows, trim_leading)
     axes = media_axes(features, batch_size)
-    media = media_keys(axes)
+    # keys indexed per entry (gathered in picked), and sample-first images of rows without any (left out)
+    media = media_keys(axes) | imageless_keys(features, rows, axes)
     picked = slice_media(features, rows, axes)
     if is_flattened(features):
         rest = {k: v for k, v in features.items() if k not in media}
@@ -309,7 +312,7 @@ def token_counts(features: Features, batch_size: int) -> Tensor | None:
 
 def media_tokens(features: Features, batch_size: int) -> Tensor | None:
     """Per row, the vision patches of its images and videos where they come flattened with a grid
-    (Qwen2-VL, `patches_per_row`): ``(B,)``; None for a column without them. What a
+    (Qwen2-VL, [`patches_per_row`][st_cached_losses.engine.multimodal.patches_per_row]): ``(B,)``; None for a column without them. What a
     token budget and the ``"auto"`` sizes count besides a row's text."""
     return patches_per_row(media_axes(features, batch_size), batch_size)
 

@@ -1,7 +1,7 @@
 """The images and videos of a multimodal column: which of its inputs are indexed per image, per video or per
 patch rather than per row, which rows those entries belong to, and the entries of any set of rows, in any
 order. No model is run here; [`slice_features`][st_cached_losses.engine.features.slice_features] calls
-`slice_media` for the keys `media_keys` names and indexes the others per row.
+[`slice_media`][st_cached_losses.engine.multimodal.slice_media] for the keys [`media_keys`][st_cached_losses.engine.multimodal.media_keys] names and indexes the others per row.
 
 sentence-transformers' processors lay a vision-language model's visual inputs out in three ways:
 
@@ -30,7 +30,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MediaAxis", "media_axes", "media_keys", "patches_per_row", "slice_media", "untrimmed_keys"]
+__all__ = [
+    "MediaAxis",
+    "imageless_keys",
+    "media_axes",
+    "media_keys",
+    "patches_per_row",
+    "slice_media",
+    "untrimmed_keys",
+]
 
 #: per modality of the grid layout: (grid, flattened patches, entries per row, other per-entry tensors)
 _GRIDS = (
@@ -43,6 +51,8 @@ _PER_IMAGE = ("pixel_values", "image_position_ids", "image_sizes")
 _SAMPLE_FIRST = ("pixel_attention_mask", "aspect_ratio_ids")
 #: visual tensors indexed per row whose second dimension is not the tokens' (never trimmed as padding)
 _PER_ROW_VISUAL = ("pixel_values", "pixel_values_videos", "image_sizes", "aspect_ratio_mask", *_SAMPLE_FIRST)
+#: what a sample-first processor writes only for a batch with images (Mllama's cross-attention mask too)
+_SAMPLE_FIRST_IMAGES = (*_PER_ROW_VISUAL, "cross_attention_mask")
 
 
 @dataclass(frozen=True)
@@ -147,6 +157,21 @@ def untrimmed_keys(features: Mapping[str, Any]) -> set[str]:
     """Visual tensors that may be indexed per row but never trimmed as token padding: their second
     dimension counts images, tiles or channels, whatever the text's width."""
     return {k for k in _PER_ROW_VISUAL if k in features}
+
+
+def imageless_keys(features: Mapping[str, Any], rows: Tensor, axes: list[MediaAxis]) -> set[str]:
+    """Sample-first images (`_SAMPLE_FIRST` keys present) of ``rows`` none of which has an image (by
+    ``num_images_per_sample``): the visual keys to leave out, as the processor leaves them out of a batch
+    without images (Idefics3 drops all-zero padding images and fails when none is left)."""
+    counts = features.get("num_images_per_sample")
+    if (
+        any(k in features for k in _SAMPLE_FIRST)
+        and isinstance(counts, Tensor)
+        and "pixel_values" not in media_keys(axes)
+        and not bool(_long(counts).reshape(-1)[rows.detach().to("cpu", torch.long)].any())
+    ):
+        return {k for k in _SAMPLE_FIRST_IMAGES if k in features}
+    return set()
 
 
 def _ranges(starts: Tensor, lengths: Tensor) -> Tensor:

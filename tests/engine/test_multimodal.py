@@ -25,7 +25,13 @@ from st_cached_losses.engine.features import (
     token_counts,
 )
 from st_cached_losses.engine.multimodal import media_axes
-from tests.support.tiny_vlm import image_rows, make_tiny_llava, make_tiny_qwen2_vl, qwen_video_column
+from tests.support.tiny_vlm import (
+    image_rows,
+    make_tiny_idefics3,
+    make_tiny_llava,
+    make_tiny_qwen2_vl,
+    qwen_video_column,
+)
 
 B = 6
 # rows in the engine's orders: length-sorted, reversed, a single row, rows without any image
@@ -40,6 +46,11 @@ def qwen(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
     return make_tiny_llava(tmp_path_factory.mktemp("mm_engine") / "llava", seed=0)
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    return make_tiny_idefics3(tmp_path_factory.mktemp("mm_engine") / "idefics3", seed=0)
 
 
 def _assert_same_inputs(got: dict, want: dict) -> None:
@@ -76,6 +87,21 @@ def test_a_multimodal_column_is_sliced_per_row(request, which):
 def _embed(model, features: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(dict(features))["sentence_embedding"]
+
+
+def test_idefics3_images_go_with_their_rows(idefics3):
+    """Sample-first images (Idefics3: ``pixel_values`` ``(B, 2, 3, 8, 8)``, padded per row with all-zero
+    images, as many images in all as rows, where a per-image reading would go wrong): each mini-batch embeds
+    its rows as the whole column does."""
+    column = idefics3.preprocess(image_rows(B, seed=1, images=[0, 1, 2, 0, 2, 1]))
+    assert column["pixel_values"].shape[:2] == (B, 2) and int(column["num_images_per_sample"].sum()) == B
+    assert media_axes(column, B) == []
+    whole = _embed(idefics3, column)
+    for picked in ROW_SETS:
+        rows = torch.tensor(picked)
+        torch.testing.assert_close(
+            _embed(idefics3, slice_features(column, rows, B)), whole[rows], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_qwen_videos_go_with_their_rows(qwen):

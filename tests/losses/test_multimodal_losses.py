@@ -4,7 +4,8 @@ the same loss and parameter gradients.
 Real tiny models built offline (:mod:`tests.support.tiny_vlm`), inputs from sentence-transformers' own
 ``preprocess`` (message rows with 0, 1 and 2 images): a Qwen2-VL (flattened patches with their grids, as
 Qwen2.5-VL and ColQwen2 take them; it checks every image's patches against the image tokens of its text)
-and a LLaVA (gridless, one ``pixel_values`` entry per image); Qwen2-VL videos built by hand as its processor
+a LLaVA (gridless, one ``pixel_values`` entry per image) and an Idefics3 (sample-first, images padded per
+row); Qwen2-VL videos built by hand as its processor
 lays them out. Mini-batches that split a column's images, length sorting on and off, token budgets (which
 count vision patches), ``"auto"`` sizes, graphs kept within a budget, 2 gloo processes, and the multi-vector
 loss on a ColQwen-style model (Qwen2-VL + token projection). Before the engine sliced images per row every
@@ -22,6 +23,7 @@ from tests.losses.test_losses import assert_grads_close, flat_grads, param_grads
 from tests.support.tiny_vlm import (
     image_rows,
     load_tiny_qwen2_vl,
+    make_tiny_idefics3,
     make_tiny_llava,
     make_tiny_qwen2_vl,
     qwen_video_column,
@@ -158,6 +160,23 @@ def test_llava_equals_st_mnrl(llava, options):
     loss_fn, fn = ours(llava, **options)
     plans = _spy_plans(loss_fn)
     loss, grads = param_grads(llava, fn, features)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref)
+    _assert_images_split(plans, features)
+
+
+@pytest.fixture(scope="module")
+def idefics3(tmp_path_factory):
+    return make_tiny_idefics3(tmp_path_factory.mktemp("mm_losses") / "idefics3", seed=1)
+
+
+def test_idefics3_equals_st_mnrl(idefics3):
+    """Sample-first images (``pixel_values`` ``(B, max_images, 3, 8, 8)`` with ``pixel_attention_mask``)."""
+    features = image_columns(idefics3, 2, seed=13)
+    ref_loss, ref = param_grads(idefics3, st_mnrl(idefics3), features)
+    loss_fn, fn = ours(idefics3, mini_batch_size=3)
+    plans = _spy_plans(loss_fn)
+    loss, grads = param_grads(idefics3, fn, features)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     assert_grads_close(grads, ref)
     _assert_images_split(plans, features)

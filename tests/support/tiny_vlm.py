@@ -1,5 +1,6 @@
-"""Tiny random vision-language models, built offline: a Qwen2-VL (flattened patches with their grids) and a
-LLaVA (gridless, one ``pixel_values`` entry per image), each with a processor made in-process (a word-level
+"""Tiny random vision-language models, built offline: a Qwen2-VL (flattened patches with their grids), a
+LLaVA (gridless, one ``pixel_values`` entry per image) and an Idefics3 (sample-first: ``pixel_values``
+``(B, max_images, 3, H, W)`` with ``pixel_attention_mask``), each with a processor made in-process (a word-level
 tokenizer, the PIL image processor at tiny sizes, a chat template), loaded as sentence-transformers loads
 them (``Transformer`` + mean ``Pooling``), so their inputs come from its own ``preprocess``.
 
@@ -19,6 +20,9 @@ from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoProcessor,
+    Idefics3Config,
+    Idefics3ForConditionalGeneration,
+    Idefics3Processor,
     LlavaConfig,
     LlavaForConditionalGeneration,
     LlavaProcessor,
@@ -29,6 +33,7 @@ from transformers import (
     Qwen2VLProcessor,
 )
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
+from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 WORDS = [f"w{i}" for i in range(60)]
@@ -191,6 +196,52 @@ def make_tiny_llava(path: Path, *, seed: int = 0):
         chat_template=_TEMPLATE.replace("{{ image_markup }}", "<image>"),
     )
     processor.save_pretrained(path)
+    return _sentence_transformer(path)
+
+
+def make_tiny_idefics3(path: Path, *, seed: int = 0):
+    """Write a random Idefics3 (a 1-layer SigLIP vision tower on 8 x 8 images of 4 x 4 patches, pixel-shuffled
+    into 1 image token; a 2-layer Llama; no image splitting) and its processor to ``path``; load it as a
+    mean-pooling SentenceTransformer. Its processor pads each row's images to the batch's most, with
+    all-zero images the model drops."""
+    path.mkdir(parents=True, exist_ok=True)
+    grid = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    specials = ["<pad>", "<s>", "</s>", "<fake_token_around_image>", "<image>", "<end_of_utterance>"]
+    tokenizer = _tokenizer([*specials, "<global-img>", *grid], "<pad>", "</s>")
+    images = Idefics3ImageProcessorPil(
+        size={"longest_edge": 8}, max_image_size={"longest_edge": 8}, do_image_splitting=False
+    )
+    config = Idefics3Config(
+        vision_config={
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 8,
+            "patch_size": 4,
+        },
+        text_config={
+            "model_type": "llama",
+            "vocab_size": len(tokenizer),
+            "hidden_size": HIDDEN,
+            "intermediate_size": 2 * HIDDEN,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 256,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    torch.manual_seed(seed)
+    Idefics3ForConditionalGeneration(config).model.save_pretrained(path)
+    template = _TEMPLATE.replace("{{ image_markup }}", "<image>")
+    Idefics3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_len=1, chat_template=template
+    ).save_pretrained(path)
     return _sentence_transformer(path)
 
 
