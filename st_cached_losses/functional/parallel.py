@@ -122,12 +122,13 @@ def _gathered(
     keys (every column's in one collective) and the guide's candidates."""
     _own_rows_only(opts)
     layout: dict[str, Any] = {"row_offset": sum(sizes[: rank()]), "check_finite": False}  # agree_on_sizes's
-    if opts.candidate_keys is not None and opts.anchor_keys is not None:
-        all_keys = all_gather_rows(torch.stack([opts.anchor_keys, *opts.candidate_keys], dim=1), sizes)
-        layout["candidate_keys"] = [all_keys[:, j] for j in range(1, all_keys.shape[1])]
-        layout["anchors_all_keys"] = all_keys[:, 0]
-    else:  # without anchor keys nothing is masked across processes
-        layout.update(anchor_keys=None, candidate_keys=None)
+    if opts.candidate_keys is not None:
+        # without anchor keys the pairs are compared by their positives only, as on one process and the ring
+        keys = [*opts.candidate_keys] + ([opts.anchor_keys] if opts.anchor_keys is not None else [])
+        all_keys = all_gather_rows(torch.stack(keys, dim=1), sizes)
+        layout["candidate_keys"] = [all_keys[:, j] for j in range(len(opts.candidate_keys))]
+        if opts.anchor_keys is not None:
+            layout["anchors_all_keys"] = all_keys[:, -1]
     if opts.uses_anchors_all:
         layout["anchors_all"] = gather(anchors, sizes)
     if opts.guide is not None:  # its anchors stay: rows are this process's
