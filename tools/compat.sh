@@ -17,10 +17,11 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 ENVS=${COMPAT_ENVS:-newest floor}
-# COMPAT_SUBSET=1: a stated subset (the functional core on every path, the engine's replay and padding-free
+# COMPAT_SUBSET=1: a stated subset (the functional core on every path, the engine's replay, its autocast cache and padding-free
 # layouts, the losses' exactness against sentence-transformers, the stock trainers, the reranker loss and the
 # arguments of every model kind) where the whole suite is too slow for two more environments
-SUBSET="tests/functional tests/engine/test_rng.py tests/engine/test_flattened.py tests/losses/test_losses.py \
+SUBSET="tests/functional tests/engine/test_rng.py tests/engine/test_autocast_cache.py tests/engine/test_flattened.py \
+tests/losses/test_losses.py \
 tests/losses/test_trainer.py tests/losses/test_cached_cross_encoder.py tests/config/test_model_kinds.py"
 if [ "${COMPAT_SUBSET:-0}" = 1 ]; then
     DEFAULT_PYTEST="-q -p no:cacheprovider $SUBSET"

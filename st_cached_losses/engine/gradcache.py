@@ -12,7 +12,8 @@ What it does beyond GradCache (Gao et al., 2021):
   budgets, the same mini-batches on every process under a sharded wrapper);
 * the RNG state (CPU and every available accelerator: CUDA, MPS, XPU, [`rng`][st_cached_losses.engine.rng])
   is snapshotted per mini-batch and restored at replay, so dropout masks are identical in both forwards;
-  autocast settings are replayed too;
+  autocast settings are replayed too, and the forwards without a graph leave nothing in autocast's cache
+  of cast weights (:func:`no_grad_forward`);
 * the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
   forward), columns whose encoder is frozen are not replayed, and a batch that fits in one
   mini-batch is not cached at all (the loss takes the plain autograd path);
@@ -26,9 +27,10 @@ What it does beyond GradCache (Gao et al., 2021):
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,10 +61,51 @@ from st_cached_losses.functional.multi_vector import pack_tokens
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GradCache", "LossAndGrad", "MiniBatch", "MiniBatchPlanner", "RandState"]
+__all__ = ["GradCache", "LossAndGrad", "MiniBatch", "MiniBatchPlanner", "RandState", "no_grad_forward"]
 
 #: ``embeddings per column -> (loss, grads per column, grads wrt the extra tensors)``
 LossAndGrad = Callable[[list[Tensor]], tuple[Tensor, list[Tensor], list[Tensor | None]]]
+
+
+@functools.cache
+def _autocast_reuses_graphless_casts() -> bool:
+    """Whether this torch has the fault :func:`no_grad_forward` works around: inside an autocast region, a
+    weight cast made under ``no_grad`` is cached and reused by a later forward *with* a graph, whose output
+    then has no gradient path to the weight (torch before 2.11, pytorch/pytorch#158232). Asked of torch
+    once, on the CPU with a 1 x 1 weight, in an autocast region of its own with the cache on."""
+    weight = torch.ones(1, 1, requires_grad=True)
+    x = torch.ones(1, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
+        with torch.no_grad():
+            torch.nn.functional.linear(x, weight)
+        return not torch.nn.functional.linear(x, weight).requires_grad
+
+
+@contextlib.contextmanager
+def no_grad_forward() -> Iterator[None]:
+    """``torch.no_grad()`` for an encoder forward that may run inside the caller's autocast region.
+
+    Inside an autocast region torch keeps the low-precision copy of each fp32 parameter it casts, for the
+    region's later forwards. Before torch 2.11 it kept a copy cast under ``no_grad`` too, without a graph
+    to the parameter, and a later forward with a graph in the same region reused it: the column's last
+    forward of stage 1 (whose graph may be kept for the backward) and replays of a backward called inside
+    the region then had no gradient path to the encoder's weights, and the cached loss's gradients were
+    wrong (under bf16 autocast, 3e-2 off the fp32 gradients where sentence-transformers' own losses are
+    3e-4 off; or missing). On such a torch this turns the cache off for the forward (each forward casts
+    afresh, to the same values); on a torch without the fault (where a cast cached under ``no_grad`` keeps
+    its graph) it is plain ``torch.no_grad()``, so the cache still saves the casts.
+    """
+    if not _autocast_reuses_graphless_casts():
+        with torch.no_grad():
+            yield
+        return
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
 
 
 @dataclass
@@ -394,7 +437,7 @@ class GradCache(MiniBatchPlanner):
         counts = self.agreed_counts(model, columns, trim)
         held = self._hold(model)
         try:
-            with torch.no_grad():
+            with no_grad_forward():
                 for k, features in enumerate(columns):
                     batches = self.plan(k, features, trim_leading=trim, count=counts[k] if counts else None)
                     parts = []
@@ -477,7 +520,7 @@ class GradCache(MiniBatchPlanner):
                         if reuse and out.requires_grad:
                             mb.kept = out
                     else:
-                        with torch.no_grad():
+                        with no_grad_forward():
                             out = self.encode(model, mb.features)
                     if j == len(plan) - 1 and not out.requires_grad:
                         # the same on every process (same model, same column): no agreement needed
