@@ -13,7 +13,7 @@ What it does beyond GradCache (Gao et al., 2021):
 * the RNG state (CPU and every available accelerator: CUDA, MPS, XPU, [`rng`][st_cached_losses.engine.rng])
   is snapshotted per mini-batch and restored at replay, so dropout masks are identical in both forwards;
   autocast settings are replayed too, and the forwards without a graph leave nothing in autocast's cache
-  of cast weights (:func:`no_grad_forward`);
+  of cast weights ([`no_grad_forward`][st_cached_losses.engine.gradcache.no_grad_forward]);
 * the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
   forward), columns whose encoder is frozen are not replayed, and a batch that fits in one
   mini-batch is not cached at all (the loss takes the plain autograd path);
@@ -69,7 +69,7 @@ LossAndGrad = Callable[[list[Tensor]], tuple[Tensor, list[Tensor], list[Tensor |
 
 @functools.cache
 def _autocast_reuses_graphless_casts() -> bool:
-    """Whether this torch has the fault :func:`no_grad_forward` works around: inside an autocast region, a
+    """Whether this torch has the fault [`no_grad_forward`][st_cached_losses.engine.gradcache.no_grad_forward] works around: inside an autocast region, a
     weight cast made under ``no_grad`` is cached and reused by a later forward *with* a graph, whose output
     then has no gradient path to the weight (torch before 2.11, pytorch/pytorch#158232). Asked of torch
     once, on the CPU with a 1 x 1 weight, in an autocast region of its own with the cache on."""
