@@ -33,7 +33,7 @@ def test_the_readmes_test_count_is_within_25_percent_of_the_collected_count(numb
 def test_every_number_the_script_maintains_is_found(numbers):
     """A rewording of the README that the script no longer matches fails here, not at the next --write."""
     readme = (ROOT / "README.md").read_text()
-    for pattern in (numbers.COUNT, numbers.TEST_TIME, numbers.DEMO_TIME):
+    for pattern in (numbers.COUNT, numbers.TEST_TIME, numbers.DEMO_TIME, numbers.TIMES_DATE):
         assert pattern.search(readme), pattern.pattern
     assert numbers.EXAMPLES_TIME.search((ROOT / "examples" / "README.md").read_text())
 
@@ -71,6 +71,7 @@ def test_the_readmes_times_are_the_last_measured_ones(numbers):
     readme = (ROOT / "README.md").read_text()
     assert numbers.TEST_TIME.search(readme).group(2) == stated["test"]
     assert numbers.DEMO_TIME.search(readme).group(2) == stated["demo"]
+    assert numbers.TIMES_DATE.search(readme).group(2) == record["date"][:10]  # the day they are from
     examples = (ROOT / "examples" / "README.md").read_text()
     assert numbers.EXAMPLES_TIME.search(examples).group(2) == stated["examples"]
     collected = numbers.collected_count(sys.executable, ROOT)
