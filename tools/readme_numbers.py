@@ -13,7 +13,8 @@ test suite, the demo and the examples.
   ``--busy_ok``: such times measure the other work.
 
 Every measured number goes to ``benchmarks/results/readme_numbers.json`` with the machine's CPU count and
-the date, merged with the numbers measured before. Run from the repository root::
+the date, merged with the numbers measured before (``times_date`` and ``times_tests``: the day of the last
+``--measure`` and the suite's size then). Run from the repository root::
 
     .venv/bin/python tools/readme_numbers.py                      # the count: collected vs stated
     .venv/bin/python tools/readme_numbers.py --write              # the README states the collected count
@@ -174,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if options.measure:
         record.update(measure(options.measure, options.python), load_average_before=round(load, 1))
+        # the times' own day and suite size: a later --write of the count alone keeps them
+        record.update(times_date=record["date"], times_tests=record["tests"])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
 
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         if "demo" in options.measure:
             text = rewrite(DEMO_TIME, text, stated["demo"])
         if options.measure:
-            text = rewrite(TIMES_DATE, text, record["date"][:10])
+            text = rewrite(TIMES_DATE, text, record["times_date"][:10])
         README.write_text(text)
         if "examples" in options.measure:
             EXAMPLES_README.write_text(

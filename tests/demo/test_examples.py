@@ -193,7 +193,10 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
         assert "- `learning_rate_mapping`: {'logit_scale': 0.01}" in card
         # our section reports the learned value, not only the start (issue 45)
         learned = float(trainer.loss.scale)
-        assert f"learned: from 20 to {learned:.4g} at the end of training (temperature {1 / learned:.4g})" in card
+        assert (
+            f"learned: from 20 to {learned:.4g} at the end of training (temperature {1 / learned:.4g})"
+            in card
+        )
     if name == "train_cached_clip" and extra:  # fixed at the command line's scale, no temperature left
         assert not trainer.loss.learnable_scale and float(trainer.loss.scale) == 30.0
         assert "- `temperature`: None" in card and "- `temperature`: 0.05" not in card
