@@ -33,7 +33,7 @@ def test_the_readmes_test_count_is_within_25_percent_of_the_collected_count(numb
 def test_every_number_the_script_maintains_is_found(numbers):
     """A rewording of the README that the script no longer matches fails here, not at the next --write."""
     readme = (ROOT / "README.md").read_text()
-    for pattern in (numbers.COUNT, numbers.TEST_TIME, numbers.DEMO_TIME):
+    for pattern in (numbers.COUNT, numbers.TEST_TIME, numbers.DEMO_TIME, numbers.TIMES_DATE):
         assert pattern.search(readme), pattern.pattern
     assert numbers.EXAMPLES_TIME.search((ROOT / "examples" / "README.md").read_text())
 
@@ -53,6 +53,10 @@ def test_rewrite(numbers):
         numbers.rewrite(numbers.EXAMPLES_TIME, text, "41-52 s")
         == "each (41-52 s on this project's 2\ncores; longer"
     )
+    assert (
+        numbers.rewrite(numbers.TIMES_DATE, "machine (times measured 2026-11-25), again", "2027-01-02")
+        == "machine (times measured 2027-01-02), again"
+    )
     with pytest.raises(ValueError, match="wording changed"):
         numbers.rewrite(numbers.DEMO_TIME, "no such line", "1 s")
     assert [numbers.duration(s) for s in (41.4, 95, 130, 1500)] == ["41 s", "95 s", "2.2 min", "25 min"]
@@ -71,7 +75,9 @@ def test_the_readmes_times_are_the_last_measured_ones(numbers):
     readme = (ROOT / "README.md").read_text()
     assert numbers.TEST_TIME.search(readme).group(2) == stated["test"]
     assert numbers.DEMO_TIME.search(readme).group(2) == stated["demo"]
+    assert numbers.TIMES_DATE.search(readme).group(2) == record["times_date"][:10]  # the day they are from
     examples = (ROOT / "examples" / "README.md").read_text()
     assert numbers.EXAMPLES_TIME.search(examples).group(2) == stated["examples"]
     collected = numbers.collected_count(sys.executable, ROOT)
     assert numbers.off_by(record["tests"], collected) <= numbers.TOLERANCE
+    assert numbers.off_by(record["times_tests"], collected) <= numbers.TOLERANCE  # times of this suite's size

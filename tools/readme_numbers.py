@@ -7,12 +7,14 @@ test suite, the demo and the examples.
 * ``--measure test demo examples`` (any of them) times what ``make test`` / ``make demo`` run and each
   script in ``examples/`` on its defaults (``--disable_tqdm true``), with this Python, without the
   Makefile's install step; ``--write`` then puts the times in README.md (``make test`` and ``make demo``)
-  and examples/README.md (the examples' range). The suite takes tens of minutes on 2 CPU cores. With a
+  and examples/README.md (the examples' range), and the day they were measured in README.md's
+  "(times measured YYYY-MM-DD)". The suite takes tens of minutes on 2 CPU cores. With a
   1-minute load average above the CPU count (other work running), ``--write`` refuses to measure unless
   ``--busy_ok``: such times measure the other work.
 
 Every measured number goes to ``benchmarks/results/readme_numbers.json`` with the machine's CPU count and
-the date, merged with the numbers measured before. Run from the repository root::
+the date, merged with the numbers measured before (``times_date`` and ``times_tests``: the day of the last
+``--measure`` and the suite's size then). Run from the repository root::
 
     .venv/bin/python tools/readme_numbers.py                      # the count: collected vs stated
     .venv/bin/python tools/readme_numbers.py --write              # the README states the collected count
@@ -42,6 +44,8 @@ TOLERANCE = 0.25
 COUNT = re.compile(r"(pytest \()(\d[\d,]*)( tests)")
 #: the suite's time in the same line: "pytest (749 tests, about 25 minutes on 2 CPU cores)"
 TEST_TIME = re.compile(r"(pytest \(\d[\d,]* tests, about )([^)]*?)( on \d+ CPU cores\))")
+#: the day the README's times were measured: "(times measured 2026-11-25)"
+TIMES_DATE = re.compile(r"(\(times measured )(\d{4}-\d{2}-\d{2})(\))")
 #: the demo's time in README.md's `make demo` line: "runs the main job (~1.5 min)"
 DEMO_TIME = re.compile(r"(runs the main job \(~)([^)]*)(\))")
 #: the examples' range in examples/README.md: "(30-40 s on this project's 2\ncores"
@@ -171,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if options.measure:
         record.update(measure(options.measure, options.python), load_average_before=round(load, 1))
+        # the times' own day and suite size: a later --write of the count alone keeps them
+        record.update(times_date=record["date"], times_tests=record["tests"])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(record, indent=2) + "\n")
 
@@ -186,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
             text = rewrite(TEST_TIME, text, stated["test"])
         if "demo" in options.measure:
             text = rewrite(DEMO_TIME, text, stated["demo"])
+        if options.measure:
+            text = rewrite(TIMES_DATE, text, record["times_date"][:10])
         README.write_text(text)
         if "examples" in options.measure:
             EXAMPLES_README.write_text(

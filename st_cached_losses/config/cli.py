@@ -243,9 +243,11 @@ class CachedLossArgumentParser(HfArgumentParser):
                 f"the annotations of {dtype.__name__} could not be resolved ({err}): define the dataclass at "
                 "module level, with the names of its annotations imported."
             ) from err
-        if self._loss_group is None and any(issubclass(d, CachedLossArguments) for d in self.dataclass_types):
+        owner = next((d for d in self.dataclass_types if issubclass(d, CachedLossArguments)), None)
+        if self._loss_group is None and owner is not None:
+            # titled by the arguments class that holds the loss fields, whichever dataclass comes first
             self._loss_group = self.add_argument_group(
-                f"cached loss ({dtype.__name__})",
+                f"cached loss ({owner.__name__})",
                 "The loss and its hyperparameters; every training argument below can be set as well.",
             )
         fields = [f for f in dataclasses.fields(dtype) if f.init]

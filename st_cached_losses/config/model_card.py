@@ -166,9 +166,40 @@ def add_training_section(
         f"{getattr(args, 'mini_batch_size', getattr(loss, 'mini_batch_size', '-'))}, "
         f"{trainer.state.global_step} optimizer steps ({timing}{os.cpu_count()} CPU cores)."
     )
+    if getattr(loss, "learnable_scale", False):
+        start = f"from {args.loss_scale:g} " if isinstance(args, CachedLossArguments) else ""
+        scale = float(loss.scale)
+        body += (
+            f" The scale (1 / temperature) was learned: {start}to {scale:.4g} at the end of training "
+            f"(temperature {1 / scale:.4g}); the loss parameters above list it as the trainer began."
+        )
     if metrics:
         body += f" {metrics_caption}:\n\n" + metrics_table(metrics)
     if isinstance(args, CachedLossArguments):
-        settings = json.dumps(args.loss_settings(), indent=4)
-        body += f"\n\nLoss settings (`{type(args).__name__}`):\n\n```json\n{settings}\n```"
+        body += "\n\n" + loss_settings_block(args)
     return add_card_section(model_dir, SECTION_TITLE, body)
+
+
+def card_loss_settings(args: CachedLossArguments) -> dict[str, Any]:
+    """The loss settings the card lists: `loss_settings` with the scale the loss
+    starts from (the loss's default when the fields leave it unset, not ``null``); ``temperature``,
+    ``similarity``, ``symmetric``, ``directions`` and ``partition_mode`` only where they were given (else the
+    loss's own default, which the card's loss parameters show)."""
+    settings = dict(args.loss_settings())
+    if "scale" in settings:
+        settings["scale"] = args.loss_scale
+    for name in _LOSS_OWN_DEFAULT:  # None: the loss's own default, which its parameters above show
+        if settings.get(name, 0) is None:
+            del settings[name]
+    return settings
+
+
+#: fields whose None leaves the loss its own default (listed among the loss's parameters by sentence-transformers)
+_LOSS_OWN_DEFAULT = ("temperature", "similarity", "symmetric", "directions", "partition_mode")
+
+
+def loss_settings_block(args: CachedLossArguments) -> str:
+    """The card's "Loss settings" paragraph: the arguments class and `card_loss_settings` as JSON (built
+    from the arguments alone, so a test can compare a committed card with what the current code writes)."""
+    settings = json.dumps(card_loss_settings(args), indent=4)
+    return f"Loss settings (`{type(args).__name__}`):\n\n```json\n{settings}\n```"

@@ -34,6 +34,8 @@ __all__ = [
     "LOSS_ALIASES",
     "LOSS_DEFAULT_SCALES",
     "MODEL_KINDS",
+    "ST_LOSS_NAMES",
+    "canonical_loss",
     "closest_name_hint",
     "loss_parameters",
 ]
@@ -57,11 +59,38 @@ LOSS_ALIASES: dict[str, str] = {
     "cross-encoder": "cross_encoder",
     "crossencoder": "cross_encoder",
 }
+#: sentence-transformers' cached losses (their class names, lower case) -> ours, by the model kind they train:
+#: a run written for theirs names its loss as before. Two of theirs share the name
+#: CachedMultipleNegativesRankingLoss (the SentenceTransformer's and the CrossEncoder's): the arguments class,
+#: which trains one kind, tells them apart
+ST_LOSS_NAMES: dict[str, dict[str, str]] = {
+    "cachedmultiplenegativesrankingloss": {"SentenceTransformer": "mnr", "CrossEncoder": "cross_encoder"},
+    "cachedmultiplenegativessymmetricrankingloss": {"SentenceTransformer": "clip"},
+    "cachedgistembedloss": {"SentenceTransformer": "gist"},
+    "cachedspladeloss": {"SparseEncoder": "sparse"},
+    "cachedmultivectormultiplenegativesrankingloss": {"MultiVectorEncoder": "multi_vector"},
+}
 #: the model (and trainer) each loss trains: sentence-transformers' class names
 MODEL_KINDS: dict[str, str] = {name: cls.model_kind for name, cls in LOSSES.items()}
 #: losses whose ranking loss is an object of its own, built by the factory from the fields: its class, whose
 #: constructor arguments (but the model) are fields too
 BASE_LOSSES: dict[str, type[Any]] = {"sparse": SparseMultipleNegativesRankingLoss}
+
+
+def canonical_loss(name: str, kind: str | None = None) -> str | None:
+    """Our canonical name of loss ``name`` (ours, an alias, our class name or sentence-transformers' class
+    name, any case), for an arguments class that trains ``kind`` (None: any); None for no cached loss.
+
+    A sentence-transformers name for the kind's loss gives ours (``CachedMultipleNegativesRankingLoss``:
+    'mnr', or 'cross_encoder' for a CrossEncoder); one for another kind gives that kind's loss (the
+    arguments class then says which class to use)."""
+    key = str(name).lower()
+    if key in LOSS_ALIASES:
+        return LOSS_ALIASES[key]
+    ours = ST_LOSS_NAMES.get(key)
+    if ours is None:
+        return None
+    return ours.get(kind or "", next(iter(ours.values())))
 
 
 def loss_parameters(name: str) -> dict[str, inspect.Parameter]:

@@ -30,6 +30,7 @@ loss = build_loss(model, args, train_dataset=train_dataset)
 # class's ``__module__`` is its documented path (set just below the class).
 
 import dataclasses
+import difflib
 import functools
 import inspect
 import math
@@ -39,6 +40,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union  # HfArgumentParser reads these annotations at run time
 
+import torch
 from sentence_transformers import SentenceTransformerTrainingArguments
 from sentence_transformers.base.training_args import BaseTrainingArguments
 from sentence_transformers.cross_encoder import CrossEncoderTrainingArguments
@@ -54,10 +56,14 @@ from st_cached_losses.config.registry import (
     LOSS_DEFAULT_SCALES,
     LOSSES,
     MODEL_KINDS,
+    ST_LOSS_NAMES,
+    canonical_loss,
     closest_name_hint,
     loss_parameters,
 )
 from st_cached_losses.config.sampling import DATASET_ORDERS, SameDatasetBatchSampler
+from st_cached_losses.engine.caller import user_stacklevel  # the warnings point at the user's line
+from st_cached_losses.engine.gradcache import auto_needs_budget
 from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
 from st_cached_losses.losses.settings import (
     FIELD_NAMES,
@@ -154,7 +160,10 @@ _LOSS_HELP = (
     "FLOPS regularisers; needs document_regularizer_weight) for a SparseEncoder; 'multi_vector' "
     "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder; "
     "'cross_encoder' (CachedCrossEncoderLoss, a reranker's in-batch negatives ranking loss) for a CrossEncoder. "
-    "The class names are accepted too."
+    "Our class names are accepted too, and sentence-transformers' cached loss class names for the loss that "
+    "replaces each (CachedMultipleNegativesRankingLoss: 'mnr', or 'cross_encoder' with the CrossEncoder's "
+    "arguments; CachedMultipleNegativesSymmetricRankingLoss: 'clip'; CachedGISTEmbedLoss: 'gist'; "
+    "CachedSpladeLoss: 'sparse'; CachedMultiVectorMultipleNegativesRankingLoss: 'multi_vector')."
 )
 
 
@@ -529,31 +538,6 @@ for _cls in (CachedLossArguments, *ARGUMENTS_CLASSES.values()):
     _cls.__module__ = "st_cached_losses.training_args"
 
 
-# frames that build the arguments on the user's behalf: a warning skips them to point at the user's line
-_BUILDER_PACKAGES = ("transformers", "sentence_transformers")
-_BUILDER_MODULES = (__name__, "st_cached_losses.config.factory", "st_cached_losses.config.cli")
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes the caller's ``warnings.warn`` point at the user's line.
-
-    The arguments are built by the user's own ``CachedLossTrainingArguments(...)`` call, or inside
-    ``CachedLossArgumentParser`` / ``HfArgumentParser`` (through the ``__init__`` dataclasses generate),
-    so a fixed stacklevel points into a library on one of the routes; this skips those frames.
-    """
-    frame = inspect.currentframe()
-    frame = frame.f_back if frame is not None else None  # the function that warns: stacklevel 1
-    level = 1
-    while frame is not None and frame.f_back is not None:
-        module = str(frame.f_globals.get("__name__", ""))
-        generated_init = frame.f_code.co_filename.startswith("<") and frame.f_code.co_name == "__init__"
-        if not (generated_init or module.split(".")[0] in _BUILDER_PACKAGES or module in _BUILDER_MODULES):
-            break
-        frame = frame.f_back
-        level += 1
-    return level
-
-
 # ---------------------------------------------------------------------- the loss fields
 
 
@@ -565,19 +549,24 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         ValueError: naming the field of an invalid value or combination.
     """
     key = str(args.loss).lower()
-    if key not in LOSS_ALIASES:
+    canonical = canonical_loss(key, type(args).trains)
+    if canonical is None:
         names = ", ".join(repr(name) for name in LOSSES)
         classes = ", ".join(cls.__name__ for cls in LOSSES.values())
+        spellings = {**LOSS_ALIASES, **{name: name for name in ST_LOSS_NAMES}}
+        close = difflib.get_close_matches(key, list(spellings), n=1, cutoff=0.6)
+        hint = f" Did you mean loss={canonical_loss(close[0], type(args).trains)!r}?" if close else ""
         raise ValueError(
-            f"loss={args.loss!r} is not a cached loss; choose one of {names} (or a class name: {classes})."
-            f"{closest_name_hint(key, list(LOSS_ALIASES))}"
+            f"loss={args.loss!r} is not a cached loss; choose one of {names} (or a class name, ours: {classes}; "
+            f"or sentence-transformers' cached loss it replaces, e.g. CachedMultipleNegativesRankingLoss).{hint}"
         )
-    args.loss = LOSS_ALIASES[key]
+    args.loss = canonical
     _check_model_kind(args)
     for name in ("mini_batch_size", "mini_batch_num_tokens"):
         value = getattr(args, name)
         if isinstance(value, str) and value.strip().lower() == "auto":
             setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step
+    _check_auto_budget(args)
     if args.loss == "cross_encoder" and args.num_negatives is None:
         args.num_negatives = "all"  # None means every in-batch negative, as for the loss: the card says so
     if isinstance(args.directions, (list, tuple)):  # given as a list in Python or YAML
@@ -629,6 +618,36 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         )
 
 
+#: what each model kind's data collator does that another kind's would not (the wrong-class message)
+_COLLATES = {
+    "SentenceTransformer": "tokenizes each column for its task, the first as queries",
+    "SparseEncoder": "tokenizes each column for its task, the first as queries",
+    "MultiVectorEncoder": "tokenizes the first column as queries, with ColBERT's query expansion",
+    "CrossEncoder": "keeps the texts for the loss, which pairs each query with its documents and tokenizes the pairs",
+}
+
+
+def _cuda_available() -> bool:
+    """Whether the run may have a CUDA device (a function of its own: the tests stand in for a CUDA machine)."""
+    return torch.cuda.is_available()
+
+
+def _check_auto_budget(args: CachedLossArguments) -> None:
+    """``mini_batch_memory_budget`` goes with ``"auto"`` mini-batches: without ``"auto"`` it would be unused (an
+    error naming both fixes); ``"auto"`` without it has a default on CUDA only (an error where the run has no
+    CUDA device: no CUDA here, or ``use_cpu``), refused now rather than at the first step."""
+    auto = args.mini_batch_size == "auto" or args.mini_batch_num_tokens == "auto"
+    budget = args.mini_batch_memory_budget
+    if budget is not None and not auto:
+        raise ValueError(
+            f"mini_batch_memory_budget={budget!r} sizes 'auto' mini-batches only, and mini_batch_size="
+            f"{args.mini_batch_size!r} is fixed: it would be unused. Set mini_batch_size='auto' (or "
+            "mini_batch_num_tokens='auto') to size the mini-batches to it, or remove mini_batch_memory_budget."
+        )
+    if auto and budget is None and (getattr(args, "use_cpu", False) or not _cuda_available()):
+        raise auto_needs_budget("cpu")
+
+
 def _check_model_kind(args: CachedLossArguments) -> None:
     """The loss trains the model kind of the arguments class: the kind's trainer takes only its own class,
     and its data collator is the one that tokenizes each column for its task (a 'sparse' or 'multi_vector' run
@@ -639,8 +658,8 @@ def _check_model_kind(args: CachedLossArguments) -> None:
         return
     cls = ARGUMENTS_CLASSES[needed].__name__
     raise ValueError(
-        f"loss={args.loss!r} trains a {needed} with {needed}Trainer, which takes {cls} (its data collator "
-        f"tokenizes queries as queries); {type(args).__name__} is for {trains}Trainer. Build {cls}(...) with the "
+        f"loss={args.loss!r} trains a {needed} with {needed}Trainer, which takes {cls} only (its data collator "
+        f"{_COLLATES[needed]}); {type(args).__name__} is for {trains}Trainer. Build {cls}(...) with the "
         f"same fields (from a file or the command line: CachedLossArgumentParser({cls})), or choose a loss for a "
         f"{trains}: " + ", ".join(repr(name) for name, kind in MODEL_KINDS.items() if kind == trains) + "."
     )
@@ -697,7 +716,8 @@ def _validate_similarity(args: CachedLossArguments) -> None:
         args.similarity = str(resolve_similarity(str(args.similarity)))  # a name: always "cosine" or "dot"
     except ValueError:
         raise ValueError(
-            f"similarity must be 'cosine' or 'dot', got {args.similarity!r}: the cached losses never build "
-            "the similarity matrix, so only these two are possible ('maxsim', 'meanmaxsim', 'xtr': "
-            "loss='multi_vector')."
+            f"similarity must be 'cosine' or 'dot', got {args.similarity!r}: the arguments (and the command line) "
+            "name only these two ('maxsim', 'meanmaxsim', 'xtr': loss='multi_vector'). The loss itself scores "
+            "any similarity exactly (slower, one tile at a time through autograd): build it in Python with "
+            "similarity_fct=sentence_transformers.util.euclidean_sim (or manhattan_sim, or your own function)."
         ) from None

@@ -255,6 +255,14 @@ class _Replay(torch.autograd.Function):
         return (None, None, *extra)
 
 
+def auto_needs_budget(device: str) -> ValueError:
+    """The error refusing ``"auto"`` mini-batches without a memory budget on ``device`` (not CUDA)."""
+    return ValueError(
+        "mini_batch_size='auto' (or mini_batch_num_tokens='auto') sizes the mini-batches to a memory "
+        f"budget: set mini_batch_memory_budget (e.g. '2GB'); on {device} there is no default."
+    )
+
+
 @dataclass
 class GradCache(MiniBatchPlanner):
     """The cached first stage and the replayed second stage; the mini-batch plans are
@@ -322,6 +330,14 @@ class GradCache(MiniBatchPlanner):
             self.mini_batch_memory_budget, "mini_batch_memory_budget"
         )
 
+    def check_auto_budget(self) -> None:
+        """Refuse ``"auto"`` mini-batches without ``mini_batch_memory_budget`` where no CUDA device exists:
+        the budget's default is half a CUDA device's free memory, so the first step would fail (a model on the
+        CPU of a machine with CUDA is refused at its first step, since the trainer may still move it)."""
+        auto = self.mini_batch_size == "auto" or self.mini_batch_num_tokens == "auto"
+        if auto and self.mini_batch_memory_budget is None and not torch.cuda.is_available():
+            raise auto_needs_budget("cpu")
+
     def resolve_auto(self, model: nn.Module, columns: Sequence[Features], trim_leading: bool) -> None:
         """Size ``"auto"`` mini-batches: the largest whose graph fits in ``mini_batch_memory_budget`` (on
         CUDA, by default half the device's free memory), measured on the batch's longest rows (and, for
@@ -347,10 +363,7 @@ class GradCache(MiniBatchPlanner):
         budget = self.mini_batch_memory_budget
         if budget is None:
             if device.type != "cuda":
-                raise ValueError(
-                    "mini_batch_size='auto' (or mini_batch_num_tokens='auto') sizes the mini-batches to a memory "
-                    f"budget: set mini_batch_memory_budget (e.g. '2GB'); on {device.type} there is no default."
-                )
+                raise auto_needs_budget(device.type)
             budget = torch.cuda.mem_get_info(device)[0] // 2
         size = pick_mini_batch(model, columns, trim_leading, budget, by_tokens=by_tokens, encode=self.encode)
         what = "mini_batch_num_tokens" if by_tokens else "mini_batch_size"

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from st_cached_losses.engine.caller import user_stacklevel
 from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size
 from st_cached_losses.engine.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
@@ -103,6 +104,19 @@ class EngineSettings:
         self.reuse_last_graph = reuse_last_graph
         self.keep_params_unsharded = keep_params_unsharded
         self.graph_memory_budget = graph_memory_budget
+        cache = self.cache
+        if cache.mini_batch_memory_budget is not None and "auto" not in (
+            cache.mini_batch_size,
+            cache.mini_batch_num_tokens,
+        ):
+            warnings.warn(
+                f"{type(self).__name__}: mini_batch_memory_budget sizes 'auto' mini-batches only, and "
+                f"mini_batch_size={cache.mini_batch_size!r} is fixed, so the budget is unused. Set "
+                "mini_batch_size='auto' (or mini_batch_num_tokens='auto') to size the mini-batches to it, or "
+                "remove mini_batch_memory_budget.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
 
     @property
     def mini_batch_size(self) -> int | str:
@@ -115,7 +129,8 @@ class EngineSettings:
         check_mini_batch_size(value)
         if value != self.cache.mini_batch_size:
             self.cache.auto_size = None  # sized again at the next step if "auto"
-        self.cache.mini_batch_size = value
+        old, self.cache.mini_batch_size = self.cache.mini_batch_size, value
+        self._check_auto_budget(lambda: setattr(self.cache, "mini_batch_size", old))
 
     @property
     def mini_batch_num_tokens(self) -> int | str | None:
@@ -127,7 +142,8 @@ class EngineSettings:
         check_mini_batch_num_tokens(value)
         if value != self.cache.mini_batch_num_tokens:
             self.cache.auto_size = None
-        self.cache.mini_batch_num_tokens = value
+        old, self.cache.mini_batch_num_tokens = self.cache.mini_batch_num_tokens, value
+        self._check_auto_budget(lambda: setattr(self.cache, "mini_batch_num_tokens", old))
 
     @property
     def mini_batch_memory_budget(self) -> int | None:
@@ -140,7 +156,17 @@ class EngineSettings:
         parsed = SPECS["mini_batch_memory_budget"].check("mini_batch_memory_budget", value)
         if parsed != self.cache.mini_batch_memory_budget:
             self.cache.auto_size = None
-        self.cache.mini_batch_memory_budget = parsed
+        old, self.cache.mini_batch_memory_budget = self.cache.mini_batch_memory_budget, parsed
+        self._check_auto_budget(lambda: setattr(self.cache, "mini_batch_memory_budget", old))
+
+    def _check_auto_budget(self, undo: Any) -> None:
+        """``"auto"`` mini-batches without a memory budget are refused when set (not at the first step) where no
+        CUDA device gives the budget a default; ``undo`` puts the setting back first."""
+        try:
+            self.cache.check_auto_budget()
+        except ValueError:
+            undo()
+            raise
 
 
 class CachedInfoNCEBase(EngineSettings, nn.Module):
@@ -399,7 +425,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
             f"{type(self).__name__}: every column of this batch ({batch_size_of(features[0])} rows) fits in one "
             f"encoder mini-batch (mini_batch_size={self.mini_batch_size}), so caching saves no memory: the same "
             "result and memory as the non-cached loss. Use a mini_batch_size smaller than the batch.",
-            stacklevel=5,  # past this method, forward and nn.Module's call machinery: the caller's line
+            stacklevel=user_stacklevel(),  # past forward, torch and the trainer: the line that calls train()
         )
 
     def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:

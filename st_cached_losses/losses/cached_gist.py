@@ -144,6 +144,12 @@ class CachedGISTLoss(LearnableScale):
 
     @staticmethod
     def _check_guide(guide: nn.Module, gather: bool) -> None:
+        if guide is None:
+            raise ValueError(
+                "CachedGISTLoss needs a guide model, got guide=None: pass a SentenceTransformer that rates the "
+                "pairs, e.g. CachedGISTLoss(model, SentenceTransformer('all-MiniLM-L6-v2')) (the model before "
+                "fine-tuning, or a stronger one), or the model itself for self-guidance: CachedGISTLoss(model, model)."
+            )
         if not hasattr(guide, "tokenizer"):
             raise ValueError(_NO_TOKENIZER)
         size = getattr(guide, "get_embedding_dimension", None) or getattr(

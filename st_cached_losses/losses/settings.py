@@ -505,7 +505,14 @@ def check_directions(directions: Sequence[str], partition_mode: str, owner: str)
             f"{closest_name_hint(str(unknown[0]), VALID_DIRECTIONS)}"
         )
     if "query_to_doc" not in directions:
-        raise ValueError("'query_to_doc' direction is required (contains the positive pair).")
+        fixed = ("query_to_doc", *directions)
+        # the arguments' field (owner "directions") is a comma-separated string; a loss's argument a tuple
+        field = owner == "directions"
+        given, example = (",".join(directions), ",".join(fixed)) if field else (directions, fixed)
+        raise ValueError(
+            "'query_to_doc' direction is required (contains the positive pair). "
+            f"{'' if field else owner + ': '}directions={given!r} lacks it; add it: directions={example!r}."
+        )
     if len(set(directions)) != len(directions):
         raise ValueError(f"{owner}: directions={directions!r} names a direction twice; name each once.")
     if partition_mode not in VALID_PARTITION_MODES:

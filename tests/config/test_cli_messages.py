@@ -118,3 +118,98 @@ def test_plain_text():
 def test_parser_description_is_plain_text():
     parser = CachedLossArgumentParser(description="Run :class:`~x.Y` with ``--loss clip``.")
     assert "Run Y with --loss clip." in parser.format_help()
+
+
+# ---------------------------------------------------------------------- the messages of issue 45
+
+
+def test_help_titles_the_loss_section_by_the_arguments_class(demo_help):
+    """The loss fields' section is titled by the class that holds them, not by the script's first dataclass."""
+    assert "\ncached loss (CachedLossTrainingArguments):" in demo_help
+    assert "cached loss (DemoArguments)" not in demo_help
+
+
+@pytest.mark.parametrize(
+    ("kind", "name", "expected"),
+    [
+        ("CachedLossTrainingArguments", "CachedMultipleNegativesRankingLoss", "mnr"),
+        ("CachedLossTrainingArguments", "cachedmultiplenegativessymmetricrankingloss", "clip"),
+        ("CachedCrossEncoderTrainingArguments", "CachedMultipleNegativesRankingLoss", "cross_encoder"),
+        ("CachedSparseEncoderTrainingArguments", "CachedSpladeLoss", "sparse"),
+        (
+            "CachedMultiVectorEncoderTrainingArguments",
+            "CachedMultiVectorMultipleNegativesRankingLoss",
+            "multi_vector",
+        ),
+    ],
+)
+def test_sentence_transformers_class_names_name_our_losses(kind, name, expected):
+    """``--loss CachedMultipleNegativesRankingLoss`` (their class) is our 'mnr', not a hint at another kind's loss;
+    the cross-encoder's class of the same name is 'cross_encoder' for the CrossEncoder's arguments."""
+    import st_cached_losses
+
+    extra = {"document_regularizer_weight": 3e-5} if expected == "sparse" else {}
+    args = getattr(st_cached_losses, kind)(
+        output_dir="out", per_device_train_batch_size=64, loss=name, **extra
+    )
+    assert args.loss == expected
+    from st_cached_losses import CachedLossTrainingArguments
+
+    args = CachedLossTrainingArguments(
+        output_dir="out", per_device_train_batch_size=64, loss="CachedGISTEmbedLoss", guide_model="g"
+    )
+    assert args.loss == "gist"
+
+
+def test_an_unknown_loss_suggests_by_our_names(monkeypatch, capsys):
+    err = _command_line_error(monkeypatch, capsys, "--loss", "CachedMultipleNegativesRankingLos")
+    assert "Did you mean loss='mnr'?" in err and "cachedmultivectorloss" not in err
+    err = _command_line_error(monkeypatch, capsys, "--loss", "nmr")
+    assert "Did you mean loss='mnr'?" in err
+
+
+def test_a_similarity_the_arguments_cannot_name_points_at_the_python_api(monkeypatch, capsys):
+    err = _command_line_error(monkeypatch, capsys, "--similarity", "euclidean")
+    assert "the arguments (and the command line) name only these two" in err
+    assert "similarity_fct=sentence_transformers.util.euclidean_sim" in err
+    assert "only these two are possible" not in err
+
+
+def test_directions_without_query_to_doc_names_the_field_and_the_fix(monkeypatch, capsys):
+    err = _command_line_error(monkeypatch, capsys, "--directions", "query_to_query")
+    assert "'query_to_doc' direction is required" in err  # sentence-transformers' words first
+    assert "directions='query_to_query' lacks it; add it: directions='query_to_doc,query_to_query'." in err
+
+
+def test_a_memory_budget_without_auto_is_refused(monkeypatch, capsys):
+    err = _command_line_error(monkeypatch, capsys, "--mini_batch_memory_budget", "2GB")
+    assert "mini_batch_memory_budget='2GB' sizes 'auto' mini-batches only" in err
+    assert "Set mini_batch_size='auto'" in err and "or remove mini_batch_memory_budget" in err
+
+
+def test_auto_without_a_budget_is_refused_by_the_arguments_off_cuda(monkeypatch, capsys):
+    """Not at the first step: the arguments refuse it (no CUDA here, or use_cpu), naming the fix."""
+    from st_cached_losses.config import training_args
+
+    monkeypatch.setattr(training_args, "_cuda_available", lambda: False)
+    err = _command_line_error(monkeypatch, capsys, "--mini_batch_size", "auto")
+    assert "set mini_batch_memory_budget (e.g. '2GB')" in err
+    from st_cached_losses import CachedLossTrainingArguments
+
+    with pytest.raises(ValueError, match="set mini_batch_memory_budget"):
+        CachedLossTrainingArguments(output_dir="out", mini_batch_num_tokens="auto")
+    monkeypatch.setattr(training_args, "_cuda_available", lambda: True)
+    CachedLossTrainingArguments(output_dir="out", mini_batch_size="auto")  # CUDA: half its free memory
+    with pytest.raises(ValueError, match="set mini_batch_memory_budget"):
+        CachedLossTrainingArguments(output_dir="out", mini_batch_size="auto", use_cpu=True)
+
+
+def test_the_wrong_arguments_class_for_a_reranker_says_what_its_collator_does():
+    from st_cached_losses import CachedLossTrainingArguments
+
+    with pytest.raises(ValueError) as info:
+        CachedLossTrainingArguments(output_dir="out", loss="cross_encoder")
+    message = str(info.value)
+    assert "takes CachedCrossEncoderTrainingArguments only" in message
+    assert "keeps the texts for the loss, which pairs each query with its documents" in message
+    assert "tokenizes queries as queries" not in message

@@ -131,6 +131,7 @@ def test_fields_of_engine_settings_reach_the_loss(tmp_path):
         sort_by_length=False,
         reuse_last_graph=False,
         graph_memory_budget="1GB",
+        mini_batch_size="auto",
         mini_batch_memory_budget="512MB",
     )
     loss = build_loss(model, args)
@@ -161,7 +162,12 @@ def test_mini_batch_size_auto_from_the_command_line_and_a_file(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "mini_batch_size >= per_device_train_batch_size" warning
         (args_tokens,) = parser.parse_dict(
-            {"output_dir": str(tmp_path), "mini_batch_size": 4, "mini_batch_num_tokens": "auto"}
+            {
+                "output_dir": str(tmp_path),
+                "mini_batch_size": 4,
+                "mini_batch_num_tokens": "auto",
+                "mini_batch_memory_budget": "1GB",
+            }
         )
     assert (args_tokens.mini_batch_size, args_tokens.mini_batch_num_tokens) == (4, "auto")
     loss = build_loss(make_tiny_model(tmp_path / "bert"), args)

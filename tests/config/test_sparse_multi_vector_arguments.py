@@ -158,7 +158,7 @@ def _parsed(tmp_path, source: str, fields: dict) -> CachedLossArguments:
             "query_regularizer_weight does",
         ),
         ({"loss": "mnr", "similarity": "xtr"}, "loss='multi_vector'"),
-        ({"loss": "multi-vektor"}, "Did you mean 'multi-vector'"),
+        ({"loss": "multi-vektor"}, "Did you mean loss='multi_vector'"),
     ],
 )
 def test_fields_the_chosen_loss_does_not_take_are_refused(kwargs, match):

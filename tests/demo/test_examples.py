@@ -191,9 +191,17 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
     if name == "train_cached_clip" and not extra:  # the temperature was learned, at its own learning rate
         assert trainer.loss.learnable_scale and abs(float(trainer.loss.scale) - 20.0) > 1e-3
         assert "- `learning_rate_mapping`: {'logit_scale': 0.01}" in card
+        # our section reports the learned value, not only the start (issue 45)
+        learned = float(trainer.loss.scale)
+        assert (
+            f"learned: from 20 to {learned:.4g} at the end of training (temperature {1 / learned:.4g})"
+            in card
+        )
     if name == "train_cached_clip" and extra:  # fixed at the command line's scale, no temperature left
         assert not trainer.loss.learnable_scale and float(trainer.loss.scale) == 30.0
         assert "- `temperature`: None" in card and "- `temperature`: 0.05" not in card
+        settings = json.loads(card.split("Loss settings (")[1].split("```json")[1].split("```")[0])
+        assert settings["scale"] == 30.0 and "temperature" not in settings  # no null beside the scale
     if name == "train_cached_gist":  # guided by a second, frozen model: the trained one is a copy
         assert trainer.loss.guide is not trainer.model
         assert all(not p.requires_grad or p.grad is None for p in trainer.loss.guide.parameters())

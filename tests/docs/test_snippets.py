@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from pathlib import Path
 
 import pytest
@@ -104,5 +105,18 @@ def test_snippet_runs(page: Path, code: str, skip: str | None, tiny_models, tmp_
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("WANDB_DISABLED", "true")
-    exec(compile(code, f"{page.name}:snippet", "exec"), {"__name__": "__snippet__"})
+    if page.name not in QUICKSTART_PAGES:
+        exec(compile(code, f"{page.name}:snippet", "exec"), {"__name__": "__snippet__"})
+    else:  # a first run shows caching at work: no "caching saves no memory" / "caching is off" warning
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            exec(compile(code, f"{page.name}:snippet", "exec"), {"__name__": "__snippet__"})
+        caching_off = [
+            str(w.message) for w in caught if re.search(r"caching (saves no memory|is off)", str(w.message))
+        ]
+        assert not caching_off, caching_off
     assert os.getcwd() == str(tmp_path)
+
+
+#: the pages whose snippets a new user runs first
+QUICKSTART_PAGES = ("README.md", "getting-started.md")

@@ -1,0 +1,98 @@
+"""What the losses say to a user who sets them up wrong (issue 45): each message names the setting and the fix,
+at construction rather than at the first step, and a warning points at the user's own line."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from datasets import Dataset
+from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+
+from st_cached_losses import CachedCrossEncoderLoss, CachedGISTLoss, CachedMNRLoss
+from st_cached_losses.engine import caller, gradcache
+from tests.support.tiny_model import make_tiny_cross_encoder, make_tiny_model, random_texts
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "bert", dropout=0.0)
+
+
+def test_gist_without_a_guide_says_a_guide_model_is_required(model):
+    """Not sentence-transformers' "must have a tokenizer attribute": what is missing, and what to pass."""
+    with pytest.raises(ValueError, match=r"needs a guide model, got guide=None: pass a SentenceTransformer"):
+        CachedGISTLoss(model, None)
+    loss = CachedGISTLoss(model, model)
+    with pytest.raises(ValueError, match="needs a guide model"):
+        loss.guide = None
+    with pytest.raises(ValueError, match="tokenizer attribute"):  # a module without one: their words
+        CachedGISTLoss(model, model[1])
+
+
+def test_auto_without_a_budget_is_refused_at_construction_off_cuda(model, monkeypatch):
+    """The switching guide's promise: a bad value is refused when constructed and when set, not at the first
+    step; where CUDA exists the default (half its free memory) applies."""
+    monkeypatch.setattr(gradcache.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"set mini_batch_memory_budget \(e.g. '2GB'\)"):
+        CachedMNRLoss(model, mini_batch_size="auto")
+    with pytest.raises(ValueError, match="set mini_batch_memory_budget"):
+        CachedMNRLoss(model, mini_batch_size=4, mini_batch_num_tokens="auto")
+    loss = CachedMNRLoss(model, mini_batch_size=4)
+    with pytest.raises(ValueError, match="set mini_batch_memory_budget"):
+        loss.mini_batch_size = "auto"
+    assert loss.mini_batch_size == 4  # put back
+    loss.mini_batch_memory_budget = "1GB"
+    loss.mini_batch_size = "auto"  # with a budget: fine
+    with pytest.raises(ValueError, match="set mini_batch_memory_budget"):
+        loss.mini_batch_memory_budget = None
+    assert loss.mini_batch_memory_budget == 10**9
+    monkeypatch.setattr(gradcache.torch.cuda, "is_available", lambda: True)
+    assert CachedMNRLoss(model, mini_batch_size="auto").mini_batch_size == "auto"
+
+
+def test_a_budget_without_auto_warns_at_the_users_line(model, tmp_path):
+    with pytest.warns(UserWarning, match="mini_batch_memory_budget sizes 'auto' mini-batches only") as record:
+        CachedMNRLoss(model, mini_batch_size=4, mini_batch_memory_budget="1GB")
+    assert record[0].filename == __file__
+    reranker = make_tiny_cross_encoder(tmp_path / "ce")
+    with pytest.warns(UserWarning, match="the budget is unused"):
+        CachedCrossEncoderLoss(reranker, mini_batch_size=4, mini_batch_memory_budget="1GB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CachedMNRLoss(model, mini_batch_size="auto", mini_batch_memory_budget="1GB")
+
+
+def test_the_caching_off_warning_points_at_the_line_that_calls_train(model, tmp_path):
+    """The quickstart's warning (a batch that fits in one mini-batch) comes from the loss's forward, deep in
+    the trainer: it names the user's trainer.train() line, not a file of transformers or ours."""
+    data = Dataset.from_dict({"anchor": random_texts(2, seed=1), "positive": random_texts(2, seed=2)})
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to="none",
+        save_strategy="no",
+    )
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=data, loss=CachedMNRLoss(model, mini_batch_size=32)
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    relevant = [w for w in caught if "caching saves no memory" in str(w.message)]
+    assert len(relevant) == 1 and relevant[0].filename == __file__, relevant
+
+
+def test_user_stacklevel_skips_the_libraries_but_not_the_demo():
+    def warn_from(module: str) -> str:
+        namespace = {"__name__": module, "warnings": warnings, "caller": caller}
+        exec("def f():\n    warnings.warn('x', stacklevel=caller.user_stacklevel())\n", namespace)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            namespace["f"]()
+        return caught[0].filename
+
+    assert warn_from("st_cached_losses.losses._base") == __file__  # a library frame: skipped
+    assert warn_from("torch.nn.modules.module") == __file__
+    assert warn_from("st_cached_losses.demo.app") == "<string>"  # the demo is a user's code: named
