@@ -66,8 +66,15 @@ bench: $(STAMP)
 # Offline, on a GPU machine whose Python already has a CUDA torch (and no network): `make wheels` on a
 # connected machine, copy the checkout with wheels/ over, then `make gpu-check PYTHON=<that python>`.
 # gpu-check then keeps that torch (never reinstalls it) and installs the rest from wheels/ only.
-.PHONY: gpu-check
+.PHONY: gpu-check gpu-kit
 GPU_WHEELS ?= $(WHEELS)
+# The short check (tools/gpu_quick_check.sh) for a GPU machine reached with a small carry: after
+# `make wheels`, the wheels it lacks go to build/gpu_kit/wheels (about 3 MiB).
+GPU_KIT_WHEELS := sentence_transformers pytest- pluggy iniconfig hypothesis sortedcontainers pytest_xdist execnet pyyaml-
+gpu-kit:
+	mkdir -p build/gpu_kit/wheels
+	for p in $(GPU_KIT_WHEELS); do cp $(WHEELS)/$${p}*.whl build/gpu_kit/wheels/ || exit 1; done
+	du -sh build/gpu_kit
 gpu-check:
 	@PYTHON="$(PYTHON)" GPU_WHEELS="$(GPU_WHEELS)" bash tools/gpu_check.sh
 

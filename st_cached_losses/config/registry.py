@@ -2,8 +2,8 @@
 and the "did you mean" hint every configuration error uses.
 
 The bottom of the configuration layer: it imports the losses only, so that the arguments class
-(:mod:`st_cached_losses.config.training_args`), the factory (:mod:`st_cached_losses.config.factory`) and the
-parser (:mod:`st_cached_losses.config.cli`) share one table.
+([`st_cached_losses.config.training_args`][st_cached_losses.config.training_args]), the factory ([`st_cached_losses.config.factory`][st_cached_losses.config.factory]) and the
+parser ([`st_cached_losses.config.cli`][st_cached_losses.config.cli]) share one table.
 """
 
 from __future__ import annotations
@@ -58,12 +58,7 @@ LOSS_ALIASES: dict[str, str] = {
     "crossencoder": "cross_encoder",
 }
 #: the model (and trainer) each loss trains: sentence-transformers' class names
-MODEL_KINDS: dict[str, str] = {
-    **dict.fromkeys(("mnr", "clip", "tiled", "gist"), "SentenceTransformer"),
-    "sparse": "SparseEncoder",
-    "multi_vector": "MultiVectorEncoder",
-    "cross_encoder": "CrossEncoder",
-}
+MODEL_KINDS: dict[str, str] = {name: cls.model_kind for name, cls in LOSSES.items()}
 #: losses whose ranking loss is an object of its own, built by the factory from the fields: its class, whose
 #: constructor arguments (but the model) are fields too
 BASE_LOSSES: dict[str, type[Any]] = {"sparse": SparseMultipleNegativesRankingLoss}

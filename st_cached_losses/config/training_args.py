@@ -1,26 +1,28 @@
 """Configure a cached loss through TrainingArguments: the arguments classes and the checks of their fields.
 
 ``CachedLossArguments`` holds the loss choice and every loss hyperparameter, one field per setting; mixed
-into each model kind's arguments, it makes the class that kind's trainer takes (:data:`ARGUMENTS_CLASSES`):
+into each model kind's arguments, it makes the class that kind's trainer takes ([`ARGUMENTS_CLASSES`][st_cached_losses.config.training_args.ARGUMENTS_CLASSES]):
 ``CachedLossTrainingArguments`` (``SentenceTransformerTrainingArguments``),
 ``CachedSparseEncoderTrainingArguments``, ``CachedMultiVectorEncoderTrainingArguments`` and
 ``CachedCrossEncoderTrainingArguments`` (``SparseEncoder...``, ``MultiVectorEncoder...``,
 ``CrossEncoderTrainingArguments``). Invalid combinations fail when the arguments are built
-(:func:`validate_loss_fields`, run by ``__post_init__``), naming the field, before any model is loaded or any
+([`validate_loss_fields`][st_cached_losses.config.training_args.validate_loss_fields], run by ``__post_init__``), naming the field, before any model is loaded or any
 training step runs. The settings are saved with every checkpoint (``training_args.bin``) and listed in the
 model card.
 
-Below this module: the loss registry (:mod:`st_cached_losses.config.registry`). Above it: the factory that
-builds the loss and checks a dataset against it (:mod:`st_cached_losses.config.factory`), the parser for the
-command line, YAML and JSON (:mod:`st_cached_losses.config.cli`) and the model card
-(:mod:`st_cached_losses.config.model_card`).
+Below this module: the loss registry ([`st_cached_losses.config.registry`][st_cached_losses.config.registry]). Above it: the factory that
+builds the loss and checks a dataset against it ([`st_cached_losses.config.factory`][st_cached_losses.config.factory]), the parser for the
+command line, YAML and JSON ([`st_cached_losses.config.cli`][st_cached_losses.config.cli]) and the model card
+([`st_cached_losses.config.model_card`][st_cached_losses.config.model_card]).
 
-Example::
+Example:
 
-    from st_cached_losses import CachedLossArgumentParser, build_loss
+```python
+from st_cached_losses import CachedLossArgumentParser, build_loss
 
-    (args,) = CachedLossArgumentParser().parse_yaml_file("run.yaml")
-    loss = build_loss(model, args, train_dataset=train_dataset)
+(args,) = CachedLossArgumentParser().parse_yaml_file("run.yaml")
+loss = build_loss(model, args, train_dataset=train_dataset)
+```
 """
 
 # No ``from __future__ import annotations`` here: the fields' annotations are real objects, so that
@@ -55,6 +57,7 @@ from st_cached_losses.config.registry import (
     closest_name_hint,
     loss_parameters,
 )
+from st_cached_losses.config.sampling import DATASET_ORDERS, SameDatasetBatchSampler
 from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
 from st_cached_losses.losses.settings import (
     FIELD_NAMES,
@@ -62,6 +65,7 @@ from st_cached_losses.losses.settings import (
     ONE_DIRECTION,
     SPECS,
     Spec,
+    check_bool,
     check_directions,
     check_hardness,
     check_max_scale,
@@ -73,6 +77,7 @@ __all__ = [
     "ARGUMENTS_CLASSES",
     "LOSS_DEFAULTS",
     "LOSS_FIELDS",
+    "SAME_DATASET",
     "SCALE_PARAMETER_PATTERN",
     "CachedCrossEncoderTrainingArguments",
     "CachedLossArguments",
@@ -92,6 +97,19 @@ SCALE_PARAMETER_PATTERN = r"^(?!(?:.*\.)?model\.)(?:.*\.)?logit_scale$"
 #: already sets the scale's learning rate)
 _SCALE_PARAMETER_NAMES = ("logit_scale", "loss.logit_scale")
 
+#: the value of sentence-transformers' ``multi_dataset_batch_sampler`` that picks
+#: `SameDatasetBatchSampler`
+SAME_DATASET = "same_dataset"
+
+
+def _check_order(name: str, value: Any) -> str:
+    if value not in DATASET_ORDERS:
+        raise ValueError(
+            f"{name} must be 'proportional' or 'round_robin' (how the datasets take turns), got {value!r}."
+        )
+    return str(value)
+
+
 #: the fields that set no loss argument, in the same form as the loss settings' specs
 _ARGUMENT_SPECS = {
     "scale_learning_rate": Spec(
@@ -104,7 +122,21 @@ _ARGUMENT_SPECS = {
         "user's rate is kept). The learning rate schedule applies to it as to every group. 0 or None: the scale "
         "trains at learning_rate.",
         functools.partial(check_nonnegative, example=f"{DEFAULT_SCALE_LEARNING_RATE:g}"),
-    )
+    ),
+    "same_dataset_order": Spec(
+        "proportional",
+        f"With multi_dataset_batch_sampler='{SAME_DATASET}' (SameDatasetBatchSampler: every process trains on the "
+        "same dataset in each step, so gathered negatives never mix tasks): how the datasets take turns. "
+        "'proportional': groups of batches in a random order, larger datasets more often, every row trained on; "
+        "'round_robin': one group per dataset in turn until the smallest is exhausted.",
+        _check_order,
+    ),
+    "same_dataset_per_optimizer_step": Spec(
+        False,
+        f"With multi_dataset_batch_sampler='{SAME_DATASET}': keep a whole optimizer step (all "
+        "gradient_accumulation_steps micro-batches of every process) on one dataset, not only each micro-step.",
+        check_bool,
+    ),
 }
 #: field name -> (the loss argument it sets, None for none; its spec)
 FIELD_SPECS: dict[str, tuple[str | None, Spec]] = {
@@ -127,7 +159,7 @@ _LOSS_HELP = (
 
 
 def _spec_field(name: str, default: Any = dataclasses.MISSING, more: str = "") -> Any:
-    """The field of the setting ``name`` (a loss argument's, or one of :data:`_ARGUMENT_SPECS`): its spec's
+    """The field of the setting ``name`` (a loss argument's, or one of `_ARGUMENT_SPECS`): its spec's
     default (or ``default``) and help (and ``more``)."""
     spec = SPECS[name] if name in SPECS else _ARGUMENT_SPECS[name]
     return field(
@@ -141,12 +173,12 @@ class CachedLossArguments(BaseTrainingArguments):
     """The choice of cached loss and all its hyperparameters, on top of sentence-transformers' training
     arguments: the one set of fields (one spec per setting) of the three arguments classes, one per model kind,
     each accepted by that kind's trainer (whose data collator stamps each column's task, e.g. ``"query"`` for
-    the first): :class:`CachedLossTrainingArguments` (``SentenceTransformerTrainer``),
-    :class:`CachedSparseEncoderTrainingArguments` (``SparseEncoderTrainer``) and
-    :class:`CachedMultiVectorEncoderTrainingArguments` (``MultiVectorEncoderTrainer``). Build one of those.
+    the first): [`CachedLossTrainingArguments`][st_cached_losses.training_args.CachedLossTrainingArguments] (``SentenceTransformerTrainer``),
+    [`CachedSparseEncoderTrainingArguments`][st_cached_losses.training_args.CachedSparseEncoderTrainingArguments] (``SparseEncoderTrainer``) and
+    [`CachedMultiVectorEncoderTrainingArguments`][st_cached_losses.training_args.CachedMultiVectorEncoderTrainingArguments] (``MultiVectorEncoderTrainer``). Build one of those.
 
     Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
-    file through :class:`~st_cached_losses.config.cli.CachedLossArgumentParser` (or ``HfArgumentParser``).
+    file through [`CachedLossArgumentParser`][st_cached_losses.config.cli.CachedLossArgumentParser] (or ``HfArgumentParser``).
     Invalid combinations raise a ``ValueError`` naming the field when the arguments are built, and so does a
     loss for another model kind than the class trains (naming the class to use); a ``mini_batch_size`` that
     is not smaller than ``per_device_train_batch_size`` only warns (the batch then fits in one mini-batch:
@@ -199,12 +231,36 @@ class CachedLossArguments(BaseTrainingArguments):
     use_document_regularizer_only: bool = _spec_field("use_document_regularizer_only")
     score_mini_batch_size: Optional[int] = _spec_field("score_mini_batch_size")  # noqa: UP045
     num_negatives: Optional[Union[int, str]] = _spec_field("num_negatives")  # noqa: UP007, UP045
+    same_dataset_order: str = _spec_field("same_dataset_order")
+    same_dataset_per_optimizer_step: bool = _spec_field("same_dataset_per_optimizer_step")
 
     def __post_init__(self) -> None:
         # ours first: a wrong loss setting is reported before anything else is set up
         validate_loss_fields(self)  # below
+        self._pick_same_dataset_sampler()  # before the parent reads "same_dataset" as its enum
         super().__post_init__()  # turns a learning_rate_mapping given as a JSON string into a dict
         self._map_scale_learning_rate()
+
+    def _pick_same_dataset_sampler(self) -> None:
+        """``multi_dataset_batch_sampler="same_dataset"``: the trainer gets
+        `SameDatasetBatchSampler` with ``same_dataset_order`` and, with
+        ``same_dataset_per_optimizer_step``, this run's ``gradient_accumulation_steps`` (a ``functools.partial``:
+        the trainer calls it with the datasets' batch samplers, the generator and the seed)."""
+        value = self.multi_dataset_batch_sampler
+        if isinstance(value, str) and value.strip().lower() == SAME_DATASET:
+            steps = self.gradient_accumulation_steps if self.same_dataset_per_optimizer_step else 1
+            self.multi_dataset_batch_sampler = functools.partial(
+                SameDatasetBatchSampler, order=self.same_dataset_order, gradient_accumulation_steps=steps
+            )
+            return
+        ours = value is SameDatasetBatchSampler or getattr(value, "func", None) is SameDatasetBatchSampler
+        for name in ("same_dataset_order", "same_dataset_per_optimizer_step"):
+            if not ours and getattr(self, name) != _ARGUMENT_SPECS[name].default:
+                raise ValueError(
+                    f"{name} applies to multi_dataset_batch_sampler='{SAME_DATASET}' only (got "
+                    f"{getattr(value, 'value', value)!r}); set multi_dataset_batch_sampler: {SAME_DATASET} or "
+                    f"remove {name}."
+                )
 
     # ------------------------------------------------------------------ the options' forms, the scale's rate
 
@@ -231,7 +287,7 @@ class CachedLossArguments(BaseTrainingArguments):
         """Give a learnable scale its own learning rate through sentence-transformers'
         ``learning_rate_mapping`` (read by the trainer when it builds the optimizer).
 
-        The entry under :data:`SCALE_PARAMETER_PATTERN` is this field's: it is set (or, when the scale is
+        The entry under [`SCALE_PARAMETER_PATTERN`][st_cached_losses.config.training_args.SCALE_PARAMETER_PATTERN] is this field's: it is set (or, when the scale is
         not learnable or the rate is off, removed, since the trainer rejects a pattern that matches no
         parameter), so that arguments saved and parsed again follow their ``scale_learning_rate``. A user's
         pattern matching the scale's name wins: nothing is added then. The entry comes first, and the
@@ -290,7 +346,7 @@ class CachedLossArguments(BaseTrainingArguments):
 
     def loss_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too;
-        for 'sparse', besides the base loss, built from :meth:`base_loss_kwargs`): every argument the loss
+        for 'sparse', besides the base loss, built from `base_loss_kwargs`): every argument the loss
         takes that a field sets (``losses/settings.py``'s names), except where the field leaves the loss's
         own default."""
         return self._kwargs_of(self.loss_class, skip=("self", "guide"))
@@ -322,8 +378,8 @@ class CachedLossArguments(BaseTrainingArguments):
         if name == "partition_mode":
             given_terms = self.directions is not None or self.partition_mode is not None
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
-        if name == "num_negatives" and self.num_negatives == "all":
-            return None  # every in-batch negative
+        if name == "num_negatives" and self.num_negatives in (None, "all"):
+            return None  # every in-batch negative (the field's None, as the loss's)
         if (
             name == "similarity_fct"
             and self.similarity is not None
@@ -350,11 +406,11 @@ class CachedLossArguments(BaseTrainingArguments):
 @dataclass
 class CachedLossTrainingArguments(CachedLossArguments, SentenceTransformerTrainingArguments):
     """``SentenceTransformerTrainingArguments`` plus the choice of cached loss and all its hyperparameters
-    (:class:`CachedLossArguments`' fields: how they are read from the command line, JSON or YAML and checked
+    ([`CachedLossArguments`][st_cached_losses.training_args.CachedLossArguments]' fields: how they are read from the command line, JSON or YAML and checked
     is said there), for ``SentenceTransformerTrainer``: the losses 'mnr', 'clip', 'tiled' and 'gist'.
     'sparse', 'multi_vector' and 'cross_encoder' train other models with other trainers:
-    :class:`CachedSparseEncoderTrainingArguments`, :class:`CachedMultiVectorEncoderTrainingArguments` and
-    :class:`CachedCrossEncoderTrainingArguments`.
+    [`CachedSparseEncoderTrainingArguments`][st_cached_losses.training_args.CachedSparseEncoderTrainingArguments], [`CachedMultiVectorEncoderTrainingArguments`][st_cached_losses.training_args.CachedMultiVectorEncoderTrainingArguments] and
+    [`CachedCrossEncoderTrainingArguments`][st_cached_losses.training_args.CachedCrossEncoderTrainingArguments].
     """
 
     trains: ClassVar[str | None] = "SentenceTransformer"
@@ -362,15 +418,17 @@ class CachedLossTrainingArguments(CachedLossArguments, SentenceTransformerTraini
 
 @dataclass
 class CachedSparseEncoderTrainingArguments(CachedLossArguments, SparseEncoderTrainingArguments):
-    """``SparseEncoderTrainingArguments`` plus the cached loss's fields (:class:`CachedLossArguments`'), for
+    """``SparseEncoderTrainingArguments`` plus the cached loss's fields ([`CachedLossArguments`][st_cached_losses.training_args.CachedLossArguments]'), for
     ``SparseEncoderTrainer``: loss 'sparse' (the default; ``document_regularizer_weight`` is required).
 
-    Example::
+    Example:
 
-        args = CachedSparseEncoderTrainingArguments(
-            output_dir="out", document_regularizer_weight=3e-5, query_regularizer_weight=5e-5, mini_batch_size=32
-        )
-        trainer = SparseEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    ```python
+    args = CachedSparseEncoderTrainingArguments(
+        output_dir="out", document_regularizer_weight=3e-5, query_regularizer_weight=5e-5, mini_batch_size=32
+    )
+    trainer = SparseEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    ```
     """
 
     trains: ClassVar[str | None] = "SparseEncoder"
@@ -380,14 +438,16 @@ class CachedSparseEncoderTrainingArguments(CachedLossArguments, SparseEncoderTra
 
 @dataclass
 class CachedMultiVectorEncoderTrainingArguments(CachedLossArguments, MultiVectorEncoderTrainingArguments):
-    """``MultiVectorEncoderTrainingArguments`` plus the cached loss's fields (:class:`CachedLossArguments`'),
+    """``MultiVectorEncoderTrainingArguments`` plus the cached loss's fields ([`CachedLossArguments`][st_cached_losses.training_args.CachedLossArguments]'),
     for ``MultiVectorEncoderTrainer``, whose collator tokenizes the first column as queries (ColBERT's query
     expansion included) and the others as documents: loss 'multi_vector' (the default).
 
-    Example::
+    Example:
 
-        args = CachedMultiVectorEncoderTrainingArguments(output_dir="out", similarity="maxsim", mini_batch_size=32)
-        trainer = MultiVectorEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    ```python
+    args = CachedMultiVectorEncoderTrainingArguments(output_dir="out", similarity="maxsim", mini_batch_size=32)
+    trainer = MultiVectorEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    ```
     """
 
     trains: ClassVar[str | None] = "MultiVectorEncoder"
@@ -397,15 +457,17 @@ class CachedMultiVectorEncoderTrainingArguments(CachedLossArguments, MultiVector
 
 @dataclass
 class CachedCrossEncoderTrainingArguments(CachedLossArguments, CrossEncoderTrainingArguments):
-    """``CrossEncoderTrainingArguments`` plus the cached loss's fields (:class:`CachedLossArguments`'), for
+    """``CrossEncoderTrainingArguments`` plus the cached loss's fields ([`CachedLossArguments`][st_cached_losses.training_args.CachedLossArguments]'), for
     ``CrossEncoderTrainer`` (which accepts only its own arguments class): loss 'cross_encoder' (the default).
 
-    Example::
+    Example:
 
-        args = CachedCrossEncoderTrainingArguments(output_dir="out", per_device_train_batch_size=128,
-                                                   mini_batch_size=16, num_negatives=4)
-        trainer = CrossEncoderTrainer(model=model, args=args, train_dataset=train_dataset,
-                                      loss=build_loss(model, args))
+    ```python
+    args = CachedCrossEncoderTrainingArguments(output_dir="out", per_device_train_batch_size=128,
+                                               mini_batch_size=16, num_negatives=4)
+    trainer = CrossEncoderTrainer(model=model, args=args, train_dataset=train_dataset,
+                                  loss=build_loss(model, args))
+    ```
     """
 
     trains: ClassVar[str | None] = "CrossEncoder"
@@ -516,6 +578,8 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         value = getattr(args, name)
         if isinstance(value, str) and value.strip().lower() == "auto":
             setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step
+    if args.loss == "cross_encoder" and args.num_negatives is None:
+        args.num_negatives = "all"  # None means every in-batch negative, as for the loss: the card says so
     if isinstance(args.directions, (list, tuple)):  # given as a list in Python or YAML
         args.directions = ",".join(args.directions)
     _validate_spec_fields(args)

@@ -2,9 +2,9 @@
 scale, the forward (evaluation without a graph, or the engine's three stages) and the loss stage (one
 process, gathered across processes, or by ring exchange, through ``st_cached_losses.functional.parallel``).
 
-What only some losses have is theirs: the learnable scale is the :class:`LearnableScale` mixin (MNR, CLIP,
-tiled, GIST), the terms of sentence-transformers' ranking options live on :class:`CachedMNRLoss`, the
-regularisers on :class:`CachedSparseLoss`. A setting is one constructor parameter and one spec
+What only some losses have is theirs: the learnable scale is the [`LearnableScale`][st_cached_losses.losses._base.LearnableScale] mixin (MNR, CLIP,
+tiled, GIST), the terms of sentence-transformers' ranking options live on [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss], the
+regularisers on [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss]. A setting is one constructor parameter and one spec
 (``settings.py``), checked on every assignment.
 """
 
@@ -14,7 +14,7 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,7 @@ from st_cached_losses.functional.parallel import (
 )
 from st_cached_losses.losses.callbacks import warn_if_scale_unsaved
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
+from st_cached_losses.losses.guards import check_model_kind, foreign_setting_owners
 from st_cached_losses.losses.settings import SPECS, Setting, check_bool, check_max_scale
 
 __all__ = [
@@ -47,7 +48,7 @@ __all__ = [
 @dataclass
 class StepData:
     """What one call of a loss hands its loss stage besides the embeddings, built by ``forward`` from the
-    features (never kept on the loss): :meth:`CachedInfoNCEBase.calculate_loss` reads it from its ``step``
+    features (never kept on the loss): [`CachedInfoNCEBase.calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss] reads it from its ``step``
     argument, so that a wrapper decorating ``calculate_loss`` (MatryoshkaLoss) passes it through."""
 
     #: per column, the inputs' hashes (``mask_duplicates``)
@@ -65,12 +66,23 @@ class EngineSettings:
     ``"auto"`` chose, so the next step sizes them again."""
 
     cache: GradCache
+    #: the sentence-transformers model class (by name) the loss trains; another kind is refused at construction
+    model_kind: ClassVar[str]
 
     show_progress_bar = Setting[bool](on_engine=True)
     sort_by_length = Setting[bool](on_engine=True)
     reuse_last_graph = Setting[bool](on_engine=True)
     keep_params_unsharded = Setting[bool](on_engine=True)
     graph_memory_budget = Setting[int | None](on_engine=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a setting that only another cached loss has would be kept as a plain attribute and ignored: refuse it
+        if owners := foreign_setting_owners(self, name, EngineSettings):
+            raise ValueError(
+                f"{type(self).__name__} has no setting {name!r}: it is a setting of {', '.join(owners)}; build "
+                "that loss to use it."
+            )
+        super().__setattr__(name, value)
 
     def _init_engine(
         self,
@@ -132,10 +144,10 @@ class EngineSettings:
 
 
 class CachedInfoNCEBase(EngineSettings, nn.Module):
-    """The core of the cached embedding losses (:class:`CachedMNRLoss`, :class:`CachedCLIPLoss`,
-    :class:`CachedTiledLoss`, :class:`CachedGISTLoss`, :class:`CachedSparseLoss`,
-    :class:`CachedMultiVectorLoss`): the engine, a fixed scale, the forward and the loss stage. A loss
-    supplies its terms (:meth:`_loss_terms`), its config (``get_config_dict``), its citations, and sets
+    """The core of the cached embedding losses ([`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss], [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss],
+    [`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss], [`CachedGISTLoss`][st_cached_losses.losses.cached_gist.CachedGISTLoss], [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss],
+    [`CachedMultiVectorLoss`][st_cached_losses.losses.cached_multi_vector.CachedMultiVectorLoss]): the engine, a fixed scale, the forward and the loss stage. A loss
+    supplies its terms (`_loss_terms`), its config (``get_config_dict``), its citations, and sets
     ``gather_across_devices`` (the sparse loss keeps it on its base loss).
     """
 
@@ -145,8 +157,9 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     #: named in the model card's tags next to ``loss:<our class>``.
     equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
     #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates
-    #: by replaying the encoder: Matryoshka then decorates :meth:`calculate_loss` instead of the model.
+    #: by replaying the encoder: Matryoshka then decorates [`calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss] instead of the model.
     uses_gradient_cache = True
+    model_kind: ClassVar[str] = "SentenceTransformer"
 
     gather_across_devices = Setting[bool]()
     path = Setting[LossPath]()
@@ -179,6 +192,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         memory_budget: int | str,
     ) -> None:
         super().__init__()
+        check_model_kind(model, type(self), EngineSettings)
         check_splittable_model(model, type(self).__name__)
         self.model = model
         self._init_engine(
@@ -220,7 +234,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
             self.scale = 1.0 / temperature
 
     def scale_tensor(self) -> Tensor | float:
-        """The scale the loss stage multiplies by: a float, or (:class:`LearnableScale`) a tensor with its graph."""
+        """The scale the loss stage multiplies by: a float, or ([`LearnableScale`][st_cached_losses.losses._base.LearnableScale]) a tensor with its graph."""
         return self.scale
 
     # ------------------------------------------------------------------ model card
@@ -302,7 +316,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
                 when called directly; a wrapper that weighs and sums several calls, like MatryoshkaLoss,
                 thus weighs the scale's gradient too.) Without it the loss is returned with autograd (or
                 without a graph under ``torch.no_grad``).
-            step: what the call of the loss on these rows' features prepared (:class:`StepData`); None,
+            step: what the call of the loss on these rows' features prepared ([`StepData`][st_cached_losses.losses._base.StepData]); None,
                 called directly: no duplicate masks (they need the inputs).
 
         With ``gather_across_devices``, each process returns its share of the global loss (see
@@ -362,7 +376,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     def _stage2(
         self, embeddings: list[Tensor], labels: Tensor | None, step: StepData | None = None
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
-        """GradCache's stage 2 through :meth:`calculate_loss`, so that a wrapper that decorates it works."""
+        """GradCache's stage 2 through [`calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss], so that a wrapper that decorates it works."""
         reps = [[e.detach().requires_grad_()] for e in embeddings]
         scale = self.scale_tensor()
         step = step if step is not None else StepData()

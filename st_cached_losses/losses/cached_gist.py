@@ -87,7 +87,7 @@ class CachedGISTLoss(LearnableScale):
             path / tile_size / memory_budget: the loss-stage algorithm (``"auto"``, ``"chunked"`` or
                 ``"tiled"``; tiled across processes is the ring exchange) and its block sizes.
             sort_by_length / reuse_last_graph / keep_params_unsharded / graph_memory_budget /
-                mini_batch_memory_budget: how the engine runs the mini-batches, as on :class:`CachedMNRLoss`;
+                mini_batch_memory_budget: how the engine runs the mini-batches, as on [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss];
                 never the result.
 
         References:

@@ -148,3 +148,34 @@ def test_losses_take_any_similarity_function_like_sentence_transformers(name):
     )
     assert float(ours_loss) == pytest.approx(float(ref_loss), rel=1e-5)
     assert_grads_close(ours, ref)
+
+
+def _positive_keys_worker(rank: int, world: int, sizes: list[int], ring: bool):
+    from st_cached_losses.functional.parallel import gathered_loss_and_grad, ring_loss_and_grad
+
+    own = _slices(sizes)[rank]
+    q, cols, _, c_keys = masked_case(sum(sizes))
+    strategy = ring_loss_and_grad if ring else gathered_loss_and_grad
+    out = strategy(
+        q[own], [c[own] for c in cols], sizes, scale=20.0, tile_size=3, path="tiled" if ring else "auto",
+        candidate_keys=[k[own] for k in c_keys],
+    )  # fmt: skip
+    return {"loss": out.loss, "grads": [out.grad_anchors, *out.grad_candidates]}
+
+
+@pytest.mark.parametrize("ring", [False, True], ids=["gather", "ring"])
+def test_candidate_keys_without_anchor_keys_mask_on_every_path(ring):
+    """``candidate_keys`` alone (pairs compared by their positives) masks across processes on the gathered
+    path as on the ring and on one process (the gathered path used to drop the keys)."""
+    from tests.support.dist_utils import run_distributed
+
+    sizes = [5, 3]
+    per_rank = run_distributed(_positive_keys_worker, len(sizes), sizes, ring, timeout=180)
+    q, cols, _, c_keys = masked_case(sum(sizes))
+    one = infonce_loss_and_grad(q, cols, scale=20.0, candidate_keys=c_keys)
+    unmasked = infonce_loss_and_grad(q, cols, scale=20.0)
+    assert abs(float(one.loss) - float(unmasked.loss)) > 1e-3, "vacuous: the keys mask nothing"
+    w = len(sizes)
+    assert float(sum(r["loss"] for r in per_rank)) / w == pytest.approx(float(one.loss), rel=1e-12)
+    for k, r in enumerate([one.grad_anchors, *one.grad_candidates]):
+        torch.testing.assert_close(torch.cat([p["grads"][k] for p in per_rank]) / w, r, rtol=1e-9, atol=1e-12)
