@@ -3,6 +3,7 @@ stays green; with one, the steps it runs (checked here as a dry run behind a fak
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
@@ -20,8 +21,10 @@ NO_GPU = "gpu-check: skipped, no CUDA GPU on this machine ("
 
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment without an enclosing make's or gpu-check's variables (``make test`` runs pytest
-    inside make; ``make gpu-check`` runs this suite)."""
+    inside make; ``make gpu-check`` runs this suite), nor a PYTHONPATH (a checkout on it would shadow the
+    package a virtualenv installs)."""
     drop = {
+        "PYTHONPATH",
         "MAKEFLAGS",
         "MAKELEVEL",
         "MFLAGS",
@@ -202,7 +205,8 @@ def test_install_step_offline_keeps_the_given_pythons_torch(tmp_path):
         timeout=600,
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    assert f"gpu-check: torch {torch.__version__} of {sys.executable} kept" in out.stdout, out.stdout
+    installed = importlib.metadata.version("torch")  # pip's version of it (PyPI's CUDA wheels: no +cu130)
+    assert f"gpu-check: torch {installed} of {sys.executable} kept" in out.stdout, out.stdout
     assert f"from {wheels} only (--no-index)" in out.stdout, out.stdout
     # a requirement that needs another torch is refused, and only that one
     assert "gpu-check-greedy did not install" in out.stdout, out.stdout
@@ -230,3 +234,60 @@ def test_install_step_offline_keeps_the_given_pythons_torch(tmp_path):
     assert greedy_missing
     site_packages = next(venv.glob("lib/python*/site-packages"))
     assert not list(site_packages.glob("torch*")), sorted(p.name for p in site_packages.iterdir())
+
+
+def test_install_step_offline_with_a_cuda_torch_as_pypi_ships_it(tmp_path):
+    """The GPU machine's case: a CUDA torch whose ``torch.__version__`` carries a local label (2.11.0+cu130)
+    that its installed distribution does not (PyPI's wheels say 2.11.0), found by the default
+    GPU_SYSTEM_TORCH=auto since ``torch.version.cuda`` is set. Pinning the ``+cu130`` matched no installed
+    torch, and pip, with --no-index, then found none at all (ResolutionImpossible)."""
+    import zipfile
+
+    wheels = tmp_path / "wheels"
+    make_wheel(wheels, "gpu-check-dummy", "1.0", ["torch>=2.1"], {"gpu_check_dummy.py": "OK = True\n"})
+    make_wheel(wheels, "torch", "99.0", [], {"torch/__init__.py": "__version__ = '99.0'\n"})
+    # the stand-in GPU machine's Python: a virtualenv holding only the CUDA-looking torch
+    gpu_python = tmp_path / "gpu-python"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(gpu_python)], check=True, timeout=300)
+    standin = make_wheel(
+        tmp_path / "standin",
+        "torch",
+        "2.11.0",
+        [],
+        {
+            "torch/__init__.py": "from torch import version\n__version__ = '2.11.0+cu130'\n",
+            "torch/version.py": "cuda = '13.0'\n",
+        },
+    )
+    with zipfile.ZipFile(standin) as zf:
+        zf.extractall(next(gpu_python.glob("lib/python*/site-packages")))
+    venv = tmp_path / "venv"
+    env = {k: v for k, v in clean_env().items() if not k.startswith("PIP_")}
+    unreachable = "http://127.0.0.1:9"
+    env.update(
+        PIP_CONFIG_FILE=os.devnull,
+        HTTP_PROXY=unreachable,
+        HTTPS_PROXY=unreachable,
+        http_proxy=unreachable,
+        https_proxy=unreachable,
+        PYTHON=str(gpu_python / "bin" / "python"),
+        GPU_VENV=str(venv),
+        GPU_WHEELS=str(wheels),
+        GPU_OPTIONAL="",
+    )
+    env.pop("GPU_SYSTEM_TORCH", None)
+    out = subprocess.run(
+        ["bash", str(VENV_SCRIPT), "gpu-check-dummy"], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"gpu-check: torch 2.11.0 of {gpu_python / 'bin' / 'python'} kept" in out.stdout, out.stdout
+    assert "gpu-check: torch 2.11.0 (2.11.0+cu130) from " in out.stdout, out.stdout
+    seen = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import torch, gpu_check_dummy; print(torch.__version__)"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert seen.returncode == 0 and seen.stdout.strip() == "2.11.0+cu130", seen.stdout + seen.stderr

@@ -11,7 +11,9 @@
 #   a GPU machine with PyTorch preinstalled: that torch is used, never reinstalled. The virtualenv sees
 #   $PYTHON's packages (--system-site-packages, and when $PYTHON is itself a virtualenv, a .pth file
 #   adding its site-packages after the new one's); a constraint pins torch to the version $PYTHON has,
-#   so pip can neither upgrade nor replace it. If $GPU_WHEELS (default wheels/, made by `make wheels` on
+#   so pip can neither upgrade nor replace it. That version is the installed distribution's, as pip
+#   sees it, not torch.__version__: PyPI's CUDA wheels say 2.11.0 where torch.__version__ says
+#   2.11.0+cu130, and a constraint with the +cu130 would match no installed torch. If $GPU_WHEELS (default wheels/, made by `make wheels` on
 #   a connected machine) holds wheels, everything is installed from there with --no-index: no network
 #   is used. Otherwise the missing packages come from the configured index.
 #   GPU_SYSTEM_TORCH=1 takes $PYTHON's torch without asking whether it is a CUDA build (the tests'
@@ -40,11 +42,11 @@ system_torch=
 case $SYSTEM_TORCH in
     0) ;;
     1)
-        system_torch=$("$PYTHON" -c 'import torch; print(torch.__version__)') ||
+        system_torch=$("$PYTHON" -c 'import importlib.metadata as md, torch; print(md.version("torch"))') ||
             { say "GPU_SYSTEM_TORCH=1 but $PYTHON imports no torch"; exit 1; }
         ;;
     auto)
-        system_torch=$("$PYTHON" -c 'import sys, torch; print(torch.__version__) if torch.version.cuda else sys.exit(1)' 2>/dev/null) ||
+        system_torch=$("$PYTHON" -c 'import importlib.metadata as md, sys, torch; print(md.version("torch")) if torch.version.cuda else sys.exit(1)' 2>/dev/null) ||
             system_torch=
         ;;
     *) say "GPU_SYSTEM_TORCH is auto, 0 or 1, not '$SYSTEM_TORCH'"; exit 1 ;;
@@ -100,6 +102,7 @@ for req in $OPTIONAL; do
 done
 # the torch the virtualenv imports must be $PYTHON's, untouched
 "$PY" - "$system_torch" "$VENV" <<'EOF'
+import importlib.metadata as md
 import pathlib
 import sys
 
@@ -107,7 +110,7 @@ import torch
 
 version, venv = sys.argv[1], pathlib.Path(sys.argv[2]).resolve()
 where = pathlib.Path(torch.__file__).resolve()
-if torch.__version__ != version or venv in where.parents:
-    sys.exit(f"gpu-check: torch changed: {torch.__version__} from {where}, expected {version} from outside {venv}")
-print(f"gpu-check: torch {torch.__version__} from {where.parent}")
+if md.version("torch") != version or venv in where.parents:
+    sys.exit(f"gpu-check: torch changed: {md.version('torch')} from {where}, expected {version} from outside {venv}")
+print(f"gpu-check: torch {md.version('torch')} ({torch.__version__}) from {where.parent}")
 EOF

@@ -50,6 +50,7 @@ import base64
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -256,7 +257,13 @@ def main(argv: list[str] | None = None) -> int:
         download = [*pip, "download", "--quiet", "--no-deps", "--dest", str(args.dest), *target]
         run([*download, *args.pip_option, *offer, "-r", str(pins)])
     if own_wheel:
+        # setuptools writes the package's metadata into the checkout (st_cached_losses.egg-info), where a
+        # Python started there would take it for an installed copy: removed unless it was there before
+        egg_info = ROOT / "st_cached_losses.egg-info"
+        leave = egg_info.exists()
         run([*pip, "wheel", "--quiet", "--no-deps", "--wheel-dir", str(args.dest), str(ROOT)])
+        if not leave:
+            shutil.rmtree(egg_info, ignore_errors=True)
     for wheel in args.dest.glob("*.whl"):  # left by an earlier run for other versions
         name, version = wheel.name.split("-")[:2]
         if canonical(name) != "st-cached-losses" and versions.get(canonical(name)) != version:
