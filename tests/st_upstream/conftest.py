@@ -8,7 +8,8 @@ names bound to ours in the test's module (``CachedMultipleNegativesRankingLoss =
 through a package (``mve_losses.CachedMultiVector...``), the package's name is bound to a stand-in holding ours
 under their names and theirs for every other name), no argument mapping. The drop-in promise is that no test
 passing ``[theirs]`` fails ``[ours]``; the tests that cannot hold for ours are skipped there, each with its
-reason (:data:`NOT_OURS`). Their multi-vector tests use stub models (no fixture).
+reason (:data:`NOT_OURS`). Their multi-vector tests use stub models (no fixture). Their tests of their private
+mini-batch slicing of multimodal inputs run with our engine's slicing bound to its name (:data:`HELPERS`).
 
 Their fixtures load Hub models; these stand-ins are tiny random models built offline (tests run without a
 network), with a vocabulary holding every word of their tests' texts so that none becomes ``[UNK]``:
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 from sentence_transformers import SentenceTransformer, SparseEncoder
 
 from st_cached_losses import (
@@ -39,6 +41,7 @@ from st_cached_losses import (
     CachedMultiVectorLoss,
     CachedSparseLoss,
 )
+from st_cached_losses.engine.features import batch_size_of, slice_features
 from tests.support.tiny_model import WORDS, make_tiny_model, make_tiny_splade
 
 #: their class names -> ours
@@ -112,8 +115,26 @@ NOT_EITHER: dict[str, str] = {
     r"test_cmnrl\.py::TestCreateMinibatchMixedModality::test_minibatch_(text_only_samples|grid_rows_coincides)": (
         "it tests their private _create_minibatch on mixed-modality features; the file (their commit cad21198) is "
         "newer than the installed sentence-transformers 6.2.0, whose helper fails it with theirs too (KeyError: "
-        "'pixel_values' / 'image_grid_thw'); it uses no loss class"
+        "'pixel_values' / 'image_grid_thw'); ours (bound as HELPERS says) fails it the same way: a mini-batch of "
+        "text-only rows gets no pixel_values / image_grid_thw at all (as the processor makes a text-only batch), "
+        "not empty ones; it uses no loss class"
     ),
+}
+
+
+def _slice_rows(features: dict[str, Any], begin: int, end: int) -> dict[str, Any]:
+    """Our engine's mini-batch slicing (``engine.features.slice_features``) as their ``_create_minibatch``: rows
+    ``begin:end``, left padding kept (as theirs)."""
+    return slice_features(features, torch.arange(begin, end), batch_size_of(features), trim_leading=False)
+
+
+#: test id pattern -> their private helpers' names -> ours, bound with ``[ours]`` too: their tests of the
+#: GradCache base's mini-batch slicing of multimodal inputs call their helper, not a loss
+HELPERS: dict[str, dict[str, Any]] = {
+    r"test_cmnrl\.py::TestCreateMinibatchMixedModality::": {
+        "_create_minibatch": _slice_rows,
+        "_get_batch_size": batch_size_of,
+    },
 }
 #: set to run the tests of NOT_OURS with ours too (to see that they still fail, and why)
 RUN_ALL = os.environ.get("ST_UPSTREAM_RUN_ALL") == "1"
@@ -144,6 +165,10 @@ def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPat
         for name, cls in OURS.items():
             if name in vars(request.module):
                 monkeypatch.setattr(request.module, name, cls)
+        for pattern, helpers in HELPERS.items():
+            if re.search(pattern, request.node.nodeid):
+                for name, helper in helpers.items():
+                    monkeypatch.setattr(request.module, name, helper)
         for alias, value in list(vars(request.module).items()):
             if isinstance(value, types.ModuleType) and _reexports_theirs(value):
                 monkeypatch.setattr(request.module, alias, _with_ours(value))
