@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import st_cached_losses
+from st_cached_losses.losses.settings import Setting
 from tests.support.tiny_model import make_tiny_model, random_texts
 
 ALL_FOUR = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -27,11 +28,12 @@ def model(tmp_path_factory):
 
 
 def _settable(loss) -> list[str]:
-    """Every public property of the loss's class with a setter."""
+    """Every public setting of the loss's class (a :class:`Setting`, or a property with a setter)."""
     return [
         name
         for name, member in inspect.getmembers(type(loss))
-        if isinstance(member, property) and member.fset is not None and not name.startswith("_")
+        if isinstance(member, Setting) or (isinstance(member, property) and member.fset is not None)
+        if not name.startswith("_")
     ]
 
 
