@@ -1,4 +1,4 @@
-"""The collectives, moved to :mod:`st_cached_losses.functional.distributed`; this path re-exports them."""
+"""The collectives, moved to [`st_cached_losses.functional.distributed`][st_cached_losses.functional.distributed]; this path re-exports them."""
 
 import st_cached_losses.functional.distributed as _moved
 from st_cached_losses.functional.distributed import *  # noqa: F403

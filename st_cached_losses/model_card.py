@@ -1,4 +1,4 @@
-"""Re-export of :mod:`st_cached_losses.config.model_card` under its documented path."""
+"""Re-export of [`st_cached_losses.config.model_card`][st_cached_losses.config.model_card] under its documented path."""
 
 from st_cached_losses.config.model_card import (
     SECTION_TITLE,

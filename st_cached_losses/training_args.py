@@ -1,4 +1,4 @@
-"""Re-export of :mod:`st_cached_losses.config` under the documented path that checkpoints pickle."""
+"""Re-export of [`st_cached_losses.config`][st_cached_losses.config] under the documented path that checkpoints pickle."""
 
 from st_cached_losses.config.factory import LABEL_COLUMNS, build_loss, check_dataset_columns
 from st_cached_losses.config.registry import (

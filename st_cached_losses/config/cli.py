@@ -1,6 +1,6 @@
 """Read a run's arguments from the command line, a YAML or a JSON file, or a file plus overrides.
 
-:class:`CachedLossArgumentParser` is transformers' ``HfArgumentParser`` with what a run of a cached loss
+[`CachedLossArgumentParser`][st_cached_losses.config.cli.CachedLossArgumentParser] is transformers' ``HfArgumentParser`` with what a run of a cached loss
 needs on top:
 
 * a misspelt key or flag is an error that names the closest field, raised before any dataclass is
@@ -8,20 +8,22 @@ needs on top:
   "caching is off" for the default ``mini_batch_size`` before its own error, which names no field);
 * ``--help`` lists the loss fields first, then the script's own, then the ~120 training arguments, and
   keeps the line breaks of the script's docstring;
-* :meth:`~CachedLossArgumentParser.parse_command_line` takes ``script.py run.yaml`` and ``script.py
+* [`parse_command_line`][st_cached_losses.config.cli.CachedLossArgumentParser.parse_command_line] takes ``script.py run.yaml`` and ``script.py
   --config run.yaml --max_steps 10`` as well as flags, over a script's own defaults; setting ``scale``
   replaces a ``temperature`` given by a lower-priority source (and the other way round), so that
   ``--scale 30`` works on a script whose defaults name a temperature;
 * from a shell, a configuration error is one ``error:`` line and exit status 2, as argparse does.
 
-Example::
+Example:
 
-    from st_cached_losses import CachedLossArgumentParser
+```python
+from st_cached_losses import CachedLossArgumentParser
 
-    (args,) = CachedLossArgumentParser().parse_yaml_file("run.yaml")
-    data_args, args = CachedLossArgumentParser((DataArguments, CachedLossTrainingArguments)).parse_command_line(
-        defaults={"loss": "clip", "per_device_train_batch_size": 64}
-    )
+(args,) = CachedLossArgumentParser().parse_yaml_file("run.yaml")
+data_args, args = CachedLossArgumentParser((DataArguments, CachedLossTrainingArguments)).parse_command_line(
+    defaults={"loss": "clip", "per_device_train_batch_size": 64}
+)
+```
 """
 
 from __future__ import annotations
@@ -117,18 +119,21 @@ def _yaml_problem(err: Exception) -> str:
 
 _ROLE = re.compile(r":(?:py:)?(?:class|meth|func|data|mod|attr|obj|exc|ref|doc):`~?([^`<]*?)(?:\s*<[^>]*>)?`")
 _LITERAL = re.compile(r"``(.+?)``", re.DOTALL)
+#: a Markdown cross-reference of mkdocstrings / autorefs: [`title`][identifier] or [title][identifier]
+_CROSS_REFERENCE = re.compile(r"\[`?([^\]`]+)`?\]\[[\w.]*\]")
 
 
 def plain_text(text: str) -> str:
-    """``text`` (a docstring, a field's help) without its reStructuredText markup, for ``--help``:
-    ``:class:`~a.b.C``` -> ``C``, ``:class:`a.b.C``` -> ``a.b.C``, double-backtick literals -> their text,
-    ``Example::`` -> ``Example:``."""
+    """``text`` (a docstring, a field's help) without its markup, for ``--help``: the docstrings' Markdown
+    cross-references ``[`C`][a.b.C]`` -> ``C``; reStructuredText's roles `` :class:`~a.b.C` `` -> ``C`` and
+    `` :class:`a.b.C` `` -> ``a.b.C``, double-backtick literals -> their text, ``Example::`` -> ``Example:``."""
 
     def role(match: re.Match[str]) -> str:
         target = match.group(1)
         return target.rsplit(".", 1)[-1] if match.group(0).split("`", 1)[1].startswith("~") else target
 
     text = _ROLE.sub(role, text)
+    text = _CROSS_REFERENCE.sub(r"\1", text)
     text = _LITERAL.sub(r"\1", text)
     return re.sub(r"(\w)::$", r"\1:", text, flags=re.MULTILINE)
 
@@ -143,6 +148,17 @@ def _count_or_auto(text: str) -> int | str:
 
 
 _count_or_auto.__name__ = "integer or 'auto'"  # argparse's "invalid <name> value" message
+
+#: fields that take a count or "all" on the command line
+_COUNT_OR_ALL = {"num_negatives"}
+
+
+def _count_or_all(text: str) -> int | str:
+    """A count, or ``"all"`` (every one there is)."""
+    return "all" if text.strip().lower() == "all" else int(text)
+
+
+_count_or_all.__name__ = "integer or 'all'"  # argparse's "invalid <name> value" message
 
 
 def _number_or_mapping(hint: Any) -> bool:
@@ -172,7 +188,7 @@ _int_or_json.__name__ = "integer or JSON mapping"  # argparse's "invalid <name> 
 
 
 class CachedLossArgumentParser(HfArgumentParser):
-    """``HfArgumentParser`` for :class:`~st_cached_losses.config.training_args.CachedLossTrainingArguments` (or
+    """``HfArgumentParser`` for [`CachedLossTrainingArguments`][st_cached_losses.training_args.CachedLossTrainingArguments] (or
     the sparse / multi-vector arguments classes) and a script's own dataclasses, with closest-name errors, the
     loss fields first in ``--help``, and configuration files plus overrides.
 
@@ -248,7 +264,13 @@ class CachedLossArgumentParser(HfArgumentParser):
             groups = [(self.add_argument_group(title, description), fields)]
         for group, group_fields in groups:
             for f in group_fields:
-                converter = _count_or_auto if f.name in _COUNT_OR_AUTO else None
+                converter = (
+                    _count_or_auto
+                    if f.name in _COUNT_OR_AUTO
+                    else _count_or_all
+                    if f.name in _COUNT_OR_ALL
+                    else None
+                )
                 if _number_or_mapping(hints[f.name]):
                     # argparse takes one type per flag: parsed from its text here (a copy of the field, so
                     # that the dataclass's own stays as declared)
@@ -324,11 +346,13 @@ class CachedLossArgumentParser(HfArgumentParser):
     ) -> tuple[Any, ...]:
         """A script's arguments: its ``defaults``, then a configuration file, then command-line flags.
 
-        Accepted forms::
+        Accepted forms:
 
-            script.py --loss clip --per_device_train_batch_size 1024 ...
-            script.py run.yaml                            # or run.json: the file over the defaults
-            script.py --config run.yaml --max_steps 10    # the file, then command-line overrides
+        ```text
+        script.py --loss clip --per_device_train_batch_size 1024 ...
+        script.py run.yaml                            # or run.json: the file over the defaults
+        script.py --config run.yaml --max_steps 10    # the file, then command-line overrides
+        ```
 
         Args:
             argv: the arguments; default ``sys.argv[1:]``.
@@ -392,7 +416,7 @@ def _split_config(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _merge(lower: Mapping[str, Any], higher: Mapping[str, Any]) -> dict[str, Any]:
-    """``higher`` over ``lower``; a field of :data:`ALTERNATIVE_FIELDS` set in ``higher`` also drops its
+    """``higher`` over ``lower``; a field of [`ALTERNATIVE_FIELDS`][st_cached_losses.config.cli.ALTERNATIVE_FIELDS] set in ``higher`` also drops its
     alternatives from ``lower`` (a temperature on the command line replaces the defaults' scale)."""
     merged = dict(lower)
     for group in ALTERNATIVE_FIELDS:

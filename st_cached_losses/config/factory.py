@@ -1,7 +1,7 @@
 """The loss factory: the cached loss a run's arguments describe, and the check of a dataset against it.
 
-:func:`build_loss` builds the loss from ``CachedLossTrainingArguments`` (its class from the registry, its
-settings from the arguments, GIST's guide loaded on the model's device); :func:`check_dataset_columns`
+[`build_loss`][st_cached_losses.config.factory.build_loss] builds the loss from ``CachedLossTrainingArguments`` (its class from the registry, its
+settings from the arguments, GIST's guide loaded on the model's device); [`check_dataset_columns`][st_cached_losses.config.factory.check_dataset_columns]
 checks, before any training step, that a dataset has the text columns that loss needs.
 """
 
@@ -33,14 +33,14 @@ def build_loss(
             for 'mnr', 'clip', 'tiled' and 'gist', a SparseEncoder for 'sparse', a MultiVectorEncoder for
             'multi_vector', a CrossEncoder for 'cross_encoder' (another of these kinds raises a ``ValueError`` naming the one needed).
         args: the run's arguments; ``args.loss`` picks the class, the other loss fields its settings.
-        train_dataset: optional; when given, checked against the loss with :func:`check_dataset_columns`,
+        train_dataset: optional; when given, checked against the loss with [`check_dataset_columns`][st_cached_losses.config.factory.check_dataset_columns],
             so that a dataset with too few text columns fails here rather than in the first training step.
 
     Returns:
-        A :class:`CachedMNRLoss`, :class:`CachedCLIPLoss`, :class:`CachedTiledLoss`, :class:`CachedGISTLoss`
-        (its guide loaded from ``args.guide_model`` on the model's device), :class:`CachedSparseLoss` (its base
+        A [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss], [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss], [`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss], [`CachedGISTLoss`][st_cached_losses.losses.cached_gist.CachedGISTLoss]
+        (its guide loaded from ``args.guide_model`` on the model's device), [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss] (its base
         loss a ``SparseMultipleNegativesRankingLoss`` built from the fields, the regularisers ``FlopsLoss``),
-        :class:`CachedMultiVectorLoss` or :class:`CachedCrossEncoderLoss`.
+        [`CachedMultiVectorLoss`][st_cached_losses.losses.cached_multi_vector.CachedMultiVectorLoss] or [`CachedCrossEncoderLoss`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss].
     """
     if not isinstance(args, CachedLossArguments):
         raise TypeError(

@@ -4,14 +4,14 @@ sentence-transformers writes the card on ``save_pretrained`` / ``push_to_hub``: 
 ``loss:`` tag), its ``get_config_dict()``, its citations, the training arguments and the evaluation.
 Two things it misses, added here:
 
-* :class:`CachedLossCardCallback`: it lists "non-default hyperparameters" by comparing with a default
+* [`CachedLossCardCallback`][st_cached_losses.config.model_card.CachedLossCardCallback]: it lists "non-default hyperparameters" by comparing with a default
   ``SentenceTransformerTrainingArguments``, which has no loss fields, so a changed ``mini_batch_size``
   or ``temperature`` appeared only under "all hyperparameters";
-* :func:`add_training_section`: a "Cached loss training" section with what caching changed (the global
+* [`add_training_section`][st_cached_losses.config.model_card.add_training_section]: a "Cached loss training" section with what caching changed (the global
   batch, the processes, the encoder mini-batch), metrics before and after training, and the loss fields.
 
-This module sits above :mod:`st_cached_losses.config.training_args` (the callback needs the arguments class),
-not in :mod:`st_cached_losses.losses.callbacks`, which the losses import.
+This module sits above [`st_cached_losses.config.training_args`][st_cached_losses.config.training_args] (the callback needs the arguments class),
+not in [`st_cached_losses.losses.callbacks`][st_cached_losses.losses.callbacks], which the losses import.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ SECTION_TITLE = "Cached loss training"
 
 
 class CachedLossCardCallback(TrainerCallback):
-    """Lists the loss fields of :class:`CachedLossTrainingArguments` that differ from their defaults among
+    """Lists the loss fields of [`CachedLossTrainingArguments`][st_cached_losses.training_args.CachedLossTrainingArguments] that differ from their defaults among
     the model card's "non-default hyperparameters".
 
     sentence-transformers compares the arguments with a default ``SentenceTransformerTrainingArguments``,
@@ -141,7 +141,7 @@ def add_training_section(
 
     It says what caching changed and the model card cannot tell: the global batch the negatives came
     from, the processes, the encoder mini-batch, the optimizer steps and the training time, then an
-    optional metrics table and the loss fields of :class:`CachedLossTrainingArguments` as JSON.
+    optional metrics table and the loss fields of [`CachedLossTrainingArguments`][st_cached_losses.training_args.CachedLossTrainingArguments] as JSON.
 
     Args:
         model_dir: where ``model.save_pretrained`` wrote the model and its card.

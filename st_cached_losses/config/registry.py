@@ -2,8 +2,8 @@
 and the "did you mean" hint every configuration error uses.
 
 The bottom of the configuration layer: it imports the losses only, so that the arguments class
-(:mod:`st_cached_losses.config.training_args`), the factory (:mod:`st_cached_losses.config.factory`) and the
-parser (:mod:`st_cached_losses.config.cli`) share one table.
+([`st_cached_losses.config.training_args`][st_cached_losses.config.training_args]), the factory ([`st_cached_losses.config.factory`][st_cached_losses.config.factory]) and the
+parser ([`st_cached_losses.config.cli`][st_cached_losses.config.cli]) share one table.
 """
 
 from __future__ import annotations

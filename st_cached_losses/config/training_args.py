@@ -1,26 +1,28 @@
 """Configure a cached loss through TrainingArguments: the arguments classes and the checks of their fields.
 
 ``CachedLossArguments`` holds the loss choice and every loss hyperparameter, one field per setting; mixed
-into each model kind's arguments, it makes the class that kind's trainer takes (:data:`ARGUMENTS_CLASSES`):
+into each model kind's arguments, it makes the class that kind's trainer takes ([`ARGUMENTS_CLASSES`][st_cached_losses.config.training_args.ARGUMENTS_CLASSES]):
 ``CachedLossTrainingArguments`` (``SentenceTransformerTrainingArguments``),
 ``CachedSparseEncoderTrainingArguments``, ``CachedMultiVectorEncoderTrainingArguments`` and
 ``CachedCrossEncoderTrainingArguments`` (``SparseEncoder...``, ``MultiVectorEncoder...``,
 ``CrossEncoderTrainingArguments``). Invalid combinations fail when the arguments are built
-(:func:`validate_loss_fields`, run by ``__post_init__``), naming the field, before any model is loaded or any
+([`validate_loss_fields`][st_cached_losses.config.training_args.validate_loss_fields], run by ``__post_init__``), naming the field, before any model is loaded or any
 training step runs. The settings are saved with every checkpoint (``training_args.bin``) and listed in the
 model card.
 
-Below this module: the loss registry (:mod:`st_cached_losses.config.registry`). Above it: the factory that
-builds the loss and checks a dataset against it (:mod:`st_cached_losses.config.factory`), the parser for the
-command line, YAML and JSON (:mod:`st_cached_losses.config.cli`) and the model card
-(:mod:`st_cached_losses.config.model_card`).
+Below this module: the loss registry ([`st_cached_losses.config.registry`][st_cached_losses.config.registry]). Above it: the factory that
+builds the loss and checks a dataset against it ([`st_cached_losses.config.factory`][st_cached_losses.config.factory]), the parser for the
+command line, YAML and JSON ([`st_cached_losses.config.cli`][st_cached_losses.config.cli]) and the model card
+([`st_cached_losses.config.model_card`][st_cached_losses.config.model_card]).
 
-Example::
+Example:
 
-    from st_cached_losses import CachedLossArgumentParser, build_loss
+```python
+from st_cached_losses import CachedLossArgumentParser, build_loss
 
-    (args,) = CachedLossArgumentParser().parse_yaml_file("run.yaml")
-    loss = build_loss(model, args, train_dataset=train_dataset)
+(args,) = CachedLossArgumentParser().parse_yaml_file("run.yaml")
+loss = build_loss(model, args, train_dataset=train_dataset)
+```
 """
 
 # No ``from __future__ import annotations`` here: the fields' annotations are real objects, so that
@@ -127,7 +129,7 @@ _LOSS_HELP = (
 
 
 def _spec_field(name: str, default: Any = dataclasses.MISSING, more: str = "") -> Any:
-    """The field of the setting ``name`` (a loss argument's, or one of :data:`_ARGUMENT_SPECS`): its spec's
+    """The field of the setting ``name`` (a loss argument's, or one of `_ARGUMENT_SPECS`): its spec's
     default (or ``default``) and help (and ``more``)."""
     spec = SPECS[name] if name in SPECS else _ARGUMENT_SPECS[name]
     return field(
@@ -141,12 +143,12 @@ class CachedLossArguments(BaseTrainingArguments):
     """The choice of cached loss and all its hyperparameters, on top of sentence-transformers' training
     arguments: the one set of fields (one spec per setting) of the three arguments classes, one per model kind,
     each accepted by that kind's trainer (whose data collator stamps each column's task, e.g. ``"query"`` for
-    the first): :class:`CachedLossTrainingArguments` (``SentenceTransformerTrainer``),
-    :class:`CachedSparseEncoderTrainingArguments` (``SparseEncoderTrainer``) and
-    :class:`CachedMultiVectorEncoderTrainingArguments` (``MultiVectorEncoderTrainer``). Build one of those.
+    the first): [`CachedLossTrainingArguments`][st_cached_losses.training_args.CachedLossTrainingArguments] (``SentenceTransformerTrainer``),
+    [`CachedSparseEncoderTrainingArguments`][st_cached_losses.training_args.CachedSparseEncoderTrainingArguments] (``SparseEncoderTrainer``) and
+    [`CachedMultiVectorEncoderTrainingArguments`][st_cached_losses.training_args.CachedMultiVectorEncoderTrainingArguments] (``MultiVectorEncoderTrainer``). Build one of those.
 
     Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
-    file through :class:`~st_cached_losses.config.cli.CachedLossArgumentParser` (or ``HfArgumentParser``).
+    file through [`CachedLossArgumentParser`][st_cached_losses.config.cli.CachedLossArgumentParser] (or ``HfArgumentParser``).
     Invalid combinations raise a ``ValueError`` naming the field when the arguments are built, and so does a
     loss for another model kind than the class trains (naming the class to use); a ``mini_batch_size`` that
     is not smaller than ``per_device_train_batch_size`` only warns (the batch then fits in one mini-batch:
@@ -231,7 +233,7 @@ class CachedLossArguments(BaseTrainingArguments):
         """Give a learnable scale its own learning rate through sentence-transformers'
         ``learning_rate_mapping`` (read by the trainer when it builds the optimizer).
 
-        The entry under :data:`SCALE_PARAMETER_PATTERN` is this field's: it is set (or, when the scale is
+        The entry under [`SCALE_PARAMETER_PATTERN`][st_cached_losses.config.training_args.SCALE_PARAMETER_PATTERN] is this field's: it is set (or, when the scale is
         not learnable or the rate is off, removed, since the trainer rejects a pattern that matches no
         parameter), so that arguments saved and parsed again follow their ``scale_learning_rate``. A user's
         pattern matching the scale's name wins: nothing is added then. The entry comes first, and the
@@ -290,7 +292,7 @@ class CachedLossArguments(BaseTrainingArguments):
 
     def loss_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too;
-        for 'sparse', besides the base loss, built from :meth:`base_loss_kwargs`): every argument the loss
+        for 'sparse', besides the base loss, built from `base_loss_kwargs`): every argument the loss
         takes that a field sets (``losses/settings.py``'s names), except where the field leaves the loss's
         own default."""
         return self._kwargs_of(self.loss_class, skip=("self", "guide"))
@@ -322,8 +324,8 @@ class CachedLossArguments(BaseTrainingArguments):
         if name == "partition_mode":
             given_terms = self.directions is not None or self.partition_mode is not None
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
-        if name == "num_negatives" and self.num_negatives == "all":
-            return None  # every in-batch negative
+        if name == "num_negatives" and self.num_negatives in (None, "all"):
+            return None  # every in-batch negative (the field's None, as the loss's)
         if (
             name == "similarity_fct"
             and self.similarity is not None
@@ -350,11 +352,11 @@ class CachedLossArguments(BaseTrainingArguments):
 @dataclass
 class CachedLossTrainingArguments(CachedLossArguments, SentenceTransformerTrainingArguments):
     """``SentenceTransformerTrainingArguments`` plus the choice of cached loss and all its hyperparameters
-    (:class:`CachedLossArguments`' fields: how they are read from the command line, JSON or YAML and checked
+    ([`CachedLossArguments`][st_cached_losses.training_args.CachedLossArguments]' fields: how they are read from the command line, JSON or YAML and checked
     is said there), for ``SentenceTransformerTrainer``: the losses 'mnr', 'clip', 'tiled' and 'gist'.
     'sparse', 'multi_vector' and 'cross_encoder' train other models with other trainers:
-    :class:`CachedSparseEncoderTrainingArguments`, :class:`CachedMultiVectorEncoderTrainingArguments` and
-    :class:`CachedCrossEncoderTrainingArguments`.
+    [`CachedSparseEncoderTrainingArguments`][st_cached_losses.training_args.CachedSparseEncoderTrainingArguments], [`CachedMultiVectorEncoderTrainingArguments`][st_cached_losses.training_args.CachedMultiVectorEncoderTrainingArguments] and
+    [`CachedCrossEncoderTrainingArguments`][st_cached_losses.training_args.CachedCrossEncoderTrainingArguments].
     """
 
     trains: ClassVar[str | None] = "SentenceTransformer"
@@ -362,15 +364,17 @@ class CachedLossTrainingArguments(CachedLossArguments, SentenceTransformerTraini
 
 @dataclass
 class CachedSparseEncoderTrainingArguments(CachedLossArguments, SparseEncoderTrainingArguments):
-    """``SparseEncoderTrainingArguments`` plus the cached loss's fields (:class:`CachedLossArguments`'), for
+    """``SparseEncoderTrainingArguments`` plus the cached loss's fields ([`CachedLossArguments`][st_cached_losses.training_args.CachedLossArguments]'), for
     ``SparseEncoderTrainer``: loss 'sparse' (the default; ``document_regularizer_weight`` is required).
 
-    Example::
+    Example:
 
-        args = CachedSparseEncoderTrainingArguments(
-            output_dir="out", document_regularizer_weight=3e-5, query_regularizer_weight=5e-5, mini_batch_size=32
-        )
-        trainer = SparseEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    ```python
+    args = CachedSparseEncoderTrainingArguments(
+        output_dir="out", document_regularizer_weight=3e-5, query_regularizer_weight=5e-5, mini_batch_size=32
+    )
+    trainer = SparseEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    ```
     """
 
     trains: ClassVar[str | None] = "SparseEncoder"
@@ -380,14 +384,16 @@ class CachedSparseEncoderTrainingArguments(CachedLossArguments, SparseEncoderTra
 
 @dataclass
 class CachedMultiVectorEncoderTrainingArguments(CachedLossArguments, MultiVectorEncoderTrainingArguments):
-    """``MultiVectorEncoderTrainingArguments`` plus the cached loss's fields (:class:`CachedLossArguments`'),
+    """``MultiVectorEncoderTrainingArguments`` plus the cached loss's fields ([`CachedLossArguments`][st_cached_losses.training_args.CachedLossArguments]'),
     for ``MultiVectorEncoderTrainer``, whose collator tokenizes the first column as queries (ColBERT's query
     expansion included) and the others as documents: loss 'multi_vector' (the default).
 
-    Example::
+    Example:
 
-        args = CachedMultiVectorEncoderTrainingArguments(output_dir="out", similarity="maxsim", mini_batch_size=32)
-        trainer = MultiVectorEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    ```python
+    args = CachedMultiVectorEncoderTrainingArguments(output_dir="out", similarity="maxsim", mini_batch_size=32)
+    trainer = MultiVectorEncoderTrainer(model=model, args=args, train_dataset=data, loss=build_loss(model, args))
+    ```
     """
 
     trains: ClassVar[str | None] = "MultiVectorEncoder"
@@ -397,15 +403,17 @@ class CachedMultiVectorEncoderTrainingArguments(CachedLossArguments, MultiVector
 
 @dataclass
 class CachedCrossEncoderTrainingArguments(CachedLossArguments, CrossEncoderTrainingArguments):
-    """``CrossEncoderTrainingArguments`` plus the cached loss's fields (:class:`CachedLossArguments`'), for
+    """``CrossEncoderTrainingArguments`` plus the cached loss's fields ([`CachedLossArguments`][st_cached_losses.training_args.CachedLossArguments]'), for
     ``CrossEncoderTrainer`` (which accepts only its own arguments class): loss 'cross_encoder' (the default).
 
-    Example::
+    Example:
 
-        args = CachedCrossEncoderTrainingArguments(output_dir="out", per_device_train_batch_size=128,
-                                                   mini_batch_size=16, num_negatives=4)
-        trainer = CrossEncoderTrainer(model=model, args=args, train_dataset=train_dataset,
-                                      loss=build_loss(model, args))
+    ```python
+    args = CachedCrossEncoderTrainingArguments(output_dir="out", per_device_train_batch_size=128,
+                                               mini_batch_size=16, num_negatives=4)
+    trainer = CrossEncoderTrainer(model=model, args=args, train_dataset=train_dataset,
+                                  loss=build_loss(model, args))
+    ```
     """
 
     trains: ClassVar[str | None] = "CrossEncoder"
@@ -516,6 +524,8 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         value = getattr(args, name)
         if isinstance(value, str) and value.strip().lower() == "auto":
             setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step
+    if args.loss == "cross_encoder" and args.num_negatives is None:
+        args.num_negatives = "all"  # None means every in-batch negative, as for the loss: the card says so
     if isinstance(args.directions, (list, tuple)):  # given as a list in Python or YAML
         args.directions = ",".join(args.directions)
     _validate_spec_fields(args)

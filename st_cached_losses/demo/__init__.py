@@ -1,5 +1,5 @@
 """The demo layer: ``make demo`` (``python -m st_cached_losses.demo``) fine-tunes all-MiniLM-L6-v2 with a
-cached loss on text pairs from the Python standard library (:mod:`st_cached_losses.demo.data`).
+cached loss on text pairs from the Python standard library ([`st_cached_losses.demo.data`][st_cached_losses.demo.data]).
 
 The top layer: may import the configuration, the losses and everything below them; nothing imports it (but
 the ``st_cached_losses.data`` re-export). The app's names load on first use (PEP 562), so that the

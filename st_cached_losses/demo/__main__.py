@@ -1,4 +1,4 @@
-"""``python -m st_cached_losses.demo``: the demo's command line (see :mod:`st_cached_losses.demo.app`)."""
+"""``python -m st_cached_losses.demo``: the demo's command line (see [`st_cached_losses.demo.app`][st_cached_losses.demo.app])."""
 
 from st_cached_losses.demo.app import main
 

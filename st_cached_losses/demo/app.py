@@ -12,11 +12,11 @@ The main job, on an embedded default and without a network:
 4. retrieval after training, the model and its model card saved under ``output/demo``, and a short
    before / after table.
 
-Every setting is a field of :class:`DemoArguments` or :class:`CachedLossTrainingArguments`: pass them on
+Every setting is a field of [`DemoArguments`][st_cached_losses.demo.app.DemoArguments] or [`CachedLossTrainingArguments`][st_cached_losses.training_args.CachedLossTrainingArguments]: pass them on
 the command line (``--loss clip --per_device_train_batch_size 1024``), or a YAML / JSON file
 (``python -m st_cached_losses.demo run.yaml``). ``--help`` lists them all, the loss fields first.
 ``--hub_model_id your-username/my-model`` writes the card for that repository; add ``--push_dry_run DIR``
-to get in DIR the folder a ``push_to_hub`` would upload, without a network (:mod:`st_cached_losses.demo.hub`).
+to get in DIR the folder a ``push_to_hub`` would upload, without a network ([`st_cached_losses.demo.hub`][st_cached_losses.demo.hub]).
 
 The scripts in ``examples/`` do the same, each on its own, as code to copy.
 """
@@ -349,8 +349,8 @@ def leave_process_group() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """``make demo``: parse the arguments over :data:`DEMO_DEFAULTS`, train and evaluate, print the
-    table on the main process; returns the summary of :func:`train_and_evaluate`.
+    """``make demo``: parse the arguments over `DEMO_DEFAULTS`, train and evaluate, print the
+    table on the main process; returns the summary of [`train_and_evaluate`][st_cached_losses.demo.app.train_and_evaluate].
 
     A configuration error raises ``ValueError`` when ``argv`` is given; from the command line it is
     one ``error:`` line and exit status 2.

@@ -2,11 +2,13 @@
 
 ``model.push_to_hub(repo_id, ...)`` runs as is, with only its Hub client replaced by a recorder that copies
 the folder a real push would upload (the model's files and its ``README.md``, the card the Hub would show)
-into a local folder. No network and no token are needed. Three ways in::
+into a local folder. No network and no token are needed. Three ways in:
 
-    python -m st_cached_losses.demo --hub_model_id your-username/my-model --push_dry_run output/upload
-    python -m st_cached_losses.demo.hub output/demo your-username/my-model   # a saved folder, as saved
-    push_to_hub_dry_run(model, "your-username/my-model", "output/upload")     # from Python
+```text
+python -m st_cached_losses.demo --hub_model_id your-username/my-model --push_dry_run output/upload
+python -m st_cached_losses.demo.hub output/demo your-username/my-model   # a saved folder, as saved
+push_to_hub_dry_run(model, "your-username/my-model", "output/upload")     # from Python
+```
 
 The recorder stands in for the ``HfApi`` that sentence-transformers 6.x's ``push_to_hub`` looks up in
 ``sentence_transformers.base.model``; another version that looks it up elsewhere fails with a clear error

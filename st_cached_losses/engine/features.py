@@ -1,5 +1,5 @@
 """A batch's inputs as the caching engine sees them: the row count of a column, which positions of each
-row are real tokens (:func:`real_tokens`, the one place that decides it), the inputs of some of its rows
+row are real tokens ([`real_tokens`][st_cached_losses.engine.features.real_tokens], the one place that decides it), the inputs of some of its rows
 with the padding they do not need cut away, each row's length and token count, and whether a model's
 positions allow cutting leading padding. No model is run here.
 
@@ -12,12 +12,17 @@ A column comes in one of two layouts, and every function here understands both:
   one sequence, ``input_ids`` / ``position_ids`` / ``seq_idx`` ``(1, total)``, rows delimited by
   ``cu_seq_lens_q`` / ``cu_seq_lens_k`` ``(B + 1,)`` (cumulative lengths from 0), ``max_length_q`` /
   ``max_length_k`` the longest row, no attention mask. Slicing such a column gathers the selected rows'
-  tokens and rebuilds the per-sequence keys for them (:func:`is_flattened`). Every token of it is real
+  tokens and rebuilds the per-sequence keys for them ([`is_flattened`][st_cached_losses.engine.features.is_flattened]). Every token of it is real
   (sentence-transformers never flattens expanded queries).
 
-A padded column may also be made per mini-batch (:class:`InputsOnDemand`): it holds only its attention
+A padded column may also be made per mini-batch ([`InputsOnDemand`][st_cached_losses.engine.features.InputsOnDemand]): it holds only its attention
 mask, which is all the planning reads, and makes the inputs of the rows a mini-batch runs when it runs (a
-reranker's ``B x (1 + k)`` pairs are tokenized per mini-batch, so no step holds every pair's tokens)."""
+reranker's ``B x (1 + k)`` pairs are tokenized per mini-batch, so no step holds every pair's tokens).
+
+A multimodal column's images and videos (`multimodal`: Qwen-VL's flattened
+patches with their grids, gridless per-image pixels, sample-first pixels) go with their rows in either
+layout: a mini-batch gets exactly its rows' images, row after row, and its token counts
+([`token_counts`][st_cached_losses.engine.features.token_counts]) include its rows' vision patches."""
 
 from __future__ import annotations
 
@@ -29,6 +34,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from st_cached_losses.engine.multimodal import (
+    media_axes,
+    media_keys,
+    patches_per_row,
+    slice_media,
+    untrimmed_keys,
+)
+
 Features = dict[str, Any]
 
 __all__ = [
@@ -39,11 +52,13 @@ __all__ = [
     "input_ids_by_row",
     "is_flattened",
     "longest_first",
+    "media_tokens",
     "mini_batch_length",
     "model_device",
     "position_shift_invariant",
     "real_tokens",
     "row_lengths",
+    "row_weights",
     "slice_features",
     "token_counts",
     "unwrap_model",
@@ -53,7 +68,7 @@ __all__ = [
 class InputsOnDemand(dict[str, Any]):
     """A padded column whose inputs are made per mini-batch: it holds its ``attention_mask`` ``(B, T)``
     (what the planning reads: each row's real tokens) and ``make(rows, trim_leading)``, which returns the
-    inputs of ``rows`` as :func:`slice_features` would cut them from the whole padded column (padding no
+    inputs of ``rows`` as [`slice_features`][st_cached_losses.engine.features.slice_features] would cut them from the whole padded column (padding no
     row of them needs trimmed, leading padding only with ``trim_leading``)."""
 
     def __init__(self, attention_mask: Tensor, make: Callable[[Tensor, bool], Features]) -> None:
@@ -91,7 +106,9 @@ def batch_size_of(features: Features) -> int:
     """Rows of a column: the leading dimension of its inputs, or a flattened column's sequences."""
     if is_flattened(features):
         return int(features["cu_seq_lens_q"].numel()) - 1
-    for key in ("input_ids", "attention_mask", "inputs_embeds", "pixel_values"):
+    # the per-row counts of images / videos before pixel_values, which may hold one entry per image or patch
+    keys = ("input_ids", "attention_mask", "inputs_embeds", "num_images_per_sample", "num_videos_per_sample")
+    for key in (*keys, "pixel_values"):
         value = features.get(key)
         if isinstance(value, Tensor) and value.dim() >= 1:
             return int(value.shape[0])
@@ -144,19 +161,26 @@ def slice_features(
     """The inputs of ``rows`` (``(m,)`` indices), with padding no row of them needs trimmed away.
 
     Tensors whose first dim is the batch are indexed; of those, the ones laid out like the attention
-    mask ``(B, T, ...)`` are cut to the span of real tokens (:func:`real_tokens`) of the selected rows:
+    mask ``(B, T, ...)`` are cut to the span of real tokens ([`real_tokens`][st_cached_losses.engine.features.real_tokens]) of the selected rows:
     trailing padding always, leading (left) padding only with ``trim_leading``. A model with absolute
     positions numbers a left-padded row's tokens after its padding, so cutting that padding would change
     its embedding (and make the result depend on the mini-batch). Everything else (e.g. a Router's task
     name) is passed through.
 
-    A flattened column (:func:`is_flattened`) has no padding: the selected rows' tokens are gathered,
+    Images and videos indexed per image, per video or per patch (`media_axes`) are
+    gathered for ``rows``, row after row; a kind of visual entry none of them has is left out.
+
+    A flattened column ([`is_flattened`][st_cached_losses.engine.features.is_flattened]) has no padding: the selected rows' tokens are gathered,
     row after row in the order of ``rows``, and its per-sequence keys rebuilt for them
-    (:func:`_slice_flattened`). A column made per mini-batch (:class:`InputsOnDemand`) makes them."""
+    (`_slice_flattened`). A column made per mini-batch ([`InputsOnDemand`][st_cached_losses.engine.features.InputsOnDemand]) makes them."""
     if isinstance(features, InputsOnDemand):
         return features.make(rows, trim_leading)
+    axes = media_axes(features, batch_size)
+    media = media_keys(axes)
+    picked = slice_media(features, rows, axes)
     if is_flattened(features):
-        return _slice_flattened(features, rows, batch_size)
+        rest = {k: v for k, v in features.items() if k not in media}
+        return {**_slice_flattened(rest, rows, batch_size), **picked}
     real = real_tokens(features, batch_size)
     span: slice | None = None
     seq_len = None
@@ -165,18 +189,23 @@ def slice_features(
         used = real.index_select(0, rows.to(real.device)).any(0).nonzero()
         if used.numel() > 0:
             span = slice(int(used[0]) if trim_leading else 0, int(used[-1]) + 1)
+    keep_width = untrimmed_keys(features)
     out: Features = {}
     for key, value in features.items():
+        if key in media:
+            if key in picked:
+                out[key] = picked[key]
+            continue
         if isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == batch_size:
             value = value.index_select(0, rows.to(value.device))
-            if span is not None and value.dim() >= 2 and value.shape[1] == seq_len:
+            if span is not None and value.dim() >= 2 and value.shape[1] == seq_len and key not in keep_width:
                 value = value[:, span]
         out[key] = value
     return out
 
 
 def _slice_flattened(features: Features, rows: Tensor, batch_size: int) -> Features:
-    """:func:`slice_features` of a flattened column: one sequence of the ``m`` selected rows' tokens.
+    """[`slice_features`][st_cached_losses.engine.features.slice_features] of a flattened column: one sequence of the ``m`` selected rows' tokens.
 
     Token-level tensors (``(1, total, ...)``: ``input_ids``, ``position_ids``, ...) keep the selected
     rows' tokens, so each row keeps its own positions (also an offset such as RoBERTa's); ``seq_idx``
@@ -228,7 +257,7 @@ def _slice_flattened(features: Features, rows: Tensor, batch_size: int) -> Featu
 
 
 def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) -> Tensor | None:
-    """Per row, the positions it occupies once trimmed as :func:`slice_features` trims: ``(B,)``; a
+    """Per row, the positions it occupies once trimmed as [`slice_features`][st_cached_losses.engine.features.slice_features] trims: ``(B,)``; a
     flattened column's row lengths (it has no padding)."""
     if is_flattened(features):
         return _flat_lengths(features)
@@ -244,6 +273,15 @@ def row_lengths(features: Features, batch_size: int, trim_leading: bool = True) 
     return (end - start).clamp(min=0)
 
 
+def row_weights(features: Features, batch_size: int, trim_leading: bool = True) -> Tensor | None:
+    """Per row, the positions its forward runs on: its trimmed length ([`row_lengths`][st_cached_losses.engine.features.row_lengths]) plus the vision
+    patches of its images and videos ([`media_tokens`][st_cached_losses.engine.features.media_tokens]): ``(B,)``; None without lengths. What the
+    ``"auto"`` sizes probe and re-measure by: the heaviest rows of a batch are not always its longest text."""
+    lengths = row_lengths(features, batch_size, trim_leading)
+    patches = media_tokens(features, batch_size)
+    return lengths if lengths is None or patches is None else lengths + patches
+
+
 def longest_first(lengths: Tensor | None, batch_size: int) -> Tensor:
     """Row indices, the longest rows first (ties in row order); row order without ``lengths``."""
     return (
@@ -252,29 +290,44 @@ def longest_first(lengths: Tensor | None, batch_size: int) -> Tensor:
 
 
 def token_counts(features: Features, batch_size: int) -> Tensor | None:
-    """Per row, its real tokens (:func:`real_tokens`: attended, or ColBERT expansion positions): ``(B,)``;
+    """Per row, its real tokens ([`real_tokens`][st_cached_losses.engine.features.real_tokens]: attended, or ColBERT expansion positions): ``(B,)``;
     None without a ``(B, T)`` mask. What ``mini_batch_num_tokens`` budgets (not the padded length). A
     flattened column's row lengths (every token is real).
 
     sentence-transformers budgets attended tokens only; expansion positions are counted here because the
-    encoder runs over them and the loss scores them, so they cost memory like any other token."""
+    encoder runs over them and the loss scores them, so they cost memory like any other token. So are the
+    vision patches of a row's images and videos in flattened-patch layouts ([`media_tokens`][st_cached_losses.engine.features.media_tokens]): a vision
+    encoder runs over them before the text model sees a quarter as many image tokens."""
     if is_flattened(features):
-        return _flat_lengths(features)
-    real = real_tokens(features, batch_size)
-    return None if real is None else real.sum(1).cpu()
+        counts: Tensor | None = _flat_lengths(features)
+    else:
+        real = real_tokens(features, batch_size)
+        counts = None if real is None else real.sum(1).cpu()
+    patches = media_tokens(features, batch_size)
+    return counts if counts is None or patches is None else counts + patches
+
+
+def media_tokens(features: Features, batch_size: int) -> Tensor | None:
+    """Per row, the vision patches of its images and videos where they come flattened with a grid
+    (Qwen2-VL, `patches_per_row`): ``(B,)``; None for a column without them. What a
+    token budget and the ``"auto"`` sizes count besides a row's text."""
+    return patches_per_row(media_axes(features, batch_size), batch_size)
 
 
 def mini_batch_length(features: Features, lengths: Tensor | None, rows: Tensor) -> int:
     """The length per row a mini-batch of ``rows`` is embedded at, so that ``len(rows)`` times it counts
     the positions its forward runs on (what the graph-memory estimates scale with): padded, its
-    longest row (``lengths`` from :func:`row_lengths`); flattened, its rows' mean length, rounded up
-    (no row is padded to the longest). 1 without lengths to tell."""
+    longest row (``lengths`` from [`row_lengths`][st_cached_losses.engine.features.row_lengths]); flattened, its rows' mean length, rounded up
+    (no row is padded to the longest). Plus its rows' vision patches per row, rounded up
+    ([`media_tokens`][st_cached_losses.engine.features.media_tokens]: a vision encoder's positions). 1 without lengths to tell."""
     if lengths is None or len(rows) == 0:
         return 1
     picked = lengths[rows.cpu()]
+    patches = media_tokens(features, len(lengths))
+    extra = 0 if patches is None else -(-int(patches[rows.cpu()].sum()) // len(rows))
     if is_flattened(features):
-        return -(-int(picked.sum()) // len(rows))
-    return int(picked.max())
+        return -(-int(picked.sum()) // len(rows)) + extra
+    return int(picked.max()) + extra
 
 
 def input_ids_by_row(features: Features) -> Tensor | list[list[int]]:
@@ -293,7 +346,7 @@ def input_ids_by_row(features: Features) -> Tensor | list[list[int]]:
 _ABSOLUTE_POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")
 
 
-#: per model, the answer of :func:`position_shift_invariant` (it walks every module: once per model, not
+#: per model, the answer of [`position_shift_invariant`][st_cached_losses.engine.features.position_shift_invariant] (it walks every module: once per model, not
 #: once per step); weak keys, so a model is not kept alive by it
 _SHIFT_INVARIANT: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
@@ -311,7 +364,7 @@ def position_shift_invariant(model: nn.Module) -> bool:
 
 
 def _shift_invariant(model: nn.Module) -> bool:
-    """The module walk behind :func:`position_shift_invariant`."""
+    """The module walk behind [`position_shift_invariant`][st_cached_losses.engine.features.position_shift_invariant]."""
     rotary = False
     for module in model.modules():
         for name in _ABSOLUTE_POSITION_TABLES:

@@ -1,16 +1,16 @@
 """The GradCache engine: embed in mini-batches without a graph, cache the loss's gradient wrt every
 embedding, and replay the encoder mini-batch by mini-batch when the loss is back-propagated.
 
-No loss math lives here: a loss hands :meth:`GradCache.step` a callable that maps the embeddings of
+No loss math lives here: a loss hands [`GradCache.step`][st_cached_losses.engine.gradcache.GradCache.step] a callable that maps the embeddings of
 every column to ``(loss, gradients wrt those embeddings, gradients wrt extra tensors)``. No planning
 either: which rows each mini-batch embeds, and how many mini-batches every process runs, is
-:class:`~st_cached_losses.engine.planning.MiniBatchPlanner`'s (GradCache's base).
+[`MiniBatchPlanner`][st_cached_losses.engine.planning.MiniBatchPlanner]'s (GradCache's base).
 
 What it does beyond GradCache (Gao et al., 2021):
 
-* the plans of :mod:`st_cached_losses.engine.planning` (rows sorted by length, padding trimmed, token
+* the plans of [`st_cached_losses.engine.planning`][st_cached_losses.engine.planning] (rows sorted by length, padding trimmed, token
   budgets, the same mini-batches on every process under a sharded wrapper);
-* the RNG state (CPU and every available accelerator: CUDA, MPS, XPU, :mod:`~st_cached_losses.engine.rng`)
+* the RNG state (CPU and every available accelerator: CUDA, MPS, XPU, [`rng`][st_cached_losses.engine.rng])
   is snapshotted per mini-batch and restored at replay, so dropout masks are identical in both forwards;
   autocast settings are replayed too;
 * the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
@@ -20,7 +20,7 @@ What it does beyond GradCache (Gao et al., 2021):
   inside an outer ``no_sync`` (gradient accumulation); likewise FSDP2 (``set_requires_gradient_sync``:
   one reduce-scatter per step), FSDP1 (``no_sync()``) and DeepSpeed (its accumulation boundary);
 * with ``keep_params_unsharded`` an FSDP2 model's parameters are all-gathered once per step instead of
-  once per mini-batch forward and per replay (see :class:`GradCache`'s arguments).
+  once per mini-batch forward and per replay (see [`GradCache`][st_cached_losses.engine.gradcache.GradCache]'s arguments).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class _Session:
             self._release.atexit = False  # not at interpreter exit, with FSDP2 half torn down
 
     def backward(self, grad_output: float) -> list[Tensor | None]:
-        """Once (:class:`_Replay` refuses a second backward): the replays, then the extra tensors' grads."""
+        """Once (`_Replay` refuses a second backward): the replays, then the extra tensors' grads."""
         try:
             self._replay(grad_output)
         finally:
@@ -215,12 +215,12 @@ class _Replay(torch.autograd.Function):
 @dataclass
 class GradCache(MiniBatchPlanner):
     """The cached first stage and the replayed second stage; the mini-batch plans are
-    :class:`MiniBatchPlanner`'s.
+    [`MiniBatchPlanner`][st_cached_losses.engine.gradcache.MiniBatchPlanner]'s.
 
     Args:
         mini_batch_size: rows per encoder mini-batch; unused when ``mini_batch_num_tokens`` is set.
         mini_batch_num_tokens: budget of real tokens per mini-batch (attended, or ColBERT expansion
-            positions: :func:`~st_cached_losses.engine.features.real_tokens`; a flattened column's
+            positions: [`real_tokens`][st_cached_losses.engine.features.real_tokens]; a flattened column's
             sequence lengths), as sentence-transformers' ``mini_batch_num_tokens``: rows are packed
             greedily while their token sum stays within it, a row longer than the budget is a mini-batch
             of its own, and
@@ -229,7 +229,7 @@ class GradCache(MiniBatchPlanner):
         reuse_last_graph: keep the graph of the last first-stage mini-batch instead of replaying it.
         show_progress_bar: tqdm bars over the mini-batches of both stages.
         agree_mini_batches: whether the processes agree on the mini-batches per column each step (one
-            small all-gather) and all run that many (see :meth:`plan`). None: when the model's forwards
+            small all-gather) and all run that many (see [`plan`][st_cached_losses.engine.planning.MiniBatchPlanner.plan]). None: when the model's forwards
             are collectives (FSDP1, FSDP2, DeepSpeed); True: also under DDP, whose forwards are not.
         keep_params_unsharded: under FSDP2, keep every parameter group all-gathered from its first
             forward of a step (or evaluation pass) to the end of the step, then reshard and restore the
@@ -238,7 +238,7 @@ class GradCache(MiniBatchPlanner):
             memory of the whole unsharded model (as ZeRO-2) for the step; off by default, for models
             whose full parameters do not fit at once. Nothing for other wrappers.
         graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-stage graphs to keep instead
-            of replaying their mini-batches (:mod:`st_cached_losses.engine.graph_budget`): the largest
+            of replaying their mini-batches ([`st_cached_losses.engine.graph_budget`][st_cached_losses.engine.graph_budget]): the largest
             mini-batches first, measured, within the budget; the same gradients. None: keep only the
             last mini-batch's graph (``reuse_last_graph``). Under gradient synchronisation the last
             mini-batch is still replayed (the step's one reduction).
@@ -251,7 +251,7 @@ class GradCache(MiniBatchPlanner):
             ``"sentence_embedding"``, a SentenceTransformer's ``(m, d)`` rows; ``"scores"``, a CrossEncoder's
             ``(m, 1)`` score of each (query, document) pair, where the rows are pairs and the cached
             quantity is one score per row.
-        form: how the cached embeddings and gradients are kept (:class:`~.cache_form.CacheForm`, a loss's
+        form: how the cached embeddings and gradients are kept ([`CacheForm`][st_cached_losses.engine.cache_form.CacheForm], a loss's
             hook: e.g. only the non-zero entries of sparse rows); None: as the mini-batches output them.
     """
 
@@ -343,7 +343,7 @@ class GradCache(MiniBatchPlanner):
     def encode(self, model: nn.Module, features: Features) -> Tensor:
         """One mini-batch's embeddings ``(m, d)`` (the model's ``output``, e.g. pair scores ``(m, 1)``); with
         ``tokens``, its token embeddings and scoring mask packed as ``(m, t, d + 1)``
-        (:func:`~st_cached_losses.functional.multi_vector.pack_tokens`)."""
+        ([`pack_tokens`][st_cached_losses.functional.multi_vector.pack_tokens])."""
         # ranks run different numbers of mini-batch forwards: no buffer broadcast may wait inside them
         skip_forward_buffer_sync(model)
         # a column may wait on the CPU (a reranker's pairs, tokenized per mini-batch): only the mini-batch

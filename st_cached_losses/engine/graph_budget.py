@@ -29,6 +29,7 @@ from st_cached_losses.engine.features import (
     mini_batch_length,
     model_device,
     row_lengths,
+    row_weights,
     slice_features,
     unwrap_model,
 )
@@ -49,13 +50,13 @@ __all__ = [
 
 def work_of(rows: int, length: int) -> int:
     """A mini-batch's size for the estimates: rows times its padded length (its activations grow with
-    both; attention's grow faster with the length, see :meth:`GraphMeter.estimate`)."""
+    both; attention's grow faster with the length, see [`GraphMeter.estimate`][st_cached_losses.engine.graph_budget.GraphMeter.estimate])."""
     return max(rows, 1) * max(length, 1)
 
 
 @dataclass
 class GraphMeter:
-    """Bytes held by the graphs of forwards run inside :meth:`measure`, and the estimate for a mini-batch
+    """Bytes held by the graphs of forwards run inside [`measure`][st_cached_losses.engine.graph_budget.GraphMeter.measure], and the estimate for a mini-batch
     of another size from the first measurement (``bytes_per_unit`` at ``reference_length``)."""
 
     model: nn.Module
@@ -92,7 +93,7 @@ class GraphMeter:
         out.append(total[0])
 
     def calibrate(self, nbytes: int, rows: int, length: int) -> None:
-        """The first measurement of the step: bytes per unit of :func:`work_of`."""
+        """The first measurement of the step: bytes per unit of [`work_of`][st_cached_losses.engine.graph_budget.work_of]."""
         self.bytes_per_unit = nbytes / work_of(rows, length)
         self.reference_length = max(length, 1)
 
@@ -131,7 +132,7 @@ class GraphKeeper:
 
     The first forward with a graph calibrates the meter (under a sharded wrapper, where every replay is a
     collective, the processes then agree on the kept set: each keeps a mini-batch only if all do, one
-    small all-reduce, and no process drops one later); :meth:`forward` runs and measures the others.
+    small all-reduce, and no process drops one later); [`forward`][st_cached_losses.engine.graph_budget.GraphKeeper.forward] runs and measures the others.
     ``budget`` None: keeps nothing (the engine's plain rules apply)."""
 
     def __init__(
@@ -160,7 +161,7 @@ class GraphKeeper:
         ]
 
     def wants(self, mb: MiniBatch) -> bool:
-        """Whether ``mb``'s first-stage forward runs with a graph through :meth:`forward`."""
+        """Whether ``mb``'s first-stage forward runs with a graph through [`forward`][st_cached_losses.engine.graph_budget.GraphKeeper.forward]."""
         if self.budget is None:
             return False
         if self.kept_ids is None:
@@ -203,10 +204,11 @@ def _agreed(kept: set[int], n: int, device: torch.device) -> set[int]:
 
 
 def row_span(columns: Sequence[Features], trim_leading: bool, device: torch.device) -> tuple[int, int]:
-    """The shortest and the longest row of any column, in tokens as a mini-batch pads them (1 for
-    columns without an attention mask), over every process: where they all size ``"auto"`` together,
+    """The shortest and the longest row of any column, in tokens as a mini-batch pads them plus its vision
+    patches ([`row_weights`][st_cached_losses.engine.features.row_weights]; 1 for columns without an attention
+    mask), over every process: where they all size ``"auto"`` together,
     they must all decide alike whether to measure again."""
-    lengths = [x for x in (row_lengths(f, batch_size_of(f), trim_leading) for f in columns) if x is not None]
+    lengths = [x for x in (row_weights(f, batch_size_of(f), trim_leading) for f in columns) if x is not None]
     shortest = min((int(x.min()) for x in lengths if len(x)), default=1)
     longest = max((int(x.max()) for x in lengths if len(x)), default=1)
     if is_distributed():
@@ -233,8 +235,9 @@ def pick_mini_batch(
     in ``budget`` bytes, from measured forwards with a graph and the RNG restored afterwards (a probe
     changes no dropout mask of the step). Every process takes the smallest of their choices.
 
-    Rows: one forward of the batch's longest rows (at most :data:`PROBE_ROWS`), padded as a mini-batch
-    of them is; a mini-batch of shorter rows holds less. Tokens: the bytes per padded token, the larger
+    Rows: one forward of the batch's longest rows (at most [`PROBE_ROWS`][st_cached_losses.engine.graph_budget.PROBE_ROWS]; their text plus their
+    vision patches, [`row_weights`][st_cached_losses.engine.features.row_weights]), padded as a mini-batch of them
+    is; a mini-batch of shorter rows holds less. Tokens: the bytes per padded token, the larger
     of the longest rows' and the shortest rows' (a row's own costs, such as its pooled output, weigh
     more on a short row), so that a mini-batch of any of the batch's lengths fits; the planner then
     packs ``"auto"`` token budgets by padded tokens (see ``MiniBatchPlanner.plan``)."""
@@ -245,19 +248,21 @@ def pick_mini_batch(
             "and a column has none; use mini_batch_size='auto' instead."
         )
     device = model_device(model)
-    # the column holding the longest row, and its longest rows
-    longest = [int(x.max()) if x is not None and len(x) else 0 for x in lengths]
+    # rows weighed by their text and their vision patches: a row of few words and a large image is heavy
+    weights = [row_weights(f, batch_size_of(f), trim_leading) for f in columns]
+    # the column holding the heaviest row, and its heaviest rows
+    longest = [int(x.max()) if x is not None and len(x) else 0 for x in weights]
     k = max(range(len(columns)), key=lambda c: longest[c])
     b = batch_size_of(columns[k])
-    rows = longest_first(lengths[k], b)[: min(PROBE_ROWS, b)]
+    rows = longest_first(weights[k], b)[: min(PROBE_ROWS, b)]
     per_row = _probe(model, columns[k], rows, trim_leading, encode, device)
     if by_tokens:
         per_token = per_row / max(mini_batch_length(columns[k], lengths[k], rows), 1)
-        # the column holding the shortest row, and its shortest rows
-        shortest = [int(x.min()) if x is not None and len(x) else 1 << 62 for x in lengths]
+        # the column holding the lightest row, and its lightest rows
+        shortest = [int(x.min()) if x is not None and len(x) else 1 << 62 for x in weights]
         s = min(range(len(columns)), key=lambda c: shortest[c])
         b = batch_size_of(columns[s])
-        rows = longest_first(lengths[s], b)[-min(PROBE_ROWS, b) :]
+        rows = longest_first(weights[s], b)[-min(PROBE_ROWS, b) :]
         per_short_row = _probe(model, columns[s], rows, trim_leading, encode, device)
         per_token = max(per_token, per_short_row / max(mini_batch_length(columns[s], lengths[s], rows), 1))
         chosen = max(int(budget // per_token), 1)

@@ -1,9 +1,9 @@
-"""Mini-batch planning of the GradCache engine (:mod:`st_cached_losses.engine.gradcache`): which rows of a
+"""Mini-batch planning of the GradCache engine ([`st_cached_losses.engine.gradcache`][st_cached_losses.engine.gradcache]): which rows of a
 column each encoder mini-batch embeds, in which order, and how many mini-batches every process runs.
 
 * rows are sorted by length (longest first) before they are cut, and each mini-batch's padding is
   trimmed when it is sliced (leading padding only where positions are shift-invariant); a flattened
-  (padding-free) column is cut the same way, per sequence (see :mod:`~st_cached_losses.engine.features`);
+  (padding-free) column is cut the same way, per sequence (see [`features`][st_cached_losses.engine.features]);
 * mini-batches by row count or, as sentence-transformers' ``mini_batch_num_tokens``, by a budget of
   real (non-padding) tokens, packed greedily (a row longer than the budget alone);
 * under a sharded wrapper (FSDP1, FSDP2, DeepSpeed), whose forwards are collectives, the processes
@@ -11,13 +11,13 @@ column each encoder mini-batch embeds, in which order, and how many mini-batches
   its largest mini-batches in two and then adds filler mini-batches (one row embedded again, output
   unused, gradient zero). An input this process refuses (a loss's column check, a column the plan
   cannot cut) is raised at that same all-gather on every process, naming the process and the cause;
-* :func:`unsort` puts the mini-batches' outputs back in the column's row order.
+* [`unsort`][st_cached_losses.engine.planning.unsort] puts the mini-batches' outputs back in the column's row order.
 
-:class:`RandState` (from :mod:`st_cached_losses.engine.rng`, re-exported here) is what a mini-batch keeps to
+[`RandState`][st_cached_losses.engine.planning.RandState] (from [`st_cached_losses.engine.rng`][st_cached_losses.engine.rng], re-exported here) is what a mini-batch keeps to
 replay its forward with the same dropout masks.
 
-No forward, backward or loss here: :class:`MiniBatchPlanner` is the planning half of
-:class:`~st_cached_losses.engine.gradcache.GradCache`, which runs the plans."""
+No forward, backward or loss here: [`MiniBatchPlanner`][st_cached_losses.engine.planning.MiniBatchPlanner] is the planning half of
+[`GradCache`][st_cached_losses.engine.gradcache.GradCache], which runs the plans."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from st_cached_losses.engine.features import (
     batch_size_of,
     check_splittable,
     longest_first,
+    media_tokens,
     model_device,
     row_lengths,
     slice_features,
@@ -102,7 +103,7 @@ class AutoSize:
 
 
 class MiniBatchPlanner:
-    """The planning half of :class:`~st_cached_losses.engine.gradcache.GradCache` (which declares these
+    """The planning half of [`GradCache`][st_cached_losses.engine.gradcache.GradCache] (which declares these
     settings as its dataclass fields): cut columns into mini-batches and agree across processes on how
     many."""
 
@@ -131,7 +132,7 @@ class MiniBatchPlanner:
         With ``mini_batch_num_tokens`` the rows, in that order, are packed greedily by their real tokens
         (sentence-transformers' rule; sorted, neighbours have similar lengths, so little padding).
 
-        ``count`` (at least the number this process would cut on its own, see :meth:`agreed_counts`)
+        ``count`` (at least the number this process would cut on its own, see [`agreed_counts`][st_cached_losses.engine.planning.MiniBatchPlanner.agreed_counts])
         makes it exactly that many: the largest mini-batches are halved while rows allow (a token
         budget only gets easier), then filler mini-batches (one row, the shortest, embedded again;
         its output unused and its gradient zero) come first, so that the column's last forward, the
@@ -156,10 +157,13 @@ class MiniBatchPlanner:
                     "set mini_batch_num_tokens=None and use mini_batch_size instead."
                 )
             # an "auto" budget is one of memory, measured per padded token: counted as the mini-batch pads
-            widths = None
+            widths = extras = None
             if self.mini_batch_num_tokens == "auto" and lengths is not None:
                 widths = lengths[order].tolist()
-            spans = _pack(counts[order].tolist(), tokens, widths)
+                # its vision patches: a row's own, not padded to the widest
+                patches = media_tokens(features, b)
+                extras = patches[order].tolist() if patches is not None else None
+            spans = _pack(counts[order].tolist(), tokens, widths, extras)
         fillers: list[MiniBatch] = []
         if count is not None and count > len(spans):
             spans = _spread(spans, count)
@@ -176,10 +180,10 @@ class MiniBatchPlanner:
         """Mini-batches per column, the largest over processes, when ``model``'s forwards are collectives
         (FSDP1, FSDP2, DeepSpeed; DDP too with ``agree_mini_batches=True``) in a process group of more
         than one: one small all-gather. None when every process may plan on its own (under DDP the
-        processes still meet in that all-gather, for the errors below; see :meth:`meets`).
+        processes still meet in that all-gather, for the errors below; see [`meets`][st_cached_losses.engine.planning.MiniBatchPlanner.meets]).
 
         ``error`` (what a caller found wrong with this process's inputs, see
-        :meth:`raise_on_every_process`) or a column this process cannot cut (e.g. inputs without a batch
+        [`raise_on_every_process`][st_cached_losses.engine.planning.MiniBatchPlanner.raise_on_every_process]) or a column this process cannot cut (e.g. inputs without a batch
         dimension) is raised here on every process, not in a collective the others would wait in
         forever: this process raises a ``ValueError`` with the cause, every other one a ``RuntimeError``
         naming this process and the cause."""
@@ -219,17 +223,17 @@ class MiniBatchPlanner:
 
     @staticmethod
     def meets(model: nn.Module) -> bool:
-        """Whether the processes meet at the start of each step (:meth:`agreed_counts`'s one small
+        """Whether the processes meet at the start of each step ([`agreed_counts`][st_cached_losses.engine.planning.MiniBatchPlanner.agreed_counts]'s one small
         all-gather): under every wrapper (DDP too) in a group of more than one process, so that an input
         one process refuses (e.g. an empty batch) is raised on every process there, not left to a peer
         waiting in the gradient reduction. Under DDP the mini-batch counts are not exchanged."""
         return is_distributed() and is_wrapped(model)
 
     def raise_on_every_process(self, model: nn.Module, error: Exception) -> NoReturn:
-        """Raise ``error`` (found before :meth:`step` / :meth:`embed`, e.g. by a loss's check of its
+        """Raise ``error`` (found before `step` / `embed`, e.g. by a loss's check of its
         columns) so that no other process is left waiting for this one: where the processes agree on
         the mini-batches, at that agreement (the step's first collective, which the others reach in
-        :meth:`step` / :meth:`embed`), where each of them raises a ``RuntimeError`` naming this process and
+        `step` / `embed`), where each of them raises a ``RuntimeError`` naming this process and
         the cause; elsewhere at once. This process raises ``error`` itself."""
         if self.meets(model):
             with contextlib.suppress(ValueError, RuntimeError):
@@ -257,7 +261,9 @@ class MiniBatchPlanner:
                 # most as wide as untrimmed; otherwise every mini-batch's graph would be kept at once
                 if self.mini_batch_num_tokens == "auto":
                     ends = row_lengths(features, b, trim_leading=False)
-                    if ends is None or b * int(ends.max()) > budget:
+                    patches = media_tokens(features, b)
+                    extra = 0 if patches is None else int(patches.sum())
+                    if ends is None or b * int(ends.max()) + extra > budget:
                         return False
         return True
 
@@ -275,20 +281,25 @@ def _spread(spans: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
     return spans
 
 
-def _pack(tokens: list[int], budget: int, widths: list[int] | None = None) -> list[tuple[int, int]]:
+def _pack(
+    tokens: list[int], budget: int, widths: list[int] | None = None, extras: list[int] | None = None
+) -> list[tuple[int, int]]:
     """sentence-transformers' packing: consecutive rows while their token sum stays within ``budget``,
     at least one row per span: ``(start, end)`` spans covering ``range(len(tokens))``. With ``widths``
-    (each row's padded length) a span counts its padded tokens instead: rows times its widest row."""
+    (each row's padded length) a span counts its padded tokens instead: rows times its widest row, plus
+    the sum of its rows' ``extras`` (their vision patches, which are not padded)."""
     spans = []
-    start, total, widest = 0, 0, 0
+    start, total, widest, added = 0, 0, 0, 0
     for i, n in enumerate(tokens):
         wide = max(widest, widths[i]) if widths is not None else 0
-        need = (i - start + 1) * wide if widths is not None else total + n
+        own = extras[i] if extras is not None else 0
+        need = (i - start + 1) * wide + added + own if widths is not None else total + n
         if i > start and need > budget:
             spans.append((start, i))
-            start, total = i, 0
+            start, total, added = i, 0, 0
             wide = widths[i] if widths is not None else 0
         total += n
+        added += own
         widest = wide
     if tokens:
         spans.append((start, len(tokens)))
@@ -297,7 +308,7 @@ def _pack(tokens: list[int], budget: int, widths: list[int] | None = None) -> li
 
 def _exchange_errors(error: str | None, device: torch.device) -> dict[int, str]:
     """Every failed process's error message, by rank (only after every process learnt that some failed,
-    in :meth:`MiniBatchPlanner.agreed_counts`): its length, then its bytes, then a last meeting, as in
+    in [`MiniBatchPlanner.agreed_counts`][st_cached_losses.engine.planning.MiniBatchPlanner.agreed_counts]): its length, then its bytes, then a last meeting, as in
     ``agree_counts``, so that no process leaves while another still receives from it."""
     data = (error or "").encode()[:_MAX_ERROR_BYTES]
     sizes, _ = exchange_shapes(len(data), [], device, "error messages")

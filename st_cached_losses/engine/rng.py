@@ -64,7 +64,7 @@ def _set(module: ModuleType, state: Tensor | list[Tensor]) -> None:
 class RandState:
     """The random state of the CPU and of every available (and initialised) accelerator, replayable.
 
-    ``RandState()`` snapshots now; :meth:`replay` runs a block from the snapshot and afterwards puts
+    ``RandState()`` snapshots now; [`replay`][st_cached_losses.engine.rng.RandState.replay] runs a block from the snapshot and afterwards puts
     back the state it found, so a replay neither reuses nor disturbs the training loop's random stream.
     ``RandState().replay()`` is therefore a fork of every device type's random state (a forward that
     must not shift the step's dropout masks, such as a measuring probe)."""

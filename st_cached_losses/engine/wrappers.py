@@ -116,7 +116,7 @@ def grad_sync_on(model: nn.Module) -> bool:
 
     Always True under DeepSpeed ZeRO-3: it reduce-scatters the gradients of every backward, on the
     accumulation boundary or off it (it keeps no full gradients between backwards; the boundary only
-    decides the optimizer step), and :class:`CoalescedBackward` needs the engine's synchronised last
+    decides the optimizer step), and [`CoalescedBackward`][st_cached_losses.engine.wrappers.CoalescedBackward] needs the engine's synchronised last
     replay to flush its one reduction of the step."""
     model = bare(model)
     if is_ddp(model):
@@ -184,14 +184,14 @@ def accumulate_locally(outs: Sequence[Tensor], grads: Sequence[Tensor], params: 
 
 @dataclass
 class LocalBackward:
-    """Forwards and backwards hidden from a DDP ``static_graph`` reducer (see :func:`accumulate_locally`):
+    """Forwards and backwards hidden from a DDP ``static_graph`` reducer (see [`accumulate_locally`][st_cached_losses.engine.wrappers.accumulate_locally]):
     the wrapped module is called directly and gradients are summed into ``.grad`` by hand.
 
     DeepSpeed ZeRO 1/2 goes the same way: its gradient hooks refuse a parameter whose gradient arrives
     twice in one step ("Gradient computed twice for this partition"), so only the final replay (plus
-    the zero terms of :meth:`synced_backward`) reaches them, with the sum of every replay in ``.grad``.
-    ZeRO-3 cannot (its parameters are partitioned, :func:`is_zero3`: a full-size ``.grad`` cannot be set
-    on them by hand): :meth:`of` returns a :class:`CoalescedBackward` for it."""
+    the zero terms of [`synced_backward`][st_cached_losses.engine.wrappers.LocalBackward.synced_backward]) reaches them, with the sum of every replay in ``.grad``.
+    ZeRO-3 cannot (its parameters are partitioned, [`is_zero3`][st_cached_losses.engine.wrappers.is_zero3]: a full-size ``.grad`` cannot be set
+    on them by hand): [`of`][st_cached_losses.engine.wrappers.LocalBackward.of] returns a [`CoalescedBackward`][st_cached_losses.engine.wrappers.CoalescedBackward] for it."""
 
     module: nn.Module
     params: list[Tensor]
@@ -236,7 +236,7 @@ class LocalBackward:
 class CoalescedBackward(LocalBackward):
     """The replays under DeepSpeed ZeRO-3, one gradient reduction per step: every replay's backward runs
     inside the engine's public ``coalesce_grad_reduction()`` (in DeepSpeed 0.19.8), opened at the first
-    replay and closed after the final, synchronised one (:meth:`synced_backward`).
+    replay and closed after the final, synchronised one ([`synced_backward`][st_cached_losses.engine.wrappers.CoalescedBackward.synced_backward]).
 
     Inside it ZeRO-3 gathers each module's parameters for its forward and backward as always, and its
     gradient hooks still fire, but they leave the gradient in the parameter's ``.grad`` (full size;
@@ -245,7 +245,7 @@ class CoalescedBackward(LocalBackward):
     gradient once, bucketed as in a plain backward, into its gradient partitions, as after one
     backward. So a parameter reached only by earlier replays is reduced too, with no zero terms.
 
-    Why not the alternatives: ``.grad`` cannot be set by hand (ZeRO 1/2's way, :func:`accumulate_locally`)
+    Why not the alternatives: ``.grad`` cannot be set by hand (ZeRO 1/2's way, [`accumulate_locally`][st_cached_losses.engine.wrappers.accumulate_locally])
     on a partitioned parameter; DeepSpeed's accumulation boundary changes nothing under ZeRO-3, which
     reduce-scatters every backward; and a plain backward per replay fails (ZeRO-3's bucket gets a
     parameter's gradient twice before it is reduced: ``assert len(set(p.ds_id ...)) == len(...)`` in
@@ -255,8 +255,8 @@ class CoalescedBackward(LocalBackward):
     The cost: between the first replay and the flush each process holds the full-size gradient of every
     parameter the replays reached (as DDP would), not only its partition.
 
-    The contract with the engine: gradients of :meth:`backward` are reduced at the next
-    :meth:`synced_backward`, which the engine always calls last (:func:`grad_sync_on` is True under
+    The contract with the engine: gradients of [`backward`][st_cached_losses.engine.wrappers.CoalescedBackward.backward] are reduced at the next
+    [`synced_backward`][st_cached_losses.engine.wrappers.CoalescedBackward.synced_backward], which the engine always calls last ([`grad_sync_on`][st_cached_losses.engine.wrappers.grad_sync_on] is True under
     ZeRO-3). ``engine.step()`` refuses to run while the reduction is still open."""
 
     engine: nn.Module
@@ -317,9 +317,9 @@ class Unsharded:
 
     ``set_reshard_after_forward(False)`` and ``set_reshard_after_backward(False)`` (FSDP2's public
     setters) on every FSDP2 module of the model: each group's first forward of the step all-gathers its
-    parameters, and no forward, replay or gradient reduce-scatter frees them; :meth:`release` puts the
+    parameters, and no forward, replay or gradient reduce-scatter frees them; [`release`][st_cached_losses.engine.wrappers.Unsharded.release] puts the
     settings back and reshards (a local free, no collective). FSDP2 has setters but no getters: the
-    settings are read from its state (as :func:`grad_sync_on` reads ``set_requires_gradient_sync``'s flag)."""
+    settings are read from its state (as [`grad_sync_on`][st_cached_losses.engine.wrappers.grad_sync_on] reads ``set_requires_gradient_sync``'s flag)."""
 
     modules: list[FSDPModule]
     states: list[Any] = field(default_factory=list)
@@ -327,7 +327,7 @@ class Unsharded:
 
     @classmethod
     def hold(cls, model: nn.Module) -> Unsharded | None:
-        """Keep ``model``'s FSDP2 parameters unsharded from their first forward until :meth:`release`; None
+        """Keep ``model``'s FSDP2 parameters unsharded from their first forward until [`release`][st_cached_losses.engine.wrappers.Unsharded.release]; None
         for a model without FSDP2 modules."""
         modules = cast("list[FSDPModule]", fsdp2_modules(model))
         if not modules:

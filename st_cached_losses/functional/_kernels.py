@@ -65,7 +65,7 @@ FLUSH_BELOW = -64.0
 
 
 def exp_flushed_(x: Tensor) -> Tensor:
-    """``exp`` in place, with entries below :data:`FLUSH_BELOW` (including -inf) giving exactly 0."""
+    """``exp`` in place, with entries below `FLUSH_BELOW` (including -inf) giving exactly 0."""
     return torch.threshold_(x, FLUSH_BELOW, -torch.inf).exp_()
 
 
@@ -192,7 +192,7 @@ def plan_blocks(
     buffers: int,
 ) -> Plan:
     """Pick the path and block sizes: ``buffers`` fp32 blocks of ``rows x columns-in-block`` live at once;
-    ``"auto"`` chunks when the budget holds :data:`MIN_AUTO_CHUNK` rows (fewer rows make thin GEMMs)."""
+    ``"auto"`` chunks when the budget holds `MIN_AUTO_CHUNK` rows (fewer rows make thin GEMMs)."""
     row_bytes = 4 * buffers * n_cols
     if path == "auto":
         if chunk_size is not None:

@@ -1,4 +1,4 @@
-"""The loss stage's one autograd Function (:func:`~.infonce.infonce`)."""
+"""The loss stage's one autograd Function ([`infonce`][st_cached_losses.functional.infonce.infonce])."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One call's terms bound to their operands: the sources (the rows ``q`` and ``d``, the column sources
 ``c<k>``, ``q_all`` and ``q_local``) with their fp32 gradient buffers and duplicate keys, the guide's
-sources, the :class:`~.terms.Bound` terms, and the pieces the local and the ring drivers share (the
+sources, the [`Bound`][st_cached_losses.functional.terms.Bound] terms, and the pieces the local and the ring drivers share (the
 statistics, the loss's sum, the gradients mapped back onto the caller's tensors).
 
 Tile sharing: where the documents of a ``doc_to_query`` term are the very columns of the ``query_to_doc``
@@ -100,7 +100,7 @@ class Sources:
 def guide_sources(
     guide: Guide | None, terms: TermSet, row_offset: int, prenorm: bool, tile: int
 ) -> tuple[Sources | None, Tensor | None]:
-    """The guide's sources (cosine, no gradient) and each row's threshold (:func:`~.terms.guide_thresholds`)."""
+    """The guide's sources (cosine, no gradient) and each row's threshold ([`guide_thresholds`][st_cached_losses.functional.terms.guide_thresholds])."""
     if guide is None:
         return None, None
     gsrc = Sources(

@@ -1,6 +1,6 @@
 """The functional layer's checks of its arguments and inputs (the losses and the configuration call the
 scalar ones too, so that one value is accepted or refused with the same words everywhere). Pure torch;
-the engine's checks (mini-batch sizes, memory budgets) are in :mod:`st_cached_losses.engine.checks`."""
+the engine's checks (mini-batch sizes, memory budgets) are in [`st_cached_losses.engine.checks`][st_cached_losses.engine.checks]."""
 
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ _LAST_BIT = 62
 def nonfinite_columns(columns: Sequence[Tensor]) -> Tensor:
     """A 0-d int64 tensor on the columns' device, bit ``j`` set when ``columns[j]`` holds NaN or inf (from
     ``_LAST_BIT`` on, columns share the last bit). No host sync: it travels in the step's
-    :func:`~.distributed.exchange_shapes` all-gather, so agreeing on finiteness costs no extra collective."""
+    [`exchange_shapes`][st_cached_losses.functional.distributed.exchange_shapes] all-gather, so agreeing on finiteness costs no extra collective."""
     bad = torch.stack([~torch.isfinite(c).all() for c in columns]).long()
     low = bad[:_LAST_BIT]
     mask = (low << torch.arange(low.numel(), device=low.device)).sum()
@@ -104,9 +104,9 @@ def _column_name(j: int) -> str:
 
 
 def raise_if_nonfinite(masks: Sequence[int]) -> None:
-    """Raise :func:`nonfinite_error` naming every rank and column with NaN / inf embeddings, given every
-    rank's :func:`nonfinite_columns` mask in rank order. Every rank calls it with the same masks (after
-    :func:`~.distributed.exchange_shapes`) and raises the same error before any other collective of the
+    """Raise [`nonfinite_error`][st_cached_losses.functional.checks.nonfinite_error] naming every rank and column with NaN / inf embeddings, given every
+    rank's [`nonfinite_columns`][st_cached_losses.functional.checks.nonfinite_columns] mask in rank order. Every rank calls it with the same masks (after
+    [`exchange_shapes`][st_cached_losses.functional.distributed.exchange_shapes]) and raises the same error before any other collective of the
     step: none is left waiting on a peer that has already raised."""
     bad = {r: m for r, m in enumerate(masks) if m}
     if not bad:

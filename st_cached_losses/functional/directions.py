@@ -1,5 +1,5 @@
-"""The drivers' former home, split by job: :mod:`.binding`, :mod:`.local`, :mod:`.ring`, :mod:`.autograd`
-and :mod:`.options`; this path re-exports their names."""
+"""The drivers' former home, split by job: [`binding`][st_cached_losses.functional.binding], [`local`][st_cached_losses.functional.local], [`ring`][st_cached_losses.functional.ring], [`autograd`][st_cached_losses.functional.autograd]
+and [`options`][st_cached_losses.functional.options]; this path re-exports their names."""
 
 from st_cached_losses.functional.autograd import InfoNCEFunction
 from st_cached_losses.functional.binding import Solution

@@ -2,7 +2,7 @@
 over ranks, and a ring exchange of blocks. Every helper is a no-op without a process group (and with
 an initialised group of size 1).
 
-Every collective of this package is counted in :data:`STATS`, so tests and benchmarks can see exactly
+Every collective of this package is counted in [`STATS`][st_cached_losses.functional.distributed.STATS], so tests and benchmarks can see exactly
 how many calls and bytes one step costs."""
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _gather_table(mine: Tensor, kind: str) -> list[list[int]]:
 
 
 class PeersFailed(RuntimeError):
-    """:func:`agree_counts` found failed processes (this one among them when ``error`` is set); every
+    """[`agree_counts`][st_cached_losses.functional.distributed.agree_counts] found failed processes (this one among them when ``error`` is set); every
     process raises it at the same collective, so that they may exchange their causes next."""
 
     def __init__(self, failed: list[int], error: str | None) -> None:
@@ -132,7 +132,7 @@ def agree_counts(counts: list[int], device: torch.device, error: str | None = No
     ranks must pass as many counts (the same columns), else every rank raises the same ``ValueError``.
 
     ``error``: what went wrong on this rank before the collective (e.g. an input that cannot be cut into
-    mini-batches); every rank then raises :class:`PeersFailed` here (naming the failed ranks, carrying
+    mini-batches); every rank then raises [`PeersFailed`][st_cached_losses.functional.distributed.PeersFailed] here (naming the failed ranks, carrying
     this rank's ``error``) instead of waiting forever in a collective a failed rank will never join."""
     if len(counts) > _MAX_AGREED_COUNTS and error is None:
         error = f"at most {_MAX_AGREED_COUNTS} columns can be planned together, got {len(counts)}."
@@ -166,7 +166,7 @@ def agree_counts(counts: list[int], device: torch.device, error: str | None = No
     return [max(row[2 + k] for row in table) for k in range(n)]
 
 
-#: columns :func:`agree_counts` can agree on in its fixed-size message
+#: columns [`agree_counts`][st_cached_losses.functional.distributed.agree_counts] can agree on in its fixed-size message
 _MAX_AGREED_COUNTS = 62
 
 

@@ -1,15 +1,19 @@
 """SPLADE's FLOPS regulariser (Paria et al., 2020), exactly, from column sums: its value and its gradient
 wrt every row, without a graph and without a second pass over the batch.
 
-For the ``N`` rows of one or more ``(n_k, V)`` blocks (the document columns of a batch, say)::
+For the ``N`` rows of one or more ``(n_k, V)`` blocks (the document columns of a batch, say):
 
-    flops = sum_v mu_v ** 2,    mu = (1 / N) sum_i m_i w_i        (V,)
+```text
+flops = sum_v mu_v ** 2,    mu = (1 / N) sum_i m_i w_i        (V,)
+```
 
 where ``m_i`` is 1, or with a ``threshold`` whether row ``i`` has more than ``threshold`` non-zero entries
 (sentence-transformers' ``FlopsLoss(threshold=...)``, "FLOPS with l0 masking": a masked row still counts in
-``N``). The mask is a step function of the row, so its gradient is zero almost everywhere, and::
+``N``). The mask is a step function of the row, so its gradient is zero almost everywhere, and:
 
-    d flops / d w_i = 2 m_i mu / N                                (V,)
+```text
+d flops / d w_i = 2 m_i mu / N                                (V,)
+```
 
 one outer product of the row mask with the column mean: nothing of the batch but its column sums is kept.
 
@@ -18,7 +22,7 @@ over processes (one all-reduce of ``V + 1`` numbers), so every process returns t
 row's gradient times the number of processes: DDP's gradient average then gives the exact gradient of the
 global regulariser, whatever each process's number of rows.
 
-Blocks may also be packed sparse rows (``(n_k, k, 2)``, :mod:`.sparse`: only the non-zero entries): the
+Blocks may also be packed sparse rows (``(n_k, k, 2)``, [`sparse`][st_cached_losses.functional.sparse]: only the non-zero entries): the
 column sums are then a scatter-add of the kept entries, the row counts those of the kept entries (only
 zeros were dropped: the same counts), and the gradient is returned on each row's kept entries only,
 packed like the block (index channel 0). That is the whole gradient wherever the encoder's Jacobian is
@@ -41,7 +45,7 @@ __all__ = ["FlopsOutput", "flops_loss_and_grad", "row_mask"]
 
 @dataclass
 class FlopsOutput:
-    """What :func:`flops_loss_and_grad` returns."""
+    """What [`flops_loss_and_grad`][st_cached_losses.functional.flops.flops_loss_and_grad] returns."""
 
     loss: Tensor  #: 0-d, detached, ``grad_output * flops``; fp32 (fp64 for fp64 inputs)
     grads: list[Tensor]  #: per block ``(n_k, V)`` the gradient of ``loss`` (empty when not asked for)

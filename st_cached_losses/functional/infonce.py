@@ -1,13 +1,13 @@
 """Exact InfoNCE (one- and two-directional) without a ``rows x candidates`` matrix.
 
-Every loss is a set of logit terms (:mod:`.terms`): the one-directional loss is ``query_to_doc``, the
+Every loss is a set of logit terms ([`terms`][st_cached_losses.functional.terms]): the one-directional loss is ``query_to_doc``, the
 symmetric one ``query_to_doc`` and ``doc_to_query`` per direction, sentence-transformers' other options
 and GIST are other term sets, and duplicate keys mask every term. Two entry points share one driver
-(:mod:`.local`) and one set of options (:class:`~.options.InfoNCEOptions`):
+([`local`][st_cached_losses.functional.local]) and one set of options ([`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions]):
 
-* :func:`infonce` -- an autograd-capable loss (one ``torch.autograd.Function``: the forward computes the
+* [`infonce`][st_cached_losses.functional.infonce.infonce] -- an autograd-capable loss (one ``torch.autograd.Function``: the forward computes the
   loss and keeps the inputs and each row's log-sum-exp statistics, the backward recomputes the tiles);
-* :func:`infonce_loss_and_grad` -- the loss together with its gradient wrt every embedding, for the
+* [`infonce_loss_and_grad`][st_cached_losses.functional.infonce.infonce_loss_and_grad] -- the loss together with its gradient wrt every embedding, for the
   cache stage of GradCache, where the loss is the last node of its own graph.
 
 Row ``i``'s loss is ``logsumexp_c(s * <q_i, c>) - s * <q_i, p_{row_offset + i}>`` over every candidate
@@ -46,7 +46,7 @@ __all__ = [
 
 @dataclass
 class InfoNCEOutput:
-    """What :func:`infonce_loss_and_grad` returns. Gradients are of ``grad_output * loss``."""
+    """What [`infonce_loss_and_grad`][st_cached_losses.functional.infonce.infonce_loss_and_grad] returns. Gradients are of ``grad_output * loss``."""
 
     loss: Tensor  #: 0-d, detached; fp32 (fp64 for fp64 inputs)
     grad_anchors: Tensor | None  #: ``(B, d)``, the anchors' dtype (None when only the loss was asked for)
@@ -71,12 +71,12 @@ def infonce_loss_and_grad(
         candidates: ``(N, d)`` or a sequence of ``(N, d)``: positives first, then hard negatives.
             Row ``i``'s positive is ``candidates[0][row_offset + i]``; every row of every column is a
             candidate for every anchor.
-        options: the loss's options, :class:`~.options.InfoNCEOptions`; ``keywords``, its fields, replace
+        options: the loss's options, [`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions]; ``keywords``, its fields, replace
             those of ``options`` (``scale=20.0, path="tiled"``).
         grad_output: multiplies every gradient (the incoming gradient of the loss).
 
     Returns:
-        :class:`InfoNCEOutput` with the mean loss and gradients of ``grad_output * loss``."""
+        [`InfoNCEOutput`][st_cached_losses.functional.infonce.InfoNCEOutput] with the mean loss and gradients of ``grad_output * loss``."""
     opts = InfoNCEOptions.of(options, keywords)
     with torch.no_grad():
         rows, cols, spec = _prepared(anchors, candidates, opts)
@@ -104,7 +104,7 @@ def infonce(
     """Mean InfoNCE loss as an autograd-capable 0-d tensor: fp32 for fp32, bf16 and fp16 anchors
     (the similarities and log-sum-exps are computed in fp32), fp64 for fp64 anchors.
 
-    Same arguments as :func:`infonce_loss_and_grad`, without ``grad_output``. Gradients flow to ``anchors``,
+    Same arguments as [`infonce_loss_and_grad`][st_cached_losses.functional.infonce.infonce_loss_and_grad], without ``grad_output``. Gradients flow to ``anchors``,
     every candidate column, ``anchors_all`` and a tensor ``scale``, each in its own dtype. When an input
     requires grad, the forward keeps the inputs and each row's ``O(B)`` log-sum-exp statistics, and the
     backward recomputes each logit tile once; without one, only the loss is computed."""

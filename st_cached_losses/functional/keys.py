@@ -40,7 +40,7 @@ def input_hashes(features: dict[str, Any]) -> Tensor:
 
 
 def _flattened_hashes(ids: Tensor, bounds: Tensor) -> Tensor:
-    """:func:`input_hashes` of a flattened column: each token weighted by the power of its position
+    """[`input_hashes`][st_cached_losses.functional.keys.input_hashes] of a flattened column: each token weighted by the power of its position
     within its row, summed per row (what the padded sum gives: its padding adds 0)."""
     bounds = bounds.to(ids.device, torch.long)
     lengths = bounds[1:] - bounds[:-1]

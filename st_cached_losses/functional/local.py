@@ -1,7 +1,7 @@
 """The local driver: this process's rows against the given (possibly gathered) columns. The chunked path
 holds, for a chunk of rows, the logits of every term against every column at once (one pass: loss and
 gradients, nothing recomputed); the tiled path, and the chunked one when a softmax runs down the columns
-(the symmetric loss sharing its tiles, :mod:`.binding`), makes a statistics pass and a gradient pass,
+(the symmetric loss sharing its tiles, [`binding`][st_cached_losses.functional.binding]), makes a statistics pass and a gradient pass,
 ``O((B + N) d)`` memory plus a few blocks."""
 
 from __future__ import annotations

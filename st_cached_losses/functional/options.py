@@ -1,5 +1,5 @@
-"""What a call of the loss stage is given besides the embeddings: :class:`InfoNCEOptions`, the options of
-every entry point, written once, and :class:`LossSpec`, what the drivers read: the options resolved for a
+"""What a call of the loss stage is given besides the embeddings: [`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions], the options of
+every entry point, written once, and [`LossSpec`][st_cached_losses.functional.options.LossSpec], what the drivers read: the options resolved for a
 call."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ class Keys:
     anchors_all: Tensor | None = None
 
     def sources(self, row_offset: int, b: int) -> dict[str, PairKeys]:
-        """The keys of every row and column source (see :class:`~.terms.PairKeys`)."""
+        """The keys of every row and column source (see [`PairKeys`][st_cached_losses.functional.terms.PairKeys])."""
         pos = self.candidates[0]
         pair_anchor = self.anchors_all if self.anchors_all is not None else self.anchors
         rows = PairKeys(pos[row_offset : row_offset + b], self.anchors)
@@ -52,8 +52,8 @@ class Keys:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class InfoNCEOptions:
-    """The options of every InfoNCE entry point (:func:`~.infonce.infonce`,
-    :func:`~.infonce.infonce_loss_and_grad` and the strategies of :mod:`.parallel`). An entry point takes
+    """The options of every InfoNCE entry point ([`infonce`][st_cached_losses.functional.infonce.infonce],
+    [`infonce_loss_and_grad`][st_cached_losses.functional.infonce.infonce_loss_and_grad] and the strategies of [`parallel`][st_cached_losses.functional.parallel]). An entry point takes
     them as keywords (``infonce(a, c, scale=20.0, path="tiled")``) or as one object (``infonce(a, c,
     options)``, keywords replacing its fields). Checked when made.
 
@@ -62,7 +62,7 @@ class InfoNCEOptions:
         similarity: ``"cosine"`` (embeddings normalised once), ``"dot"``, or a function
             ``f(a (b, d), c (t, d)) -> (b, t)`` scored exactly tile by tile through autograd (slower).
         symmetric: also score each of this process's positives against every anchor, and average.
-        terms: the loss as logit terms (:mod:`st_cached_losses.functional.terms`: sentence-transformers'
+        terms: the loss as logit terms ([`st_cached_losses.functional.terms`][st_cached_losses.functional.terms]: sentence-transformers'
             ``directions`` / ``partition_mode`` / hardness options, or GIST's terms, built by
             ``mnrl_terms`` / ``gist_terms``); replaces ``symmetric``. Across processes, pass the
             gathered anchors as ``anchors_all`` when a term reads them (``terms.uses_anchors_all``).
@@ -88,8 +88,8 @@ class InfoNCEOptions:
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs).
 
     ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
-    against columns the caller gathered: the strategies of :mod:`.parallel` set them (and refuse the first
-    three); their finiteness check is :func:`~.parallel.agree_on_sizes`."""
+    against columns the caller gathered: the strategies of [`parallel`][st_cached_losses.functional.parallel] set them (and refuse the first
+    three); their finiteness check is [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]."""
 
     scale: float | Tensor = 20.0
     similarity: Similarity = "cosine"

@@ -44,7 +44,7 @@ def ring_terms_solve(
     Rows are ``(b, *row_shape)``: embeddings ``(b, d)``, or packed rows (token rows ``(b, t, d + 1)``,
     sparse rows ``(b, k, 2)``). Every travelling tensor (the candidate columns, and the anchors when a term
     reads them) must have the same row shape on every process (the caller pads packed rows to a common
-    width: :func:`~.parallel.ring_loss_and_grad`); the rows (anchors) may have a shape of their own."""
+    width: [`ring_loss_and_grad`][st_cached_losses.functional.parallel.ring_loss_and_grad]); the rows (anchors) may have a shape of their own."""
     terms, score, guide, keys = spec.terms, spec.score, spec.options.guide, spec.keys
     me, w = rank(), len(sizes)
     cols = list(cols)

@@ -7,10 +7,10 @@ the scale, and a tile's logit gradient ``G`` meets the operands in two more GEMM
 ``scale * f(a, c)`` on the raw embeddings, and its gradient is the vector-Jacobian product of ``f`` with
 ``G``, recomputed per tile (memory bounded by the tile, about 2-4x the GEMM path's time on CPU for
 ``cdist``-based functions). This class is where the scores of other embedding kinds plug in: a function
-with ``token_score = True`` (:class:`~.multi_vector.MaxSim`) reads packed ``(n, tokens, d + 1)`` token
+with ``token_score = True`` ([`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim]) reads packed ``(n, tokens, d + 1)`` token
 operands (rows sliced like any other operand) and costs ``q_tokens x d_tokens`` per logit, which the
-block plan accounts for (:meth:`Score.entry_cost`). A function with ``packed_rows = True``
-(:class:`~.sparse.SparseDot`) reads other packed ``(n, k, c)`` rows the same way and states its own
+block plan accounts for ([`Score.entry_cost`][st_cached_losses.functional.score.Score.entry_cost]). A function with ``packed_rows = True``
+([`SparseDot`][st_cached_losses.functional.sparse.SparseDot]) reads other packed ``(n, k, c)`` rows the same way and states its own
 ``entry_cost``; a function with a ``vjp(g, a, c, rows, cols)`` method gives a tile's gradients in closed form
 instead of through autograd, and with a ``scores_and_state(a, c)`` method it keeps what that ``vjp`` needs
 of a scored tile (MaxSim: the max's winners) so that the gradient does not score the tile again."""
@@ -69,7 +69,7 @@ class Score:
 
     @property
     def tokens(self) -> bool:
-        """Operands are packed ``(n, tokens, d + 1)`` multi-vector rows (:mod:`.multi_vector`)."""
+        """Operands are packed ``(n, tokens, d + 1)`` multi-vector rows ([`multi_vector`][st_cached_losses.functional.multi_vector])."""
         return bool(getattr(self.fn, "token_score", False))
 
     @property
@@ -105,8 +105,8 @@ class Score:
     def logits_with_graph(
         self, q: Tensor, c: Tensor, scale: float, rows_grad: bool, cols_grad: bool
     ) -> tuple[Tensor, TileGraph | None]:
-        """:meth:`logits` and, for a function score, the tile's autograd graph to the operands that want a
-        gradient: :meth:`accumulate` then back-propagates it instead of scoring the tile again. The graph
+        """[`logits`][st_cached_losses.functional.score.Score.logits] and, for a function score, the tile's autograd graph to the operands that want a
+        gradient: [`accumulate`][st_cached_losses.functional.score.Score.accumulate] then back-propagates it instead of scoring the tile again. The graph
         holds what the function's backward saves (for MaxSim the max's indices, ``(b, t, q_tokens)``), not
         the token similarities."""
         if self.fn is None or not (rows_grad or cols_grad):
@@ -144,7 +144,7 @@ class Score:
     ) -> None:
         """Add a tile's logit gradient ``g (b, t)`` to the rows' buffer ``g_rows (b, d)`` (before its final
         ``* scale``) and the columns' ``g_cols (t, d)``; ``graph``: the tile's, from
-        :meth:`logits_with_graph` (else a function score is scored again, with autograd)."""
+        [`logits_with_graph`][st_cached_losses.functional.score.Score.logits_with_graph] (else a function score is scored again, with autograd)."""
         if self.fn is None:
             if g_rows is not None:
                 g_rows.addmm_(g, c)  # (b, t) @ (t, d)

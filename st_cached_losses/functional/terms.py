@@ -3,7 +3,7 @@ penalties and guide-model masks. It covers sentence-transformers' ``MultipleNega
 options (``directions``, ``partition_mode``, ``hardness_mode``) and ``GISTEmbedLoss``.
 
 Row ``i`` of this process owns two local vectors: its query ``q_i`` (the anchor) and its document
-``d_i`` (its positive, ``candidates[0][row_offset + i]``). A :class:`Term` scores one of them against
+``d_i`` (its positive, ``candidates[0][row_offset + i]``). A [`Term`][st_cached_losses.functional.terms.Term] scores one of them against
 one source of columns: the gathered candidate columns ``c0 .. c{K-1}``, the gathered anchors
 ``q_all``, or this process's anchors ``q_local``. Entry ``(i, offset + i)`` of a term is row ``i``'s
 *diagonal* (its own document, its own query): the positive, removed, or kept. The loss of row ``i`` is
@@ -26,9 +26,9 @@ its text is row ``i``'s positive; a row's own entry never is. The symmetric loss
 their tiles where the columns of one are the rows of the other (one process, and the ring): a bound
 term then also feeds a softmax that runs down its columns.
 
-Kernels here work on bound terms (operands and gradient buffers attached, :mod:`.binding`) one tile at
-a time; the drivers bind them on one process or against gathered columns (:mod:`.local`), or for each
-block visiting in a ring (:mod:`.ring`)."""
+Kernels here work on bound terms (operands and gradient buffers attached, [`binding`][st_cached_losses.functional.binding]) one tile at
+a time; the drivers bind them on one process or against gathered columns ([`local`][st_cached_losses.functional.local]), or for each
+block visiting in a ring ([`ring`][st_cached_losses.functional.ring])."""
 
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ TIE_TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
 
 def guide_thresholds(guide_q: Operand, guide_d: Operand, strategy: str, margin: float, tile: int) -> Tensor:
     """Per row: entries the guide rates above this are removed (GISTEmbedLoss's rule, ``>``, with ties
-    within :data:`TIE_TOLERANCE` counted as equal)."""
+    within [`TIE_TOLERANCE`][st_cached_losses.functional.terms.TIE_TOLERANCE] counted as equal)."""
     g = torch.empty(guide_q.n, dtype=guide_q.dtype, device=guide_q.x.device)
     for r0, r1 in spans(guide_q.n, tile):
         g[r0:r1] = (guide_q.tile(r0, r1) * guide_d.tile(r0, r1)).sum(1)
@@ -215,7 +215,7 @@ def _logits(
 ):
     """One tile's final logits (penalties added, removed entries at -inf), if asked the raw ``s * sim``
     (for the scale's gradient), the diagonal's entries, and with ``grads`` a function score's tile graph
-    (:meth:`~.score.Score.logits_with_graph`; None for GEMM scores)."""
+    ([`logits_with_graph`][st_cached_losses.functional.score.Score.logits_with_graph]; None for GEMM scores)."""
     t = b.term
     graph = None
     if grads and not b.score.gemm:

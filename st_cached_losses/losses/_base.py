@@ -2,9 +2,9 @@
 scale, the forward (evaluation without a graph, or the engine's three stages) and the loss stage (one
 process, gathered across processes, or by ring exchange, through ``st_cached_losses.functional.parallel``).
 
-What only some losses have is theirs: the learnable scale is the :class:`LearnableScale` mixin (MNR, CLIP,
-tiled, GIST), the terms of sentence-transformers' ranking options live on :class:`CachedMNRLoss`, the
-regularisers on :class:`CachedSparseLoss`. A setting is one constructor parameter and one spec
+What only some losses have is theirs: the learnable scale is the [`LearnableScale`][st_cached_losses.losses._base.LearnableScale] mixin (MNR, CLIP,
+tiled, GIST), the terms of sentence-transformers' ranking options live on [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss], the
+regularisers on [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss]. A setting is one constructor parameter and one spec
 (``settings.py``), checked on every assignment.
 """
 
@@ -56,7 +56,7 @@ __all__ = [
 @dataclass
 class StepData:
     """What one call of a loss hands its loss stage besides the embeddings, built by ``forward`` from the
-    features (never kept on the loss): :meth:`CachedInfoNCEBase.calculate_loss` reads it from its ``step``
+    features (never kept on the loss): [`CachedInfoNCEBase.calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss] reads it from its ``step``
     argument, so that a wrapper decorating ``calculate_loss`` (MatryoshkaLoss) passes it through."""
 
     #: per column, the inputs' hashes (``mask_duplicates``)
@@ -225,10 +225,10 @@ class EngineSettings:
 
 
 class CachedInfoNCEBase(EngineSettings, nn.Module):
-    """The core of the cached embedding losses (:class:`CachedMNRLoss`, :class:`CachedCLIPLoss`,
-    :class:`CachedTiledLoss`, :class:`CachedGISTLoss`, :class:`CachedSparseLoss`,
-    :class:`CachedMultiVectorLoss`): the engine, a fixed scale, the forward and the loss stage. A loss
-    supplies its terms (:meth:`_loss_terms`), its config (``get_config_dict``), its citations, and sets
+    """The core of the cached embedding losses ([`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss], [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss],
+    [`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss], [`CachedGISTLoss`][st_cached_losses.losses.cached_gist.CachedGISTLoss], [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss],
+    [`CachedMultiVectorLoss`][st_cached_losses.losses.cached_multi_vector.CachedMultiVectorLoss]): the engine, a fixed scale, the forward and the loss stage. A loss
+    supplies its terms (`_loss_terms`), its config (``get_config_dict``), its citations, and sets
     ``gather_across_devices`` (the sparse loss keeps it on its base loss).
     """
 
@@ -238,7 +238,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     #: named in the model card's tags next to ``loss:<our class>``.
     equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
     #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates
-    #: by replaying the encoder: Matryoshka then decorates :meth:`calculate_loss` instead of the model.
+    #: by replaying the encoder: Matryoshka then decorates [`calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss] instead of the model.
     uses_gradient_cache = True
     #: What the engine caches of a row: its embedding, or (True) its token embeddings and mask, packed
     #: (the multi-vector loss); given to the engine when the loss builds it.
@@ -308,7 +308,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
             self.scale = 1.0 / temperature
 
     def scale_tensor(self) -> Tensor | float:
-        """The scale the loss stage multiplies by: a float, or (:class:`LearnableScale`) a tensor with its graph."""
+        """The scale the loss stage multiplies by: a float, or ([`LearnableScale`][st_cached_losses.losses._base.LearnableScale]) a tensor with its graph."""
         return self.scale
 
     # ------------------------------------------------------------------ model card
@@ -481,7 +481,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     def _stage2(
         self, embeddings: list[Tensor], labels: Tensor | None, step: StepData | None = None
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
-        """GradCache's stage 2 through :meth:`calculate_loss`, so that a wrapper that decorates it works."""
+        """GradCache's stage 2 through [`calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss], so that a wrapper that decorates it works."""
         reps = [[e.detach().requires_grad_()] for e in embeddings]
         scale = self.scale_tensor()
         step = step if step is not None else StepData()

@@ -49,17 +49,17 @@ class CachedCLIPLoss(CachedMNRLoss):
             scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity. The initial
                 value when learnable (CLIP starts at 1/0.07 = 14.3).
             directions: the similarity terms of each row (default: both directions, the symmetric loss); as
-                :class:`CachedMNRLoss`'s.
+                [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s.
             partition_mode: default ``"per_direction"``: the two cross-entropies averaged.
             gather_across_devices: score each process's anchors against the candidates of every process
                 (anchors too, for the positive -> anchors direction).
             learnable_scale: learn the scale (as ``logit_scale = log(scale)``); give the trainer
                 ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it with checkpoints.
             max_scale: the clamp of a learned scale (CLIP: 100).
-            mask_duplicates: as :class:`CachedMNRLoss`'s; both directions are masked alike: a positive's
+            mask_duplicates: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s; both directions are masked alike: a positive's
                 negatives lose the anchors of its row's duplicates.
 
-        Every other argument is :class:`CachedMNRLoss`'s, with the same default and meaning.
+        Every other argument is [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s, with the same default and meaning.
 
         References:
             - Radford et al., Learning Transferable Visual Models From Natural Language Supervision, 2021:
@@ -67,27 +67,27 @@ class CachedCLIPLoss(CachedMNRLoss):
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
               https://huggingface.co/papers/2101.06983
 
-        Inputs: as :class:`CachedMNRLoss`'s.
+        Inputs: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s.
 
         Relations:
             - Same loss as ``sentence_transformers.sentence_transformer.losses.MultipleNegativesSymmetricRankingLoss`` /
               ``MultipleNegativesRankingLoss(directions=("query_to_doc", "doc_to_query"),
               partition_mode="per_direction")``, cached, with an optional learnable temperature.
-            - :class:`CachedTiledLoss` (``symmetric=True``) computes the same loss without a chunk x C block.
+            - [`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss] (``symmetric=True``) computes the same loss without a chunk x C block.
 
         Example:
-            ::
+            ```python
+            from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+            from st_cached_losses import CachedCLIPLoss, LossStateCallback
 
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-                from st_cached_losses import CachedCLIPLoss, LossStateCallback
-
-                model = SentenceTransformer("all-MiniLM-L6-v2")
-                loss = CachedCLIPLoss(model, scale=1 / 0.07, learnable_scale=True, mini_batch_size=32)
-                trainer = SentenceTransformerTrainer(
-                    model=model, train_dataset=train_dataset, loss=loss,
-                    callbacks=[LossStateCallback(loss)],  # the scale saved / restored with checkpoints
-                )
-                trainer.train()
+            model = SentenceTransformer("all-MiniLM-L6-v2")
+            loss = CachedCLIPLoss(model, scale=1 / 0.07, learnable_scale=True, mini_batch_size=32)
+            trainer = SentenceTransformerTrainer(
+                model=model, train_dataset=train_dataset, loss=loss,
+                callbacks=[LossStateCallback(loss)],  # the scale saved / restored with checkpoints
+            )
+            trainer.train()
+            ```
         """
         super().__init__(
             model,

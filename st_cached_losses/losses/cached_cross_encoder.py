@@ -50,7 +50,7 @@ def in_batch_negatives(batch_size: int, num_columns: int, num_negatives: int | N
     return every[allowed].reshape(batch_size, -1)
 
 
-#: pairs per tokenizer call when :meth:`CachedCrossEncoderLoss.features` measures the pairs
+#: pairs per tokenizer call when [`CachedCrossEncoderLoss.features`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss.features] measures the pairs
 TOKENIZE_CHUNK = 64
 
 
@@ -147,6 +147,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
                 longer pair alone). ``"auto"``: the largest budget that fits ``mini_batch_memory_budget``.
             **engine: the engine's knobs, keyword-only, each documented once on
                 :class:`~st_cached_losses.losses.EngineOptions`; none changes the result.
+
         References:
             - Henderson et al., Efficient Natural Language Response Suggestion for Smart Reply, 2017, section
               4.4: https://huggingface.co/papers/1705.00652
@@ -159,15 +160,11 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
                the same result and memory as the non-cached loss).
 
         Inputs:
-            +-------------------------------------------------+--------+-------------------------------+
-            | Inputs                                          | Labels | Number of Model Output Labels |
-            +=================================================+========+===============================+
-            | (anchor, positive) pairs                        | none   | 1                             |
-            +-------------------------------------------------+--------+-------------------------------+
-            | (anchor, positive, negative) triplets           | none   | 1                             |
-            +-------------------------------------------------+--------+-------------------------------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   | 1                             |
-            +-------------------------------------------------+--------+-------------------------------+
+            | Inputs | Labels | Number of Model Output Labels |
+            |---|---|---|
+            | (anchor, positive) pairs | none | 1 |
+            | (anchor, positive, negative) triplets | none | 1 |
+            | (anchor, positive, negative_1, ..., negative_n) | none | 1 |
 
         Recommendations:
             - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates a positive.
@@ -177,20 +174,20 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
               and its ``CachedMultipleNegativesRankingLoss`` (for the same seed).
 
         Example:
-            ::
+            ```python
+            from datasets import Dataset
+            from sentence_transformers.cross_encoder import CrossEncoder, CrossEncoderTrainer
+            from st_cached_losses import CachedCrossEncoderLoss
 
-                from datasets import Dataset
-                from sentence_transformers.cross_encoder import CrossEncoder, CrossEncoderTrainer
-                from st_cached_losses import CachedCrossEncoderLoss
-
-                model = CrossEncoder("microsoft/mpnet-base", num_labels=1)
-                train_dataset = Dataset.from_dict({
-                    "query": ["What are pandas?", "What is the capital of France?"],
-                    "answer": ["Pandas are a kind of bear.", "The capital of France is Paris."],
-                })
-                loss = CachedCrossEncoderLoss(model, mini_batch_size=32)
-                trainer = CrossEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
-                trainer.train()
+            model = CrossEncoder("microsoft/mpnet-base", num_labels=1)
+            train_dataset = Dataset.from_dict({
+                "query": ["What are pandas?", "What is the capital of France?"],
+                "answer": ["Pandas are a kind of bear.", "The capital of France is Paris."],
+            })
+            loss = CachedCrossEncoderLoss(model, mini_batch_size=32)
+            trainer = CrossEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
+            trainer.train()
+            ```
         """
         super().__init__()
         _check_model(model, type(self).__name__)
@@ -211,7 +208,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
 
     def pairs(self, inputs: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
         """The (query, document) pairs of one step, column-major: every query with its positive, then
-        with each in-batch negative (one draw per call, see :func:`in_batch_negatives`), then with each
+        with each in-batch negative (one draw per call, see [`in_batch_negatives`][st_cached_losses.losses.cached_cross_encoder.in_batch_negatives]), then with each
         hard-negative column; pair ``c * B + i`` is query ``i``'s ``c``-th candidate."""
         if len(inputs) < 2:
             raise ValueError(
@@ -234,7 +231,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         return [(q, doc) for column in candidates for q, doc in zip(queries, column)]
 
     def features(self, pairs: list[tuple[str, str]], prompt: str | None, task: str | None) -> InputsOnDemand:
-        """The step's pairs as the engine's column, made per mini-batch (:class:`InputsOnDemand`): it holds
+        """The step's pairs as the engine's column, made per mini-batch ([`InputsOnDemand`][st_cached_losses.engine.features.InputsOnDemand]): it holds
         every pair's attention mask (the planning sorts and cuts by it), and a mini-batch's pairs are
         tokenized when it runs (prompt and task as the model's ``preprocess`` takes them), in the first pass
         and again in the replay, as sentence-transformers' cached loss tokenizes them: the very tokens of
@@ -273,7 +270,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         """The loss of the pairs' scores (sentence-transformers' interface).
 
         Args:
-            logits: pieces of the ``(B * (1 + k),)`` scores in pair order (column-major, see :meth:`pairs`).
+            logits: pieces of the ``(B * (1 + k),)`` scores in pair order (column-major, see [`pairs`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss.pairs]).
             batch_size: queries ``B``.
             total_rows: queries of every process, or None for this process alone. Given, this process returns
                 its share, ``sum of its rows' losses * world size / total_rows``: DDP's gradient average of

@@ -1,5 +1,5 @@
 """The multiple-negatives ranking loss with GradCache, and the options of sentence-transformers'
-``MultipleNegativesRankingLoss`` it shares with :class:`CachedCLIPLoss` and :class:`CachedTiledLoss` (which
+``MultipleNegativesRankingLoss`` it shares with [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss] and [`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss] (which
 are this loss with other defaults): the similarity, the directions and their partition, hardness weighting
 and the masking of duplicates."""
 
@@ -153,15 +153,11 @@ class CachedMNRLoss(LearnableScale):
             2. A model whose inputs have a batch dimension (not StaticEmbedding).
 
         Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative) triplets           | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
+            | Texts | Labels |
+            |---|---|
+            | (anchor, positive) pairs | none |
+            | (anchor, positive, negative) triplets | none |
+            | (anchor, positive, negative_1, ..., negative_n) | none |
 
         Recommendations:
             - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
@@ -169,24 +165,24 @@ class CachedMNRLoss(LearnableScale):
         Relations:
             - Same loss and gradients as ``sentence_transformers.sentence_transformer.losses.MultipleNegativesRankingLoss``; same role
               as its ``CachedMultipleNegativesRankingLoss``, with a loss stage that is several times faster.
-            - :class:`CachedCLIPLoss` adds the positive -> anchor direction; :class:`CachedTiledLoss` never holds
+            - [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss] adds the positive -> anchor direction; [`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss] never holds
               more than one logit tile.
 
         Example:
-            ::
+            ```python
+            from datasets import Dataset
+            from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+            from st_cached_losses import CachedMNRLoss
 
-                from datasets import Dataset
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-                from st_cached_losses import CachedMNRLoss
-
-                model = SentenceTransformer("all-MiniLM-L6-v2")
-                train_dataset = Dataset.from_dict({
-                    "anchor": ["It's nice weather outside today.", "He drove to work."],
-                    "positive": ["It's so sunny.", "He took the car to the office."],
-                })
-                loss = CachedMNRLoss(model, mini_batch_size=32)
-                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
-                trainer.train()
+            model = SentenceTransformer("all-MiniLM-L6-v2")
+            train_dataset = Dataset.from_dict({
+                "anchor": ["It's nice weather outside today.", "He drove to work."],
+                "positive": ["It's so sunny.", "He took the car to the office."],
+            })
+            loss = CachedMNRLoss(model, mini_batch_size=32)
+            trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+            trainer.train()
+            ```
         """
         super().__init__(
             model,

@@ -71,7 +71,7 @@ def scoring_from_config(text: str) -> Callable[..., Tensor]:
 
 def scoring_config_name(fn: Any) -> str:
     """The config's name of a scoring function: sentence-transformers' for theirs; for the core's own
-    :class:`MaxSim` / :class:`XTR`, the name of their function it equals, so that the config rebuilds it and
+    [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] / [`XTR`][st_cached_losses.functional.multi_vector.XTR], the name of their function it equals, so that the config rebuilds it and
     reads as theirs."""
     from sentence_transformers.util import similarity_fct_name
 
@@ -90,7 +90,7 @@ def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None)
     (a ``functools.partial`` of either may bind ``length_normalize`` and ``chunk_elements``, the latter a
     memory knob the tiles make moot), ``xtr_scores`` / ``XTRScores(top_k)`` / ``"xtr"`` -> XTR (a partial of
     ``xtr_scores`` may bind ``top_k`` and ``chunk_elements``; ``top_k`` 256 by default, as theirs), or a
-    :class:`~st_cached_losses.functional.multi_vector.MaxSim` / ``XTR``. ``XTRKDScores`` is refused: it
+    [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] / ``XTR``. ``XTRKDScores`` is refused: it
     scores each query's own documents only (a distillation score), not the in-batch ranking."""
     if similarity_fct is None:
         return MaxSim()
@@ -214,13 +214,10 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
             2. A ``MultiVectorEncoder`` (outputs ``token_embeddings`` and a scoring ``attention_mask``).
 
         Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (query, positive) pairs                         | none   |
-            +-------------------------------------------------+--------+
-            | (query, positive, negative_1, ..., negative_n)  | none   |
-            +-------------------------------------------------+--------+
+            | Texts | Labels |
+            |---|---|
+            | (query, positive) pairs | none |
+            | (query, positive, negative_1, ..., negative_n) | none |
 
         Relations:
             - Same loss and gradients as ``MultiVectorMultipleNegativesRankingLoss`` and
@@ -228,15 +225,15 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
               MeanMaxSim or XTR scoring.
 
         Example:
-            ::
+            ```python
+            from sentence_transformers import MultiVectorEncoder, MultiVectorEncoderTrainer
+            from st_cached_losses import CachedMultiVectorLoss
 
-                from sentence_transformers import MultiVectorEncoder, MultiVectorEncoderTrainer
-                from st_cached_losses import CachedMultiVectorLoss
-
-                model = MultiVectorEncoder("answerdotai/ModernBERT-base")
-                loss = CachedMultiVectorLoss(model, mini_batch_size=8)
-                trainer = MultiVectorEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
-                trainer.train()
+            model = MultiVectorEncoder("answerdotai/ModernBERT-base")
+            loss = CachedMultiVectorLoss(model, mini_batch_size=8)
+            trainer = MultiVectorEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
+            trainer.train()
+            ```
         """
         super().__init__(
             model,
@@ -261,7 +258,7 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
 
     @property
     def similarity(self) -> MaxSim | XTR:
-        """The core's tile score: :class:`~st_cached_losses.functional.multi_vector.MaxSim` or ``XTR``."""
+        """The core's tile score: [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] or ``XTR``."""
         return self._similarity
 
     def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:

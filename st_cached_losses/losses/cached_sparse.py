@@ -5,17 +5,17 @@ wrt every embedding are computed (stage 2) and the encoder is replayed with them
 cached losses. Stage 2 is:
 
 * the base loss: a ``SparseMultipleNegativesRankingLoss`` (any ``MultipleNegativesRankingLoss`` whose
-  ``compute_loss_from_embeddings`` is theirs) on the one core (:mod:`st_cached_losses.functional`), chunked
+  ``compute_loss_from_embeddings`` is theirs) on the one core ([`st_cached_losses.functional`][st_cached_losses.functional]), chunked
   or tiled, gathered or by ring across processes, with every option it has (``scale``, ``similarity_fct``,
   ``directions``, ``partition_mode``, ``hardness_*``, ``gather_across_devices``), read from the base loss at
   every step; any other base loss with ``compute_loss_from_embeddings`` through autograd on the whole batch,
   as sentence-transformers does;
 * the FLOPS regularisers (their ``FlopsLoss``, thresholds included) from column sums, with their analytic
-  gradient (:mod:`st_cached_losses.functional.flops`); another regulariser through autograd.
+  gradient ([`st_cached_losses.functional.flops`][st_cached_losses.functional.flops]); another regulariser through autograd.
 
 The engine keeps the cached embeddings and their gradients compact (each row's non-zero entries, packed:
-:mod:`st_cached_losses.losses.sparse_cache`) when that is exact and saves memory; the loss stage then
-reads them packed (:class:`~st_cached_losses.functional.sparse.SparseDot`, FLOPS by scatter-add) and never
+[`st_cached_losses.losses.sparse_cache`][st_cached_losses.losses.sparse_cache]) when that is exact and saves memory; the loss stage then
+reads them packed ([`SparseDot`][st_cached_losses.functional.sparse.SparseDot], FLOPS by scatter-add) and never
 builds a dense ``B x V`` matrix.
 """
 
@@ -151,15 +151,11 @@ class CachedSparseLoss(SparseLossSettings):
                ``SparseMultipleNegativesRankingLoss``.
 
         Inputs:
-            +-------------------------------------------------+--------+
-            | Texts                                           | Labels |
-            +=================================================+========+
-            | (anchor, positive) pairs                        | none   |
-            +-------------------------------------------------+--------+
-            | (anchor, positive, negative_1, ..., negative_n) | none   |
-            +-------------------------------------------------+--------+
-            | what another base loss takes                    | its    |
-            +-------------------------------------------------+--------+
+            | Texts | Labels |
+            |---|---|
+            | (anchor, positive) pairs | none |
+            | (anchor, positive, negative_1, ..., negative_n) | none |
+            | what another base loss takes | its |
 
         Returns (forward):
             a dict of the loss's components, as sentence-transformers' ``SpladeLoss``: ``base_loss`` (or
@@ -173,26 +169,26 @@ class CachedSparseLoss(SparseLossSettings):
               single-process loss of the whole batch).
 
         Example:
-            ::
+            ```python
+            from datasets import Dataset
+            from sentence_transformers.sparse_encoder import SparseEncoder, SparseEncoderTrainer, losses
+            from st_cached_losses import CachedSparseLoss
 
-                from datasets import Dataset
-                from sentence_transformers.sparse_encoder import SparseEncoder, SparseEncoderTrainer, losses
-                from st_cached_losses import CachedSparseLoss
-
-                model = SparseEncoder("naver/splade-cocondenser-ensembledistil")
-                train_dataset = Dataset.from_dict({
-                    "anchor": ["It's nice weather outside today.", "He drove to work."],
-                    "positive": ["It's so sunny.", "He took the car to the office."],
-                })
-                loss = CachedSparseLoss(
-                    model,
-                    loss=losses.SparseMultipleNegativesRankingLoss(model),
-                    document_regularizer_weight=3e-5,
-                    query_regularizer_weight=5e-5,
-                    mini_batch_size=32,
-                )
-                trainer = SparseEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
-                trainer.train()
+            model = SparseEncoder("naver/splade-cocondenser-ensembledistil")
+            train_dataset = Dataset.from_dict({
+                "anchor": ["It's nice weather outside today.", "He drove to work."],
+                "positive": ["It's so sunny.", "He took the car to the office."],
+            })
+            loss = CachedSparseLoss(
+                model,
+                loss=losses.SparseMultipleNegativesRankingLoss(model),
+                document_regularizer_weight=3e-5,
+                query_regularizer_weight=5e-5,
+                mini_batch_size=32,
+            )
+            trainer = SparseEncoderTrainer(model=model, train_dataset=train_dataset, loss=loss)
+            trainer.train()
+            ```
         """
         if not hasattr(loss, "compute_loss_from_embeddings"):
             raise ValueError(
@@ -254,10 +250,10 @@ class CachedSparseLoss(SparseLossSettings):
         return CompactSparseRows(self._compact_allowed, across=self._compact_across)
 
     def _compact_allowed(self) -> bool:
-        """Whether this step's embeddings may be kept packed (:mod:`~st_cached_losses.losses.sparse_cache`):
+        """Whether this step's embeddings may be kept packed ([`sparse_cache`][st_cached_losses.losses.sparse_cache]):
         the core computes the base loss with dot products, the regularisers are FLOPS, and the model is a
         SPLADE encoder whose exactly-zero entries have no gradient. Across processes (gathered or ring) too:
-        the processes agree on the form (:meth:`_compact_across`)."""
+        the processes agree on the form (`_compact_across`)."""
         if not on_core(self.loss) or self._core_options()[1] != "dot":
             return False
         regularisers = [self.document_regularizer]

@@ -51,8 +51,8 @@ class CachedTiledLoss(CachedMNRLoss):
             gather_across_devices: score each process's anchors against the candidates of every process, by
                 ring exchange (each process holds its own rows and one visiting block).
             directions: the similarity terms of each row (default ``("query_to_doc",)``, or both directions
-                with ``symmetric=True``); as :class:`CachedMNRLoss`'s.
-            partition_mode: as :class:`CachedMNRLoss`'s; default ``"joint"``, or ``"per_direction"`` with
+                with ``symmetric=True``); as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s.
+            partition_mode: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s; default ``"joint"``, or ``"per_direction"`` with
                 ``symmetric=True``.
             symmetric: shorthand: True for ``directions=("query_to_doc", "doc_to_query")``,
                 ``partition_mode="per_direction"`` (the CLIP loss), False for ``("query_to_doc",)``; None
@@ -61,7 +61,7 @@ class CachedTiledLoss(CachedMNRLoss):
                 one softmax are ``directions=("query_to_doc", "doc_to_query"), partition_mode="joint"``.
             tile_size: side of a logit tile (default: from ``memory_budget``, at most 2048).
             memory_budget: bytes of logit tiles the loss stage may hold at once when ``tile_size`` is None.
-            mask_duplicates: as :class:`CachedMNRLoss`'s; with ``symmetric``, a positive's negatives lose the
+            mask_duplicates: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s; with ``symmetric``, a positive's negatives lose the
                 anchors of its row's duplicates too, so both directions are masked alike.
 
         Every other argument is :class:`CachedMNRLoss`'s, with the same default and meaning (``**engine``:
@@ -74,22 +74,22 @@ class CachedTiledLoss(CachedMNRLoss):
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
               https://huggingface.co/papers/2101.06983
 
-        Inputs: as :class:`CachedMNRLoss`'s.
+        Inputs: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s.
 
         Relations:
-            - Same loss as :class:`CachedMNRLoss` (``symmetric=False``) or :class:`CachedCLIPLoss`
+            - Same loss as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss] (``symmetric=False``) or [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss]
               (``symmetric=True``); trades ~1.3x loss-stage flops for memory that does not grow with B x C.
 
         Example:
-            ::
+            ```python
+            from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+            from st_cached_losses import CachedTiledLoss
 
-                from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
-                from st_cached_losses import CachedTiledLoss
-
-                model = SentenceTransformer("all-MiniLM-L6-v2")
-                loss = CachedTiledLoss(model, symmetric=True, tile_size=1024, mini_batch_size=32)
-                trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
-                trainer.train()
+            model = SentenceTransformer("all-MiniLM-L6-v2")
+            loss = CachedTiledLoss(model, symmetric=True, tile_size=1024, mini_batch_size=32)
+            trainer = SentenceTransformerTrainer(model=model, train_dataset=train_dataset, loss=loss)
+            trainer.train()
+            ```
         """
         directions, partition_mode = _resolve_symmetric(symmetric, directions, partition_mode)
         super().__init__(

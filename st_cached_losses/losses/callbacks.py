@@ -2,25 +2,25 @@
 
 sentence-transformers' trainer already puts a loss's parameters in the optimizer, but it saves and
 restores only the model: a learned ``logit_scale`` would be lost by ``resume_from_checkpoint`` and
-never appear in the logs. :class:`LossStateCallback` fills the gap: it saves the losses' scale with
+never appear in the logs. [`LossStateCallback`][st_cached_losses.losses.callbacks.LossStateCallback] fills the gap: it saves the losses' scale with
 every checkpoint, restores it when training resumes, and adds the current scale to each log.
 
 Where the scale is kept: no callback event is told which folder ``resume_from_checkpoint`` named
 (``on_train_begin`` gets ``args`` and ``state`` only, and ``args.resume_from_checkpoint`` is not
 filled in by ``Trainer.train``), and guessing ``output_dir/checkpoint-<step>`` restores the wrong
 scale, or none, when a run resumes from another run's folder. What the trainer does load from the
-very checkpoint it resumes from is its :class:`~transformers.TrainerState` (``trainer_state.json``),
+very checkpoint it resumes from is its `TrainerState` (``trainer_state.json``),
 whose documented ``stateful_callbacks`` dict is saved with every checkpoint and handed to every
-callback. The scale is kept there, under :data:`STATE_KEY`; a copy is also written next to the
-checkpoint as :data:`STATE_FILE` for inspection and for checkpoints that predate the state entry.
+callback. The scale is kept there, under [`STATE_KEY`][st_cached_losses.losses.callbacks.STATE_KEY]; a copy is also written next to the
+checkpoint as [`STATE_FILE`][st_cached_losses.losses.callbacks.STATE_FILE] for inspection and for checkpoints that predate the state entry.
 (``ExportableState`` is not used: with ``restore_callback_states_from_checkpoint`` the trainer would
 rebuild the callback from JSON, without the loss it must update.)
 
 The callback is given to the trainer explicitly: ``callbacks=[LossStateCallback(loss)]`` (the same
 loss, list or dict of losses as the trainer's ``loss``). The trainer hands a loss no reference to
 itself, so a loss cannot attach it on its own; instead, a loss with a learnable scale that trains while
-no :class:`LossStateCallback` covering it is active (between a trainer's ``on_train_begin`` and
-``on_train_end``) warns once, naming the missing line (:func:`warn_if_scale_unsaved`).
+no [`LossStateCallback`][st_cached_losses.losses.callbacks.LossStateCallback] covering it is active (between a trainer's ``on_train_begin`` and
+``on_train_end``) warns once, naming the missing line ([`warn_if_scale_unsaved`][st_cached_losses.losses.callbacks.warn_if_scale_unsaved]).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class LossStateCallback(TrainerCallback):
 
         ``state`` is the trainer state loaded from that checkpoint, wherever it lies, so its entry is the
         right one even when the checkpoint is outside ``args.output_dir``. Checkpoints without the entry
-        (saved by an earlier st_cached_losses) are read from their :data:`STATE_FILE` when their folder
+        (saved by an earlier st_cached_losses) are read from their [`STATE_FILE`][st_cached_losses.losses.callbacks.STATE_FILE] when their folder
         can be told for sure.
         """
         saved = (
@@ -244,7 +244,7 @@ _WARNED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 def warn_if_scale_unsaved(loss: nn.Module) -> None:
     """Warn once per loss when ``loss`` trains its learnable scale outside a trainer run whose
-    :class:`LossStateCallback` covers it: the stock trainer saves only the model, so the scale would be
+    [`LossStateCallback`][st_cached_losses.losses.callbacks.LossStateCallback] covers it: the stock trainer saves only the model, so the scale would be
     neither written into checkpoints, restored on resume nor logged. Called by a loss with a learnable
     scale on each training call (cheap: two set look-ups)."""
     if loss in _ACTIVE or loss in _WARNED:

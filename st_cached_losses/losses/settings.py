@@ -1,14 +1,14 @@
 """The losses' settings: one spec per setting (its default, its one check and wording, its help text, whether
-the model card's config lists it), the :class:`Setting` descriptor that checks a plain setting on every
+the model card's config lists it), the [`Setting`][st_cached_losses.losses.settings.Setting] descriptor that checks a plain setting on every
 assignment, and the checks of the settings that go together (``directions`` with ``partition_mode``, the
 hardness options) or need sentence-transformers' objects (the similarity function).
 
 Every loss setting that is a field of the arguments has a spec here. The losses check their arguments
-with these specs' checks (constructor and every assignment), the plain settings are :class:`Setting`
+with these specs' checks (constructor and every assignment), the plain settings are [`Setting`][st_cached_losses.losses.settings.Setting]
 descriptors built from them, ``get_config_dict`` lists the extras from them, and the configuration layer
 builds each field from its spec (default, help) and checks it with the spec's check, refusing it for a
 loss whose signature lacks it (``tests/config/test_fields.py`` holds that every constructor argument
-of every loss is a field, or on :data:`NOT_FIELDS` with the reason). Adding a setting is one entry here,
+of every loss is a field, or on [`NOT_FIELDS`][st_cached_losses.losses.settings.NOT_FIELDS] with the reason). Adding a setting is one entry here,
 its field line (the annotation the parser reads) and its parameter in the signatures, and its use.
 """
 
@@ -71,7 +71,7 @@ def check_max_scale(max_scale: float, scale: float) -> None:
 
 
 def _budget(name: str, value: Any, optional: bool = False) -> int | None:
-    """A memory budget in bytes (:func:`memory_bytes`'s forms), or None where ``optional``."""
+    """A memory budget in bytes ([`memory_bytes`][st_cached_losses.engine.checks.memory_bytes]'s forms), or None where ``optional``."""
     if value is None and not optional:
         raise ValueError(f"{name} must be a positive integer (bytes) or a size such as '64MiB', got None.")
     return memory_bytes(value, name)
@@ -135,7 +135,7 @@ def _num_negatives(name: str, value: Any) -> int | None:
 
 def _unchecked(name: str, value: Any) -> Any:
     """For the settings checked together with another (``directions`` with ``partition_mode``:
-    :func:`check_directions`; ``hardness_mode`` with ``hardness_strength``: :func:`check_hardness`) or by the
+    [`check_directions`][st_cached_losses.losses.settings.check_directions]; ``hardness_mode`` with ``hardness_strength``: [`check_hardness`][st_cached_losses.losses.settings.check_hardness]) or by the
     loss that takes them (``similarity_fct``, ``guide``)."""
     return value
 
@@ -271,7 +271,7 @@ SPECS: dict[str, Spec] = {
     "num_negatives": Spec(
         4,
         "'cross_encoder' only: documents of other rows scored against each query, drawn at random as "
-        "sentence-transformers' reranker loss draws them (default 4); 'all': every other row's documents.",
+        "sentence-transformers' reranker loss draws them (default 4); 'all' (or None): every other row's documents.",
         _num_negatives,
     ),
     "gather_across_devices": Spec(

@@ -1,9 +1,9 @@
-"""The settings of :class:`~st_cached_losses.losses.cached_sparse.CachedSparseLoss` as properties, its model
+"""The settings of [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss] as properties, its model
 card config and citation.
 
 The base loss's settings (``scale``, ``similarity_fct``, ``directions``, ``partition_mode``, ``hardness_*``,
 ``gather_across_devices``) stay on the base loss, as in sentence-transformers: they are properties here that
-read and set the base loss's attribute, and are checked again at every step (:meth:`_core_options`), however
+read and set the base loss's attribute, and are checked again at every step (`_core_options`), however
 they were set. The regularisers' weights and ``use_document_regularizer_only`` are checked when set.
 """
 
@@ -79,7 +79,7 @@ def _as_tuple(name: str, value: Any) -> Any:
 
 class SparseLossSettings(CachedInfoNCEBase):
     """The settable settings of the sparse loss; the values live in the base loss (``self.loss``), the
-    regularisers and the private attributes that :class:`CachedSparseLoss`'s constructor sets."""
+    regularisers and the private attributes that [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss]'s constructor sets."""
 
     loss: nn.Module
     document_regularizer: nn.Module

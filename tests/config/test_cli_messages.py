@@ -110,6 +110,9 @@ def test_plain_text():
     assert plain_text(":meth:`a.b.c`") == "a.b.c"
     assert plain_text("``make demo``: run ``--help``") == "make demo: run --help"
     assert plain_text("Example::\n\n    x") == "Example:\n\n    x"
+    assert plain_text("a [`DemoArguments`][st_cached_losses.demo.app.DemoArguments] or [b][a.b]") == (
+        "a DemoArguments or b"
+    )
 
 
 def test_parser_description_is_plain_text():

@@ -140,3 +140,21 @@ def test_example_runs_end_to_end_on_a_tiny_reranker(tmp_path):
     assert set(metrics) == {"before", "after"} and set(metrics["after"]) == {"MRR@10", "NDCG@10"}
     card = (out / "README.md").read_text()
     assert "CachedCrossEncoderLoss" in card and "Cached loss training" in card
+
+
+def test_num_negatives_all_from_the_command_line_and_none_means_all(tmp_path):
+    """``--num_negatives all`` (the examples' command line) parses, and the field's None means every in-batch
+    negative, as the loss's None does (it built 4 negatives before), and the card says 'all'."""
+    from st_cached_losses.config.cli import CachedLossArgumentParser
+
+    parser = CachedLossArgumentParser(CachedCrossEncoderTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--num_negatives", "all"])
+    assert args.num_negatives == "all"
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--num_negatives", "3"])
+    assert args.num_negatives == 3
+    model = make_tiny_cross_encoder(tmp_path / "ce")
+    for value in ("all", None):
+        args = CachedCrossEncoderTrainingArguments(output_dir=str(tmp_path), num_negatives=value)
+        assert args.num_negatives == "all"
+        assert build_loss(model, args).num_negatives is None
+        assert args.loss_settings()["num_negatives"] == "all"

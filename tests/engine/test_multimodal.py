@@ -1,0 +1,216 @@
+"""Multimodal columns (:mod:`st_cached_losses.engine.multimodal`): a mini-batch of any rows, in any order, gets
+exactly its rows' images and videos.
+
+Real tiny models (:mod:`tests.support.tiny_vlm`), their inputs from sentence-transformers' own
+``preprocess``: a Qwen2-VL (flattened patches ``pixel_values`` ``(total_patches, p)`` with
+``image_grid_thw`` and ``num_images_per_sample``; videos built by hand as its processor lays them out) and a
+LLaVA (gridless: ``pixel_values`` ``(n_images, 3, H, W)``); sample-first pixels (Idefics3, Mllama) with
+synthetic tensors. Before this module the engine indexed only tensors whose first dimension is the batch
+and passed the others whole: every mini-batch of a Qwen2-VL column got every image's patches with its own
+rows' grids and the model raised "Image features and image tokens do not match"; a LLaVA column with as
+many images as rows had its images indexed as rows (row i got image i)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from st_cached_losses.engine.features import (
+    batch_size_of,
+    media_tokens,
+    mini_batch_length,
+    row_lengths,
+    row_weights,
+    slice_features,
+    token_counts,
+)
+from st_cached_losses.engine.multimodal import media_axes
+from tests.support.tiny_vlm import image_rows, make_tiny_llava, make_tiny_qwen2_vl, qwen_video_column
+
+B = 6
+# rows in the engine's orders: length-sorted, reversed, a single row, rows without any image
+ROW_SETS = ([2, 0, 5], [5, 4, 3, 2, 1, 0], [4], [0, 3], [1, 2, 4])
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    return make_tiny_qwen2_vl(tmp_path_factory.mktemp("mm_engine") / "qwen2_vl", seed=0)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    return make_tiny_llava(tmp_path_factory.mktemp("mm_engine") / "llava", seed=0)
+
+
+def _assert_same_inputs(got: dict, want: dict) -> None:
+    """``got`` is ``want`` (a preprocess of the same rows): every key, dtype and value. ``want`` has no
+    ``num_images_per_sample`` when none of its rows has an image (sentence-transformers writes it only
+    beside ``pixel_values``); ``got`` keeps the zeros."""
+    if "pixel_values" not in want:
+        assert "pixel_values" not in got and not got["num_images_per_sample"].any()
+        got = {k: v for k, v in got.items() if k != "num_images_per_sample"}
+    assert set(got) == set(want)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert got[key].dtype == value.dtype, key
+            assert torch.equal(got[key], value), key
+        else:
+            assert got[key] == value, key
+
+
+@pytest.mark.parametrize("which", ["qwen2_vl", "llava"])
+def test_a_multimodal_column_is_sliced_per_row(request, which):
+    """Any rows, in any order: exactly what ``preprocess`` writes for those rows alone (the rows' images,
+    row after row, each image's patches in one piece; grids, counts, text trimmed to their longest)."""
+    model = request.getfixturevalue("qwen" if which == "qwen2_vl" else "llava")
+    rows = image_rows(B, seed=1, images=[0, 1, 2, 0, 2, 1])
+    column = model.preprocess(rows)
+    assert batch_size_of(column) == B
+    if which == "llava":  # as many images as rows: indexing pixel_values per row would look right
+        assert column["pixel_values"].shape[0] == B
+    for picked in ROW_SETS:
+        got = slice_features(column, torch.tensor(picked), B)
+        _assert_same_inputs(got, model.preprocess([rows[i] for i in picked]))
+
+
+def _embed(model, features: dict) -> torch.Tensor:
+    with torch.no_grad():
+        return model(dict(features))["sentence_embedding"]
+
+
+def test_qwen_videos_go_with_their_rows(qwen):
+    """Videos (``pixel_values_videos``, ``video_grid_thw``, ``num_videos_per_sample``; rows with 0, 1 and 2
+    videos of 1 and 2 frames): each mini-batch embeds its rows as the whole column does."""
+    column = qwen_video_column(qwen, B, seed=2, videos=[1, 0, 2, 1, 0, 2])
+    whole = _embed(qwen, column)
+    for picked in ROW_SETS:
+        rows = torch.tensor(picked)
+        part = slice_features(column, rows, B)
+        torch.testing.assert_close(_embed(qwen, part), whole[rows], rtol=1e-5, atol=1e-5)
+        has_videos = bool(column["num_videos_per_sample"][rows].any())
+        assert ("pixel_values_videos" in part) == ("video_grid_thw" in part) == has_videos
+        if has_videos:
+            assert part["pixel_values_videos"].shape[0] == int(part["video_grid_thw"].prod(1).sum())
+
+
+def test_qwen_images_and_videos_together(qwen):
+    """A column with images and videos (and Qwen2.5-VL's per-video ``second_per_grid_ts``): both axes go
+    with the rows, the per-video seconds with their videos."""
+    videos = qwen_video_column(qwen, B, seed=3, videos=[2, 1, 0, 1, 0, 1])
+    column = dict(videos)
+    column["second_per_grid_ts"] = torch.arange(5, dtype=torch.float32)
+    # flattened image patches beside them, one image per row (no num_images_per_sample: one per row)
+    column["image_grid_thw"] = torch.tensor(
+        [[1, 2, 2], [1, 2, 4], [1, 2, 2], [1, 4, 4], [1, 2, 2], [1, 2, 2]]
+    )
+    column["pixel_values"] = torch.arange(int(column["image_grid_thw"].prod(1).sum()))[:, None].float()
+    axes = media_axes(column, B)
+    assert [a.keys for a in axes] == [("image_grid_thw",), ("video_grid_thw", "second_per_grid_ts")]
+    part = slice_features(column, torch.tensor([3, 0]), B)
+    assert part["image_grid_thw"].tolist() == [[1, 4, 4], [1, 2, 2]]
+    assert part["pixel_values"].flatten().tolist() == [*range(16, 32), *range(4)]
+    assert part["second_per_grid_ts"].tolist() == [3.0, 0.0, 1.0]
+    assert part["num_videos_per_sample"].tolist() == [1, 2]
+    assert part["pixel_values_videos"].shape[0] == int(part["video_grid_thw"].prod(1).sum())
+
+
+def test_patches_count_as_tokens(qwen):
+    """A Qwen2-VL row's token count (what ``mini_batch_num_tokens`` budgets) and weight (what ``"auto"``
+    probes by) include its vision patches; a gridless column's and a text column's do not change."""
+    rows = image_rows(B, seed=1, images=[0, 1, 2, 0, 2, 1])
+    column = qwen.preprocess(rows)
+    text = column["attention_mask"].sum(1)
+    per_row = torch.zeros(B, dtype=torch.long)
+    grids = column["image_grid_thw"].prod(1).split(column["num_images_per_sample"].tolist())
+    for i, g in enumerate(grids):
+        per_row[i] = g.sum()
+    assert per_row.tolist()[0] == 0 and per_row.max() > 0
+    torch.testing.assert_close(media_tokens(column, B), per_row)
+    torch.testing.assert_close(token_counts(column, B), text + per_row)
+    torch.testing.assert_close(row_weights(column, B), row_lengths(column, B) + per_row)
+    rows_ = torch.tensor([1, 2])
+    expect = int(row_lengths(column, B)[rows_].max()) + -(-int(per_row[rows_].sum()) // 2)
+    assert mini_batch_length(column, row_lengths(column, B), rows_) == expect
+    plain = {k: v for k, v in column.items() if k in ("input_ids", "attention_mask")}
+    assert media_tokens(plain, B) is None
+
+
+def test_sample_first_pixels_are_indexed_per_row_and_never_trimmed():
+    """Idefics3 / Mllama pad images per row: ``pixel_values`` ``(B, n_images, 3, H, W)``,
+    ``pixel_attention_mask`` ``(B, n_images, H, W)``, ``aspect_ratio_mask`` ``(B, n_images, tiles)``. They go
+    with their rows and keep every image even when ``n_images`` equals the text's width (the engine
+    trimmed every ``(B, T, ...)`` tensor to the rows' tokens); Mllama's ``cross_attention_mask``
+    ``(B, T, n_images, tiles)`` is token-level and is trimmed with the text."""
+    width = 3
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]])
+    column = {
+        "input_ids": torch.arange(9).view(3, width),
+        "attention_mask": mask,
+        "pixel_values": torch.randn(3, width, 3, 4, 4),
+        "pixel_attention_mask": torch.ones(3, width, 4, 4, dtype=torch.bool),
+        "aspect_ratio_ids": torch.ones(3, width, dtype=torch.long),
+        "aspect_ratio_mask": torch.ones(3, width, 2, dtype=torch.long),
+        "cross_attention_mask": torch.ones(3, width, width, 2, dtype=torch.long),
+        "num_images_per_sample": torch.tensor([3, 3, 3]),
+    }
+    assert media_axes(column, 3) == []
+    part = slice_features(column, torch.tensor([1, 0]), 3)
+    assert part["input_ids"].shape == (2, 2) and part["cross_attention_mask"].shape == (2, 2, width, 2)
+    for key in ("pixel_values", "pixel_attention_mask", "aspect_ratio_ids", "aspect_ratio_mask"):
+        assert torch.equal(part[key], column[key][[1, 0]]), key
+
+
+def test_gridless_images_follow_their_counts():
+    """Gridless per-image tensors (``pixel_values``, ``image_sizes``, ``image_position_ids``) of rows with 0
+    to 3 images, picked in any order; rows none of whose images remain leave the keys out."""
+    counts = torch.tensor([2, 0, 3, 1])
+    n = int(counts.sum())
+    column = {
+        "input_ids": torch.ones(4, 5, dtype=torch.long),
+        "attention_mask": torch.ones(4, 5, dtype=torch.long),
+        "pixel_values": torch.arange(n).view(n, 1, 1, 1).float().expand(n, 3, 2, 2),
+        "image_sizes": torch.arange(n).view(n, 1).expand(n, 2),
+        "image_position_ids": torch.arange(n).view(n, 1).expand(n, 4),
+        "num_images_per_sample": counts,
+    }
+    part = slice_features(column, torch.tensor([3, 0, 2]), 4)
+    assert part["pixel_values"][:, 0, 0, 0].tolist() == [5.0, 0.0, 1.0, 2.0, 3.0, 4.0]
+    assert (
+        part["image_sizes"][:, 0].tolist() == part["image_position_ids"][:, 0].tolist() == [5, 0, 1, 2, 3, 4]
+    )
+    assert part["num_images_per_sample"].tolist() == [1, 2, 3]
+    empty = slice_features(column, torch.tensor([1]), 4)
+    assert not {"pixel_values", "image_sizes", "image_position_ids"} & set(empty)
+
+
+def test_one_grid_row_per_row_without_counts():
+    """A grid of exactly one entry per row needs no ``num_images_per_sample`` (sentence-transformers' rule)."""
+    grid = torch.tensor([[1, 2, 2], [1, 2, 4], [2, 2, 2]])
+    column = {
+        "input_ids": torch.ones(3, 4, dtype=torch.long),
+        "image_grid_thw": grid,
+        "pixel_values": torch.arange(int(grid.prod(1).sum())).float()[:, None],
+    }
+    part = slice_features(column, torch.tensor([2, 0]), 3)
+    assert part["image_grid_thw"].tolist() == [[2, 2, 2], [1, 2, 2]]
+    assert part["pixel_values"].flatten().tolist() == [*range(12, 20), *range(4)]
+
+
+def test_images_that_cannot_be_assigned_to_rows_are_refused():
+    """Entries the engine cannot assign to rows raise a ValueError naming the fix, instead of reaching the
+    model whole (every mini-batch would get every image)."""
+    column = {"input_ids": torch.ones(3, 4, dtype=torch.long), "pixel_values": torch.zeros(5, 3, 2, 2)}
+    with pytest.raises(ValueError, match="num_images_per_sample"):
+        slice_features(column, torch.tensor([0]), 3)
+    column = {
+        "input_ids": torch.ones(2, 4, dtype=torch.long),
+        "image_grid_thw": torch.tensor([[1, 2, 2]] * 3),
+        "pixel_values": torch.zeros(12, 1),
+        "num_images_per_sample": torch.tensor([1, 1]),
+    }
+    with pytest.raises(ValueError, match="num_images_per_sample"):
+        slice_features(column, torch.tensor([0]), 2)
+    column["num_images_per_sample"] = torch.tensor([1, 2])
+    column["pixel_values"] = torch.zeros(11, 1)
+    with pytest.raises(ValueError, match="patches"):
+        slice_features(column, torch.tensor([0]), 2)
