@@ -267,7 +267,7 @@ class GradCache(MiniBatchPlanner):
     tokens: bool = False
     output: str = "sentence_embedding"
     form: CacheForm | None = field(default=None, repr=False)
-    #: the run state: what "auto" sizes resolved to (updated by :meth:`resolve_auto`)
+    #: the run state: what "auto" sizes resolved to (updated by ``resolve_auto``)
     auto: AutoSize = field(default_factory=AutoSize, repr=False)
 
     @property

@@ -81,7 +81,7 @@ class MiniBatch:
 @dataclass
 class AutoSize:
     """The engine's run state: what ``"auto"`` mini-batch sizes resolved to, updated by the engine
-    (:meth:`~st_cached_losses.engine.gradcache.GradCache.resolve_auto`: at the first step, and again for rows
+    (``GradCache.resolve_auto``: at the first step, and again for rows
     outside the lengths measured) and forgotten when a size setting changes."""
 
     #: the resolved size (rows, or tokens for ``mini_batch_num_tokens="auto"``); None: not sized yet

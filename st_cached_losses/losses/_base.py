@@ -71,11 +71,11 @@ class StepData:
 
 @dataclass(frozen=True)
 class LossTerms:
-    """A loss's part of the core's options (:class:`~st_cached_losses.functional.InfoNCEOptions`), what
-    :meth:`CachedInfoNCEBase._loss_terms` returns: which loss the core computes. The core adds the scale
+    """A loss's part of the core's options ([`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions]), what
+    ``_loss_terms`` returns: which loss the core computes. The core adds the scale
     and the loss stage's plan (``path``, ``tile_size``, ``memory_budget``)."""
 
-    #: the logit terms (:mod:`st_cached_losses.functional.terms`)
+    #: the logit terms ([`st_cached_losses.functional.terms`][st_cached_losses.functional.terms])
     terms: TermSet
     #: the core's score of the embeddings
     similarity: Similarity = "cosine"
@@ -87,7 +87,7 @@ class LossTerms:
 
 @dataclass
 class StageOutput:
-    """What a loss stage returns (:meth:`CachedInfoNCEBase._loss_stage`)."""
+    """What a loss stage returns (``_loss_stage``)."""
 
     #: 0-d, detached: the loss (the sum of ``parts`` where there are several)
     loss: Tensor
@@ -104,7 +104,7 @@ class StageOutput:
 class EngineOptions(TypedDict, total=False):
     """The GradCache engine's knobs: how it runs the encoder's mini-batches, declared here once with their
     documentation and taken by every cached loss as keyword-only arguments (``**engine``). None changes the
-    result; a knob left out takes its default (the spec's, :data:`~st_cached_losses.losses.settings.SPECS`),
+    result; a knob left out takes its default (the spec's, ``SPECS``),
     and each is a setting of the loss afterwards, checked on every assignment."""
 
     sort_by_length: bool
@@ -126,7 +126,7 @@ class EngineOptions(TypedDict, total=False):
 
 
 class LossStageOptions(EngineOptions, total=False):
-    """The engine's knobs (:class:`EngineOptions`) and the loss stage's plan, for the embedding losses'
+    """The engine's knobs ([`EngineOptions`][st_cached_losses.losses._base.EngineOptions]) and the loss stage's plan, for the embedding losses'
     ``**engine``. None changes the result."""
 
     path: LossPath
@@ -281,7 +281,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         self._warned_caching_off = False
 
     def _cache_form(self) -> CacheForm | None:
-        """How the engine keeps the cached embeddings (:class:`~st_cached_losses.engine.cache_form.CacheForm`),
+        """How the engine keeps the cached embeddings ([`CacheForm`][st_cached_losses.engine.cache_form.CacheForm]),
         given to it when the loss builds it; None: as the encoder outputs them (the sparse loss packs them)."""
         return None
 
@@ -327,7 +327,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         raise NotImplementedError
 
     def _changed_settings(self) -> dict[str, Any]:
-        """The extras of the config (:class:`LearnableScale` adds the scale's clamp first): each ``"changed"`` setting of this
+        """The extras of the config ([`LearnableScale`][st_cached_losses.losses._base.LearnableScale] adds the scale's clamp first): each ``"changed"`` setting of this
         loss that differs from its default. A setting assigned after construction to a loss whose constructor
         lacks it is listed too: the config says how the model was
         trained, even where ``type(loss)(model, **config)`` cannot rebuild that loss."""
@@ -342,7 +342,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     # ------------------------------------------------------------------ the loss stage
 
     def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
-        """Which loss the core computes (:class:`LossTerms`): the loss's own part of the seam;
+        """Which loss the core computes ([`LossTerms`][st_cached_losses.losses._base.LossTerms]): the loss's own part of the seam;
         ``n_columns``: candidate columns (positives and hard negatives) of this step."""
         raise NotImplementedError
 
@@ -386,7 +386,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         self, embeddings: list[Tensor], labels: Tensor | None, step: StepData, with_grad: bool
     ) -> StageOutput:
         """The loss of the embeddings without a graph, and with ``with_grad`` its gradient wrt each column
-        (and a learnable scale): the core's InfoNCE of :meth:`_loss_terms` by default; a loss with more
+        (and a learnable scale): the core's InfoNCE of ``_loss_terms`` by default; a loss with more
         parts (the sparse loss's regularisers) overrides it."""
         sizes = self._agree(embeddings)
         scale = self.scale_tensor()
@@ -443,7 +443,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
                 when called directly; a wrapper that weighs and sums several calls, like MatryoshkaLoss,
                 thus weighs the scale's gradient too.) Without it the loss is returned with autograd (or
                 without a graph under ``torch.no_grad``).
-            step: what the call of the loss on these rows' features prepared (:class:`StepData`); None,
+            step: what the call of the loss on these rows' features prepared ([`StepData`][st_cached_losses.losses._base.StepData]); None,
                 called directly: no duplicate masks (they need the inputs). The loss's components
                 (the sparse loss's) are left in ``step.parts``.
 
@@ -514,7 +514,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         return features
 
     def _check_columns(self, features: list[dict[str, Any]]) -> None:
-        """Refuse a batch the loss cannot take (:func:`check_columns`), before any forward."""
+        """Refuse a batch the loss cannot take ([`check_columns`][st_cached_losses.losses._base.check_columns]), before any forward."""
         check_columns(features, type(self).__name__)
 
     def _before_training_step(self) -> None:

@@ -146,7 +146,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
                 instead of ``mini_batch_size``: pairs, longest first, are packed while their tokens fit (a
                 longer pair alone). ``"auto"``: the largest budget that fits ``mini_batch_memory_budget``.
             **engine: the engine's knobs, keyword-only, each documented once on
-                :class:`~st_cached_losses.losses.EngineOptions`; none changes the result.
+                [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]; none changes the result.
 
         References:
             - Henderson et al., Efficient Natural Language Response Suggestion for Smart Reply, 2017, section

@@ -8,7 +8,7 @@ from typing_extensions import Unpack
 
 from st_cached_losses.engine.features import batch_size_of, input_ids_by_row, model_device, unwrap_model
 from st_cached_losses.functional import scale_value
-from st_cached_losses.functional.directions import Guide
+from st_cached_losses.functional.options import Guide
 from st_cached_losses.functional.terms import gist_terms
 from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StepData
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
@@ -80,7 +80,7 @@ class CachedGISTLoss(LearnableScale):
             max_scale: the clamp of a learned scale.
             **engine: the engine's knobs and the loss stage's plan (``path``, ``tile_size``,
                 ``memory_budget``), keyword-only, each documented once on
-                :class:`~st_cached_losses.losses.LossStageOptions`; none changes the result.
+                [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
         References:
             - Solatorio, GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding
               Fine-tuning, 2024: https://huggingface.co/papers/2402.16829

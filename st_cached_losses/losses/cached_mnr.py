@@ -140,7 +140,7 @@ class CachedMNRLoss(LearnableScale):
                 positive -> anchors direction, a positive's negatives lose the anchors of its row's duplicates.
             **engine: the engine's knobs and the loss stage's plan (``path``, ``tile_size``,
                 ``memory_budget``), keyword-only, each documented once on
-                :class:`~st_cached_losses.losses.LossStageOptions`; none changes the result.
+                [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
         References:
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
               https://huggingface.co/papers/2101.06983

@@ -199,7 +199,7 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
                 the document blocks around it).
             show_progress_bar: tqdm bars over the mini-batches of both passes.
             **engine: the engine's knobs and the loss stage's plan, keyword-only
-                (:class:`~st_cached_losses.losses.LossStageOptions`); none changes the result. Here the
+                ([`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]); none changes the result. Here the
                 loss stage's tiles are score tiles (token similarities included), and across processes
                 ``path="tiled"`` is the ring exchange (each process holds its own rows and one visiting
                 block, never every process's documents), the others gather.

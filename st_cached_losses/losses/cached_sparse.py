@@ -136,7 +136,7 @@ class CachedSparseLoss(SparseLossSettings):
                 core's base loss only.
             **engine: the engine's knobs and the loss stage's plan (``path``, ``tile_size``,
                 ``memory_budget``), keyword-only, each documented once on
-                :class:`~st_cached_losses.losses.LossStageOptions`; none changes the result.
+                [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
         References:
             - Formal et al., From Distillation to Hard Negative Sampling: Making Sparse Neural IR Models More
               Effective, 2022: https://huggingface.co/papers/2205.04733

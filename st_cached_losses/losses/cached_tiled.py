@@ -64,8 +64,8 @@ class CachedTiledLoss(CachedMNRLoss):
             mask_duplicates: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s; with ``symmetric``, a positive's negatives lose the
                 anchors of its row's duplicates too, so both directions are masked alike.
 
-        Every other argument is :class:`CachedMNRLoss`'s, with the same default and meaning (``**engine``:
-        the engine's knobs, :class:`~st_cached_losses.losses.EngineOptions`); the loss stage's ``path`` is
+        Every other argument is [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s, with the same default and meaning (``**engine``:
+        the engine's knobs, [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]); the loss stage's ``path`` is
         always ``"tiled"``.
 
         References:

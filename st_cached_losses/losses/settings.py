@@ -374,7 +374,7 @@ _MISSING: Any = object()
 
 class Setting(Generic[T]):
     """A loss setting as a descriptor, the one way a loss declares a setting: read back as kept, checked on
-    every assignment (the constructor's included) by its :class:`Spec` (or by ``check``, a spec's check, for
+    every assignment (the constructor's included) by its [`Spec`][st_cached_losses.losses.settings.Spec] (or by ``check``, a spec's check, for
     a loss's own setting without a spec), then by ``validate`` where the check needs the loss (the other
     settings it goes with), and followed by ``after`` where a change must reset or rebuild something.
 

@@ -148,7 +148,7 @@ class SparseLossSettings(CachedInfoNCEBase):
     document_regularizer_threshold = Setting[float | None](
         validate=_check_document_threshold, target=_regularizer, attr="threshold"
     )
-    #: As :attr:`document_regularizer_threshold`, for the queries' FLOPS (``query_regularizer.threshold``);
+    #: As ``document_regularizer_threshold``, for the queries' FLOPS (``query_regularizer.threshold``);
     #: None without a query regulariser (``use_document_regularizer_only``).
     query_regularizer_threshold = Setting[float | None](
         validate=_check_query_threshold, target=_regularizer, attr="threshold"
