@@ -50,17 +50,17 @@ from st_cached_losses.config.registry import (
     DEFAULT_GIST_TEMPERATURE,
     DEFAULT_SCALE,
     DEFAULT_SCALE_LEARNING_RATE,
+    FIELD_NAMES,
     LOSS_ALIASES,
     LOSS_DEFAULT_SCALES,
     LOSSES,
     MODEL_KINDS,
+    NOT_FIELDS,
     closest_name_hint,
     loss_parameters,
 )
 from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
 from st_cached_losses.losses.settings import (
-    FIELD_NAMES,
-    NOT_FIELDS,
     ONE_DIRECTION,
     SPECS,
     Spec,

@@ -8,7 +8,7 @@ with these specs' checks (constructor and every assignment), the plain settings 
 descriptors built from them, ``get_config_dict`` lists the extras from them, and the configuration layer
 builds each field from its spec (default, help) and checks it with the spec's check, refusing it for a
 loss whose signature lacks it (``tests/config/test_fields.py`` holds that every constructor argument
-of every loss is a field, or on [`NOT_FIELDS`][st_cached_losses.losses.settings.NOT_FIELDS] with the reason). Adding a setting is one entry here,
+of every loss is a field, or on [`NOT_FIELDS`][st_cached_losses.config.registry.NOT_FIELDS] with the reason). Adding a setting is one entry here,
 its field line (the annotation the parser reads) and its parameter in the signatures, and its use.
 """
 
@@ -32,8 +32,6 @@ from st_cached_losses.functional.checks import check_path, check_positive_int
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FIELD_NAMES",
-    "NOT_FIELDS",
     "ONE_DIRECTION",
     "SPECS",
     "TWO_DIRECTIONS",
@@ -347,27 +345,6 @@ SPECS: dict[str, Spec] = {
         "never",
     ),
 }
-
-#: constructor arguments set by an arguments field of another name
-FIELD_NAMES = {
-    "similarity_fct": "similarity",
-    "show_progress_bar": "loss_show_progress_bar",
-    "guide": "guide_model",
-}
-#: constructor arguments no field sets, and why
-NOT_FIELDS = {
-    "model": "the trainer's model: build_loss(model, args) passes it",
-    "loss": "CachedSparseLoss's base ranking loss, an object: build_loss builds SparseMultipleNegativesRankingLoss "
-    "from the fields scale, similarity, gather_across_devices, directions, partition_mode and hardness_*; "
-    "construct CachedSparseLoss yourself for another base loss",
-    "document_regularizer": "an object: the default FlopsLoss, counting rows above document_regularizer_threshold; "
-    "construct CachedSparseLoss yourself for another regulariser",
-    "activation_fn": "an nn.Module: the default (torch.nn.Sigmoid, as sentence-transformers'); construct "
-    "CachedCrossEncoderLoss yourself for another activation",
-    "query_regularizer": "an object: the default FlopsLoss, counting rows above query_regularizer_threshold; "
-    "construct CachedSparseLoss yourself for another regulariser",
-}
-
 
 _MISSING: Any = object()
 
