@@ -133,3 +133,14 @@ def test_tiled_symmetric_spellings_agree(model):
     assert _loss_value(joint, model) != pytest.approx(values[0], rel=1e-3)
     reference = st_cached_losses.CachedMNRLoss(model, mini_batch_size=2, **JOINT_TWO)
     assert _loss_value(joint, model) == pytest.approx(_loss_value(reference, model), rel=1e-6)
+
+
+def test_the_tiled_loss_path_is_read_only(model):
+    """``CachedTiledLoss`` is always tiled: another ``path`` is refused naming the losses that take it."""
+    loss = st_cached_losses.CachedTiledLoss(model, mini_batch_size=2)
+    loss.path = "tiled"  # its own value: accepted, nothing changes
+    with pytest.raises(
+        ValueError, match=r"CachedTiledLoss.path is 'tiled' and cannot be changed.*path='chunked'"
+    ):
+        loss.path = "chunked"
+    assert loss.path == "tiled"
