@@ -74,15 +74,19 @@ gpu-check:
 # wheels/: every wheel the package, its dev and examples extras, inf-cl and its build need except torch
 # (and triton, nvidia-*, cuda-* and what only they need), for CPython $(WHEELS_PYTHON) on
 # $(WHEELS_PLATFORMS), plus the package's own wheel; prints the folder's size. Needs the network (an index);
-# see tools/wheels.py. Its pip runs in a small venv of its own, build/wheels-venv.
+# see tools/wheels.py. torch is never resolved: the resolution assumes torch $(WHEELS_TORCH), the GPU
+# machine's. Its pip runs in a small venv of its own, build/wheels-venv-<python>, made with python3.12 (the
+# target's version: pip reads markers for the Python that runs it) where that runs, else $(PYTHON).
 WHEELS ?= wheels
 WHEELS_PYTHON ?= 3.12
+WHEELS_TORCH ?= 2.11.0
 WHEELS_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
-WHEELS_VENV := build/wheels-venv
+WHEELS_HOST ?= $(shell python$(WHEELS_PYTHON) -c pass >/dev/null 2>&1 && echo python$(WHEELS_PYTHON) || echo $(PYTHON))
+WHEELS_VENV = build/wheels-venv-$(notdir $(WHEELS_HOST))
 wheels:
-	test -x $(WHEELS_VENV)/bin/python || $(PYTHON) -m venv $(WHEELS_VENV)
+	test -x $(WHEELS_VENV)/bin/python || $(WHEELS_HOST) -m venv $(WHEELS_VENV)
 	$(WHEELS_VENV)/bin/python -m pip install --quiet --upgrade pip packaging
-	$(WHEELS_VENV)/bin/python tools/wheels.py --dest $(WHEELS) --python-version $(WHEELS_PYTHON) \
+	$(WHEELS_VENV)/bin/python tools/wheels.py --dest $(WHEELS) --python-version $(WHEELS_PYTHON) --torch $(WHEELS_TORCH) \
 		$(addprefix --platform ,$(WHEELS_PLATFORMS))
 	du -sh $(WHEELS)
 

@@ -6,6 +6,9 @@
   ``st_cached_losses/losses/settings.py``). Nothing in it is typed into the docs.
 * ``<!-- loss-names-table -->``: the names ``loss:`` accepts, each loss's class and the model it trains (the
   registry in ``st_cached_losses/config/registry.py``).
+* The repository's address is ``Repository`` under ``[project.urls]`` in ``pyproject.toml``, the one place it is
+  written: it becomes the site's ``repo_url`` (the header's link) and replaces ``<!-- repository-url -->`` in
+  every page (code blocks included).
 * The plots and CSV files of ``benchmarks/results/`` are served under ``results/`` (the pages link
   ``results/<name>.png``): they are read from where the benchmarks write them, never copied into ``docs/``.
 """
@@ -55,6 +58,26 @@ class _SharedEntries(logging.Filter):
         return True
 
 
+def repository_url() -> str:
+    """``Repository`` of ``[project.urls]`` in pyproject.toml (read as text: no TOML parser on Python 3.10)."""
+    text = (ROOT / "pyproject.toml").read_text()
+    section = re.search(r"^\[project\.urls\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
+    found = section and re.search(r'^Repository\s*=\s*"([^"]+)"', section.group(1), re.M)
+    if not found:
+        raise ValueError('pyproject.toml: [project.urls] has no Repository = "https://..." line; add it')
+    return found.group(1)
+
+
+REPOSITORY_MARKER = "<!-- repository-url -->"
+
+
+def on_config(config):
+    url = repository_url()
+    config.repo_url = url
+    config.repo_name = "/".join(url.rstrip("/").split("/")[-2:])
+    return config
+
+
 def on_startup(command: str, dirty: bool) -> None:
     _griffe_workaround()
     # preloading typing (mkdocs.yml) has griffe read typing.io / typing.re, which warn on Python 3.11
@@ -74,7 +97,18 @@ def _type_name(annotation: typing.Any) -> str:
 
 
 def _cell(text: str) -> str:
+    """A table cell's code (inside backticks): HTML escaped, its pipes kept from splitting the row."""
     return html.escape(text).replace("|", "\\|").replace("\n", " ")
+
+
+#: the characters of a help text that Markdown would read as markup (a regex's ``.*`` as emphasis)
+_MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]|])")
+
+
+def _text_cell(text: str) -> str:
+    """A table cell of plain text (a field's help), shown as written: Markdown's specials backslash-escaped
+    (``*`` would start emphasis, ``_`` and ``[`` too), then HTML escaped."""
+    return html.escape(_MARKDOWN_SPECIALS.sub(r"\\\1", text)).replace("\n", " ")
 
 
 def settings_table() -> str:
@@ -106,9 +140,10 @@ def settings_table() -> str:
         default = "-" if f.default is None else f"`{f.default!r}`"
         help_text = f.metadata.get("help", "")
         rows.append(
-            f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {default} | {takes} | {_cell(help_text)} |"
+            f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {default} | {takes} | {_text_cell(help_text)} |"
         )
-    return "\n".join(rows)
+    # a wrapper the stylesheet sizes the columns by (md_in_html renders the table inside it)
+    return '<div class="settings-table" markdown>\n\n' + "\n".join(rows) + "\n\n</div>"
 
 
 def loss_names_table() -> str:
@@ -145,6 +180,7 @@ def type_aliases(paths: str) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = markdown.replace(REPOSITORY_MARKER, repository_url())
     for marker, build in GENERATED.items():
         if marker in markdown:
             markdown = markdown.replace(marker, build())

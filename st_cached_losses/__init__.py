@@ -32,6 +32,7 @@ _EXPORTS = {
     "CachedCrossEncoderTrainingArguments": "st_cached_losses.config.training_args",
     "build_loss": "st_cached_losses.config.factory",
     "CachedLossArgumentParser": "st_cached_losses.config.cli",
+    "SameDatasetBatchSampler": "st_cached_losses.config.sampling",
 }
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "CachedSparseLoss",
     "CachedTiledLoss",
     "LossStateCallback",
+    "SameDatasetBatchSampler",
     "__version__",
     "build_loss",
     "functional",
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
     from st_cached_losses import functional
     from st_cached_losses.config.cli import CachedLossArgumentParser
     from st_cached_losses.config.factory import build_loss
+    from st_cached_losses.config.sampling import SameDatasetBatchSampler
     from st_cached_losses.config.training_args import (
         CachedCrossEncoderTrainingArguments,
         CachedLossTrainingArguments,

@@ -1,6 +1,7 @@
 """The configuration layer: a run's arguments (``CachedLossTrainingArguments`` and its sparse and multi-vector
 counterparts, their checks), the loss
-registry and factory (``build_loss``), the command-line / YAML / JSON parser and the model card.
+registry and factory (``build_loss``), the command-line / YAML / JSON parser, the model card and the
+multi-dataset batch sampler (``SameDatasetBatchSampler``).
 
 May import the losses, the engine and the functional layer; nothing above it (the demo).
 """
@@ -8,6 +9,7 @@ May import the losses, the engine and the functional layer; nothing above it (th
 from st_cached_losses.config.cli import CachedLossArgumentParser
 from st_cached_losses.config.factory import build_loss, check_dataset_columns
 from st_cached_losses.config.model_card import CachedLossCardCallback
+from st_cached_losses.config.sampling import SameDatasetBatchSampler
 from st_cached_losses.config.training_args import (
     CachedCrossEncoderTrainingArguments,
     CachedLossArguments,
@@ -24,6 +26,7 @@ __all__ = [
     "CachedLossTrainingArguments",
     "CachedMultiVectorEncoderTrainingArguments",
     "CachedSparseEncoderTrainingArguments",
+    "SameDatasetBatchSampler",
     "build_loss",
     "check_dataset_columns",
 ]

@@ -46,6 +46,7 @@ from transformers import HfArgumentParser
 from st_cached_losses.config.registry import closest_name_hint
 from st_cached_losses.config.training_args import (
     LOSS_FIELDS,
+    SAME_DATASET,
     CachedLossArguments,
     CachedLossTrainingArguments,
 )
@@ -286,6 +287,13 @@ class CachedLossArgumentParser(HfArgumentParser):
                         action.help = plain_text(action.help)
                     if isinstance(action, argparse._StoreFalseAction):  # HfArgumentParser's --no_<field>
                         action.help = f"Turn off {f.name}: the same as --{f.name} false."
+                    if f.name == "multi_dataset_batch_sampler" and issubclass(dtype, CachedLossArguments):
+                        # the arguments turn it into SameDatasetBatchSampler
+                        action.choices = [*(action.choices or ()), SAME_DATASET]
+                        action.help = (
+                            f"{action.help} '{SAME_DATASET}': SameDatasetBatchSampler, every process trains on "
+                            "the same dataset in each step (see same_dataset_order, same_dataset_per_optimizer_step)."
+                        )
 
     # ------------------------------------------------------------------ parsing
 

@@ -60,12 +60,7 @@ LOSS_ALIASES: dict[str, str] = {
     "crossencoder": "cross_encoder",
 }
 #: the model (and trainer) each loss trains: sentence-transformers' class names
-MODEL_KINDS: dict[str, str] = {
-    **dict.fromkeys(("mnr", "clip", "tiled", "gist"), "SentenceTransformer"),
-    "sparse": "SparseEncoder",
-    "multi_vector": "MultiVectorEncoder",
-    "cross_encoder": "CrossEncoder",
-}
+MODEL_KINDS: dict[str, str] = {name: cls.model_kind for name, cls in LOSSES.items()}
 #: losses whose ranking loss is an object of its own, built by the factory from the fields: its class, whose
 #: constructor arguments (but the model) are fields too
 BASE_LOSSES: dict[str, type[Any]] = {"sparse": SparseMultipleNegativesRankingLoss}

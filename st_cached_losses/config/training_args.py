@@ -59,11 +59,13 @@ from st_cached_losses.config.registry import (
     closest_name_hint,
     loss_parameters,
 )
+from st_cached_losses.config.sampling import DATASET_ORDERS, SameDatasetBatchSampler
 from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
 from st_cached_losses.losses.settings import (
     ONE_DIRECTION,
     SPECS,
     Spec,
+    check_bool,
     check_directions,
     check_hardness,
     check_max_scale,
@@ -75,6 +77,7 @@ __all__ = [
     "ARGUMENTS_CLASSES",
     "LOSS_DEFAULTS",
     "LOSS_FIELDS",
+    "SAME_DATASET",
     "SCALE_PARAMETER_PATTERN",
     "CachedCrossEncoderTrainingArguments",
     "CachedLossArguments",
@@ -94,6 +97,19 @@ SCALE_PARAMETER_PATTERN = r"^(?!(?:.*\.)?model\.)(?:.*\.)?logit_scale$"
 #: already sets the scale's learning rate)
 _SCALE_PARAMETER_NAMES = ("logit_scale", "loss.logit_scale")
 
+#: the value of sentence-transformers' ``multi_dataset_batch_sampler`` that picks
+#: `SameDatasetBatchSampler`
+SAME_DATASET = "same_dataset"
+
+
+def _check_order(name: str, value: Any) -> str:
+    if value not in DATASET_ORDERS:
+        raise ValueError(
+            f"{name} must be 'proportional' or 'round_robin' (how the datasets take turns), got {value!r}."
+        )
+    return str(value)
+
+
 #: the fields that set no loss argument, in the same form as the loss settings' specs
 _ARGUMENT_SPECS = {
     "scale_learning_rate": Spec(
@@ -106,7 +122,21 @@ _ARGUMENT_SPECS = {
         "user's rate is kept). The learning rate schedule applies to it as to every group. 0 or None: the scale "
         "trains at learning_rate.",
         functools.partial(check_nonnegative, example=f"{DEFAULT_SCALE_LEARNING_RATE:g}"),
-    )
+    ),
+    "same_dataset_order": Spec(
+        "proportional",
+        f"With multi_dataset_batch_sampler='{SAME_DATASET}' (SameDatasetBatchSampler: every process trains on the "
+        "same dataset in each step, so gathered negatives never mix tasks): how the datasets take turns. "
+        "'proportional': groups of batches in a random order, larger datasets more often, every row trained on; "
+        "'round_robin': one group per dataset in turn until the smallest is exhausted.",
+        _check_order,
+    ),
+    "same_dataset_per_optimizer_step": Spec(
+        False,
+        f"With multi_dataset_batch_sampler='{SAME_DATASET}': keep a whole optimizer step (all "
+        "gradient_accumulation_steps micro-batches of every process) on one dataset, not only each micro-step.",
+        check_bool,
+    ),
 }
 #: field name -> (the loss argument it sets, None for none; its spec)
 FIELD_SPECS: dict[str, tuple[str | None, Spec]] = {
@@ -201,12 +231,36 @@ class CachedLossArguments(BaseTrainingArguments):
     use_document_regularizer_only: bool = _spec_field("use_document_regularizer_only")
     score_mini_batch_size: Optional[int] = _spec_field("score_mini_batch_size")  # noqa: UP045
     num_negatives: Optional[Union[int, str]] = _spec_field("num_negatives")  # noqa: UP007, UP045
+    same_dataset_order: str = _spec_field("same_dataset_order")
+    same_dataset_per_optimizer_step: bool = _spec_field("same_dataset_per_optimizer_step")
 
     def __post_init__(self) -> None:
         # ours first: a wrong loss setting is reported before anything else is set up
         validate_loss_fields(self)  # below
+        self._pick_same_dataset_sampler()  # before the parent reads "same_dataset" as its enum
         super().__post_init__()  # turns a learning_rate_mapping given as a JSON string into a dict
         self._map_scale_learning_rate()
+
+    def _pick_same_dataset_sampler(self) -> None:
+        """``multi_dataset_batch_sampler="same_dataset"``: the trainer gets
+        `SameDatasetBatchSampler` with ``same_dataset_order`` and, with
+        ``same_dataset_per_optimizer_step``, this run's ``gradient_accumulation_steps`` (a ``functools.partial``:
+        the trainer calls it with the datasets' batch samplers, the generator and the seed)."""
+        value = self.multi_dataset_batch_sampler
+        if isinstance(value, str) and value.strip().lower() == SAME_DATASET:
+            steps = self.gradient_accumulation_steps if self.same_dataset_per_optimizer_step else 1
+            self.multi_dataset_batch_sampler = functools.partial(
+                SameDatasetBatchSampler, order=self.same_dataset_order, gradient_accumulation_steps=steps
+            )
+            return
+        ours = value is SameDatasetBatchSampler or getattr(value, "func", None) is SameDatasetBatchSampler
+        for name in ("same_dataset_order", "same_dataset_per_optimizer_step"):
+            if not ours and getattr(self, name) != _ARGUMENT_SPECS[name].default:
+                raise ValueError(
+                    f"{name} applies to multi_dataset_batch_sampler='{SAME_DATASET}' only (got "
+                    f"{getattr(value, 'value', value)!r}); set multi_dataset_batch_sampler: {SAME_DATASET} or "
+                    f"remove {name}."
+                )
 
     # ------------------------------------------------------------------ the options' forms, the scale's rate
 

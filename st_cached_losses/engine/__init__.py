@@ -1,8 +1,8 @@
 """The caching engine (GradCache): embed without a graph, cache the loss's gradient wrt the embeddings,
 replay the encoder mini-batch by mini-batch in backward. The mini-batch plans (``planning``), the RNG
 snapshots of every device type (``rng``), graphs kept within a memory budget (``graph_budget``), the
-tokenizer features (``features``) and, in one module, the training wrappers: DDP / FSDP1 / FSDP2 /
-DeepSpeed (``wrappers``).
+tokenizer features (``features``), a multimodal column's images and videos (``multimodal``) and, in one
+module, the training wrappers: DDP / FSDP1 / FSDP2 / DeepSpeed (``wrappers``).
 
 No loss math. May import the functional layer, torch and tqdm; never
 the losses, the configuration or the demo."""

@@ -82,9 +82,8 @@ def _per_row(features: Mapping[str, Any], count_key: str, entries: int, batch_si
         return torch.ones(batch_size, dtype=torch.long)
     raise ValueError(
         f"a column has {entries} {what} for {batch_size} rows and no {count_key} to tell which rows they "
-        f"belong to, so it cannot be cut into mini-batches; tokenize it with the model (model.preprocess / "
-        f"the trainer's collator, message inputs), which writes {count_key}, or embed it in one mini-batch "
-        "(a mini_batch_size of at least the batch size)."
+        "belong to, so it cannot be cut into mini-batches; tokenize its rows as messages with the model's "
+        f"preprocess (what the trainer's collator calls), which writes {count_key}."
     )
 
 

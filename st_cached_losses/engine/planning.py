@@ -3,9 +3,12 @@ column each encoder mini-batch embeds, in which order, and how many mini-batches
 
 * rows are sorted by length (longest first) before they are cut, and each mini-batch's padding is
   trimmed when it is sliced (leading padding only where positions are shift-invariant); a flattened
-  (padding-free) column is cut the same way, per sequence (see [`features`][st_cached_losses.engine.features]);
+  (padding-free) column is cut the same way, per sequence (see [`features`][st_cached_losses.engine.features]),
+  and a multimodal column's images and videos go with their rows
+  ([`multimodal`][st_cached_losses.engine.multimodal]);
 * mini-batches by row count or, as sentence-transformers' ``mini_batch_num_tokens``, by a budget of
-  real (non-padding) tokens, packed greedily (a row longer than the budget alone);
+  real (non-padding) tokens, packed greedily (a row longer than the budget alone); a row's vision
+  patches (Qwen-VL's flattened images and videos) count as tokens;
 * under a sharded wrapper (FSDP1, FSDP2, DeepSpeed), whose forwards are collectives, the processes
   agree once per step on the mini-batches per column (one small all-gather); a process with fewer cuts
   its largest mini-batches in two and then adds filler mini-batches (one row embedded again, output
@@ -40,6 +43,7 @@ from st_cached_losses.engine.features import (
     slice_features,
     token_counts,
 )
+from st_cached_losses.engine.multimodal import media_axes
 from st_cached_losses.engine.rng import RandState
 from st_cached_losses.engine.wrappers import is_sharded, is_wrapped
 from st_cached_losses.functional.distributed import (
@@ -141,6 +145,8 @@ class MiniBatchPlanner:
         # agreed_counts under a sharded wrapper
         check_splittable(features)
         b = batch_size_of(features)
+        # images or videos that cannot be assigned to rows are refused here, before any forward
+        media_axes(features, b)
         lengths = row_lengths(features, b, trim_leading)
         order = longest_first(lengths if self.sort_by_length else None, b)
         tokens = self.tokens_per_mini_batch

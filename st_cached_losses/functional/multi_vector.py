@@ -206,8 +206,11 @@ def xtr_top_keys(
     equal to it, those of the lowest key ``(document id, token position)``, i.e. first in
     sentence-transformers' flat index. A rule of the tokens alone, so the same whatever the tiles, the
     processes or the ring's order. (``torch.topk`` on the CPU takes exactly ``top_k`` too, but picks among
-    tied elements as its ``std::partial_sort`` heap or ``std::nth_element`` leaves them, an order of the
-    whole row's history that no streaming pass can replay; it mostly keeps the first ones.)
+    tied elements as its selection algorithm leaves them, an order of the whole row's history that no
+    streaming pass replays: on a hard negative shared by every row of the batch, where tokens tie exactly,
+    it kept the lowest-index copies in every tied query token in only 5 of 49 (batch, top_k) cases, 59 of
+    988 tied query tokens (``benchmarks/xtr_topk_ties.py``); there the retrieval, so the loss, differs from
+    sentence-transformers'. Without exact ties it is theirs.)
 
     Streaming: query rows in chunks, document rows in chunks, each chunk's candidates merged into the
     running top (`_merge_top`); the largest intermediate is one ``(rows, tq, top_k + docs * td)``
@@ -275,8 +278,9 @@ class XTR:
     take it, [`with_row_state`][st_cached_losses.functional.multi_vector.XTR.with_row_state]).
 
     Per query token ``s`` and document ``j``: the retrieved tokens are those of the query token's ``top_k``
-    over every in-batch document token ([`xtr_top_keys`][st_cached_losses.functional.multi_vector.xtr_top_keys]: exactly ``top_k``, ties as ``torch.topk``
-    breaks them) that belong to ``j``; ``m_s`` is the largest retrieved similarity, or 0 when none is
+    over every in-batch document token ([`xtr_top_keys`][st_cached_losses.functional.multi_vector.xtr_top_keys]: exactly ``top_k``; exact ties at the
+    ``top_k``-th similarity broken by the lowest (document, token) index, which ``torch.topk`` often does
+    not do, see there) that belong to ``j``; ``m_s`` is the largest retrieved similarity, or 0 when none is
     retrieved (``alpha_s`` = whether one is). The score is ``sum_s m_s / max(1, sum_s alpha_s)`` over the
     query's scored tokens; a document without any scored token scores [`EMPTY_DOCUMENT_SCORE`][st_cached_losses.functional.multi_vector.EMPTY_DOCUMENT_SCORE]. The
     retrieval is decided once, by the first pass, and looked up by key in every tile (never by comparing

@@ -15,7 +15,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any, ClassVar, get_args
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,7 @@ from st_cached_losses.functional.parallel import (
 from st_cached_losses.functional.terms import TermSet
 from st_cached_losses.losses.callbacks import warn_if_scale_unsaved
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
+from st_cached_losses.losses.guards import check_model_kind, foreign_setting_owners
 from st_cached_losses.losses.settings import SPECS, Setting, check_max_scale
 
 __all__ = [
@@ -180,6 +181,8 @@ class EngineSettings:
     #: the sentence-transformers loss this one equals, named in the model card's tags
     equivalent_st_loss: str
     _tagged: bool = False
+    #: the sentence-transformers model class (by name) the loss trains; another kind is refused at construction
+    model_kind: ClassVar[str]
 
     mini_batch_size = Setting[int | str](on_engine=True, after=_forget_auto_size)
     mini_batch_num_tokens = Setting[int | str | None](on_engine=True, after=_forget_auto_size)
@@ -195,6 +198,15 @@ class EngineSettings:
         init = cls.__dict__.get("__init__")
         if init is not None:
             init.__signature__ = engine_signature(init)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a setting that only another cached loss has would be kept as a plain attribute and ignored: refuse it
+        if owners := foreign_setting_owners(self, name, EngineSettings):
+            raise ValueError(
+                f"{type(self).__name__} has no setting {name!r}: it is a setting of {', '.join(owners)}; build "
+                "that loss to use it."
+            )
+        super().__setattr__(name, value)
 
     def _init_engine(
         self,
@@ -243,6 +255,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     #: What the engine caches of a row: its embedding, or (True) its token embeddings and mask, packed
     #: (the multi-vector loss); given to the engine when the loss builds it.
     caches_tokens: bool = False
+    model_kind: ClassVar[str] = "SentenceTransformer"
 
     gather_across_devices = Setting[bool]()
     path = Setting[LossPath]()
@@ -268,6 +281,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         **engine: Unpack[LossStageOptions],
     ) -> None:
         super().__init__()
+        check_model_kind(model, type(self), EngineSettings)
         check_splittable_model(model, type(self).__name__)
         self.model = model
         cache = GradCache(

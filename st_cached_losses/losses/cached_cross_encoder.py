@@ -12,12 +12,19 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
-from st_cached_losses.engine.features import Features, InputsOnDemand, unwrap_model
+from st_cached_losses.engine.features import (
+    Features,
+    InputsOnDemand,
+    is_flattened,
+    position_shift_invariant,
+    unwrap_model,
+)
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional.distributed import is_distributed, world_size
 from st_cached_losses.functional.parallel import agree_on_sizes
 from st_cached_losses.losses._base import EngineOptions, EngineSettings
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
+from st_cached_losses.losses.guards import check_model_kind
 from st_cached_losses.losses.settings import Setting
 
 __all__ = ["CachedCrossEncoderLoss", "in_batch_negatives"]
@@ -97,6 +104,8 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
     uses_gradient_cache = True
     #: The sentence-transformers loss this one equals, named in the model card's tags.
     equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
+    #: the model kind it trains (another is refused at construction)
+    model_kind = "CrossEncoder"
 
     num_negatives = Setting[int | None]()
     scale = Setting[float](check=_check_scale)
@@ -190,7 +199,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             ```
         """
         super().__init__()
-        _check_model(model, type(self).__name__)
+        _check_model(model, type(self))
         self.model = model
         self.num_negatives = num_negatives
         self.scale = scale
@@ -230,13 +239,31 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         candidates += columns[1:]
         return [(q, doc) for column in candidates for q, doc in zip(queries, column)]
 
-    def features(self, pairs: list[tuple[str, str]], prompt: str | None, task: str | None) -> InputsOnDemand:
-        """The step's pairs as the engine's column, made per mini-batch ([`InputsOnDemand`][st_cached_losses.engine.features.InputsOnDemand]): it holds
+    def columns(
+        self, pairs: list[tuple[str, str]], batch_size: int, prompt: str | None, task: str | None
+    ) -> list[Features]:
+        """The step's pairs as the engine's columns (see [`features`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss.features]): one column of every pair, or, for
+        a model with absolute positions whose tokenizer pads on the left, one column per candidate column
+        (``batch_size`` pairs each), so that each pair is padded to its own column's widest pair as the
+        non-cached loss pads it (its positions depend on that padding)."""
+        tokenizer = getattr(unwrap_model(self.model), "tokenizer", None)
+        if getattr(tokenizer, "padding_side", "right") != "left" or position_shift_invariant(self.model):
+            return [self.features(pairs, prompt, task)]
+        return [
+            self.features(pairs[i : i + batch_size], prompt, task) for i in range(0, len(pairs), batch_size)
+        ]
+
+    def features(self, pairs: list[tuple[str, str]], prompt: str | None, task: str | None) -> Features:
+        """The pairs as one engine column, made per mini-batch ([`InputsOnDemand`][st_cached_losses.engine.features.InputsOnDemand]): it holds
         every pair's attention mask (the planning sorts and cuts by it), and a mini-batch's pairs are
         tokenized when it runs (prompt and task as the model's ``preprocess`` takes them), in the first pass
         and again in the replay, as sentence-transformers' cached loss tokenizes them: the very tokens of
-        the whole batch tokenized at once, no step holds every pair's tokens (``B x B`` with every in-batch
-        negative), and they go to the model's device a mini-batch at a time."""
+        the pairs tokenized at once, no step holds every pair's tokens (``B x B`` with every in-batch
+        negative), and they go to the model's device a mini-batch at a time.
+
+        A model that flattens its inputs (padding-free, as sentence-transformers does under flash
+        attention's variable-length kernels) gets every pair's real tokens flattened at once (no padding
+        to hold; the engine slices them per sequence)."""
         inner = unwrap_model(self.model)
         kwargs = {"task": task} if task is not None else {}
         tokenizer = getattr(inner, "tokenizer", None)
@@ -247,10 +274,14 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
 
         # the masks chunk by chunk: a fast tokenizer's working memory (each truncated pair's overflow
         # included) is one chunk's
-        masks = [
-            tokenize(pairs[i : i + TOKENIZE_CHUNK])["attention_mask"].bool()
-            for i in range(0, len(pairs), TOKENIZE_CHUNK)
+        chunks = [tokenize(pairs[:TOKENIZE_CHUNK])]
+        if is_flattened(chunks[0]):  # no attention mask: each pair's tokens delimited by cu_seq_lens_q
+            return chunks[0] if len(pairs) <= TOKENIZE_CHUNK else tokenize(pairs)
+        chunks += [
+            tokenize(pairs[i : i + TOKENIZE_CHUNK]) for i in range(TOKENIZE_CHUNK, len(pairs), TOKENIZE_CHUNK)
         ]
+        masks = [chunk["attention_mask"].bool() for chunk in chunks]
+        del chunks
         width = max(m.shape[1] for m in masks)
         mask = torch.cat([_pad(m, width, left, False) for m in masks])
 
@@ -258,7 +289,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             out = tokenize([pairs[i] for i in rows.tolist()])
             if left and not trim_leading:
                 # a model with absolute positions numbers a left-padded pair's tokens after all the padding
-                # of the whole batch (see slice_features): pad to its width as the tokenizer pads
+                # of the whole column (see slice_features): pad to its width as the tokenizer pads
                 out = _pad_inputs(out, width, tokenizer)
             return out
 
@@ -299,14 +330,24 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         sizes = agree_on_sizes([per_row], across_processes=True)
         return sum(sizes) if sizes is not None and is_distributed() else None
 
-    def _stage2(self, scores: Tensor, batch_size: int) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
-        """GradCache's stage 2: the loss and its gradient wrt every pair's score ``(N, 1)``."""
-        total = self._total_rows(scores, batch_size)
-        leaf = scores.detach().requires_grad_()
+    def _activation_params(self) -> list[Tensor]:
+        """The parameters of a learnable ``activation_fn`` (e.g. ``nn.PReLU()``) that require grad."""
+        if not isinstance(self.activation_fn, nn.Module):
+            return []
+        return [p for p in self.activation_fn.parameters() if p.requires_grad]
+
+    def _stage2(
+        self, scores: Sequence[Tensor], batch_size: int, params: Sequence[Tensor] = ()
+    ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
+        """GradCache's stage 2: the loss and its gradient wrt every pair's raw score (the cached quantity,
+        one ``(n, 1)`` tensor per engine column) and wrt ``params``, the activation's: the activation runs
+        here, with autograd over the raw scores, so a learnable activation gets its exact gradient."""
+        total = self._total_rows(torch.cat([s.reshape(-1) for s in scores]), batch_size)
+        leaves = [s.detach().requires_grad_() for s in scores]
         with torch.enable_grad():
-            loss = self.calculate_loss([leaf], batch_size, total_rows=total)
-            (grad,) = torch.autograd.grad(loss, leaf)
-        return loss.detach(), [grad], []
+            loss = self.calculate_loss(leaves, batch_size, total_rows=total)
+            grads = torch.autograd.grad(loss, [*leaves, *params], allow_unused=True)
+        return loss.detach(), list(grads[: len(leaves)]), list(grads[len(leaves) :])
 
     def forward(
         self,
@@ -324,12 +365,16 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             pairs = self.pairs(inputs)
         except ValueError as exc:  # the other processes are about to wait for this one: tell them
             self.cache.raise_on_every_process(self.model, exc)
-        features = self.features(pairs, prompt, task)
+        columns = self.columns(pairs, batch_size, prompt, task)
         if not torch.is_grad_enabled():
             # evaluation: the same loss, mini-batched, without caching or a graph
-            (scores,) = self.cache.embed(self.model, [features])
-            return self.calculate_loss([scores], batch_size, total_rows=self._total_rows(scores, batch_size))
-        return self.cache.step(self.model, [features], lambda cached: self._stage2(cached[0], batch_size))
+            scores = self.cache.embed(self.model, columns)
+            total = self._total_rows(torch.cat([s.reshape(-1) for s in scores]), batch_size)
+            return self.calculate_loss(scores, batch_size, total_rows=total)
+        params = self._activation_params()
+        return self.cache.step(
+            self.model, columns, lambda cached: self._stage2(cached, batch_size, params), extra=params
+        )
 
     # ------------------------------------------------------------------ model card
 
@@ -350,15 +395,11 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         return GRADCACHE_CITATION + MNRL_CITATION
 
 
-def _check_model(model: nn.Module, owner: str) -> None:
+def _check_model(model: nn.Module, loss: type[CachedCrossEncoderLoss]) -> None:
     """A ``CrossEncoder`` with one output label, as sentence-transformers' loss requires."""
-    from sentence_transformers.cross_encoder import CrossEncoder
-
+    check_model_kind(model, loss, EngineSettings, strict=True)
+    owner = loss.__name__
     inner = unwrap_model(model)
-    if not isinstance(inner, CrossEncoder):
-        raise ValueError(
-            f"{owner} expects a model of type CrossEncoder, but got a model of type {type(inner)}."
-        )
     if inner.num_labels != 1:
         raise ValueError(
             f"{owner} expects a model with 1 output label, but got a model with {inner.num_labels} output labels; "

@@ -78,6 +78,8 @@ def _weighted(regularizer: Any, weight: float, columns: list[Tensor]) -> Tensor:
 class CachedSparseLoss(SparseLossSettings):
     _citations = (GRADCACHE_CITATION, SPLADE_CITATION, FLOPS_CITATION)
     equivalent_st_loss = "CachedSpladeLoss"
+    #: the model kind it trains (another is refused at construction)
+    model_kind = "SparseEncoder"
 
     def __init__(
         self,

@@ -211,6 +211,27 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
         assert '"query_expansion"' in (out / "sentence_bert_config.json").read_text()
 
 
+@pytest.mark.slow
+def test_multi_dataset_example_trains_one_dataset_per_step(tmp_path, tiny_model):
+    """Three datasets of different sizes, SameDatasetBatchSampler from the script's defaults (one process here;
+    tests/config/test_same_dataset_accelerate.py runs the sampler under accelerate launch), from its YAML too."""
+    from st_cached_losses import SameDatasetBatchSampler
+
+    module = load_example("train_multi_dataset")
+    out = tmp_path / "out"
+    trainer, metrics = module.main(["--model_name_or_path", tiny_model, "--output_dir", str(out), *TINY])
+    sampler = trainer.get_train_dataloader().batch_sampler
+    assert isinstance(sampler, SameDatasetBatchSampler) and sampler.order == "proportional"
+    sizes = [len(part) for part in trainer.train_dataset.values()]
+    assert list(trainer.train_dataset) == ["summary_to_code", "code_to_summary", "name_to_code"]
+    assert sizes[0] > sizes[1] > sizes[2] > 0
+    assert trainer.state.global_step == 2 and set(metrics) == {"before", "after"}
+    assert "CachedMNRLoss" in (out / "README.md").read_text()
+    parser = CachedLossArgumentParser((module.ExampleArguments, CachedLossTrainingArguments))
+    _, args = parser.parse_command_line([str(EXAMPLES / "configs" / "multi_dataset.yaml")], module.DEFAULTS)
+    assert args.multi_dataset_batch_sampler.func is SameDatasetBatchSampler
+
+
 @pytest.mark.parametrize(
     ("name", "argv", "expected"),
     [
@@ -306,6 +327,7 @@ def test_accelerate_example_two_processes(tmp_path, tiny_model):
         "train_cached_sparse",
         "train_cached_multi_vector",
         "train_accelerate",
+        "train_multi_dataset",
         "demo",
     ],
 )

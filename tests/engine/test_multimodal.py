@@ -214,3 +214,85 @@ def test_images_that_cannot_be_assigned_to_rows_are_refused():
     column["pixel_values"] = torch.zeros(11, 1)
     with pytest.raises(ValueError, match="patches"):
         slice_features(column, torch.tensor([0]), 2)
+
+
+def _heavy_images_column() -> dict:
+    """Row 0: 30 text tokens, no image; rows 1 to 4: 10 text tokens (4 of them image tokens) and one image
+    of 8 x 8 = 64 vision patches: the rows with images are the heaviest, not the longest."""
+    mask = torch.zeros(5, 30, dtype=torch.long)
+    mask[0] = 1
+    mask[1:, :10] = 1
+    grid = torch.tensor([[1, 8, 8]] * 4)
+    return {
+        "input_ids": torch.ones(5, 30, dtype=torch.long),
+        "attention_mask": mask,
+        "image_grid_thw": grid,
+        "pixel_values": torch.zeros(256, 1),
+        "num_images_per_sample": torch.tensor([0, 1, 1, 1, 1]),
+    }
+
+
+@pytest.mark.parametrize("by_tokens", [False, True], ids=["rows", "tokens"])
+def test_auto_sizes_measure_the_rows_with_the_most_vision_patches(monkeypatch, by_tokens):
+    """``"auto"`` probes the heaviest rows (text plus vision patches), and a token budget's bytes per
+    token divide by the text and the patches the probe ran on."""
+    from torch import nn
+
+    from st_cached_losses.engine import graph_budget
+
+    seen: list[list[int]] = []
+
+    def probe(model, features, rows, trim_leading, encode, device) -> float:
+        seen.append(rows.tolist())
+        return 7400.0  # bytes per row
+
+    monkeypatch.setattr(graph_budget, "_probe", probe)
+    column = _heavy_images_column()
+    size = graph_budget.pick_mini_batch(
+        nn.Linear(1, 1), [column], True, 74_000, by_tokens=by_tokens, encode=lambda m, f: torch.zeros(1)
+    )
+    assert sorted(seen[0]) == [1, 2, 3, 4]  # not row 0, the longest text
+    # rows: 74,000 / 7,400 per row; tokens: 7,400 per row of 10 tokens + 64 patches = 100 per unit
+    assert size == (740 if by_tokens else 10)
+
+
+def test_an_auto_token_budget_packs_vision_patches():
+    """An ``"auto"`` token budget (a budget of memory) packs rows by their padded tokens plus their vision
+    patches: 3 rows of 10 tokens and 64 patches do not fit in 100, each is a mini-batch of its own."""
+    from st_cached_losses.engine.gradcache import GradCache
+
+    column = _heavy_images_column()
+    cache = GradCache(mini_batch_num_tokens="auto", mini_batch_memory_budget=1)
+    cache.auto_size = 100
+    plan = cache.plan(0, column)
+    assert [mb.rows.tolist() for mb in plan] == [[0], [1], [2], [3], [4]]
+    cache.auto_size = 150
+    # longest first: row 0 (30 wide) with one image row (2 x 30 + 64), then two image rows (2 x 10 + 128)
+    assert [mb.rows.tolist() for mb in cache.plan(0, column)] == [[0, 1], [2, 3], [4]]
+    assert not cache.fits_in_one([column])
+
+
+def test_a_flattened_column_keeps_its_rows_images():
+    """Padding-free text (``cu_seq_lens_q``) beside flattened image patches: the rows' tokens and their
+    images, both row after row in the order picked."""
+    lengths = torch.tensor([3, 2, 4])
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+    grid = torch.tensor([[1, 2, 2], [1, 2, 4], [1, 2, 2]])
+    column = {
+        "input_ids": torch.arange(9)[None],
+        "position_ids": torch.cat([torch.arange(int(n)) for n in lengths])[None],
+        "cu_seq_lens_q": bounds,
+        "cu_seq_lens_k": bounds,
+        "max_length_q": 4,
+        "max_length_k": 4,
+        "image_grid_thw": grid,
+        "pixel_values": torch.arange(int(grid.prod(1).sum())).float()[:, None],
+        "num_images_per_sample": torch.tensor([2, 0, 1]),
+    }
+    part = slice_features(column, torch.tensor([2, 0]), 3)
+    assert part["input_ids"].tolist() == [[5, 6, 7, 8, 0, 1, 2]]
+    assert part["cu_seq_lens_q"].tolist() == [0, 4, 7]
+    assert part["image_grid_thw"].tolist() == [[1, 2, 2], [1, 2, 2], [1, 2, 4]]
+    assert part["pixel_values"].flatten().tolist() == [*range(12, 16), *range(12)]
+    assert part["num_images_per_sample"].tolist() == [1, 2]
+    assert token_counts(column, 3).tolist() == [3 + 12, 2, 4 + 4]

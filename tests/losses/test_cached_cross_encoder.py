@@ -323,3 +323,98 @@ def test_auto_mini_batches_and_kept_graphs(model_dirs):
     assert auto.cache.auto_size is not None and 1 <= auto.cache.auto_size < 36  # several mini-batches
     kept = CachedCrossEncoderLoss(model, mini_batch_size=5, graph_memory_budget="1MB")
     assert_same(step(model, kept, inputs), theirs)
+
+
+def test_a_learnable_activation_gets_its_exact_gradient(model_dirs):
+    """``activation_fn=nn.PReLU()``: the activation runs in the loss stage over the cached raw scores, so its
+    parameter gets the non-cached loss's gradient (it got none), and the model's gradients stay exact."""
+    model = load(model_dirs["plain"])
+    inputs = columns(3)
+    results = []
+    for loss_cls, kwargs in (
+        (MultipleNegativesRankingLoss, {}),
+        (CachedCrossEncoderLoss, {"mini_batch_size": 7}),
+    ):
+        torch.manual_seed(0)
+        activation = torch.nn.PReLU(init=0.3)
+        loss_fn = loss_cls(model, 4, 10.0, activation, **kwargs)
+        value, grads = step(model, loss_fn, inputs)
+        assert activation.weight.grad is not None, f"{loss_cls.__name__}: the activation got no gradient"
+        results.append((value, grads, activation.weight.grad.clone()))
+    (value, grads, act), (ref_value, ref_grads, ref_act) = results[1], results[0]
+    assert_same((value, grads), (ref_value, ref_grads))
+    assert ref_act.abs().max() > 0
+    torch.testing.assert_close(act, ref_act, rtol=2e-5, atol=0)
+
+
+@pytest.mark.parametrize(("n_cols", "num_negatives", "mini_batch_size"), [(2, 4, 7), (3, None, 9), (4, 1, 5)])
+def test_left_padding_with_absolute_positions_equals_the_non_cached_loss(
+    model_dirs, n_cols, num_negatives, mini_batch_size
+):
+    """A left-padding tokenizer on a model with absolute positions: a pair's positions depend on its
+    padding, which the non-cached loss makes per candidate column (B pairs tokenized together). Ours pads each
+    pair to its own column's widest (one engine column per candidate column); it padded every pair to the
+    step's widest (loss 2.1215 against their 2.2565 in the issue's case)."""
+    model = load(model_dirs["plain"])
+    model.tokenizer.padding_side = "left"
+    inputs = columns(n_cols)
+    loss_fn = CachedCrossEncoderLoss(model, num_negatives, mini_batch_size=mini_batch_size)
+    torch.manual_seed(0)
+    pairs = loss_fn.pairs(inputs)
+    engine_columns = loss_fn.columns(pairs, B, None, None)
+    widths = {c["attention_mask"].shape[1] for c in engine_columns}
+    assert len(engine_columns) == len(pairs) // B and len(widths) > 1, "vacuous: every column is as wide"
+    ours = step(model, loss_fn, inputs)
+    theirs = step(model, MultipleNegativesRankingLoss(model, num_negatives), inputs)
+    assert_same(ours, theirs)
+
+
+def flat_reranker(path: Path):
+    """A reranker built from a feature-extraction Transformer (a tiny Qwen2, rotary positions), last-token
+    Pooling and a Dense scores head, as sentence-transformers builds one; its Transformer can flatten its
+    inputs on the CPU as it does under flash attention (see tests/engine/test_flattened.py)."""
+    from sentence_transformers.sentence_transformer.modules import Dense
+    from transformers import DataCollatorWithFlattening
+
+    from tests.support.tiny_model import make_tiny_decoder
+
+    encoder = make_tiny_decoder(path, seed=0)
+    transformer, pooling = encoder[0], encoder[1]
+    torch.manual_seed(1)
+    head = Dense(
+        32, 1, activation_function=torch.nn.Identity(), module_input_name="sentence_embedding",
+        module_output_name="scores",
+    )  # fmt: skip
+    with torch.no_grad():
+        head.linear.weight.mul_(8.0)  # scores that differ, as a trained reranker's do
+    model = CrossEncoder(modules=[transformer, pooling, head], device="cpu")
+    transformer.data_collator = DataCollatorWithFlattening(
+        return_seq_idx=True, return_flash_attn_kwargs=True, return_position_ids=True
+    )
+    transformer._flatten_position_offset = 0
+    model.train()
+    return model
+
+
+def test_flattened_reranker_inputs_equal_the_padded_run(tmp_path: Path):
+    """Padding-free (flattened) pairs, which sentence-transformers makes under flash attention: the same loss
+    and gradients as the padded run of their non-cached loss (ours raised KeyError: 'attention_mask')."""
+    model = flat_reranker(tmp_path / "qwen2")
+    transformer = model[0]
+    inputs = columns(3)
+    theirs = step(model, MultipleNegativesRankingLoss(model), inputs)  # padded
+    transformer.can_flatten_inputs = True
+    try:
+        loss_fn = CachedCrossEncoderLoss(model, mini_batch_size=7)
+        assert "cu_seq_lens_q" in loss_fn.columns(loss_fn.pairs(inputs), B, None, None)[0]
+        ours = step(model, loss_fn, inputs)
+        tokens = CachedCrossEncoderLoss(model, mini_batch_num_tokens=60, mini_batch_size=1000)
+        with_budget = step(model, tokens, inputs)
+        with torch.no_grad():
+            torch.manual_seed(12)
+            evaluated = loss_fn(inputs, None).item()
+    finally:
+        transformer.can_flatten_inputs = False
+    assert_same(ours, theirs, rtol=1e-4)
+    assert_same(with_budget, theirs, rtol=1e-4)
+    assert evaluated == pytest.approx(theirs[0], rel=1e-5)

@@ -1,0 +1,145 @@
+"""The built documentation site reads as rendered text: no reStructuredText left in it.
+
+The site is built once per test session (``mkdocs build --strict`` into a temporary folder, about a minute,
+with this checkout first on the path so mkdocstrings reads these docstrings). Every page is then searched,
+outside its code, for what Markdown does not render: a role (``:class:`X```, shown as ":class:" before the
+name), a grid table (``+-----+`` borders), a literal-block marker (``::``); and the generated settings table
+for Markdown read into its help texts (a regex's ``.*`` taken as emphasis). The docstrings' source is also
+checked with ``tools/md_docstrings.py --check`` against the site's inventory, which names the file and line
+of a role merged in since.
+
+Run alone: ``python -m pytest tests/docs/test_site.py -q``.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("mkdocs")
+pytest.importorskip("mkdocstrings")
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "tools"), str(ROOT / "docs")]  # md_docstrings, hooks
+
+ROLE = re.compile(r"(?<![\w:]):(?:py:)?(?:class|func|meth|attr|mod|data|exc|obj):(?!\w)")
+GRID_TABLE = re.compile(r"\+[-=]{3,}\+")
+LITERAL_MARKER = re.compile(r"::\s*</p>")
+CODE = re.compile(r"<(pre|code)\b[^>]*>.*?</\1>", re.S)
+TAG = re.compile(r"<[^>]+>")
+
+
+@pytest.fixture(scope="session")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NO_MKDOCS_2_WARNING="1")
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
+    return out
+
+
+def _pages(site: Path) -> list[Path]:
+    return sorted(site.rglob("*.html"))
+
+
+def _prose(page: Path) -> str:
+    """A page's text outside code blocks and code spans (whose content is shown as written)."""
+    return CODE.sub(" ", page.read_text())
+
+
+def _where(text: str, match: re.Match[str]) -> str:
+    return " ".join(html.unescape(TAG.sub("", text[max(0, match.start() - 80) : match.end() + 80])).split())
+
+
+def test_the_site_was_built_from_this_checkout(site):
+    """The build's environment imports this checkout's package (mkdocstrings renders these docstrings, not an
+    installed copy's)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    where = subprocess.run(
+        [sys.executable, "-c", "import st_cached_losses; print(st_cached_losses.__file__)"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert Path(where).resolve().is_relative_to(ROOT), where
+    assert (site / "objects.inv").is_file()
+
+
+@pytest.mark.parametrize(
+    ("name", "pattern"),
+    [
+        ("reStructuredText role", ROLE),
+        ("grid table", GRID_TABLE),
+        ("literal-block marker ::", LITERAL_MARKER),
+    ],
+)
+def test_no_restructuredtext_left(site, name, pattern):
+    found = []
+    for page in _pages(site):
+        text = _prose(page)
+        found += [f"{page.relative_to(site)}: ...{_where(text, m)}..." for m in pattern.finditer(text)]
+    assert not found, f"{len(found)} {name}(s) rendered as text:\n" + "\n".join(found[:20])
+
+
+def test_the_checks_can_fail():
+    """The patterns find what the old docstrings rendered as (a role before its code, a grid table's
+    border, a literal block's marker), and nothing in what they render as now."""
+    old = "<p>as :class:<code>CachedMNRLoss</code>'s</p><p>+-----+--------+\n| Texts |</p><p>::</p>"
+    assert ROLE.search(CODE.sub(" ", old)) and GRID_TABLE.search(old) and LITERAL_MARKER.search(old)
+    new = '<p>as <a href="#x"><code>CachedMNRLoss</code></a>\'s</p><pre><code>:class:`x`</code></pre>'
+    assert not ROLE.search(CODE.sub(" ", new))
+
+
+def test_docstrings_need_no_conversion(site):
+    """``tools/md_docstrings.py --check`` finds nothing to convert: after a merge that brings a role or a grid
+    table back, run the script (see its docstring)."""
+    import md_docstrings
+
+    assert md_docstrings.main(["--check", "--inventory", str(site / "objects.inv")]) == 0
+
+
+def test_settings_table_shows_help_texts_as_written(site):
+    """The help of ``scale_learning_rate`` holds a regex: its ``*`` are shown, not read as emphasis, and its
+    backslashes are kept (Markdown took ``\\.`` for an escaped dot)."""
+    import dataclasses
+
+    from st_cached_losses import CachedLossTrainingArguments
+
+    field = next(
+        f for f in dataclasses.fields(CachedLossTrainingArguments) if f.name == "scale_learning_rate"
+    )
+    help_text = " ".join(field.metadata["help"].split())
+    assert "*" in help_text and "\\" in help_text  # what the check is about
+    page = (site / "configuration" / "index.html").read_text()
+    row = re.search(r"<tr>\s*<td><code>scale_learning_rate</code></td>.*?</tr>", page, re.S)
+    assert row, "the settings table has no scale_learning_rate row"
+    assert "<em>" not in row.group(0)
+    assert help_text in " ".join(html.unescape(TAG.sub("", row.group(0))).split())
+
+
+def test_repository_url_is_one_setting(site):
+    """The repository's address is written once, in pyproject.toml's [project.urls]: the site's header links
+    to it, and README's clone line names the same address."""
+    import hooks  # docs/hooks.py
+
+    url = hooks.repository_url()
+    assert url.startswith("https://")
+    assert f'href="{url}"' in (site / "index.html").read_text()
+    readme = (ROOT / "README.md").read_text()
+    clones = re.findall(r"git clone (\S+)", readme)
+    assert clones and set(clones) == {url}, clones
+    for page in _pages(site):
+        assert "<!-- repository-url -->" not in page.read_text(), page
