@@ -142,6 +142,9 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         with DDP's gradient average, the gradient of one process on all the pairs, also when the processes
         hold different numbers of rows.
 
+        Besides the arguments below, the loss takes the engine's knobs, keyword-only, each documented once on
+        [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]; none changes the result.
+
         Args:
             model: the ``CrossEncoder`` to train, with one output label (``num_labels=1``).
             num_negatives: documents of other rows scored against each query (drawn at random, without
@@ -154,8 +157,6 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             mini_batch_num_tokens: a budget of real (non-padding) tokens of the joint pair per mini-batch
                 instead of ``mini_batch_size``: pairs, longest first, are packed while their tokens fit (a
                 longer pair alone). ``"auto"``: the largest budget that fits ``mini_batch_memory_budget``.
-            **engine: the engine's knobs, keyword-only, each documented once on
-                [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]; none changes the result.
 
         References:
             - Henderson et al., Efficient Natural Language Response Suggestion for Smart Reply, 2017, section

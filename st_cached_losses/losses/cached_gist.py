@@ -57,6 +57,10 @@ class CachedGISTLoss(LearnableScale):
         ``directions``, ``partition_mode``, ``symmetric``, ``similarity_fct``, ``hardness_mode``,
         ``hardness_strength`` nor ``mask_duplicates`` (the guide, not these, decides which negatives count).
 
+        Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
+        ``tile_size``, ``memory_budget``), keyword-only, each documented once on
+        [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
+
         Args:
             model: the SentenceTransformer to train.
             guide: a SentenceTransformer rating the pairs (any embedding size; cosine similarity); the model
@@ -78,9 +82,7 @@ class CachedGISTLoss(LearnableScale):
                 (sentence-transformers' GIST losses have a fixed temperature); give the trainer
                 ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it.
             max_scale: the clamp of a learned scale.
-            **engine: the engine's knobs and the loss stage's plan (``path``, ``tile_size``,
-                ``memory_budget``), keyword-only, each documented once on
-                [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
+
         References:
             - Solatorio, GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding
               Fine-tuning, 2024: https://huggingface.co/papers/2402.16829

@@ -103,6 +103,10 @@ class CachedMNRLoss(LearnableScale):
         carry little padding, the last mini-batch's graph is kept instead of re-run, and a batch that fits in
         one mini-batch is not cached at all.
 
+        Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
+        ``tile_size``, ``memory_budget``), keyword-only, each documented once on
+        [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
+
         Args:
             model: the SentenceTransformer to train.
             scale: multiplies the similarities (``1 / temperature``); 20 suits cosine similarity. The initial
@@ -138,9 +142,7 @@ class CachedMNRLoss(LearnableScale):
                 processes: rows sharing their anchor or their positive are duplicates; a row's negatives lose
                 the positives of its duplicates, and any candidate equal to its own positive. With the
                 positive -> anchors direction, a positive's negatives lose the anchors of its row's duplicates.
-            **engine: the engine's knobs and the loss stage's plan (``path``, ``tile_size``,
-                ``memory_budget``), keyword-only, each documented once on
-                [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
+
         References:
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
               https://huggingface.co/papers/2101.06983

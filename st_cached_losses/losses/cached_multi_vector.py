@@ -171,6 +171,12 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
         arguments (keyword-only, as theirs), then our extras. Every argument is a property, read and
         assigned between steps.
 
+        Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan, keyword-only
+        ([`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]); none changes the result. Here
+        the loss stage's tiles are score tiles (token similarities included), and across processes
+        ``path="tiled"`` is the ring exchange (each process holds its own rows and one visiting block, never
+        every process's documents), the others gather.
+
         Args:
             model: the ``MultiVectorEncoder`` to train (column 0 embedded as ``task="query"``, the others as
                 ``"document"``, unless the collator set a column's task).
@@ -202,11 +208,7 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
                 runs over every process's document tokens either way (under the ring, by a first pass of
                 the document blocks around it).
             show_progress_bar: tqdm bars over the mini-batches of both passes.
-            **engine: the engine's knobs and the loss stage's plan, keyword-only
-                ([`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]); none changes the result. Here the
-                loss stage's tiles are score tiles (token similarities included), and across processes
-                ``path="tiled"`` is the ring exchange (each process holds its own rows and one visiting
-                block, never every process's documents), the others gather.
+
         References:
             - Khattab and Zaharia, ColBERT: Efficient and Effective Passage Search via Contextualized Late
               Interaction over BERT, 2020: https://huggingface.co/papers/2004.12832

@@ -117,6 +117,10 @@ class CachedSparseLoss(SparseLossSettings):
         base loss, read at every step, and are also properties of this loss (reading or setting one
         reads or sets the base loss's, checked).
 
+        Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
+        ``tile_size``, ``memory_budget``), keyword-only, each documented once on
+        [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
+
         Args:
             model: the SparseEncoder to train (e.g. ``MLMTransformer`` + ``SpladePooling``).
             loss: the base loss, with ``compute_loss_from_embeddings(embeddings, labels)``; usually
@@ -136,9 +140,7 @@ class CachedSparseLoss(SparseLossSettings):
             show_progress_bar: tqdm bars over the mini-batches.
             mask_duplicates: mask false negatives found by equal token ids (see ``CachedMNRLoss``); with the
                 core's base loss only.
-            **engine: the engine's knobs and the loss stage's plan (``path``, ``tile_size``,
-                ``memory_budget``), keyword-only, each documented once on
-                [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
+
         References:
             - Formal et al., From Distillation to Hard Negative Sampling: Making Sparse Neural IR Models More
               Effective, 2022: https://huggingface.co/papers/2205.04733
