@@ -75,7 +75,8 @@ def _autocast_reuses_graphless_casts() -> bool:
     once, on the CPU with a 1 x 1 weight, in an autocast region of its own with the cache on."""
     weight = torch.ones(1, 1, requires_grad=True)
     x = torch.ones(1, 1)
-    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
+    # grad mode on: probed first inside an evaluation's no_grad, the answer would be the fault's
+    with torch.enable_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=True):
         with torch.no_grad():
             torch.nn.functional.linear(x, weight)
         return not torch.nn.functional.linear(x, weight).requires_grad

@@ -257,5 +257,5 @@ def warn_if_scale_unsaved(loss: nn.Module) -> None:
         "callbacks=[LossStateCallback(loss)] (from st_cached_losses; the same loss, list or dict of losses as "
         "its loss=). In a training loop of your own, save and load loss.state_dict() with your checkpoints.",
         UserWarning,
-        stacklevel=5,  # past this function, the loss's forward and nn.Module's call machinery
+        stacklevel=6,  # past this function, the loss's step hook, its forward and nn.Module's call machinery
     )

@@ -289,10 +289,10 @@ def test_an_auto_token_budget_packs_vision_patches():
 
     column = _heavy_images_column()
     cache = GradCache(mini_batch_num_tokens="auto", mini_batch_memory_budget=1)
-    cache.auto_size = 100
+    cache.auto.size = 100
     plan = cache.plan(0, column)
     assert [mb.rows.tolist() for mb in plan] == [[0], [1], [2], [3], [4]]
-    cache.auto_size = 150
+    cache.auto.size = 150
     # longest first: row 0 (30 wide) with one image row (2 x 30 + 64), then two image rows (2 x 10 + 128)
     assert [mb.rows.tolist() for mb in cache.plan(0, column)] == [[0, 1], [2, 3], [4]]
     assert not cache.fits_in_one([column])

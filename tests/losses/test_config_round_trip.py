@@ -54,7 +54,9 @@ DENSE = [
     (CachedMNRLoss, {"directions": TWO, "partition_mode": "per_direction"}),
     (CachedMNRLoss, {"directions": FOUR, "hardness_mode": "in_batch_negatives", "hardness_strength": 9.0}),
     (CachedMNRLoss, {"scale": 50.0, "similarity_fct": dot_score, "mask_duplicates": True, "path": "tiled"}),
-    (CachedMNRLoss, {"mini_batch_size": "auto", "mini_batch_num_tokens": 64}),
+    # "auto" without a memory budget is refused at construction off CUDA (issue 45), and the config dict does
+    # not carry the engine's budget: the token budget's round trip is checked with a fixed mini_batch_size
+    (CachedMNRLoss, {"mini_batch_size": 8, "mini_batch_num_tokens": 64}),
     (CachedCLIPLoss, {}),
     (CachedCLIPLoss, {"learnable_scale": True, "scale": 14.0, "max_scale": 50.0}),
     (CachedCLIPLoss, {"directions": ("query_to_doc",), "partition_mode": "joint"}),
