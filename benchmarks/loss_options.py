@@ -36,7 +36,7 @@ from _common import ROOT
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad
-from st_cached_losses.functional.directions import Guide
+from st_cached_losses.functional.options import Guide
 from st_cached_losses.functional.terms import gist_terms, mnrl_terms
 from tests.support.memory import PeakMemory
 

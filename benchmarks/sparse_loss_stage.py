@@ -34,6 +34,7 @@ from _common import ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from st_cached_losses.losses._base import StepData
 from tests.support.memory import PeakMemory
 
 COLUMNS = 3  # anchor, positive, one hard negative
@@ -81,8 +82,8 @@ def measure(name: str, loss, embeddings: list[torch.Tensor]) -> tuple[float, int
         gc.collect()
         start = time.perf_counter()
         with PeakMemory() as meter:
-            parts, grads = loss._loss_parts(cache, None, None, with_grad=True)  # the engine's stage 2
-            value = torch.stack(list(parts.values())).sum()
+            stage = loss._loss_stage(cache, None, StepData(), with_grad=True)  # the engine's stage 2
+            value, grads = stage.loss, stage.grads
         seconds = time.perf_counter() - start
         return seconds, meter.peak_bytes, float(value), nbytes(cache), nbytes(grads)
     reps = [[e.clone().requires_grad_()] for e in embeddings]

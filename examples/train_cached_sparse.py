@@ -122,8 +122,7 @@ def main(argv: list[str] | None = None) -> tuple[SparseEncoderTrainer, dict[str,
     # 3. The loss the arguments describe, here CachedSparseLoss; the dataset's columns are checked now
     loss = build_loss(model, args, train_dataset=train_dataset)
 
-    # 4. The sparse encoder's trainer (its collator encodes the first column as queries); the callbacks: the
-    # changed loss fields in the card, the loss's state in checkpoints
+    # 4. The trainer (its collator encodes column 1 as queries); callbacks: loss fields on the card, its state
     trainer = SparseEncoderTrainer(
         model=model,
         args=args,
@@ -145,11 +144,9 @@ def main(argv: list[str] | None = None) -> tuple[SparseEncoderTrainer, dict[str,
         metrics,
         trained_by="examples/train_cached_sparse.py",
         metrics_caption=(
-            f"Sparse retrieval on {len(eval_pairs)} held-out pairs. What it shows: the loss trains a SparseEncoder end "
-            "to end, not a useful SPLADE model. The MLM head starts untrained (random), so both rows are near "
-            f"chance, and {trainer.state.global_step} steps move them by about the noise of 256 queries (a metric "
-            "may go down); a real run starts from an MLM checkpoint with its head (e.g. "
-            "naver/splade-cocondenser-ensembledistil) and trains far longer"
+            f"Sparse retrieval on {len(eval_pairs)} held-out pairs. It shows the loss training a SparseEncoder end to "
+            "end, not a useful SPLADE model: the MLM head starts untrained, so both rows are near chance (a metric "
+            f"may go down in {trainer.state.global_step} steps); a real run starts from an MLM checkpoint with its head"
         ),
     )
     active = {name: result.get("eval_stdlib_corpus_active_dims") for name, result in results.items()}

@@ -324,3 +324,67 @@ def test_the_mnr_loss_reads_in_three_files():
             defining.add(next(cls.__module__ for cls in CachedMNRLoss.__mro__ if name in vars(cls)))
     assert defining <= {mine + "cached_mnr", mine + "_base"}, defining
     assert CachedMNRLoss.__init__.__doc__ and "{" not in CachedMNRLoss.__init__.__doc__.split("Example")[0]
+
+
+def test_the_core_writes_the_template_once():
+    """No embedding loss outside ``losses/_base.py`` defines ``calculate_loss`` or ``forward``: each supplies
+    its parts (terms, step data, loss stage, returned shape) through the core's hooks, so a fix to the
+    template lands once."""
+    from st_cached_losses.losses import _base
+
+    rewritten = []
+    for path in sorted((PACKAGE / "losses").glob("*.py")):
+        if path.name in ("_base.py", "cached_cross_encoder.py"):  # the core; the reranker scores pairs
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                rewritten += [
+                    f"{path.name}:{node.name}.{f.name}"
+                    for f in node.body
+                    if isinstance(f, ast.FunctionDef) and f.name in ("calculate_loss", "forward")
+                ]
+    assert not rewritten, rewritten
+    import st_cached_losses as s
+
+    for name in ("CachedMNRLoss", "CachedCLIPLoss", "CachedTiledLoss", "CachedGISTLoss", "CachedSparseLoss"):
+        cls = getattr(s, name)
+        assert issubclass(cls, _base.CachedInfoNCEBase)
+        assert cls.forward is _base.CachedInfoNCEBase.forward, name
+        assert cls.calculate_loss is _base.CachedInfoNCEBase.calculate_loss, name
+    assert s.CachedMultiVectorLoss.forward is _base.CachedInfoNCEBase.forward
+
+
+def test_an_engine_knob_is_declared_once():
+    """An engine knob is named in at most four files of the package: its spec (``losses/settings.py``), its
+    declaration with its documentation and its setting (``losses/_base.py``), the engine that uses it and the
+    arguments' field; no loss restates it in its signature, its body or its docstring (they take
+    ``**engine``)."""
+    import inspect
+
+    import st_cached_losses as s
+
+    naming = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if "keep_params_unsharded" in path.read_text()
+    )
+    assert len(naming) <= 4, naming
+    for name in ("CachedMNRLoss", "CachedTiledLoss", "CachedSparseLoss", "CachedCrossEncoderLoss"):
+        # still in the signature a caller (and the configuration layer) reads, keyword-only, with its default
+        param = inspect.signature(getattr(s, name).__init__).parameters["keep_params_unsharded"]
+        assert (param.kind, param.default) == (inspect.Parameter.KEYWORD_ONLY, False), name
+
+
+def test_no_loss_writes_into_its_engine():
+    """What a loss needs of the engine (token rows, the cache form) is given when the engine is built, and
+    the engine updates its own run state (``cache.auto``): no ``<loss>.cache.<attribute> = ...`` in the
+    losses layer (a setting kept on the engine goes through its :class:`Setting`)."""
+    import re
+
+    found = [
+        f"{path.name}:{n + 1}"
+        for path in sorted((PACKAGE / "losses").glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines())
+        if re.search(r"\b(self|loss)\.cache\.\w+(\.\w+)*\s*=[^=]", line)
+    ]
+    assert not found, found

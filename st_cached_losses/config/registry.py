@@ -30,10 +30,12 @@ __all__ = [
     "DEFAULT_GIST_TEMPERATURE",
     "DEFAULT_SCALE",
     "DEFAULT_SCALE_LEARNING_RATE",
+    "FIELD_NAMES",
     "LOSSES",
     "LOSS_ALIASES",
     "LOSS_DEFAULT_SCALES",
     "MODEL_KINDS",
+    "NOT_FIELDS",
     "ST_LOSS_NAMES",
     "canonical_loss",
     "closest_name_hint",
@@ -91,6 +93,27 @@ def canonical_loss(name: str, kind: str | None = None) -> str | None:
     if ours is None:
         return None
     return ours.get(kind or "", next(iter(ours.values())))
+
+
+#: constructor arguments set by an arguments field of another name
+FIELD_NAMES = {
+    "similarity_fct": "similarity",
+    "show_progress_bar": "loss_show_progress_bar",
+    "guide": "guide_model",
+}
+#: constructor arguments no field sets, and why
+NOT_FIELDS = {
+    "model": "the trainer's model: build_loss(model, args) passes it",
+    "loss": "CachedSparseLoss's base ranking loss, an object: build_loss builds SparseMultipleNegativesRankingLoss "
+    "from the fields scale, similarity, gather_across_devices, directions, partition_mode and hardness_*; "
+    "construct CachedSparseLoss yourself for another base loss",
+    "document_regularizer": "an object: the default FlopsLoss, counting rows above document_regularizer_threshold; "
+    "construct CachedSparseLoss yourself for another regulariser",
+    "activation_fn": "an nn.Module: the default (torch.nn.Sigmoid, as sentence-transformers'); construct "
+    "CachedCrossEncoderLoss yourself for another activation",
+    "query_regularizer": "an object: the default FlopsLoss, counting rows above query_regularizer_threshold; "
+    "construct CachedSparseLoss yourself for another regulariser",
+}
 
 
 def loss_parameters(name: str) -> dict[str, inspect.Parameter]:

@@ -52,10 +52,12 @@ from st_cached_losses.config.registry import (
     DEFAULT_GIST_TEMPERATURE,
     DEFAULT_SCALE,
     DEFAULT_SCALE_LEARNING_RATE,
+    FIELD_NAMES,
     LOSS_ALIASES,
     LOSS_DEFAULT_SCALES,
     LOSSES,
     MODEL_KINDS,
+    NOT_FIELDS,
     ST_LOSS_NAMES,
     canonical_loss,
     closest_name_hint,
@@ -66,8 +68,6 @@ from st_cached_losses.engine.caller import user_stacklevel  # the warnings point
 from st_cached_losses.engine.gradcache import auto_needs_budget
 from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
 from st_cached_losses.losses.settings import (
-    FIELD_NAMES,
-    NOT_FIELDS,
     ONE_DIRECTION,
     SPECS,
     Spec,

@@ -47,7 +47,7 @@ from st_cached_losses.engine.features import (
     position_shift_invariant,
 )
 from st_cached_losses.engine.graph_budget import GraphKeeper, pick_mini_batch, row_span
-from st_cached_losses.engine.planning import MiniBatch, MiniBatchPlanner, unsort
+from st_cached_losses.engine.planning import AutoSize, MiniBatch, MiniBatchPlanner, unsort
 from st_cached_losses.engine.rng import RandState
 from st_cached_losses.engine.wrappers import (
     LocalBackward,
@@ -317,10 +317,14 @@ class GradCache(MiniBatchPlanner):
     mini_batch_memory_budget: int | None = None
     tokens: bool = False
     output: str = "sentence_embedding"
-    auto_size: int | None = field(default=None, repr=False)
-    # the shortest and longest rows (padded lengths, in tokens) auto_size holds for: rows outside re-size
-    auto_span: tuple[int, int] = field(default=(0, 0), repr=False)
     form: CacheForm | None = field(default=None, repr=False)
+    #: the run state: what "auto" sizes resolved to (updated by ``resolve_auto``)
+    auto: AutoSize = field(default_factory=AutoSize, repr=False)
+
+    @property
+    def auto_size(self) -> int | None:
+        """What ``"auto"`` resolved to (rows, or tokens), or None: not sized yet."""
+        return self.auto.size
 
     def __post_init__(self) -> None:
         check_mini_batch_size(self.mini_batch_size)
@@ -355,8 +359,8 @@ class GradCache(MiniBatchPlanner):
             return
         device = model_device(model)
         shortest, longest = row_span(columns, trim_leading, device)
-        if self.auto_size is not None:
-            low, high = self.auto_span
+        if self.auto.size is not None:
+            low, high = self.auto.span
             if longest <= high and (shortest >= low or not by_tokens):
                 return
             shortest, longest = min(shortest, low), max(longest, high)
@@ -367,7 +371,7 @@ class GradCache(MiniBatchPlanner):
             budget = torch.cuda.mem_get_info(device)[0] // 2
         size = pick_mini_batch(model, columns, trim_leading, budget, by_tokens=by_tokens, encode=self.encode)
         what = "mini_batch_num_tokens" if by_tokens else "mini_batch_size"
-        if self.auto_size is None:
+        if self.auto.size is None:
             logger.info(
                 "%s='auto': %d for a budget of %.3g GB of activations (measured on this batch's rows of "
                 "%d to %d tokens).",
@@ -378,19 +382,19 @@ class GradCache(MiniBatchPlanner):
                 longest,
             )
         else:
-            size = min(size, self.auto_size)
+            size = min(size, self.auto.size)
             logger.info(
                 "%s='auto': re-sized from %d to %d for a budget of %.3g GB of activations: this batch's "
                 "rows reach outside the %d to %d tokens measured before (now %d to %d).",
                 what,
-                self.auto_size,
+                self.auto.size,
                 size,
                 budget / 1e9,
-                *self.auto_span,
+                *self.auto.span,
                 shortest,
                 longest,
             )
-        self.auto_size, self.auto_span = size, (shortest, longest)
+        self.auto.size, self.auto.span = size, (shortest, longest)
 
     def encode(self, model: nn.Module, features: Features) -> Tensor:
         """One mini-batch's embeddings ``(m, d)`` (the model's ``output``, e.g. pair scores ``(m, 1)``); with

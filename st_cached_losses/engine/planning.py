@@ -82,6 +82,30 @@ class MiniBatch:
         return slice_features(self.source, self.rows, self.batch_size, trim_leading=self.trim_leading)
 
 
+@dataclass
+class AutoSize:
+    """The engine's run state: what ``"auto"`` mini-batch sizes resolved to, updated by the engine
+    (``GradCache.resolve_auto``: at the first step, and again for rows
+    outside the lengths measured) and forgotten when a size setting changes."""
+
+    #: the resolved size (rows, or tokens for ``mini_batch_num_tokens="auto"``); None: not sized yet
+    size: int | None = None
+    #: the shortest and longest rows (padded lengths, in tokens) ``size`` holds for: rows outside re-size
+    span: tuple[int, int] = (0, 0)
+
+    def forget(self) -> None:
+        """Size again at the next step (a size setting changed)."""
+        self.size, self.span = None, (0, 0)
+
+    def resolved(self, name: str, value: int | str | None) -> int | None:
+        """The size setting ``name``'s ``value``, or what ``"auto"`` resolved to."""
+        if value == "auto":
+            if self.size is None:
+                raise RuntimeError(f"{name}='auto' is resolved at the first step, from its batch.")
+            return self.size
+        return None if value is None else int(value)
+
+
 class MiniBatchPlanner:
     """The planning half of [`GradCache`][st_cached_losses.engine.gradcache.GradCache] (which declares these
     settings as its dataclass fields): cut columns into mini-batches and agree across processes on how
@@ -91,28 +115,18 @@ class MiniBatchPlanner:
     mini_batch_num_tokens: int | str | None
     sort_by_length: bool
     agree_mini_batches: bool | None
-    #: what ``"auto"`` sizes resolved to (see GradCache.resolve_auto: at the first step, and again for
-    #: longer rows)
-    auto_size: int | None
-
-    def _resolved(self, name: str) -> int | None:
-        """A size setting's value, or what ``"auto"`` resolved to."""
-        value = getattr(self, name)
-        if value == "auto":
-            if self.auto_size is None:
-                raise RuntimeError(f"{name}='auto' is resolved at the first step, from its batch.")
-            return self.auto_size
-        return None if value is None else int(value)
+    #: what ``"auto"`` sizes resolved to (the engine's run state)
+    auto: AutoSize
 
     @property
     def rows_per_mini_batch(self) -> int:
         """``mini_batch_size``, or what ``"auto"`` resolved to."""
-        return cast(int, self._resolved("mini_batch_size"))
+        return cast(int, self.auto.resolved("mini_batch_size", self.mini_batch_size))
 
     @property
     def tokens_per_mini_batch(self) -> int | None:
         """``mini_batch_num_tokens``, or what ``"auto"`` resolved to."""
-        return self._resolved("mini_batch_num_tokens")
+        return self.auto.resolved("mini_batch_num_tokens", self.mini_batch_num_tokens)
 
     def plan(
         self, column: int, features: Features, *, trim_leading: bool = True, count: int | None = None
@@ -237,7 +251,7 @@ class MiniBatchPlanner:
         ``counts``, whether those are all one."""
         if counts is not None:
             return all(c == 1 for c in counts)
-        if self.auto_size is None and "auto" in (self.mini_batch_size, self.mini_batch_num_tokens):
+        if self.auto.size is None and "auto" in (self.mini_batch_size, self.mini_batch_num_tokens):
             return False  # not sized yet
         budget = self.tokens_per_mini_batch
         for features in columns:

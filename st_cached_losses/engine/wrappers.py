@@ -313,7 +313,7 @@ _HELD: dict[int, _Settings] = {}
 
 @dataclass
 class Unsharded:
-    """FSDP2 modules' parameters kept unsharded for one step (``keep_params_unsharded``).
+    """FSDP2 modules' parameters kept unsharded for one step (the engine's knob, [`GradCache`][st_cached_losses.engine.gradcache.GradCache]).
 
     ``set_reshard_after_forward(False)`` and ``set_reshard_after_backward(False)`` (FSDP2's public
     setters) on every FSDP2 module of the model: each group's first forward of the step all-gathers its

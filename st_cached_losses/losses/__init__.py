@@ -6,7 +6,7 @@ May import the engine and the functional layer (and ``st_cached_losses.distribut
 sentence-transformers and transformers; never the configuration or the demo.
 """
 
-from st_cached_losses.losses._base import CachedInfoNCEBase
+from st_cached_losses.losses._base import CachedInfoNCEBase, EngineOptions, LossStageOptions
 from st_cached_losses.losses.cached_clip import CachedCLIPLoss
 from st_cached_losses.losses.cached_cross_encoder import CachedCrossEncoderLoss
 from st_cached_losses.losses.cached_gist import CachedGISTLoss
@@ -24,4 +24,6 @@ __all__ = [
     "CachedMultiVectorLoss",
     "CachedSparseLoss",
     "CachedTiledLoss",
+    "EngineOptions",
+    "LossStageOptions",
 ]

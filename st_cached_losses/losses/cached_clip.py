@@ -4,8 +4,9 @@ from collections.abc import Callable, Sequence
 
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
+from st_cached_losses.losses._base import LossStageOptions
 from st_cached_losses.losses.cached_mnr import CachedMNRLoss
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.settings import TWO_DIRECTIONS
@@ -31,14 +32,7 @@ class CachedCLIPLoss(CachedMNRLoss):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         mask_duplicates: bool = False,
-        sort_by_length: bool = True,
-        reuse_last_graph: bool = True,
-        keep_params_unsharded: bool = False,
-        graph_memory_budget: int | str | None = None,
-        mini_batch_memory_budget: int | str | None = None,
-        path: LossPath = "auto",
-        tile_size: int | None = None,
-        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
+        **engine: Unpack[LossStageOptions],
     ) -> None:
         """
         Symmetric (CLIP-style) InfoNCE with GradCache: the mean of anchor -> candidates and positive -> anchors,
@@ -110,12 +104,5 @@ class CachedCLIPLoss(CachedMNRLoss):
             learnable_scale=learnable_scale,
             max_scale=max_scale,
             mask_duplicates=mask_duplicates,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
-            mini_batch_memory_budget=mini_batch_memory_budget,
-            path=path,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
+            **engine,
         )

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from st_cached_losses.engine.features import (
     Features,
@@ -21,7 +22,7 @@ from st_cached_losses.engine.features import (
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional.distributed import is_distributed, world_size
 from st_cached_losses.functional.parallel import agree_on_sizes
-from st_cached_losses.losses._base import EngineSettings
+from st_cached_losses.losses._base import EngineOptions, EngineSettings
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.guards import check_model_kind
 from st_cached_losses.losses.settings import Setting
@@ -119,11 +120,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         show_progress_bar: bool = False,
         *,
         mini_batch_num_tokens: int | str | None = None,
-        sort_by_length: bool = True,
-        reuse_last_graph: bool = True,
-        keep_params_unsharded: bool = False,
-        graph_memory_budget: int | str | None = None,
-        mini_batch_memory_budget: int | str | None = None,
+        **engine: Unpack[EngineOptions],
     ) -> None:
         """
         Multiple-negatives ranking loss for rerankers (``CrossEncoder``) with GradCache: each query is scored
@@ -145,6 +142,9 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         with DDP's gradient average, the gradient of one process on all the pairs, also when the processes
         hold different numbers of rows.
 
+        Besides the arguments below, the loss takes the engine's knobs, keyword-only, each documented once on
+        [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]; none changes the result.
+
         Args:
             model: the ``CrossEncoder`` to train, with one output label (``num_labels=1``).
             num_negatives: documents of other rows scored against each query (drawn at random, without
@@ -157,16 +157,6 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             mini_batch_num_tokens: a budget of real (non-padding) tokens of the joint pair per mini-batch
                 instead of ``mini_batch_size``: pairs, longest first, are packed while their tokens fit (a
                 longer pair alone). ``"auto"``: the largest budget that fits ``mini_batch_memory_budget``.
-            sort_by_length: score the pairs longest first, so that mini-batches pad little; never changes the
-                result.
-            reuse_last_graph: keep the last mini-batch's graph from the first pass instead of replaying it;
-                never changes the result.
-            keep_params_unsharded: under FSDP2, gather every parameter group once per step instead of once
-                per mini-batch forward and replay (the memory of the full parameters).
-            graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-pass graphs to keep instead of
-                replaying their mini-batches, the largest first; the same gradients, fewer forwards.
-            mini_batch_memory_budget: with ``"auto"`` mini-batches, the activation memory one mini-batch may
-                take (on CUDA by default half the free memory).
 
         References:
             - Henderson et al., Efficient Natural Language Response Suggestion for Smart Reply, 2017, section
@@ -220,12 +210,8 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             GradCache(
                 mini_batch_size=mini_batch_size, mini_batch_num_tokens=mini_batch_num_tokens, output="scores"
             ),
-            mini_batch_memory_budget=mini_batch_memory_budget,
-            show_progress_bar=show_progress_bar,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
+            show_progress_bar,
+            engine,
         )
 
     # ------------------------------------------------------------------ the step
@@ -392,14 +378,6 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         )
 
     # ------------------------------------------------------------------ model card
-
-    def _tag_model_card(self) -> None:
-        """Once per loss: tag the model's card with this library and the loss this one equals."""
-        card = getattr(unwrap_model(self.model), "model_card_data", None)
-        if getattr(self, "_tagged", False) or card is None or not hasattr(card, "add_tags"):
-            return
-        card.add_tags(["st_cached_losses", f"equivalent-loss:{self.equivalent_st_loss}"])
-        self._tagged = True
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' keys, the same values for the same settings."""

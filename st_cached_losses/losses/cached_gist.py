@@ -4,14 +4,15 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
 from st_cached_losses.engine.features import batch_size_of, input_ids_by_row, model_device, unwrap_model
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
-from st_cached_losses.functional.directions import Guide
+from st_cached_losses.functional import scale_value
+from st_cached_losses.functional.options import Guide
 from st_cached_losses.functional.terms import gist_terms
-from st_cached_losses.losses._base import LearnableScale, StepData
+from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StepData
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
-from st_cached_losses.losses.settings import Setting, check_bool
+from st_cached_losses.losses.settings import Setting
 
 _NO_TOKENIZER = "Both the training model and the guiding model must have a tokenizer attribute."
 
@@ -36,14 +37,7 @@ class CachedGISTLoss(LearnableScale):
         *,
         learnable_scale: bool = False,
         max_scale: float = 100.0,
-        path: LossPath = "auto",
-        tile_size: int | None = None,
-        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
-        sort_by_length: bool = True,
-        reuse_last_graph: bool = True,
-        keep_params_unsharded: bool = False,
-        graph_memory_budget: int | str | None = None,
-        mini_batch_memory_budget: int | str | None = None,
+        **engine: Unpack[LossStageOptions],
     ) -> None:
         """
         GISTEmbed's guided in-batch negatives with GradCache: a frozen guide model removes the in-batch
@@ -62,6 +56,10 @@ class CachedGISTLoss(LearnableScale):
         ``log(scale)``, as on ``CachedMNRLoss``) as well. It has only the settings GIST uses: not
         ``directions``, ``partition_mode``, ``symmetric``, ``similarity_fct``, ``hardness_mode``,
         ``hardness_strength`` nor ``mask_duplicates`` (the guide, not these, decides which negatives count).
+
+        Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
+        ``tile_size``, ``memory_budget``), keyword-only, each documented once on
+        [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
 
         Args:
             model: the SentenceTransformer to train.
@@ -84,11 +82,6 @@ class CachedGISTLoss(LearnableScale):
                 (sentence-transformers' GIST losses have a fixed temperature); give the trainer
                 ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it.
             max_scale: the clamp of a learned scale.
-            path / tile_size / memory_budget: the loss-stage algorithm (``"auto"``, ``"chunked"`` or
-                ``"tiled"``; tiled across processes is the ring exchange) and its block sizes.
-            sort_by_length / reuse_last_graph / keep_params_unsharded / graph_memory_budget /
-                mini_batch_memory_budget: how the engine runs the mini-batches, as on [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss];
-                never the result.
 
         References:
             - Solatorio, GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding
@@ -108,15 +101,8 @@ class CachedGISTLoss(LearnableScale):
             scale=1.0 / scale_value(temperature, name="temperature"),
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
-            mini_batch_memory_budget=mini_batch_memory_budget,
             show_progress_bar=show_progress_bar,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
-            path=path,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
+            **engine,
         )
         self.gather_across_devices = gather_across_devices
         if not hasattr(model, "tokenizer"):
@@ -174,17 +160,13 @@ class CachedGISTLoss(LearnableScale):
 
     # ------------------------------------------------------------------ settings
 
-    @property  # a Setting on the base: here it checks the guide too
-    def gather_across_devices(self) -> bool:
-        return self._gather_across_devices
-
-    @gather_across_devices.setter
-    def gather_across_devices(self, value: bool) -> None:
+    def _check_gathered_guide(self, value: bool) -> bool:
         # the guide's embeddings are gathered too: a guide of unknown size is refused here as at construction
-        if check_bool("gather_across_devices", value) and "guide" in self._modules:
+        if value and "guide" in self._modules:
             self._check_guide(self.guide, True)
-        self._gather_across_devices = value
+        return value
 
+    gather_across_devices = Setting[bool](validate=_check_gathered_guide)
     margin_strategy = Setting[str]()
     margin = Setting[float]()
     contrast_anchors = Setting[bool]()
@@ -216,7 +198,7 @@ class CachedGISTLoss(LearnableScale):
         assert all(g.shape[0] == batch_size_of(features[0]) for g in guided)
         return StepData(guide=[g.to(model_device(self.model)) for g in guided])
 
-    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
         g = step.guide
         if g is None or len(g) != n_columns + 1 or len(g[0]) != n_rows:
             raise ValueError(
@@ -226,7 +208,7 @@ class CachedGISTLoss(LearnableScale):
         terms = gist_terms(
             self.contrast_anchors, self.contrast_positives, n_columns, self.margin_strategy, self.margin
         )
-        return {"terms": terms, "guide": Guide(g[0], g[1:]), "similarity": "cosine"}
+        return LossTerms(terms, "cosine", guide=Guide(g[0], g[1:]))
 
     def _guide_features(self, features: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The columns as the guide reads them: re-tokenised from the text when its tokenizer differs."""

@@ -10,11 +10,12 @@ from typing import Any
 
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, Similarity
+from st_cached_losses.functional import Similarity
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.terms import mnrl_terms
-from st_cached_losses.losses._base import LearnableScale, StepData
+from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StepData
 from st_cached_losses.losses.citations import (
     GRADCACHE_CITATION,
     GTE_CITATION,
@@ -45,16 +46,13 @@ def ranking_terms(
     partition_mode: str,
     hardness_mode: str | None,
     hardness_strength: float,
-) -> dict[str, Any]:
+    similarity: Similarity = "cosine",
+) -> LossTerms:
     """The core's ``terms`` for sentence-transformers' ranking options, and the duplicate keys that mask
     them (those of these rows: a wrapper may call the loss stage on other rows, and masks nothing then)."""
-    kwargs: dict[str, Any] = {
-        "terms": mnrl_terms(directions, partition_mode, hardness_mode, hardness_strength, n_columns)
-    }
     keys = step.keys if step.keys is not None and len(step.keys[0]) == n_rows else None
-    if keys is not None:
-        kwargs.update(anchor_keys=keys[0], candidate_keys=keys[1:])
-    return kwargs
+    terms = mnrl_terms(directions, partition_mode, hardness_mode, hardness_strength, n_columns)
+    return LossTerms(terms, similarity, keys=keys)
 
 
 def ranking_citations(
@@ -91,14 +89,7 @@ class CachedMNRLoss(LearnableScale):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         mask_duplicates: bool = False,
-        sort_by_length: bool = True,
-        reuse_last_graph: bool = True,
-        keep_params_unsharded: bool = False,
-        graph_memory_budget: int | str | None = None,
-        mini_batch_memory_budget: int | str | None = None,
-        path: LossPath = "auto",
-        tile_size: int | None = None,
-        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
+        **engine: Unpack[LossStageOptions],
     ) -> None:
         """
         Multiple-negatives ranking loss (InfoNCE with in-batch negatives) with GradCache: the gradients of a
@@ -111,6 +102,10 @@ class CachedMNRLoss(LearnableScale):
         by mini-batch in backward with the cached gradients. Rows are embedded longest first so mini-batches
         carry little padding, the last mini-batch's graph is kept instead of re-run, and a batch that fits in
         one mini-batch is not cached at all.
+
+        Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
+        ``tile_size``, ``memory_budget``), keyword-only, each documented once on
+        [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
 
         Args:
             model: the SentenceTransformer to train.
@@ -147,22 +142,6 @@ class CachedMNRLoss(LearnableScale):
                 processes: rows sharing their anchor or their positive are duplicates; a row's negatives lose
                 the positives of its duplicates, and any candidate equal to its own positive. With the
                 positive -> anchors direction, a positive's negatives lose the anchors of its row's duplicates.
-            sort_by_length: embed each column's rows longest first (less padding); never changes the result.
-            reuse_last_graph: keep the last encoder mini-batch's graph from the first pass instead of replaying
-                it; never changes the result.
-            keep_params_unsharded: under FSDP2, gather every parameter group once per step and keep it until the
-                last replay, for the memory of the full parameters.
-            graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-pass encoder graphs to keep instead
-                of replaying their mini-batches, the longest first; the same gradients, fewer forwards. Default:
-                replay all but the last.
-            mini_batch_memory_budget: with ``"auto"`` sizes, the activation memory one encoder mini-batch may
-                take (bytes or a size such as ``"2GB"``; on CUDA by default half the free memory).
-            path: the loss stage's algorithm: ``"auto"`` (from the batch and ``memory_budget``), ``"chunked"``
-                (row chunks against every column) or ``"tiled"`` (Inf-CL-style tiles; across processes the
-                ring exchange); never changes the result.
-            tile_size: side of a logit tile / rows of a chunk of the loss stage (default: from
-                ``memory_budget``, at most 2048).
-            memory_budget: bytes of logit blocks the loss stage may hold at once, or a size such as ``"64MiB"``.
 
         References:
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
@@ -212,34 +191,44 @@ class CachedMNRLoss(LearnableScale):
             scale=scale,
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
-            mini_batch_memory_budget=mini_batch_memory_budget,
             show_progress_bar=show_progress_bar,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
-            path=path,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
+            **engine,
         )
         self.gather_across_devices = gather_across_devices
         self.similarity_fct = similarity_fct
-        self._directions = check_directions(directions, partition_mode, type(self).__name__)
-        self._partition_mode = partition_mode
-        check_hardness(hardness_mode, hardness_strength, type(self).__name__)
-        self._hardness_mode, self._hardness_strength = hardness_mode, hardness_strength
+        # each checked with the other: directions first, then the pair (as sentence-transformers checks them)
+        self.directions = directions
+        self.partition_mode = partition_mode
+        self.hardness_strength = hardness_strength
+        self.hardness_mode = hardness_mode
         self.mask_duplicates = mask_duplicates
         self._init_learnable_scale(learnable_scale, max_scale)
 
-    @property
-    def similarity_fct(self) -> Callable[..., Tensor] | str:
-        """What was given: ``cos_sim`` / ``dot_score`` (or ``"cosine"`` / ``"dot"``)."""
-        return self._similarity_fct
+    def _resolve_similarity(self, old: object, new: Callable[..., Tensor] | str) -> None:
+        self._similarity = resolve_similarity(new)
 
-    @similarity_fct.setter
-    def similarity_fct(self, value: Callable[..., Tensor] | str) -> None:
-        self._similarity = resolve_similarity(value)
-        self._similarity_fct = value
+    def _check_directions(self, value: Sequence[str]) -> tuple[str, ...]:
+        # at construction, before partition_mode is set: checked as a pair when it is
+        return check_directions(value, self.partition_mode or "joint", type(self).__name__)
+
+    def _check_partition_mode(self, value: str) -> str:
+        check_directions(self.directions, value, type(self).__name__)
+        return value
+
+    def _check_hardness_mode(self, value: str | None) -> str | None:
+        check_hardness(value, self.hardness_strength, type(self).__name__)
+        return value
+
+    def _check_hardness_strength(self, value: float) -> float:
+        check_hardness(self.hardness_mode, value, type(self).__name__)
+        return value
+
+    #: What was given: ``cos_sim`` / ``dot_score`` (or ``"cosine"`` / ``"dot"``).
+    similarity_fct = Setting[Any](after=_resolve_similarity)
+    directions = Setting[tuple[str, ...]](validate=_check_directions)
+    partition_mode = Setting[str](validate=_check_partition_mode)
+    hardness_mode = Setting[str | None](validate=_check_hardness_mode)
+    hardness_strength = Setting[float](validate=_check_hardness_strength)
 
     @property
     def similarity(self) -> Similarity:
@@ -247,61 +236,26 @@ class CachedMNRLoss(LearnableScale):
         return self._similarity
 
     @property
-    def directions(self) -> tuple[str, ...]:
-        return self._directions
-
-    @directions.setter
-    def directions(self, value: Sequence[str]) -> None:
-        directions = check_directions(value, self._partition_mode, type(self).__name__)
-        self._directions = directions
-
-    @property
-    def partition_mode(self) -> str:
-        return self._partition_mode
-
-    @partition_mode.setter
-    def partition_mode(self, value: str) -> None:
-        check_directions(self._directions, value, type(self).__name__)
-        self._partition_mode = value
-
-    @property
     def symmetric(self) -> bool:
         """Whether the loss has the positive -> anchors direction too (``directions=('query_to_doc',
-        'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two."""
-        return set(self._directions) == set(TWO_DIRECTIONS) and self._partition_mode == "per_direction"
+        'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two settings. A view
+        of those two, not a setting of its own."""
+        return set(self.directions) == set(TWO_DIRECTIONS) and self.partition_mode == "per_direction"
 
     @symmetric.setter
     def symmetric(self, value: bool) -> None:
         if check_bool("symmetric", value) == self.symmetric:
             return  # e.g. False for four directions: stays four directions
-        directions, partition_mode = (
-            (TWO_DIRECTIONS, "per_direction") if value else (ONE_DIRECTION, self._partition_mode)
-        )
-        self._directions, self._partition_mode = directions, partition_mode
-
-    @property
-    def hardness_mode(self) -> str | None:
-        return self._hardness_mode
-
-    @hardness_mode.setter
-    def hardness_mode(self, value: str | None) -> None:
-        check_hardness(value, self._hardness_strength, type(self).__name__)
-        self._hardness_mode = value
-
-    @property
-    def hardness_strength(self) -> float:
-        return self._hardness_strength
-
-    @hardness_strength.setter
-    def hardness_strength(self, value: float) -> None:
-        check_hardness(self._hardness_mode, value, type(self).__name__)
-        self._hardness_strength = value
+        if value:
+            self.directions, self.partition_mode = TWO_DIRECTIONS, "per_direction"
+        else:
+            self.directions = ONE_DIRECTION
 
     @property
     def citation(self) -> str:
         """BibTeX for the model card."""
         extra = ranking_citations(
-            self._directions, self._partition_mode, self._hardness_mode, self._hardness_strength
+            self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength
         )
         return "".join(self._citation_parts() + extra)
 
@@ -333,8 +287,8 @@ class CachedMNRLoss(LearnableScale):
         # false negatives are recognised by their token ids (embeddings differ under dropout)
         return StepData(keys=[input_hashes(f) for f in features] if self.mask_duplicates else None)
 
-    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
-        terms = ranking_terms(
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
+        return ranking_terms(
             step,
             n_rows,
             n_columns,
@@ -342,5 +296,5 @@ class CachedMNRLoss(LearnableScale):
             self.partition_mode,
             self.hardness_mode,
             self.hardness_strength,
+            self.similarity,
         )
-        return {"similarity": self.similarity, **terms}

@@ -2,19 +2,18 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
-from st_cached_losses.functional.checks import check_positive_int
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.functional.parallel import pad_to_common_tokens
 from st_cached_losses.functional.terms import mnrl_terms
-from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
+from st_cached_losses.losses._base import CachedInfoNCEBase, LossStageOptions, LossTerms, StepData
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
-from st_cached_losses.losses.settings import ONE_DIRECTION
+from st_cached_losses.losses.settings import ONE_DIRECTION, Setting
 
 __all__ = ["CachedMultiVectorLoss", "resolve_token_similarity"]
 
@@ -135,6 +134,7 @@ def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None)
 class CachedMultiVectorLoss(CachedInfoNCEBase):
     _citations = (GRADCACHE_CITATION, MNRL_CITATION)
     equivalent_st_loss = "CachedMultiVectorMultipleNegativesRankingLoss"
+    caches_tokens = True  # the engine caches packed token embeddings and masks
     #: the model kind it trains (another is refused at construction)
     model_kind = "MultiVectorEncoder"
 
@@ -149,14 +149,7 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
         score_mini_batch_size: int | None = None,
         gather_across_devices: bool = False,
         show_progress_bar: bool = False,
-        path: LossPath = "auto",
-        tile_size: int | None = None,
-        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
-        sort_by_length: bool = True,
-        reuse_last_graph: bool = True,
-        keep_params_unsharded: bool = False,
-        graph_memory_budget: int | str | None = None,
-        mini_batch_memory_budget: int | str | None = None,
+        **engine: Unpack[LossStageOptions],
     ) -> None:
         """
         Late-interaction (ColBERT MaxSim) in-batch negatives ranking loss with GradCache, for a
@@ -177,6 +170,12 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
         The constructor takes sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss``
         arguments (keyword-only, as theirs), then our extras. Every argument is a property, read and
         assigned between steps.
+
+        Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan, keyword-only
+        ([`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]); none changes the result. Here
+        the loss stage's tiles are score tiles (token similarities included), and across processes
+        ``path="tiled"`` is the ring exchange (each process holds its own rows and one visiting block, never
+        every process's documents), the others gather.
 
         Args:
             model: the ``MultiVectorEncoder`` to train (column 0 embedded as ``task="query"``, the others as
@@ -209,14 +208,6 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
                 runs over every process's document tokens either way (under the ring, by a first pass of
                 the document blocks around it).
             show_progress_bar: tqdm bars over the mini-batches of both passes.
-            path: the loss-stage plan: ``"auto"``, ``"chunked"`` (query chunks against every document) or
-                ``"tiled"`` (tiles in both dimensions); across processes, ``"tiled"`` is the ring exchange
-                (each process holds its own rows and one visiting block, never every process's documents),
-                the others gather.
-            tile_size: the tile side of the tiled path (rows and documents).
-            memory_budget: bytes of score tiles (token similarities included) to hold at once.
-            sort_by_length / reuse_last_graph: engine options, never changing the result.
-            keep_params_unsharded / graph_memory_budget / mini_batch_memory_budget: as on ``CachedMNRLoss``.
 
         References:
             - Khattab and Zaharia, ColBERT: Efficient and Effective Passage Search via Contextualized Late
@@ -255,54 +246,29 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
             scale=scale,
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
-            mini_batch_memory_budget=mini_batch_memory_budget,
             show_progress_bar=show_progress_bar,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
-            path=path,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
+            **engine,
         )
         self.gather_across_devices = gather_across_devices
-        self.cache.tokens = True  # the engine caches packed token embeddings and masks
         self.similarity_fct = similarity_fct
         self.score_mini_batch_size = score_mini_batch_size
 
-    @property
-    def similarity_fct(self) -> Callable[..., Tensor] | str | None:
-        """What was given (``None``: ``colbert_scores``)."""
-        return self._similarity_fct
+    def _resolve_similarity(self, old: object, new: Callable[..., Tensor] | str | None) -> None:
+        self._similarity = resolve_token_similarity(new)
 
-    @similarity_fct.setter
-    def similarity_fct(self, value: Callable[..., Tensor] | str | None) -> None:
-        self._similarity = resolve_token_similarity(value)
-        self._similarity_fct = value
+    #: What was given (``None``: ``colbert_scores``).
+    similarity_fct = Setting[Any](after=_resolve_similarity)
+    #: sentence-transformers' scoring chunk (default ``mini_batch_size``); config only: tiles are sized
+    #: from ``memory_budget`` / ``tile_size``.
+    score_mini_batch_size = Setting[int | str](none_reads_as="mini_batch_size")
 
     @property
     def similarity(self) -> MaxSim | XTR:
         """The core's tile score: [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] or ``XTR``."""
         return self._similarity
 
-    @property
-    def score_mini_batch_size(self) -> int | str:
-        """sentence-transformers' scoring chunk (default ``mini_batch_size``); config only: tiles are sized
-        from ``memory_budget`` / ``tile_size``."""
-        return (
-            self._score_mini_batch_size if self._score_mini_batch_size is not None else self.mini_batch_size
-        )
-
-    @score_mini_batch_size.setter
-    def score_mini_batch_size(self, value: int | None) -> None:
-        check_positive_int("score_mini_batch_size", value)
-        self._score_mini_batch_size = value
-
-    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
-        return {
-            "similarity": self.similarity,
-            "terms": mnrl_terms(ONE_DIRECTION, "joint", None, 0.0, n_columns),
-        }
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
+        return LossTerms(mnrl_terms(ONE_DIRECTION, "joint", None, 0.0, n_columns), self.similarity)
 
     def _gatherable(self, embeddings: list[Tensor]) -> list[Tensor]:
         return pad_to_common_tokens(embeddings)
@@ -321,16 +287,10 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
             "score_mini_batch_size": self.score_mini_batch_size,
             "gather_across_devices": self.gather_across_devices,
         }
-        if self.tile_size is not None:
-            config["tile_size"] = self.tile_size
-        if self.path != "auto":
-            config["path"] = self.path
-        return config
+        return {**config, **self._changed_settings()}
 
-    def forward(self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None) -> Tensor:
+    def _columns(self, features: list[dict[str, Any]]) -> list[dict[str, Any]]:
         # each column's task, as sentence-transformers stamps it (a collator's choice kept): queries first
-        features = [
-            {**f, "task": f.get("task", "query" if k == 0 else "document")}
-            for k, f in enumerate(sentence_features)
+        return [
+            {**f, "task": f.get("task", "query" if k == 0 else "document")} for k, f in enumerate(features)
         ]
-        return super().forward(features, labels)

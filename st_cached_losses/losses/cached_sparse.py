@@ -23,20 +23,20 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
 from sentence_transformers.sparse_encoder.losses import FlopsLoss
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
-from st_cached_losses.functional.distributed import is_distributed, warn_no_process_group_once
+from st_cached_losses.functional.distributed import is_distributed
 from st_cached_losses.functional.flops import flops_loss_and_grad
 from st_cached_losses.functional.keys import input_hashes
-from st_cached_losses.functional.parallel import agree_on_sizes, loss_and_grad
 from st_cached_losses.functional.sparse import SparseDot
-from st_cached_losses.losses._base import StepData, check_columns
+from st_cached_losses.losses._base import LossStageOptions, StageOutput, StepData
 from st_cached_losses.losses.citations import (
     FLOPS_CITATION,
     GRADCACHE_CITATION,
@@ -97,14 +97,7 @@ class CachedSparseLoss(SparseLossSettings):
         show_progress_bar: bool = False,
         *,
         mask_duplicates: bool = False,
-        path: LossPath = "auto",
-        tile_size: int | None = None,
-        memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
-        sort_by_length: bool = True,
-        reuse_last_graph: bool = True,
-        keep_params_unsharded: bool = False,
-        graph_memory_budget: int | str | None = None,
-        mini_batch_memory_budget: int | str | None = None,
+        **engine: Unpack[LossStageOptions],
     ) -> None:
         """
         SPLADE's loss (a ranking loss plus FLOPS regularisers on the documents and the queries) with
@@ -123,6 +116,10 @@ class CachedSparseLoss(SparseLossSettings):
         ``partition_mode``, ``hardness_mode``, ``hardness_strength``, ``gather_across_devices``) stay on the
         base loss, read at every step, and are also properties of this loss (reading or setting one
         reads or sets the base loss's, checked).
+
+        Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
+        ``tile_size``, ``memory_budget``), keyword-only, each documented once on
+        [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
 
         Args:
             model: the SparseEncoder to train (e.g. ``MLMTransformer`` + ``SpladePooling``).
@@ -143,10 +140,6 @@ class CachedSparseLoss(SparseLossSettings):
             show_progress_bar: tqdm bars over the mini-batches.
             mask_duplicates: mask false negatives found by equal token ids (see ``CachedMNRLoss``); with the
                 core's base loss only.
-            path / tile_size / memory_budget: the core's algorithm (``"auto"``, ``"chunked"``, ``"tiled"``;
-                across processes tiled is the ring exchange) and its block sizes.
-            sort_by_length / reuse_last_graph / keep_params_unsharded / graph_memory_budget /
-                mini_batch_memory_budget: engine options, never changing the result (see ``CachedMNRLoss``).
 
         References:
             - Formal et al., From Distillation to Hard Negative Sampling: Making Sparse Neural IR Models More
@@ -211,26 +204,15 @@ class CachedSparseLoss(SparseLossSettings):
             scale=cast(Any, loss).scale if on_core(loss) else 1.0,
             mini_batch_size=mini_batch_size,
             mini_batch_num_tokens=mini_batch_num_tokens,
-            mini_batch_memory_budget=mini_batch_memory_budget,
             show_progress_bar=show_progress_bar,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
-            path=path,
-            tile_size=tile_size,
-            memory_budget=memory_budget,
+            **engine,
         )
         self.mask_duplicates = mask_duplicates
         self.loss = loss
         self._checked: tuple[Any, ...] | None = None
-        self._document_regularizer_weight: float = weight_value(
-            "document_regularizer_weight", document_regularizer_weight, optional=False
-        )  # type: ignore[assignment]  # not None: not optional
+        self.document_regularizer_weight = document_regularizer_weight
         query_weight = weight_value("query_regularizer_weight", query_regularizer_weight, optional=True)
-        self._use_document_regularizer_only = check_bool(
-            "use_document_regularizer_only", use_document_regularizer_only
-        )
+        check_bool("use_document_regularizer_only", use_document_regularizer_only)
         for name, threshold in [
             ("document_regularizer_threshold", document_regularizer_threshold),
             ("query_regularizer_threshold", query_regularizer_threshold),
@@ -261,11 +243,15 @@ class CachedSparseLoss(SparseLossSettings):
                 query_weight,
             )
             query_weight = None
-        self._query_regularizer_weight = query_weight
+        self.use_document_regularizer_only = use_document_regularizer_only
+        self.query_regularizer_weight = query_weight
         if on_core(loss):
             self._core_options()
-        # the engine's cache keeps the embeddings packed when that is exact and saves memory
-        self.cache.form = CompactSparseRows(self._compact_allowed, across=self._compact_across)
+
+    def _cache_form(self) -> CompactSparseRows:
+        # the engine's cache keeps the embeddings packed when that is exact and saves memory (decided at
+        # every step, from the settings then)
+        return CompactSparseRows(self._compact_allowed, across=self._compact_across)
 
     def _compact_allowed(self) -> bool:
         """Whether this step's embeddings may be kept packed ([`sparse_cache`][st_cached_losses.losses.sparse_cache]):
@@ -286,34 +272,37 @@ class CachedSparseLoss(SparseLossSettings):
 
     # ------------------------------------------------------------------ the loss stage
 
-    def _loss_parts(
-        self, embeddings: list[Tensor], labels: Tensor | None, keys: list[Tensor] | None, with_grad: bool
-    ) -> tuple[dict[str, Tensor], list[Tensor] | None]:
+    def _check_columns(self, features: list[dict[str, Any]]) -> None:
+        if on_core(self.loss):
+            super()._check_columns(features)
+        elif self.mask_duplicates:
+            raise ValueError(
+                f"CachedSparseLoss: mask_duplicates masks the negatives of SparseMultipleNegativesRankingLoss; the base "
+                f"loss is a {type(self.loss).__name__}. Set mask_duplicates=False."
+            )
+
+    def _step_data(self, features: list[dict[str, Any]]) -> StepData:
+        # false negatives are recognised by their token ids (embeddings differ under dropout)
+        return StepData(keys=[input_hashes(f) for f in features] if self.mask_duplicates else None)
+
+    def _loss_stage(
+        self, embeddings: list[Tensor], labels: Tensor | None, step: StepData, with_grad: bool
+    ) -> StageOutput:
         """The loss's components (0-d, detached; the regularisers weighted), in sentence-transformers'
-        keys and order, and with ``with_grad`` the gradient of their sum wrt every column."""
+        keys and order, their sum, and with ``with_grad`` the gradient of the sum wrt every column."""
         parts: dict[str, Tensor] = {}
         grads: list[Tensor] | None
         gather = False
         # packed rows (the engine's compact cache): (B, k, 2) indices and values of the non-zero entries
         dim = cast(CompactSparseRows, self.cache.form).dim if embeddings[0].dim() == 3 else None
         if on_core(self.loss):
-            scale, _ = self._core_options()
             gather = self.gather_across_devices
-            if gather and not is_distributed():
-                warn_no_process_group_once(type(self).__name__)
-            sizes = agree_on_sizes(embeddings, gather)  # also the finiteness check
-            out = loss_and_grad(
-                embeddings[0],
-                embeddings[1:],
-                sizes,
-                ring=self.path == "tiled",
-                with_grad=with_grad,
-                scale=scale,
-                **{
-                    **self._core_kwargs(StepData(keys=keys), len(embeddings[0]), len(embeddings) - 1),
-                    **({"similarity": SparseDot(dim)} if dim is not None else {}),
-                },
-            )
+            sizes = self._agree(embeddings)  # also the finiteness check
+            scale, _ = self._core_options()
+            options = self._options(step, len(embeddings[0]), len(embeddings) - 1, scale)
+            if dim is not None:
+                options = replace(options, similarity=SparseDot(dim))
+            out = self._ranking(embeddings, options, sizes, with_grad)
             parts["base_loss"] = out.loss
             grads = [out.grad_anchors, *out.grad_candidates] if with_grad else None  # type: ignore[list-item]
         else:
@@ -358,68 +347,27 @@ class CachedSparseLoss(SparseLossSettings):
             # packed gradients name their entries by the embeddings' indices (the engine scatters them)
             for g, e in zip(grads, embeddings):
                 g[..., 0] = e[..., 0]
-        return parts, grads
-
-    def calculate_loss(
-        self,
-        reps: list[list[Tensor]],
-        labels: Tensor | None = None,
-        *,
-        with_backward: bool = False,
-        step: StepData | None = None,
-    ) -> Tensor:
-        """The total loss (base loss plus weighted regularisers) of already computed embeddings, in
-        sentence-transformers' cached-loss interface (see [`CachedInfoNCEBase.calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss])."""
-        embeddings = [torch.cat(r) if len(r) > 1 else r[0] for r in reps]
-        autograd = not with_backward and torch.is_grad_enabled() and any(e.requires_grad for e in embeddings)
-        keys = step.keys if step is not None else None
-        parts, grads = self._loss_parts(embeddings, labels, keys, with_grad=with_backward or autograd)
         total = torch.stack([v.float() for v in parts.values()]).sum()
-        if grads is None:
-            return total
-        if with_backward:
-            for pieces, grad in zip(reps, grads):
-                for piece, g in zip(pieces, grad.split([p.shape[0] for p in pieces])):
-                    g = g.to(piece.dtype)
-                    piece.grad = g if piece.grad is None else piece.grad + g
-            return total
+        return StageOutput(total, grads, parts=parts)
+
+    def _autograd_loss(self, embeddings: list[Tensor], labels: Tensor | None, step: StepData) -> Tensor:
+        """The total loss with exactly the computed gradient wrt each embedding, as a graph."""
+        with_grad = any(e.requires_grad for e in embeddings)
+        out = self._loss_stage(embeddings, labels, step, with_grad=with_grad)
+        step.parts = out.parts
+        if out.grads is None:
+            return out.loss
         # the value, with exactly the computed gradient wrt each embedding ((e - e) is exactly 0)
-        return total + sum(((e - e.detach()) * g.to(e.dtype)).sum() for e, g in zip(embeddings, grads))
+        return out.loss + sum(((e - e.detach()) * g.to(e.dtype)).sum() for e, g in zip(embeddings, out.grads))
 
-    def forward(  # type: ignore[override]  # a dict of components, as sentence-transformers' SpladeLoss
-        self, sentence_features: Iterable[dict[str, Any]], labels: Tensor | None = None
-    ) -> dict[str, Tensor]:
-        features = list(sentence_features)
-        self._tag_model_card()
-        core = on_core(self.loss)
-        if core:
-            try:
-                check_columns(features, type(self).__name__)
-            except ValueError as exc:  # the other processes are about to wait for this one: tell them
-                self.cache.raise_on_every_process(self.model, exc)
-        if self.mask_duplicates and not core:
-            raise ValueError(
-                f"CachedSparseLoss: mask_duplicates masks the negatives of SparseMultipleNegativesRankingLoss; the base "
-                f"loss is a {type(self.loss).__name__}. Set mask_duplicates=False."
-            )
-        keys = [input_hashes(f) for f in features] if self.mask_duplicates else None
-        if not torch.is_grad_enabled():
-            # evaluation: the same loss, mini-batched, no caching and no graph
-            embeddings = self.cache.embed(self.model, features)
-            return self._loss_parts(embeddings, labels, keys, with_grad=False)[0]
-        self._warn_if_caching_off(features)
-        found: dict[str, Tensor] = {}
-
-        def stage2(embeddings: list[Tensor]) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
-            parts, grads = self._loss_parts(embeddings, labels, keys, with_grad=True)
-            assert grads is not None
-            found.update(parts)
-            return torch.stack([v.float() for v in parts.values()]).sum(), grads, [None]
-
-        total = self.cache.step(self.model, features, stage2)
+    def _returned(self, loss: Tensor, step: StepData, *, training: bool) -> Tensor | dict[str, Tensor]:
+        """A dict of components, as sentence-transformers' SpladeLoss."""
+        assert step.parts is not None  # every loss stage of this loss leaves them
+        if not training:
+            return step.parts
         # the trainer sums the components and back-propagates the sum: the first carries the graph (the
         # total minus the others), the others are values for its logs, as sentence-transformers does
-        values = {k: v.detach().float().to(total.device) for k, v in found.items()}
+        values = {k: v.detach().float().to(loss.device) for k, v in step.parts.items()}
         first = next(iter(values))
-        others = sum((v for k, v in values.items() if k != first), start=torch.zeros_like(total))
-        return {k: (total - others if k == first else v) for k, v in values.items()}
+        others = sum((v for k, v in values.items() if k != first), start=torch.zeros_like(loss))
+        return {k: (loss - others if k == first else v) for k, v in values.items()}

@@ -4,11 +4,13 @@ from collections.abc import Callable, Sequence
 
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
+from typing_extensions import Unpack
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
+from st_cached_losses.losses._base import EngineOptions
 from st_cached_losses.losses.cached_mnr import CachedMNRLoss
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION, INFCL_CITATION
-from st_cached_losses.losses.settings import ONE_DIRECTION, TWO_DIRECTIONS
+from st_cached_losses.losses.settings import ONE_DIRECTION, TWO_DIRECTIONS, Setting
 
 
 class CachedTiledLoss(CachedMNRLoss):
@@ -31,12 +33,8 @@ class CachedTiledLoss(CachedMNRLoss):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         mask_duplicates: bool = False,
-        sort_by_length: bool = True,
-        reuse_last_graph: bool = True,
-        keep_params_unsharded: bool = False,
-        graph_memory_budget: int | str | None = None,
-        mini_batch_memory_budget: int | str | None = None,
         memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
+        **engine: Unpack[EngineOptions],
     ) -> None:
         """
         InfoNCE with GradCache and an Inf-CL-style tiled loss stage: no block of the logits larger than one
@@ -66,8 +64,9 @@ class CachedTiledLoss(CachedMNRLoss):
             mask_duplicates: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s; with ``symmetric``, a positive's negatives lose the
                 anchors of its row's duplicates too, so both directions are masked alike.
 
-        Every other argument is [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s, with the same default and meaning; the loss stage's
-        ``path`` is always ``"tiled"``.
+        Every other argument is [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s, with the same default and meaning (``**engine``:
+        the engine's knobs, [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]); the loss stage's ``path`` is
+        always ``"tiled"``.
 
         References:
             - Cheng et al., Breaking the Memory Barrier: Near Infinite Batch Size Scaling for Contrastive Loss,
@@ -108,15 +107,17 @@ class CachedTiledLoss(CachedMNRLoss):
             learnable_scale=learnable_scale,
             max_scale=max_scale,
             mask_duplicates=mask_duplicates,
-            sort_by_length=sort_by_length,
-            reuse_last_graph=reuse_last_graph,
-            keep_params_unsharded=keep_params_unsharded,
-            graph_memory_budget=graph_memory_budget,
-            mini_batch_memory_budget=mini_batch_memory_budget,
             path="tiled",
             tile_size=tile_size,
             memory_budget=memory_budget,
+            **engine,
         )
+
+    #: Always ``"tiled"``: set at construction, any other value refused.
+    path = Setting[LossPath](
+        fixed="CachedTiledLoss always computes the Inf-CL-style tiled loss stage; for the chunked one use "
+        "CachedMNRLoss or CachedCLIPLoss with path='chunked'."
+    )
 
     def _citation_parts(self) -> tuple[str, ...]:
         return (GRADCACHE_CITATION, INFCL_CITATION, *((CLIP_CITATION,) if self.symmetric else ()))

@@ -8,7 +8,7 @@ with these specs' checks (constructor and every assignment), the plain settings 
 descriptors built from them, ``get_config_dict`` lists the extras from them, and the configuration layer
 builds each field from its spec (default, help) and checks it with the spec's check, refusing it for a
 loss whose signature lacks it (``tests/config/test_fields.py`` holds that every constructor argument
-of every loss is a field, or on [`NOT_FIELDS`][st_cached_losses.losses.settings.NOT_FIELDS] with the reason). Adding a setting is one entry here,
+of every loss is a field, or on [`NOT_FIELDS`][st_cached_losses.config.registry.NOT_FIELDS] with the reason). Adding a setting is one entry here,
 its field line (the annotation the parser reads) and its parameter in the signatures, and its use.
 """
 
@@ -32,8 +32,6 @@ from st_cached_losses.functional.checks import check_path, check_positive_int
 logger = logging.getLogger(__name__)
 
 __all__ = [
-    "FIELD_NAMES",
-    "NOT_FIELDS",
     "ONE_DIRECTION",
     "SPECS",
     "TWO_DIRECTIONS",
@@ -348,41 +346,66 @@ SPECS: dict[str, Spec] = {
     ),
 }
 
-#: constructor arguments set by an arguments field of another name
-FIELD_NAMES = {
-    "similarity_fct": "similarity",
-    "show_progress_bar": "loss_show_progress_bar",
-    "guide": "guide_model",
-}
-#: constructor arguments no field sets, and why
-NOT_FIELDS = {
-    "model": "the trainer's model: build_loss(model, args) passes it",
-    "loss": "CachedSparseLoss's base ranking loss, an object: build_loss builds SparseMultipleNegativesRankingLoss "
-    "from the fields scale, similarity, gather_across_devices, directions, partition_mode and hardness_*; "
-    "construct CachedSparseLoss yourself for another base loss",
-    "document_regularizer": "an object: the default FlopsLoss, counting rows above document_regularizer_threshold; "
-    "construct CachedSparseLoss yourself for another regulariser",
-    "activation_fn": "an nn.Module: the default (torch.nn.Sigmoid, as sentence-transformers'); construct "
-    "CachedCrossEncoderLoss yourself for another activation",
-    "query_regularizer": "an object: the default FlopsLoss, counting rows above query_regularizer_threshold; "
-    "construct CachedSparseLoss yourself for another regulariser",
-}
+_MISSING: Any = object()
 
 
 class Setting(Generic[T]):
-    """A plain loss setting as a descriptor: read back as kept, checked by its [`Spec`][st_cached_losses.losses.settings.Spec] (or by
-    ``check``, a spec's check, for a loss's own setting without a spec) on every assignment (the
-    constructor's included). Kept on the loss (``_<name>``), or on its GradCache engine
-    (``loss.cache.<name>``) for the engine's own settings."""
+    """A loss setting as a descriptor, the one way a loss declares a setting: read back as kept, checked on
+    every assignment (the constructor's included) by its [`Spec`][st_cached_losses.losses.settings.Spec] (or by ``check``, a spec's check, for
+    a loss's own setting without a spec), then by ``validate`` where the check needs the loss (the other
+    settings it goes with), and followed by ``after`` where a change must reset or rebuild something.
 
-    def __init__(self, *, on_engine: bool = False, check: Callable[[str, Any], T] | None = None) -> None:
-        self.on_engine, self.check = on_engine, check
-        self.name = ""
+    Args:
+        on_engine: kept on the loss's GradCache engine (``loss.cache.<name>``), for the engine's own settings.
+        check: ``check(name, value) -> kept value``; default the spec's.
+        validate: ``validate(loss, value) -> kept value``, after ``check``: a check that reads the loss.
+        target: ``target(loss, name) -> holder``: the object that keeps the value as its attribute ``attr``
+            (default the setting's name), e.g. the sparse loss's base loss, read there at every step; a
+            holder of None reads as None and keeps nothing (``validate`` refuses any other value then).
+        attr: the holder's attribute (with ``target``).
+        after: ``after(loss, old, new)``, called after every assignment (``old``: the value before, the
+            spec's default at the first), to reset or rebuild what depends on the setting; if it raises,
+            the old value is restored.
+        none_reads_as: the name of another setting that a value of None reads as (a default that follows it).
+        fixed: a reason: the value is set at construction and then refused with this reason if it changes
+            (a setting kept on the loss).
+    """
+
+    def __init__(
+        self,
+        *,
+        on_engine: bool = False,
+        check: Callable[[str, Any], T] | None = None,
+        validate: Callable[[Any, Any], Any] | None = None,
+        target: Callable[[Any, str], Any] | None = None,
+        attr: str | None = None,
+        after: Callable[[Any, Any, Any], None] | None = None,
+        none_reads_as: str | None = None,
+        fixed: str | None = None,
+    ) -> None:
+        self.on_engine, self.check, self.validate, self.target = on_engine, check, validate, target
+        self.after, self.none_reads_as, self.fixed = after, none_reads_as, fixed
+        self.name = self.attr = attr or ""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
+        self.attr = self.attr or name
         self.check = self.check or SPECS[name].check
         self.__doc__ = SPECS[name].help if name in SPECS else None
+
+    def _holder(self, obj: Any) -> Any:
+        if self.target is not None:
+            return self.target(obj, self.name)
+        return obj.cache if self.on_engine else None
+
+    def _read(self, obj: Any) -> Any:
+        holder = self._holder(obj)
+        if holder is None and (self.target is not None):
+            return None
+        if holder is None:  # not set yet: the spec's default
+            default = SPECS[self.name].default if self.name in SPECS else _MISSING
+            return obj.__dict__.get("_" + self.name, default)
+        return getattr(holder, self.attr, None) if self.target is not None else getattr(holder, self.attr)
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> Setting[T]: ...
@@ -391,17 +414,42 @@ class Setting(Generic[T]):
     def __get__(self, obj: object | None, owner: type | None = None) -> Setting[T] | T:
         if obj is None:
             return self
-        if self.on_engine:
-            return getattr(obj.cache, self.name)  # type: ignore[attr-defined]
-        return obj.__dict__["_" + self.name]
+        value = self._read(obj)
+        if value is _MISSING:
+            raise AttributeError(f"{type(obj).__name__}.{self.name} is not set yet.")
+        if value is None and self.none_reads_as is not None:
+            return getattr(obj, self.none_reads_as)
+        return value
 
     def __set__(self, obj: object, value: Any) -> None:  # the check turns it into a T (e.g. '2GB')
         assert self.check is not None  # set by __set_name__
         value = self.check(self.name, value)
-        if self.on_engine:
-            setattr(obj.cache, self.name, value)  # type: ignore[attr-defined]
-        else:
-            obj.__dict__["_" + self.name] = value
+        if self.validate is not None:
+            value = self.validate(obj, value)
+        old = self._read(obj)
+        if self.fixed is not None and "_" + self.name in vars(obj) and value != old:
+            raise ValueError(
+                f"{type(obj).__name__}.{self.name} is {old!r} and cannot be changed: {self.fixed}"
+            )
+        self._write(obj, value)
+        if self.after is not None:
+            try:
+                self.after(obj, old, value)
+            except BaseException:
+                self._write(obj, old)
+                raise
+
+    def _write(self, obj: Any, value: Any) -> None:
+        holder = self._holder(obj)
+        if holder is None and self.target is not None:
+            return  # nothing keeps it (validate allowed only None)
+        if holder is None:
+            if value is _MISSING:
+                obj.__dict__.pop("_" + self.name, None)
+            else:
+                obj.__dict__["_" + self.name] = value
+        elif value is not _MISSING:
+            setattr(holder, self.attr, value)
 
 
 def closest_name_hint(word: str, choices: Sequence[str]) -> str:

@@ -17,11 +17,10 @@ from sentence_transformers.sparse_encoder.losses import FlopsLoss
 from torch import Tensor, nn
 
 from st_cached_losses.functional import Similarity, scale_value
-from st_cached_losses.losses._base import CachedInfoNCEBase, StepData
+from st_cached_losses.losses._base import CachedInfoNCEBase, LossTerms, StepData
 from st_cached_losses.losses.cached_mnr import ranking_citations, ranking_terms
 from st_cached_losses.losses.settings import (
     ONE_DIRECTION,
-    SPECS,
     TWO_DIRECTIONS,
     Setting,
     check_bool,
@@ -54,56 +53,28 @@ def is_flops(regularizer: nn.Module) -> bool:
     )
 
 
-#: the base loss's settings read through this loss (each `_base_option` adds its name), checked again
-#: at every step when one changed
-_BASE_OPTIONS: list[str] = []
+#: the base loss's settings read through this loss, checked again at every step when one changed
+_BASE_OPTIONS = (
+    "scale",
+    "similarity_fct",
+    "gather_across_devices",
+    "directions",
+    "partition_mode",
+    "hardness_mode",
+    "hardness_strength",
+)
 
 
-def _base_option(name: str, doc: str) -> property:
-    """A setting of the base loss (their MNRL's attribute of the same name), read and set through this
-    loss: the base loss holds it, as in sentence-transformers, so an assignment to either is seen."""
-    _BASE_OPTIONS.append(name)
-
-    def get(self: SparseLossSettings) -> Any:
-        return getattr(self._mnrl(name), name)
-
-    def set_(self: SparseLossSettings, value: Any) -> None:
-        base = self._mnrl(name)
-        old = getattr(base, name)
-        setattr(base, name, tuple(value) if name == "directions" and not isinstance(value, str) else value)
-        try:
-            self._core_options()
-        except ValueError:
-            setattr(base, name, old)
-            raise
-
-    return property(get, set_, doc=doc)
+def _required_weight(name: str, value: Any) -> float:
+    """A weight that may not be None (the documents' regulariser's)."""
+    weight = weight_value(name, value, optional=False)
+    assert weight is not None  # not optional
+    return weight
 
 
-def _threshold_option(kind: str, doc: str) -> property:
-    """The FLOPS threshold of the ``kind`` ("document" / "query") regulariser, kept by the regulariser itself
-    (``<kind>_regularizer.threshold``); None where there is no regulariser or it has no threshold."""
-    name = f"{kind}_regularizer_threshold"
-
-    def get(self: SparseLossSettings) -> float | None:
-        return getattr(getattr(self, f"{kind}_regularizer"), "threshold", None)
-
-    def set_(self: SparseLossSettings, value: float | None) -> None:
-        SPECS[name].check(name, value)
-        regularizer = getattr(self, f"{kind}_regularizer")
-        if regularizer is None or not hasattr(regularizer, "threshold"):
-            if value is None:
-                return
-            raise ValueError(
-                f"{name} needs a query regulariser: with use_document_regularizer_only=True every column is a "
-                "document. Set use_document_regularizer_only=False first."
-                if regularizer is None
-                else f"{name}: the {kind} regulariser is a {type(regularizer).__name__}, which has no threshold; "
-                f"set its own attributes ({kind}_regularizer), or use the default FlopsLoss."
-            )
-        regularizer.threshold = value  # read by the regulariser at every step (FLOPS counts rows above it)
-
-    return property(get, set_, doc=doc)
+def _as_tuple(name: str, value: Any) -> Any:
+    """``directions`` kept as a tuple, as sentence-transformers keeps it (checked with the others)."""
+    return tuple(value) if not isinstance(value, str) else value
 
 
 class SparseLossSettings(CachedInfoNCEBase):
@@ -113,66 +84,74 @@ class SparseLossSettings(CachedInfoNCEBase):
     loss: nn.Module
     document_regularizer: nn.Module
     query_regularizer: nn.Module | None
-    _document_regularizer_weight: float
-    _query_regularizer_weight: float | None
-    _use_document_regularizer_only: bool
     _checked: tuple[Any, ...] | None
 
     mask_duplicates = Setting[bool]()
 
     # ------------------------------------------------------------------ settings
 
-    @property
-    def document_regularizer_weight(self) -> float:
-        return self._document_regularizer_weight
-
-    @document_regularizer_weight.setter
-    def document_regularizer_weight(self, value: float) -> None:
-        weight = weight_value("document_regularizer_weight", value, optional=False)
-        assert weight is not None
-        self._document_regularizer_weight = weight
-
-    @property
-    def query_regularizer_weight(self) -> float | None:
-        """None: the queries are not regularised (always None with ``use_document_regularizer_only``)."""
-        return self._query_regularizer_weight
-
-    @query_regularizer_weight.setter
-    def query_regularizer_weight(self, value: float | None) -> None:
-        weight = weight_value("query_regularizer_weight", value, optional=True)
-        if weight is not None and self.query_regularizer is None:
+    def _check_query_weight(self, value: float | None) -> float | None:
+        if value is not None and self.query_regularizer is None:
             raise ValueError(
                 "query_regularizer_weight needs a query regulariser: with use_document_regularizer_only=True every "
                 "column is a document. Set use_document_regularizer_only=False first."
             )
-        self._query_regularizer_weight = weight
+        return value
 
-    @property
-    def use_document_regularizer_only(self) -> bool:
-        return self._use_document_regularizer_only
-
-    @use_document_regularizer_only.setter
-    def use_document_regularizer_only(self, value: bool) -> None:
-        if check_bool("use_document_regularizer_only", value) and self._query_regularizer_weight is not None:
+    def _check_document_only(self, value: bool) -> bool:
+        if value and self.query_regularizer_weight is not None:
             raise ValueError(
                 "use_document_regularizer_only=True regularises every column as a document: set "
                 "query_regularizer_weight=None first."
             )
-        if not value and self.query_regularizer is None:
+        return value
+
+    def _default_query_regularizer(self, old: object, new: bool) -> None:
+        if not new and self.query_regularizer is None:
             # the default query regulariser, as the constructor would have made it
             self.query_regularizer = FlopsLoss(cast(Any, self.model), threshold=None)
-        self._use_document_regularizer_only = value
 
-    document_regularizer_threshold = _threshold_option(
-        "document",
-        """The documents' FLOPS counts only rows with more than this many non-zero entries; None: every row.
-        Kept by the regulariser itself (``document_regularizer.threshold``, as in sentence-transformers), so an
-        assignment to either is seen; None for a regulariser without a threshold.""",
+    def _regularizer(self, name: str) -> nn.Module | None:
+        """The regulariser that keeps the FLOPS threshold ``name``, or None (none, or without a threshold)."""
+        regularizer = getattr(self, name.replace("_threshold", ""))
+        return regularizer if hasattr(regularizer, "threshold") else None
+
+    document_regularizer_weight = Setting[float](check=_required_weight)
+    #: None: the queries are not regularised (always None with ``use_document_regularizer_only``).
+    query_regularizer_weight = Setting[float | None](validate=_check_query_weight)
+    use_document_regularizer_only = Setting[bool](
+        validate=_check_document_only, after=_default_query_regularizer
     )
-    query_regularizer_threshold = _threshold_option(
-        "query",
-        """As [`document_regularizer_threshold`][st_cached_losses.losses.sparse_settings.SparseLossSettings.document_regularizer_threshold], for the queries' FLOPS (``query_regularizer.threshold``);
-        None without a query regulariser (``use_document_regularizer_only``).""",
+
+    def _check_document_threshold(self, value: float | None) -> float | None:
+        return self._threshold_settable("document", value)
+
+    def _check_query_threshold(self, value: float | None) -> float | None:
+        return self._threshold_settable("query", value)
+
+    def _threshold_settable(self, kind: str, value: float | None) -> float | None:
+        name = f"{kind}_regularizer_threshold"
+        regularizer = getattr(self, f"{kind}_regularizer")
+        if value is not None and (regularizer is None or not hasattr(regularizer, "threshold")):
+            raise ValueError(
+                f"{name} needs a query regulariser: with use_document_regularizer_only=True every column is a "
+                "document. Set use_document_regularizer_only=False first."
+                if regularizer is None
+                else f"{name}: the {kind} regulariser is a {type(regularizer).__name__}, which has no threshold; "
+                f"set its own attributes ({kind}_regularizer), or use the default FlopsLoss."
+            )
+        return value
+
+    #: The documents' FLOPS counts only rows with more than this many non-zero entries; None: every row.
+    #: Kept by the regulariser itself (``document_regularizer.threshold``, as in sentence-transformers), so
+    #: an assignment to either is seen; None for a regulariser without a threshold.
+    document_regularizer_threshold = Setting[float | None](
+        validate=_check_document_threshold, target=_regularizer, attr="threshold"
+    )
+    #: As ``document_regularizer_threshold``, for the queries' FLOPS (``query_regularizer.threshold``);
+    #: None without a query regulariser (``use_document_regularizer_only``).
+    query_regularizer_threshold = Setting[float | None](
+        validate=_check_query_threshold, target=_regularizer, attr="threshold"
     )
 
     def _mnrl(self, name: str) -> MultipleNegativesRankingLoss:
@@ -184,15 +163,17 @@ class SparseLossSettings(CachedInfoNCEBase):
             )
         return self.loss  # type: ignore[return-value]
 
-    scale = _base_option("scale", "The base loss's ``scale`` (1 / temperature).")
-    similarity_fct = _base_option("similarity_fct", "The base loss's similarity (dot product by default).")
-    gather_across_devices = _base_option(
-        "gather_across_devices", "The base loss's: score each process's rows against every process's."
-    )
-    directions = _base_option("directions", "The base loss's ``directions``.")
-    partition_mode = _base_option("partition_mode", "The base loss's ``partition_mode``.")
-    hardness_mode = _base_option("hardness_mode", "The base loss's ``hardness_mode``.")
-    hardness_strength = _base_option("hardness_strength", "The base loss's ``hardness_strength``.")
+    def _recheck(self, old: object, new: object) -> None:
+        self._core_options()  # raises on a value the core cannot take: the assignment is undone
+
+    # the base loss's settings, kept by it (read at every step, an assignment to either is seen)
+    scale = Setting[float](target=_mnrl, after=_recheck)
+    similarity_fct = Setting[Any](target=_mnrl, after=_recheck)
+    gather_across_devices = Setting[bool](target=_mnrl, after=_recheck)
+    directions = Setting[tuple[str, ...]](check=_as_tuple, target=_mnrl, after=_recheck)
+    partition_mode = Setting[str](target=_mnrl, after=_recheck)
+    hardness_mode = Setting[str | None](target=_mnrl, after=_recheck)
+    hardness_strength = Setting[float](target=_mnrl, after=_recheck)
 
     @property
     def similarity(self) -> Similarity:
@@ -230,11 +211,12 @@ class SparseLossSettings(CachedInfoNCEBase):
         return self._scale, self._similarity
 
     def scale_tensor(self) -> Tensor | float:
-        return self._core_options()[0]
+        """The base loss's scale (checked); 1.0 for a base loss the core does not compute."""
+        return self._core_options()[0] if on_core(self.loss) else 1.0
 
-    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> dict[str, Any]:
+    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
         _, similarity = self._core_options()
-        terms = ranking_terms(
+        return ranking_terms(
             step,
             n_rows,
             n_columns,
@@ -242,8 +224,8 @@ class SparseLossSettings(CachedInfoNCEBase):
             self._partition_mode,
             self._hardness_mode,
             self._hardness_strength,
+            similarity,
         )
-        return {"similarity": similarity, **terms}
 
     # ------------------------------------------------------------------ model card
 
@@ -270,13 +252,7 @@ class SparseLossSettings(CachedInfoNCEBase):
             config["use_document_regularizer_only"] = True
         config["mini_batch_size"] = self.mini_batch_size
         config["mini_batch_num_tokens"] = self.mini_batch_num_tokens
-        if self.mask_duplicates:
-            config["mask_duplicates"] = True
-        if self.path != "auto":
-            config["path"] = self.path
-        if self.tile_size is not None:
-            config["tile_size"] = self.tile_size
-        return config
+        return {**config, **self._changed_settings()}
 
     @property
     def citation(self) -> str:

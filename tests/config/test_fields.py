@@ -25,8 +25,8 @@ def test_every_constructor_argument_is_a_field_with_the_specs_default_and_help()
     import dataclasses
     import inspect
 
-    from st_cached_losses.config.registry import LOSSES, loss_parameters
-    from st_cached_losses.losses.settings import FIELD_NAMES, NOT_FIELDS, SPECS
+    from st_cached_losses.config.registry import FIELD_NAMES, LOSSES, NOT_FIELDS, loss_parameters
+    from st_cached_losses.losses.settings import SPECS
 
     fields = {f.name: f for f in dataclasses.fields(CachedLossTrainingArguments)}
     none_is_loss_default = {

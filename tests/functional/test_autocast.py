@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
-from st_cached_losses.functional.directions import Guide
+from st_cached_losses.functional.options import Guide
 from st_cached_losses.functional.terms import gist_terms, mnrl_terms
 from tests.functional.test_terms import st_gist_loss, st_mnrl_loss
 from tests.support.reference import reference_infonce

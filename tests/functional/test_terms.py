@@ -17,7 +17,7 @@ from sentence_transformers.sentence_transformer.losses.multiple_negatives_rankin
 from sentence_transformers.util import cos_sim, dot_score
 
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
-from st_cached_losses.functional.directions import Guide
+from st_cached_losses.functional.options import Guide
 from st_cached_losses.functional.terms import gist_terms, mnrl_terms
 
 DIRECTIONS = [

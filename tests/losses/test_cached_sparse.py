@@ -14,6 +14,7 @@ from sentence_transformers.util import cos_sim
 
 from st_cached_losses import CachedSparseLoss
 from st_cached_losses.functional.flops import flops_loss_and_grad
+from st_cached_losses.losses.settings import Setting
 from tests.losses.test_losses import assert_grads_close, flat_grads
 from tests.support.tiny_model import make_tiny_splade, random_texts
 
@@ -362,7 +363,8 @@ def test_assigning_the_current_value_changes_nothing(model, options):
     settable = [
         name
         for name, member in inspect.getmembers(type(loss))
-        if isinstance(member, property) and member.fset is not None and not name.startswith("_")
+        if isinstance(member, Setting) or (isinstance(member, property) and member.fset is not None)
+        if not name.startswith("_")
     ]
     assert {"scale", "directions", "document_regularizer_weight", "use_document_regularizer_only"} <= set(
         settable

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import st_cached_losses
+from st_cached_losses.losses.settings import Setting
 from tests.support.tiny_model import make_tiny_model, random_texts
 
 ALL_FOUR = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -27,11 +28,12 @@ def model(tmp_path_factory):
 
 
 def _settable(loss) -> list[str]:
-    """Every public property of the loss's class with a setter."""
+    """Every public setting of the loss's class (a :class:`Setting`, or a property with a setter)."""
     return [
         name
         for name, member in inspect.getmembers(type(loss))
-        if isinstance(member, property) and member.fset is not None and not name.startswith("_")
+        if isinstance(member, Setting) or (isinstance(member, property) and member.fset is not None)
+        if not name.startswith("_")
     ]
 
 
@@ -131,3 +133,14 @@ def test_tiled_symmetric_spellings_agree(model):
     assert _loss_value(joint, model) != pytest.approx(values[0], rel=1e-3)
     reference = st_cached_losses.CachedMNRLoss(model, mini_batch_size=2, **JOINT_TWO)
     assert _loss_value(joint, model) == pytest.approx(_loss_value(reference, model), rel=1e-6)
+
+
+def test_the_tiled_loss_path_is_read_only(model):
+    """``CachedTiledLoss`` is always tiled: another ``path`` is refused naming the losses that take it."""
+    loss = st_cached_losses.CachedTiledLoss(model, mini_batch_size=2)
+    loss.path = "tiled"  # its own value: accepted, nothing changes
+    with pytest.raises(
+        ValueError, match=r"CachedTiledLoss.path is 'tiled' and cannot be changed.*path='chunked'"
+    ):
+        loss.path = "chunked"
+    assert loss.path == "tiled"

@@ -43,17 +43,17 @@ class Spy:
     def __init__(self, loss):
         self.read: list[tuple[int, ...]] = []
         self.replayed: list[tuple[int, ...]] = []
-        parts, expand = loss._loss_parts, loss.cache.form.expand
+        stage, expand = loss._loss_stage, loss.cache.form.expand
 
-        def loss_parts(embeddings, *args, **kwargs):
+        def loss_stage(embeddings, *args, **kwargs):
             self.read += [tuple(e.shape) for e in embeddings]
-            return parts(embeddings, *args, **kwargs)
+            return stage(embeddings, *args, **kwargs)
 
         def expanded(grad, out):
             self.replayed.append(tuple(grad.shape))
             return expand(grad, out)
 
-        loss._loss_parts = loss_parts
+        loss._loss_stage = loss_stage
         loss.cache.form.expand = expanded
 
 

@@ -21,8 +21,8 @@ Left out, and why:
   (:func:`test_hyperparameters_stay_assignable`).
 
 Their test files themselves, unchanged, run with their classes and with ours in ``tests/st_upstream/`` (their
-``test_cmnrl.py``, ``test_cached_mnsrl.py``, ``test_gradcache.py``, ``test_cached_gist_embed.py`` and
-``test_cached_splade.py``; ``test_cmnrl_attributes_and_config_back_compat`` included, which compares configs with
+``test_cmnrl.py``, ``test_cached_mnsrl.py``, ``test_gradcache.py``, ``test_cached_gist_embed.py``,
+``test_cached_splade.py`` and the multi-vector ``test_misc.py``, with its test of multimodal inputs; ``test_cmnrl_attributes_and_config_back_compat`` included, which compares configs with
 ``==``: ours has no key theirs lacks unless an extra of ours is in use).
 
 Part 2 checks the behaviours users of their losses rely on: assignments after construction take effect (against their loss
