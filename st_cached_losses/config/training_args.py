@@ -65,6 +65,7 @@ from st_cached_losses.config.registry import (
 )
 from st_cached_losses.config.sampling import DATASET_ORDERS, SameDatasetBatchSampler
 from st_cached_losses.engine.caller import user_stacklevel  # the warnings point at the user's line
+from st_cached_losses.engine.checks import is_auto
 from st_cached_losses.engine.gradcache import auto_needs_budget
 from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
 from st_cached_losses.losses.settings import (
@@ -636,7 +637,7 @@ def _check_auto_budget(args: CachedLossArguments) -> None:
     """``mini_batch_memory_budget`` goes with ``"auto"`` mini-batches: without ``"auto"`` it would be unused (an
     error naming both fixes); ``"auto"`` without it has a default on CUDA only (an error where the run has no
     CUDA device: no CUDA here, or ``use_cpu``), refused now rather than at the first step."""
-    auto = args.mini_batch_size == "auto" or args.mini_batch_num_tokens == "auto"
+    auto = is_auto(args.mini_batch_size, args.mini_batch_num_tokens)
     budget = args.mini_batch_memory_budget
     if budget is not None and not auto:
         raise ValueError(

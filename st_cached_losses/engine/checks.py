@@ -6,7 +6,7 @@ import math
 import re
 from fractions import Fraction
 
-__all__ = ["check_mini_batch_num_tokens", "check_mini_batch_size", "memory_bytes"]
+__all__ = ["check_mini_batch_num_tokens", "check_mini_batch_size", "is_auto", "memory_bytes"]
 
 
 _UNITS = {
@@ -79,3 +79,8 @@ def check_mini_batch_num_tokens(value: int | str | None) -> None:
             f"mini_batch_num_tokens must be a positive integer or None. Got {value!r}; or 'auto' to size it "
             "from a memory budget."
         )
+
+
+def is_auto(mini_batch_size: int | str, mini_batch_num_tokens: int | str | None) -> bool:
+    """Whether the mini-batches are sized to a memory budget (either size setting is ``"auto"``)."""
+    return mini_batch_size == "auto" or mini_batch_num_tokens == "auto"

@@ -39,7 +39,12 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from st_cached_losses.engine.cache_form import CacheForm
-from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size, memory_bytes
+from st_cached_losses.engine.checks import (
+    check_mini_batch_num_tokens,
+    check_mini_batch_size,
+    is_auto,
+    memory_bytes,
+)
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
@@ -339,7 +344,7 @@ class GradCache(MiniBatchPlanner):
         """Refuse ``"auto"`` mini-batches without ``mini_batch_memory_budget`` where no CUDA device exists:
         the budget's default is half a CUDA device's free memory, so the first step would fail (a model on the
         CPU of a machine with CUDA is refused at its first step, since the trainer may still move it)."""
-        auto = self.mini_batch_size == "auto" or self.mini_batch_num_tokens == "auto"
+        auto = is_auto(self.mini_batch_size, self.mini_batch_num_tokens)
         if auto and self.mini_batch_memory_budget is None and not torch.cuda.is_available():
             raise auto_needs_budget("cpu")
 
@@ -356,7 +361,7 @@ class GradCache(MiniBatchPlanner):
         within the budget whatever the order of the batches. The result of training does not depend
         on it."""
         by_tokens = self.mini_batch_num_tokens == "auto"
-        if not (by_tokens or self.mini_batch_size == "auto"):
+        if not is_auto(self.mini_batch_size, self.mini_batch_num_tokens):
             return
         device = model_device(model)
         shortest, longest = row_span(columns, trim_leading, device)

@@ -23,6 +23,7 @@ from typing_extensions import TypedDict, Unpack
 
 from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.caller import user_stacklevel
+from st_cached_losses.engine.checks import is_auto
 from st_cached_losses.engine.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional import Guide, InfoNCEOptions, LossPath, Similarity, infonce, scale_value
@@ -231,9 +232,8 @@ class EngineSettings:
         for name in options.__annotations__:
             setattr(self, name, engine.get(name, SPECS[name].default))
         cache = self.cache
-        if cache.mini_batch_memory_budget is not None and "auto" not in (
-            cache.mini_batch_size,
-            cache.mini_batch_num_tokens,
+        if cache.mini_batch_memory_budget is not None and not is_auto(
+            cache.mini_batch_size, cache.mini_batch_num_tokens
         ):
             warnings.warn(
                 f"{type(self).__name__}: mini_batch_memory_budget sizes 'auto' mini-batches only, and "
