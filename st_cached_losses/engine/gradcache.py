@@ -32,7 +32,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -326,6 +326,16 @@ class GradCache(MiniBatchPlanner):
     form: CacheForm | None = field(default=None, repr=False)
     #: the run state: what "auto" sizes resolved to (updated by ``resolve_auto``)
     auto: AutoSize = field(default_factory=AutoSize, repr=False)
+
+    @property
+    def rows_per_mini_batch(self) -> int:
+        """``mini_batch_size``, or what ``"auto"`` resolved to (the planner's row count)."""
+        return cast(int, self.auto.resolved("mini_batch_size", self.mini_batch_size))
+
+    @property
+    def sized(self) -> bool:
+        """Whether the sizes are known (False while an ``"auto"`` size waits for its first step)."""
+        return self.auto.size is not None or not is_auto(self.mini_batch_size, self.mini_batch_num_tokens)
 
     @property
     def auto_size(self) -> int | None:
