@@ -244,6 +244,15 @@ class EngineSettings:
                 stacklevel=user_stacklevel(),
             )
 
+    def _auto_config(self) -> dict[str, Any]:
+        """What the config of an ``"auto"`` loss needs besides its sizes to rebuild it: its
+        ``mini_batch_memory_budget`` when set (a setting that never changes the result, otherwise left out of
+        the config; an ``"auto"`` loss without it is refused where no CUDA device gives it a default)."""
+        budget = self.mini_batch_memory_budget
+        if budget is None or not is_auto(self.mini_batch_size, self.mini_batch_num_tokens):
+            return {}
+        return {"mini_batch_memory_budget": budget}
+
     def _tag_model_card(self) -> None:
         """Once per loss: tag the model's card with this library and the loss this one equals."""
         card = getattr(unwrap_model(self.model), "model_card_data", None)
@@ -350,14 +359,15 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         """The extras of the config ([`LearnableScale`][st_cached_losses.losses._base.LearnableScale] adds the scale's clamp first): each ``"changed"`` setting of this
         loss that differs from its default. A setting assigned after construction to a loss whose constructor
         lacks it is listed too: the config says how the model was
-        trained, even where ``type(loss)(model, **config)`` cannot rebuild that loss."""
+        trained, even where ``type(loss)(model, **config)`` cannot rebuild that loss. And an ``"auto"`` loss's
+        memory budget, which rebuilding it needs ([`_auto_config`][st_cached_losses.losses._base.EngineSettings._auto_config])."""
         extras: dict[str, Any] = {}
         for name, spec in SPECS.items():
             if spec.config == "changed" and isinstance(getattr(type(self), name, None), Setting):
                 value = getattr(self, name)
                 if value != spec.default:
                     extras[name] = value
-        return extras
+        return {**extras, **self._auto_config()}
 
     # ------------------------------------------------------------------ the loss stage
 
