@@ -217,6 +217,7 @@ class CachedLossArguments(BaseTrainingArguments):
     symmetric: Optional[bool] = _spec_field("symmetric")  # noqa: UP045
     gather_across_devices: bool = _spec_field("gather_across_devices")
     mask_duplicates: bool = _spec_field("mask_duplicates")
+    in_batch_negatives: bool = _spec_field("in_batch_negatives")
     loss_show_progress_bar: bool = _spec_field("show_progress_bar")
     path: str = _spec_field("path", more=" Not 'tiled' (always tiled).")
     memory_budget: Optional[str] = _spec_field("memory_budget", None, " None: that default.")  # noqa: UP045
@@ -584,11 +585,6 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         )
     if args.learnable_scale:
         check_max_scale(args.max_scale, args.loss_scale)
-    if args.loss == "gist" and not args.guide_model:
-        raise ValueError(
-            "loss='gist' needs guide_model: the path of the guide SentenceTransformer (e.g. the model "
-            "before fine-tuning, or a stronger one)."
-        )
     if args.loss == "sparse" and args.document_regularizer_weight is None:
         raise ValueError(
             "loss='sparse' needs document_regularizer_weight: the weight of the documents' FLOPS regulariser "

@@ -44,8 +44,10 @@ __all__ = [
     "check_bool",
     "check_directions",
     "check_hardness",
+    "check_in_batch_negatives",
     "check_max_scale",
     "check_nonnegative",
+    "check_own_candidates",
     "closest_name_hint",
     "resolve_similarity",
     "similarity_name",
@@ -220,8 +222,9 @@ SPECS: dict[str, Spec] = {
     ),
     "guide": Spec(
         None,
-        "'gist' only (required there): the guide SentenceTransformer, a local path (or a Hub name when online); "
-        "loaded on the trained model's device, never trained.",
+        "'gist' only: the guide SentenceTransformer, a local path (or a Hub name when online); loaded on the "
+        "trained model's device, never trained. None (default): self-guided, the model's own embeddings of the "
+        "step rate the pairs (no guide model, no extra forward).",
     ),
     "margin_strategy": Spec(
         "absolute",
@@ -277,6 +280,16 @@ SPECS: dict[str, Spec] = {
         "Score each process's rows against every process's candidates (multi-GPU / multi-node, exact "
         "global-batch gradients); 'tiled' passes them around a ring instead of gathering.",
         check_bool,
+    ),
+    "in_batch_negatives": Spec(
+        True,
+        "'mnr', 'tiled' and 'gist': score each anchor against every row's candidates (default true); false: "
+        "against its own positive and its own hard negatives only (FlagEmbedding's no_in_batch_neg_flag), across "
+        "processes too (nothing is gathered). Needs hard-negative columns; 'mnr' / 'tiled': one direction "
+        "(query_to_doc), hardness_mode not in_batch_negatives; 'gist': contrast_anchors / contrast_positives "
+        "(other rows) do not apply. Per dataset: a dict of losses, or one arguments run per dataset.",
+        check_bool,
+        "changed",
     ),
     "mask_duplicates": Spec(
         False,
@@ -592,4 +605,37 @@ def check_hardness(hardness_mode: str | None, hardness_strength: float, owner: s
         logger.warning(
             f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
             "effect. Set hardness_strength to a positive value to enable hardness weighting."
+        )
+
+
+def check_in_batch_negatives(
+    in_batch_negatives: bool, directions: Sequence[str], hardness_mode: str | None, owner: str
+) -> None:
+    """``in_batch_negatives=False`` scores each anchor against its own candidates: only the ``query_to_doc``
+    direction has any (the others score a row against other rows), and ``hardness_mode='in_batch_negatives'``
+    would weigh negatives that are not there."""
+    if in_batch_negatives:
+        return
+    if tuple(directions) != ONE_DIRECTION:
+        raise ValueError(
+            f"{owner}: in_batch_negatives=False scores each anchor against its own positive and hard negatives "
+            f"only, so directions must be ('query_to_doc',), got {tuple(directions)!r} (the other directions score "
+            "a row against other rows). Set directions=('query_to_doc',) or in_batch_negatives=True."
+        )
+    if hardness_mode == "in_batch_negatives":
+        raise ValueError(
+            f"{owner}: hardness_mode='in_batch_negatives' weighs in-batch negatives, which in_batch_negatives=False "
+            "removes; use hardness_mode='hard_negatives' (or 'all_negatives') to weigh the own hard negatives."
+        )
+
+
+def check_own_candidates(n_columns: int, owner: str) -> None:
+    """A batch for ``in_batch_negatives=False`` has hard-negative columns: with pairs alone each row's softmax
+    holds its positive only (a loss of 0, no gradient)."""
+    if n_columns < 3:
+        raise ValueError(
+            f"{owner} with in_batch_negatives=False scores each anchor against its own positive and hard "
+            f"negatives only, and this batch has {n_columns} columns (no hard negative): the loss would be 0. "
+            "Give the dataset hard-negative columns (anchor, positive, negative, ...), or set "
+            "in_batch_negatives=True for this dataset."
         )
