@@ -23,7 +23,9 @@ import argparse
 import copy
 import csv
 import os
+import shlex
 import statistics
+import sys
 import time
 
 import torch
@@ -113,6 +115,8 @@ def main() -> None:
     )
     lines = [
         header,
+        "",
+        f"`{shlex.join(['python', *sys.argv])}`",
         "",
         "| loss | median step (s) | vs mnr (medians) | median of per-round ratios | min-max (s) |",
         "|---|---|---|---|---|",
