@@ -128,6 +128,10 @@ _ARGUMENT_SPECS = {
     "same_dataset_order": Spec("proportional", _check_order),
     "same_dataset_per_optimizer_step": Spec(False, check_bool),
 }
+#: the fields that take a count or "auto" (sized from mini_batch_memory_budget), read so by the command line
+COUNT_OR_AUTO_FIELDS = frozenset({"mini_batch_size", "mini_batch_num_tokens"})
+#: the fields that take a count or "all" (every one there is), read so by the command line
+COUNT_OR_ALL_FIELDS = frozenset({"num_negatives"})
 #: field name -> (the loss argument it sets, None for none; its spec)
 FIELD_SPECS: dict[str, tuple[str | None, Spec]] = {
     **{FIELD_NAMES.get(name, name): (name, spec) for name, spec in SPECS.items()},

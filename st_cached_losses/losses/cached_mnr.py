@@ -28,11 +28,11 @@ from st_cached_losses.losses.settings import (
     VALID_DIRECTIONS,
     ConfigTuple,
     Setting,
-    check_bool,
     check_directions,
     check_hardness,
     check_in_batch_negatives,
     check_own_candidates,
+    is_symmetric,
     resolve_similarity,
     similarity_name,
 )
@@ -260,21 +260,18 @@ class CachedMNRLoss(LearnableScale):
         """The core's similarity: ``"cosine"``, ``"dot"`` (GEMM tiles) or the function itself."""
         return self._similarity
 
-    @property
-    def symmetric(self) -> bool:
-        """Whether the loss has the positive -> anchors direction too (``directions=('query_to_doc',
-        'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two settings. A view
-        of those two, not a setting of its own."""
-        return set(self.directions) == set(TWO_DIRECTIONS) and self.partition_mode == "per_direction"
-
-    @symmetric.setter
-    def symmetric(self, value: bool) -> None:
-        if check_bool("symmetric", value) == self.symmetric:
+    def _set_symmetric(self, old: bool, new: bool) -> None:
+        if new == old:
             return  # e.g. False for four directions: stays four directions
-        if value:
+        if new:
             self.directions, self.partition_mode = TWO_DIRECTIONS, "per_direction"
         else:
             self.directions = ONE_DIRECTION
+
+    #: Whether the loss has the positive -> anchors direction too (``directions=('query_to_doc',
+    #: 'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two settings. A view
+    #: of those two, not a setting of its own.
+    symmetric = Setting[bool](view=is_symmetric, after=_set_symmetric)
 
     @property
     def citation(self) -> str:

@@ -16,6 +16,7 @@ parameter in the signatures, and its use.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import logging
@@ -51,6 +52,7 @@ __all__ = [
     "check_nonnegative",
     "check_own_candidates",
     "closest_name_hint",
+    "is_symmetric",
     "resolve_similarity",
     "similarity_name",
 ]
@@ -204,7 +206,9 @@ class Setting(Generic[T]):
     settings it goes with), and followed by ``after`` where a change must reset or rebuild something.
 
     Args:
-        on_engine: kept on the loss's GradCache engine (``loss.cache.<name>``), for the engine's own settings.
+        on_engine: kept on the loss's GradCache engine (``loss.cache.<name>``), for the engine's own settings;
+            the engine's configuration is frozen, so a change builds the loss a new engine with it
+            (``dataclasses.replace``: the run state, ``cache.auto``, goes along).
         check: ``check(name, value) -> kept value``; default the spec's.
         validate: ``validate(loss, value) -> kept value``, after ``check``: a check that reads the loss.
         target: ``target(loss, name) -> holder``: the object that keeps the value as its attribute ``attr``
@@ -217,6 +221,10 @@ class Setting(Generic[T]):
         none_reads_as: the name of another setting that a value of None reads as (a default that follows it).
         fixed: a reason: the value is set at construction and then refused with this reason if it changes
             (a setting kept on the loss).
+        view: ``view(loss) -> value``: a setting that is a view of others (``temperature`` of ``scale``,
+            ``symmetric`` of ``directions`` and ``partition_mode``) or of state the loss keeps elsewhere (a
+            learned scale): it is read through ``view`` and keeps nothing itself; an assignment is checked
+            (``check``, ``validate``) and then made by ``after``, which writes what the view reads.
     """
 
     def __init__(
@@ -230,9 +238,10 @@ class Setting(Generic[T]):
         after: Callable[[Any, Any, Any], None] | None = None,
         none_reads_as: str | None = None,
         fixed: str | None = None,
+        view: Callable[[Any], Any] | None = None,
     ) -> None:
         self.on_engine, self.check, self.validate, self.target = on_engine, check, validate, target
-        self.after, self.none_reads_as, self.fixed = after, none_reads_as, fixed
+        self.after, self.none_reads_as, self.fixed, self.view = after, none_reads_as, fixed, view
         self.name = self.attr = attr or ""
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -246,6 +255,8 @@ class Setting(Generic[T]):
         return obj.cache if self.on_engine else None
 
     def _read(self, obj: Any) -> Any:
+        if self.view is not None:
+            return self.view(obj)
         holder = self._holder(obj)
         if holder is None and (self.target is not None):
             return None
@@ -287,6 +298,8 @@ class Setting(Generic[T]):
                 raise
 
     def _write(self, obj: Any, value: Any) -> None:
+        if self.view is not None:
+            return  # a view keeps nothing: its after hook writes what it reads
         holder = self._holder(obj)
         if holder is None and self.target is not None:
             return  # nothing keeps it (validate allowed only None)
@@ -295,6 +308,9 @@ class Setting(Generic[T]):
                 obj.__dict__.pop("_" + self.name, None)
             else:
                 obj.__dict__["_" + self.name] = value
+        elif self.on_engine:  # the engine's configuration is frozen: a changed setting is a new engine
+            if value is not _MISSING and getattr(holder, self.attr) != value:
+                obj.cache = dataclasses.replace(holder, **{self.attr: value})
         elif value is not _MISSING:
             setattr(holder, self.attr, value)
 
@@ -381,6 +397,12 @@ class ConfigTuple(tuple[str, ...]):
         return not self == other
 
     __hash__ = tuple.__hash__
+
+
+def is_symmetric(loss: Any) -> bool:
+    """Whether ``loss`` has the CLIP pair of directions (``query_to_doc`` and ``doc_to_query``, per
+    direction): what its ``symmetric`` setting reads (a view of ``directions`` and ``partition_mode``)."""
+    return set(loss.directions) == set(TWO_DIRECTIONS) and loss.partition_mode == "per_direction"
 
 
 def check_directions(directions: Sequence[str], partition_mode: str, owner: str) -> tuple[str, ...]:
