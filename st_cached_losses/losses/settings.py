@@ -47,8 +47,10 @@ __all__ = [
     "check_bool",
     "check_directions",
     "check_hardness",
+    "check_in_batch_negatives",
     "check_max_scale",
     "check_nonnegative",
+    "check_own_candidates",
     "closest_name_hint",
     "is_symmetric",
     "resolve_similarity",
@@ -181,6 +183,7 @@ SPECS: dict[str, Spec] = {
     "score_mini_batch_size": Spec(None, check_positive_int),
     "num_negatives": Spec(4, _num_negatives),
     "gather_across_devices": Spec(False, check_bool),
+    "in_batch_negatives": Spec(True, check_bool, "changed"),
     "mask_duplicates": Spec(False, check_bool, "changed"),
     "show_progress_bar": Spec(False, check_bool, "never"),
     "sort_by_length": Spec(True, check_bool, "never"),
@@ -458,4 +461,37 @@ def check_hardness(hardness_mode: str | None, hardness_strength: float, owner: s
         logger.warning(
             f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
             "effect. Set hardness_strength to a positive value to enable hardness weighting."
+        )
+
+
+def check_in_batch_negatives(
+    in_batch_negatives: bool, directions: Sequence[str], hardness_mode: str | None, owner: str
+) -> None:
+    """``in_batch_negatives=False`` scores each anchor against its own candidates: only the ``query_to_doc``
+    direction has any (the others score a row against other rows), and ``hardness_mode='in_batch_negatives'``
+    would weigh negatives that are not there."""
+    if in_batch_negatives:
+        return
+    if tuple(directions) != ONE_DIRECTION:
+        raise ValueError(
+            f"{owner}: in_batch_negatives=False scores each anchor against its own positive and hard negatives "
+            f"only, so directions must be ('query_to_doc',), got {tuple(directions)!r} (the other directions score "
+            "a row against other rows). Set directions=('query_to_doc',) or in_batch_negatives=True."
+        )
+    if hardness_mode == "in_batch_negatives":
+        raise ValueError(
+            f"{owner}: hardness_mode='in_batch_negatives' weighs in-batch negatives, which in_batch_negatives=False "
+            "removes; use hardness_mode='hard_negatives' (or 'all_negatives') to weigh the own hard negatives."
+        )
+
+
+def check_own_candidates(n_columns: int, owner: str) -> None:
+    """A batch for ``in_batch_negatives=False`` has hard-negative columns: with pairs alone each row's softmax
+    holds its positive only (a loss of 0, no gradient)."""
+    if n_columns < 3:
+        raise ValueError(
+            f"{owner} with in_batch_negatives=False scores each anchor against its own positive and hard "
+            f"negatives only, and this batch has {n_columns} columns (no hard negative): the loss would be 0. "
+            "Give the dataset hard-negative columns (anchor, positive, negative, ...), or set "
+            "in_batch_negatives=True for this dataset."
         )
