@@ -57,7 +57,7 @@ from st_cached_losses.functional.distributed import (
 )
 from st_cached_losses.functional.multi_vector import pad_tokens
 
-__all__ = ["MiniBatch", "MiniBatchPlanner", "RandState", "unsort"]
+__all__ = ["AutoSize", "MiniBatch", "MiniBatchPlanner", "RandState", "unsort"]
 
 
 @dataclass

@@ -199,6 +199,22 @@ SPECS: dict[str, Spec] = {
 _MISSING: Any = object()
 
 
+def _argument_text(owner: type, name: str) -> str | None:
+    """The text of argument ``name`` in the Args section of ``owner``'s constructor docstring, if it has one."""
+    init = owner.__dict__.get("__init__")
+    lines = ((init.__doc__ or "") if init is not None else "").splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith(f"{name}:"):
+            indent = len(line) - len(line.lstrip())
+            text = [line.strip()[len(name) + 1 :].strip()]
+            for more in lines[i + 1 :]:
+                if not more.strip() or len(more) - len(more.lstrip()) <= indent:
+                    break
+                text.append(more.strip())
+            return " ".join(text)
+    return None
+
+
 class Setting(Generic[T]):
     """A loss setting as a descriptor, the one way a loss declares a setting: read back as kept, checked on
     every assignment (the constructor's included) by its [`Spec`][st_cached_losses.losses.settings.Spec] (or by ``check``, a spec's check, for
@@ -248,6 +264,13 @@ class Setting(Generic[T]):
         self.name = name
         self.attr = self.attr or name
         self.check = self.check or SPECS[name].check
+        # what the API reference shows for the attribute (not the descriptor class's Args)
+        self.__doc__ = (
+            _argument_text(owner, name) or f"The loss setting `{name}`, read and assigned between steps."
+        )
+
+    def __repr__(self) -> str:  # as the API reference shows the class attribute
+        return f"Setting({self.name!r})"
 
     def _holder(self, obj: Any) -> Any:
         if self.target is not None:
