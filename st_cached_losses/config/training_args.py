@@ -76,6 +76,7 @@ from st_cached_losses.losses.settings import (
     check_directions,
     check_hardness,
     check_max_scale,
+    check_negative_bank,
     check_nonnegative,
     resolve_similarity,
 )
@@ -217,6 +218,8 @@ class CachedLossArguments(BaseTrainingArguments):
     symmetric: Optional[bool] = _spec_field("symmetric")  # noqa: UP045
     gather_across_devices: bool = _spec_field("gather_across_devices")
     mask_duplicates: bool = _spec_field("mask_duplicates")
+    negative_bank_size: int = _spec_field("negative_bank_size")
+    negative_bank_max_age: Optional[int] = _spec_field("negative_bank_max_age")  # noqa: UP045
     loss_show_progress_bar: bool = _spec_field("show_progress_bar")
     path: str = _spec_field("path", more=" Not 'tiled' (always tiled).")
     memory_budget: Optional[str] = _spec_field("memory_budget", None, " None: that default.")  # noqa: UP045
@@ -600,6 +603,7 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         if args.symmetric is not None:
             raise ValueError("give either symmetric or directions / partition_mode, not both.")
     check_hardness(args.hardness_mode, args.hardness_strength, "hardness_mode")
+    check_negative_bank(args.negative_bank_size, args.mask_duplicates)
     _validate_similarity(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size

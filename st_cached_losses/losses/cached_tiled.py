@@ -33,6 +33,8 @@ class CachedTiledLoss(CachedMNRLoss):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         mask_duplicates: bool = False,
+        negative_bank_size: int = 0,
+        negative_bank_max_age: int | None = None,
         memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
         **engine: Unpack[EngineOptions],
     ) -> None:
@@ -107,6 +109,8 @@ class CachedTiledLoss(CachedMNRLoss):
             learnable_scale=learnable_scale,
             max_scale=max_scale,
             mask_duplicates=mask_duplicates,
+            negative_bank_size=negative_bank_size,
+            negative_bank_max_age=negative_bank_max_age,
             path="tiled",
             tile_size=tile_size,
             memory_budget=memory_budget,

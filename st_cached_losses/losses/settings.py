@@ -45,6 +45,7 @@ __all__ = [
     "check_directions",
     "check_hardness",
     "check_max_scale",
+    "check_negative_bank",
     "check_nonnegative",
     "closest_name_hint",
     "resolve_similarity",
@@ -65,6 +66,16 @@ def check_max_scale(max_scale: float, scale: float) -> None:
     if max_scale < scale:
         raise ValueError(
             f"max_scale must be >= scale with learnable_scale, got max_scale={max_scale!r} and scale={scale!r}."
+        )
+
+
+def check_negative_bank(negative_bank_size: int, mask_duplicates: bool) -> None:
+    """A negative bank keeps embeddings, not the inputs ``mask_duplicates`` compares: not both."""
+    if negative_bank_size and mask_duplicates:
+        raise ValueError(
+            "negative_bank_size and mask_duplicates cannot be used together: the negative bank keeps embeddings, "
+            "not the inputs mask_duplicates compares, so its duplicates could not be masked. Set "
+            "negative_bank_size=0 or mask_duplicates=False."
         )
 
 
@@ -128,6 +139,24 @@ def _num_negatives(name: str, value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, or 'all' (None in Python), got {value!r}.")
+    return value
+
+
+def _bank_size(name: str, value: Any) -> int:
+    """A number of entries, 0 (none) or more."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (0: no negative bank), got {value!r}; e.g. 256.")
+    return value
+
+
+def _bank_max_age(name: str, value: Any) -> int | None:
+    """A positive number of steps, or None: no limit."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{name} must be a positive integer (steps) or None (no limit), got {value!r}; e.g. 4."
+        )
     return value
 
 
@@ -285,6 +314,23 @@ SPECS: dict[str, Spec] = {
         "positive are duplicates; a row's negatives lose the positives of its duplicates, and any candidate "
         "(hard negatives included) equal to its own positive.",
         check_bool,
+        "changed",
+    ),
+    "negative_bank_size": Spec(
+        0,
+        "'mnr', 'clip' and 'tiled': keep the embeddings of this many past candidates (and, where the loss "
+        "scores positives against anchors, past anchors) per process, without gradient, and score them as "
+        "extra negatives of the next steps (ContAccum-style; for small batches under gradient accumulation). "
+        "0: no bank, the loss as without it.",
+        _bank_size,
+        "changed",
+    ),
+    "negative_bank_max_age": Spec(
+        None,
+        "With negative_bank_size: drop bank entries added more than this many steps (training calls of the "
+        "loss; micro-batches under gradient accumulation) ago, embedded by a model that has changed since. "
+        "Default none: the size alone decides.",
+        _bank_max_age,
         "changed",
     ),
     "show_progress_bar": Spec(
