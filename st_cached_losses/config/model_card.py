@@ -185,7 +185,7 @@ def card_loss_settings(args: CachedLossArguments) -> dict[str, Any]:
     starts from (the loss's default when the fields leave it unset, not ``null``); ``temperature``,
     ``similarity``, ``symmetric``, ``directions`` and ``partition_mode`` only where they were given (else the
     loss's own default, which the card's loss parameters show); the negative bank's fields only where a bank
-    is used (``negative_bank_size`` above 0)."""
+    is used (``negative_bank_size`` above 0), ``in_batch_negatives`` only where it is off."""
     settings = dict(args.loss_settings())
     if "scale" in settings:
         settings["scale"] = args.loss_scale
@@ -195,6 +195,8 @@ def card_loss_settings(args: CachedLossArguments) -> dict[str, Any]:
     if not settings.get("negative_bank_size"):  # no negative bank: its fields say nothing
         settings.pop("negative_bank_size", None)
         settings.pop("negative_bank_max_age", None)
+    if settings.get("in_batch_negatives") is True:  # the default: in-batch negatives, as every loss has them
+        del settings["in_batch_negatives"]
     return settings
 
 

@@ -35,6 +35,7 @@ class CachedTiledLoss(CachedMNRLoss):
         mask_duplicates: bool = False,
         negative_bank_size: int = 0,
         negative_bank_max_age: int | None = None,
+        in_batch_negatives: bool = True,
         memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
         **engine: Unpack[EngineOptions],
     ) -> None:
@@ -65,6 +66,9 @@ class CachedTiledLoss(CachedMNRLoss):
             memory_budget: bytes of logit tiles the loss stage may hold at once when ``tile_size`` is None.
             mask_duplicates: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s; with ``symmetric``, a positive's negatives lose the
                 anchors of its row's duplicates too, so both directions are masked alike.
+            in_batch_negatives: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s: False scores each anchor against its own
+                positive and hard negatives only (one direction); there are no tiles then (``B x K`` logits),
+                and across processes nothing travels around the ring.
 
         Every other argument is [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s, with the same default and meaning (``**engine``:
         the engine's knobs, [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]); the loss stage's ``path`` is
@@ -111,6 +115,7 @@ class CachedTiledLoss(CachedMNRLoss):
             mask_duplicates=mask_duplicates,
             negative_bank_size=negative_bank_size,
             negative_bank_max_age=negative_bank_max_age,
+            in_batch_negatives=in_batch_negatives,
             path="tiled",
             tile_size=tile_size,
             memory_budget=memory_budget,

@@ -179,6 +179,11 @@ def test_settings_are_checked(model):
     loss_fn = CachedMNRLoss(model, mask_duplicates=True)
     with pytest.raises(ValueError, match="cannot be used together"):
         loss_fn.negative_bank_size = 4
+    with pytest.raises(ValueError, match="in_batch_negatives=False cannot be used together"):
+        CachedMNRLoss(model, negative_bank_size=4, in_batch_negatives=False)
+    loss_fn = CachedMNRLoss(model, negative_bank_size=4)
+    with pytest.raises(ValueError, match="in_batch_negatives=False cannot be used together"):
+        loss_fn.in_batch_negatives = False
     config = CachedCLIPLoss(model, negative_bank_size=4, negative_bank_max_age=2).get_config_dict()
     assert config["negative_bank_size"] == 4 and config["negative_bank_max_age"] == 2
 
