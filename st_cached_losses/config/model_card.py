@@ -184,13 +184,19 @@ def card_loss_settings(args: CachedLossArguments) -> dict[str, Any]:
     """The loss settings the card lists: `loss_settings` with the scale the loss
     starts from (the loss's default when the fields leave it unset, not ``null``); ``temperature``,
     ``similarity``, ``symmetric``, ``directions`` and ``partition_mode`` only where they were given (else the
-    loss's own default, which the card's loss parameters show)."""
+    loss's own default, which the card's loss parameters show); the negative bank's fields only where a bank
+    is used (``negative_bank_size`` above 0), ``in_batch_negatives`` only where it is off."""
     settings = dict(args.loss_settings())
     if "scale" in settings:
         settings["scale"] = args.loss_scale
     for name in _LOSS_OWN_DEFAULT:  # None: the loss's own default, which its parameters above show
         if settings.get(name, 0) is None:
             del settings[name]
+    if not settings.get("negative_bank_size"):  # no negative bank: its fields say nothing
+        settings.pop("negative_bank_size", None)
+        settings.pop("negative_bank_max_age", None)
+    if settings.get("in_batch_negatives") is True:  # the default: in-batch negatives, as every loss has them
+        del settings["in_batch_negatives"]
     return settings
 
 

@@ -77,6 +77,7 @@ from st_cached_losses.losses.settings import (
     check_directions,
     check_hardness,
     check_max_scale,
+    check_negative_bank,
     check_nonnegative,
     resolve_similarity,
 )
@@ -257,6 +258,19 @@ class CachedLossArguments(BaseTrainingArguments):
         "the NO_DUPLICATES sampler cannot see beyond one process's batch): rows sharing their anchor or their "
         "positive are duplicates; a row's negatives lose the positives of its duplicates, and any candidate "
         "(hard negatives included) equal to its own positive.",
+    )
+    negative_bank_size: int = _spec_field(
+        "negative_bank_size",
+        "'mnr', 'clip' and 'tiled': keep the embeddings of this many past candidates (and, where the loss "
+        "scores positives against anchors, past anchors) per process, without gradient, and score them as "
+        "extra negatives of the next steps (ContAccum-style; for small batches under gradient accumulation). "
+        "0: no bank, the loss as without it.",
+    )
+    negative_bank_max_age: Optional[int] = _spec_field(  # noqa: UP045
+        "negative_bank_max_age",
+        "With negative_bank_size: drop bank entries added more than this many steps (training calls of the "
+        "loss; micro-batches under gradient accumulation) ago, embedded by a model that has changed since. "
+        "Default none: the size alone decides.",
     )
     in_batch_negatives: bool = _spec_field(
         "in_batch_negatives",
@@ -750,6 +764,7 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         if args.symmetric is not None:
             raise ValueError("give either symmetric or directions / partition_mode, not both.")
     check_hardness(args.hardness_mode, args.hardness_strength, "hardness_mode")
+    check_negative_bank(args.negative_bank_size, args.mask_duplicates, args.in_batch_negatives)
     _validate_similarity(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional._kernels import LogSumExp, Operand, init_stats, raw_grad
-from st_cached_losses.functional.options import Guide, Keys, LossSpec
+from st_cached_losses.functional.options import Bank, Guide, Keys, LossSpec
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import Bound, PairKeys, Term, TermSet, guide_thresholds
 
@@ -43,13 +43,15 @@ Solution = tuple[Tensor, Tensor | None, list[Tensor], Tensor | None, Tensor | No
 
 class Sources:
     """Operands and fp32 gradient buffers of one call: the rows ``q`` (anchors) and ``d`` (this
-    process's positives), and the column sources ``c<k>``, ``q_all`` and ``q_local``; ``used`` names the
+    process's positives), and the column sources ``c<k>``, ``q_all`` and ``q_local``, and a negative
+    bank's ``bank_c`` and ``bank_q`` (no gradient buffer: nothing flows to the bank); ``used`` names the
     sources the terms read (the others are neither normalised nor given a buffer; ``q`` and the
     candidate columns always are)."""
 
     def __init__(
         self, anchors: Tensor, cols: list[Tensor], anchors_all: Tensor | None, *, score: Score, scale: float,
         row_offset: int, prenorm: bool, with_grad: bool, used: set[str] | None = None, keys: Keys | None = None,
+        bank: Bank | None = None,
     ) -> None:  # fmt: skip
         b = anchors.shape[0]
         need = {"q", "d", "q_local", "q_all"} if used is None else used
@@ -72,6 +74,11 @@ class Sources:
                     self.grads[name] = torch.zeros(op.x.shape, dtype=self.q.dtype, device=anchors.device)
             if anchors_all is None and "q_all" in self.cols:
                 self.grads["q_all"] = self.grads["q_local"]  # one process: the same rows, one buffer
+        if bank is not None:  # after the buffers: the bank's entries get none
+            if "bank_c" in need:
+                self.cols["bank_c"] = score.operand(bank.candidates, 1.0, prenorm)
+            if "bank_q" in need and bank.anchors is not None:
+                self.cols["bank_q"] = score.operand(bank.anchors, 1.0, prenorm)
 
     @classmethod
     def of(
@@ -83,7 +90,7 @@ class Sources:
         used = {t.rows for t in spec.terms.terms} | {t.cols for t in spec.terms.terms}
         return cls(
             anchors, cols, anchors_all, score=spec.score, scale=scale, row_offset=spec.options.row_offset,
-            prenorm=prenorm, with_grad=with_grad, used=used, keys=spec.keys,
+            prenorm=prenorm, with_grad=with_grad, used=used, keys=spec.keys, bank=spec.options.bank,
         )  # fmt: skip
 
     def with_columns(
@@ -135,15 +142,16 @@ def bind(
         rows = src.q if t.rows == "q" else src.d
         assert rows is not None  # built for every row source a term reads
         guided = guide is not None and t.guided
+        diag = None if t.cols.startswith("bank") else 0 if t.cols == "q_local" else diag_offset
         out.append(
             Bound(
-                t, src.score, rows, src.cols[t.cols], 0 if t.cols == "q_local" else diag_offset,
+                t, src.score, rows, src.cols[t.cols], diag,
                 src.grads.get(t.rows), src.grads.get(t.cols),
                 (guide.q if t.rows == "q" else guide.d) if guided else None,  # type: ignore[union-attr]
                 guide.cols[t.cols] if guided else None,  # type: ignore[union-attr]
                 thresholds,
                 src.keys[t.rows] if src.keys is not None else None,
-                src.keys[t.cols] if src.keys is not None else None,
+                src.keys.get(t.cols) if src.keys is not None else None,
             )
         )  # fmt: skip
     return out

@@ -52,7 +52,9 @@ class LocalCall:
         if pair is not None and one_pass and o.path != "tiled" and 4 * (n_terms - 1) >= 3 * n_terms:
             pair = None
         scored = [t for t in terms.terms if pair is None or t != pair[1]]
-        width = sum(cols[0].shape[0] if t.cols != "q_local" else b for t in scored)
+        bank_c, bank_q = o.bank.sizes if o.bank is not None else (0, 0)
+        n_cols = {"q_local": b, "bank_c": bank_c, "bank_q": bank_q}
+        width = sum(n_cols.get(t.cols, cols[0].shape[0]) for t in scored)
         one_pass = one_pass and pair is None
         buffers = (1 + need_scale_grad + terms.guided) if one_pass else 3 + terms.guided
         self.plan = plan_blocks(

@@ -13,9 +13,9 @@ from torch import Tensor
 from st_cached_losses.functional._kernels import DEFAULT_MEMORY_BUDGET
 from st_cached_losses.functional.checks import check_path, check_positive_int, validate_keys
 from st_cached_losses.functional.score import Score, Similarity
-from st_cached_losses.functional.terms import PairKeys, TermSet, mnrl_terms
+from st_cached_losses.functional.terms import PairKeys, TermSet, bank_terms, mnrl_terms
 
-__all__ = ["Guide", "InfoNCEOptions", "Keys", "LossPath", "LossSpec"]
+__all__ = ["Bank", "Guide", "InfoNCEOptions", "Keys", "LossPath", "LossSpec"]
 
 LossPath = Literal["auto", "chunked", "tiled"]
 
@@ -27,6 +27,27 @@ class Guide:
 
     anchors: Tensor
     candidates: list[Tensor]
+
+
+@dataclass
+class Bank:
+    """A negative bank's embeddings (ContAccum-style, without gradient): earlier steps' rows scored as extra
+    negatives. ``candidates`` ``(n, d)``: past candidate embeddings (positives and hard negatives), extra
+    columns of every term that scores rows against the candidates; ``anchors`` ``(m, d)`` or None: past
+    anchors, extra columns of every term that scores rows against the anchors (the symmetric loss's
+    positive -> anchors direction). Either may have 0 rows: it adds nothing then.
+
+    On one process they are the bank as it is; the strategies across processes take this process's share
+    and exchange it as they exchange the candidates (gathered, or around the ring). No gradient reaches
+    them, and none of their entries is a row's positive."""
+
+    candidates: Tensor
+    anchors: Tensor | None = None
+
+    @property
+    def sizes(self) -> tuple[int, int]:
+        """Rows of the candidates and of the anchors (0 without)."""
+        return self.candidates.shape[0], (self.anchors.shape[0] if self.anchors is not None else 0)
 
 
 @dataclass
@@ -86,6 +107,8 @@ class InfoNCEOptions:
         anchors_all: ``(N, d)`` gathered anchors, for ``symmetric=True`` across processes.
         row_offset: index of this process's first positive in the (gathered) candidate columns.
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs).
+        bank: a negative bank ([`Bank`][st_cached_losses.functional.options.Bank]): earlier rows' embeddings
+            scored as extra negatives, without gradient; None (default) or an empty bank: none.
 
     ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
     against columns the caller gathered: the strategies of [`parallel`][st_cached_losses.functional.parallel] set them (and refuse the first
@@ -106,6 +129,7 @@ class InfoNCEOptions:
     anchors_all: Tensor | None = None
     row_offset: int = 0
     check_finite: bool = True
+    bank: Bank | None = None
 
     def __post_init__(self) -> None:
         Score(self.similarity)  # refuses anything but "cosine", "dot" or a function
@@ -165,6 +189,8 @@ class InfoNCEOptions:
         if terms is None:
             directions = ("query_to_doc", "doc_to_query") if self.symmetric else ("query_to_doc",)
             terms = mnrl_terms(directions, "per_direction", None, 0.0, len(cols))
+        if self.bank is not None:
+            terms = self._with_bank(terms, self.bank, anchors, score)
         # a score whose rows carry data computed from every column (XTR's retrieved tokens)
         if hasattr(score.fn, "with_row_data") and any(
             t.rows != "q" or not t.cols.startswith("c") for t in terms.terms
@@ -175,6 +201,26 @@ class InfoNCEOptions:
                 "(query_to_doc), not documents against anchors."
             )
         return LossSpec(self, terms, score, keys)
+
+    def _with_bank(self, terms: TermSet, bank: Bank, anchors: Tensor, score: Score) -> TermSet:
+        """``terms`` extended by the bank's columns, checked against the embeddings."""
+        if score.packed:
+            raise ValueError(
+                "a negative bank holds (n, d) embeddings: it cannot be scored with a score of packed rows "
+                "(multi-vector or sparse); leave bank None."
+            )
+        if self.candidate_keys is not None:
+            raise ValueError(
+                "a negative bank has no duplicate keys, so its entries could not be masked: use either the bank "
+                "or duplicate keys (mask_duplicates), not both."
+            )
+        for name, x in (("bank.candidates", bank.candidates), ("bank.anchors", bank.anchors)):
+            if x is not None and (x.dim() != 2 or x.shape[1] != anchors.shape[1]):
+                raise ValueError(
+                    f"{name} must be (rows, {anchors.shape[1]}) embeddings like the anchors, got {tuple(x.shape)}."
+                )
+        n_c, n_q = bank.sizes
+        return bank_terms(terms, n_c > 0, n_q > 0)
 
 
 @dataclass(frozen=True)

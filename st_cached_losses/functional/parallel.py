@@ -47,7 +47,7 @@ from st_cached_losses.functional.distributed import (
 )
 from st_cached_losses.functional.infonce import InfoNCEOutput, infonce, infonce_loss_and_grad
 from st_cached_losses.functional.multi_vector import pad_tokens
-from st_cached_losses.functional.options import Guide, InfoNCEOptions
+from st_cached_losses.functional.options import Bank, Guide, InfoNCEOptions
 from st_cached_losses.functional.own import (
     in_batch_negatives,
     own_candidates_infonce,
@@ -56,9 +56,12 @@ from st_cached_losses.functional.own import (
 from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.ring import ring_terms_solve
 from st_cached_losses.functional.score import Score
+from st_cached_losses.functional.terms import bank_terms
 
 __all__ = [
     "agree_on_sizes",
+    "bank_sizes",
+    "gathered_bank",
     "gathered_infonce",
     "gathered_loss_and_grad",
     "loss_and_grad",
@@ -85,6 +88,30 @@ def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[in
     )
     raise_if_nonfinite(all_flags)
     return sizes
+
+
+def bank_sizes(bank: Bank) -> tuple[list[int], list[int]]:
+    """Every process's rows of its share of a negative bank, candidates and anchors, in rank order (one
+    small all-gather; this process's alone outside a process group)."""
+    n_c, n_q = bank.sizes
+    if not is_distributed():
+        return [n_c], [n_q]
+    counts = all_gather_rows(
+        torch.tensor([[n_c, n_q]], dtype=torch.long, device=bank.candidates.device), [1] * world_size()
+    )  # (W, 2)
+    return counts[:, 0].tolist(), counts[:, 1].tolist()
+
+
+def gathered_bank(bank: Bank) -> Bank:
+    """Every process's share of a negative bank, concatenated in rank order (no autograd: nothing flows
+    to the bank). Every process calls it, whatever its own share holds."""
+    c_sizes, q_sizes = bank_sizes(bank)
+    empty = bank.candidates[:0]
+    candidates = all_gather_rows(bank.candidates, c_sizes) if sum(c_sizes) else empty
+    anchors = None
+    if sum(q_sizes):
+        anchors = all_gather_rows(bank.anchors if bank.anchors is not None else empty, q_sizes)
+    return Bank(candidates, anchors)
 
 
 def pad_to_common_tokens(columns: Sequence[Tensor]) -> list[Tensor]:
@@ -140,6 +167,8 @@ def _gathered(
         layout["guide"] = Guide(
             opts.guide.anchors, [all_gather_rows(c, sizes) for c in opts.guide.candidates]
         )
+    if opts.bank is not None:
+        layout["bank"] = gathered_bank(opts.bank)
     return [gather(c, sizes) for c in candidates], replace(opts, **layout)
 
 
@@ -298,6 +327,11 @@ def ring_loss_and_grad(
     _own_rows_only(opts)
     score, given = Score(opts.similarity), list(candidates)
     spec = opts.spec(anchors, given, score)
+    bank, shares = opts.bank, None
+    if bank is not None:  # the terms of every process's bank, whatever this process's share holds
+        shares = bank_sizes(bank)
+        base = replace(opts, bank=None).spec(anchors, given, score).terms
+        spec = replace(spec, terms=bank_terms(base, sum(shares[0]) > 0, sum(shares[1]) > 0))
     row_state = getattr(score.fn, "row_state", None)
     cols, rows = given, anchors
     with torch.no_grad():
@@ -312,7 +346,7 @@ def ring_loss_and_grad(
             cols = score.fn.with_column_data(cols, sum(sizes[: rank()]), sum(sizes))  # type: ignore[union-attr]
             rows = _ring_row_data(score, rows, cols, sizes, opts.memory_budget)
         loss, g_a, g_c, g_all, g_s = ring_terms_solve(
-            spec, rows, cols, sizes, scale=opts.scale, with_grad=with_grad
+            spec, rows, cols, sizes, scale=opts.scale, with_grad=with_grad, bank_shares=shares
         )
     if g_a is not None:
         if row_state is not None:  # rows carrying data of their own (XTR's retrieved tokens)

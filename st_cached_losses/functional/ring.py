@@ -32,7 +32,7 @@ __all__ = ["ring_terms_solve"]
 
 def ring_terms_solve(
     spec: LossSpec, anchors: Tensor, cols: Sequence[Tensor], sizes: list[int], *, scale: float | Tensor,
-    with_grad: bool,
+    with_grad: bool, bank_shares: tuple[list[int], list[int]] | None = None,
 ) -> Solution:  # fmt: skip
     """This process's share of the global loss (``W / B_global * sum`` over its rows) by ring exchange:
     every process's columns (its candidates, its anchors when a term reads ``q_all``, its guide
@@ -44,7 +44,12 @@ def ring_terms_solve(
     Rows are ``(b, *row_shape)``: embeddings ``(b, d)``, or packed rows (token rows ``(b, t, d + 1)``,
     sparse rows ``(b, k, 2)``). Every travelling tensor (the candidate columns, and the anchors when a term
     reads them) must have the same row shape on every process (the caller pads packed rows to a common
-    width: [`ring_loss_and_grad`][st_cached_losses.functional.parallel.ring_loss_and_grad]); the rows (anchors) may have a shape of their own."""
+    width: [`ring_loss_and_grad`][st_cached_losses.functional.parallel.ring_loss_and_grad]); the rows (anchors) may have a shape of their own.
+
+    A negative bank (``spec.options.bank``, this process's share; ``bank_shares``: every process's rows of
+    it, candidates and anchors) travels around a ring of its own in each pass, after the columns: its
+    blocks feed the rows' statistics and gradients only (no gradient goes to the bank, no column softmax
+    runs down it), so nothing travels with them."""
     terms, score, guide, keys = spec.terms, spec.score, spec.options.guide, spec.keys
     me, w = rank(), len(sizes)
     cols = list(cols)
@@ -58,7 +63,8 @@ def ring_terms_solve(
     tile = tile_side(spec.options.tile_size, spec.options.memory_budget, buffers=(3 + terms.guided) * cost)
     src = Sources.of(spec, anchors, cols, None, s, prenorm=False, with_grad=with_grad)
     gsrc, thr = guide_sources(guide, terms, 0, False, tile)
-    visiting = [t for t in terms.terms if t.cols != "q_local"]
+    banked = [t for t in terms.terms if t.cols.startswith("bank")]
+    visiting = [t for t in terms.terms if t.cols != "q_local" and t not in banked]
     local = [t for t in terms.terms if t.cols == "q_local"]
     reads_q_all = any(t.cols == "q_all" and (pair is None or t != pair[1]) for t in visiting)
     names = [f"c{j}" for j in range(k)] + (["q_all"] if reads_q_all else [])
@@ -129,6 +135,36 @@ def ring_terms_solve(
     if pair is not None:
         g_back = pair[1].group  # joint with this process's own terms of the group, or alone
         merge_stats(m[g_back], ssum[g_back], col_acc[0][:, 0], col_acc[0][:, 1])
+    row_grads = {r: g for r, g in src.grads.items() if r in ("q", "d")}
+
+    def bank_ring(visit_bound: Any) -> None:
+        """Each process's bank blocks visit this process's rows, one source after the other."""
+        bank = spec.options.bank
+        if not banked or bank is None or bank_shares is None:
+            return
+        for name, x, shares in (
+            ("bank_c", bank.candidates, bank_shares[0]),
+            ("bank_q", bank.anchors, bank_shares[1]),
+        ):
+            bank_t = [t for t in banked if t.cols == name]
+            if not bank_t or not sum(shares):
+                continue
+            block = x if x is not None else bank.candidates[:0]
+
+            def visit(
+                owner: int,
+                tensors: list[Tensor],
+                carried: list[Tensor],
+                bank_t: list = bank_t,
+                name: str = name,
+            ) -> None:
+                if tensors[0].shape[0]:
+                    ops = {name: score.operand(tensors[0], 1.0, prenormalize=False)}
+                    visit_bound(bind(bank_t, src.with_columns(ops, row_grads, None), None, None, None))
+
+            ring_exchange([block.contiguous()], [], shares, visit)
+
+    bank_ring(lambda bound: term_stats(bound, m, ssum, scale=s, row_tile=tile, col_tile=tile))
     rows_lse, lse = row_lse(m, ssum)
     factor = w / sum(sizes)
     loss = (loss_sum(terms, rows_lse, src, 0, tile, s) * factor).to(src.q.dtype)
@@ -149,6 +185,14 @@ def ring_terms_solve(
 
     g_block = torch.zeros(b, len(names), *row_shape, dtype=src.q.dtype, device=anchors.device)
     (g_block,) = ring_exchange(own, [g_block], sizes, visit_grads)
+
+    def bank_grads(bound: list[Bound]) -> None:
+        nonlocal gs_total
+        gs_total += term_grads(
+            bound, lse, terms.weights, scale=s, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
+        )
+
+    bank_ring(bank_grads)
     for j, n in enumerate(names):
         src.grads[n if n != "q_all" else "q_local"].add_(g_block[:, j])
     g_a, g_c, _ = finish_grads(src, anchors, cols, None, s, factor, tile)

@@ -33,7 +33,7 @@ block visiting in a ring ([`ring`][st_cached_losses.functional.ring])."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -55,6 +55,7 @@ __all__ = [
     "PairKeys",
     "Term",
     "TermSet",
+    "bank_terms",
     "fused_chunk",
     "gist_terms",
     "guide_thresholds",
@@ -158,6 +159,39 @@ def gist_terms(
         terms.append(Term("d", "c0", 0, "keep", guided=True))
     terms += [Term("q", f"c{k}", 0, "keep", guided=True) for k in range(1, n_columns)]
     return TermSet(tuple(terms), (1.0,), margin_strategy, float(margin))
+
+
+def bank_terms(terms: TermSet, candidates: bool, anchors: bool) -> TermSet:
+    """``terms`` with a negative bank's columns ([`Bank`][st_cached_losses.functional.options.Bank]) scored
+    as extra negatives: each group that scores rows against the candidate columns (``c<k>``) also scores them
+    against the bank's candidates (``bank_c``), and each group that scores them against the anchors
+    (``q_all`` / ``q_local``) also against the bank's anchors (``bank_q``). A bank entry is never a row's
+    positive nor its own entry (no diagonal); it takes the off-diagonal hardness penalty of the term it
+    extends. Nothing is added where the bank has none of those entries (``candidates`` / ``anchors``
+    False), so an empty bank leaves the loss as it is."""
+    if not terms.in_batch:
+        raise ValueError(
+            "a negative bank adds other steps' rows as negatives: it has no place in a loss without in-batch "
+            "negatives (in_batch_negatives=False). Use one or the other."
+        )
+    extra: list[Term] = []
+    seen: set[tuple[str, str, int]] = set()
+    for t in terms.terms:
+        if t.guided:
+            raise ValueError(
+                "a negative bank cannot extend guided terms (GIST): the guide's embeddings of the banked rows "
+                "are not kept. Use a negative bank with CachedMNRLoss, CachedCLIPLoss or CachedTiledLoss."
+            )
+        source = "bank_c" if t.cols.startswith("c") else "bank_q"
+        if not (candidates if source == "bank_c" else anchors):
+            continue
+        key = (t.rows, source, t.group)
+        if key not in seen:
+            seen.add(key)
+            extra.append(Term(t.rows, source, t.group, "keep", t.pen_off))
+    if not extra:
+        return terms
+    return replace(terms, terms=(*terms.terms, *extra))
 
 
 #: Guide similarities within this of a row's threshold count as equal to it (so not above it): the

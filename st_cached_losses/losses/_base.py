@@ -29,6 +29,7 @@ from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional import Guide, InfoNCEOptions, LossPath, Similarity, infonce, scale_value
 from st_cached_losses.functional.distributed import is_distributed, warn_no_process_group_once
 from st_cached_losses.functional.infonce import InfoNCEOutput
+from st_cached_losses.functional.options import Bank
 from st_cached_losses.functional.parallel import (
     agree_on_sizes,
     gathered_infonce,
@@ -70,6 +71,8 @@ class StepData:
     scale_leaf: Tensor | None = None
     #: the loss's components of the last loss stage on these rows, where it has several (the sparse loss)
     parts: dict[str, Tensor] | None = None
+    #: a negative bank's entries this call scores as extra negatives (CachedMNRLoss's ``negative_bank_size``)
+    bank: Bank | None = None
 
 
 @dataclass(frozen=True)
@@ -378,7 +381,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
 
     def _options(self, step: StepData, n_rows: int, n_columns: int, scale: float | Tensor) -> InfoNCEOptions:
         """The core's options of one call: the loss stage's plan (``path``, ``tile_size``,
-        ``memory_budget``), the scale and the loss's terms."""
+        ``memory_budget``), the scale, the loss's terms and the step's negative bank."""
         parts = self._loss_terms(step, n_rows, n_columns)
         keys = parts.keys
         return InfoNCEOptions(
@@ -391,6 +394,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
             memory_budget=self.memory_budget,
             anchor_keys=keys[0] if keys is not None else None,
             candidate_keys=keys[1:] if keys is not None else None,
+            bank=step.bank,
         )
 
     def _step_data(self, features: list[dict[str, Any]]) -> StepData:

@@ -32,6 +32,8 @@ class CachedCLIPLoss(CachedMNRLoss):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         mask_duplicates: bool = False,
+        negative_bank_size: int = 0,
+        negative_bank_max_age: int | None = None,
         **engine: Unpack[LossStageOptions],
     ) -> None:
         """
@@ -104,5 +106,7 @@ class CachedCLIPLoss(CachedMNRLoss):
             learnable_scale=learnable_scale,
             max_scale=max_scale,
             mask_duplicates=mask_duplicates,
+            negative_bank_size=negative_bank_size,
+            negative_bank_max_age=negative_bank_max_age,
             **engine,
         )

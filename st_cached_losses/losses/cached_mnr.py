@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 from typing_extensions import Unpack
@@ -15,13 +16,15 @@ from typing_extensions import Unpack
 from st_cached_losses.functional import Similarity
 from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.terms import mnrl_terms
-from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StepData
+from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StageOutput, StepData
 from st_cached_losses.losses.citations import (
+    CONTACCUM_CITATION,
     GRADCACHE_CITATION,
     GTE_CITATION,
     HARDNESS_CITATION,
     MNRL_CITATION,
 )
+from st_cached_losses.losses.negative_bank import NegativeBank
 from st_cached_losses.losses.settings import (
     ONE_DIRECTION,
     TWO_DIRECTIONS,
@@ -31,6 +34,7 @@ from st_cached_losses.losses.settings import (
     check_directions,
     check_hardness,
     check_in_batch_negatives,
+    check_negative_bank,
     check_own_candidates,
     is_symmetric,
     resolve_similarity,
@@ -75,9 +79,17 @@ def ranking_citations(
 class CachedMNRLoss(LearnableScale):
     _citations = (GRADCACHE_CITATION, MNRL_CITATION)
 
-    mask_duplicates = Setting[bool]()
+    #: this process's negative bank (``negative_bank_size``): its entries, their ages, its state
+    negative_bank: NegativeBank
+
+    def _check_no_bank(self, value: bool) -> bool:
+        check_negative_bank(self.negative_bank_size, value, self._in_batch_or_default())
+        return value
+
+    mask_duplicates = Setting[bool](validate=_check_no_bank)
 
     def _check_in_batch_negatives(self, value: bool) -> bool:
+        check_negative_bank(self.negative_bank_size, False, value)
         check_in_batch_negatives(
             value, self.directions or ONE_DIRECTION, self.hardness_mode, type(self).__name__
         )
@@ -103,6 +115,8 @@ class CachedMNRLoss(LearnableScale):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         mask_duplicates: bool = False,
+        negative_bank_size: int = 0,
+        negative_bank_max_age: int | None = None,
         in_batch_negatives: bool = True,
         **engine: Unpack[LossStageOptions],
     ) -> None:
@@ -157,6 +171,16 @@ class CachedMNRLoss(LearnableScale):
                 processes: rows sharing their anchor or their positive are duplicates; a row's negatives lose
                 the positives of its duplicates, and any candidate equal to its own positive. With the
                 positive -> anchors direction, a positive's negatives lose the anchors of its row's duplicates.
+            negative_bank_size: keep the embeddings of this many past candidates per process (and, with the
+                ``query_to_query`` or ``doc_to_query`` direction, as many past anchors), without gradient,
+                and score them as extra negatives of the next steps (ContAccum-style: the negatives of a
+                larger batch for small batches under gradient accumulation); 0 (default): no bank, the loss
+                as without it, bit for bit. A step never sees its own rows in the bank; evaluation ignores
+                it. The rules: [`negative_bank`][st_cached_losses.losses.negative_bank]; give the trainer
+                ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it. Not with
+                ``mask_duplicates`` (the bank keeps no inputs to compare).
+            negative_bank_max_age: drop bank entries added more than this many steps (training calls of the
+                loss: micro-batches under gradient accumulation) ago; None (default): the size alone decides.
             in_batch_negatives: score each anchor against every row's candidates (default); False: against
                 its own positive and its own hard negatives only (FlagEmbedding's ``no_in_batch_neg_flag``),
                 across processes too (nothing is gathered then), e.g. for one dataset of a multi-dataset run
@@ -169,6 +193,8 @@ class CachedMNRLoss(LearnableScale):
               https://huggingface.co/papers/2101.06983
             - Henderson et al., Efficient Natural Language Response Suggestion for Smart Reply, 2017:
               https://huggingface.co/papers/1705.00652
+            - Kim et al., A Gradient Accumulation Method for Dense Retriever under Memory Constraint
+              (ContAccum), NeurIPS 2024: https://huggingface.co/papers/2406.12356 (the negative bank)
 
         Requirements:
             1. (anchor, positive) pairs, optionally with hard-negative columns (anchor, positive, negative_1,
@@ -222,7 +248,10 @@ class CachedMNRLoss(LearnableScale):
         self.partition_mode = partition_mode
         self.hardness_strength = hardness_strength
         self.hardness_mode = hardness_mode
+        self.negative_bank = NegativeBank()
         self.mask_duplicates = mask_duplicates
+        self.negative_bank_max_age = negative_bank_max_age
+        self.negative_bank_size = negative_bank_size
         self.in_batch_negatives = in_batch_negatives
         self._init_learnable_scale(learnable_scale, max_scale)
 
@@ -247,6 +276,22 @@ class CachedMNRLoss(LearnableScale):
     def _check_hardness_strength(self, value: float) -> float:
         check_hardness(self.hardness_mode, value, type(self).__name__)
         return value
+
+    def _check_bank(self, value: int) -> int:
+        check_negative_bank(value, self.mask_duplicates, self._in_batch_or_default())
+        return value
+
+    def _in_batch_or_default(self) -> bool:
+        # read before in_batch_negatives is first set at construction: its default
+        return self.__dict__.get("_in_batch_negatives", True)
+
+    def _bank_changed(self, old: object, new: object) -> None:
+        self.negative_bank.resize(self.negative_bank_size, self.negative_bank_max_age)
+
+    #: Entries of past steps kept per process and scored as extra negatives; 0: no bank.
+    negative_bank_size = Setting[int](validate=_check_bank, after=_bank_changed)
+    #: Steps a bank entry may age before it is dropped; None: no limit.
+    negative_bank_max_age = Setting[int | None](after=_bank_changed)
 
     #: What was given: ``cos_sim`` / ``dot_score`` (or ``"cosine"`` / ``"dot"``).
     similarity_fct = Setting[Any](after=_resolve_similarity)
@@ -279,7 +324,8 @@ class CachedMNRLoss(LearnableScale):
         extra = ranking_citations(
             self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength
         )
-        return "".join(self._citation_parts() + extra)
+        bank = (CONTACCUM_CITATION,) if self.negative_bank_size else ()
+        return "".join(self._citation_parts() + extra + bank)
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' nine keys (same values for the same settings; ``scale`` is the current,
@@ -306,8 +352,27 @@ class CachedMNRLoss(LearnableScale):
     # ------------------------------------------------------------------ the loss stage
 
     def _step_data(self, features: list[dict[str, Any]]) -> StepData:
+        if self.negative_bank_size and torch.is_grad_enabled():  # a training step begins: the bank ages
+            self.negative_bank.begin_step()
         # false negatives are recognised by their token ids (embeddings differ under dropout)
         return StepData(keys=[input_hashes(f) for f in features] if self.mask_duplicates else None)
+
+    def _loss_stage(
+        self, embeddings: list[Tensor], labels: Tensor | None, step: StepData, with_grad: bool
+    ) -> StageOutput:
+        """The core's loss stage; with a negative bank, in a training step (``with_grad``), this process's
+        bank entries are scored as extra negatives, and then this step's rows join the bank."""
+        if not (with_grad and self.negative_bank_size):
+            return super()._loss_stage(embeddings, labels, step, with_grad)
+        # past anchors are negatives only of the terms that score against the anchors
+        with_anchors = bool({"query_to_query", "doc_to_query"} & set(self.directions))
+        step.bank = self.negative_bank.view(embeddings[0], with_anchors)
+        try:
+            out = super()._loss_stage(embeddings, labels, step, with_grad)
+        finally:
+            step.bank = None
+        self.negative_bank.push(embeddings[0], embeddings[1:], with_anchors)
+        return out
 
     def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
         return ranking_terms(

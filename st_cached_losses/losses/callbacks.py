@@ -1,4 +1,5 @@
-"""Checkpointing and logging of a loss's own parameters (the learnable scale) with the stock trainer.
+"""Checkpointing and logging of a loss's own state (the learnable scale, the negative bank) with the stock
+trainer.
 
 sentence-transformers' trainer already puts a loss's parameters in the optimizer, but it saves and
 restores only the model: a learned ``logit_scale`` would be lost by ``resume_from_checkpoint`` and
@@ -15,6 +16,14 @@ callback. The scale is kept there, under [`STATE_KEY`][st_cached_losses.losses.c
 checkpoint as [`STATE_FILE`][st_cached_losses.losses.callbacks.STATE_FILE] for inspection and for checkpoints that predate the state entry.
 (``ExportableState`` is not used: with ``restore_callback_states_from_checkpoint`` the trainer would
 rebuild the callback from JSON, without the loss it must update.)
+
+A loss's negative bank ([`negative_bank`][st_cached_losses.losses.negative_bank], ``negative_bank_size``) is
+too large for the trainer state's JSON, and each process holds its own share: each process writes its share
+into the checkpoint folder as ``BANK_FILE.format(rank)`` ([`BANK_FILE`][st_cached_losses.losses.callbacks.BANK_FILE]), and on resume
+reads it back from the folder the trainer resumed from (found as for the scale's older checkpoints; where it
+cannot be told, or holds no bank file, the bank restarts empty, with a warning: the run then differs from an
+uninterrupted one for the next steps only, until the bank is full again). The logs get the bank's size and
+the mean and oldest age of its entries, in steps.
 
 The callback is given to the trainer explicitly: ``callbacks=[LossStateCallback(loss)]`` (the same
 loss, list or dict of losses as the trainer's ``loss``). The trainer hands a loss no reference to
@@ -36,10 +45,15 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from st_cached_losses.losses.negative_bank import NegativeBank
+
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "st_cached_losses_state.pt"
 """The losses' state, written into each checkpoint folder (a copy of the trainer-state entry)."""
+BANK_FILE = "st_cached_losses_bank-{}.pt"
+"""Each process's share of the losses' negative banks, written into each checkpoint folder (``{}``: the
+process's index)."""
 STATE_KEY = "st_cached_losses.LossStateCallback"
 """The entry of ``TrainerState.stateful_callbacks`` holding the losses' ``logit_scale`` values; not a
 class name, so that ``restore_callback_states_from_checkpoint`` never tries to rebuild a callback
@@ -52,6 +66,11 @@ def _stateful(loss: nn.Module) -> list[nn.Module]:
     return [m for m in loss.modules() if getattr(m, "learnable_scale", False) and hasattr(m, "logit_scale")]
 
 
+def _banked(loss: nn.Module) -> list[nn.Module]:
+    """The modules inside ``loss`` that can keep a negative bank (``negative_bank_size``)."""
+    return [m for m in loss.modules() if isinstance(getattr(m, "negative_bank", None), NegativeBank)]
+
+
 def _logit_scale(module: nn.Module) -> torch.Tensor:
     """A stateful loss's ``logit_scale`` parameter (typed: ``nn.Module.__getattr__`` is not)."""
     value = module.logit_scale
@@ -60,7 +79,8 @@ def _logit_scale(module: nn.Module) -> torch.Tensor:
 
 
 class LossStateCallback(TrainerCallback):
-    """Saves / restores the learnable scale of the given losses with each checkpoint, and logs it.
+    """Saves / restores the learnable scale and the negative bank of the given losses with each checkpoint,
+    and logs them.
 
     Args:
         losses: a loss, a list of losses or a dict of losses (as passed to the trainer).
@@ -75,9 +95,56 @@ class LossStateCallback(TrainerCallback):
         # found once: walking the losses means walking the whole model they hold, and the scale is read
         # after every step (a loss's submodules do not change once it is built)
         self._scaled: dict[str, nn.Module] = {}
+        self._banks: dict[str, NegativeBank] = {}
         for name, loss in self.losses.items():
             for i, module in enumerate(_stateful(loss)):
                 self._scaled[f"{name}.{i}" if name else str(i)] = module
+            for i, module in enumerate(_banked(loss)):
+                self._banks[f"{name}.{i}" if name else str(i)] = module.negative_bank  # type: ignore[assignment]
+
+    def _active_banks(self) -> dict[str, NegativeBank]:
+        """The banks in use (a loss's ``negative_bank_size`` may be set after the callback was built)."""
+        return {key: bank for key, bank in self._banks.items() if bank.size}
+
+    def bank_state_dict(self) -> dict[str, Any]:
+        """This process's share of every negative bank in use (see [`NegativeBank.state_dict`][st_cached_losses.losses.negative_bank.NegativeBank.state_dict])."""
+        return {key: bank.state_dict() for key, bank in self._active_banks().items()}
+
+    def load_bank_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore [`bank_state_dict`][st_cached_losses.losses.callbacks.LossStateCallback.bank_state_dict]'s banks (a bank it lacks restarts empty, with a warning)."""
+        missing = []
+        for key, bank in self._active_banks().items():
+            if key in state:
+                bank.load_state_dict(state[key])
+            else:
+                missing.append(key)
+        if missing:
+            logger.warning(
+                "The saved losses' state holds no negative bank for %s (it has %s): those restart empty.",
+                ", ".join(missing),
+                sorted(state) or "none",
+            )
+
+    def restore_banks(self, args: TrainingArguments, state: TrainerState) -> bool:
+        """Restore this process's share of the banks from the checkpoint the trainer resumed from (found
+        as ``_resumed_checkpoint_folder`` finds it); warn, and leave the banks empty, where there is none."""
+        folder = _resumed_checkpoint_folder(args, state)
+        path = os.path.join(folder, BANK_FILE.format(args.process_index)) if folder is not None else None
+        if path is not None and os.path.isfile(path):
+            self.load_bank_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+            logger.info("Restored the losses' negative bank from %s", path)
+            return True
+        for bank in self._active_banks().values():
+            bank.clear()
+        logger.warning(
+            "Training resumed at step %d from a checkpoint that holds no negative bank (no %s found in the "
+            "checkpoint the trainer resumed from): the bank restarts empty, so the next steps score fewer "
+            "negatives than an uninterrupted run would, until it is full again. Checkpoints hold the bank when "
+            "they were saved with LossStateCallback active (callbacks=[LossStateCallback(loss)]).",
+            state.global_step,
+            BANK_FILE.format(args.process_index),
+        )
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         return {key: _logit_scale(module).detach().cpu().clone() for key, module in self._scaled.items()}
@@ -162,6 +229,8 @@ class LossStateCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
+        if self._active_banks() and state.global_step > 0:
+            self.restore_banks(args, state)
         if not self._scaled:  # no learnable scale: nothing to save, restore or log
             return
         _ACTIVE.update(self._scaled.values())
@@ -185,10 +254,12 @@ class LossStateCallback(TrainerCallback):
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
-        if not state.is_world_process_zero or not self._scaled:
-            return
         folder = os.path.join(str(args.output_dir), f"checkpoint-{state.global_step}")
-        if os.path.isdir(folder):
+        if not os.path.isdir(folder):
+            return
+        if self._active_banks():  # every process its own share
+            torch.save(self.bank_state_dict(), os.path.join(folder, BANK_FILE.format(args.process_index)))
+        if state.is_world_process_zero and self._scaled:
             torch.save(self.state_dict(), os.path.join(folder, STATE_FILE))
 
     def on_log(
@@ -205,6 +276,8 @@ class LossStateCallback(TrainerCallback):
             ("scale" if key == "0" else f"scale_{key}"): float(m.scale)  # type: ignore[arg-type]
             for key, m in self._scaled.items()
         }
+        for key, bank in self._active_banks().items():  # its size and age, on this process
+            scales.update({(k if key == "0" else f"{k}_{key}"): v for k, v in bank.stats().items()})
         logs.update(scales)
         # the trainer appended this log to its history just before calling back: keep them the same
         if state.log_history and all(

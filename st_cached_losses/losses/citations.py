@@ -96,3 +96,15 @@ FLOPS_CITATION = """
     year={2020}
 }
 """
+
+CONTACCUM_CITATION = """
+@inproceedings{kim2024gradient,
+    title={A Gradient Accumulation Method for Dense Retriever under Memory Constraint},
+    author={Jaehee Kim and Yukyung Lee and Pilsung Kang},
+    booktitle={Advances in Neural Information Processing Systems},
+    year={2024},
+    eprint={2406.12356},
+    archivePrefix={arXiv},
+    primaryClass={cs.IR}
+}
+"""

@@ -49,6 +49,7 @@ __all__ = [
     "check_hardness",
     "check_in_batch_negatives",
     "check_max_scale",
+    "check_negative_bank",
     "check_nonnegative",
     "check_own_candidates",
     "closest_name_hint",
@@ -71,6 +72,25 @@ def check_max_scale(max_scale: float, scale: float) -> None:
     if max_scale < scale:
         raise ValueError(
             f"max_scale must be >= scale with learnable_scale, got max_scale={max_scale!r} and scale={scale!r}."
+        )
+
+
+def check_negative_bank(
+    negative_bank_size: int, mask_duplicates: bool, in_batch_negatives: bool = True
+) -> None:
+    """A negative bank keeps embeddings, not the inputs ``mask_duplicates`` compares: not both; and it adds
+    other steps' rows as negatives, which a loss without in-batch negatives has no place for."""
+    if negative_bank_size and not in_batch_negatives:
+        raise ValueError(
+            "negative_bank_size and in_batch_negatives=False cannot be used together: the bank adds other steps' "
+            "rows as negatives, and the loss without in-batch negatives scores each row against its own candidates "
+            "only. Set negative_bank_size=0 or in_batch_negatives=True."
+        )
+    if negative_bank_size and mask_duplicates:
+        raise ValueError(
+            "negative_bank_size and mask_duplicates cannot be used together: the negative bank keeps embeddings, "
+            "not the inputs mask_duplicates compares, so its duplicates could not be masked. Set "
+            "negative_bank_size=0 or mask_duplicates=False."
         )
 
 
@@ -137,6 +157,24 @@ def _num_negatives(name: str, value: Any) -> int | None:
     return value
 
 
+def _bank_size(name: str, value: Any) -> int:
+    """A number of entries, 0 (none) or more."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be an integer >= 0 (0: no negative bank), got {value!r}; e.g. 256.")
+    return value
+
+
+def _bank_max_age(name: str, value: Any) -> int | None:
+    """A positive number of steps, or None: no limit."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"{name} must be a positive integer (steps) or None (no limit), got {value!r}; e.g. 4."
+        )
+    return value
+
+
 def _unchecked(name: str, value: Any) -> Any:
     """For the settings checked together with another (``directions`` with ``partition_mode``:
     [`check_directions`][st_cached_losses.losses.settings.check_directions]; ``hardness_mode`` with ``hardness_strength``: [`check_hardness`][st_cached_losses.losses.settings.check_hardness]) or by the
@@ -185,6 +223,8 @@ SPECS: dict[str, Spec] = {
     "gather_across_devices": Spec(False, check_bool),
     "in_batch_negatives": Spec(True, check_bool, "changed"),
     "mask_duplicates": Spec(False, check_bool, "changed"),
+    "negative_bank_size": Spec(0, _bank_size, "changed"),
+    "negative_bank_max_age": Spec(None, _bank_max_age, "changed"),
     "show_progress_bar": Spec(False, check_bool, "never"),
     "sort_by_length": Spec(True, check_bool, "never"),
     "reuse_last_graph": Spec(True, check_bool, "never"),

@@ -153,6 +153,13 @@ def check_card(card: str, loss_class: str, citations: list[str], settings: dict)
             ["gao2021scaling", "formal2022distillationhardnegativesampling", "paria2020minimizing"],
             {"loss": "sparse", "document_regularizer_weight": 3e-05},
         ),
+        (  # the bank across optimizer steps (the card's batch: one micro-batch of 16 a step)
+            "train_negative_bank",
+            ["--gradient_accumulation_steps", "1", "--negative_bank_size", "24"],
+            "CachedMNRLoss",
+            ["gao2021scaling", "kim2024gradient"],
+            {"loss": "mnr", "negative_bank_size": 24, "negative_bank_max_age": 4},
+        ),
         (  # ColBERT on the tiny BERT's weights, queries expanded to 8 tokens, MultiVectorEncoderTrainer
             "train_cached_multi_vector",
             ["--query_length", "8"],

@@ -29,6 +29,8 @@ def reference_infonce(
     anchor_keys: Tensor | None = None,
     candidate_keys: Sequence[Tensor] | None = None,
     anchors_all_keys: Tensor | None = None,
+    bank_candidates: Tensor | None = None,
+    bank_anchors: Tensor | None = None,
 ) -> Tensor:
     """Mean InfoNCE of ``anchors (B, d)`` against ``cat(candidates) (K*N, d)``; positive of row i at
     ``row_offset + i``. Symmetric: average with positives ``candidates[0][offset:offset+B]`` against
@@ -37,11 +39,15 @@ def reference_infonce(
     With keys, pairs ``i != j`` sharing an anchor key or a positive key are duplicates: row i's logit
     of positive j and, symmetric, positive i's logit of anchor j are set to -inf; so is row i's logit
     of any candidate whose key equals its positive's. ``anchors_all_keys`` (or ``anchor_keys``): the
-    ``(N,)`` keys of every positive's anchor."""
+    ``(N,)`` keys of every positive's anchor.
+
+    A negative bank: ``bank_candidates`` ``(n, d)`` are concatenated as extra negative columns of every
+    row, ``bank_anchors`` ``(m, d)`` (symmetric) as extra negative columns of every positive."""
     cols = [candidates] if isinstance(candidates, Tensor) else list(candidates)
     b = anchors.shape[0]
     q = _prep(anchors, similarity)
-    c = _prep(torch.cat(cols, dim=0), similarity)
+    extra = [bank_candidates] if bank_candidates is not None else []
+    c = _prep(torch.cat(cols + extra, dim=0), similarity)
     labels = torch.arange(b, device=anchors.device) + row_offset
     rows = torch.arange(b, device=anchors.device)
     logits = scale * q @ c.T  # (B, K*N)
@@ -58,7 +64,8 @@ def reference_infonce(
     loss = F.cross_entropy(logits, labels)
     if not symmetric:
         return loss
-    a_all = _prep(anchors if anchors_all is None else anchors_all, similarity)
+    a_all = anchors if anchors_all is None else anchors_all
+    a_all = _prep(torch.cat([a_all, bank_anchors]) if bank_anchors is not None else a_all, similarity)
     p = _prep(cols[0][row_offset : row_offset + b], similarity)
     back_logits = scale * p @ a_all.T  # (B, N)
     if same is not None:
