@@ -44,12 +44,12 @@ class DistillOutput:
     grad_columns: list[Tensor] | None = None
 
 
-def margin_targets(labels: Tensor, n_columns: int, owner: str) -> Tensor:
+def margin_targets(labels: Tensor, n_rows: int, n_columns: int, owner: str) -> Tensor:
     """The teacher's margins ``(B, N - 1)`` from ``labels`` as sentence-transformers' ``MarginMSELoss`` takes
     them: ``(B, N)`` scores (positive first: margins ``s_pos - s_neg``), ``(B, N - 1)`` margins, or, with one
     negative, ``(B,)`` margins."""
     n_negatives = n_columns - 1
-    batch = labels.shape[0] if labels.dim() else 0
+    batch = n_rows
     if labels.dim() == 1:
         if n_negatives != 1:
             raise ValueError(
@@ -60,7 +60,7 @@ def margin_targets(labels: Tensor, n_columns: int, owner: str) -> Tensor:
         labels = labels.unsqueeze(1)
     if labels.dim() == 2 and labels.shape[1] == n_negatives + 1:
         labels = labels[:, :1] - labels[:, 1:]
-    if labels.dim() != 2 or labels.shape[1] != n_negatives:
+    if labels.dim() != 2 or labels.shape != (n_rows, n_negatives):
         raise ValueError(
             f"{owner} got labels of shape {tuple(labels.shape)}, expected ({batch}, {n_negatives}) margins or "
             f"({batch}, {n_negatives + 1}) scores for {n_negatives} negative columns: the teacher's scores as "

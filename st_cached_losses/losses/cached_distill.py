@@ -175,7 +175,7 @@ class CachedDistillKLDivLoss(_DenseDistill):
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' keys (the temperatures that differ from ``temperature`` only), then
-        ``mini_batch_size`` and our extras in use."""
+        our extras in use."""
         from sentence_transformers.util import similarity_fct_name
 
         config: dict[str, Any] = {
@@ -186,7 +186,6 @@ class CachedDistillKLDivLoss(_DenseDistill):
             config["student_temperature"] = self.student_temperature
         if self.teacher_temperature != self.temperature:
             config["teacher_temperature"] = self.teacher_temperature
-        config["mini_batch_size"] = self.mini_batch_size
         return {**config, **self._extras()}
 
 
@@ -277,7 +276,7 @@ class CachedMarginMSELoss(_DenseDistill):
         self.infonce_weight = infonce_weight
 
     def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' key, then ``mini_batch_size`` and our extras in use."""
+        """sentence-transformers' key, then our extras in use."""
         from sentence_transformers.util import similarity_fct_name
 
         config = {

@@ -20,6 +20,10 @@ from st_cached_losses.losses.citations import DISTILL_KL_CITATION, GRADCACHE_CIT
 from st_cached_losses.losses.distillation import DistillationBase, Prepared, check_temperature
 from st_cached_losses.losses.settings import Setting
 
+#: the encoder's rows per mini-batch where ``mini_batch_size`` is None (sentence-transformers' default, which
+#: embeds the whole batch at once)
+DEFAULT_MINI_BATCH_SIZE = 32
+
 __all__ = [
     "CachedMultiVectorDistillKLDivLoss",
     "CachedMultiVectorMarginMSELoss",
@@ -134,6 +138,12 @@ class _MultiVectorDistill(DistillationBase):
             {**f, "task": f.get("task", "query" if k == 0 else "document")} for k, f in enumerate(features)
         ]
 
+    def _mini_batch_size_config(self) -> int | str | None:
+        """As given: None (theirs: the whole batch at once; ours: the default mini-batches) while unchanged."""
+        if self._mini_batch_size_given is None and self.mini_batch_size == DEFAULT_MINI_BATCH_SIZE:
+            return None
+        return self.mini_batch_size
+
     def _similarity_config(self) -> str:
         from sentence_transformers.multi_vector_encoder import scoring
         from sentence_transformers.util import similarity_fct_name
@@ -163,7 +173,7 @@ class CachedMultiVectorDistillKLDivLoss(_MultiVectorDistill):
         temperature: float = 1.0,
         student_temperature: float | None = None,
         teacher_temperature: float | None = None,
-        mini_batch_size: int | str = 32,
+        mini_batch_size: int | str | None = None,
         mini_batch_num_tokens: int | str | None = None,
         infonce_weight: float = 0.0,
         infonce_scale: float = 1.0,
@@ -202,7 +212,7 @@ class CachedMultiVectorDistillKLDivLoss(_MultiVectorDistill):
             teacher_temperature: the teacher's softmax temperature (default ``temperature``).
             mini_batch_size: rows per encoder forward (or ``"auto"``); theirs embeds the documents in
                 chunks of it with their graphs, ours without (and replays them); sets the memory, not
-                the result.
+                the result. None (theirs: the whole batch at once): 32.
             mini_batch_num_tokens: a budget of real tokens per encoder mini-batch instead.
             infonce_weight: the weight of an in-batch InfoNCE term: each query against every document of
                 every row, by the same score (the first document column is the positive); 0 (the
@@ -247,7 +257,7 @@ class CachedMultiVectorDistillKLDivLoss(_MultiVectorDistill):
         """
         super().__init__(
             model,
-            mini_batch_size=mini_batch_size,
+            mini_batch_size=mini_batch_size if mini_batch_size is not None else DEFAULT_MINI_BATCH_SIZE,
             mini_batch_num_tokens=mini_batch_num_tokens,
             infonce_weight=0.0,
             infonce_scale=infonce_scale,
@@ -256,6 +266,7 @@ class CachedMultiVectorDistillKLDivLoss(_MultiVectorDistill):
             **engine,
         )
         self.similarity_fct = similarity_fct
+        self._mini_batch_size_given = mini_batch_size
         self.temperature = temperature
         self.student_temperature = student_temperature
         self.teacher_temperature = teacher_temperature
@@ -281,7 +292,7 @@ class CachedMultiVectorDistillKLDivLoss(_MultiVectorDistill):
             config["student_temperature"] = self.student_temperature
         if self.teacher_temperature != self.temperature:
             config["teacher_temperature"] = self.teacher_temperature
-        config["mini_batch_size"] = self.mini_batch_size
+        config["mini_batch_size"] = self._mini_batch_size_config()
         return {**config, **self._extras()}
 
 
@@ -295,7 +306,7 @@ class CachedMultiVectorMarginMSELoss(_MultiVectorDistill):
         model: nn.Module,
         *,
         similarity_fct: Callable[..., Tensor] | str | None = None,
-        mini_batch_size: int | str = 32,
+        mini_batch_size: int | str | None = None,
         mini_batch_num_tokens: int | str | None = None,
         infonce_weight: float = 0.0,
         infonce_scale: float = 1.0,
@@ -318,6 +329,7 @@ class CachedMultiVectorMarginMSELoss(_MultiVectorDistill):
                 (MeanMaxSim) or ``xtr_scores_pairwise`` (XTR: the top-k over each column's documents, as
                 theirs scores each column apart); or ``"maxsim"`` / ``"meanmaxsim"``.
             mini_batch_size: rows per encoder forward (or ``"auto"``); sets the memory, not the result.
+                None (theirs: the whole batch at once): 32.
             mini_batch_num_tokens: a budget of real tokens per encoder mini-batch instead.
             infonce_weight: the weight of an in-batch InfoNCE term (see
                 [`CachedMultiVectorDistillKLDivLoss`][st_cached_losses.losses.cached_multi_vector_distill.CachedMultiVectorDistillKLDivLoss]);
@@ -359,7 +371,7 @@ class CachedMultiVectorMarginMSELoss(_MultiVectorDistill):
         """
         super().__init__(
             model,
-            mini_batch_size=mini_batch_size,
+            mini_batch_size=mini_batch_size if mini_batch_size is not None else DEFAULT_MINI_BATCH_SIZE,
             mini_batch_num_tokens=mini_batch_num_tokens,
             infonce_weight=0.0,
             infonce_scale=infonce_scale,
@@ -368,9 +380,13 @@ class CachedMultiVectorMarginMSELoss(_MultiVectorDistill):
             **engine,
         )
         self.similarity_fct = similarity_fct
+        self._mini_batch_size_given = mini_batch_size
         self.infonce_weight = infonce_weight
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' two keys, then our extras in use."""
-        config = {"similarity_fct": self._similarity_config(), "mini_batch_size": self.mini_batch_size}
+        config = {
+            "similarity_fct": self._similarity_config(),
+            "mini_batch_size": self._mini_batch_size_config(),
+        }
         return {**config, **self._extras()}

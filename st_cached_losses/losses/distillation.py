@@ -136,7 +136,7 @@ class DistillationBase(CachedInfoNCEBase):
         """The teacher's scores ``(B, N)`` (KL) or margins ``(B, N - 1)`` (margin MSE) from the labels."""
         owner = type(self).__name__
         if self.objective == "margin_mse":
-            return margin_targets(labels, n_columns, owner)
+            return margin_targets(labels, n_rows, n_columns, owner)
         if labels.shape != (n_rows, n_columns):
             raise ValueError(
                 f"{owner} expects teacher scores of shape (batch_size, N) = ({n_rows}, {n_columns}) for N "
@@ -158,13 +158,16 @@ class DistillationBase(CachedInfoNCEBase):
     # ------------------------------------------------------------------ the template's seams
 
     def _check_columns(self, features: list[dict[str, Any]]) -> None:
-        super()._check_columns(features)
         if len(features) < 3:
-            raise ValueError(
-                f"{type(self).__name__} expects at least 3 columns (query, positive, negative_1, ...), but got "
-                f"{len(features)}. A distillation loss compares the teacher's and the student's scores of at "
-                "least two candidates; add a negative column."
-            )
+            raise ValueError(self._too_few_columns(len(features)))
+        super()._check_columns(features)
+
+    def _too_few_columns(self, n: int) -> str:
+        return (
+            f"{type(self).__name__} expects at least 3 columns (at least 3 sentence features: query, positive, "
+            f"negative_1, ...), but got {n}. A distillation loss compares the teacher's and the student's scores "
+            "of at least two candidates (a softmax over one is constant): add a negative column."
+        )
 
     def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
         return LossTerms(mnrl_terms(ONE_DIRECTION, "joint", None, 0.0, n_columns), self._infonce_similarity())
@@ -190,9 +193,7 @@ class DistillationBase(CachedInfoNCEBase):
                 "got none."
             )
         if len(embeddings) < 3:
-            raise ValueError(
-                f"{owner} expects at least 3 columns (query, positive, negative_1, ...), but got {len(embeddings)}."
-            )
+            raise ValueError(self._too_few_columns(len(embeddings)))
         sizes = self._agree(embeddings)  # also the finiteness check, on every process
         n_rows, n_columns = embeddings[0].shape[0], len(embeddings) - 1
         targets = self._targets(labels.to(embeddings[0].device), n_rows, n_columns)
@@ -228,6 +229,11 @@ class DistillationBase(CachedInfoNCEBase):
                 nce_grads = [nce.grad_anchors, *nce.grad_candidates]
                 grads = [g + weight * n.to(g.dtype) for g, n in zip(grads, nce_grads)]
         return StageOutput(loss, grads)
+
+    def compute_loss_from_embeddings(self, embeddings: list[Tensor], labels: Tensor) -> Tensor:
+        """sentence-transformers' interface: the loss of already computed embeddings (one ``(B, ...)`` tensor
+        per column), with autograd to them where they require grad."""
+        return self.calculate_loss([[e] for e in embeddings], labels)
 
     def _autograd_loss(self, embeddings: list[Tensor], labels: Tensor | None, step: StepData) -> Tensor:
         """The loss with exactly the computed gradient wrt each embedding, as a graph."""

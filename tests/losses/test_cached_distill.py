@@ -142,7 +142,6 @@ def test_settings_config_and_refusals(model):
         "similarity_fct": "pairwise_dot_score",
         "temperature": 2.0,
         "teacher_temperature": 4.0,
-        "mini_batch_size": 4,
     }
     loss.infonce_weight = 0.2
     assert loss.get_config_dict()["infonce_weight"] == 0.2
