@@ -67,6 +67,7 @@ from st_cached_losses.config.sampling import DATASET_ORDERS, SameDatasetBatchSam
 from st_cached_losses.engine.caller import user_stacklevel  # the warnings point at the user's line
 from st_cached_losses.engine.checks import is_auto
 from st_cached_losses.engine.gradcache import auto_needs_budget
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
 from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
 from st_cached_losses.losses.settings import (
     ONE_DIRECTION,
@@ -117,33 +118,15 @@ def _check_order(name: str, value: Any) -> str:
     return str(value)
 
 
-#: the fields that set no loss argument, in the same form as the loss settings' specs
+#: the fields that set no loss argument, in the same form as the loss settings' specs (default and check; the
+#: help is on the field's line, as every field's)
 _ARGUMENT_SPECS = {
     "scale_learning_rate": Spec(
         DEFAULT_SCALE_LEARNING_RATE,
-        f"Learning rate of a learnable scale (default {DEFAULT_SCALE_LEARNING_RATE:g}), in an optimizer group of its "
-        "own: at a fine-tuning learning_rate (1e-4) the scale barely moves (Adam changes log(scale) by about the "
-        "learning rate per step). With learnable_scale it is added to learning_rate_mapping as {'"
-        + SCALE_PARAMETER_PATTERN
-        + "': rate}, unless a pattern of the user's learning_rate_mapping already matches 'logit_scale' (the "
-        "user's rate is kept). The learning rate schedule applies to it as to every group. 0 or None: the scale "
-        "trains at learning_rate.",
         functools.partial(check_nonnegative, example=f"{DEFAULT_SCALE_LEARNING_RATE:g}"),
     ),
-    "same_dataset_order": Spec(
-        "proportional",
-        f"With multi_dataset_batch_sampler='{SAME_DATASET}' (SameDatasetBatchSampler: every process trains on the "
-        "same dataset in each step, so gathered negatives never mix tasks): how the datasets take turns. "
-        "'proportional': groups of batches in a random order, larger datasets more often, every row trained on; "
-        "'round_robin': one group per dataset in turn until the smallest is exhausted.",
-        _check_order,
-    ),
-    "same_dataset_per_optimizer_step": Spec(
-        False,
-        f"With multi_dataset_batch_sampler='{SAME_DATASET}': keep a whole optimizer step (all "
-        "gradient_accumulation_steps micro-batches of every process) on one dataset, not only each micro-step.",
-        check_bool,
-    ),
+    "same_dataset_order": Spec("proportional", _check_order),
+    "same_dataset_per_optimizer_step": Spec(False, check_bool),
 }
 #: field name -> (the loss argument it sets, None for none; its spec)
 FIELD_SPECS: dict[str, tuple[str | None, Spec]] = {
@@ -168,13 +151,13 @@ _LOSS_HELP = (
 )
 
 
-def _spec_field(name: str, default: Any = dataclasses.MISSING, more: str = "") -> Any:
-    """The field of the setting ``name`` (a loss argument's, or one of `_ARGUMENT_SPECS`): its spec's
-    default (or ``default``) and help (and ``more``)."""
+def _spec_field(name: str, text: str, default: Any = dataclasses.MISSING) -> Any:
+    """The field of the setting ``name`` (a loss argument's, or one of `_ARGUMENT_SPECS`): its spec's default
+    (or ``default``) and its help ``text`` (the field's and ``--help``'s; the losses layer carries no help)."""
     spec = SPECS[name] if name in SPECS else _ARGUMENT_SPECS[name]
     return field(
         default=spec.default if default is dataclasses.MISSING else default,
-        metadata={"help": spec.help + more},
+        metadata={"help": text},
     )
 
 
@@ -202,47 +185,205 @@ class CachedLossArguments(BaseTrainingArguments):
     loss: str = field(default="mnr", metadata={"help": _LOSS_HELP})
     scale: Optional[float] = _spec_field(  # noqa: UP045
         "scale",
-        more=f" Default: the loss's own, as sentence-transformers' losses: {DEFAULT_SCALE:g}; 'gist' "
+        "Similarity scale = 1 / temperature; the initial value when learnable. Give scale or temperature; both "
+        "only if they agree."
+        f" Default: the loss's own, as sentence-transformers' losses: {DEFAULT_SCALE:g}; 'gist' "
         f"{1 / DEFAULT_GIST_TEMPERATURE:g}, 'sparse' {LOSS_DEFAULT_SCALES['sparse']:g} and 'multi_vector' "
         f"{LOSS_DEFAULT_SCALES['multi_vector']:g}, 'cross_encoder' {LOSS_DEFAULT_SCALES['cross_encoder']:g}.",
     )
-    temperature: Optional[float] = _spec_field("temperature")  # noqa: UP045
-    learnable_scale: bool = _spec_field("learnable_scale")
-    max_scale: float = _spec_field("max_scale")
-    scale_learning_rate: Optional[float] = _spec_field("scale_learning_rate")  # noqa: UP045
-    similarity: Optional[str] = _spec_field("similarity_fct")  # noqa: UP045
-    mini_batch_size: Union[int, str] = _spec_field("mini_batch_size")  # noqa: UP007
-    mini_batch_num_tokens: Optional[Union[int, str]] = _spec_field("mini_batch_num_tokens")  # noqa: UP007, UP045
-    tile_size: Optional[int] = _spec_field("tile_size")  # noqa: UP045
-    symmetric: Optional[bool] = _spec_field("symmetric")  # noqa: UP045
-    gather_across_devices: bool = _spec_field("gather_across_devices")
-    mask_duplicates: bool = _spec_field("mask_duplicates")
-    loss_show_progress_bar: bool = _spec_field("show_progress_bar")
-    path: str = _spec_field("path", more=" Not 'tiled' (always tiled).")
-    memory_budget: Optional[str] = _spec_field("memory_budget", None, " None: that default.")  # noqa: UP045
-    sort_by_length: bool = _spec_field("sort_by_length")
-    reuse_last_graph: bool = _spec_field("reuse_last_graph")
-    keep_params_unsharded: bool = _spec_field("keep_params_unsharded")
-    graph_memory_budget: Optional[str] = _spec_field("graph_memory_budget")  # noqa: UP045
-    mini_batch_memory_budget: Optional[str] = _spec_field("mini_batch_memory_budget")  # noqa: UP045
-    directions: Optional[str] = _spec_field("directions")  # noqa: UP045
-    partition_mode: Optional[str] = _spec_field("partition_mode")  # noqa: UP045
-    hardness_mode: Optional[str] = _spec_field("hardness_mode")  # noqa: UP045
-    hardness_strength: float = _spec_field("hardness_strength")
-    guide_model: Optional[str] = _spec_field("guide")  # noqa: UP045
-    margin_strategy: str = _spec_field("margin_strategy")
-    margin: float = _spec_field("margin")
-    contrast_anchors: bool = _spec_field("contrast_anchors")
-    contrast_positives: bool = _spec_field("contrast_positives")
-    document_regularizer_weight: Optional[float] = _spec_field("document_regularizer_weight")  # noqa: UP045
-    query_regularizer_weight: Optional[float] = _spec_field("query_regularizer_weight")  # noqa: UP045
-    document_regularizer_threshold: Optional[int] = _spec_field("document_regularizer_threshold")  # noqa: UP045
-    query_regularizer_threshold: Optional[int] = _spec_field("query_regularizer_threshold")  # noqa: UP045
-    use_document_regularizer_only: bool = _spec_field("use_document_regularizer_only")
-    score_mini_batch_size: Optional[int] = _spec_field("score_mini_batch_size")  # noqa: UP045
-    num_negatives: Optional[Union[int, str]] = _spec_field("num_negatives")  # noqa: UP007, UP045
-    same_dataset_order: str = _spec_field("same_dataset_order")
-    same_dataset_per_optimizer_step: bool = _spec_field("same_dataset_per_optimizer_step")
+    temperature: Optional[float] = _spec_field(  # noqa: UP045
+        "temperature",
+        "Softmax temperature = 1 / scale, e.g. 0.05. Give scale or temperature.",
+    )
+    learnable_scale: bool = _spec_field(
+        "learnable_scale",
+        "Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale ('mnr', 'clip', 'tiled' and "
+        "'gist').",
+    )
+    max_scale: float = _spec_field(
+        "max_scale",
+        "Upper clamp of a learnable scale (CLIP uses 100).",
+    )
+    scale_learning_rate: Optional[float] = _spec_field(  # noqa: UP045
+        "scale_learning_rate",
+        f"Learning rate of a learnable scale (default {DEFAULT_SCALE_LEARNING_RATE:g}), in an optimizer group of its "
+        "own: at a fine-tuning learning_rate (1e-4) the scale barely moves (Adam changes log(scale) by about the "
+        "learning rate per step). With learnable_scale it is added to learning_rate_mapping as {'"
+        + SCALE_PARAMETER_PATTERN
+        + "': rate}, unless a pattern of the user's learning_rate_mapping already matches 'logit_scale' (the "
+        "user's rate is kept). The learning rate schedule applies to it as to every group. 0 or None: the scale "
+        "trains at learning_rate.",
+    )
+    similarity: Optional[str] = _spec_field(  # noqa: UP045
+        "similarity_fct",
+        "Similarity of embeddings: 'cosine' or 'dot' (dot product); default the loss's own: cosine, 'sparse' dot "
+        "(as SparseMultipleNegativesRankingLoss). 'multi_vector': 'maxsim' (default, colbert_scores), "
+        "'meanmaxsim' (mean_colbert_scores) or 'xtr' (xtr_scores, top_k 256).",
+    )
+    mini_batch_size: Union[int, str] = _spec_field(  # noqa: UP007
+        "mini_batch_size",
+        "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Should be smaller "
+        "than per_device_train_batch_size, or caching is off. 'auto': the largest that fits "
+        "mini_batch_memory_budget, measured at the first step and logged.",
+    )
+    mini_batch_num_tokens: Optional[Union[int, str]] = _spec_field(  # noqa: UP007, UP045
+        "mini_batch_num_tokens",
+        "Optional budget of real (non-padding) tokens per encoder mini-batch instead of a fixed row count, as "
+        "in sentence-transformers: rows are packed while their token count stays within it (a longer row "
+        "alone), longest first, so long texts get smaller mini-batches (for data of very uneven length); "
+        "mini_batch_size is then not used. 'auto': the largest budget that fits mini_batch_memory_budget.",
+    )
+    tile_size: Optional[int] = _spec_field(  # noqa: UP045
+        "tile_size",
+        "Side of a logit tile / rows of a chunk of the loss stage (default: from memory_budget, at most 2048).",
+    )
+    symmetric: Optional[bool] = _spec_field(  # noqa: UP045
+        "symmetric",
+        "'tiled' only: also the positive -> anchors direction, averaged (the CLIP loss); default false. ('mnr' "
+        "is one-directional, 'clip' always symmetric.)",
+    )
+    gather_across_devices: bool = _spec_field(
+        "gather_across_devices",
+        "Score each process's rows against every process's candidates (multi-GPU / multi-node, exact "
+        "global-batch gradients); 'tiled' passes them around a ring instead of gathering.",
+    )
+    mask_duplicates: bool = _spec_field(
+        "mask_duplicates",
+        "Mask false negatives found by equal inputs (token ids), on this process and across processes (which "
+        "the NO_DUPLICATES sampler cannot see beyond one process's batch): rows sharing their anchor or their "
+        "positive are duplicates; a row's negatives lose the positives of its duplicates, and any candidate "
+        "(hard negatives included) equal to its own positive.",
+    )
+    loss_show_progress_bar: bool = _spec_field(
+        "show_progress_bar",
+        "Show tqdm bars over the loss's encoder mini-batches (both passes).",
+    )
+    path: str = _spec_field(
+        "path",
+        "The loss stage's algorithm: 'auto' (from the batch and memory_budget), 'chunked' (row chunks against "
+        "every column) or 'tiled' (Inf-CL-style tiles); never changes the result."
+        " Not 'tiled' (always tiled).",
+    )
+    memory_budget: Optional[str] = _spec_field(  # noqa: UP045
+        "memory_budget",
+        f"Bytes of logit blocks the loss stage may hold at once, or a size such as '64MiB' (default "
+        f"{DEFAULT_MEMORY_BUDGET // 2**20} MiB)."
+        " None: that default.",
+        default=None,
+    )
+    sort_by_length: bool = _spec_field(
+        "sort_by_length",
+        "Embed each column's rows longest first (less padding in a mini-batch); never changes the result.",
+    )
+    reuse_last_graph: bool = _spec_field(
+        "reuse_last_graph",
+        "Keep the last encoder mini-batch's graph from the first pass instead of replaying it; never changes the "
+        "result.",
+    )
+    keep_params_unsharded: bool = _spec_field(
+        "keep_params_unsharded",
+        "Under FSDP2: gather every parameter group once per step and keep it until the last replay (one "
+        "all-gather and one reduce-scatter per group per step), for the memory of the full parameters.",
+    )
+    graph_memory_budget: Optional[str] = _spec_field(  # noqa: UP045
+        "graph_memory_budget",
+        "Bytes (or a size such as '6GB') of first-pass encoder graphs to keep instead of replaying their "
+        "mini-batches, the longest first; the same gradients, fewer forwards. Default: replay all but the last.",
+    )
+    mini_batch_memory_budget: Optional[str] = _spec_field(  # noqa: UP045
+        "mini_batch_memory_budget",
+        "With mini_batch_size='auto': the activation memory one encoder mini-batch may take (bytes or a size "
+        "such as '2GB'; on CUDA by default half the free memory).",
+    )
+    directions: Optional[str] = _spec_field(  # noqa: UP045
+        "directions",
+        "'mnr' / 'clip' / 'tiled': the similarity terms, comma-separated, as sentence-transformers' "
+        "MultipleNegativesRankingLoss: query_to_doc (required), query_to_query, doc_to_query, doc_to_doc. "
+        "Default: the loss's own (query_to_doc; clip: query_to_doc,doc_to_query).",
+    )
+    partition_mode: Optional[str] = _spec_field(  # noqa: UP045
+        "partition_mode",
+        "'joint' (one softmax over every term; GTE with all four directions) or 'per_direction' (one per "
+        "direction, averaged). Default: the loss's own ('joint'; clip: 'per_direction').",
+    )
+    hardness_mode: Optional[str] = _spec_field(  # noqa: UP045
+        "hardness_mode",
+        "Hardness weighting of negatives (default none): in_batch_negatives (Lan et al. 2025), hard_negatives "
+        "(EmbeddingGemma) or all_negatives: adds hardness_strength * stop_grad(similarity) (not scaled) to those "
+        "negatives' logits, as sentence-transformers does.",
+    )
+    hardness_strength: float = _spec_field(
+        "hardness_strength",
+        "The hardness penalty's alpha, non-negative (e.g. 9 in_batch_negatives, 5 hard_negatives); unused while "
+        "hardness_mode is none.",
+    )
+    guide_model: Optional[str] = _spec_field(  # noqa: UP045
+        "guide",
+        "'gist' only (required there): the guide SentenceTransformer, a local path (or a Hub name when online); "
+        "loaded on the trained model's device, never trained.",
+    )
+    margin_strategy: str = _spec_field(
+        "margin_strategy",
+        "'gist' only: 'absolute' or 'relative' margin for removing negatives the guide rates high.",
+    )
+    margin: float = _spec_field(
+        "margin",
+        "'gist' only: the margin of margin_strategy.",
+    )
+    contrast_anchors: bool = _spec_field(
+        "contrast_anchors",
+        "'gist' only: contrast each anchor with the other anchors.",
+    )
+    contrast_positives: bool = _spec_field(
+        "contrast_positives",
+        "'gist' only: contrast each positive with the other positives.",
+    )
+    document_regularizer_weight: Optional[float] = _spec_field(  # noqa: UP045
+        "document_regularizer_weight",
+        "'sparse' only (required there): weight of the documents' FLOPS regulariser (lambda_d), on every column "
+        "but the first (on every column with use_document_regularizer_only), e.g. 3e-5.",
+    )
+    query_regularizer_weight: Optional[float] = _spec_field(  # noqa: UP045
+        "query_regularizer_weight",
+        "'sparse' only: weight of the queries' FLOPS regulariser (lambda_q), on the first column, e.g. 5e-5; "
+        "none: no query regulariser (inference-free models).",
+    )
+    document_regularizer_threshold: Optional[int] = _spec_field(  # noqa: UP045
+        "document_regularizer_threshold",
+        "'sparse' only: the documents' FLOPS counts only rows with more than this many non-zero entries (FLOPS "
+        "with l0 masking); none: every row.",
+    )
+    query_regularizer_threshold: Optional[int] = _spec_field(  # noqa: UP045
+        "query_regularizer_threshold",
+        "'sparse' only: as document_regularizer_threshold, for the queries' FLOPS.",
+    )
+    use_document_regularizer_only: bool = _spec_field(
+        "use_document_regularizer_only",
+        "'sparse' only: every column is a document (symmetric data): one regulariser over all of them, "
+        "weighted by document_regularizer_weight.",
+    )
+    score_mini_batch_size: Optional[int] = _spec_field(  # noqa: UP045
+        "score_mini_batch_size",
+        "'multi_vector' only: sentence-transformers' scoring chunk, kept for their config (default "
+        "mini_batch_size); the scoring tiles are sized from memory_budget and never change the result.",
+    )
+    num_negatives: Optional[Union[int, str]] = _spec_field(  # noqa: UP007, UP045
+        "num_negatives",
+        "'cross_encoder' only: documents of other rows scored against each query, drawn at random as "
+        "sentence-transformers' reranker loss draws them (default 4); 'all' (or None): every other row's documents.",
+    )
+    same_dataset_order: str = _spec_field(
+        "same_dataset_order",
+        f"With multi_dataset_batch_sampler='{SAME_DATASET}' (SameDatasetBatchSampler: every process trains on the "
+        "same dataset in each step, so gathered negatives never mix tasks): how the datasets take turns. "
+        "'proportional': groups of batches in a random order, larger datasets more often, every row trained on; "
+        "'round_robin': one group per dataset in turn until the smallest is exhausted.",
+    )
+    same_dataset_per_optimizer_step: bool = _spec_field(
+        "same_dataset_per_optimizer_step",
+        f"With multi_dataset_batch_sampler='{SAME_DATASET}': keep a whole optimizer step (all "
+        "gradient_accumulation_steps micro-batches of every process) on one dataset, not only each micro-step.",
+    )
 
     def __post_init__(self) -> None:
         # ours first: a wrong loss setting is reported before anything else is set up

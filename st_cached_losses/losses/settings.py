@@ -1,15 +1,17 @@
-"""The losses' settings: one spec per setting (its default, its one check and wording, its help text, whether
-the model card's config lists it), the [`Setting`][st_cached_losses.losses.settings.Setting] descriptor that checks a plain setting on every
+"""The losses' settings: one spec per setting (its default, its one check and wording, whether the model
+card's config lists it), the [`Setting`][st_cached_losses.losses.settings.Setting] descriptor that checks a plain setting on every
 assignment, and the checks of the settings that go together (``directions`` with ``partition_mode``, the
 hardness options) or need sentence-transformers' objects (the similarity function).
 
 Every loss setting that is a field of the arguments has a spec here. The losses check their arguments
 with these specs' checks (constructor and every assignment), the plain settings are [`Setting`][st_cached_losses.losses.settings.Setting]
 descriptors built from them, ``get_config_dict`` lists the extras from them, and the configuration layer
-builds each field from its spec (default, help) and checks it with the spec's check, refusing it for a
-loss whose signature lacks it (``tests/config/test_fields.py`` holds that every constructor argument
-of every loss is a field, or on [`NOT_FIELDS`][st_cached_losses.config.registry.NOT_FIELDS] with the reason). Adding a setting is one entry here,
-its field line (the annotation the parser reads) and its parameter in the signatures, and its use.
+builds each field from its spec's default, with its help text written on the field's line
+(``config/training_args.py``: the command line's words live with the configuration, not here), and checks
+it with the spec's check, refusing it for a loss whose signature lacks it (``tests/config/test_fields.py``
+holds that every constructor argument of every loss is a field, or on [`NOT_FIELDS`][st_cached_losses.config.registry.NOT_FIELDS] with the reason).
+Adding a setting is one entry here, its field line with its help (the annotation the parser reads) and its
+parameter in the signatures, and its use.
 """
 
 from __future__ import annotations
@@ -141,209 +143,52 @@ def _unchecked(name: str, value: Any) -> Any:
 @dataclass(frozen=True)
 class Spec:
     """A loss setting. ``default``: every loss's (None where the losses differ: each its signature's, and
-    the field's None means the loss's own); ``help``: the field's (and ``--help``'s); ``check(name, value)``
-    returns the value the loss keeps or raises a ``ValueError`` naming the setting; ``config``: ``"changed"`` lists it in ``get_config_dict`` when it differs from the
-    default, ``"never"`` for settings that never change the result (speed and memory only), ``"own"`` where
+    the field's None means the loss's own); ``check(name, value)`` returns the value the loss keeps or raises
+    a ``ValueError`` naming the setting; ``config``: ``"changed"`` lists it in ``get_config_dict`` when it
+    differs from the default, ``"never"`` for settings that never change the result (speed and memory only), ``"own"`` where
     the loss writes it itself (sentence-transformers' keys and the settings that go together)."""
 
     default: Any
-    help: str
     check: Callable[[str, Any], Any] = _unchecked
     config: Literal["own", "changed", "never"] = "own"
 
 
 SPECS: dict[str, Spec] = {
-    "scale": Spec(
-        None,
-        "Similarity scale = 1 / temperature; the initial value when learnable. Give scale or temperature; both "
-        "only if they agree.",
-        _scale,
-    ),
-    "temperature": Spec(
-        None, "Softmax temperature = 1 / scale, e.g. 0.05. Give scale or temperature.", _scale
-    ),
-    "learnable_scale": Spec(
-        False,
-        "Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale ('mnr', 'clip', 'tiled' and "
-        "'gist').",
-        check_bool,
-    ),
-    "max_scale": Spec(100.0, "Upper clamp of a learnable scale (CLIP uses 100).", _positive_number),
-    "similarity_fct": Spec(
-        None,
-        "Similarity of embeddings: 'cosine' or 'dot' (dot product); default the loss's own: cosine, 'sparse' dot "
-        "(as SparseMultipleNegativesRankingLoss). 'multi_vector': 'maxsim' (default, colbert_scores), "
-        "'meanmaxsim' (mean_colbert_scores) or 'xtr' (xtr_scores, top_k 256).",
-    ),
-    "mini_batch_size": Spec(
-        32,
-        "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Should be smaller "
-        "than per_device_train_batch_size, or caching is off. 'auto': the largest that fits "
-        "mini_batch_memory_budget, measured at the first step and logged.",
-        _kept(check_mini_batch_size),
-    ),
-    "mini_batch_num_tokens": Spec(
-        None,
-        "Optional budget of real (non-padding) tokens per encoder mini-batch instead of a fixed row count, as "
-        "in sentence-transformers: rows are packed while their token count stays within it (a longer row "
-        "alone), longest first, so long texts get smaller mini-batches (for data of very uneven length); "
-        "mini_batch_size is then not used. 'auto': the largest budget that fits mini_batch_memory_budget.",
-        _kept(check_mini_batch_num_tokens),
-    ),
-    "symmetric": Spec(
-        None,
-        "'tiled' only: also the positive -> anchors direction, averaged (the CLIP loss); default false. ('mnr' "
-        "is one-directional, 'clip' always symmetric.)",
-        check_bool,
-    ),
-    "directions": Spec(
-        None,
-        "'mnr' / 'clip' / 'tiled': the similarity terms, comma-separated, as sentence-transformers' "
-        "MultipleNegativesRankingLoss: query_to_doc (required), query_to_query, doc_to_query, doc_to_doc. "
-        "Default: the loss's own (query_to_doc; clip: query_to_doc,doc_to_query).",
-    ),
-    "partition_mode": Spec(
-        None,
-        "'joint' (one softmax over every term; GTE with all four directions) or 'per_direction' (one per "
-        "direction, averaged). Default: the loss's own ('joint'; clip: 'per_direction').",
-    ),
-    "hardness_mode": Spec(
-        None,
-        "Hardness weighting of negatives (default none): in_batch_negatives (Lan et al. 2025), hard_negatives "
-        "(EmbeddingGemma) or all_negatives: adds hardness_strength * stop_grad(similarity) (not scaled) to those "
-        "negatives' logits, as sentence-transformers does.",
-    ),
-    "hardness_strength": Spec(
-        0.0,
-        "The hardness penalty's alpha, non-negative (e.g. 9 in_batch_negatives, 5 hard_negatives); unused while "
-        "hardness_mode is none.",
-    ),
-    "guide": Spec(
-        None,
-        "'gist' only (required there): the guide SentenceTransformer, a local path (or a Hub name when online); "
-        "loaded on the trained model's device, never trained.",
-    ),
-    "margin_strategy": Spec(
-        "absolute",
-        "'gist' only: 'absolute' or 'relative' margin for removing negatives the guide rates high.",
-        _margin_strategy,
-    ),
-    "margin": Spec(0.0, "'gist' only: the margin of margin_strategy.", _finite),
-    "contrast_anchors": Spec(True, "'gist' only: contrast each anchor with the other anchors.", check_bool),
-    "contrast_positives": Spec(
-        True, "'gist' only: contrast each positive with the other positives.", check_bool
-    ),
-    "document_regularizer_weight": Spec(
-        None,
-        "'sparse' only (required there): weight of the documents' FLOPS regulariser (lambda_d), on every column "
-        "but the first (on every column with use_document_regularizer_only), e.g. 3e-5.",
-        check_nonnegative,
-    ),
-    "query_regularizer_weight": Spec(
-        None,
-        "'sparse' only: weight of the queries' FLOPS regulariser (lambda_q), on the first column, e.g. 5e-5; "
-        "none: no query regulariser (inference-free models).",
-        check_nonnegative,
-    ),
-    "document_regularizer_threshold": Spec(
-        None,
-        "'sparse' only: the documents' FLOPS counts only rows with more than this many non-zero entries (FLOPS "
-        "with l0 masking); none: every row.",
-        _THRESHOLD,
-    ),
-    "query_regularizer_threshold": Spec(
-        None, "'sparse' only: as document_regularizer_threshold, for the queries' FLOPS.", _THRESHOLD
-    ),
-    "use_document_regularizer_only": Spec(
-        False,
-        "'sparse' only: every column is a document (symmetric data): one regulariser over all of them, "
-        "weighted by document_regularizer_weight.",
-        check_bool,
-    ),
-    "score_mini_batch_size": Spec(
-        None,
-        "'multi_vector' only: sentence-transformers' scoring chunk, kept for their config (default "
-        "mini_batch_size); the scoring tiles are sized from memory_budget and never change the result.",
-        check_positive_int,
-    ),
-    "num_negatives": Spec(
-        4,
-        "'cross_encoder' only: documents of other rows scored against each query, drawn at random as "
-        "sentence-transformers' reranker loss draws them (default 4); 'all' (or None): every other row's documents.",
-        _num_negatives,
-    ),
-    "gather_across_devices": Spec(
-        False,
-        "Score each process's rows against every process's candidates (multi-GPU / multi-node, exact "
-        "global-batch gradients); 'tiled' passes them around a ring instead of gathering.",
-        check_bool,
-    ),
-    "mask_duplicates": Spec(
-        False,
-        "Mask false negatives found by equal inputs (token ids), on this process and across processes (which "
-        "the NO_DUPLICATES sampler cannot see beyond one process's batch): rows sharing their anchor or their "
-        "positive are duplicates; a row's negatives lose the positives of its duplicates, and any candidate "
-        "(hard negatives included) equal to its own positive.",
-        check_bool,
-        "changed",
-    ),
-    "show_progress_bar": Spec(
-        False, "Show tqdm bars over the loss's encoder mini-batches (both passes).", check_bool, "never"
-    ),
-    "sort_by_length": Spec(
-        True,
-        "Embed each column's rows longest first (less padding in a mini-batch); never changes the result.",
-        check_bool,
-        "never",
-    ),
-    "reuse_last_graph": Spec(
-        True,
-        "Keep the last encoder mini-batch's graph from the first pass instead of replaying it; never changes the "
-        "result.",
-        check_bool,
-        "never",
-    ),
-    "keep_params_unsharded": Spec(
-        False,
-        "Under FSDP2: gather every parameter group once per step and keep it until the last replay (one "
-        "all-gather and one reduce-scatter per group per step), for the memory of the full parameters.",
-        check_bool,
-        "never",
-    ),
-    "path": Spec(
-        "auto",
-        "The loss stage's algorithm: 'auto' (from the batch and memory_budget), 'chunked' (row chunks against "
-        "every column) or 'tiled' (Inf-CL-style tiles); never changes the result.",
-        check_path,
-        "never",
-    ),
-    "tile_size": Spec(
-        None,
-        "Side of a logit tile / rows of a chunk of the loss stage (default: from memory_budget, at most 2048).",
-        check_positive_int,
-        "changed",
-    ),
-    "memory_budget": Spec(
-        DEFAULT_MEMORY_BUDGET,
-        f"Bytes of logit blocks the loss stage may hold at once, or a size such as '64MiB' (default "
-        f"{DEFAULT_MEMORY_BUDGET // 2**20} MiB).",
-        _budget,
-        "never",
-    ),
-    "graph_memory_budget": Spec(
-        None,
-        "Bytes (or a size such as '6GB') of first-pass encoder graphs to keep instead of replaying their "
-        "mini-batches, the longest first; the same gradients, fewer forwards. Default: replay all but the last.",
-        functools.partial(_budget, optional=True),
-        "never",
-    ),
-    "mini_batch_memory_budget": Spec(
-        None,
-        "With mini_batch_size='auto': the activation memory one encoder mini-batch may take (bytes or a size "
-        "such as '2GB'; on CUDA by default half the free memory).",
-        functools.partial(_budget, optional=True),
-        "never",
-    ),
+    "scale": Spec(None, _scale),
+    "temperature": Spec(None, _scale),
+    "learnable_scale": Spec(False, check_bool),
+    "max_scale": Spec(100.0, _positive_number),
+    "similarity_fct": Spec(None),
+    "mini_batch_size": Spec(32, _kept(check_mini_batch_size)),
+    "mini_batch_num_tokens": Spec(None, _kept(check_mini_batch_num_tokens)),
+    "symmetric": Spec(None, check_bool),
+    "directions": Spec(None),
+    "partition_mode": Spec(None),
+    "hardness_mode": Spec(None),
+    "hardness_strength": Spec(0.0),
+    "guide": Spec(None),
+    "margin_strategy": Spec("absolute", _margin_strategy),
+    "margin": Spec(0.0, _finite),
+    "contrast_anchors": Spec(True, check_bool),
+    "contrast_positives": Spec(True, check_bool),
+    "document_regularizer_weight": Spec(None, check_nonnegative),
+    "query_regularizer_weight": Spec(None, check_nonnegative),
+    "document_regularizer_threshold": Spec(None, _THRESHOLD),
+    "query_regularizer_threshold": Spec(None, _THRESHOLD),
+    "use_document_regularizer_only": Spec(False, check_bool),
+    "score_mini_batch_size": Spec(None, check_positive_int),
+    "num_negatives": Spec(4, _num_negatives),
+    "gather_across_devices": Spec(False, check_bool),
+    "mask_duplicates": Spec(False, check_bool, "changed"),
+    "show_progress_bar": Spec(False, check_bool, "never"),
+    "sort_by_length": Spec(True, check_bool, "never"),
+    "reuse_last_graph": Spec(True, check_bool, "never"),
+    "keep_params_unsharded": Spec(False, check_bool, "never"),
+    "path": Spec("auto", check_path, "never"),
+    "tile_size": Spec(None, check_positive_int, "changed"),
+    "memory_budget": Spec(DEFAULT_MEMORY_BUDGET, _budget, "never"),
+    "graph_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
+    "mini_batch_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
 }
 
 _MISSING: Any = object()
@@ -391,7 +236,6 @@ class Setting(Generic[T]):
         self.name = name
         self.attr = self.attr or name
         self.check = self.check or SPECS[name].check
-        self.__doc__ = SPECS[name].help if name in SPECS else None
 
     def _holder(self, obj: Any) -> Any:
         if self.target is not None:

@@ -20,7 +20,7 @@ from tests.config.helpers import BASE, _arguments
 def test_every_constructor_argument_is_a_field_with_the_specs_default_and_help():
     """One spec per setting: every argument of every loss's constructor is a field of the arguments (under
     ``FIELD_NAMES``' name) or on ``NOT_FIELDS`` with its reason; a field of a plain setting has its spec's
-    default (or None for the loss's own) and help; and each loss built from default arguments has its
+    default (or None for the loss's own) and a help text (its field's own); and each loss built from default arguments has its
     constructor's defaults."""
     import dataclasses
     import inspect
@@ -50,7 +50,7 @@ def test_every_constructor_argument_is_a_field_with_the_specs_default_and_help()
             f = fields[field_name]
             default = params[param].default
             if param in SPECS:
-                assert f.metadata["help"].startswith(SPECS[param].help), field_name
+                assert f.metadata["help"], field_name  # its help is written on the field's line
                 # a spec's None default: the losses differ, each has its own (the field's None leaves it)
                 assert SPECS[param].default in (None, default), (cls.__name__, param)
             if f.default is None and param in none_is_loss_default:
@@ -70,17 +70,35 @@ def test_every_constructor_argument_is_a_field_with_the_specs_default_and_help()
 
 def test_every_loss_field_is_its_specs():
     """One spec per field: every field the arguments add (but the loss choice) is a spec's field, with the
-    spec's help (first) and default (or None: the loss's own), and is checked by the spec's check."""
+    default (or None: the loss's own) and a help text of its own, and is checked by the spec's check."""
     from st_cached_losses.config.training_args import FIELD_SPECS
 
     fields = {f.name: f for f in dataclasses.fields(CachedLossTrainingArguments)}
     assert set(LOSS_FIELDS) - {"loss"} == set(FIELD_SPECS)
     for name, (_, spec) in FIELD_SPECS.items():
-        assert fields[name].metadata["help"].startswith(spec.help), name
+        assert fields[name].metadata["help"], name
         assert fields[name].default in (spec.default, None), name
     for name, value in [("margin", float("nan")), ("contrast_anchors", "yes"), ("scale_learning_rate", -1.0)]:
         with pytest.raises(ValueError, match=f"^{name} must be"):
             CachedLossTrainingArguments(**BASE, loss="gist", guide_model="g", **{name: value})
+
+
+def test_the_help_texts_live_with_the_configuration():
+    """The command line's words are the configuration layer's: the losses' specs carry a setting's default,
+    check and config mode, no help text; each field's help is written on its line in
+    ``config/training_args.py``."""
+    from pathlib import Path
+
+    import st_cached_losses.config.training_args as training_args
+    from st_cached_losses.losses.settings import SPECS, Spec
+
+    assert "help" not in {f.name for f in dataclasses.fields(Spec)}
+    assert not any(hasattr(spec, "help") for spec in SPECS.values())
+    source = Path(training_args.__file__).read_text()
+    fields = {f.name: f for f in dataclasses.fields(CachedLossTrainingArguments)}
+    help_text = fields["keep_params_unsharded"].metadata["help"]
+    assert help_text.startswith("Under FSDP2: gather every parameter group once per step")
+    assert '"Under FSDP2: gather every parameter group once per step' in source
 
 
 @pytest.mark.parametrize("loss", ["mnr", "clip", "tiled", "gist", "sparse", "multi_vector"])
