@@ -16,8 +16,8 @@ from st_cached_losses.functional import Similarity
 from st_cached_losses.functional.distill import DistillObjective
 from st_cached_losses.losses._base import LossStageOptions
 from st_cached_losses.losses.citations import DISTILL_KL_CITATION, GRADCACHE_CITATION, MARGIN_MSE_CITATION
-from st_cached_losses.losses.distillation import DistillationBase, check_temperature, similarity_or_none
-from st_cached_losses.losses.settings import Setting
+from st_cached_losses.losses.distillation import DistillationBase, similarity_or_none
+from st_cached_losses.losses.settings import Setting, check_temperature
 
 __all__ = ["CachedDistillKLDivLoss", "CachedMarginMSELoss", "infonce_similarity_of"]
 

@@ -17,8 +17,8 @@ from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.functional.parallel import pad_to_common_tokens
 from st_cached_losses.losses._base import LossStageOptions
 from st_cached_losses.losses.citations import DISTILL_KL_CITATION, GRADCACHE_CITATION, MARGIN_MSE_CITATION
-from st_cached_losses.losses.distillation import DistillationBase, Prepared, check_temperature
-from st_cached_losses.losses.settings import Setting
+from st_cached_losses.losses.distillation import DistillationBase, Prepared
+from st_cached_losses.losses.settings import Setting, check_temperature
 
 #: the encoder's rows per mini-batch where ``mini_batch_size`` is None (sentence-transformers' default, which
 #: embeds the whole batch at once)

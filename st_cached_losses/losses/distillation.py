@@ -10,7 +10,6 @@ the teacher's targets from the labels."""
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -28,33 +27,15 @@ from st_cached_losses.losses._base import (
     StageOutput,
     StepData,
 )
-from st_cached_losses.losses.settings import ONE_DIRECTION, Setting
+from st_cached_losses.losses.settings import ONE_DIRECTION, Setting, check_infonce_weight
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistillationBase", "Prepared", "check_infonce_weight", "check_temperature"]
+__all__ = ["DistillationBase", "Prepared", "similarity_or_none"]
 
 #: the queries (one tensor, or one per column), the columns, and the map of their gradients back to the
 #: cached embeddings' (queries' gradients summed)
 Prepared = tuple[list[Tensor], list[Tensor], Callable[[list[Tensor], list[Tensor]], list[Tensor]]]
-
-
-def check_temperature(name: str, value: Any) -> Any:
-    """A positive finite temperature (sentence-transformers' rule and words); None where it follows another."""
-    if value is None and name != "temperature":
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive finite number, got {value}.")
-    return float(value)
-
-
-def check_infonce_weight(name: str, value: Any) -> float:
-    """The weight of the in-batch InfoNCE term: a finite number >= 0 (0: the distillation loss alone)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ValueError(
-            f"{name} must be a finite number >= 0 (0: no in-batch InfoNCE term), got {value!r}; e.g. 0.1."
-        )
-    return float(value)
 
 
 def _identity(embeddings: list[Tensor]) -> Prepared:
