@@ -31,7 +31,7 @@ from st_cached_losses.losses.settings import ONE_DIRECTION, Setting, check_infon
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistillationBase", "Prepared", "similarity_or_none"]
+__all__ = ["DistillationBase", "similarity_or_none"]
 
 #: the queries (one tensor, or one per column), the columns, and the map of their gradients back to the
 #: cached embeddings' (queries' gradients summed)

@@ -46,6 +46,7 @@ CARDS: dict[str, tuple[str, type, str, list[str]]] = {
         "examples/train_cached_cross_encoder.py", CachedCrossEncoderTrainingArguments, "cross_encoder", []
     ),
     "accelerate.md": ("examples/train_accelerate.py", CachedLossTrainingArguments, "dense", []),
+    "cached_distill.md": ("examples/train_cached_distill.py", CachedLossTrainingArguments, "dense", []),
 }  # fmt: skip
 
 
