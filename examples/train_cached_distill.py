@@ -95,7 +95,9 @@ def load_models(args: ExampleArguments) -> tuple[SentenceTransformer, SentenceTr
 
 
 @torch.no_grad()
-def distillation_dataset(teacher: SentenceTransformer, pairs: list[tuple[str, str]], negatives: int) -> Dataset:
+def distillation_dataset(
+    teacher: SentenceTransformer, pairs: list[tuple[str, str]], negatives: int
+) -> Dataset:
     """query, positive, negative_1..negative_k and the teacher's cosine scores of the k + 1 candidates: the
     hard negatives are the sources the teacher ranks highest for the query, its own excluded."""
     queries = teacher.encode([q for q, _ in pairs], convert_to_tensor=True, normalize_embeddings=True)
@@ -162,7 +164,9 @@ def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dic
         trained_by="examples/train_cached_distill.py",
         metrics_caption=f"Retrieval on {len(eval_pairs)} held-out pairs (the student before and after, the teacher)",
     )
-    print(f"{type(loss).__name__}: {trainer.state.global_step} steps, {example_args.negatives} hard negatives")
+    print(
+        f"{type(loss).__name__}: {trainer.state.global_step} steps, {example_args.negatives} hard negatives"
+    )
     print(metrics_table(metrics))
     print(f"model and card saved in {args.output_dir}")
     return trainer, metrics
