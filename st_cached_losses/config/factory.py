@@ -38,7 +38,7 @@ def build_loss(
 
     Returns:
         A [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss], [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss], [`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss], [`CachedGISTLoss`][st_cached_losses.losses.cached_gist.CachedGISTLoss]
-        (its guide loaded from ``args.guide_model`` on the model's device), [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss] (its base
+        (its guide loaded from ``args.guide_model`` on the model's device; self-guided without one), [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss] (its base
         loss a ``SparseMultipleNegativesRankingLoss`` built from the fields, the regularisers ``FlopsLoss``),
         [`CachedMultiVectorLoss`][st_cached_losses.losses.cached_multi_vector.CachedMultiVectorLoss] or [`CachedCrossEncoderLoss`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss].
     """
@@ -58,8 +58,8 @@ def build_loss(
         from sentence_transformers import SentenceTransformer
 
         device = next(model.parameters()).device
-        guide = SentenceTransformer(str(args.guide_model), device=str(device))
-        return CachedGISTLoss(model, guide, **args.loss_kwargs())
+        guide = SentenceTransformer(str(args.guide_model), device=str(device)) if args.guide_model else None
+        return CachedGISTLoss(model, guide, **args.loss_kwargs())  # no guide_model: self-guided
     return args.loss_class(model, **args.loss_kwargs())
 
 

@@ -128,6 +128,10 @@ _ARGUMENT_SPECS = {
     "same_dataset_order": Spec("proportional", _check_order),
     "same_dataset_per_optimizer_step": Spec(False, check_bool),
 }
+#: the fields that take a count or "auto" (sized from mini_batch_memory_budget), read so by the command line
+COUNT_OR_AUTO_FIELDS = frozenset({"mini_batch_size", "mini_batch_num_tokens"})
+#: the fields that take a count or "all" (every one there is), read so by the command line
+COUNT_OR_ALL_FIELDS = frozenset({"num_negatives"})
 #: field name -> (the loss argument it sets, None for none; its spec)
 FIELD_SPECS: dict[str, tuple[str | None, Spec]] = {
     **{FIELD_NAMES.get(name, name): (name, spec) for name, spec in SPECS.items()},
@@ -139,7 +143,7 @@ FIELD_SPECS: dict[str, tuple[str | None, Spec]] = {
 _LOSS_HELP = (
     "Which cached loss: 'mnr' (CachedMNRLoss, InfoNCE anchor -> candidates), 'clip' "
     "(CachedCLIPLoss, symmetric InfoNCE), 'tiled' (CachedTiledLoss, Inf-CL-style tiles, ring across "
-    "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; needs guide_model), all for a "
+    "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; self-guided without guide_model), all for a "
     "SentenceTransformer; 'sparse' (CachedSparseLoss, SPLADE: SparseMultipleNegativesRankingLoss plus "
     "FLOPS regularisers; needs document_regularizer_weight) for a SparseEncoder; 'multi_vector' "
     "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder; "
@@ -260,6 +264,15 @@ class CachedLossArguments(BaseTrainingArguments):
         "positive are duplicates; a row's negatives lose the positives of its duplicates, and any candidate "
         "(hard negatives included) equal to its own positive.",
     )
+    in_batch_negatives: bool = _spec_field(
+        "in_batch_negatives",
+        "'mnr', 'tiled' and 'gist': score each anchor against every row's candidates (default true); false: "
+        "against its own positive and its own hard negatives only (FlagEmbedding's no_in_batch_neg_flag), across "
+        "processes too (nothing is gathered). Needs hard-negative columns; 'mnr' / 'tiled': one direction "
+        "(query_to_doc), hardness_mode not in_batch_negatives; 'gist': contrast_anchors / contrast_positives "
+        "(other rows) do not apply. Per dataset: a dict of losses (build_loss per dataset, then set the loss's "
+        "in_batch_negatives).",
+    )
     loss_show_progress_bar: bool = _spec_field(
         "show_progress_bar",
         "Show tqdm bars over the loss's encoder mini-batches (both passes).",
@@ -325,8 +338,9 @@ class CachedLossArguments(BaseTrainingArguments):
     )
     guide_model: Optional[str] = _spec_field(  # noqa: UP045
         "guide",
-        "'gist' only (required there): the guide SentenceTransformer, a local path (or a Hub name when online); "
-        "loaded on the trained model's device, never trained.",
+        "'gist' only: the guide SentenceTransformer, a local path (or a Hub name when online); loaded on the "
+        "trained model's device, never trained. None (default): self-guided, the model's own embeddings of the "
+        "step rate the pairs (no guide model, no extra forward).",
     )
     margin_strategy: str = _spec_field(
         "margin_strategy",
@@ -764,11 +778,6 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         )
     if args.learnable_scale:
         check_max_scale(args.max_scale, args.loss_scale)
-    if args.loss == "gist" and not args.guide_model:
-        raise ValueError(
-            "loss='gist' needs guide_model: the path of the guide SentenceTransformer (e.g. the model "
-            "before fine-tuning, or a stronger one)."
-        )
     if args.loss == "sparse" and args.document_regularizer_weight is None:
         raise ValueError(
             "loss='sparse' needs document_regularizer_weight: the weight of the documents' FLOPS regulariser "

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from fractions import Fraction
+from typing import Any
 
-__all__ = ["check_mini_batch_num_tokens", "check_mini_batch_size", "is_auto", "memory_bytes"]
+__all__ = [
+    "check_mini_batch_num_tokens",
+    "check_mini_batch_size",
+    "is_auto",
+    "memory_bytes",
+    "no_token_counts",
+]
 
 
 _UNITS = {
@@ -84,3 +92,13 @@ def check_mini_batch_num_tokens(value: int | str | None) -> None:
 def is_auto(mini_batch_size: int | str, mini_batch_num_tokens: int | str | None) -> bool:
     """Whether the mini-batches are sized to a memory budget (either size setting is ``"auto"``)."""
     return mini_batch_size == "auto" or mini_batch_num_tokens == "auto"
+
+
+def no_token_counts(mini_batch_num_tokens: int | str | None, features: Mapping[str, Any]) -> ValueError:
+    """The error refusing a token budget for a column whose rows' token counts cannot be read."""
+    return ValueError(
+        f"mini_batch_num_tokens={mini_batch_num_tokens} needs each row's token count, read "
+        "from the inputs' 2-D attention_mask (or a flattened column's cu_seq_lens_q), and this "
+        f"column has neither (keys {sorted(features)}); "
+        "set mini_batch_num_tokens=None and use mini_batch_size instead."
+    )

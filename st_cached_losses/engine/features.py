@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from st_cached_losses.engine.multimodal import (
     untrimmed_keys,
 )
 
-Features = dict[str, Any]
+Features = Mapping[str, Any]
 
 __all__ = [
     "Features",
@@ -66,15 +66,42 @@ __all__ = [
 ]
 
 
-class InputsOnDemand(dict[str, Any]):
+class InputsOnDemand(Mapping[str, Any]):
     """A padded column whose inputs are made per mini-batch: it holds its ``attention_mask`` ``(B, T)``
     (what the planning reads: each row's real tokens) and ``make(rows, trim_leading)``, which returns the
     inputs of ``rows`` as [`slice_features`][st_cached_losses.engine.features.slice_features] would cut them from the whole padded column (padding no
-    row of them needs trimmed, leading padding only with ``trim_leading``)."""
+    row of them needs trimmed, leading padding only with ``trim_leading``).
+
+    A column, for the engine, is a read-only mapping (``Features``: what the planning reads with ``get``,
+    ``[]``, ``in`` and iteration) that [`slice_features`][st_cached_losses.engine.features.slice_features] cuts into a mini-batch's inputs; this one
+    makes them instead ([`rows`][st_cached_losses.engine.features.InputsOnDemand.rows]). It is no ``dict``:
+    a copy into one (``dict(column)``, ``{**column}``) would keep the mask alone and lose the inputs, so it
+    is refused with a ``TypeError`` saying so."""
 
     def __init__(self, attention_mask: Tensor, make: Callable[[Tensor, bool], Features]) -> None:
-        super().__init__(attention_mask=attention_mask)
-        self.make = make
+        self._read = {"attention_mask": attention_mask}
+        self._make = make
+
+    def rows(self, rows: Tensor, trim_leading: bool) -> dict[str, Any]:
+        """The inputs of ``rows``, made now (what [`slice_features`][st_cached_losses.engine.features.slice_features] returns for this column)."""
+        return dict(self._make(rows, trim_leading))
+
+    def __getitem__(self, key: str) -> Any:
+        return self._read[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read)
+
+    def __len__(self) -> int:
+        return len(self._read)
+
+    def keys(self) -> Any:  # what dict(...) and {**...} call: a copy would lose the inputs
+        raise TypeError(
+            "InputsOnDemand is a column whose inputs are made per mini-batch: a dict copy of it (dict(column), "
+            "{**column}) would hold its attention_mask alone and lose the inputs. Pass the column itself; "
+            "slice_features(column, rows, batch_size) (or column.rows(rows, trim_leading)) makes a mini-batch's "
+            "inputs."
+        )
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
@@ -176,7 +203,7 @@ def slice_features(
     row after row in the order of ``rows``, and its per-sequence keys rebuilt for them
     (`_slice_flattened`). A column made per mini-batch ([`InputsOnDemand`][st_cached_losses.engine.features.InputsOnDemand]) makes them."""
     if isinstance(features, InputsOnDemand):
-        return features.make(rows, trim_leading)
+        return features.rows(rows, trim_leading)
     axes = media_axes(features, batch_size)
     # keys indexed per entry (gathered in picked), and sample-first images of rows without any (left out)
     media = media_keys(axes) | imageless_keys(features, rows, axes)
@@ -193,7 +220,7 @@ def slice_features(
         if used.numel() > 0:
             span = slice(int(used[0]) if trim_leading else 0, int(used[-1]) + 1)
     keep_width = untrimmed_keys(features)
-    out: Features = {}
+    out: dict[str, Any] = {}
     for key, value in features.items():
         if key in media:
             if key in picked:
@@ -232,7 +259,7 @@ def _slice_flattened(features: Features, rows: Tensor, batch_size: int) -> Featu
     # offset within the row
     starts = features["cu_seq_lens_q"].detach().to("cpu", torch.long)[:-1][picked]
     tokens = torch.repeat_interleave(starts - (ends - lengths), lengths) + torch.arange(n)
-    out: Features = {}
+    out: dict[str, Any] = {}
     for key, value in features.items():
         if key in ("cu_seq_lens_q", "cu_seq_lens_k") and isinstance(value, Tensor):
             own = side[key[-1]]

@@ -32,7 +32,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -269,10 +269,15 @@ def auto_needs_budget(device: str) -> ValueError:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class GradCache(MiniBatchPlanner):
     """The cached first stage and the replayed second stage; the mini-batch plans are
     [`MiniBatchPlanner`][st_cached_losses.engine.gradcache.MiniBatchPlanner]'s.
+
+    Its configuration (the fields below) is frozen when it is built: a changed setting is a new engine
+    (``dataclasses.replace(cache, name=value)``, which is how a loss's setting changes it), and the run
+    state that changes as it runs (what ``"auto"`` sizes resolved to) is kept in its
+    [`AutoSize`][st_cached_losses.engine.planning.AutoSize], ``auto``, which a replaced engine keeps.
 
     Args:
         mini_batch_size: rows per encoder mini-batch; unused when ``mini_batch_num_tokens`` is set.
@@ -328,6 +333,16 @@ class GradCache(MiniBatchPlanner):
     auto: AutoSize = field(default_factory=AutoSize, repr=False)
 
     @property
+    def rows_per_mini_batch(self) -> int:
+        """``mini_batch_size``, or what ``"auto"`` resolved to (the planner's row count)."""
+        return cast(int, self.auto.resolved("mini_batch_size", self.mini_batch_size))
+
+    @property
+    def sized(self) -> bool:
+        """Whether the sizes are known (False while an ``"auto"`` size waits for its first step)."""
+        return self.auto.size is not None or not is_auto(self.mini_batch_size, self.mini_batch_num_tokens)
+
+    @property
     def auto_size(self) -> int | None:
         """What ``"auto"`` resolved to (rows, or tokens), or None: not sized yet."""
         return self.auto.size
@@ -335,9 +350,14 @@ class GradCache(MiniBatchPlanner):
     def __post_init__(self) -> None:
         check_mini_batch_size(self.mini_batch_size)
         check_mini_batch_num_tokens(self.mini_batch_num_tokens)
-        self.graph_memory_budget = memory_bytes(self.graph_memory_budget, "graph_memory_budget")
-        self.mini_batch_memory_budget = memory_bytes(
-            self.mini_batch_memory_budget, "mini_batch_memory_budget"
+        # frozen: the budgets in bytes are written once, here
+        object.__setattr__(
+            self, "graph_memory_budget", memory_bytes(self.graph_memory_budget, "graph_memory_budget")
+        )
+        object.__setattr__(
+            self,
+            "mini_batch_memory_budget",
+            memory_bytes(self.mini_batch_memory_budget, "mini_batch_memory_budget"),
         )
 
     def check_auto_budget(self) -> None:

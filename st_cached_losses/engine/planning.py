@@ -27,11 +27,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn, cast
+from typing import NoReturn
 
 import torch
 from torch import Tensor, nn
 
+from st_cached_losses.engine.checks import no_token_counts
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
@@ -107,11 +108,11 @@ class AutoSize:
 
 
 class MiniBatchPlanner:
-    """The planning half of [`GradCache`][st_cached_losses.engine.gradcache.GradCache] (which declares these
-    settings as its dataclass fields): cut columns into mini-batches and agree across processes on how
-    many."""
+    """The planning half of [`GradCache`][st_cached_losses.engine.gradcache.GradCache] (which declares the
+    settings as its dataclass fields and gives the planner their sizes, resolved): cut columns into
+    mini-batches and agree across processes on how many. The planner reads the sizes only, never the
+    row-count setting itself: the settings go from the loss to the engine and stop there."""
 
-    mini_batch_size: int | str
     mini_batch_num_tokens: int | str | None
     sort_by_length: bool
     agree_mini_batches: bool | None
@@ -120,13 +121,18 @@ class MiniBatchPlanner:
 
     @property
     def rows_per_mini_batch(self) -> int:
-        """``mini_batch_size``, or what ``"auto"`` resolved to."""
-        return cast(int, self.auto.resolved("mini_batch_size", self.mini_batch_size))
+        """Rows per mini-batch: the engine's row count, or what ``"auto"`` resolved to."""
+        raise NotImplementedError
 
     @property
     def tokens_per_mini_batch(self) -> int | None:
         """``mini_batch_num_tokens``, or what ``"auto"`` resolved to."""
         return self.auto.resolved("mini_batch_num_tokens", self.mini_batch_num_tokens)
+
+    @property
+    def sized(self) -> bool:
+        """Whether the sizes are known (False while an ``"auto"`` size waits for its first step)."""
+        raise NotImplementedError
 
     def plan(
         self, column: int, features: Features, *, trim_leading: bool = True, count: int | None = None
@@ -156,12 +162,7 @@ class MiniBatchPlanner:
         else:
             counts = token_counts(features, b)
             if counts is None:
-                raise ValueError(
-                    f"mini_batch_num_tokens={self.mini_batch_num_tokens} needs each row's token count, read "
-                    "from the inputs' 2-D attention_mask (or a flattened column's cu_seq_lens_q), and this "
-                    f"column has neither (keys {sorted(features)}); "
-                    "set mini_batch_num_tokens=None and use mini_batch_size instead."
-                )
+                raise no_token_counts(self.mini_batch_num_tokens, features)
             # an "auto" budget is one of memory, measured per padded token: counted as the mini-batch pads
             widths = extras = None
             if self.mini_batch_num_tokens == "auto" and lengths is not None:
@@ -251,8 +252,8 @@ class MiniBatchPlanner:
         ``counts``, whether those are all one."""
         if counts is not None:
             return all(c == 1 for c in counts)
-        if self.auto.size is None and "auto" in (self.mini_batch_size, self.mini_batch_num_tokens):
-            return False  # not sized yet
+        if not self.sized:
+            return False  # "auto", not sized yet
         budget = self.tokens_per_mini_batch
         for features in columns:
             b = batch_size_of(features)

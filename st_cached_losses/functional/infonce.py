@@ -29,6 +29,11 @@ from st_cached_losses.functional.autograd import InfoNCEFunction
 from st_cached_losses.functional.checks import candidate_columns, validate_inputs
 from st_cached_losses.functional.local import terms_solve
 from st_cached_losses.functional.options import Guide, InfoNCEOptions, LossPath, LossSpec
+from st_cached_losses.functional.own import (
+    in_batch_negatives,
+    own_candidates_infonce,
+    own_candidates_loss_and_grad,
+)
 from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.score import Score, Similarity
 
@@ -78,6 +83,9 @@ def infonce_loss_and_grad(
     Returns:
         [`InfoNCEOutput`][st_cached_losses.functional.infonce.InfoNCEOutput] with the mean loss and gradients of ``grad_output * loss``."""
     opts = InfoNCEOptions.of(options, keywords)
+    if not in_batch_negatives(opts):  # each row's own candidates: B x K logits
+        own = own_candidates_loss_and_grad(anchors, candidates, opts, grad_output=grad_output)
+        return InfoNCEOutput(own.loss, own.grad_anchors, own.grad_candidates, None, own.grad_scale)
     with torch.no_grad():
         rows, cols, spec = _prepared(anchors, candidates, opts)
         anchors_all = opts.anchors_all.detach() if opts.anchors_all is not None else None
@@ -109,6 +117,8 @@ def infonce(
     requires grad, the forward keeps the inputs and each row's ``O(B)`` log-sum-exp statistics, and the
     backward recomputes each logit tile once; without one, only the loss is computed."""
     opts = InfoNCEOptions.of(options, keywords)
+    if not in_batch_negatives(opts):  # each row's own candidates: B x K logits, with autograd
+        return own_candidates_infonce(anchors, candidates, opts)
     rows, cols, spec = _prepared(anchors, candidates, opts)
     scale = opts.scale
     scale_t = scale if isinstance(scale, Tensor) else torch.tensor(float(scale), device=anchors.device)

@@ -156,6 +156,12 @@ class InfoNCEOptions:
         if self.candidate_keys is not None:
             keys = Keys(self.anchor_keys, list(self.candidate_keys), self.anchors_all_keys)
         terms = self.terms
+        if terms is not None and not terms.in_batch:
+            raise ValueError(
+                "terms without in-batch negatives (in_batch=False) are each row's own candidates, computed by "
+                "st_cached_losses.functional.own: call infonce / infonce_loss_and_grad / loss_and_grad, which "
+                "send them there, not a tile driver."
+            )
         if terms is None:
             directions = ("query_to_doc", "doc_to_query") if self.symmetric else ("query_to_doc",)
             terms = mnrl_terms(directions, "per_direction", None, 0.0, len(cols))

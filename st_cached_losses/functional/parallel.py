@@ -48,6 +48,11 @@ from st_cached_losses.functional.distributed import (
 from st_cached_losses.functional.infonce import InfoNCEOutput, infonce, infonce_loss_and_grad
 from st_cached_losses.functional.multi_vector import pad_tokens
 from st_cached_losses.functional.options import Guide, InfoNCEOptions
+from st_cached_losses.functional.own import (
+    in_batch_negatives,
+    own_candidates_infonce,
+    own_candidates_loss_and_grad,
+)
 from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.ring import ring_terms_solve
 from st_cached_losses.functional.score import Score
@@ -196,6 +201,8 @@ def loss_and_grad(
     Finiteness must have been checked by [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]."""
     opts = InfoNCEOptions.of(options, keywords)
     anchors, candidates = anchors.detach(), [c.detach() for c in candidates]
+    if not in_batch_negatives(opts):
+        return _own_loss_and_grad(anchors, candidates, sizes, opts, with_grad)
     if sizes is not None:
         strategy = ring_loss_and_grad if ring else gathered_loss_and_grad
         return strategy(anchors, candidates, sizes, opts, with_grad=with_grad)
@@ -205,6 +212,26 @@ def loss_and_grad(
     with torch.no_grad():
         loss = infonce(anchors, candidates, opts)
     return InfoNCEOutput(loss, None, [], None, None)
+
+
+def _own_loss_and_grad(
+    anchors: Tensor,
+    candidates: Sequence[Tensor],
+    sizes: list[int] | None,
+    opts: InfoNCEOptions,
+    with_grad: bool,
+) -> InfoNCEOutput:
+    """Each row against its own candidates ([`own`][st_cached_losses.functional.own]): across processes nothing is
+    gathered, each process weighs its rows' mean as the module says and averages a tensor scale's gradient."""
+    factor = 1.0
+    if sizes is not None:
+        _own_rows_only(opts)
+        factor = len(sizes) / sum(sizes) * anchors.shape[0]
+    out = own_candidates_loss_and_grad(
+        anchors, candidates, replace(opts, check_finite=False), factor=factor, with_grad=with_grad
+    )
+    grad_scale = mean_scale_grad(out.grad_scale, len(sizes)) if sizes is not None else out.grad_scale
+    return InfoNCEOutput(out.loss, out.grad_anchors, out.grad_candidates, None, grad_scale)
 
 
 def mean_scale_grad(grad: Tensor | None, w: int | None = None) -> Tensor | None:
@@ -229,10 +256,15 @@ def gathered_infonce(
     """[`gathered_loss_and_grad`][st_cached_losses.functional.parallel.gathered_loss_and_grad]'s loss with autograd: the gather's backward sums over processes,
     and a tensor scale's gradient is averaged over processes by a hook."""
     opts = InfoNCEOptions.of(options, keywords)
-    cands_all, core = _gathered(gather_with_grad, anchors, candidates, sizes, opts)
     w, b = len(sizes), anchors.shape[0]
     if isinstance(opts.scale, Tensor) and opts.scale.requires_grad:
         opts.scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
+    if not in_batch_negatives(opts):  # each row's own candidates: nothing to gather
+        _own_rows_only(opts)
+        return own_candidates_infonce(
+            anchors, candidates, replace(opts, check_finite=False), w / sum(sizes) * b
+        )
+    cands_all, core = _gathered(gather_with_grad, anchors, candidates, sizes, opts)
     return infonce(anchors, cands_all, core) * (w / sum(sizes) * b)
 
 

@@ -82,12 +82,15 @@ class Term:
 
 @dataclass(frozen=True)
 class TermSet:
-    """A loss: its terms, each group's weight, and the guide margin (GIST) when guided."""
+    """A loss: its terms, each group's weight, and the guide margin (GIST) when guided. ``in_batch=False``:
+    each row is scored against its own entries of the candidate columns only (no in-batch negatives), a loss
+    of ``B x K`` logits computed by [`own`][st_cached_losses.functional.own], not by the tile drivers."""
 
     terms: tuple[Term, ...]
     weights: tuple[float, ...]
     margin_strategy: str | None = None
     margin: float = 0.0
+    in_batch: bool = True
 
     @property
     def uses_anchors_all(self) -> bool:
@@ -104,12 +107,14 @@ def mnrl_terms(
     hardness_mode: str | None,
     hardness_strength: float,
     n_columns: int,
+    in_batch_negatives: bool = True,
 ) -> TermSet:
     """sentence-transformers' ``MultipleNegativesRankingLoss``: ``query_to_doc`` (every column, the
     positive in column 0), ``query_to_query`` (without ``q_i -> q_i``), ``doc_to_query``, ``doc_to_doc``
     (without every document of row ``i``'s own query); the hardness penalty on ``query_to_doc``:
     ``in_batch_negatives`` everywhere but row ``i``'s own documents, ``hard_negatives`` only on its own
-    hard negatives, ``all_negatives`` everywhere but its positive."""
+    hard negatives, ``all_negatives`` everywhere but its positive. Without ``in_batch_negatives``, the
+    ``query_to_doc`` terms of each row's own entries only (the other directions hold no own negative)."""
     alpha = float(hardness_strength) if hardness_mode is not None else 0.0
     order = [d for d in ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc") if d in directions]
     group = {d: (0 if partition_mode == "joint" else i) for i, d in enumerate(order)}
@@ -127,15 +132,25 @@ def mnrl_terms(
     if "doc_to_doc" in group:
         terms += [Term("d", f"c{k}", group["doc_to_doc"], "exclude") for k in range(n_columns)]
     n_groups = 1 if partition_mode == "joint" else len(order)
+    if not in_batch_negatives:
+        return TermSet(
+            tuple(t for t in terms if t.rows == "q" and t.cols.startswith("c")), (1.0,), in_batch=False
+        )
     return TermSet(tuple(terms), (1.0 / n_groups,) * n_groups)
 
 
 def gist_terms(
-    contrast_anchors: bool, contrast_positives: bool, n_columns: int, margin_strategy: str, margin: float
-) -> TermSet:
+    contrast_anchors: bool, contrast_positives: bool, n_columns: int, margin_strategy: str, margin: float,
+    in_batch_negatives: bool = True,
+) -> TermSet:  # fmt: skip
     """sentence-transformers' ``GISTEmbedLoss``: one softmax over anchor-positive (gathered), anchor-anchor
     (this process's anchors only), positive-positive (this process's positives against the gathered
-    ones) and anchor-negative blocks, every entry rated above the positive by the guide removed."""
+    ones) and anchor-negative blocks, every entry rated above the positive by the guide removed. Without
+    ``in_batch_negatives``: each anchor against its own positive and its own hard negatives, those the guide
+    rates above the positive removed (the anchor-anchor and positive-positive blocks contrast other rows)."""
+    if not in_batch_negatives:
+        own = [Term("q", f"c{k}", 0, "positive" if k == 0 else "keep", guided=True) for k in range(n_columns)]
+        return TermSet(tuple(own), (1.0,), margin_strategy, float(margin), in_batch=False)
     terms = [Term("q", "c0", 0, "positive", guided=True)]
     if contrast_anchors:
         terms.append(Term("q", "q_local", 0, "keep", guided=True))

@@ -244,6 +244,15 @@ class EngineSettings:
                 stacklevel=user_stacklevel(),
             )
 
+    def _auto_config(self) -> dict[str, Any]:
+        """What the config of an ``"auto"`` loss needs besides its sizes to rebuild it: its
+        ``mini_batch_memory_budget`` when set (a setting that never changes the result, otherwise left out of
+        the config; an ``"auto"`` loss without it is refused where no CUDA device gives it a default)."""
+        budget = self.mini_batch_memory_budget
+        if budget is None or not is_auto(self.mini_batch_size, self.mini_batch_num_tokens):
+            return {}
+        return {"mini_batch_memory_budget": budget}
+
     def _tag_model_card(self) -> None:
         """Once per loss: tag the model's card with this library and the loss this one equals."""
         card = getattr(unwrap_model(self.model), "model_card_data", None)
@@ -318,25 +327,14 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
 
     # ------------------------------------------------------------------ the scale
 
-    @property
-    def scale(self) -> float:
-        """The scale (1 / temperature) the similarities are multiplied by."""
-        return self._scale
+    def _set_temperature(self, old: float, new: float) -> None:
+        if new != old:  # else unchanged: 1 / (1 / s) may round
+            self.scale = 1.0 / new
 
-    @scale.setter
-    def scale(self, value: float) -> None:
-        self._scale = scale_value(value)
-
-    @property
-    def temperature(self) -> float:
-        """``1 / scale``."""
-        return 1.0 / self.scale
-
-    @temperature.setter
-    def temperature(self, value: float) -> None:
-        temperature = scale_value(value, name="temperature")
-        if temperature != self.temperature:  # else unchanged: 1 / (1 / s) may round
-            self.scale = 1.0 / temperature
+    #: The scale (1 / temperature) the similarities are multiplied by.
+    scale = Setting[float]()
+    #: ``1 / scale``: a view of ``scale``; setting it sets the scale.
+    temperature = Setting[float](view=lambda loss: 1.0 / loss.scale, after=_set_temperature)
 
     def scale_tensor(self) -> Tensor | float:
         """The scale the loss stage multiplies by: a float, or ([`LearnableScale`][st_cached_losses.losses._base.LearnableScale]) a tensor with its graph."""
@@ -361,14 +359,15 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         """The extras of the config ([`LearnableScale`][st_cached_losses.losses._base.LearnableScale] adds the scale's clamp first): each ``"changed"`` setting of this
         loss that differs from its default. A setting assigned after construction to a loss whose constructor
         lacks it is listed too: the config says how the model was
-        trained, even where ``type(loss)(model, **config)`` cannot rebuild that loss."""
+        trained, even where ``type(loss)(model, **config)`` cannot rebuild that loss. And an ``"auto"`` loss's
+        memory budget, which rebuilding it needs ([`_auto_config`][st_cached_losses.losses._base.EngineSettings._auto_config])."""
         extras: dict[str, Any] = {}
         for name, spec in SPECS.items():
             if spec.config == "changed" and isinstance(getattr(type(self), name, None), Setting):
                 value = getattr(self, name)
                 if value != spec.default:
                     extras[name] = value
-        return extras
+        return {**extras, **self._auto_config()}
 
     # ------------------------------------------------------------------ the loss stage
 
@@ -631,26 +630,29 @@ class LearnableScale(CachedInfoNCEBase):
         self.max_scale = max_scale
         self.learnable_scale = learnable_scale
 
-    @property
-    def scale(self) -> float:
-        """The current scale (1 / temperature), as a float; the learned value when learnable."""
+    def _current_scale(self) -> float:
         if self.learnable_scale:
             return float(self.logit_scale.detach().exp().clamp(max=self.max_scale))
         return self._scale
 
-    @scale.setter
-    def scale(self, value: float) -> None:
-        value = scale_value(value)
-        if value == self.scale:
+    def _check_scale(self, value: float) -> float:
+        if self.learnable_scale and value != self.scale and value > self.max_scale:
+            raise ValueError(
+                f"scale must be <= max_scale={self.max_scale!r} with learnable_scale, got {value!r}."
+            )
+        return value
+
+    def _set_scale(self, old: float, new: float) -> None:
+        if new == old:
             return  # a learnable scale is not rewritten through log(exp(x)), which may round
         if self.learnable_scale:
-            if value > self.max_scale:
-                raise ValueError(
-                    f"scale must be <= max_scale={self.max_scale!r} with learnable_scale, got {value!r}."
-                )
             with torch.no_grad():
-                self.logit_scale.fill_(math.log(value))
-        self._scale = value
+                self.logit_scale.fill_(math.log(new))
+        self._scale = new
+
+    #: The current scale (1 / temperature), as a float; the learned value when learnable (a view of
+    #: ``logit_scale`` then, which an assignment sets).
+    scale = Setting[float](view=_current_scale, validate=_check_scale, after=_set_scale)
 
     def _learnable_changed(self, old: object, new: bool) -> None:
         if new == old:

@@ -380,7 +380,8 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
     # ------------------------------------------------------------------ model card
 
     def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' keys, the same values for the same settings."""
+        """sentence-transformers' keys, the same values for the same settings (and an ``"auto"`` loss's memory
+        budget, which rebuilding it needs)."""
         from sentence_transformers.util import fullname
 
         return {
@@ -388,6 +389,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             "num_negatives": self.num_negatives,
             "activation_fn": fullname(self.activation_fn),
             "mini_batch_size": self.mini_batch_size,
+            **self._auto_config(),
         }
 
     @property

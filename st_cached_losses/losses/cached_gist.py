@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, cast
 
 import torch
@@ -10,9 +11,9 @@ from st_cached_losses.engine.features import batch_size_of, input_ids_by_row, mo
 from st_cached_losses.functional import scale_value
 from st_cached_losses.functional.options import Guide
 from st_cached_losses.functional.terms import gist_terms
-from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StepData
+from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StageOutput, StepData
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
-from st_cached_losses.losses.settings import Setting
+from st_cached_losses.losses.settings import Setting, check_own_candidates
 
 _NO_TOKENIZER = "Both the training model and the guiding model must have a tokenizer attribute."
 
@@ -24,7 +25,7 @@ class CachedGISTLoss(LearnableScale):
     def __init__(
         self,
         model: nn.Module,
-        guide: nn.Module,
+        guide: nn.Module | None = None,
         temperature: float = 0.01,
         mini_batch_size: int | str = 32,
         mini_batch_num_tokens: int | str | None = None,
@@ -37,12 +38,14 @@ class CachedGISTLoss(LearnableScale):
         *,
         learnable_scale: bool = False,
         max_scale: float = 100.0,
+        in_batch_negatives: bool = True,
         **engine: Unpack[LossStageOptions],
     ) -> None:
         """
         GISTEmbed's guided in-batch negatives with GradCache: a frozen guide model removes the in-batch
         negatives it rates above the positive (likely false negatives), exactly as sentence-transformers'
-        ``GISTEmbedLoss``, for batches of thousands in the memory of one encoder mini-batch.
+        ``GISTEmbedLoss``, for batches of thousands in the memory of one encoder mini-batch. Without a guide
+        (``guide=None``) the model guides itself with its own embeddings of the step, at no extra cost.
 
         The guide embeds each column once per step, mini-batch by mini-batch and without a graph (re-tokenising
         the texts when its tokenizer differs from the model's); it is never replayed nor trained. Its mask is
@@ -63,9 +66,14 @@ class CachedGISTLoss(LearnableScale):
 
         Args:
             model: the SentenceTransformer to train.
-            guide: a SentenceTransformer rating the pairs (any embedding size; cosine similarity); the model
-                itself is accepted (self-guidance, as in sentence-transformers): its embeddings for the guide
-                are then computed without a graph, in the mode the model is in (as theirs: no ``eval()``).
+            guide: a SentenceTransformer rating the pairs (any embedding size; cosine similarity), or None
+                (default): self-guided, the model rates the pairs with its own embeddings of this step (the
+                engine's first pass, detached: no guide model, no extra forward), so the mask follows the
+                model as it trains; the same loss as ``GISTEmbedLoss`` with a frozen copy of the model, taken
+                at this step, as the guide (on a model without dropout; with dropout, the mask is that of the
+                step's own forward). The model itself is accepted too (as in sentence-transformers): then it
+                embeds the batch once more without a graph, in the mode the model is in (as theirs: no
+                ``eval()``).
             temperature: divides the cosine similarities (``scale = 1 / temperature``).
             mini_batch_size: rows per encoder forward (the model's and the guide's), or ``"auto"``.
             mini_batch_num_tokens: a budget of real (non-padding) tokens per mini-batch instead of
@@ -73,7 +81,9 @@ class CachedGISTLoss(LearnableScale):
             show_progress_bar: tqdm bars over the mini-batches.
             margin_strategy: ``"absolute"``: remove a negative whose guide similarity exceeds the positive's
                 minus ``margin``; ``"relative"``: exceeds the positive's minus ``|positive's| * margin``.
-            margin: the margin of that rule (0: remove only negatives rated above the positive).
+            margin: the margin of that rule (0: remove only negatives rated above the positive). Negative
+                margins keep negatives rated a little above the positive: ``margin=-0.1`` (absolute) is
+                Qwen3-Embedding's rule, a negative is masked when it scores more than 0.1 above the positive.
             contrast_anchors: also contrast each anchor with this process's other anchors.
             contrast_positives: also contrast each positive with every other positive.
             gather_across_devices: score each process's anchors against every process's positives and
@@ -82,6 +92,11 @@ class CachedGISTLoss(LearnableScale):
                 (sentence-transformers' GIST losses have a fixed temperature); give the trainer
                 ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it.
             max_scale: the clamp of a learned scale.
+            in_batch_negatives: contrast with the other rows' candidates (default); False: each anchor against
+                its own positive and its own hard negatives only, those the guide rates above the positive
+                removed (GIST's filter of mined hard negatives), across processes too (nothing is gathered).
+                ``contrast_anchors`` / ``contrast_positives`` contrast other rows, so they do not apply then.
+                Needs hard-negative columns.
 
         References:
             - Solatorio, GISTEmbed: Guided In-sample Selection of Training Negatives for Text Embedding
@@ -114,28 +129,33 @@ class CachedGISTLoss(LearnableScale):
         self.margin = margin
         self.contrast_anchors = contrast_anchors
         self.contrast_positives = contrast_positives
+        self.in_batch_negatives = in_batch_negatives
         self._init_learnable_scale(learnable_scale, max_scale)
 
     @property
-    def guide(self) -> nn.Module:
-        """The guide model (a registered submodule, as in sentence-transformers). Assigning one checks it as at
-        construction and decides again whether it reads the model's token ids or the re-tokenised texts."""
-        return self._modules["guide"]  # type: ignore[return-value]
+    def guide(self) -> nn.Module | None:
+        """The guide model (a registered submodule, as in sentence-transformers), or None: self-guided, the
+        model's own first-pass embeddings rate the pairs. Assigning a model checks it as at construction and
+        decides again whether it reads the model's token ids or the re-tokenised texts."""
+        return self._modules["guide"]
 
     @guide.setter
-    def guide(self, value: nn.Module) -> None:
+    def guide(self, value: nn.Module | None) -> None:
         self._check_guide(value, self.gather_across_devices)
         self._modules["guide"] = value
-        self.must_retokenize = self._must_retokenize(value)
+        self.must_retokenize = value is not None and self._must_retokenize(value)
+
+    @property
+    def self_guided(self) -> bool:
+        """Whether the model guides itself (``guide=None``): the mask is computed from the embeddings of the
+        engine's first pass, the very ones the loss is computed from (detached), with no guide model and no
+        extra forward."""
+        return self.guide is None
 
     @staticmethod
-    def _check_guide(guide: nn.Module, gather: bool) -> None:
+    def _check_guide(guide: nn.Module | None, gather: bool) -> None:
         if guide is None:
-            raise ValueError(
-                "CachedGISTLoss needs a guide model, got guide=None: pass a SentenceTransformer that rates the "
-                "pairs, e.g. CachedGISTLoss(model, SentenceTransformer('all-MiniLM-L6-v2')) (the model before "
-                "fine-tuning, or a stronger one), or the model itself for self-guidance: CachedGISTLoss(model, model)."
-            )
+            return  # self-guided
         if not hasattr(guide, "tokenizer"):
             raise ValueError(_NO_TOKENIZER)
         size = getattr(guide, "get_embedding_dimension", None) or getattr(
@@ -162,7 +182,7 @@ class CachedGISTLoss(LearnableScale):
 
     def _check_gathered_guide(self, value: bool) -> bool:
         # the guide's embeddings are gathered too: a guide of unknown size is refused here as at construction
-        if value and "guide" in self._modules:
+        if value and self._modules.get("guide") is not None:
             self._check_guide(self.guide, True)
         return value
 
@@ -171,6 +191,8 @@ class CachedGISTLoss(LearnableScale):
     margin = Setting[float]()
     contrast_anchors = Setting[bool]()
     contrast_positives = Setting[bool]()
+    #: False: each anchor against its own positive and hard negatives only (no in-batch negatives)
+    in_batch_negatives = Setting[bool]()
 
     def get_config_dict(self) -> dict[str, Any]:
         """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values, then the extras
@@ -191,7 +213,10 @@ class CachedGISTLoss(LearnableScale):
     # ------------------------------------------------------------------ forward
 
     def _step_data(self, features: list[dict[str, Any]]) -> StepData:
-        """The guide's embeddings of the batch (no graph), where the model's embeddings are."""
+        """The guide's embeddings of the batch (no graph), where the model's embeddings are; self-guided,
+        nothing: the loss stage takes the model's own (`_guided_by_itself`)."""
+        if self.guide is None:
+            return StepData()
         guide_features = self._guide_features(features)
         with torch.no_grad():
             guided = self.cache.embed(self.guide, guide_features)
@@ -206,17 +231,40 @@ class CachedGISTLoss(LearnableScale):
                 "(loss(features, labels)), which embeds them with the guide, rather than calculate_loss directly."
             )
         terms = gist_terms(
-            self.contrast_anchors, self.contrast_positives, n_columns, self.margin_strategy, self.margin
-        )
+            self.contrast_anchors, self.contrast_positives, n_columns, self.margin_strategy, self.margin,
+            self.in_batch_negatives,
+        )  # fmt: skip
         return LossTerms(terms, "cosine", guide=Guide(g[0], g[1:]))
+
+    def _check_columns(self, features: list[dict[str, Any]]) -> None:
+        super()._check_columns(features)
+        if not self.in_batch_negatives:
+            check_own_candidates(len(features), type(self).__name__)
+
+    def _guided_by_itself(self, step: StepData, embeddings: list[Tensor]) -> StepData:
+        """Self-guided: this call's step with the embeddings themselves, detached, as the guide's. In GradCache's
+        stage 2 they are the first pass's embeddings, which the replay reproduces (its random state restored),
+        so the mask is the one of the very forward that is differentiated; a copy, so that a wrapper calling the
+        loss stage on other embeddings of the same step (MatryoshkaLoss's truncations) is guided by those."""
+        if self.guide is not None:
+            return step
+        return replace(step, guide=[e.detach() for e in embeddings])
+
+    def _loss_stage(
+        self, embeddings: list[Tensor], labels: Tensor | None, step: StepData, with_grad: bool
+    ) -> StageOutput:
+        return super()._loss_stage(embeddings, labels, self._guided_by_itself(step, embeddings), with_grad)
+
+    def _autograd_loss(self, embeddings: list[Tensor], labels: Tensor | None, step: StepData) -> Tensor:
+        return super()._autograd_loss(embeddings, labels, self._guided_by_itself(step, embeddings))
 
     def _guide_features(self, features: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The columns as the guide reads them: re-tokenised from the text when its tokenizer differs."""
+        guide = cast(Any, self.guide)
         if self.must_retokenize:
             decode = self._model_tokenizer.batch_decode
-            guide = cast(Any, self.guide)
             features = [
                 guide.preprocess(decode(input_ids_by_row(f), skip_special_tokens=True)) for f in features
             ]
-        device = model_device(self.guide)
+        device = model_device(guide)
         return [{k: v.to(device) if isinstance(v, Tensor) else v for k, v in f.items()} for f in features]

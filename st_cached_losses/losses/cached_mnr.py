@@ -28,9 +28,11 @@ from st_cached_losses.losses.settings import (
     VALID_DIRECTIONS,
     ConfigTuple,
     Setting,
-    check_bool,
     check_directions,
     check_hardness,
+    check_in_batch_negatives,
+    check_own_candidates,
+    is_symmetric,
     resolve_similarity,
     similarity_name,
 )
@@ -47,11 +49,14 @@ def ranking_terms(
     hardness_mode: str | None,
     hardness_strength: float,
     similarity: Similarity = "cosine",
+    in_batch_negatives: bool = True,
 ) -> LossTerms:
     """The core's ``terms`` for sentence-transformers' ranking options, and the duplicate keys that mask
     them (those of these rows: a wrapper may call the loss stage on other rows, and masks nothing then)."""
     keys = step.keys if step.keys is not None and len(step.keys[0]) == n_rows else None
-    terms = mnrl_terms(directions, partition_mode, hardness_mode, hardness_strength, n_columns)
+    terms = mnrl_terms(
+        directions, partition_mode, hardness_mode, hardness_strength, n_columns, in_batch_negatives
+    )
     return LossTerms(terms, similarity, keys=keys)
 
 
@@ -72,6 +77,15 @@ class CachedMNRLoss(LearnableScale):
 
     mask_duplicates = Setting[bool]()
 
+    def _check_in_batch_negatives(self, value: bool) -> bool:
+        check_in_batch_negatives(
+            value, self.directions or ONE_DIRECTION, self.hardness_mode, type(self).__name__
+        )
+        return value
+
+    #: False: each anchor against its own positive and hard negatives only (no in-batch negatives)
+    in_batch_negatives = Setting[bool](validate=_check_in_batch_negatives)
+
     def __init__(
         self,
         model: nn.Module,
@@ -89,6 +103,7 @@ class CachedMNRLoss(LearnableScale):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         mask_duplicates: bool = False,
+        in_batch_negatives: bool = True,
         **engine: Unpack[LossStageOptions],
     ) -> None:
         """
@@ -142,6 +157,12 @@ class CachedMNRLoss(LearnableScale):
                 processes: rows sharing their anchor or their positive are duplicates; a row's negatives lose
                 the positives of its duplicates, and any candidate equal to its own positive. With the
                 positive -> anchors direction, a positive's negatives lose the anchors of its row's duplicates.
+            in_batch_negatives: score each anchor against every row's candidates (default); False: against
+                its own positive and its own hard negatives only (FlagEmbedding's ``no_in_batch_neg_flag``),
+                across processes too (nothing is gathered then), e.g. for one dataset of a multi-dataset run
+                through a dict of losses. The loss stage is then ``B x K`` logits, no ``B x B`` block. Needs
+                hard-negative columns, ``directions=('query_to_doc',)`` and a ``hardness_mode`` other than
+                ``"in_batch_negatives"``.
 
         References:
             - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
@@ -202,6 +223,7 @@ class CachedMNRLoss(LearnableScale):
         self.hardness_strength = hardness_strength
         self.hardness_mode = hardness_mode
         self.mask_duplicates = mask_duplicates
+        self.in_batch_negatives = in_batch_negatives
         self._init_learnable_scale(learnable_scale, max_scale)
 
     def _resolve_similarity(self, old: object, new: Callable[..., Tensor] | str) -> None:
@@ -209,7 +231,9 @@ class CachedMNRLoss(LearnableScale):
 
     def _check_directions(self, value: Sequence[str]) -> tuple[str, ...]:
         # at construction, before partition_mode is set: checked as a pair when it is
-        return check_directions(value, self.partition_mode or "joint", type(self).__name__)
+        directions = check_directions(value, self.partition_mode or "joint", type(self).__name__)
+        check_in_batch_negatives(self.in_batch_negatives, directions, self.hardness_mode, type(self).__name__)
+        return directions
 
     def _check_partition_mode(self, value: str) -> str:
         check_directions(self.directions, value, type(self).__name__)
@@ -217,6 +241,7 @@ class CachedMNRLoss(LearnableScale):
 
     def _check_hardness_mode(self, value: str | None) -> str | None:
         check_hardness(value, self.hardness_strength, type(self).__name__)
+        check_in_batch_negatives(self.in_batch_negatives, self.directions, value, type(self).__name__)
         return value
 
     def _check_hardness_strength(self, value: float) -> float:
@@ -235,21 +260,18 @@ class CachedMNRLoss(LearnableScale):
         """The core's similarity: ``"cosine"``, ``"dot"`` (GEMM tiles) or the function itself."""
         return self._similarity
 
-    @property
-    def symmetric(self) -> bool:
-        """Whether the loss has the positive -> anchors direction too (``directions=('query_to_doc',
-        'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two settings. A view
-        of those two, not a setting of its own."""
-        return set(self.directions) == set(TWO_DIRECTIONS) and self.partition_mode == "per_direction"
-
-    @symmetric.setter
-    def symmetric(self, value: bool) -> None:
-        if check_bool("symmetric", value) == self.symmetric:
+    def _set_symmetric(self, old: bool, new: bool) -> None:
+        if new == old:
             return  # e.g. False for four directions: stays four directions
-        if value:
+        if new:
             self.directions, self.partition_mode = TWO_DIRECTIONS, "per_direction"
         else:
             self.directions = ONE_DIRECTION
+
+    #: Whether the loss has the positive -> anchors direction too (``directions=('query_to_doc',
+    #: 'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two settings. A view
+    #: of those two, not a setting of its own.
+    symmetric = Setting[bool](view=is_symmetric, after=_set_symmetric)
 
     @property
     def citation(self) -> str:
@@ -297,4 +319,10 @@ class CachedMNRLoss(LearnableScale):
             self.hardness_mode,
             self.hardness_strength,
             self.similarity,
+            self.in_batch_negatives,
         )
+
+    def _check_columns(self, features: list[dict[str, Any]]) -> None:
+        super()._check_columns(features)
+        if not self.in_batch_negatives:
+            check_own_candidates(len(features), type(self).__name__)

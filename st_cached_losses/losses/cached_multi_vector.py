@@ -284,7 +284,10 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
             "similarity_fct": scoring_config_name(fn),
             "mini_batch_size": self.mini_batch_size,
             "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "score_mini_batch_size": self.score_mini_batch_size,
+            # None where it follows an "auto" mini_batch_size: it rebuilds the same (their key takes a count)
+            "score_mini_batch_size": None
+            if self.score_mini_batch_size == "auto"
+            else self.score_mini_batch_size,
             "gather_across_devices": self.gather_across_devices,
         }
         return {**config, **self._changed_settings()}

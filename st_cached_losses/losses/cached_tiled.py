@@ -33,6 +33,7 @@ class CachedTiledLoss(CachedMNRLoss):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         mask_duplicates: bool = False,
+        in_batch_negatives: bool = True,
         memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
         **engine: Unpack[EngineOptions],
     ) -> None:
@@ -63,6 +64,9 @@ class CachedTiledLoss(CachedMNRLoss):
             memory_budget: bytes of logit tiles the loss stage may hold at once when ``tile_size`` is None.
             mask_duplicates: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s; with ``symmetric``, a positive's negatives lose the
                 anchors of its row's duplicates too, so both directions are masked alike.
+            in_batch_negatives: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s: False scores each anchor against its own
+                positive and hard negatives only (one direction); there are no tiles then (``B x K`` logits),
+                and across processes nothing travels around the ring.
 
         Every other argument is [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s, with the same default and meaning (``**engine``:
         the engine's knobs, [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]); the loss stage's ``path`` is
@@ -107,6 +111,7 @@ class CachedTiledLoss(CachedMNRLoss):
             learnable_scale=learnable_scale,
             max_scale=max_scale,
             mask_duplicates=mask_duplicates,
+            in_batch_negatives=in_batch_negatives,
             path="tiled",
             tile_size=tile_size,
             memory_budget=memory_budget,

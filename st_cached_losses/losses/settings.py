@@ -16,6 +16,7 @@ parameter in the signatures, and its use.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import logging
@@ -46,11 +47,14 @@ __all__ = [
     "check_bool",
     "check_directions",
     "check_hardness",
+    "check_in_batch_negatives",
     "check_infonce_weight",
     "check_max_scale",
     "check_nonnegative",
+    "check_own_candidates",
     "check_temperature",
     "closest_name_hint",
+    "is_symmetric",
     "resolve_similarity",
     "similarity_name",
 ]
@@ -201,6 +205,7 @@ SPECS: dict[str, Spec] = {
     "score_mini_batch_size": Spec(None, check_positive_int),
     "num_negatives": Spec(4, _num_negatives),
     "gather_across_devices": Spec(False, check_bool),
+    "in_batch_negatives": Spec(True, check_bool, "changed"),
     "mask_duplicates": Spec(False, check_bool, "changed"),
     "show_progress_bar": Spec(False, check_bool, "never"),
     "sort_by_length": Spec(True, check_bool, "never"),
@@ -227,7 +232,9 @@ class Setting(Generic[T]):
     settings it goes with), and followed by ``after`` where a change must reset or rebuild something.
 
     Args:
-        on_engine: kept on the loss's GradCache engine (``loss.cache.<name>``), for the engine's own settings.
+        on_engine: kept on the loss's GradCache engine (``loss.cache.<name>``), for the engine's own settings;
+            the engine's configuration is frozen, so a change builds the loss a new engine with it
+            (``dataclasses.replace``: the run state, ``cache.auto``, goes along).
         check: ``check(name, value) -> kept value``; default the spec's.
         validate: ``validate(loss, value) -> kept value``, after ``check``: a check that reads the loss.
         target: ``target(loss, name) -> holder``: the object that keeps the value as its attribute ``attr``
@@ -240,6 +247,10 @@ class Setting(Generic[T]):
         none_reads_as: the name of another setting that a value of None reads as (a default that follows it).
         fixed: a reason: the value is set at construction and then refused with this reason if it changes
             (a setting kept on the loss).
+        view: ``view(loss) -> value``: a setting that is a view of others (``temperature`` of ``scale``,
+            ``symmetric`` of ``directions`` and ``partition_mode``) or of state the loss keeps elsewhere (a
+            learned scale): it is read through ``view`` and keeps nothing itself; an assignment is checked
+            (``check``, ``validate``) and then made by ``after``, which writes what the view reads.
     """
 
     def __init__(
@@ -253,9 +264,10 @@ class Setting(Generic[T]):
         after: Callable[[Any, Any, Any], None] | None = None,
         none_reads_as: str | None = None,
         fixed: str | None = None,
+        view: Callable[[Any], Any] | None = None,
     ) -> None:
         self.on_engine, self.check, self.validate, self.target = on_engine, check, validate, target
-        self.after, self.none_reads_as, self.fixed = after, none_reads_as, fixed
+        self.after, self.none_reads_as, self.fixed, self.view = after, none_reads_as, fixed, view
         self.name = self.attr = attr or ""
 
     def __set_name__(self, owner: type, name: str) -> None:
@@ -269,6 +281,8 @@ class Setting(Generic[T]):
         return obj.cache if self.on_engine else None
 
     def _read(self, obj: Any) -> Any:
+        if self.view is not None:
+            return self.view(obj)
         holder = self._holder(obj)
         if holder is None and (self.target is not None):
             return None
@@ -310,6 +324,8 @@ class Setting(Generic[T]):
                 raise
 
     def _write(self, obj: Any, value: Any) -> None:
+        if self.view is not None:
+            return  # a view keeps nothing: its after hook writes what it reads
         holder = self._holder(obj)
         if holder is None and self.target is not None:
             return  # nothing keeps it (validate allowed only None)
@@ -318,6 +334,9 @@ class Setting(Generic[T]):
                 obj.__dict__.pop("_" + self.name, None)
             else:
                 obj.__dict__["_" + self.name] = value
+        elif self.on_engine:  # the engine's configuration is frozen: a changed setting is a new engine
+            if value is not _MISSING and getattr(holder, self.attr) != value:
+                obj.cache = dataclasses.replace(holder, **{self.attr: value})
         elif value is not _MISSING:
             setattr(holder, self.attr, value)
 
@@ -406,6 +425,12 @@ class ConfigTuple(tuple[str, ...]):
     __hash__ = tuple.__hash__
 
 
+def is_symmetric(loss: Any) -> bool:
+    """Whether ``loss`` has the CLIP pair of directions (``query_to_doc`` and ``doc_to_query``, per
+    direction): what its ``symmetric`` setting reads (a view of ``directions`` and ``partition_mode``)."""
+    return set(loss.directions) == set(TWO_DIRECTIONS) and loss.partition_mode == "per_direction"
+
+
 def check_directions(directions: Sequence[str], partition_mode: str, owner: str) -> tuple[str, ...]:
     """sentence-transformers' checks of ``directions`` and ``partition_mode`` (same rules and messages, plus
     the fix); every valid combination is computed."""
@@ -462,4 +487,37 @@ def check_hardness(hardness_mode: str | None, hardness_strength: float, owner: s
         logger.warning(
             f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
             "effect. Set hardness_strength to a positive value to enable hardness weighting."
+        )
+
+
+def check_in_batch_negatives(
+    in_batch_negatives: bool, directions: Sequence[str], hardness_mode: str | None, owner: str
+) -> None:
+    """``in_batch_negatives=False`` scores each anchor against its own candidates: only the ``query_to_doc``
+    direction has any (the others score a row against other rows), and ``hardness_mode='in_batch_negatives'``
+    would weigh negatives that are not there."""
+    if in_batch_negatives:
+        return
+    if tuple(directions) != ONE_DIRECTION:
+        raise ValueError(
+            f"{owner}: in_batch_negatives=False scores each anchor against its own positive and hard negatives "
+            f"only, so directions must be ('query_to_doc',), got {tuple(directions)!r} (the other directions score "
+            "a row against other rows). Set directions=('query_to_doc',) or in_batch_negatives=True."
+        )
+    if hardness_mode == "in_batch_negatives":
+        raise ValueError(
+            f"{owner}: hardness_mode='in_batch_negatives' weighs in-batch negatives, which in_batch_negatives=False "
+            "removes; use hardness_mode='hard_negatives' (or 'all_negatives') to weigh the own hard negatives."
+        )
+
+
+def check_own_candidates(n_columns: int, owner: str) -> None:
+    """A batch for ``in_batch_negatives=False`` has hard-negative columns: with pairs alone each row's softmax
+    holds its positive only (a loss of 0, no gradient)."""
+    if n_columns < 3:
+        raise ValueError(
+            f"{owner} with in_batch_negatives=False scores each anchor against its own positive and hard "
+            f"negatives only, and this batch has {n_columns} columns (no hard negative): the loss would be 0. "
+            "Give the dataset hard-negative columns (anchor, positive, negative, ...), or set "
+            "in_batch_negatives=True for this dataset."
         )

@@ -26,6 +26,7 @@ from st_cached_losses.losses.settings import (
     check_bool,
     check_directions,
     check_hardness,
+    is_symmetric,
     resolve_similarity,
 )
 from st_cached_losses.losses.settings import check_nonnegative as weight_value  # the weights' one check
@@ -179,20 +180,17 @@ class SparseLossSettings(CachedInfoNCEBase):
     def similarity(self) -> Similarity:
         return self._core_options()[1]
 
-    @property
-    def symmetric(self) -> bool:
-        """Whether the base loss has the CLIP pair of directions (``query_to_doc``, ``doc_to_query``, per
-        direction); setting it sets those on the base loss."""
-        return set(self.directions) == set(TWO_DIRECTIONS) and self.partition_mode == "per_direction"
-
-    @symmetric.setter
-    def symmetric(self, value: bool) -> None:
-        if check_bool("symmetric", value) == self.symmetric:
+    def _set_symmetric(self, old: bool, new: bool) -> None:
+        if new == old:
             return
         base: Any = self._mnrl("symmetric")
         base.directions, base.partition_mode = (
-            (TWO_DIRECTIONS, "per_direction") if value else (ONE_DIRECTION, base.partition_mode)
+            (TWO_DIRECTIONS, "per_direction") if new else (ONE_DIRECTION, base.partition_mode)
         )
+
+    #: Whether the base loss has the CLIP pair of directions (``query_to_doc``, ``doc_to_query``, per
+    #: direction); setting it sets those on the base loss (a view of its two settings).
+    symmetric = Setting[bool](view=is_symmetric, after=_set_symmetric)
 
     def _core_options(self) -> tuple[float, Similarity]:
         """The base loss's settings, checked (again whenever they changed, however they were set): the

@@ -40,7 +40,6 @@ def test_directions_as_a_yaml_list(tmp_path):
         (["--directions", "query_to_doc,query_to_dok"], "query_to_query|query_to_doc"),
         (["--directions", "query_to_doc,doc_to_doc", "--partition_mode", "per_direction"], "joint"),
         (["--hardness_mode", "hardest"], "hardness_mode"),
-        (["--loss", "gist"], "guide_model"),
         (["--guide_model", "x"], "guide_model applies to loss='gist' only"),
         (["--margin", "0.1"], "margin applies to loss='gist' only"),
         (

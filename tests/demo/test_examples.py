@@ -238,6 +238,25 @@ def test_multi_dataset_example_trains_one_dataset_per_step(tmp_path, tiny_model)
     parser = CachedLossArgumentParser((module.ExampleArguments, CachedLossTrainingArguments))
     _, args = parser.parse_command_line([str(EXAMPLES / "configs" / "multi_dataset.yaml")], module.DEFAULTS)
     assert args.multi_dataset_batch_sampler.func is SameDatasetBatchSampler
+    assert (args.loss, args.margin, args.guide_model) == ("gist", -0.1, None)  # the BGE-style recipe
+
+
+@pytest.mark.slow
+def test_multi_dataset_example_the_bge_style_recipe(tmp_path, tiny_model):
+    """The YAML's recipe on the tiny model: a self-guided CachedGISTLoss per dataset, one dataset (the one with
+    a mined hard negative) scored against its own candidates only, a learnable scale saved by the callback."""
+    from st_cached_losses import CachedGISTLoss
+
+    module = load_example("train_multi_dataset")
+    recipe = ["--loss", "gist", "--margin", "-0.1", "--own_negatives_datasets", "summary_to_code"]
+    argv = ["--model_name_or_path", tiny_model, "--output_dir", str(tmp_path / "out"), *TINY, *recipe]
+    trainer, _ = module.main([*argv, "--learnable_scale", "true"])
+    losses = dict(trainer.loss.items())
+    assert set(losses) == {"summary_to_code", "code_to_summary", "name_to_code"}
+    assert all(isinstance(x, CachedGISTLoss) and x.self_guided for x in losses.values())
+    assert [name for name, x in losses.items() if not x.in_batch_negatives] == ["summary_to_code"]
+    assert trainer.train_dataset["summary_to_code"].column_names == ["query", "document", "negative"]
+    assert trainer.state.global_step == 2
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,8 @@ embeddings back in place; ``mini_batch_num_tokens`` was refused (no attention ma
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from sentence_transformers.sentence_transformer import losses as st_losses
@@ -349,7 +351,7 @@ def _ddp_worker(rank: int, world: int, path: str, sizes: list[int], options: dic
     start = sum(sizes[:rank])
     feats = [tokenize(model, t[start : start + sizes[rank]], flat=True) for t in cols]
     loss_fn = CachedMNRLoss(model, gather_across_devices=True, **options)
-    loss_fn.cache.agree_mini_batches = agree
+    loss_fn.cache = dataclasses.replace(loss_fn.cache, agree_mini_batches=agree)  # the engine is frozen
     loss_fn.model = DDP(model)  # what sentence-transformers' trainer does with a wrapped model
     loss = loss_fn(feats, None)
     loss.backward()

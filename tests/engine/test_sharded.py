@@ -10,6 +10,7 @@ one rank only fail every rank in bounded time with an error naming that rank and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import time
 
@@ -338,7 +339,7 @@ def _ddp_worker(rank: int, world: int, path: str, names: list[str], sizes: list[
 
         ddp.register_comm_hook(None, counting_hook)
         loss = make_loss(name, model, mini_batch_size=4, mini_batch_num_tokens=40)
-        loss.cache.agree_mini_batches = True
+        loss.cache = dataclasses.replace(loss.cache, agree_mini_batches=True)  # the engine is frozen
         loss.model = ddp
         per_step = []
         for step in range(STEPS):

@@ -54,8 +54,8 @@ DENSE = [
     (CachedMNRLoss, {"directions": TWO, "partition_mode": "per_direction"}),
     (CachedMNRLoss, {"directions": FOUR, "hardness_mode": "in_batch_negatives", "hardness_strength": 9.0}),
     (CachedMNRLoss, {"scale": 50.0, "similarity_fct": dot_score, "mask_duplicates": True, "path": "tiled"}),
-    # "auto" without a memory budget is refused at construction off CUDA (issue 45), and the config dict does
-    # not carry the engine's budget: the token budget's round trip is checked with a fixed mini_batch_size
+    # "auto" without a memory budget is refused at construction off CUDA (issue 45): an "auto" loss's config
+    # carries its budget (test_an_auto_loss_rebuilds_from_its_config); here a fixed token budget
     (CachedMNRLoss, {"mini_batch_size": 8, "mini_batch_num_tokens": 64}),
     (CachedCLIPLoss, {}),
     (CachedCLIPLoss, {"learnable_scale": True, "scale": 14.0, "max_scale": 50.0}),
@@ -174,3 +174,42 @@ def test_sparse_regularizers_stay_flops(models):
         model, SparseMultipleNegativesRankingLoss(model), 3e-5, document_regularizer_threshold=10
     )
     assert isinstance(loss.document_regularizer, FlopsLoss)
+
+
+@pytest.mark.parametrize(
+    "sizes", [{"mini_batch_size": "auto"}, {"mini_batch_size": 8, "mini_batch_num_tokens": "auto"}]
+)
+@pytest.mark.parametrize("kind", ["dense", "multi_vector", "cross_encoder"])
+def test_an_auto_loss_rebuilds_from_its_config(models, tmp_path, kind, sizes):
+    """The config of a loss whose mini-batches are "auto" carries what rebuilding it needs: "auto" and its
+    memory budget (off CUDA an "auto" loss without a budget is refused); the multi-vector scoring chunk that
+    follows an "auto" mini_batch_size is written as None (their key takes a count)."""
+    from st_cached_losses import CachedCrossEncoderLoss
+    from tests.support.tiny_model import make_tiny_cross_encoder
+
+    if kind == "cross_encoder" and "mini_batch_num_tokens" in sizes:
+        pytest.skip("sentence-transformers' reranker config has no mini_batch_num_tokens key")
+    cls, model = {
+        "dense": (CachedMNRLoss, models["dense"]),
+        "multi_vector": (CachedMultiVectorLoss, models["multi_vector"]),
+        "cross_encoder": (CachedCrossEncoderLoss, None),
+    }[kind]
+    if model is None:
+        model = make_tiny_cross_encoder(tmp_path / "ce")
+    loss = cls(model, **sizes, mini_batch_memory_budget="64MB")
+    config = loss.get_config_dict()
+    assert config["mini_batch_memory_budget"] == 64_000_000
+    assert {k: config[k] for k in sizes} == sizes
+    if kind == "multi_vector":
+        assert config["score_mini_batch_size"] == (None if sizes["mini_batch_size"] == "auto" else 8)
+    rebuilt = cls(model, **config)
+    again = rebuilt.get_config_dict()
+    if kind == "cross_encoder":  # its activation_fn is written as a name: compared apart (not this test's)
+        again.pop("activation_fn"), config.pop("activation_fn")
+    assert again == config
+    assert (rebuilt.mini_batch_memory_budget, rebuilt.mini_batch_size) == (
+        64_000_000,
+        sizes["mini_batch_size"],
+    )
+    fixed = cls(model, mini_batch_size=8)
+    assert "mini_batch_memory_budget" not in fixed.get_config_dict()

@@ -19,13 +19,13 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "bert", dropout=0.0)
 
 
-def test_gist_without_a_guide_says_a_guide_model_is_required(model):
-    """Not sentence-transformers' "must have a tokenizer attribute": what is missing, and what to pass."""
-    with pytest.raises(ValueError, match=r"needs a guide model, got guide=None: pass a SentenceTransformer"):
-        CachedGISTLoss(model, None)
+def test_gist_without_a_guide_is_self_guided_and_a_guide_without_tokenizer_is_refused(model):
+    """guide=None is self-guidance (the model's own embeddings), not an error; a module without a tokenizer
+    is refused in sentence-transformers' words."""
+    assert CachedGISTLoss(model, None).self_guided
     loss = CachedGISTLoss(model, model)
-    with pytest.raises(ValueError, match="needs a guide model"):
-        loss.guide = None
+    loss.guide = None
+    assert loss.self_guided
     with pytest.raises(ValueError, match="tokenizer attribute"):  # a module without one: their words
         CachedGISTLoss(model, model[1])
 

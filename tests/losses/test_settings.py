@@ -144,3 +144,23 @@ def test_the_tiled_loss_path_is_read_only(model):
     ):
         loss.path = "chunked"
     assert loss.path == "tiled"
+
+
+def test_an_engine_setting_builds_a_new_frozen_engine(model):
+    """A loss's engine setting changes the engine by building a new one (its configuration is frozen): the
+    loss reads the new value, the old engine is unchanged, the run state goes along and a change of a size
+    forgets what "auto" chose."""
+    loss = st_cached_losses.CachedMNRLoss(model, mini_batch_size=4)
+    engine, auto = loss.cache, loss.cache.auto
+    loss.sort_by_length = False
+    assert loss.cache is not engine and loss.cache.sort_by_length is False and engine.sort_by_length is True
+    assert loss.cache.auto is auto
+    same = loss.cache
+    loss.sort_by_length = False  # the current value: the same engine
+    assert loss.cache is same
+    auto.size = 3
+    loss.mini_batch_size = 8
+    assert (loss.mini_batch_size, loss.cache.mini_batch_size, auto.size) == (8, 8, None)
+    with pytest.raises(ValueError, match="mini_batch_size must be a positive integer"):
+        loss.mini_batch_size = 0
+    assert loss.cache.mini_batch_size == 8

@@ -5,6 +5,8 @@ what the replay gets, and the dense form where it would not save memory or not b
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from sentence_transformers.sparse_encoder import losses as sparse_losses
@@ -60,7 +62,7 @@ class Spy:
 def dense_twin(model, **kwargs):
     """Our loss with the engine's dense cache (no form)."""
     loss = ours(model, **kwargs)
-    loss.cache.form = None
+    loss.cache = dataclasses.replace(loss.cache, form=None)  # the engine is frozen: a new one
     return loss
 
 
