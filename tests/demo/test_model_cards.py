@@ -46,7 +46,9 @@ CARDS: dict[str, tuple[str, type, str, list[str]]] = {
         "examples/train_cached_cross_encoder.py", CachedCrossEncoderTrainingArguments, "cross_encoder", []
     ),
     "accelerate.md": ("examples/train_accelerate.py", CachedLossTrainingArguments, "dense", []),
-    "cached_distill.md": ("examples/train_cached_distill.py", CachedLossTrainingArguments, "dense", []),
+    "cached_distill.md": (
+        "examples/train_cached_distill.py", CachedLossTrainingArguments, "dense", ["--train_pairs", "64", "--eval_pairs", "128"]
+    ),
 }  # fmt: skip
 
 
