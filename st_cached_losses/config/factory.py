@@ -13,7 +13,7 @@ from typing import Any, cast
 
 from torch import nn
 
-from st_cached_losses.config.registry import BASE_LOSSES, MODEL_KINDS
+from st_cached_losses.config.registry import BASE_LOSSES, DISTILLATION_LOSSES, MODEL_KINDS
 from st_cached_losses.config.training_args import ARGUMENTS_CLASSES, CachedLossArguments, user_stacklevel
 from st_cached_losses.losses import CachedCrossEncoderLoss, CachedGISTLoss, CachedInfoNCEBase
 
@@ -125,6 +125,15 @@ def check_dataset_columns(dataset: Any, args: CachedLossArguments, name: str = "
             "A 'label'/'score' column is not a text column. Add a positive column, e.g. "
             "dataset.add_column('positive', ...)."
         )
+    if args.loss in DISTILLATION_LOSSES:
+        labels = [c for c in LABEL_COLUMNS if c in column_names]
+        if len(texts) < 3 or not labels:
+            raise ValueError(
+                f"{name} has columns {list(column_names)}, so {loss_name} (loss={args.loss!r}) would get "
+                f"{len(texts)} text column(s) {texts} and {'label column ' + repr(labels[0]) if labels else 'no label column'}; "
+                "it needs (query, positive, negative_1[, ...]) text columns and the teacher's scores in a 'label' "
+                "(or 'score') column: one score per candidate column (or, for a margin loss, the margins)."
+            )
     num_rows = getattr(dataset, "num_rows", None)
     if num_rows == 0:
         raise ValueError(f"{name} is empty: there is nothing to train {loss_name} on.")

@@ -16,10 +16,14 @@ from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesR
 from st_cached_losses.losses import (
     CachedCLIPLoss,
     CachedCrossEncoderLoss,
+    CachedDistillKLDivLoss,
     CachedGISTLoss,
     CachedInfoNCEBase,
+    CachedMarginMSELoss,
     CachedMNRLoss,
+    CachedMultiVectorDistillKLDivLoss,
     CachedMultiVectorLoss,
+    CachedMultiVectorMarginMSELoss,
     CachedSparseLoss,
     CachedTiledLoss,
 )
@@ -30,6 +34,7 @@ __all__ = [
     "DEFAULT_GIST_TEMPERATURE",
     "DEFAULT_SCALE",
     "DEFAULT_SCALE_LEARNING_RATE",
+    "DISTILLATION_LOSSES",
     "FIELD_NAMES",
     "LOSSES",
     "LOSS_ALIASES",
@@ -51,7 +56,13 @@ LOSSES: dict[str, type[CachedInfoNCEBase] | type[CachedCrossEncoderLoss]] = {
     "sparse": CachedSparseLoss,
     "multi_vector": CachedMultiVectorLoss,
     "cross_encoder": CachedCrossEncoderLoss,
+    "distill_kl": CachedDistillKLDivLoss,
+    "margin_mse": CachedMarginMSELoss,
+    "multi_vector_distill_kl": CachedMultiVectorDistillKLDivLoss,
+    "multi_vector_margin_mse": CachedMultiVectorMarginMSELoss,
 }
+#: the distillation losses: teacher scores in the dataset's label column, at least one negative column
+DISTILLATION_LOSSES = ("distill_kl", "margin_mse", "multi_vector_distill_kl", "multi_vector_margin_mse")
 #: every accepted spelling (case-insensitive) -> canonical name
 LOSS_ALIASES: dict[str, str] = {
     **{name: name for name in LOSSES},
@@ -60,6 +71,7 @@ LOSS_ALIASES: dict[str, str] = {
     "multivector": "multi_vector",
     "cross-encoder": "cross_encoder",
     "crossencoder": "cross_encoder",
+    **{name.replace("_", "-"): name for name in DISTILLATION_LOSSES},
 }
 #: sentence-transformers' cached losses (their class names, lower case) -> ours, by the model kind they train:
 #: a run written for theirs names its loss as before. Two of theirs share the name
@@ -71,6 +83,11 @@ ST_LOSS_NAMES: dict[str, dict[str, str]] = {
     "cachedgistembedloss": {"SentenceTransformer": "gist"},
     "cachedspladeloss": {"SparseEncoder": "sparse"},
     "cachedmultivectormultiplenegativesrankingloss": {"MultiVectorEncoder": "multi_vector"},
+    # their non-cached distillation losses (they have no cached ones)
+    "distillkldivloss": {"SentenceTransformer": "distill_kl"},
+    "marginmseloss": {"SentenceTransformer": "margin_mse"},
+    "multivectordistillkldivloss": {"MultiVectorEncoder": "multi_vector_distill_kl"},
+    "multivectormarginmseloss": {"MultiVectorEncoder": "multi_vector_margin_mse"},
 }
 #: the model (and trainer) each loss trains: sentence-transformers' class names
 MODEL_KINDS: dict[str, str] = {name: cls.model_kind for name, cls in LOSSES.items()}
@@ -140,6 +157,13 @@ DEFAULT_SCALE = 20.0
 LOSS_DEFAULT_SCALES: dict[str, float] = {
     name: _st_default_scale(name) for name in ("sparse", "multi_vector", "cross_encoder")
 }
+# the KL losses' temperature (1.0, as theirs) is the inverse of the scale field's default
+LOSS_DEFAULT_SCALES.update(
+    {
+        name: 1.0 / float(loss_parameters(name)["temperature"].default)
+        for name in ("distill_kl", "multi_vector_distill_kl")
+    }
+)
 #: GISTEmbedLoss's default temperature (scale 100), used by loss='gist' when neither scale nor temperature is given
 DEFAULT_GIST_TEMPERATURE = 0.01
 #: the default learning rate of a learnable scale (its own optimizer group, see ``scale_learning_rate``)

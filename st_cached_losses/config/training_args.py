@@ -148,11 +148,17 @@ _LOSS_HELP = (
     "SentenceTransformer; 'sparse' (CachedSparseLoss, SPLADE: SparseMultipleNegativesRankingLoss plus "
     "FLOPS regularisers; needs document_regularizer_weight) for a SparseEncoder; 'multi_vector' "
     "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder; "
-    "'cross_encoder' (CachedCrossEncoderLoss, a reranker's in-batch negatives ranking loss) for a CrossEncoder. "
+    "'cross_encoder' (CachedCrossEncoderLoss, a reranker's in-batch negatives ranking loss) for a CrossEncoder; "
+    "distillation from teacher scores in the label column: 'distill_kl' (CachedDistillKLDivLoss) and "
+    "'margin_mse' (CachedMarginMSELoss) for a SentenceTransformer, 'multi_vector_distill_kl' and "
+    "'multi_vector_margin_mse' for a MultiVectorEncoder (optionally plus an in-batch InfoNCE term: "
+    "infonce_weight). "
     "Our class names are accepted too, and sentence-transformers' cached loss class names for the loss that "
     "replaces each (CachedMultipleNegativesRankingLoss: 'mnr', or 'cross_encoder' with the CrossEncoder's "
     "arguments; CachedMultipleNegativesSymmetricRankingLoss: 'clip'; CachedGISTEmbedLoss: 'gist'; "
-    "CachedSpladeLoss: 'sparse'; CachedMultiVectorMultipleNegativesRankingLoss: 'multi_vector')."
+    "CachedSpladeLoss: 'sparse'; CachedMultiVectorMultipleNegativesRankingLoss: 'multi_vector'; their "
+    "non-cached DistillKLDivLoss, MarginMSELoss, MultiVectorDistillKLDivLoss, MultiVectorMarginMSELoss: the "
+    "distillation loss of the same name)."
 )
 
 
@@ -399,6 +405,26 @@ class CachedLossArguments(BaseTrainingArguments):
         "num_negatives",
         "'cross_encoder' only: documents of other rows scored against each query, drawn at random as "
         "sentence-transformers' reranker loss draws them (default 4); 'all' (or None): every other row's documents.",
+    )
+    student_temperature: Optional[float] = _spec_field(  # noqa: UP045
+        "student_temperature",
+        "'distill_kl' / 'multi_vector_distill_kl' only: the student's softmax temperature (default: temperature, "
+        "which sets both softmaxes; the loss is multiplied by student_temperature ** 2).",
+    )
+    teacher_temperature: Optional[float] = _spec_field(  # noqa: UP045
+        "teacher_temperature",
+        "'distill_kl' / 'multi_vector_distill_kl' only: the teacher's softmax temperature (default: temperature).",
+    )
+    infonce_weight: float = _spec_field(
+        "infonce_weight",
+        "Distillation losses only: the weight of an in-batch InfoNCE term added to the teacher's loss (each query "
+        "against every row's candidates, the first candidate column the positive; across processes with "
+        "gather_across_devices); 0: the distillation loss alone.",
+    )
+    infonce_scale: Optional[float] = _spec_field(  # noqa: UP045
+        "infonce_scale",
+        "Distillation losses only: the InfoNCE term's scale (1 / its temperature); default the loss's own: 20 "
+        "(dense), 1 (multi-vector, MaxSim sums over query tokens).",
     )
     same_dataset_order: str = _spec_field(
         "same_dataset_order",
@@ -672,12 +698,25 @@ _LOSS_DEFAULT = object()
 
 def _similarity_functions(loss: str) -> dict[str, Any]:
     """The similarity callables a loss takes ('sparse': sentence-transformers' ``cos_sim`` / ``dot_score``;
-    'multi_vector': the multi-vector scores), by the ``similarity`` field's names; empty for the others."""
+    'multi_vector': the multi-vector scores; the distillation losses: their pairwise scores), by the ``similarity`` field's names; empty for the others."""
     from sentence_transformers.multi_vector_encoder import scoring
-    from sentence_transformers.util import cos_sim, dot_score
+    from sentence_transformers.util import cos_sim, dot_score, pairwise_cos_sim, pairwise_dot_score
 
+    pairwise = {"cosine": pairwise_cos_sim, "dot": pairwise_dot_score}
     functions: dict[str, dict[str, Any]] = {
         "sparse": {"cosine": cos_sim, "dot": dot_score},
+        "distill_kl": pairwise,
+        "margin_mse": pairwise,
+        "multi_vector_distill_kl": {
+            "maxsim": scoring.colbert_kd_scores,
+            "meanmaxsim": scoring.mean_colbert_kd_scores,
+            "xtr": scoring.xtr_kd_scores,
+        },
+        "multi_vector_margin_mse": {
+            "maxsim": scoring.colbert_scores_pairwise,
+            "meanmaxsim": scoring.mean_colbert_scores_pairwise,
+            "xtr": scoring.xtr_scores_pairwise,
+        },
         "multi_vector": {
             "maxsim": scoring.colbert_scores,
             "meanmaxsim": scoring.mean_colbert_scores,
@@ -869,11 +908,11 @@ def _validate_similarity(args: CachedLossArguments) -> None:
         if args.similarity != "cosine":
             raise ValueError("loss='gist' compares cosine similarities; remove similarity (or set 'cosine').")
         return
-    if args.loss == "multi_vector":
+    if str(args.loss).startswith("multi_vector"):
         name = str(args.similarity).lower()
-        if name not in (scores := _similarity_functions("multi_vector")):
+        if name not in (scores := _similarity_functions(args.loss)):
             raise ValueError(
-                f"similarity for loss='multi_vector' must be 'maxsim', 'meanmaxsim' or 'xtr' (the multi-vector "
+                f"similarity for loss={args.loss!r} must be 'maxsim', 'meanmaxsim' or 'xtr' (the multi-vector "
                 f"scores), got {args.similarity!r}.{closest_name_hint(name, list(scores))}"
             )
         args.similarity = name

@@ -108,3 +108,26 @@ CONTACCUM_CITATION = """
     primaryClass={cs.IR}
 }
 """
+
+DISTILL_KL_CITATION = """
+@misc{lin2020distillingdenserepresentationsranking,
+      title={Distilling Dense Representations for Ranking using Tightly-Coupled Teachers},
+      author={Sheng-Chieh Lin and Jheng-Hong Yang and Jimmy Lin},
+      year={2020},
+      eprint={2010.11386},
+      archivePrefix={arXiv},
+      primaryClass={cs.IR},
+      url={https://arxiv.org/abs/2010.11386},
+}
+"""
+
+MARGIN_MSE_CITATION = """
+@misc{hofstätter2021improving,
+    title={Improving Efficient Neural Ranking Models with Cross-Architecture Knowledge Distillation},
+    author={Sebastian Hofstätter and Sophia Althammer and Michael Schröder and Mete Sertkan and Allan Hanbury},
+    year={2021},
+    eprint={2010.02666},
+    archivePrefix={arXiv},
+    primaryClass={cs.IR}
+}
+"""

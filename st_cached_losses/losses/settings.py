@@ -48,10 +48,12 @@ __all__ = [
     "check_directions",
     "check_hardness",
     "check_in_batch_negatives",
+    "check_infonce_weight",
     "check_max_scale",
     "check_negative_bank",
     "check_nonnegative",
     "check_own_candidates",
+    "check_temperature",
     "closest_name_hint",
     "is_symmetric",
     "resolve_similarity",
@@ -125,6 +127,26 @@ def check_nonnegative(name: str, value: Any, *, optional: bool = True, example: 
 
 #: a FLOPS threshold's check
 _THRESHOLD = functools.partial(check_nonnegative, example="100 (non-zero entries)")
+
+
+def check_temperature(name: str, value: Any) -> Any:
+    """A distillation loss's softmax temperature: positive and finite (sentence-transformers' rule and words);
+    None where it follows ``temperature`` (the student's and the teacher's)."""
+    if value is None and name != "temperature":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {value}.")
+    return float(value)
+
+
+def check_infonce_weight(name: str, value: Any) -> float:
+    """The weight of a distillation loss's in-batch InfoNCE term: a finite number >= 0 (0: the distillation
+    loss alone)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ValueError(
+            f"{name} must be a finite number >= 0 (0: no in-batch InfoNCE term), got {value!r}; e.g. 0.1."
+        )
+    return float(value)
 
 
 def _scale(name: str, value: Any) -> float:
@@ -234,6 +256,10 @@ SPECS: dict[str, Spec] = {
     "memory_budget": Spec(DEFAULT_MEMORY_BUDGET, _budget, "never"),
     "graph_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
     "mini_batch_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
+    "student_temperature": Spec(None, check_temperature),
+    "teacher_temperature": Spec(None, check_temperature),
+    "infonce_weight": Spec(0.0, check_infonce_weight),
+    "infonce_scale": Spec(None, lambda name, value: None if value is None else scale_value(value, name)),
 }
 
 _MISSING: Any = object()

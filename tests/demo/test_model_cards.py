@@ -47,6 +47,9 @@ CARDS: dict[str, tuple[str, type, str, list[str]]] = {
     ),
     "accelerate.md": ("examples/train_accelerate.py", CachedLossTrainingArguments, "dense", []),
     "negative_bank.md": ("examples/train_negative_bank.py", CachedLossTrainingArguments, "dense", []),
+    "cached_distill.md": (
+        "examples/train_cached_distill.py", CachedLossTrainingArguments, "dense", ["--train_pairs", "64", "--eval_pairs", "128"]
+    ),
 }  # fmt: skip
 
 

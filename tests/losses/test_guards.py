@@ -13,9 +13,13 @@ from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesR
 from st_cached_losses import (
     CachedCLIPLoss,
     CachedCrossEncoderLoss,
+    CachedDistillKLDivLoss,
     CachedGISTLoss,
+    CachedMarginMSELoss,
     CachedMNRLoss,
+    CachedMultiVectorDistillKLDivLoss,
     CachedMultiVectorLoss,
+    CachedMultiVectorMarginMSELoss,
     CachedSparseLoss,
     CachedTiledLoss,
 )
@@ -26,7 +30,7 @@ from tests.support.tiny_model import (
     make_tiny_splade,
 )
 
-EMBEDDING = "CachedCLIPLoss, CachedGISTLoss, CachedMNRLoss, CachedTiledLoss"
+EMBEDDING = "CachedCLIPLoss, CachedDistillKLDivLoss, CachedGISTLoss, CachedMNRLoss, CachedMarginMSELoss, CachedTiledLoss"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +56,7 @@ LOSSES_FOR = {
     "SentenceTransformer": EMBEDDING,
     "CrossEncoder": "CachedCrossEncoderLoss",
     "SparseEncoder": "CachedSparseLoss",
-    "MultiVectorEncoder": "CachedMultiVectorLoss",
+    "MultiVectorEncoder": "CachedMultiVectorDistillKLDivLoss, CachedMultiVectorLoss, CachedMultiVectorMarginMSELoss",
 }
 KIND_OF = {
     CachedMNRLoss: "SentenceTransformer",
@@ -62,6 +66,10 @@ KIND_OF = {
     CachedSparseLoss: "SparseEncoder",
     CachedMultiVectorLoss: "MultiVectorEncoder",
     CachedCrossEncoderLoss: "CrossEncoder",
+    CachedDistillKLDivLoss: "SentenceTransformer",
+    CachedMarginMSELoss: "SentenceTransformer",
+    CachedMultiVectorDistillKLDivLoss: "MultiVectorEncoder",
+    CachedMultiVectorMarginMSELoss: "MultiVectorEncoder",
 }
 
 
@@ -100,7 +108,12 @@ GIST_LACKS = {
 def test_a_setting_of_another_loss_is_refused_naming_it(models, name, value):
     st = models["SentenceTransformer"]
     loss = CachedGISTLoss(st, st)
-    owners = "CachedCLIPLoss, CachedMNRLoss"
+    # (the distillation losses score with a similarity_fct of their own too)
+    owners = (
+        "CachedCLIPLoss, CachedDistillKLDivLoss, CachedMNRLoss"
+        if name == "similarity_fct"
+        else "CachedCLIPLoss, CachedMNRLoss"
+    )
     with pytest.raises(
         ValueError, match=rf"CachedGISTLoss has no setting '{name}': it is a setting of {owners}"
     ):

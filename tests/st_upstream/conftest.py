@@ -4,7 +4,9 @@ Every test of this folder runs twice: ``[theirs]`` as their file is written, and
 names bound to ours in the test's module (``CachedMultipleNegativesRankingLoss = CachedMNRLoss``,
 ``CachedMultipleNegativesSymmetricRankingLoss = CachedCLIPLoss``, ``CachedGISTEmbedLoss = CachedGISTLoss``,
 ``CachedSpladeLoss = CachedSparseLoss``,
-``CachedMultiVectorMultipleNegativesRankingLoss = CachedMultiVectorLoss``; where a test reaches their class
+``CachedMultiVectorMultipleNegativesRankingLoss = CachedMultiVectorLoss``, ``DistillKLDivLoss =
+CachedDistillKLDivLoss``, ``MultiVectorDistillKLDivLoss = CachedMultiVectorDistillKLDivLoss``,
+``MultiVectorMarginMSELoss = CachedMultiVectorMarginMSELoss``; where a test reaches their class
 through a package (``mve_losses.CachedMultiVector...``), the package's name is bound to a stand-in holding ours
 under their names and theirs for every other name), no argument mapping. The drop-in promise is that no test
 passing ``[theirs]`` fails ``[ours]``; the tests that cannot hold for ours are skipped there, each with its
@@ -36,9 +38,12 @@ from sentence_transformers import SentenceTransformer, SparseEncoder
 
 from st_cached_losses import (
     CachedCLIPLoss,
+    CachedDistillKLDivLoss,
     CachedGISTLoss,
     CachedMNRLoss,
+    CachedMultiVectorDistillKLDivLoss,
     CachedMultiVectorLoss,
+    CachedMultiVectorMarginMSELoss,
     CachedSparseLoss,
 )
 from st_cached_losses.engine.features import batch_size_of, slice_features
@@ -51,6 +56,9 @@ OURS: dict[str, type] = {
     "CachedGISTEmbedLoss": CachedGISTLoss,
     "CachedSpladeLoss": CachedSparseLoss,
     "CachedMultiVectorMultipleNegativesRankingLoss": CachedMultiVectorLoss,
+    "DistillKLDivLoss": CachedDistillKLDivLoss,
+    "MultiVectorDistillKLDivLoss": CachedMultiVectorDistillKLDivLoss,
+    "MultiVectorMarginMSELoss": CachedMultiVectorMarginMSELoss,
 }
 
 _SPIES_ON_EMBED_MINIBATCH = (
