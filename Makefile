@@ -45,9 +45,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# pytest builds the documentation site once, strictly (tests/docs/test_site.py: mkdocs build --strict, then
+# checks on the built pages); a second build here would only repeat it.
 test: lint
 	$(PY) -m pytest -q
-	$(VENV)/bin/mkdocs build --strict --quiet
 
 # The documentation site (docs/, mkdocs.yml) into site/: strict, so a broken link or reference fails.
 docs: $(STAMP)

@@ -17,6 +17,7 @@ not in [`st_cached_losses.losses.callbacks`][st_cached_losses.losses.callbacks],
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 import os
 import sys
@@ -130,6 +131,21 @@ def add_card_section(model_dir: str | Path, title: str, body: str) -> Path:
     return card
 
 
+@functools.cache
+def project_url() -> str | None:
+    """The project's ``Repository`` address (``[project.urls]`` in pyproject.toml, the one place it is written),
+    read from the installed package's metadata; None where the package is not installed (a bare checkout)."""
+    try:
+        entries = importlib.metadata.metadata("st_cached_losses").get_all("Project-URL") or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for entry in entries:
+        label, _, url = entry.partition(",")
+        if label.strip().lower() == "repository" and url.strip():
+            return url.strip()
+    return None
+
+
 def add_training_section(
     model_dir: str | Path,
     trainer: Any,
@@ -159,7 +175,8 @@ def add_training_section(
         None,
     )
     timing = f"{train_runtime:.0f} s, " if train_runtime is not None else ""
-    by = f"`{trained_by}` (st_cached_losses)" if trained_by else "st_cached_losses"
+    library = f"[st_cached_losses]({project_url()})" if project_url() else "st_cached_losses"
+    by = f"`{trained_by}` ({library})" if trained_by else library
     body = (
         f"Trained by {by} with `{type(loss).__name__}`: {len(trainer.train_dataset)} training samples, batch "
         f"{global_batch_size(args)} ({args.world_size} process(es)), encoder mini-batch "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,29 @@ def test_the_committed_card_matches_what_the_code_writes(card, tiny_models):
     expected = f"* Loss: <code>{cls_path}</code> with these parameters:\n{parameters}"
     assert expected in text, f"{fix}: expected\n{expected}"
     assert loss.citation.strip() in text, f"{fix}: its citation of {type(loss).__name__} differs"
+
+    # the library's name links the project's address, written once in pyproject.toml
+    assert f"[st_cached_losses]({_repository()})" in text, (
+        f"{fix}: its 'Trained by' line does not link the repository"
+    )
+
+
+def _repository() -> str:
+    """``Repository`` under ``[project.urls]`` in pyproject.toml, as the site reads it (docs/hooks.py)."""
+    section = re.search(
+        r"^\[project\.urls\]\n(.*?)(?=^\[)", (ROOT / "pyproject.toml").read_text(), re.M | re.S
+    )
+    assert section, "pyproject.toml has no [project.urls]"
+    found = re.search(r'^Repository\s*=\s*"([^"]+)"', section.group(1), re.M)
+    assert found, "pyproject.toml's [project.urls] has no Repository"
+    return found.group(1)
+
+
+def test_the_cards_read_the_repository_from_the_package_metadata():
+    """The installed package's metadata carries pyproject's address (reinstall after changing it: make install)."""
+    from st_cached_losses.config.model_card import project_url
+
+    assert project_url() == _repository()
 
 
 def _guide_in(text: str) -> str:
