@@ -23,7 +23,9 @@ from pathlib import Path
 import pytest
 
 # make install puts the docs tools in the environment; make test relies on this file for the site's build
-pytest.importorskip("mkdocs", reason="mkdocs is a dev extra (make install): the site build is part of make test")
+pytest.importorskip(
+    "mkdocs", reason="mkdocs is a dev extra (make install): the site build is part of make test"
+)
 pytest.importorskip("mkdocstrings", reason="mkdocstrings is a dev extra (make install)")
 
 ROOT = Path(__file__).resolve().parents[2]
