@@ -81,6 +81,9 @@ def test_loss_from_the_arguments_and_model_card(tmp_path):
     model.save_pretrained(str(tmp_path / "saved"))
     card = add_training_section(tmp_path / "saved", trainer).read_text()
     assert "CachedCrossEncoderLoss" in card
+    from st_cached_losses.config.model_card import project_url
+
+    assert f"Trained by [st_cached_losses]({project_url()}) with" in card  # the project's address, linked
     assert '"num_negatives": "all"' in card and '"mini_batch_size": 3' in card
     assert "similarity" not in args.loss_settings()
     assert "equivalent-loss:CachedMultipleNegativesRankingLoss" in model.model_card_data.tags
