@@ -80,14 +80,11 @@ class DistillationBase(CachedInfoNCEBase):
         self.infonce_weight = infonce_weight
         self._checked_teacher_scale = False
 
-    @property
-    def infonce_scale(self) -> float:
-        """The in-batch InfoNCE term's scale (1 / its temperature; the core's ``scale``)."""
-        return self.scale
+    def _set_infonce_scale(self, old: float, new: float) -> None:
+        self.scale = new
 
-    @infonce_scale.setter
-    def infonce_scale(self, value: float) -> None:
-        self.scale = scale_value(value, "infonce_scale")
+    #: The in-batch InfoNCE term's scale (1 / its temperature): a view of the core's ``scale``.
+    infonce_scale = Setting[float](view=lambda loss: loss.scale, after=_set_infonce_scale)
 
     def _validate_infonce_weight(self, value: float) -> float:
         """An InfoNCE term needs an in-batch score: refused where the pairwise score has none."""
