@@ -8,8 +8,8 @@ sentence-transformers' ``InformationRetrievalEvaluator``), every run configured 
 the same seed and so the same data order, lr constant:
 
 * ``--experiment bank``: the packaged all-MiniLM-L6-v2 trained with ``CachedMNRLoss`` at a small batch
-  (``--bank-batch``, 8) without a bank, and with ``negative_bank_size`` = each of ``--bank-sizes`` (default
-  max age: the size alone decides), the same steps; and, as the reference, without a bank at
+  (``--bank-batch``, 8) without a bank, and with ``negative_bank_size`` = each of ``--bank-sizes`` (max age
+  ``--bank-max-age``, default None: the size alone decides), the same steps; and, as the reference, without a bank at
   ``--bank-batch x --reference-factor`` (64): the same pairs in fewer, bigger steps (the same steps x batch).
 * ``--experiment distill``: the student is the packaged MiniLM cut to its first ``--student-layers`` layers
   (2), the teacher the whole model. The teacher scores the training data once, before training (no grad):
@@ -110,7 +110,8 @@ def bank_experiment(ns: argparse.Namespace, seeds: list[int], out_dir: str) -> l
     dataset, held_out = stdlib_data(ns.bank_train_pairs, ns.eval_pairs)
     evaluator = retrieval_evaluator(held_out, name="heldout", show_progress_bar=False)
     small, big = ns.bank_batch, ns.bank_batch * ns.reference_factor
-    runs = [(f"b={small}", small, 0)] + [(f"b={small} + bank {n}", small, n) for n in ns.bank_sizes]
+    age = f" max age {ns.bank_max_age}" if ns.bank_max_age else ""
+    runs = [(f"b={small}", small, 0)] + [(f"b={small} + bank {n}{age}", small, n) for n in ns.bank_sizes]
     if ns.reference_factor > 1:
         runs.append((f"b={big} (reference)", big, 0))
     rows = [row("bank", "pretrained", "-") | evaluate(load_model(None, ns.max_seq_length), evaluator)]
@@ -118,8 +119,11 @@ def bank_experiment(ns: argparse.Namespace, seeds: list[int], out_dir: str) -> l
     for seed in seeds:
         for name, batch, bank in runs:
             model = load_model(None, ns.max_seq_length)
-            args = training_args(out_dir, batch, ns.lr, seed, ns, loss="mnr", scale=ns.scale,
-                                 negative_bank_size=bank)  # fmt: skip
+            bank_options = {
+                "negative_bank_size": bank,
+                "negative_bank_max_age": ns.bank_max_age if bank else None,
+            }
+            args = training_args(out_dir, batch, ns.lr, seed, ns, loss="mnr", scale=ns.scale, **bank_options)
             seconds, steps = train(model, args, dataset)
             rows.append(
                 row("bank", name, "CachedMNRLoss", batch=batch, bank=bank, seed=seed, steps=steps,
@@ -289,6 +293,7 @@ def main() -> None:
     bank.add_argument(
         "--reference-factor", type=int, default=8, help="reference batch = bank batch x this (1: none)"
     )
+    bank.add_argument("--bank-max-age", type=int, default=None, help="negative_bank_max_age (default: None)")
     bank.add_argument("--lr", type=float, default=1e-4)
     distill = parser.add_argument_group("--experiment distill")
     distill.add_argument("--distill-train-pairs", type=int, default=384)
@@ -330,7 +335,7 @@ def main() -> None:
             setup = (
                 f"all-MiniLM-L6-v2, {ns.bank_train_pairs} stdlib training pairs (1 epoch), {ns.eval_pairs} held "
                 f"out; CachedMNRLoss, mini-batch {ns.mini_batch}, scale {ns.scale:g}, lr {ns.lr:g} constant; "
-                f"bank sizes {ns.bank_sizes} (default max age)"
+                f"bank sizes {ns.bank_sizes} (max age {ns.bank_max_age or 'None: the size alone decides'})"
             )
         else:
             setup = (
