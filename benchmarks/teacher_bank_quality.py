@@ -9,7 +9,7 @@ the same seed and so the same data order, lr constant:
 
 * ``--experiment bank``: the packaged all-MiniLM-L6-v2 trained with ``CachedMNRLoss`` at a small batch
   (``--bank-batch``, 8) without a bank, and with ``negative_bank_size`` = each of ``--bank-sizes`` (max age
-  ``--bank-max-age``, default None: the size alone decides), the same steps; and, as the reference, without a bank at
+  each of ``--bank-max-age``, default None: the size alone decides), the same steps; and, as the reference, without a bank at
   ``--bank-batch x --reference-factor`` (64): the same pairs in fewer, bigger steps (the same steps x batch).
 * ``--experiment distill``: the student is the packaged MiniLM cut to its first ``--student-layers`` layers
   (2), the teacher the whole model. The teacher scores the training data once, before training (no grad):
@@ -110,19 +110,19 @@ def bank_experiment(ns: argparse.Namespace, seeds: list[int], out_dir: str) -> l
     dataset, held_out = stdlib_data(ns.bank_train_pairs, ns.eval_pairs)
     evaluator = retrieval_evaluator(held_out, name="heldout", show_progress_bar=False)
     small, big = ns.bank_batch, ns.bank_batch * ns.reference_factor
-    age = f" max age {ns.bank_max_age}" if ns.bank_max_age else ""
-    runs = [(f"b={small}", small, 0)] + [(f"b={small} + bank {n}{age}", small, n) for n in ns.bank_sizes]
+    runs = [(f"b={small}", small, 0, None)] + [
+        (f"b={small} + bank {n}" + (f" max age {age}" if age else ""), small, n, age)
+        for n in ns.bank_sizes
+        for age in ns.bank_max_age
+    ]
     if ns.reference_factor > 1:
-        runs.append((f"b={big} (reference)", big, 0))
+        runs.append((f"b={big} (reference)", big, 0, None))
     rows = [row("bank", "pretrained", "-") | evaluate(load_model(None, ns.max_seq_length), evaluator)]
     print(rows[-1], flush=True)
     for seed in seeds:
-        for name, batch, bank in runs:
+        for name, batch, bank, max_age in runs:
             model = load_model(None, ns.max_seq_length)
-            bank_options = {
-                "negative_bank_size": bank,
-                "negative_bank_max_age": ns.bank_max_age if bank else None,
-            }
+            bank_options = {"negative_bank_size": bank, "negative_bank_max_age": max_age}
             args = training_args(out_dir, batch, ns.lr, seed, ns, loss="mnr", scale=ns.scale, **bank_options)
             seconds, steps = train(model, args, dataset)
             rows.append(
@@ -293,7 +293,11 @@ def main() -> None:
     bank.add_argument(
         "--reference-factor", type=int, default=8, help="reference batch = bank batch x this (1: none)"
     )
-    bank.add_argument("--bank-max-age", type=int, default=None, help="negative_bank_max_age (default: None)")
+    bank.add_argument(
+        "--bank-max-age",
+        default="none",
+        help="negative_bank_max_age of the bank runs, comma-separated, one run per size and age ('none': None)",
+    )
     bank.add_argument("--lr", type=float, default=1e-4)
     distill = parser.add_argument_group("--experiment distill")
     distill.add_argument("--distill-train-pairs", type=int, default=384)
@@ -313,6 +317,7 @@ def main() -> None:
     parser.add_argument("--name", default="teacher_bank_quality")
     ns = parser.parse_args()
     ns.bank_sizes = [int(s) for s in ns.bank_sizes.split(",") if s.strip()]
+    ns.bank_max_age = [None if a.strip().lower() == "none" else int(a) for a in ns.bank_max_age.split(",")]
     if ns.quick:
         ns.bank_train_pairs = ns.distill_train_pairs = ns.eval_pairs = 64
         ns.seeds, ns.name = "0", f"{ns.name}_quick"
@@ -335,7 +340,7 @@ def main() -> None:
             setup = (
                 f"all-MiniLM-L6-v2, {ns.bank_train_pairs} stdlib training pairs (1 epoch), {ns.eval_pairs} held "
                 f"out; CachedMNRLoss, mini-batch {ns.mini_batch}, scale {ns.scale:g}, lr {ns.lr:g} constant; "
-                f"bank sizes {ns.bank_sizes} (max age {ns.bank_max_age or 'None: the size alone decides'})"
+                f"bank sizes {ns.bank_sizes}, max ages {ns.bank_max_age} (None: the size alone decides)"
             )
         else:
             setup = (
