@@ -25,7 +25,10 @@ Every run is repeated for each of ``--seeds``; the table gives the median, the r
 difference from the baseline run, and says whether the difference exceeds the seed range.
 
 Run: ``python benchmarks/teacher_bank_quality.py --experiment both`` (``--quick``: a smoke run, written to
-``teacher_bank_quality_quick.*``). Writes ``benchmarks/results/teacher_bank_quality.{csv,md}``; running one
+``teacher_bank_quality_quick.*``). With the defaults and ``--threads 1`` each experiment took about 30 minutes
+on 2 cores next to other jobs (load 7-13); a batch-8 run took 49 s at a load of about 1 against about 210 s
+then, so about 7 minutes an experiment on an idle machine (estimated, not measured). On a busy machine pass
+``--threads 1``: with 2 threads a training step ran 3-6x slower there. Writes ``benchmarks/results/teacher_bank_quality.{csv,md}``; running one
 experiment replaces its own rows and section and keeps the other's.
 """
 
