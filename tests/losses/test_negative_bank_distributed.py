@@ -6,7 +6,9 @@ oracle that scores the step's global batch plus, as extra negatives, what every 
 bank should hold (each process's newest ``size`` rows of its own part of the earlier global batches, as
 the model of their step embedded them; symmetric: the anchors too; ``max_age`` expiry). After the third
 step each process saves its share (``LossStateCallback.bank_state_dict``, one file per process); the
-saved share equals the oracle's, and the fourth step runs on a fresh loss that restored it."""
+saved share equals the oracle's, and the fourth step runs on a fresh loss that restored it (or, for a
+process whose file is missing, on an empty share while the others restore theirs). Without
+``gather_across_devices`` each process scores its own rows against its own share only."""
 
 from __future__ import annotations
 
@@ -37,6 +39,8 @@ CONFIGS = {
     # max age: the size alone would keep every earlier step
     "mnr_age_1": ("CachedMNRLoss", {"negative_bank_size": 100, "negative_bank_max_age": 1}, 2, False),
     "clip_age_2": ("CachedCLIPLoss", {"negative_bank_size": 100, "negative_bank_max_age": 2}, 2, True),
+    # without gather_across_devices each process scores its own rows against its own share only
+    "clip_local": ("CachedCLIPLoss", {"negative_bank_size": 4, "gather_across_devices": False}, 2, True),
 }
 STEPS = 4  # the last one on a fresh loss that restored the bank saved after the third
 LR = 0.5
@@ -66,7 +70,8 @@ def make_loss(name: str, model):
     import st_cached_losses
 
     cls_name, kwargs, _, _ = CONFIGS[name]
-    return getattr(st_cached_losses, cls_name)(model, mini_batch_size=2, gather_across_devices=True, **kwargs)
+    kwargs = {"gather_across_devices": True, **kwargs}
+    return getattr(st_cached_losses, cls_name)(model, mini_batch_size=2, **kwargs)
 
 
 def flat_grads(model) -> torch.Tensor:
@@ -75,7 +80,10 @@ def flat_grads(model) -> torch.Tensor:
     )
 
 
-def _worker(rank: int, world: int, path: str, names: list[str], sizes: list[int], folder: str) -> dict:
+def _worker(
+    rank: int, world: int, path: str, names: list[str], sizes: list[int], folder: str, lost: list[int]
+) -> dict:
+    """``lost``: the processes whose bank file the checkpoint lacks (they resume with an empty share)."""
     from st_cached_losses import LossStateCallback
     from st_cached_losses.losses.callbacks import BANK_FILE
 
@@ -97,7 +105,8 @@ def _worker(rank: int, world: int, path: str, names: list[str], sizes: list[int]
                 saved = torch.load(file, weights_only=True)
                 loss = make_loss(name, model)
                 loss.model = ddp
-                LossStateCallback(loss).load_bank_state_dict(torch.load(file, weights_only=True))
+                restored = torch.load(file, weights_only=True) if rank not in lost else {}
+                LossStateCallback(loss).load_bank_state_dict(restored)
             texts = global_texts(sum(sizes), CONFIGS[name][2], step)
             feats = [model.preprocess(t[start : start + sizes[rank]]) for t in texts]
             params = torch.nn.utils.parameters_to_vector(model.parameters()).detach().clone()
@@ -131,7 +140,38 @@ class _OracleBank:
         self.added[kind] = torch.cat([self.added.get(kind, added[:0]), added])[-self.size :]
 
 
-def _oracle(model, name: str, sizes: list[int], params: list[torch.Tensor]) -> dict:
+def _rows(sizes: list[int]) -> list[slice]:
+    """Each process's rows of the global batch."""
+    return [slice(sum(sizes[:rank]), sum(sizes[: rank + 1])) for rank in range(len(sizes))]
+
+
+def _bank_columns(banks: list[_OracleBank], embs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``reference_infonce``'s extra negatives: the given shares, concatenated (none before a first step)."""
+    if not any(b.rows for b in banks):
+        return {}
+    columns = {"bank_candidates": torch.cat([b.rows.get("candidates", embs[1][:0]) for b in banks])}
+    if any("anchors" in b.rows for b in banks):
+        columns["bank_anchors"] = torch.cat([b.rows.get("anchors", embs[0][:0]) for b in banks])
+    return columns
+
+
+def _oracle_loss(
+    embs: list[torch.Tensor], banks: list[_OracleBank], sizes: list[int], symmetric: bool, gather: bool
+) -> torch.Tensor:
+    """The dense loss of the global batch with the shares of ``banks`` as extra negatives; without
+    ``gather``, DDP's mean of the processes' losses, each of its own rows against its own share."""
+    if gather:
+        return reference_infonce(embs[0], embs[1:], symmetric=symmetric, **_bank_columns(banks, embs))
+    per_process = [
+        reference_infonce(
+            embs[0][rows], [e[rows] for e in embs[1:]], symmetric=symmetric, **_bank_columns([b], embs)
+        )
+        for b, rows in zip(banks, _rows(sizes))
+    ]
+    return torch.stack(per_process).mean()
+
+
+def _oracle(model, name: str, sizes: list[int], params: list[torch.Tensor], lost: list[int]) -> dict:
     """One process, the global batch of every step, the dense loss with every process's oracle share of
     the bank concatenated as extra negatives, at the parameters the processes had at that step
     (``params``: the optimizer steps are theirs, so that one step's rounding does not grow through the
@@ -143,23 +183,21 @@ def _oracle(model, name: str, sizes: list[int], params: list[torch.Tensor]) -> d
         clock = step + 1  # the bank's clock: training steps begun
         if step == STEPS - 1:  # saved after the last step, before the next one begins
             saved = [{k: (b.rows[k].clone(), b.added[k].clone()) for k in b.rows} for b in banks]
+            for rank in lost:
+                banks[rank] = _OracleBank(banks[rank].size, banks[rank].max_age)
         for bank in banks:
             bank.expire(clock)
         torch.nn.utils.vector_to_parameters(params[step], model.parameters())
         texts = global_texts(sum(sizes), n_cols, step)
         embs = [model(dict(model.preprocess(t)))["sentence_embedding"] for t in texts]
-        extra = {}
-        if step:
-            extra["bank_candidates"] = torch.cat([b.rows["candidates"] for b in banks])
-            if symmetric:
-                extra["bank_anchors"] = torch.cat([b.rows["anchors"] for b in banks])
         model.zero_grad(set_to_none=True)
-        value = reference_infonce(embs[0], embs[1:], symmetric=symmetric, **extra)
+        gather = kwargs.get("gather_across_devices", True)
+        value = _oracle_loss(embs, banks, sizes, symmetric, gather)
         value.backward()
-        without = reference_infonce(embs[0].detach(), [e.detach() for e in embs[1:]], symmetric=symmetric)
+        empty = [_OracleBank(1, None) for _ in sizes]
+        without = _oracle_loss([e.detach() for e in embs], empty, sizes, symmetric, gather)
         steps.append({"loss": value.item(), "grads": flat_grads(model), "without": without.item()})
-        for rank, bank in enumerate(banks):  # each process's rows, row by row: positive, then hard negatives
-            rows = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
+        for bank, rows in zip(banks, _rows(sizes)):  # each process's rows: positive, then hard negatives
             bank.add("candidates", torch.stack([e[rows] for e in embs[1:]], dim=1).flatten(0, 1), clock)
             if symmetric:
                 bank.add("anchors", embs[0][rows], clock)
@@ -185,19 +223,19 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _check(model_dir: str, sizes: list[int], per_rank: list[dict]) -> None:
+def _check(model_dir: str, sizes: list[int], per_rank: list[dict], lost: list[int]) -> None:
     with _one_thread():
-        _check_one_thread(model_dir, sizes, per_rank)
+        _check_one_thread(model_dir, sizes, per_rank, lost)
 
 
-def _check_one_thread(model_dir: str, sizes: list[int], per_rank: list[dict]) -> None:
+def _check_one_thread(model_dir: str, sizes: list[int], per_rank: list[dict], lost: list[int]) -> None:
     model = load_model(model_dir)
     for name in CONFIGS:
         symmetric = CONFIGS[name][3]
         params = [per_rank[0][name]["steps"][step]["params"] for step in range(STEPS)]
         for p in per_rank[1:]:  # DDP keeps the processes' models equal
             assert all(torch.equal(x["params"], y) for x, y in zip(p[name]["steps"], params)), name
-        ref = _oracle(model, name, sizes, params)
+        ref = _oracle(model, name, sizes, params, lost)
         for step, r in enumerate(ref["steps"]):
             where = f"{name} sizes {sizes} step {step}"
             assert r["grads"].abs().max() > 0
@@ -211,8 +249,10 @@ def _check_one_thread(model_dir: str, sizes: list[int], per_rank: list[dict]) ->
                 assert err <= tol, f"{where} rank {rank}: max grad error {err:.2e} > {tol:.2e}"
         max_age = CONFIGS[name][1].get("negative_bank_max_age")
         if max_age is not None:  # not vacuous: the oracle dropped the older steps' rows
-            assert all(int(b.added["candidates"].min()) == STEPS - max_age for b in ref["after"]), name
-        # every process saved its own share, and holds its own share after the last step
+            kept = [int(b.added["candidates"].min()) for r, b in enumerate(ref["after"]) if r not in lost]
+            assert kept and set(kept) == {STEPS - max_age}, name
+        # every process saved its own share, and holds its own share after the last step (the entries'
+        # ages: a process that resumed without its share restarted its clock)
         kinds = ["candidates", "anchors"] if symmetric else ["candidates"]
         for rank, p in enumerate(per_rank):
             (saved,) = p[name]["saved"].values()  # one bank in use
@@ -221,12 +261,13 @@ def _check_one_thread(model_dir: str, sizes: list[int], per_rank: list[dict]) ->
                 ("saved", saved, ref["saved"][rank], STEPS - 1),
                 ("after", p[name]["after"], after, STEPS),
             ]:
-                assert state["step"] == clock, f"{name} rank {rank} {when}"
+                if not (rank in lost and when == "after"):
+                    assert state["step"] == clock, f"{name} rank {rank} {when}"
                 assert sorted(k.split("/")[0] for k in state["entries"]) == sorted(kinds), name
                 for key, entry in state["entries"].items():
                     rows, added = expected[key.split("/")[0]]
                     where = f"{name} rank {rank} {when} {key}"
-                    assert torch.equal(entry["added"], added), where
+                    assert torch.equal(state["step"] - entry["added"], clock - added), where
                     torch.testing.assert_close(entry["rows"], rows, rtol=1e-5, atol=1e-6, msg=where)
 
 
@@ -234,5 +275,13 @@ def _check_one_thread(model_dir: str, sizes: list[int], per_rank: list[dict]) ->
     "sizes", [[3, 3], [2, 4], [3, 3, 3], [2, 3, 4]], ids=["2-equal", "2-unequal", "3-equal", "3-unequal"]
 )
 def test_bank_across_processes_equals_the_dense_oracle(model_dir, tmp_path, sizes):
-    per_rank = run_distributed(_worker, len(sizes), model_dir, list(CONFIGS), sizes, str(tmp_path))
-    _check(model_dir, sizes, per_rank)
+    per_rank = run_distributed(_worker, len(sizes), model_dir, list(CONFIGS), sizes, str(tmp_path), [])
+    _check(model_dir, sizes, per_rank, [])
+
+
+@pytest.mark.parametrize(("sizes", "lost"), [([2, 4], [0]), ([2, 3, 4], [1])], ids=["2", "3"])
+def test_one_process_resumes_without_its_share(model_dir, tmp_path, sizes, lost):
+    """A checkpoint without one process's bank file: that process resumes with an empty share (with a
+    warning) while the others restore theirs, and the step scores the shares there are."""
+    per_rank = run_distributed(_worker, len(sizes), model_dir, list(CONFIGS), sizes, str(tmp_path), lost)
+    _check(model_dir, sizes, per_rank, lost)
