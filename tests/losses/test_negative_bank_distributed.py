@@ -8,7 +8,8 @@ the model of their step embedded them; symmetric: the anchors too; ``max_age`` e
 step each process saves its share (``LossStateCallback.bank_state_dict``, one file per process); the
 saved share equals the oracle's, and the fourth step runs on a fresh loss that restored it (or, for a
 process whose file is missing, on an empty share while the others restore theirs). Without
-``gather_across_devices`` each process scores its own rows against its own share only."""
+``gather_across_devices`` each process scores its own rows against its own share only; inside
+``MatryoshkaLoss`` each width has its own shares."""
 
 from __future__ import annotations
 
@@ -41,6 +42,8 @@ CONFIGS = {
     "clip_age_2": ("CachedCLIPLoss", {"negative_bank_size": 100, "negative_bank_max_age": 2}, 2, True),
     # without gather_across_devices each process scores its own rows against its own share only
     "clip_local": ("CachedCLIPLoss", {"negative_bank_size": 4, "gather_across_devices": False}, 2, True),
+    # inside MatryoshkaLoss: a bank per width, aged together
+    "clip_matryoshka": ("CachedCLIPLoss", {"negative_bank_size": 5, "matryoshka_dims": (32, 16)}, 2, True),
 }
 STEPS = 4  # the last one on a fresh loss that restored the bank saved after the third
 LR = 0.5
@@ -66,12 +69,20 @@ def global_texts(n_rows: int, n_cols: int, step: int) -> list[list[str]]:
     return [random_texts(n_rows, seed=100 * step + 31 * k) for k in range(n_cols)]
 
 
-def make_loss(name: str, model):
+def make_loss(name: str, model, wrapped):
+    """The configured loss (inside ``MatryoshkaLoss`` with ``matryoshka_dims``), scoring with ``wrapped``
+    (the DDP model, as sentence-transformers' trainer sets it)."""
+    from sentence_transformers.sentence_transformer.losses import MatryoshkaLoss
+
     import st_cached_losses
 
     cls_name, kwargs, _, _ = CONFIGS[name]
     kwargs = {"gather_across_devices": True, **kwargs}
-    return getattr(st_cached_losses, cls_name)(model, mini_batch_size=2, **kwargs)
+    dims = kwargs.pop("matryoshka_dims", None)
+    loss = getattr(st_cached_losses, cls_name)(model, mini_batch_size=2, **kwargs)
+    outer = MatryoshkaLoss(model, loss, matryoshka_dims=list(dims)) if dims else loss
+    loss.model = wrapped
+    return outer, loss
 
 
 def flat_grads(model) -> torch.Tensor:
@@ -94,8 +105,7 @@ def _worker(
         model = load_model(path)
         ddp = DDP(model)
         optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-        loss = make_loss(name, model)
-        loss.model = ddp  # what sentence-transformers' trainer does with a wrapped model
+        loss, banked = make_loss(name, model, ddp)
         per_step, saved = [], None
         for step in range(STEPS):
             if step == STEPS - 1:  # a checkpoint: this process's share saved, restored by a fresh loss
@@ -103,8 +113,7 @@ def _worker(
                 file.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(LossStateCallback(loss).bank_state_dict(), file)
                 saved = torch.load(file, weights_only=True)
-                loss = make_loss(name, model)
-                loss.model = ddp
+                loss, banked = make_loss(name, model, ddp)
                 restored = torch.load(file, weights_only=True) if rank not in lost else {}
                 LossStateCallback(loss).load_bank_state_dict(restored)
             texts = global_texts(sum(sizes), CONFIGS[name][2], step)
@@ -115,7 +124,7 @@ def _worker(
             value.backward()
             per_step.append({"loss": value.item(), "grads": flat_grads(model), "params": params})
             optimizer.step()
-        results[name] = {"steps": per_step, "saved": saved, "after": loss.negative_bank.state_dict()}
+        results[name] = {"steps": per_step, "saved": saved, "after": banked.negative_bank.state_dict()}
     return results
 
 
@@ -146,20 +155,34 @@ def _rows(sizes: list[int]) -> list[slice]:
 
 
 def _bank_columns(banks: list[_OracleBank], embs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``reference_infonce``'s extra negatives: the given shares, concatenated (none before a first step)."""
+    """``reference_infonce``'s extra negatives: the given shares, concatenated (none before a first
+    step), at the embeddings' width (MatryoshkaLoss's truncation of the stored rows; it also normalises
+    them, moot under cosine similarity)."""
     if not any(b.rows for b in banks):
         return {}
-    columns = {"bank_candidates": torch.cat([b.rows.get("candidates", embs[1][:0]) for b in banks])}
+    d = embs[0].shape[1]
+    columns = {"bank_candidates": torch.cat([b.rows.get("candidates", embs[1][:0])[:, :d] for b in banks])}
     if any("anchors" in b.rows for b in banks):
-        columns["bank_anchors"] = torch.cat([b.rows.get("anchors", embs[0][:0]) for b in banks])
+        columns["bank_anchors"] = torch.cat([b.rows.get("anchors", embs[0][:0])[:, :d] for b in banks])
     return columns
 
 
 def _oracle_loss(
-    embs: list[torch.Tensor], banks: list[_OracleBank], sizes: list[int], symmetric: bool, gather: bool
+    embs: list[torch.Tensor],
+    banks: list[_OracleBank],
+    sizes: list[int],
+    symmetric: bool,
+    gather: bool,
+    dims: tuple[int, ...] = (),
 ) -> torch.Tensor:
     """The dense loss of the global batch with the shares of ``banks`` as extra negatives; without
-    ``gather``, DDP's mean of the processes' losses, each of its own rows against its own share."""
+    ``gather``, DDP's mean of the processes' losses, each of its own rows against its own share; with
+    ``dims``, MatryoshkaLoss's sum over the truncations (each scored against its own width's bank)."""
+    if dims:
+        return sum(
+            (_oracle_loss([e[:, :d] for e in embs], banks, sizes, symmetric, gather) for d in dims),
+            torch.zeros(()),
+        )
     if gather:
         return reference_infonce(embs[0], embs[1:], symmetric=symmetric, **_bank_columns(banks, embs))
     per_process = [
@@ -191,11 +214,11 @@ def _oracle(model, name: str, sizes: list[int], params: list[torch.Tensor], lost
         texts = global_texts(sum(sizes), n_cols, step)
         embs = [model(dict(model.preprocess(t)))["sentence_embedding"] for t in texts]
         model.zero_grad(set_to_none=True)
-        gather = kwargs.get("gather_across_devices", True)
-        value = _oracle_loss(embs, banks, sizes, symmetric, gather)
+        gather, dims = kwargs.get("gather_across_devices", True), kwargs.get("matryoshka_dims", ())
+        value = _oracle_loss(embs, banks, sizes, symmetric, gather, dims)
         value.backward()
         empty = [_OracleBank(1, None) for _ in sizes]
-        without = _oracle_loss([e.detach() for e in embs], empty, sizes, symmetric, gather)
+        without = _oracle_loss([e.detach() for e in embs], empty, sizes, symmetric, gather, dims)
         steps.append({"loss": value.item(), "grads": flat_grads(model), "without": without.item()})
         for bank, rows in zip(banks, _rows(sizes)):  # each process's rows: positive, then hard negatives
             bank.add("candidates", torch.stack([e[rows] for e in embs[1:]], dim=1).flatten(0, 1), clock)
@@ -254,6 +277,8 @@ def _check_one_thread(model_dir: str, sizes: list[int], per_rank: list[dict], lo
         # every process saved its own share, and holds its own share after the last step (the entries'
         # ages: a process that resumed without its share restarted its clock)
         kinds = ["candidates", "anchors"] if symmetric else ["candidates"]
+        widths = CONFIGS[name][1].get("matryoshka_dims", [model.get_embedding_dimension()])
+        keys = sorted(f"{kind}/{width}" for kind in kinds for width in widths)
         for rank, p in enumerate(per_rank):
             (saved,) = p[name]["saved"].values()  # one bank in use
             after = {k: (ref["after"][rank].rows[k], ref["after"][rank].added[k]) for k in kinds}
@@ -263,9 +288,12 @@ def _check_one_thread(model_dir: str, sizes: list[int], per_rank: list[dict], lo
             ]:
                 if not (rank in lost and when == "after"):
                     assert state["step"] == clock, f"{name} rank {rank} {when}"
-                assert sorted(k.split("/")[0] for k in state["entries"]) == sorted(kinds), name
+                assert sorted(state["entries"]) == keys, name
                 for key, entry in state["entries"].items():
-                    rows, added = expected[key.split("/")[0]]
+                    kind, width = key.split("/")
+                    rows, added = expected[kind]
+                    if "matryoshka_dims" in CONFIGS[name][1]:  # MatryoshkaLoss's truncated, normalised rows
+                        rows = torch.nn.functional.normalize(rows[:, : int(width)], dim=-1)
                     where = f"{name} rank {rank} {when} {key}"
                     assert torch.equal(state["step"] - entry["added"], clock - added), where
                     torch.testing.assert_close(entry["rows"], rows, rtol=1e-5, atol=1e-6, msg=where)
