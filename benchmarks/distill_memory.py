@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         "--mini-batch",
         type=int,
         default=16,
-        help="our encoder mini-batch (rows of a column; at >= B every column fits in one and caching is off)",
+        help="our encoder mini-batch (rows; caching is off only at >= all the batch's texts, every column together)",
     )
     parser.add_argument("--with-infonce", action="store_true", help="also ours with the InfoNCE term (w=0.1)")
     parser.add_argument("--layers", type=int, default=2, help="MiniLM layers kept (6: the whole model)")

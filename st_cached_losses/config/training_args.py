@@ -189,9 +189,9 @@ class CachedLossArguments(BaseTrainingArguments):
     Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
     file through [`CachedLossArgumentParser`][st_cached_losses.config.cli.CachedLossArgumentParser] (or ``HfArgumentParser``).
     Invalid combinations raise a ``ValueError`` naming the field when the arguments are built, and so does a
-    loss for another model kind than the class trains (naming the class to use); a ``mini_batch_size`` that
-    is not smaller than ``per_device_train_batch_size`` only warns (the batch then fits in one mini-batch:
-    caching is off), at the user's line.
+    loss for another model kind than the class trains (naming the class to use); a ``mini_batch_size`` of at
+    least twice ``per_device_train_batch_size`` only warns (a batch of pairs, both columns' rows together,
+    then fits in one mini-batch: caching is off for it), at the user's line.
     """
 
     #: the model kind (sentence-transformers' class name) whose trainer takes this arguments class; None: any
@@ -241,8 +241,9 @@ class CachedLossArguments(BaseTrainingArguments):
     )
     mini_batch_size: Union[int, str] = _spec_field(  # noqa: UP007
         "mini_batch_size",
-        "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Should be smaller "
-        "than per_device_train_batch_size, or caching is off. 'auto': the largest that fits "
+        "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Smaller than "
+        "per_device_train_batch_size to save memory; caching is off only when the whole batch, all its "
+        "columns' rows together, fits in one mini-batch. 'auto': the largest that fits "
         "mini_batch_memory_budget, measured at the first step and logged.",
     )
     mini_batch_num_tokens: Optional[Union[int, str]] = _spec_field(  # noqa: UP007, UP045
@@ -826,17 +827,20 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
     _validate_similarity(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size
-    # (a reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely)
+    # caching is off when the whole batch, every column's rows together, fits in one mini-batch; the columns
+    # are not known here, but there are at least two: a batch of pairs is the one this can tell about (a
+    # reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely)
     if (
         args.mini_batch_num_tokens is None
         and isinstance(rows, int)
-        and rows >= batch
+        and rows >= 2 * batch
         and args.loss != "cross_encoder"
     ):
         warnings.warn(
-            f"mini_batch_size={args.mini_batch_size} >= per_device_train_batch_size={batch}: every batch fits in "
-            "one encoder mini-batch, so caching is off (same result and memory as the non-cached loss). Use a "
-            "mini_batch_size smaller than the batch to save memory.",
+            f"mini_batch_size={args.mini_batch_size} >= 2 x per_device_train_batch_size={batch}: a batch of pairs "
+            f"({2 * batch} rows, both columns together) fits in one encoder mini-batch, so caching is off for it "
+            "(same result and memory as the non-cached loss; a batch with more columns is cached while its rows "
+            "together exceed mini_batch_size). Use a mini_batch_size smaller than the batch to save memory.",
             UserWarning,
             stacklevel=user_stacklevel(),
         )

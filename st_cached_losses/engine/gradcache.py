@@ -16,7 +16,9 @@ What it does beyond GradCache (Gao et al., 2021):
   of cast weights ([`no_grad_forward`][st_cached_losses.engine.gradcache.no_grad_forward]);
 * the final mini-batch's graph from the first stage is kept and back-propagated directly (one fewer
   forward), columns whose encoder is frozen are not replayed, and a batch that fits in one
-  mini-batch is not cached at all (the loss takes the plain autograd path);
+  mini-batch, every column's rows together, is not cached at all (the loss takes the plain autograd
+  path); a batch whose columns only fit one by one (e.g. a distillation batch of many hard-negative
+  columns) is cached, one column's graph at a time;
 * under DDP every replay but the last runs in ``no_sync()``: one gradient all-reduce per step, and none
   inside an outer ``no_sync`` (gradient accumulation); likewise FSDP2 (``set_requires_gradient_sync``:
   one reduce-scatter per step), FSDP1 (``no_sync()``) and DeepSpeed (its accumulation boundary);
@@ -513,10 +515,11 @@ class GradCache(MiniBatchPlanner):
         self.resolve_auto(model, columns, trim)
         # under a sharded wrapper every process runs this many mini-batches per column (see plan)
         counts = self.agreed_counts(model, columns, trim)
-        # a batch that fits in one mini-batch per column is not cached: every forward keeps its graph,
-        # exactly like the non-cached loss. Not under gradient synchronisation, where the one
-        # synchronised forward must be the last one before the backward (and ranks may differ in
-        # batch size).
+        # a batch that fits in one mini-batch, every column's rows together, is not cached: every forward
+        # keeps its graph, exactly like the non-cached loss, and they hold no more than one mini-batch.
+        # Columns that only fit one by one are cached (holding them all would be the non-cached loss's
+        # memory, many mini-batches'). Not under gradient synchronisation, where the one synchronised
+        # forward must be the last one before the backward (and ranks may differ in batch size).
         keep_all = self.fits_in_one(columns, counts=counts) and not sync
         # released by the session after its replay, or here if stages 1 and 2 fail
         held = self._hold(model)

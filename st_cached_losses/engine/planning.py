@@ -248,30 +248,49 @@ class MiniBatchPlanner:
         raise error
 
     def fits_in_one(self, columns: Sequence[Features], *, counts: Sequence[int] | None = None) -> bool:
-        """Whether every column is a single mini-batch (then caching buys nothing); with agreed
-        ``counts``, whether those are all one."""
+        """Whether the whole batch, every column's rows together, fits in one mini-batch: then holding every
+        column's graph at once (the non-cached loss's memory) holds no more than one mini-batch, and caching
+        saves nothing. A batch whose columns each fit but not together is cached (one column's graph at a
+        time), as sentence-transformers' cached losses do.
+
+        With a row count: the columns' rows summed, within ``mini_batch_size``. With a token budget: the
+        columns' real tokens summed (an ``"auto"`` budget: each column's padded tokens, its rows as wide as
+        its widest, plus its vision patches), within the budget; a lone column of one row is one
+        mini-batch whatever its length.
+
+        With agreed ``counts`` (a sharded wrapper, where every process must decide alike, since the
+        decision sets how many forwards, which are collectives, each runs): a single column that every
+        process embeds in one mini-batch. With more columns the summed rule would be each process's own
+        (their batches may differ in size), so such a batch is cached."""
         if counts is not None:
-            return all(c == 1 for c in counts)
+            return len(counts) == 1 and counts[0] == 1
         if not self.sized:
             return False  # "auto", not sized yet
+        sizes = [batch_size_of(features) for features in columns]
         budget = self.tokens_per_mini_batch
-        for features in columns:
-            b = batch_size_of(features)
-            if budget is None:
-                if b > self.rows_per_mini_batch:
-                    return False
-            elif b > 1:
-                tokens = token_counts(features, b)
-                if tokens is None or int(tokens.sum()) > budget:
-                    return False
+        if budget is None:
+            return sum(sizes) <= self.rows_per_mini_batch
+        if len(columns) == 1 and sizes[0] <= 1:
+            return True  # one row is one mini-batch (a row longer than the budget is one of its own)
+        total = 0
+        for features, b in zip(columns, sizes):
+            if b == 0:
+                continue
+            tokens = token_counts(features, b)
+            if tokens is None:
+                return False
+            if self.mini_batch_num_tokens == "auto":
                 # an "auto" budget counts padded tokens (see plan): every row as wide as the widest, at
-                # most as wide as untrimmed; otherwise every mini-batch's graph would be kept at once
-                if self.mini_batch_num_tokens == "auto":
-                    ends = row_lengths(features, b, trim_leading=False)
-                    patches = media_tokens(features, b)
-                    extra = 0 if patches is None else int(patches.sum())
-                    if ends is None or b * int(ends.max()) + extra > budget:
-                        return False
+                # most as wide as untrimmed
+                ends = row_lengths(features, b, trim_leading=False)
+                if ends is None:
+                    return False
+                patches = media_tokens(features, b)
+                total += b * int(ends.max()) + (0 if patches is None else int(patches.sum()))
+            else:
+                total += int(tokens.sum())
+            if total > budget:
+                return False
         return True
 
 

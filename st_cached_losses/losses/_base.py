@@ -529,15 +529,21 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         return loss.detach(), grads, [scale_grad]
 
     def _warn_if_caching_off(self, features: list[dict[str, Any]]) -> None:
-        """Once per loss: a batch that fits in one mini-batch saves no memory (configured without
-        CachedLossTrainingArguments, which warns at construction, nothing else would say so)."""
+        """Once per loss: a batch that fits in one mini-batch, every column's rows together, saves no memory
+        (configured without CachedLossTrainingArguments, which warns at construction, nothing else would
+        say so)."""
         if self._warned_caching_off or not self.cache.fits_in_one(features):
             return
         self._warned_caching_off = True
+        rows = sum(batch_size_of(f) for f in features)
+        tokens = self.mini_batch_num_tokens
+        setting = (
+            f"mini_batch_size={self.mini_batch_size}" if tokens is None else f"mini_batch_num_tokens={tokens}"
+        )
         warnings.warn(
-            f"{type(self).__name__}: every column of this batch ({batch_size_of(features[0])} rows) fits in one "
-            f"encoder mini-batch (mini_batch_size={self.mini_batch_size}), so caching saves no memory: the same "
-            "result and memory as the non-cached loss. Use a mini_batch_size smaller than the batch.",
+            f"{type(self).__name__}: the whole batch ({len(features)} columns, {rows} rows together) fits in one "
+            f"encoder mini-batch ({setting}), so caching saves no memory: the non-cached loss holds no more than "
+            "that one mini-batch, with the same result. Use a mini-batch smaller than the batch to save memory.",
             stacklevel=user_stacklevel(),  # past forward, torch and the trainer: the line that calls train()
         )
 

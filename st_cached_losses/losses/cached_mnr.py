@@ -130,7 +130,7 @@ class CachedMNRLoss(LearnableScale):
         memory budget (normalised once, one pass, no ``B x C`` matrix), and the encoder is replayed mini-batch
         by mini-batch in backward with the cached gradients. Rows are embedded longest first so mini-batches
         carry little padding, the last mini-batch's graph is kept instead of re-run, and a batch that fits in
-        one mini-batch is not cached at all.
+        one mini-batch, all its columns' rows together, is not cached at all.
 
         Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
         ``tile_size``, ``memory_budget``), keyword-only, each documented once on
@@ -145,7 +145,8 @@ class CachedMNRLoss(LearnableScale):
                 ``euclidean_sim``) is scored exactly tile by tile through autograd (slower). The full matrix is
                 never built.
             mini_batch_size: rows per encoder forward (GradCache's chunk): sets the memory, never the result.
-                Should be smaller than the batch, or caching is off. ``"auto"``: the largest that fits
+                Smaller than the batch to save memory; caching is off only when the whole batch, all its
+                columns' rows together, fits in one mini-batch. ``"auto"``: the largest that fits
                 ``mini_batch_memory_budget``, measured at the first step (and again for longer rows) and logged.
             mini_batch_num_tokens: a budget of real (non-padding) tokens per encoder mini-batch instead of
                 ``mini_batch_size`` rows, as in sentence-transformers: rows are packed longest first while their

@@ -3,6 +3,8 @@ user's line."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import yaml
 
@@ -37,14 +39,20 @@ def test_invalid_combinations_name_the_field(kwargs, field_name):
         CachedLossTrainingArguments(**BASE, **kwargs)
 
 
-def test_mini_batch_not_smaller_than_batch_warns_caching_off_at_the_users_line(tmp_path):
+def test_a_mini_batch_holding_a_whole_pair_batch_warns_caching_off_at_the_users_line(tmp_path):
+    """Caching is off when the whole batch, every column together, fits in one mini-batch: a batch of 8
+    pairs (16 rows) at mini_batch_size 16. At 8 (one column's rows) it is cached, one column at a time."""
     with pytest.warns(UserWarning, match="caching is off") as record:
-        args = CachedLossTrainingArguments(**BASE, per_device_train_batch_size=8, mini_batch_size=8)
-    assert args.mini_batch_size == 8  # allowed: a warning, not an error
+        args = CachedLossTrainingArguments(**BASE, per_device_train_batch_size=8, mini_batch_size=16)
+    assert args.mini_batch_size == 16  # allowed: a warning, not an error
     assert record[0].filename == __file__
+    assert "a batch of pairs (16 rows, both columns together)" in str(record[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CachedLossTrainingArguments(**BASE, per_device_train_batch_size=8, mini_batch_size=15)
     # through the parser too: the warning points at the line that parses, not into transformers
     (tmp_path / "run.yaml").write_text(
-        yaml.safe_dump({**BASE, "per_device_train_batch_size": 8, "mini_batch_size": 8})
+        yaml.safe_dump({**BASE, "per_device_train_batch_size": 8, "mini_batch_size": 16})
     )
     with pytest.warns(UserWarning, match="caching is off") as record:
         CachedLossArgumentParser().parse_yaml_file(tmp_path / "run.yaml")

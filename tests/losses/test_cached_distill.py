@@ -135,6 +135,53 @@ def test_evaluation_without_grad_is_the_same_loss(model):
     torch.testing.assert_close(evaluated, trained, rtol=1e-6, atol=1e-7)
 
 
+def test_many_columns_that_each_fit_in_one_mini_batch_are_cached(model):
+    """Issue 44: a query, a positive and 31 hard negatives (33 columns) of 4 rows at mini_batch_size=4.
+    Every column fits in one mini-batch, the batch (132 rows) does not: it is cached, one column's graph at
+    a time (each stage-1 graph but the last dropped at once and its column replayed in backward: 65
+    forwards), not every column's graph held at once as the non-cached loss does (33 forwards): less than
+    half their peak memory. Still exactly theirs."""
+    from tests.losses.test_losses import _count_forwards
+    from tests.support.memory import PeakMemory
+
+    n_cols, b = 33, 4
+    feats = columns(model, n_cols, b=b, seed=11)
+    labels = teacher_scores(b, n_cols - 1, seed=6)
+    theirs = st_losses.DistillKLDivLoss(model)
+    with PeakMemory() as their_mem:
+        ref_loss, ref = param_grads(model, lambda f: theirs(f, labels), feats)
+    ours = CachedDistillKLDivLoss(model, mini_batch_size=b)
+    calls, handle = _count_forwards(model)
+    try:
+        with PeakMemory() as our_mem:
+            loss, got = param_grads(model, lambda f: ours(f, labels), feats)
+    finally:
+        handle.remove()
+    assert calls == {"no_grad": 0, "grad": n_cols + (n_cols - 1)}
+    assert our_mem.peak_bytes < their_mem.peak_bytes / 2, (our_mem.peak_bytes, their_mem.peak_bytes)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, ref)
+
+
+def test_a_whole_batch_that_fits_in_one_mini_batch_is_not_cached(model):
+    """3 columns x 2 rows at mini_batch_size 8: every forward keeps its graph (no replay), exactly theirs."""
+    from tests.losses.test_losses import _count_forwards
+
+    feats = columns(model, 3, b=2, seed=12)
+    labels = teacher_scores(2, 2, seed=7)
+    ref_loss, ref = param_grads(model, lambda f: st_losses.DistillKLDivLoss(model)(f, labels), feats)
+    calls, handle = _count_forwards(model)
+    try:
+        loss, got = param_grads(
+            model, lambda f: CachedDistillKLDivLoss(model, mini_batch_size=8)(f, labels), feats
+        )
+    finally:
+        handle.remove()
+    assert calls == {"no_grad": 0, "grad": 3}
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, ref)
+
+
 def test_settings_config_and_refusals(model):
     loss = CachedDistillKLDivLoss(model, temperature=2.0, teacher_temperature=4.0, mini_batch_size=4)
     assert (loss.student_temperature, loss.teacher_temperature) == (2.0, 4.0)

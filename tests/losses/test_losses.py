@@ -257,6 +257,67 @@ def test_token_budget_fits_in_one_and_needs_an_attention_mask():
     assert len(GradCache(mini_batch_size=2).plan(0, no_mask)) == 2
 
 
+def test_fits_in_one_means_the_whole_batch_every_column_together():
+    """Caching is off only when all the columns' rows (or tokens) together fit in one mini-batch: columns
+    that each fit but not together are cached (issue 44: 33 distillation columns at mini_batch_size >= B
+    held every column's graph, the non-cached loss's memory)."""
+    col = _budget_features([3, 4])  # 2 rows, 7 real tokens, 4 wide
+    assert GradCache(mini_batch_size=4).fits_in_one([col, col])
+    assert not GradCache(mini_batch_size=3).fits_in_one([col, col])  # each column fits, not both
+    assert not GradCache(mini_batch_size=2).fits_in_one([col] * 33)
+    # a token budget: real tokens summed over the columns (14)
+    assert GradCache(mini_batch_num_tokens=14).fits_in_one([col, col])
+    assert not GradCache(mini_batch_num_tokens=13).fits_in_one([col, col])
+    # a lone row is one mini-batch whatever its length; two columns of one long row each are not
+    row = _budget_features([9])
+    assert GradCache(mini_batch_num_tokens=5).fits_in_one([row])
+    assert not GradCache(mini_batch_num_tokens=5).fits_in_one([row, row])
+    # an "auto" budget: padded tokens (each column's rows as wide as its widest: 2 x 4) summed, 16 (not
+    # the 14 real ones)
+    auto = GradCache(mini_batch_num_tokens="auto", mini_batch_memory_budget=1)
+    auto.auto.size = 16
+    assert auto.fits_in_one([col, col])
+    auto.auto.size = 15
+    assert not auto.fits_in_one([col, col])
+    # agreed counts (a sharded wrapper: every process decides alike): one column in one mini-batch only
+    assert GradCache(mini_batch_size=64).fits_in_one([col], counts=[1])
+    assert not GradCache(mini_batch_size=64).fits_in_one([col, col], counts=[1, 1])
+    assert not GradCache(mini_batch_size=64).fits_in_one([col], counts=[2])
+
+
+def _count_forwards(model):
+    """A forward hook counting ``model``'s forwards with and without grad mode; returns (counts, handle)."""
+    calls = {"grad": 0, "no_grad": 0}
+
+    def hook(*_):
+        calls["grad" if torch.is_grad_enabled() else "no_grad"] += 1
+
+    return calls, model.register_forward_hook(hook)
+
+
+@pytest.mark.parametrize(
+    ("b", "mini", "cached"),
+    [(2, 8, False), (4, 4, True), (4, 7, True)],
+    ids=["whole-batch-fits", "B=mini", "B<mini<2B"],
+)
+def test_a_pair_batch_is_cached_unless_both_columns_fit_together(model, b, mini, cached):
+    """2 columns x 2 rows at mini_batch_size 8: the plain autograd path (every forward with its graph, no
+    replay). B <= mini_batch_size < 2B: cached, one column's graph at a time (the first column's stage-1
+    graph dropped at once and replayed in backward, the last one's kept), as sentence-transformers' cached
+    loss: 3 forwards. Exact either way."""
+    feats = columns(model, 2, b=b, seed=21)
+    ref_loss, ref = param_grads(model, reference_loss_fn(model, symmetric=False), feats)
+    calls, handle = _count_forwards(model)
+    try:
+        loss, got = param_grads(model, CachedMNRLoss(model, mini_batch_size=mini), feats)
+    finally:
+        handle.remove()
+    # (a column's last stage-1 forward runs with a graph, to tell whether its encoder is frozen)
+    assert calls == ({"grad": 3, "no_grad": 0} if cached else {"grad": 2, "no_grad": 0})
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, ref)
+
+
 def test_token_budget_ignores_mini_batch_size_and_stays_exact(model):
     """The budget alone sets the mini-batches (mini_batch_size=1 would be one row each): exact gradients."""
     feats = columns(model, 3)
