@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: the repository root first on ``sys.path``, the packaged model, and the
-rows of ``graph_budget.csv``.
+"""What the benchmark scripts share: the repository root first on ``sys.path``, the packaged model (whole or
+cut to its first layers), and the rows of ``graph_budget.csv``.
 
 A benchmark runs as ``python benchmarks/<name>.py`` from the repository root (as the docs and the Makefile run
 it), so its own folder is on ``sys.path`` and ``from _common import ROOT`` finds this module; importing it puts
@@ -28,6 +28,15 @@ def minilm(max_seq_length: int):
 
     model = SentenceTransformer(str(get_model_path()), device="cpu")
     model.max_seq_length = max_seq_length
+    return model
+
+
+def truncate(model, layers: int):
+    """``model`` (a MiniLM-like ``SentenceTransformer``) with only its first ``layers`` transformer layers, in
+    place: the student of a distillation from the whole model."""
+    encoder = model[0].auto_model.encoder
+    encoder.layer = encoder.layer[:layers]
+    model[0].auto_model.config.num_hidden_layers = layers
     return model
 
 

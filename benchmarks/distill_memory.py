@@ -31,17 +31,9 @@ import statistics
 import time
 
 import torch
-from _common import ROOT, minilm
+from _common import ROOT, minilm, truncate
 
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def truncate(model, layers: int):
-    """``model`` with only the first ``layers`` transformer layers (in place)."""
-    encoder = model[0].auto_model.encoder
-    encoder.layer = encoder.layer[:layers]
-    model[0].auto_model.config.num_hidden_layers = layers
-    return model
 
 
 def distill_batch(model, b: int, k: int, seed: int = 0) -> tuple[list[dict], torch.Tensor]:

@@ -147,13 +147,18 @@ def settings_table() -> str:
 
 
 def loss_names_table() -> str:
-    from st_cached_losses.config.registry import LOSS_ALIASES, LOSSES, MODEL_KINDS
+    from st_cached_losses.config.registry import BASE_LOSSES, LOSS_ALIASES, LOSSES, MODEL_KINDS, ST_LOSS_NAMES
 
     rows = ["| `loss:` | class | model it trains | also accepted |", "|---|---|---|---|"]
     for name, cls in LOSSES.items():
         aliases = sorted(a for a, n in LOSS_ALIASES.items() if n == name and a != name)
+        # and sentence-transformers' class names that name it (with the arguments class of the model it trains)
+        aliases += sorted(
+            st for st, ours in ST_LOSS_NAMES.items() if name in ours.values() and st not in aliases
+        )
+        base = f" with `{BASE_LOSSES[name].__name__}`" if name in BASE_LOSSES else ""
         rows.append(
-            f"| `{name}` | `{cls.__name__}` | `{MODEL_KINDS.get(name, '?')}` | "
+            f"| `{name}` | `{cls.__name__}`{base} | `{MODEL_KINDS.get(name, '?')}` | "
             f"{', '.join(f'`{a}`' for a in aliases)} |"
         )
     return "\n".join(rows)

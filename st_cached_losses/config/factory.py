@@ -30,7 +30,8 @@ def build_loss(
 
     Args:
         model: the model to train, of the kind the loss needs (``args.model_kind``): a SentenceTransformer
-            for 'mnr', 'clip', 'tiled' and 'gist', a SparseEncoder for 'sparse', a MultiVectorEncoder for
+            for 'mnr', 'clip', 'tiled' and 'gist', a SparseEncoder for 'sparse' (and 'sparse_distill_kl',
+            'sparse_margin_mse'), a MultiVectorEncoder for
             'multi_vector', a CrossEncoder for 'cross_encoder' (another of these kinds raises a ``ValueError`` naming the one needed).
         args: the run's arguments; ``args.loss`` picks the class, the other loss fields its settings.
         train_dataset: optional; when given, checked against the loss with [`check_dataset_columns`][st_cached_losses.config.factory.check_dataset_columns],
@@ -39,7 +40,8 @@ def build_loss(
     Returns:
         A [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss], [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss], [`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss], [`CachedGISTLoss`][st_cached_losses.losses.cached_gist.CachedGISTLoss]
         (its guide loaded from ``args.guide_model`` on the model's device; self-guided without one), [`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss] (its base
-        loss a ``SparseMultipleNegativesRankingLoss`` built from the fields, the regularisers ``FlopsLoss``),
+        loss a ``SparseMultipleNegativesRankingLoss`` built from the fields, or for 'sparse_distill_kl' /
+        'sparse_margin_mse' a ``SparseDistillKLDivLoss`` / ``SparseMarginMSELoss``; the regularisers ``FlopsLoss``),
         [`CachedMultiVectorLoss`][st_cached_losses.losses.cached_multi_vector.CachedMultiVectorLoss] or [`CachedCrossEncoderLoss`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss].
     """
     if not isinstance(args, CachedLossArguments):

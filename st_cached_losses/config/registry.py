@@ -11,7 +11,11 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from sentence_transformers.sparse_encoder.losses import SparseMultipleNegativesRankingLoss
+from sentence_transformers.sparse_encoder.losses import (
+    SparseDistillKLDivLoss,
+    SparseMarginMSELoss,
+    SparseMultipleNegativesRankingLoss,
+)
 
 from st_cached_losses.losses import (
     CachedCLIPLoss,
@@ -41,7 +45,9 @@ __all__ = [
     "LOSS_DEFAULT_SCALES",
     "MODEL_KINDS",
     "NOT_FIELDS",
+    "SPARSE_DISTILLATION_LOSSES",
     "ST_LOSS_NAMES",
+    "UNUSED_PARAMETERS",
     "canonical_loss",
     "closest_name_hint",
     "loss_parameters",
@@ -60,13 +66,26 @@ LOSSES: dict[str, type[CachedInfoNCEBase] | type[CachedCrossEncoderLoss]] = {
     "margin_mse": CachedMarginMSELoss,
     "multi_vector_distill_kl": CachedMultiVectorDistillKLDivLoss,
     "multi_vector_margin_mse": CachedMultiVectorMarginMSELoss,
+    # CachedSparseLoss with a distillation base loss (BASE_LOSSES), built from the fields
+    "sparse_distill_kl": CachedSparseLoss,
+    "sparse_margin_mse": CachedSparseLoss,
 }
+#: the sparse distillation losses: CachedSparseLoss with sentence-transformers' SparseDistillKLDivLoss /
+#: SparseMarginMSELoss as its base loss
+SPARSE_DISTILLATION_LOSSES = ("sparse_distill_kl", "sparse_margin_mse")
 #: the distillation losses: teacher scores in the dataset's label column, at least one negative column
-DISTILLATION_LOSSES = ("distill_kl", "margin_mse", "multi_vector_distill_kl", "multi_vector_margin_mse")
+DISTILLATION_LOSSES = (
+    "distill_kl",
+    "margin_mse",
+    "multi_vector_distill_kl",
+    "multi_vector_margin_mse",
+    *SPARSE_DISTILLATION_LOSSES,
+)
 #: every accepted spelling (case-insensitive) -> canonical name
 LOSS_ALIASES: dict[str, str] = {
     **{name: name for name in LOSSES},
-    **{cls.__name__.lower(): name for name, cls in LOSSES.items()},
+    # a class that several names share (CachedSparseLoss) means the first of them ('sparse')
+    **{cls.__name__.lower(): name for name, cls in reversed(LOSSES.items())},
     "multi-vector": "multi_vector",
     "multivector": "multi_vector",
     "cross-encoder": "cross_encoder",
@@ -88,12 +107,25 @@ ST_LOSS_NAMES: dict[str, dict[str, str]] = {
     "marginmseloss": {"SentenceTransformer": "margin_mse"},
     "multivectordistillkldivloss": {"MultiVectorEncoder": "multi_vector_distill_kl"},
     "multivectormarginmseloss": {"MultiVectorEncoder": "multi_vector_margin_mse"},
+    "sparsedistillkldivloss": {"SparseEncoder": "sparse_distill_kl"},
+    "sparsemarginmseloss": {"SparseEncoder": "sparse_margin_mse"},
 }
 #: the model (and trainer) each loss trains: sentence-transformers' class names
 MODEL_KINDS: dict[str, str] = {name: cls.model_kind for name, cls in LOSSES.items()}
 #: losses whose ranking loss is an object of its own, built by the factory from the fields: its class, whose
 #: constructor arguments (but the model) are fields too
-BASE_LOSSES: dict[str, type[Any]] = {"sparse": SparseMultipleNegativesRankingLoss}
+BASE_LOSSES: dict[str, type[Any]] = {
+    "sparse": SparseMultipleNegativesRankingLoss,
+    "sparse_distill_kl": SparseDistillKLDivLoss,
+    "sparse_margin_mse": SparseMarginMSELoss,
+}
+#: constructor arguments of a loss's class that its base loss leaves unused, so no field sets them:
+#: CachedSparseLoss's options of the core's ranking loss, which a distillation base loss (each row's own
+#: scores, through autograd on the whole batch) does not run
+UNUSED_PARAMETERS: dict[str, frozenset[str]] = {
+    name: frozenset({"mask_duplicates", "path", "tile_size", "memory_budget"})
+    for name in SPARSE_DISTILLATION_LOSSES
+}
 
 
 def canonical_loss(name: str, kind: str | None = None) -> str | None:
@@ -121,9 +153,11 @@ FIELD_NAMES = {
 #: constructor arguments no field sets, and why
 NOT_FIELDS = {
     "model": "the trainer's model: build_loss(model, args) passes it",
-    "loss": "CachedSparseLoss's base ranking loss, an object: build_loss builds SparseMultipleNegativesRankingLoss "
-    "from the fields scale, similarity, gather_across_devices, directions, partition_mode and hardness_*; "
-    "construct CachedSparseLoss yourself for another base loss",
+    "loss": "CachedSparseLoss's base loss, an object: build_loss builds SparseMultipleNegativesRankingLoss "
+    "('sparse') from the fields scale, similarity, gather_across_devices, directions, partition_mode and "
+    "hardness_*, SparseDistillKLDivLoss ('sparse_distill_kl') from similarity, temperature, student_temperature "
+    "and teacher_temperature, SparseMarginMSELoss ('sparse_margin_mse') from similarity; construct "
+    "CachedSparseLoss yourself for another base loss",
     "document_regularizer": "an object: the default FlopsLoss, counting rows above document_regularizer_threshold; "
     "construct CachedSparseLoss yourself for another regulariser",
     "activation_fn": "an nn.Module: the default (torch.nn.Sigmoid, as sentence-transformers'); construct "
@@ -135,9 +169,11 @@ NOT_FIELDS = {
 
 def loss_parameters(name: str) -> dict[str, inspect.Parameter]:
     """The constructor arguments of loss ``name`` (canonical) that a field may set: its class's (but
-    ``self``), then its base loss's (but ``self`` and ``model``), which the factory passes to the base loss."""
+    ``self`` and those its base loss leaves unused, ``UNUSED_PARAMETERS``), then its base loss's (but
+    ``self`` and ``model``), which the factory passes to the base loss."""
     params = dict(inspect.signature(LOSSES[name].__init__).parameters)
-    params.pop("self", None)
+    for key in ("self", *UNUSED_PARAMETERS.get(name, ())):
+        params.pop(key, None)
     base = BASE_LOSSES.get(name)
     if base is not None:
         for key, param in inspect.signature(base.__init__).parameters.items():
@@ -157,11 +193,11 @@ DEFAULT_SCALE = 20.0
 LOSS_DEFAULT_SCALES: dict[str, float] = {
     name: _st_default_scale(name) for name in ("sparse", "multi_vector", "cross_encoder")
 }
-# the KL losses' temperature (1.0, as theirs) is the inverse of the scale field's default
+# the KL losses' temperature (1.0, as theirs; SparseDistillKLDivLoss's 2.0) is the inverse of the scale field's default
 LOSS_DEFAULT_SCALES.update(
     {
         name: 1.0 / float(loss_parameters(name)["temperature"].default)
-        for name in ("distill_kl", "multi_vector_distill_kl")
+        for name in ("distill_kl", "multi_vector_distill_kl", "sparse_distill_kl")
     }
 )
 #: GISTEmbedLoss's default temperature (scale 100), used by loss='gist' when neither scale nor temperature is given

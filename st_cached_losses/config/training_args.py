@@ -52,13 +52,16 @@ from st_cached_losses.config.registry import (
     DEFAULT_GIST_TEMPERATURE,
     DEFAULT_SCALE,
     DEFAULT_SCALE_LEARNING_RATE,
+    DISTILLATION_LOSSES,
     FIELD_NAMES,
     LOSS_ALIASES,
     LOSS_DEFAULT_SCALES,
     LOSSES,
     MODEL_KINDS,
     NOT_FIELDS,
+    SPARSE_DISTILLATION_LOSSES,
     ST_LOSS_NAMES,
+    UNUSED_PARAMETERS,
     canonical_loss,
     closest_name_hint,
     loss_parameters,
@@ -152,13 +155,15 @@ _LOSS_HELP = (
     "distillation from teacher scores in the label column: 'distill_kl' (CachedDistillKLDivLoss) and "
     "'margin_mse' (CachedMarginMSELoss) for a SentenceTransformer, 'multi_vector_distill_kl' and "
     "'multi_vector_margin_mse' for a MultiVectorEncoder (optionally plus an in-batch InfoNCE term: "
-    "infonce_weight). "
+    "infonce_weight), 'sparse_distill_kl' and 'sparse_margin_mse' for a SparseEncoder (CachedSparseLoss with "
+    "SparseDistillKLDivLoss / SparseMarginMSELoss as its base loss, plus the FLOPS regularisers; needs "
+    "document_regularizer_weight; no InfoNCE term). "
     "Our class names are accepted too, and sentence-transformers' cached loss class names for the loss that "
     "replaces each (CachedMultipleNegativesRankingLoss: 'mnr', or 'cross_encoder' with the CrossEncoder's "
     "arguments; CachedMultipleNegativesSymmetricRankingLoss: 'clip'; CachedGISTEmbedLoss: 'gist'; "
     "CachedSpladeLoss: 'sparse'; CachedMultiVectorMultipleNegativesRankingLoss: 'multi_vector'; their "
-    "non-cached DistillKLDivLoss, MarginMSELoss, MultiVectorDistillKLDivLoss, MultiVectorMarginMSELoss: the "
-    "distillation loss of the same name)."
+    "non-cached DistillKLDivLoss, MarginMSELoss, MultiVectorDistillKLDivLoss, MultiVectorMarginMSELoss, "
+    "SparseDistillKLDivLoss, SparseMarginMSELoss: the distillation loss of the same name)."
 )
 
 
@@ -204,7 +209,10 @@ class CachedLossArguments(BaseTrainingArguments):
     )
     temperature: Optional[float] = _spec_field(  # noqa: UP045
         "temperature",
-        "Softmax temperature = 1 / scale, e.g. 0.05. Give scale or temperature.",
+        "Softmax temperature = 1 / scale, e.g. 0.05. Give scale or temperature. The KL distillation losses' "
+        "temperature of both softmaxes (default theirs: "
+        f"{1 / LOSS_DEFAULT_SCALES['distill_kl']:g}; 'sparse_distill_kl' "
+        f"{1 / LOSS_DEFAULT_SCALES['sparse_distill_kl']:g}, as SparseDistillKLDivLoss).",
     )
     learnable_scale: bool = _spec_field(
         "learnable_scale",
@@ -227,8 +235,8 @@ class CachedLossArguments(BaseTrainingArguments):
     )
     similarity: Optional[str] = _spec_field(  # noqa: UP045
         "similarity_fct",
-        "Similarity of embeddings: 'cosine' or 'dot' (dot product); default the loss's own: cosine, 'sparse' dot "
-        "(as SparseMultipleNegativesRankingLoss). 'multi_vector': 'maxsim' (default, colbert_scores), "
+        "Similarity of embeddings: 'cosine' or 'dot' (dot product); default the loss's own: cosine, 'sparse', "
+        "'sparse_distill_kl' and 'sparse_margin_mse' dot (as their base losses). 'multi_vector': 'maxsim' (default, colbert_scores), "
         "'meanmaxsim' (mean_colbert_scores) or 'xtr' (xtr_scores, top_k 256).",
     )
     mini_batch_size: Union[int, str] = _spec_field(  # noqa: UP007
@@ -375,26 +383,26 @@ class CachedLossArguments(BaseTrainingArguments):
     )
     document_regularizer_weight: Optional[float] = _spec_field(  # noqa: UP045
         "document_regularizer_weight",
-        "'sparse' only (required there): weight of the documents' FLOPS regulariser (lambda_d), on every column "
+        "The sparse losses only (required there): weight of the documents' FLOPS regulariser (lambda_d), on every column "
         "but the first (on every column with use_document_regularizer_only), e.g. 3e-5.",
     )
     query_regularizer_weight: Optional[float] = _spec_field(  # noqa: UP045
         "query_regularizer_weight",
-        "'sparse' only: weight of the queries' FLOPS regulariser (lambda_q), on the first column, e.g. 5e-5; "
+        "The sparse losses only: weight of the queries' FLOPS regulariser (lambda_q), on the first column, e.g. 5e-5; "
         "none: no query regulariser (inference-free models).",
     )
     document_regularizer_threshold: Optional[int] = _spec_field(  # noqa: UP045
         "document_regularizer_threshold",
-        "'sparse' only: the documents' FLOPS counts only rows with more than this many non-zero entries (FLOPS "
+        "The sparse losses only: the documents' FLOPS counts only rows with more than this many non-zero entries (FLOPS "
         "with l0 masking); none: every row.",
     )
     query_regularizer_threshold: Optional[int] = _spec_field(  # noqa: UP045
         "query_regularizer_threshold",
-        "'sparse' only: as document_regularizer_threshold, for the queries' FLOPS.",
+        "The sparse losses only: as document_regularizer_threshold, for the queries' FLOPS.",
     )
     use_document_regularizer_only: bool = _spec_field(
         "use_document_regularizer_only",
-        "'sparse' only: every column is a document (symmetric data): one regulariser over all of them, "
+        "The sparse losses only: every column is a document (symmetric data): one regulariser over all of them, "
         "weighted by document_regularizer_weight.",
     )
     score_mini_batch_size: Optional[int] = _spec_field(  # noqa: UP045
@@ -409,22 +417,24 @@ class CachedLossArguments(BaseTrainingArguments):
     )
     student_temperature: Optional[float] = _spec_field(  # noqa: UP045
         "student_temperature",
-        "'distill_kl' / 'multi_vector_distill_kl' only: the student's softmax temperature (default: temperature, "
+        "'distill_kl' / 'multi_vector_distill_kl' / 'sparse_distill_kl' only: the student's softmax temperature (default: temperature, "
         "which sets both softmaxes; the loss is multiplied by student_temperature ** 2).",
     )
     teacher_temperature: Optional[float] = _spec_field(  # noqa: UP045
         "teacher_temperature",
-        "'distill_kl' / 'multi_vector_distill_kl' only: the teacher's softmax temperature (default: temperature).",
+        "'distill_kl' / 'multi_vector_distill_kl' / 'sparse_distill_kl' only: the teacher's softmax temperature "
+        "(default: temperature).",
     )
     infonce_weight: float = _spec_field(
         "infonce_weight",
-        "Distillation losses only: the weight of an in-batch InfoNCE term added to the teacher's loss (each query "
+        "Dense and multi-vector distillation losses only (not the sparse ones): the weight of an in-batch "
+        "InfoNCE term added to the teacher's loss (each query "
         "against every row's candidates, the first candidate column the positive; across processes with "
         "gather_across_devices); 0: the distillation loss alone.",
     )
     infonce_scale: Optional[float] = _spec_field(  # noqa: UP045
         "infonce_scale",
-        "Distillation losses only: the InfoNCE term's scale (1 / its temperature); default the loss's own: 20 "
+        "Dense and multi-vector distillation losses only: the InfoNCE term's scale (1 / its temperature); default the loss's own: 20 "
         "(dense), 1 (multi-vector, MaxSim sums over query tokens).",
     )
     same_dataset_order: str = _spec_field(
@@ -552,15 +562,19 @@ class CachedLossArguments(BaseTrainingArguments):
 
     def loss_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too;
-        for 'sparse', besides the base loss, built from `base_loss_kwargs`): every argument the loss
+        for the sparse losses, besides the base loss, built from `base_loss_kwargs`): every argument the loss
         takes that a field sets (``losses/settings.py``'s names), except where the field leaves the loss's
         own default."""
-        return self._kwargs_of(self.loss_class, skip=("self", "guide"))
+        return self._kwargs_of(
+            self.loss_class, skip=("self", "guide", *UNUSED_PARAMETERS.get(str(self.loss), ()))
+        )
 
     def base_loss_kwargs(self) -> dict[str, Any]:
-        """'sparse': the keyword arguments of its base loss (``SparseMultipleNegativesRankingLoss``, besides
-        the model), from the fields: ``scale``, ``similarity``, ``gather_across_devices``, ``directions``,
-        ``partition_mode``, ``hardness_*``. Empty for a loss without a base loss."""
+        """The keyword arguments of the base loss (besides the model), from the fields: 'sparse'
+        (``SparseMultipleNegativesRankingLoss``): ``scale``, ``similarity``, ``gather_across_devices``,
+        ``directions``, ``partition_mode``, ``hardness_*``; 'sparse_distill_kl' (``SparseDistillKLDivLoss``):
+        ``similarity``, ``temperature`` (or ``scale``), ``student_temperature``, ``teacher_temperature``;
+        'sparse_margin_mse' (``SparseMarginMSELoss``): ``similarity``. Empty for a loss without a base loss."""
         base = BASE_LOSSES.get(str(self.loss))
         return self._kwargs_of(base, skip=("self",)) if base is not None else {}
 
@@ -625,7 +639,9 @@ class CachedLossTrainingArguments(CachedLossArguments, SentenceTransformerTraini
 @dataclass
 class CachedSparseEncoderTrainingArguments(CachedLossArguments, SparseEncoderTrainingArguments):
     """``SparseEncoderTrainingArguments`` plus the cached loss's fields ([`CachedLossArguments`][st_cached_losses.training_args.CachedLossArguments]'), for
-    ``SparseEncoderTrainer``: loss 'sparse' (the default; ``document_regularizer_weight`` is required).
+    ``SparseEncoderTrainer``: loss 'sparse' (the default), or the distillation losses 'sparse_distill_kl' and
+    'sparse_margin_mse' (``CachedSparseLoss`` with ``SparseDistillKLDivLoss`` / ``SparseMarginMSELoss`` as its
+    base loss); ``document_regularizer_weight`` is required for each.
 
     Example:
 
@@ -699,7 +715,8 @@ _LOSS_DEFAULT = object()
 
 def _similarity_functions(loss: str) -> dict[str, Any]:
     """The similarity callables a loss takes ('sparse': sentence-transformers' ``cos_sim`` / ``dot_score``;
-    'multi_vector': the multi-vector scores; the distillation losses: their pairwise scores), by the ``similarity`` field's names; empty for the others."""
+    'multi_vector': the multi-vector scores; the distillation losses, sparse ones included: their pairwise
+    scores), by the ``similarity`` field's names; empty for the others."""
     from sentence_transformers.multi_vector_encoder import scoring
     from sentence_transformers.util import cos_sim, dot_score, pairwise_cos_sim, pairwise_dot_score
 
@@ -708,6 +725,7 @@ def _similarity_functions(loss: str) -> dict[str, Any]:
         "sparse": {"cosine": cos_sim, "dot": dot_score},
         "distill_kl": pairwise,
         "margin_mse": pairwise,
+        **{name: pairwise for name in SPARSE_DISTILLATION_LOSSES},
         "multi_vector_distill_kl": {
             "maxsim": scoring.colbert_kd_scores,
             "meanmaxsim": scoring.mean_colbert_kd_scores,
@@ -781,6 +799,7 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         args.num_negatives = "all"  # None means every in-batch negative, as for the loss: the card says so
     if isinstance(args.directions, (list, tuple)):  # given as a list in Python or YAML
         args.directions = ",".join(args.directions)
+    _refuse_sparse_infonce(args)
     _validate_spec_fields(args)
     if (
         args.scale is not None
@@ -793,9 +812,9 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         )
     if args.learnable_scale:
         check_max_scale(args.max_scale, args.loss_scale)
-    if args.loss == "sparse" and args.document_regularizer_weight is None:
+    if args.loss in BASE_LOSSES and args.document_regularizer_weight is None:
         raise ValueError(
-            "loss='sparse' needs document_regularizer_weight: the weight of the documents' FLOPS regulariser "
+            f"loss={args.loss!r} needs document_regularizer_weight: the weight of the documents' FLOPS regulariser "
             "(lambda_d, e.g. 3e-5; SPLADE's CachedSpladeLoss has no default either)."
         )
     if args.directions is not None or args.partition_mode is not None:
@@ -879,6 +898,22 @@ def _check_model_kind(args: CachedLossArguments) -> None:
 _ANY_LOSS = {"scale", "temperature", "similarity_fct"}
 
 
+def _refuse_sparse_infonce(args: CachedLossArguments) -> None:
+    """The in-batch InfoNCE term (``infonce_weight``, ``infonce_scale``) is the dense and multi-vector
+    distillation losses' (``CachedDistill*``); the sparse distillation losses (``CachedSparseLoss`` with a
+    distillation base loss) have none: refused, saying where it is."""
+    if args.loss not in SPARSE_DISTILLATION_LOSSES:
+        return
+    for name in ("infonce_weight", "infonce_scale"):
+        if getattr(args, name) not in (None, LOSS_DEFAULTS[name]):
+            others = ", ".join(repr(n) for n in DISTILLATION_LOSSES if n not in SPARSE_DISTILLATION_LOSSES)
+            raise ValueError(
+                f"{name} is on the dense and multi-vector distillation losses only ({others}): the in-batch "
+                f"InfoNCE term; loss={args.loss!r} (CachedSparseLoss with {BASE_LOSSES[args.loss].__name__} as its "
+                f"base loss) has none. Remove {name} (for a sparse model's in-batch negatives, loss='sparse')."
+            )
+
+
 def _validate_spec_fields(args: CachedLossArguments) -> None:
     """Each field by its spec's check (the losses' own, naming the field), and only for a loss that takes
     it: a field away from its default that the chosen loss would ignore is an error (not silence) naming
@@ -894,9 +929,11 @@ def _validate_spec_fields(args: CachedLossArguments) -> None:
             continue
         takers = [f"loss={name!r}" for name in LOSSES if param in loss_parameters(name)]
         takers_text = f"{takers[0]} only" if len(takers) == 1 else f"{', '.join(takers[:-1])} or {takers[-1]}"
+        base = BASE_LOSSES.get(args.loss)
+        with_base = f" with {base.__name__} as its base loss" if base is not None else ""
         raise ValueError(
-            f"{f.name} does not apply to loss={args.loss!r} ({args.loss_class.__name__} does not take {param}): "
-            f"{f.name} applies to {takers_text}. Remove {f.name}."
+            f"{f.name} does not apply to loss={args.loss!r} ({args.loss_class.__name__}{with_base} does not take "
+            f"{param}): {f.name} applies to {takers_text}. Remove {f.name}."
         )
 
 

@@ -240,3 +240,24 @@ def test_trainer_checkpoint_and_resume_restore_the_bank(tmp_path, caplog):
         _, _, no_bank_model = run(out, resume=str(out / "checkpoint-2"))
     assert "holds no negative bank" in caplog.text
     assert not torch.allclose(flat_params(no_bank_model), flat_params(full_model), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mini_batch", [3, 8], ids=["cached", "one-mini-batch"])
+def test_pairs_bank_equals_extra_columns_with_a_mini_batch_at_or_above_the_batch(model, mini_batch):
+    """(anchor, positive) pairs only, as ``benchmarks/teacher_bank_quality.py`` trains (batch 8, mini-batch
+    8: every column in one mini-batch, nothing cached): the third step scores the newest positives of the
+    first two like extra negative columns, in the loss and the parameter gradients."""
+    loss_fn = CachedMNRLoss(model, mini_batch_size=mini_batch, negative_bank_size=5)
+    steps = [columns(model, 2, B, seed=s) for s in (0, 1, 2)]
+    for feats in steps[:2]:
+        _step(model, loss_fn, feats)
+    with torch.no_grad():
+        cands = torch.cat([_embed(model, f)[1] for f in steps[:2]])[-5:]
+    loss, grads = _step(model, loss_fn, steps[2])
+    model.zero_grad(set_to_none=True)
+    e = _embed(model, steps[2])
+    ref_loss = reference_infonce(e[0], e[1:], bank_candidates=cands)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, flat_grads(model))
+    assert abs(float(reference_infonce(e[0], e[1:]).detach()) - float(ref_loss.detach())) > 1e-3
