@@ -253,7 +253,7 @@ class MiniBatchPlanner:
         saves nothing. A batch whose columns each fit but not together is cached (one column's graph at a
         time), as sentence-transformers' cached losses do.
 
-        With a row count: the columns' rows summed, within ``mini_batch_size``. With a token budget: the
+        With a row count: the columns' rows summed, within the rows per mini-batch. With a token budget: the
         columns' real tokens summed (an ``"auto"`` budget: each column's padded tokens, its rows as wide as
         its widest, plus its vision patches), within the budget; a lone column of one row is one
         mini-batch whatever its length.
