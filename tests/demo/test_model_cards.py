@@ -140,6 +140,10 @@ def test_the_committed_card_matches_what_the_code_writes(card, tiny_models):
     expected = f"* Loss: <code>{cls_path}</code> with these parameters:\n{parameters}"
     assert expected in text, f"{fix}: expected\n{expected}"
     assert loss.citation.strip() in text, f"{fix}: its citation of {type(loss).__name__} differs"
+    # a Hub visitor finds the project: the "Trained by" line links the repository (pyproject's address)
+    assert f"[st_cached_losses]({_repository()})" in text, (
+        f"{fix}: its 'Trained by' line does not link the repository"
+    )
 
 
 def _repository() -> str:
