@@ -24,6 +24,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +226,15 @@ def accelerate_launch(num_processes: int = 2) -> list[str]:
         "--dynamo_backend",
         "no",
     ]
+
+
+def run_launched(main: Callable[[], None]) -> None:
+    """Run a script's ``main`` under ``accelerate launch`` / torchrun, then tear the process group down.
+
+    Left to the interpreter's exit, a gloo rank can abort in a destructor ("terminate called without an
+    active exception", exit code -6) after a run that passed, which fails the launch."""
+    try:
+        main()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

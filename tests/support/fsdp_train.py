@@ -225,4 +225,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from tests.support.dist_utils import run_launched
+
+    run_launched(main)
