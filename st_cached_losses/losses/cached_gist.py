@@ -71,7 +71,8 @@ class CachedGISTLoss(LearnableScale):
                 engine's first pass, detached: no guide model, no extra forward), so the mask follows the
                 model as it trains; the same loss as ``GISTEmbedLoss`` with a frozen copy of the model, taken
                 at this step, as the guide (on a model without dropout; with dropout, the mask is that of the
-                step's own forward). The model itself is accepted too (as in sentence-transformers): then it
+                step's own forward); inside ``MatryoshkaLoss`` every width is guided by the full-width
+                embeddings, as that frozen copy guides it. The model itself is accepted too (as in sentence-transformers): then it
                 embeds the batch once more without a graph, in the mode the model is in (as theirs: no
                 ``eval()``).
             temperature: divides the cosine similarities (``scale = 1 / temperature``).
@@ -214,7 +215,7 @@ class CachedGISTLoss(LearnableScale):
 
     def _step_data(self, features: list[dict[str, Any]]) -> StepData:
         """The guide's embeddings of the batch (no graph), where the model's embeddings are; self-guided,
-        nothing: the loss stage takes the model's own (`_guided_by_itself`)."""
+        nothing: the model's own embeddings are its guide (`_with_embeddings`)."""
         if self.guide is None:
             return StepData()
         guide_features = self._guide_features(features)
@@ -241,12 +242,20 @@ class CachedGISTLoss(LearnableScale):
         if not self.in_batch_negatives:
             check_own_candidates(len(features), type(self).__name__)
 
+    def _with_embeddings(self, step: StepData, embeddings: list[Tensor]) -> StepData:
+        """Self-guided: the model's own embeddings of the step, at full width and detached, are the guide's.
+        In GradCache's stage 2 they are the first pass's embeddings, which the replay reproduces (its random
+        state restored), so the mask is the one of the very forward that is differentiated; taken before
+        ``calculate_loss``, so that a wrapper calling it on truncations (MatryoshkaLoss) guides every width
+        with them, as ``GISTEmbedLoss`` with a frozen copy of the model as guide does."""
+        if self.guide is None and step.guide is None:
+            step.guide = [e.detach() for e in embeddings]
+        return step
+
     def _guided_by_itself(self, step: StepData, embeddings: list[Tensor]) -> StepData:
-        """Self-guided: this call's step with the embeddings themselves, detached, as the guide's. In GradCache's
-        stage 2 they are the first pass's embeddings, which the replay reproduces (its random state restored),
-        so the mask is the one of the very forward that is differentiated; a copy, so that a wrapper calling the
-        loss stage on other embeddings of the same step (MatryoshkaLoss's truncations) is guided by those."""
-        if self.guide is not None:
+        """Self-guided and called without the step's own embeddings (``calculate_loss`` called directly):
+        a copy of the step with the given embeddings, detached, as the guide's."""
+        if self.guide is not None or step.guide is not None:
             return step
         return replace(step, guide=[e.detach() for e in embeddings])
 
