@@ -21,7 +21,7 @@ from st_cached_losses.engine.features import (
 )
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.functional.distributed import is_distributed, world_size
-from st_cached_losses.functional.parallel import agree_on_sizes
+from st_cached_losses.functional.parallel import agree_on_sizes, mean_scale_grad
 from st_cached_losses.losses._base import EngineOptions, EngineSettings
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.guards import check_model_kind
@@ -150,7 +150,8 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             num_negatives: documents of other rows scored against each query (drawn at random, without
                 replacement); None (or ``"all"``): every other row's positive and hard negatives.
             scale: multiplies the activated scores (``1 / temperature``); 0 or None: not scaled, as theirs.
-            activation_fn: applied to each pair's score before scaling; None: the raw score.
+            activation_fn: applied to each pair's score before scaling; None: the raw score. A learnable one
+                (e.g. ``nn.PReLU()``) gets its exact gradient, averaged over the processes as the model's is.
             mini_batch_size: pairs per model forward: sets the memory, never the result. ``"auto"``: the
                 largest that fits ``mini_batch_memory_budget``, measured at the first step.
             show_progress_bar: tqdm bars over the mini-batches of both passes.
@@ -342,13 +343,19 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
         """GradCache's stage 2: the loss and its gradient wrt every pair's raw score (the cached quantity,
         one ``(n, 1)`` tensor per engine column) and wrt ``params``, the activation's: the activation runs
-        here, with autograd over the raw scores, so a learnable activation gets its exact gradient."""
+        here, with autograd over the raw scores, so a learnable activation gets its exact gradient.
+
+        Across processes each process's loss is its share of the global mean, and the activation belongs to
+        the loss, outside the DDP-wrapped model: its gradient is averaged over the processes here, as DDP
+        averages the model's, so that every process steps it by the global batch's gradient."""
         total = self._total_rows(torch.cat([s.reshape(-1) for s in scores]), batch_size)
         leaves = [s.detach().requires_grad_() for s in scores]
         with torch.enable_grad():
             loss = self.calculate_loss(leaves, batch_size, total_rows=total)
             grads = torch.autograd.grad(loss, [*leaves, *params], allow_unused=True)
-        return loss.detach(), list(grads[: len(leaves)]), list(grads[len(leaves) :])
+        # (a parameter the loss does not reach has no gradient, on every process alike)
+        own = [mean_scale_grad(g) for g in grads[len(leaves) :]]
+        return loss.detach(), list(grads[: len(leaves)]), own
 
     def forward(
         self,
