@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from st_cached_losses.engine.features import batch_size_of, input_ids_by_row, model_device, unwrap_model
+from st_cached_losses.engine.multimodal import media_inputs
 from st_cached_losses.functional import scale_value
 from st_cached_losses.functional.options import Guide
 from st_cached_losses.functional.terms import gist_terms
@@ -48,7 +49,8 @@ class CachedGISTLoss(LearnableScale):
         (``guide=None``) the model guides itself with its own embeddings of the step, at no extra cost.
 
         The guide embeds each column once per step, mini-batch by mini-batch and without a graph (re-tokenising
-        the texts when its tokenizer differs from the model's); it is never replayed nor trained. Its mask is
+        the texts when its tokenizer differs from the model's: then a column with images, videos or audio is
+        refused, the decoded text having none of them); it is never replayed nor trained. Its mask is
         computed tile by tile next to the logits, never as a ``B x C`` matrix; across processes the guide's
         embeddings of the candidates are gathered (or travel around the ring) with the model's.
 
@@ -241,6 +243,16 @@ class CachedGISTLoss(LearnableScale):
         super()._check_columns(features)
         if not self.in_batch_negatives:
             check_own_candidates(len(features), type(self).__name__)
+        if self.guide is not None and self.must_retokenize:
+            media = {k: media_inputs(f) for k, f in enumerate(features) if media_inputs(f)}
+            if media:
+                raise ValueError(
+                    f"CachedGISTLoss: the guide reads another vocabulary (or fewer tokens) than the model, so its "
+                    "inputs are re-tokenised from the decoded text, which holds no images, videos or audio; "
+                    f"column(s) {sorted(media)} have {sorted({k for keys in media.values() for k in keys})}. "
+                    "Use a guide that reads the model's inputs (its processor and max_seq_length), or guide=None "
+                    "(the model guides itself)."
+                )
 
     def _with_embeddings(self, step: StepData, embeddings: list[Tensor]) -> StepData:
         """Self-guided: the model's own embeddings of the step, at full width and detached, are the guide's.
