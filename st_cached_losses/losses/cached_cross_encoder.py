@@ -20,6 +20,7 @@ from st_cached_losses.engine.features import (
     unwrap_model,
 )
 from st_cached_losses.engine.gradcache import GradCache
+from st_cached_losses.engine.multimodal import media_axes, patches_per_row
 from st_cached_losses.functional.distributed import is_distributed, world_size
 from st_cached_losses.functional.parallel import agree_on_sizes, mean_scale_grad
 from st_cached_losses.losses._base import EngineOptions, EngineSettings
@@ -265,7 +266,11 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
 
         A model that flattens its inputs (padding-free, as sentence-transformers does under flash
         attention's variable-length kernels) gets every pair's real tokens flattened at once (no padding
-        to hold; the engine slices them per sequence)."""
+        to hold; the engine slices them per sequence).
+
+        A multimodal reranker's pairs (a document or query with images) are measured with their images: the
+        column keeps each pair's vision patches where the processor flattens them (Qwen2-VL), which a token
+        budget and the ``"auto"`` sizes count besides the pair's tokens, as for an embedding model's column."""
         inner = unwrap_model(self.model)
         kwargs = {"task": task} if task is not None else {}
         tokenizer = getattr(inner, "tokenizer", None)
@@ -283,9 +288,19 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             tokenize(pairs[i : i + TOKENIZE_CHUNK]) for i in range(TOKENIZE_CHUNK, len(pairs), TOKENIZE_CHUNK)
         ]
         masks = [chunk["attention_mask"].bool() for chunk in chunks]
+        # a multimodal reranker's pairs: the vision patches of each pair's images, which a token budget counts
+        patches = [patches_per_row(media_axes(c, len(m)), len(m)) for c, m in zip(chunks, masks)]
         del chunks
         width = max(m.shape[1] for m in masks)
         mask = torch.cat([_pad(m, width, left, False) for m in masks])
+        per_pair = None
+        if any(p is not None for p in patches):
+            per_pair = torch.cat(
+                [
+                    p if p is not None else torch.zeros(len(m), dtype=torch.long)
+                    for p, m in zip(patches, masks)
+                ]
+            )
 
         def make(rows: Tensor, trim_leading: bool) -> Features:
             out = tokenize([pairs[i] for i in rows.tolist()])
@@ -295,7 +310,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
                 out = _pad_inputs(out, width, tokenizer)
             return out
 
-        return InputsOnDemand(mask, make)
+        return InputsOnDemand(mask, make, per_pair)
 
     def calculate_loss(
         self, logits: Sequence[Tensor], batch_size: int, *, total_rows: int | None = None

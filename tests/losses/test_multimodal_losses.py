@@ -172,6 +172,57 @@ def test_gist_guide_of_the_models_processor_sees_images_another_is_refused(qwen,
 
 
 @pytest.mark.parametrize(
+    "options", [{"mini_batch_size": 3}, {"mini_batch_num_tokens": 48}], ids=["mb3", "tok48"]
+)
+def test_a_multimodal_reranker_equals_st_and_its_budget_counts_the_patches(qwen_dir, options):
+    """Issue 50: a Qwen2-VL reranker (``CrossEncoder`` of its causal LM and ``LogitScore``) ranking documents with
+    and without images: the loss and gradients of sentence-transformers' cross-encoder
+    ``MultipleNegativesRankingLoss``; a token budget counts each pair's vision patches besides its tokens, as
+    for an embedding column (it counted the tokens only, so a mini-batch ran over the budget)."""
+    import random
+
+    from sentence_transformers.cross_encoder.losses import MultipleNegativesRankingLoss
+
+    from st_cached_losses import CachedCrossEncoderLoss
+    from st_cached_losses.engine.multimodal import media_axes, patches_per_row
+    from tests.support.tiny_vlm import load_tiny_qwen2_vl_reranker, random_image
+
+    reranker = load_tiny_qwen2_vl_reranker(qwen_dir)
+    rng = random.Random(0)
+    n = 5
+    queries = [f"w{i} w{i + 3}" for i in range(n)]
+    documents = [
+        {"image": random_image(rng, rng.choice([8, 16])), "text": f"w{i + 20}"}
+        if i % 2 == 0
+        else f"w{i + 30} w7"
+        for i in range(n)
+    ]
+    negatives = [{"image": random_image(rng, 16)} if i % 3 == 0 else f"w{i + 40}" for i in range(n)]
+    inputs = [queries, documents, negatives]
+    torch.manual_seed(0)
+    ref_loss, ref = param_grads(
+        reranker, lambda x: MultipleNegativesRankingLoss(reranker, 3)(x, None), inputs
+    )
+    loss_fn = CachedCrossEncoderLoss(reranker, 3, **options)
+    plans = _spy_plans(loss_fn)
+    torch.manual_seed(0)
+    loss, grads = param_grads(reranker, lambda x: loss_fn(x, None), inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref)
+    if "mini_batch_num_tokens" in options:
+        torch.manual_seed(0)
+        pairs = loss_fn.pairs(inputs)
+        assert len(loss_fn.columns(pairs, n, None, None)) == 1  # rows of the plans are the pairs
+        every = reranker.preprocess(pairs)
+        patches = patches_per_row(media_axes(every, len(pairs)), len(pairs))
+        assert patches is not None and int(patches.max()) > 0
+        cost = every["attention_mask"].sum(1) + patches
+        packed = [mb.rows for plan in plans for mb in plan if len(mb.rows) > 1]
+        assert packed, "no mini-batch of several pairs: the budget is not tested"
+        assert max(int(cost[rows].sum()) for rows in packed) <= options["mini_batch_num_tokens"]
+
+
+@pytest.mark.parametrize(
     "options", [{"mini_batch_size": 3}, {"mini_batch_num_tokens": 90}], ids=["mb3", "tok"]
 )
 def test_qwen2_vl_videos_equal_st_mnrl(qwen, options):
