@@ -168,19 +168,18 @@ class InfoNCE(Stage):
     def _guide(self, step: StepData, embeddings: list[Tensor]) -> Guide | None:
         if self.guide is None:
             return None
+        guide = step.guide
+        fits = guide is not None and len(guide) == len(embeddings) and len(guide[0]) == len(embeddings[0])
         if self.guide == SELF_GUIDED:
             # the step's own full-width rows (``with_embeddings``); called directly (``calculate_loss`` without
             # the step's rows), the given ones, detached
-            own = step.guide
-            usable = own is not None and len(own) == len(embeddings) and len(own[0]) == len(embeddings[0])
-            guide = own if usable else [e.detach() for e in embeddings]  # type: ignore[assignment]
-        else:
-            guide = step.guide  # type: ignore[assignment]
-            if guide is None or len(guide) != len(embeddings) or len(guide[0]) != len(embeddings[0]):
-                raise ValueError(
-                    f"{self.owner} needs the guide's embeddings of the same batch: call the loss on the features "
-                    "(loss(features, labels)), which embeds them with the guide, rather than calculate_loss directly."
-                )
+            if guide is None or not fits:
+                guide = [e.detach() for e in embeddings]
+        elif guide is None or not fits:
+            raise ValueError(
+                f"{self.owner} needs the guide's embeddings of the same batch: call the loss on the features "
+                "(loss(features, labels)), which embeds them with the guide, rather than calculate_loss directly."
+            )
         return Guide(guide[0], guide[1:])
 
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
