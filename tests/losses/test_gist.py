@@ -265,7 +265,10 @@ def test_each_setting_gist_uses_changes_the_loss_or_config(models):
     }  # fmt: skip
     for name, new in engine.items():
         loss = fresh()
-        setattr(loss, name, new)
+        if name == "mini_batch_memory_budget":  # it sizes "auto" mini-batches only (refused without them)
+            loss.update_settings(mini_batch_size="auto", mini_batch_memory_budget=new)
+        else:
+            setattr(loss, name, new)
         assert getattr(loss.cache, name) == new, name
     assert value(loss) == pytest.approx(value(fresh()), rel=1e-6)
 
