@@ -12,7 +12,10 @@ logit gradient ``G = sigmoid(u) - [positive]`` there and then (no softmax statis
 Numerics: every logit is computed in fp32 (fp64 for fp64 inputs); a positive's term and gradient are
 taken from ``-u`` (``softplus(-u)``, ``-sigmoid(-u)``), never as a difference of nearly equal numbers;
 sigmoids below ``e^-64`` are flushed to 0 (denormals would slow the CPU's GEMMs tenfold, see
-[`FLUSH_BELOW`][st_cached_losses.functional._kernels.FLUSH_BELOW]). Shapes: ``b`` rows in a row block, ``t`` columns in a column block."""
+[`FLUSH_BELOW`][st_cached_losses.functional._kernels.FLUSH_BELOW]). Where every logit is known to be below
+`EXP_SAFE` (cosine scores: ``u <= t + b``), ``softplus(u)`` is ``log1p(exp(u))``, two passes of vectorised
+ops, 2.5x faster on a CPU than ``F.softplus`` and the same to fp32 rounding; otherwise ``F.softplus``.
+Shapes: ``b`` rows in a row block, ``t`` columns in a column block."""
 
 from __future__ import annotations
 
@@ -30,6 +33,8 @@ __all__ = ["PairBlocks", "PairSums", "Wanted", "solve_local"]
 
 #: sigmoids below this are flushed to exactly 0 (fp32 only; see the module's notes)
 _FLUSH_SIGMOID = math.exp(FLUSH_BELOW)
+#: logits below which ``exp`` cannot overflow (fp32 overflows above 88.7, fp64 above 709.8)
+EXP_SAFE = {torch.float32: 80.0, torch.float64: 700.0}
 
 
 @dataclass(frozen=True)
@@ -75,8 +80,9 @@ class PairBlocks:
         self.loss = torch.zeros((), dtype=torch.float64, device=dev)
         self.g_u = torch.zeros((), dtype=torch.float64, device=dev)  # sum(G * u)
         self.g_sum = torch.zeros((), dtype=torch.float64, device=dev)  # sum(G)
-        # a cosine logit is at least b - t (up to rounding): then no sigmoid can be small enough to flush
+        # a cosine logit is within b -/+ t (up to rounding): no sigmoid small enough to flush, no exp overflow
         self.flush = dt == torch.float32 and not (score.cosine and bias - 1.001 * scale > FLUSH_BELOW)
+        self.exp_safe = score.cosine and bias + 1.001 * scale < EXP_SAFE[dt]
 
     def visit(self, cols: Operand, g_cols: Tensor | None, diag: int | None) -> None:
         """Score the rows against the column entries ``cols`` (``(n, d)``): add their terms to the loss and,
@@ -102,7 +108,7 @@ class PairBlocks:
             pos = u[ij]
             u[ij] = -torch.inf
             self.loss += F.softplus(-pos).sum()
-        g = F.softplus(u)
+        g = torch.exp(u).log1p_() if self.exp_safe else F.softplus(u)  # softplus(u), a new block
         self.loss += g.sum()
         if not self.want.any:
             return None
