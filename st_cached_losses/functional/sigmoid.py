@@ -108,7 +108,8 @@ def sigmoid_loss(
         want = Wanted(any(needs[2:]), needs[0], needs[1])
         out = _solve(anchors, cols, opts, sizes, ring, 1.0, want)
         g_cols: list[Tensor | None] = list(out.grad_candidates) if want.embeddings else [None] * n_cols
-        return out.loss, [out.grad_scale, out.grad_bias, out.grad_anchors, *g_cols]
+        grads = [out.grad_scale, out.grad_bias, out.grad_anchors, *g_cols]
+        return out.loss, [g if need else None for g, need in zip(grads, needs)]  # kept: the needed ones
 
     return OnePassFunction.apply(solve, scale, bias, anchors, *cols)
 

@@ -373,3 +373,36 @@ def test_both_strategies_on_one_process_equal_the_local_loss(ring):
         [across.loss, across.grad_anchors, *across.grad_candidates, across.grad_scale],
     ):
         torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-15)
+
+
+def test_autograd_keeps_only_the_gradients_between_forward_and_backward():
+    """Forward computes the gradients with the loss and keeps them (``O((B + C) d)``), nothing of the blocks;
+    only those of inputs that require grad."""
+    anchors, cols, _ = _embeddings(12, 5, 2, seed=7)
+    anchors.requires_grad_()
+    cols[0].requires_grad_()  # the hard negatives' column is frozen: its gradient is computed, not kept
+    bias = torch.tensor(-3.0, dtype=torch.float64, requires_grad=True)
+    loss = sigmoid_loss(anchors, cols, scale=5.0, bias=bias, chunk_size=5)
+    kept = [tuple(t.shape) for t in loss.grad_fn.saved_tensors]
+    assert kept == [(), (12, 5), (12, 5)]  # the bias's, the anchors', the positives'; nothing of a block
+    g_a, g_p, g_b = torch.autograd.grad(loss, [anchors, cols[0], bias])
+    ref = torch.autograd.grad(
+        reference_sigmoid(anchors, cols, scale=5.0, bias=bias), [anchors, cols[0], bias]
+    )
+    for ours, r in zip((g_a, g_p, g_b), ref):
+        torch.testing.assert_close(ours, r, rtol=1e-12, atol=1e-14)
+
+
+def test_autocast_around_the_call_changes_nothing():
+    """The loss stage computes in fp32 whatever the caller's autocast says (an fp32 product under bf16 autocast
+    would lose the logits' low bits)."""
+    anchors, cols, _ = _embeddings(32, 16, 2, seed=12)
+    a, c = anchors.float().requires_grad_(), [x.float() for x in cols]
+    plain = sigmoid_loss(a, c, scale=20.0, bias=-5.0)
+    (g_plain,) = torch.autograd.grad(plain, [a])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = sigmoid_loss(a, c, scale=20.0, bias=-5.0)
+        (g_cast,) = torch.autograd.grad(cast, [a])
+    assert cast.dtype == torch.float32 and g_cast.dtype == torch.float32
+    torch.testing.assert_close(cast, plain, rtol=0, atol=0)
+    torch.testing.assert_close(g_cast, g_plain, rtol=0, atol=0)
