@@ -12,7 +12,7 @@ logit gradient ``G = sigmoid(u) - [positive]`` there and then (no softmax statis
 Numerics: every logit is computed in fp32 (fp64 for fp64 inputs); a positive's term and gradient are
 taken from ``-u`` (``softplus(-u)``, ``-sigmoid(-u)``), never as a difference of nearly equal numbers;
 sigmoids below ``e^-64`` are flushed to 0 (denormals would slow the CPU's GEMMs tenfold, see
-[`FLUSH_BELOW`][st_cached_losses.functional._kernels.FLUSH_BELOW]). Where every logit is known to be below
+``_kernels.FLUSH_BELOW``). Where every logit is known to be below
 `EXP_SAFE` (cosine scores: ``u <= t + b``), ``softplus(u)`` is ``log1p(exp(u))``, two passes of vectorised
 ops, 2.5x faster on a CPU than ``F.softplus`` and the same to fp32 rounding; otherwise ``F.softplus``.
 Shapes: ``b`` rows in a row block, ``t`` columns in a column block."""
