@@ -1,9 +1,11 @@
 """The pairwise sigmoid loss of SigLIP (Zhai et al., 2023), exact at any batch, on one process or many.
 
 For anchors ``x_i`` (``B`` rows) and candidates ``y_j`` (the positives, then every hard-negative column,
-then a negative bank's rows: ``C`` entries in all)::
+then a negative bank's rows: ``C`` entries in all):
 
-    L = -(1 / B) * sum_i sum_j log sigmoid(z_ij * (scale * sim(x_i, y_j) + bias))
+```text
+L = -(1 / B) * sum_i sum_j log sigmoid(z_ij * (scale * sim(x_i, y_j) + bias))
+```
 
 ``z_ij = +1`` for row ``i``'s own positive and -1 otherwise; ``sim`` is the cosine (embeddings normalised
 once) or the dot product. One sum over every pair: the loss is symmetric by construction (no directions).

@@ -78,7 +78,7 @@ class PairBlocks:
         dev, dt = anchors.device, self.rows.dtype
         self.g_rows = torch.zeros(anchors.shape, dtype=dt, device=dev) if want.embeddings else None
         self.loss = torch.zeros((), dtype=torch.float64, device=dev)
-        self.g_u = torch.zeros((), dtype=torch.float64, device=dev)  # sum(G * u)
+        self.g_logits = torch.zeros((), dtype=torch.float64, device=dev)  # sum(G * t * sim)
         self.g_sum = torch.zeros((), dtype=torch.float64, device=dev)  # sum(G)
         # a cosine logit is within b -/+ t (up to rounding): no sigmoid small enough to flush, no exp overflow
         self.flush = dt == torch.float32 and not (score.cosine and bias - 1.001 * scale > FLUSH_BELOW)
@@ -98,11 +98,14 @@ class PairBlocks:
                 if g is not None:
                     g_c = g_cols[c0:c1] if g_cols is not None else None
                     self.score.accumulate(g, q, c, g_rows, g_c, self.scale)
-                del g  # before the next block is made: two blocks live at a time, not three
+                del g  # before the next block is made: one block (or, with the scale, two) more otherwise
 
     def _block(self, q: Tensor, c: Tensor, ij: tuple[Tensor, Tensor] | None) -> Tensor | None:
         """One block's terms into the sums; its logit gradient ``G (b, t)`` when the embeddings want one."""
-        u = self.score.logits(q, c, self.scale).add_(self.bias)  # (b, d) @ (d, t): t * sim + b
+        logits = self.score.logits(q, c, self.scale)  # (b, d) @ (d, t): t * sim
+        # the scale's gradient is sum(G * t * sim): kept apart from the biased logits (one more block), as
+        # sum(G * u) - b * sum(G) would cancel (|b| >> t |sim| loses all digits)
+        u = logits + self.bias if self.want.scale else logits.add_(self.bias)
         pos = None
         if ij is not None:  # the positives' terms are softplus(-u): taken out of the block's softplus(u)
             pos = u[ij]
@@ -117,10 +120,9 @@ class PairBlocks:
             torch.threshold_(g, _FLUSH_SIGMOID, 0.0)
         if pos is not None:
             g[ij] = -torch.sigmoid(-pos)  # of a positive: sigmoid(u) - 1, without cancellation
-            u[ij] = pos
         if self.want.scale:
-            self.g_u += torch.vdot(g.reshape(-1), u.reshape(-1))
-        if self.want.scale or self.want.bias:
+            self.g_logits += torch.vdot(g.reshape(-1), logits.reshape(-1))
+        if self.want.bias:
             self.g_sum += g.sum()
         return g if self.want.embeddings else None
 
@@ -136,8 +138,7 @@ class PairBlocks:
             g_rows = raw_grad(
                 self.rows, self.g_rows.mul_(self.scale * factor), self.rows.dtype, self.row_tile
             )
-        # sum(G * sim) = (sum(G * u) - b * sum(G)) / t
-        g_s = (self.g_u - self.bias * self.g_sum) * (factor / self.scale) if self.want.scale else None
+        g_s = self.g_logits * (factor / self.scale) if self.want.scale else None  # sum(G * sim)
         g_b = self.g_sum * factor if self.want.bias else None
         return g_rows, g_s, g_b
 

@@ -44,12 +44,14 @@ __all__ = ["block_plan", "gathered_pairs", "local_pairs", "mean_over_processes",
 BLOCK_BUFFERS = 2
 
 
-def block_plan(n_rows: int, n_cols: int, opts: SigmoidOptions, score: Score) -> Plan:
-    """The block sizes of ``n_rows`` rows against columns of up to ``n_cols`` entries (a function score
-    also holds its tile's autograd graph: one more block)."""
+def block_plan(n_rows: int, n_cols: int, opts: SigmoidOptions, score: Score, want: Wanted) -> Plan:
+    """The block sizes of ``n_rows`` rows against columns of up to ``n_cols`` entries (the scale's gradient
+    keeps the logits beside the biased ones, and a function score its tile's autograd graph: one more block
+    each)."""
+    buffers = BLOCK_BUFFERS + want.scale + (not score.gemm)
     return plan_blocks(
         n_rows, max(n_cols, 1), path=opts.path, chunk_size=opts.chunk_size, tile_size=opts.tile_size,
-        memory_budget=opts.memory_budget, buffers=BLOCK_BUFFERS + (not score.gemm),
+        memory_budget=opts.memory_budget, buffers=buffers,
     )  # fmt: skip
 
 
@@ -89,7 +91,7 @@ def local_pairs(
     not read (one process)."""
     score = Score(opts.similarity)
     n_bank = opts.bank.shape[0] if opts.bank is not None else 0
-    plan = block_plan(anchors.shape[0], max(cols[0].shape[0], n_bank), opts, score)
+    plan = block_plan(anchors.shape[0], max(cols[0].shape[0], n_bank), opts, score, want)
     s, bias = scale_value(opts.scale), bias_value(opts.bias)
     return solve_local(
         anchors, cols, opts.bank, score=score, scale=s, bias=bias, row_offset=opts.row_offset, plan=plan,
@@ -127,7 +129,7 @@ def gathered_pairs(
     if bank is not None and max(shares) > 0:
         bank = all_gather_rows(bank, shares)
     n = gathered.shape[0]
-    plan = block_plan(anchors.shape[0], max(n, bank.shape[0] if bank is not None else 0), opts, score)
+    plan = block_plan(anchors.shape[0], max(n, bank.shape[0] if bank is not None else 0), opts, score, want)
     g_cols = None
     if want.embeddings:  # (K, N, d): each column's buffer contiguous, one collective for all
         g_cols = torch.zeros(
@@ -170,7 +172,7 @@ def ring_pairs(
     k = len(cols)
     bank = opts.bank
     shares = _bank_shares(bank, w)
-    plan = block_plan(anchors.shape[0], max(max(sizes), max(shares)), opts, score)
+    plan = block_plan(anchors.shape[0], max(max(sizes), max(shares)), opts, score, want)
     prenorm = plan.path == "chunked"
     s, bias = scale_value(opts.scale), bias_value(opts.bias)
     blocks = PairBlocks(

@@ -128,6 +128,9 @@ def test_values_and_gradients_match_reference(device, case):
         torch.cat([r.flatten() for r in ref_grads]),
         1e-5,
         naive=torch.cat([r.flatten() for r in naive_grads]),
+        # a batch whose every pair is saturated has gradients below fp32's normal range (sigmoid(-91) =
+        # 3e-40): the loss stage flushes sigmoids under e^-64 (1.6e-28), and a GEMM may flush denormals
+        atol=1e-25,
     )
 
 
