@@ -1,5 +1,6 @@
 """What the benchmark scripts share: the repository root first on ``sys.path``, the packaged model (whole or
-cut to its first layers), and the rows of ``graph_budget.csv``.
+cut to its first layers), the rows of ``graph_budget.csv``, and the quality scripts' trainer arguments and
+training run (``quality_arguments``, ``quality_train``).
 
 A benchmark runs as ``python benchmarks/<name>.py`` from the repository root (as the docs and the Makefile run
 it), so its own folder is on ``sys.path`` and ``from _common import ROOT`` finds this module; importing it puts
@@ -15,6 +16,7 @@ from __future__ import annotations
 import csv
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 if sys.path[0] != str(ROOT):
@@ -50,3 +52,68 @@ def read_rows(csv_path: Path) -> list[dict]:
              "peak_mib": float(r["peak_mib"]), "budget_mib": float(r["budget_mib"]) if r["budget_mib"] else ""}
             for r in csv.DictReader(f)
         ]  # fmt: skip
+
+
+def quality_arguments(
+    out_dir: str,
+    batch: int,
+    lr: float,
+    seed: int,
+    *,
+    schedule: str = "constant",
+    drop_last: bool = False,
+    cached: bool = True,
+    **loss: Any,
+) -> Any:
+    """The trainer arguments of a quality run, the same for every quality script (``teacher_bank_quality``,
+    ``recipe_quality``, ``batch_size_quality``): one epoch of ``batch`` rows per step at learning rate ``lr``
+    (``schedule``, no warmup), on the CPU, seeded (``seed`` for the model's and the data's order), a log every
+    step, no checkpoints, no reports, no progress bar; ``drop_last``: whole batches only. ``cached``:
+    ``CachedLossTrainingArguments`` with the loss fields ``loss``; else sentence-transformers' own arguments
+    (a non-cached loss, built by the caller)."""
+    from sentence_transformers import SentenceTransformerTrainingArguments
+
+    from st_cached_losses import CachedLossTrainingArguments
+
+    common = {
+        "output_dir": out_dir,
+        "per_device_train_batch_size": batch,
+        "num_train_epochs": 1.0,
+        "learning_rate": lr,
+        "lr_scheduler_type": schedule,
+        "warmup_steps": 0,
+        "save_strategy": "no",
+        "report_to": "none",
+        "logging_steps": 1,
+        "disable_tqdm": True,
+        "seed": seed,
+        "data_seed": seed,
+        "use_cpu": True,
+        "dataloader_drop_last": drop_last,
+    }
+    if cached:
+        return CachedLossTrainingArguments(**common, **loss)
+    assert not loss, "the loss fields are CachedLossTrainingArguments'"
+    return SentenceTransformerTrainingArguments(**common)
+
+
+def quality_train(
+    model: Any, args: Any, dataset: Any, loss: Any = None, callbacks: Any = None
+) -> tuple[Any, float, int]:
+    """Train ``model`` on ``dataset`` with ``loss`` (default: the cached loss ``args`` describe, built and
+    checked against the dataset by ``build_loss``); the trainer, the seconds of ``train()`` and the optimizer
+    steps taken."""
+    import time
+
+    from sentence_transformers import SentenceTransformerTrainer
+
+    from st_cached_losses import build_loss
+
+    if loss is None:
+        loss = build_loss(model, args, train_dataset=dataset)
+    trainer = SentenceTransformerTrainer(
+        model=model, args=args, train_dataset=dataset, loss=loss, callbacks=callbacks
+    )
+    t0 = time.perf_counter()
+    trainer.train()
+    return trainer, time.perf_counter() - t0, trainer.state.global_step

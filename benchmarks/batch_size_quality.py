@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT
+from _common import ROOT, quality_arguments, quality_train
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -62,40 +62,21 @@ def evaluate(model, evaluator) -> dict[str, float]:
 def train_one(batch: int, cached: bool, seed: int, train_dataset, args_ns, out_dir: str):
     """Fine-tune a fresh MiniLM with the non-cached loss (``cached=False``) or CachedMNRLoss; returns
     the model and the training time."""
-    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
     from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
 
-    from st_cached_losses import CachedLossTrainingArguments, build_loss
     from st_cached_losses.demo import load_model
 
     model = load_model(args_ns.model, args_ns.max_seq_length)
-    common = {
-        "output_dir": out_dir,
-        "per_device_train_batch_size": batch,
-        "num_train_epochs": 1.0,
-        "learning_rate": args_ns.lr,
-        "lr_scheduler_type": args_ns.schedule,
-        "warmup_steps": 0,
-        "save_strategy": "no",
-        "report_to": "none",
-        "logging_steps": 1,
-        "disable_tqdm": True,
-        "seed": seed,
-        "data_seed": seed,
-        "use_cpu": True,
-    }
     if cached:
-        args = CachedLossTrainingArguments(
-            **common, loss="mnr", scale=args_ns.scale, mini_batch_size=args_ns.mini_batch
-        )
-        loss = build_loss(model, args)
+        args = quality_arguments(
+            out_dir, batch, args_ns.lr, seed, schedule=args_ns.schedule, loss="mnr", scale=args_ns.scale,
+            mini_batch_size=args_ns.mini_batch,
+        )  # fmt: skip
+        loss = None  # the arguments' loss (build_loss)
     else:
-        args = SentenceTransformerTrainingArguments(**common)
+        args = quality_arguments(out_dir, batch, args_ns.lr, seed, schedule=args_ns.schedule, cached=False)
         loss = MultipleNegativesRankingLoss(model, scale=args_ns.scale)
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
-    t0 = time.perf_counter()
-    trainer.train()
-    seconds = time.perf_counter() - t0
+    trainer, seconds, _ = quality_train(model, args, train_dataset, loss)
     return model, seconds, trainer.state.global_step
 
 
@@ -290,7 +271,7 @@ def train_sweep_run(run: dict[str, Any], seed: int, train_dataset, args_ns, out_
     from sentence_transformers import SentenceTransformerTrainer
     from transformers import TrainerCallback
 
-    from st_cached_losses import CachedLossTrainingArguments, build_loss
+    from st_cached_losses import build_loss
     from st_cached_losses.demo import load_model
 
     model = load_model(args_ns.model, args_ns.max_seq_length)
@@ -298,20 +279,12 @@ def train_sweep_run(run: dict[str, Any], seed: int, train_dataset, args_ns, out_
     extra: dict[str, Any] = {}
     if learnable and run["scale_learning_rate"] is not None:
         extra["scale_learning_rate"] = run["scale_learning_rate"]
-    args = CachedLossTrainingArguments(
-        output_dir=out_dir,
-        per_device_train_batch_size=args_ns.sweep_batch,
-        num_train_epochs=1.0,
-        learning_rate=args_ns.lr,
-        lr_scheduler_type=args_ns.schedule,
-        warmup_steps=0,
-        save_strategy="no",
-        report_to="none",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=seed,
-        data_seed=seed,
-        use_cpu=True,
+    args = quality_arguments(
+        out_dir,
+        args_ns.sweep_batch,
+        args_ns.lr,
+        seed,
+        schedule=args_ns.schedule,
         loss=run["loss"],
         scale=run["scale"],
         learnable_scale=learnable,
@@ -325,17 +298,14 @@ def train_sweep_run(run: dict[str, Any], seed: int, train_dataset, args_ns, out_
         def on_step_end(self, *_: Any, **__: Any) -> None:
             scales.append(loss.scale)
 
-    trainer = SentenceTransformerTrainer(
-        model=model, args=args, train_dataset=train_dataset, loss=loss, callbacks=[RecordScale()]
-    )
     if learnable:  # what the trainer's optimizer gives the scale
-        optimizer = trainer.create_optimizer()
+        probe = SentenceTransformerTrainer(model=model, args=args, train_dataset=train_dataset, loss=loss)
+        optimizer = probe.create_optimizer()
         run["scale_group_lr"] = next(
             g["lr"] for g in optimizer.param_groups if any(p is loss.logit_scale for p in g["params"])
         )
-    t0 = time.perf_counter()
-    trainer.train()
-    return model, time.perf_counter() - t0, trainer.state.global_step, scales
+    _, seconds, steps = quality_train(model, args, train_dataset, loss, callbacks=[RecordScale()])
+    return model, seconds, steps, scales
 
 
 def scale_sweep(args) -> None:

@@ -38,7 +38,7 @@ from _common import ROOT
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from st_cached_losses.engine.checks import memory_bytes
-from st_cached_losses.losses._base import StepData
+from st_cached_losses.losses.base import StageInput, StepData
 from tests.support.memory import PeakMemory
 
 MiB = 2**20
@@ -84,7 +84,9 @@ def sparse_contenders(vocab: int, nnz: int) -> dict[str, Callable[[int], tuple[i
         cache = [p[0] for p in form.finish([[form.pack(e)] for e in dense])]
         del dense  # the engine keeps the packed rows only
         assert form.compact
-        return footprint(nbytes(cache), lambda: loss._loss_stage(cache, None, StepData(), with_grad=True))
+        return footprint(
+            nbytes(cache), lambda: loss.stage(StageInput(cache, None, StepData()), with_grad=True)
+        )
 
     return {"theirs": theirs, "ours": ours}
 

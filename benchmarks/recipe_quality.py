@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import ROOT
+from _common import ROOT, quality_arguments, quality_train
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -59,9 +59,7 @@ def tasks(
 
 def train_one(run: str, loss_name: str, seed: int, train: dict, ns: argparse.Namespace, out_dir: str):
     from datasets import Dataset, DatasetDict, concatenate_datasets
-    from sentence_transformers import SentenceTransformerTrainer
 
-    from st_cached_losses import CachedLossTrainingArguments, build_loss
     from st_cached_losses.demo import load_model
 
     model = load_model(ns.model, ns.max_seq_length)
@@ -76,29 +74,17 @@ def train_one(run: str, loss_name: str, seed: int, train: dict, ns: argparse.Nam
     options: dict[str, Any] = {"loss": loss_name, "scale": ns.scale, "mini_batch_size": ns.mini_batch}
     if loss_name == "gist":  # self-guided (no guide_model): mnr's terms plus the mask
         options |= {"margin": ns.margin, "contrast_anchors": False, "contrast_positives": False}
-    args = CachedLossTrainingArguments(
-        output_dir=out_dir,
-        per_device_train_batch_size=ns.batch,
-        num_train_epochs=1.0,
-        learning_rate=ns.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        save_strategy="no",
-        report_to="none",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=seed,
-        data_seed=seed,
-        use_cpu=True,
-        dataloader_drop_last=True,  # every run the same number of full batches
+    args = quality_arguments(
+        out_dir,
+        ns.batch,
+        ns.lr,
+        seed,
+        drop_last=True,  # every run the same number of full batches
         **({"multi_dataset_batch_sampler": "same_dataset"} if per_task else {}),
         **options,
     )
-    loss = build_loss(model, args)
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
-    t0 = time.perf_counter()
-    trainer.train()
-    return model, time.perf_counter() - t0, trainer.state.global_step
+    _, seconds, steps = quality_train(model, args, dataset)
+    return model, seconds, steps
 
 
 def evaluate(model, evaluators: dict) -> dict[str, float]:

@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, model_dir: str, rows: list[int], vocab: int, 
 
     from st_cached_losses import CachedSparseLoss
     from st_cached_losses.distributed import STATS
-    from st_cached_losses.losses._base import StepData
+    from st_cached_losses.losses.base import StageInput, StepData
 
     model = SparseEncoder(model_dir, device="cpu")
     gen = torch.Generator().manual_seed(1000 + rank)
@@ -67,7 +67,9 @@ def _worker(rank: int, world: int, model_dir: str, rows: list[int], vocab: int, 
             cache = [torch.cat(p) if p[0].dim() == 2 else _cat_packed(p) for p in parts]
             STATS.reset()
             with PeakMemory() as meter:
-                stage = loss._loss_stage(cache, None, StepData(), with_grad=True)  # the engine's stage 2
+                stage = loss.stage(
+                    StageInput(cache, None, StepData()), with_grad=True
+                )  # the engine's stage 2
                 values, grads = stage.parts, stage.grads
             assert grads is not None
             out.append(

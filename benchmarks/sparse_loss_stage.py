@@ -34,7 +34,7 @@ from _common import ROOT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from st_cached_losses.losses._base import StepData
+from st_cached_losses.losses.base import StageInput, StepData
 from tests.support.memory import PeakMemory
 
 COLUMNS = 3  # anchor, positive, one hard negative
@@ -82,7 +82,7 @@ def measure(name: str, loss, embeddings: list[torch.Tensor]) -> tuple[float, int
         gc.collect()
         start = time.perf_counter()
         with PeakMemory() as meter:
-            stage = loss._loss_stage(cache, None, StepData(), with_grad=True)  # the engine's stage 2
+            stage = loss.stage(StageInput(cache, None, StepData()), with_grad=True)  # the engine's stage 2
             value, grads = stage.loss, stage.grads
         seconds = time.perf_counter() - start
         return seconds, meter.peak_bytes, float(value), nbytes(cache), nbytes(grads)

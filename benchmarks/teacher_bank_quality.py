@@ -45,7 +45,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import ROOT, truncate
+from _common import ROOT, quality_arguments, quality_train, truncate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -57,39 +57,15 @@ FIELDS += ["recall@10"]
 
 
 def training_args(out_dir: str, batch: int, lr: float, seed: int, ns: argparse.Namespace, **loss: Any):
-    from st_cached_losses import CachedLossTrainingArguments
-
-    return CachedLossTrainingArguments(
-        output_dir=out_dir,
-        per_device_train_batch_size=batch,
-        num_train_epochs=1.0,
-        learning_rate=lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        save_strategy="no",
-        report_to="none",
-        logging_steps=1,
-        disable_tqdm=True,
-        seed=seed,
-        data_seed=seed,
-        use_cpu=True,
-        dataloader_drop_last=True,  # whole batches only: the same pairs for every batch size
-        mini_batch_size=ns.mini_batch,
-        **loss,
-    )
+    """The quality runs' trainer arguments (``_common.quality_arguments``): whole batches only, the same
+    pairs for every batch size."""
+    return quality_arguments(out_dir, batch, lr, seed, drop_last=True, mini_batch_size=ns.mini_batch, **loss)
 
 
 def train(model, args, dataset) -> tuple[float, int]:
     """Train ``model`` with the loss ``args`` describe; the seconds and the optimizer steps taken."""
-    from sentence_transformers import SentenceTransformerTrainer
-
-    from st_cached_losses import build_loss
-
-    loss = build_loss(model, args, train_dataset=dataset)
-    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
-    t0 = time.perf_counter()
-    trainer.train()
-    return time.perf_counter() - t0, trainer.state.global_step
+    _, seconds, steps = quality_train(model, args, dataset)
+    return seconds, steps
 
 
 def evaluate(model, evaluator) -> dict[str, float]:

@@ -2,10 +2,10 @@
 
 * ``<!-- settings-table -->`` in a page becomes the table of every field ``CachedLossTrainingArguments`` adds to
   sentence-transformers' training arguments: its type, default, the losses that take it (from the losses'
-  signatures, as the arguments' own check decides) and its help text (the specs in
-  ``st_cached_losses/losses/settings.py``). Nothing in it is typed into the docs.
+  settings, as the arguments' own check decides) and its help text (the settings' declarations). Nothing in
+  it is typed into the docs.
 * ``<!-- loss-names-table -->``: the names ``loss:`` accepts, each loss's class and the model it trains (the
-  registry in ``st_cached_losses/config/registry.py``).
+  losses' registry, read through ``st_cached_losses/config/registry.py``).
 * The repository's address is ``Repository`` under ``[project.urls]`` in ``pyproject.toml``, the one place it is
   written: it becomes the site's ``repo_url`` (the header's link) and replaces ``<!-- repository-url -->`` in
   every page (code blocks included).
@@ -112,30 +112,30 @@ def _text_cell(text: str) -> str:
 
 
 def settings_table() -> str:
-    """Markdown table of the arguments' own fields, in their declaration order."""
+    """Markdown table of the arguments' own fields, in their declaration order: each field's type, default, the
+    losses that take its setting (read from the losses' settings) and its help (the setting's declaration)."""
     from sentence_transformers import SentenceTransformerTrainingArguments
 
-    from st_cached_losses.config.cli import ALTERNATIVE_FIELDS
-    from st_cached_losses.config.registry import LOSSES, loss_parameters
-    from st_cached_losses.config.training_args import FIELD_SPECS, CachedLossTrainingArguments
+    from st_cached_losses.config.registry import LOSSES, takers
+    from st_cached_losses.config.training_args import FIELD_SETTINGS, CachedLossTrainingArguments
 
     inherited = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     hints = typing.get_type_hints(CachedLossTrainingArguments)
-    parameters = {name: loss_parameters(name) for name in LOSSES}
     rows = ["| field | type | default | losses that take it | meaning |", "|---|---|---|---|---|"]
     for f in dataclasses.fields(CachedLossTrainingArguments):
         if f.name in inherited:
             continue
-        argument = FIELD_SPECS[f.name][0] if f.name in FIELD_SPECS else None
-        # fields that are one setting in two forms (scale / temperature): a loss taking either takes both
-        group = next((g for g in ALTERNATIVE_FIELDS if f.name in g), (f.name,))
-        arguments = {FIELD_SPECS[g][0] if g in FIELD_SPECS else g for g in group}
+        setting = FIELD_SETTINGS.get(f.name)
         if f.name == "loss":
             takes = "all"
-        elif argument is None:
-            takes = "all (sets no loss argument)"
+        elif setting is None:
+            takes = (
+                "all (sets no loss setting)" if f.name != "loss_options" else "all (settings without a field)"
+            )
         else:
-            names = [name for name in LOSSES if arguments & set(parameters[name])]
+            # scale / temperature: a loss that takes either takes the other where it is its inverse
+            group = {"scale", "temperature"} if setting in ("scale", "temperature") else {setting}
+            names = [name for name in LOSSES if any(name in takers(g) for g in group)]
             takes = "all" if len(names) == len(LOSSES) else ", ".join(f"`{n}`" for n in names)
         default = "-" if f.default is None else f"`{f.default!r}`"
         help_text = f.metadata.get("help", "")

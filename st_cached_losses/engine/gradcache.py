@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.checks import (
+    auto_needs_budget,
     check_mini_batch_num_tokens,
     check_mini_batch_size,
     is_auto,
@@ -64,7 +65,6 @@ from st_cached_losses.engine.wrappers import (
     skip_forward_buffer_sync,
     unsynced,
 )
-from st_cached_losses.functional.multi_vector import pack_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -236,10 +236,7 @@ class _Session:
         if mb.filler:
             return torch.zeros_like(out)
         g = self.grads[mb.column].index_select(0, mb.rows.to(self.grads[mb.column].device))
-        if self.engine.form is not None:
-            g = self.engine.form.expand(g, out)
-        if g.dim() == 3:  # token rows padded to the column's longest: this mini-batch's own width
-            g = g[:, : out.shape[1]]
+        g = self.engine.form.expand(g, out)
         return (g * grad_output).to(out.dtype)
 
 
@@ -261,14 +258,6 @@ class _Replay(torch.autograd.Function):
         with torch.enable_grad():  # autograd runs backward functions with grad mode off
             extra = session.backward(float(grad))
         return (None, None, *extra)
-
-
-def auto_needs_budget(device: str) -> ValueError:
-    """The error refusing ``"auto"`` mini-batches without a memory budget on ``device`` (not CUDA)."""
-    return ValueError(
-        "mini_batch_size='auto' (or mini_batch_num_tokens='auto') sizes the mini-batches to a memory "
-        f"budget: set mini_batch_memory_budget (e.g. '2GB'); on {device} there is no default."
-    )
 
 
 @dataclass(frozen=True)
@@ -306,17 +295,14 @@ class GradCache(MiniBatchPlanner):
             mini-batches first, measured, within the budget; the same gradients. None: keep only the
             last mini-batch's graph (``reuse_last_graph``). Under gradient synchronisation the last
             mini-batch is still replayed (the step's one reduction).
-        tokens: embed multi-vector rows: a model called with the column's ``task`` whose outputs are
-            ``token_embeddings`` and their ``attention_mask``, packed per mini-batch as ``(m, t, d + 1)``;
-            a column's mini-batches (each trimmed to its own longest row) are padded on the right to the
-            column's longest, and each mini-batch's gradient is cut back to its own width (the padding
-            never has one).
-        output: the key of the model's output that a mini-batch's forward yields (without ``tokens``):
+        output: the key of the model's output that a mini-batch's forward yields (with the default form):
             ``"sentence_embedding"``, a SentenceTransformer's ``(m, d)`` rows; ``"scores"``, a CrossEncoder's
             ``(m, 1)`` score of each (query, document) pair, where the rows are pairs and the cached
             quantity is one score per row.
-        form: how the cached embeddings and gradients are kept ([`CacheForm`][st_cached_losses.engine.cache_form.CacheForm], a loss's
-            hook: e.g. only the non-zero entries of sparse rows); None: as the mini-batches output them.
+        form: what a mini-batch's forward yields and how the cached rows and their gradients are kept
+            ([`CacheForm`][st_cached_losses.engine.cache_form.CacheForm]: as the model outputs them;
+            [`TokenRows`][st_cached_losses.engine.cache_form.TokenRows]: a multi-vector model's token rows,
+            packed; the sparse loss's: only the non-zero entries of vocabulary-sized rows).
     """
 
     mini_batch_size: int | str = 32
@@ -328,9 +314,8 @@ class GradCache(MiniBatchPlanner):
     keep_params_unsharded: bool = False
     graph_memory_budget: int | None = None
     mini_batch_memory_budget: int | None = None
-    tokens: bool = False
     output: str = "sentence_embedding"
-    form: CacheForm | None = field(default=None, repr=False)
+    form: CacheForm = field(default_factory=CacheForm, repr=False)
     #: the run state: what "auto" sizes resolved to (updated by ``resolve_auto``)
     auto: AutoSize = field(default_factory=AutoSize, repr=False)
 
@@ -361,14 +346,6 @@ class GradCache(MiniBatchPlanner):
             "mini_batch_memory_budget",
             memory_bytes(self.mini_batch_memory_budget, "mini_batch_memory_budget"),
         )
-
-    def check_auto_budget(self) -> None:
-        """Refuse ``"auto"`` mini-batches without ``mini_batch_memory_budget`` where no CUDA device exists:
-        the budget's default is half a CUDA device's free memory, so the first step would fail (a model on the
-        CPU of a machine with CUDA is refused at its first step, since the trainer may still move it)."""
-        auto = is_auto(self.mini_batch_size, self.mini_batch_num_tokens)
-        if auto and self.mini_batch_memory_budget is None and not torch.cuda.is_available():
-            raise auto_needs_budget("cpu")
 
     def resolve_auto(self, model: nn.Module, columns: Sequence[Features], trim_leading: bool) -> None:
         """Size ``"auto"`` mini-batches: the largest whose graph fits in ``mini_batch_memory_budget`` (on
@@ -425,9 +402,9 @@ class GradCache(MiniBatchPlanner):
         self.auto.size, self.auto.span = size, (shortest, longest)
 
     def encode(self, model: nn.Module, features: Features) -> Tensor:
-        """One mini-batch's embeddings ``(m, d)`` (the model's ``output``, e.g. pair scores ``(m, 1)``); with
-        ``tokens``, its token embeddings and scoring mask packed as ``(m, t, d + 1)``
-        ([`pack_tokens`][st_cached_losses.functional.multi_vector.pack_tokens])."""
+        """One mini-batch's rows as the form yields them: the model's ``output`` (``(m, d)`` embeddings, or
+        pair scores ``(m, 1)``), or token rows packed as ``(m, t, d + 1)``
+        ([`TokenRows`][st_cached_losses.engine.cache_form.TokenRows])."""
         # ranks run different numbers of mini-batch forwards: no buffer broadcast may wait inside them
         skip_forward_buffer_sync(model)
         # a column may wait on the CPU (a reranker's pairs, tokenized per mini-batch): only the mini-batch
@@ -444,25 +421,19 @@ class GradCache(MiniBatchPlanner):
             else v
             for k, v in features.items()
         }
-        if not self.tokens:
-            return model(features)[self.output]
-        # a multi-vector model routes by task (query / document: prefix, length, mask); its output
-        # attention_mask is the scoring mask
-        out = model(dict(features), task=features.get("task"))
-        return pack_tokens(out["token_embeddings"], out["attention_mask"])
+        return self.form.encode(model, features, self.output)
 
     def _keep(self, out: Tensor) -> Tensor:
         """A mini-batch's output as the cache keeps it."""
         kept = out.detach().float()
-        return self.form.pack(kept) if self.form is not None else kept
+        return self.form.pack(kept)
 
     def _columns(
         self, parts: list[list[Tensor]], plans: list[list[MiniBatch]], columns: Sequence[Features]
     ) -> list[Tensor]:
         """Every column's kept parts (in the form's final form) in the columns' row order; ``parts`` is
         emptied column by column (the parts and the ordered columns are never all held at once)."""
-        if self.form is not None:
-            parts[:] = self.form.finish(parts)
+        parts[:] = self.form.finish(parts)
         out = []
         for k, (plan, features) in enumerate(zip(plans, columns)):
             out.append(unsort(parts[k], plan, batch_size_of(features)))

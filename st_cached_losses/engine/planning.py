@@ -32,7 +32,7 @@ from typing import NoReturn
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.engine.checks import no_token_counts
+from st_cached_losses.engine.checks import no_token_counts, rows_fit_in_one
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
@@ -55,7 +55,6 @@ from st_cached_losses.functional.distributed import (
     is_distributed,
     world_size,
 )
-from st_cached_losses.functional.multi_vector import pad_tokens
 
 __all__ = ["AutoSize", "MiniBatch", "MiniBatchPlanner", "RandState", "unsort"]
 
@@ -269,7 +268,7 @@ class MiniBatchPlanner:
         sizes = [batch_size_of(features) for features in columns]
         budget = self.tokens_per_mini_batch
         if budget is None:
-            return sum(sizes) <= self.rows_per_mini_batch
+            return rows_fit_in_one(sizes, self.rows_per_mini_batch)
         if len(columns) == 1 and sizes[0] <= 1:
             return True  # one row is one mini-batch (a row longer than the budget is one of its own)
         total = 0
@@ -359,11 +358,8 @@ _MAX_ERROR_BYTES = 4000
 
 def unsort(parts: list[Tensor], batches: list[MiniBatch], batch_size: int) -> Tensor:
     """Put mini-batch outputs (embedded in plan order) back in the column's row order: ``(B, d)``;
-    ``parts`` has one entry per mini-batch that is not a filler. Token outputs ``(m, t, d)`` of different
-    widths are padded with zeros on the right to the widest: ``(B, t_max, d)``."""
-    if parts[0].dim() == 3:
-        width = max(p.shape[1] for p in parts)
-        parts = [pad_tokens(p, width) for p in parts]
+    ``parts`` has one entry per mini-batch that is not a filler, all of one shape but the rows (the cache
+    form's ``finish`` pads packed rows to one width)."""
     flat = torch.cat(parts, dim=0)
     rows = torch.cat([mb.rows for mb in batches if not mb.filler]).to(flat.device)
     out = torch.empty((batch_size, *flat.shape[1:]), dtype=flat.dtype, device=flat.device)

@@ -37,7 +37,6 @@ __all__ = [
     "kept",
     "pack_rows",
     "packed_index",
-    "packed_values",
     "scatter_columns",
 ]
 
@@ -76,11 +75,6 @@ def pack_rows(x: Tensor) -> Tensor:
 def packed_index(packed: Tensor) -> Tensor:
     """``(n, k)`` int64 vocabulary indices of the entries (0 for padding)."""
     return packed[..., 0].detach().long()
-
-
-def packed_values(packed: Tensor) -> Tensor:
-    """``(n, k)`` the kept values (a view)."""
-    return packed[..., 1]
 
 
 def kept(packed: Tensor) -> Tensor:

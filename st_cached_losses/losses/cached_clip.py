@@ -1,19 +1,40 @@
+"""The symmetric (CLIP-style) InfoNCE loss: [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]
+with both directions, one cross-entropy each, averaged, by default."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
-from typing_extensions import Unpack
 
-from st_cached_losses.losses._base import LossStageOptions
 from st_cached_losses.losses.cached_mnr import CachedMNRLoss
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION
-from st_cached_losses.losses.settings import TWO_DIRECTIONS
+from st_cached_losses.losses.ranking import TWO_DIRECTIONS, RankingSettings
+from st_cached_losses.losses.settings import redefault
+
+__all__ = ["CLIPSettings", "CachedCLIPLoss"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CLIPSettings(RankingSettings):
+    """[`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss]'s settings: the ranking settings
+    with both directions, per direction, by default (its constructor takes no ``in_batch_negatives``)."""
+
+    owner: ClassVar[str] = "CachedCLIPLoss"
+    not_arguments: ClassVar[frozenset[str]] = frozenset({"in_batch_negatives"})
+
+    directions: tuple[str, ...] = redefault(RankingSettings, "directions", TWO_DIRECTIONS)
+    partition_mode: str = redefault(RankingSettings, "partition_mode", "per_direction")
 
 
 class CachedCLIPLoss(CachedMNRLoss):
-    _citations = (GRADCACHE_CITATION, CLIP_CITATION)
+    name = "clip"
+    st_names = ("CachedMultipleNegativesSymmetricRankingLoss",)
+    settings_class = CLIPSettings
+    citations = (GRADCACHE_CITATION, CLIP_CITATION)
 
     def __init__(
         self,
@@ -34,7 +55,7 @@ class CachedCLIPLoss(CachedMNRLoss):
         mask_duplicates: bool = False,
         negative_bank_size: int = 0,
         negative_bank_max_age: int | None = None,
-        **engine: Unpack[LossStageOptions],
+        **engine: Any,
     ) -> None:
         """
         Symmetric (CLIP-style) InfoNCE with GradCache: the mean of anchor -> candidates and positive -> anchors,
@@ -61,7 +82,8 @@ class CachedCLIPLoss(CachedMNRLoss):
             mask_duplicates: as [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s; both directions are masked alike: a positive's
                 negatives lose the anchors of its row's duplicates.
 
-        Every other argument is [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s, with the same default and meaning.
+        Every other argument is [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s, with the same default and meaning;
+        its settings are a [`CLIPSettings`][st_cached_losses.losses.cached_clip.CLIPSettings].
 
         References:
             - Radford et al., Learning Transferable Visual Models From Natural Language Supervision, 2021:

@@ -1,16 +1,18 @@
-"""The cached reranker loss: sentence-transformers' cross-encoder ``CachedMultipleNegativesRankingLoss`` on
-the GradCache engine, where the rows are (query, document) pairs and the cached quantity is each pair's
-score."""
+"""The cached reranker loss: sentence-transformers' cross-encoder ``CachedMultipleNegativesRankingLoss`` on the
+template, where the rows are (query, document) pairs (the loss's ``columns`` make them from the text columns)
+and the cached quantity is each pair's score (the [`PairScores`][st_cached_losses.losses.stages.reranker.PairScores]
+stage)."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from typing_extensions import Unpack
 
 from st_cached_losses.engine.features import (
     Features,
@@ -19,15 +21,12 @@ from st_cached_losses.engine.features import (
     position_shift_invariant,
     unwrap_model,
 )
-from st_cached_losses.engine.gradcache import GradCache
-from st_cached_losses.functional.distributed import is_distributed, world_size
-from st_cached_losses.functional.parallel import agree_on_sizes
-from st_cached_losses.losses._base import EngineOptions, EngineSettings
+from st_cached_losses.losses.base import CachedLoss
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
-from st_cached_losses.losses.guards import check_model_kind
-from st_cached_losses.losses.settings import Setting
+from st_cached_losses.losses.settings import EngineSettings, setting
+from st_cached_losses.losses.stages.reranker import PairScores
 
-__all__ = ["CachedCrossEncoderLoss", "in_batch_negatives"]
+__all__ = ["CachedCrossEncoderLoss", "CrossEncoderSettings", "in_batch_negatives"]
 
 
 def in_batch_negatives(batch_size: int, num_columns: int, num_negatives: int | None) -> Tensor:
@@ -86,7 +85,7 @@ def _pad_inputs(features: Features, width: int, tokenizer: Any) -> Features:
     return out
 
 
-def _check_scale(name: str, value: Any) -> Any:
+def _scale(name: str, value: Any) -> Any:
     # sentence-transformers skips the multiplication for a falsy scale (0 or None): accepted as theirs
     if value is None:
         return None
@@ -99,16 +98,92 @@ def _check_scale(name: str, value: Any) -> Any:
     return value
 
 
-class CachedCrossEncoderLoss(EngineSettings, nn.Module):
-    #: Tells sentence-transformers' wrappers that this loss back-propagates by replaying the model.
-    uses_gradient_cache = True
-    #: The sentence-transformers loss this one equals, named in the model card's tags.
-    equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
-    #: the model kind it trains (another is refused at construction)
-    model_kind = "CrossEncoder"
+def _num_negatives(name: str, value: Any) -> int | None:
+    """A positive number of in-batch negatives, or None / ``"all"``: every one there is."""
+    if value is None or value == "all":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, or 'all' (None in Python), got {value!r}.")
+    return value
 
-    num_negatives = Setting[int | None]()
-    scale = Setting[float](check=_check_scale)
+
+def _activation(name: str, value: Any) -> Any:
+    """A callable, None, or the config's form of a ``torch.nn`` module (its class path, as
+    sentence-transformers' ``fullname`` writes it), built with no arguments."""
+    if isinstance(value, str):
+        module, _, cls_name = value.rpartition(".")
+        if not module.startswith("torch.nn"):
+            raise ValueError(
+                f"{name}={value!r}: a class path is taken for torch.nn modules only (the config's form, e.g. "
+                "'torch.nn.modules.activation.Sigmoid'); pass the module itself for another activation."
+            )
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+            return cls()
+        except (ImportError, AttributeError, TypeError) as err:
+            raise ValueError(
+                f"{name}={value!r} is not a torch.nn module built with no arguments ({err})."
+            ) from None
+    if value is not None and not callable(value):
+        raise ValueError(f"{name} must be a function or module of the scores, or None, got {value!r}.")
+    return value
+
+
+@dataclass(frozen=True, kw_only=True)
+class CrossEncoderSettings(EngineSettings):
+    """[`CachedCrossEncoderLoss`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss]'s settings:
+    sentence-transformers' cross-encoder ``CachedMultipleNegativesRankingLoss`` arguments."""
+
+    owner: ClassVar[str] = "CachedCrossEncoderLoss"
+
+    num_negatives: int | None = setting(
+        4,
+        doc="Documents of other rows scored against each query, drawn at random as sentence-transformers' "
+        "reranker loss draws them (default 4); 'all' (or None): every other row's documents.",
+        check=_num_negatives,
+        config="always",
+    )
+    scale: float | None = setting(
+        10.0,
+        doc="Multiplies the reranker's activated scores in its softmax: 1 / temperature (10 for sigmoid scores); "
+        "0 or None: not scaled, as sentence-transformers'.",
+        check=_scale,
+        config="always",
+    )
+    activation_fn: Any = setting(
+        nn.Sigmoid(),  # theirs: one shared instance
+        doc="Applied to each pair's score before scaling (default torch.nn.Sigmoid, as sentence-transformers'); "
+        "None: the raw score.",
+        check=_activation,
+        config="always",
+        module=True,
+    )
+
+    def config(self) -> dict[str, Any]:
+        """sentence-transformers' keys, the same values for the same settings (the activation as its class path,
+        which the constructor takes back), and an ``"auto"`` loss's memory budget."""
+        from sentence_transformers.util import fullname
+
+        return {
+            "scale": self.scale,
+            "num_negatives": self.num_negatives,
+            "activation_fn": fullname(self.activation_fn),
+            "mini_batch_size": self.mini_batch_size,
+            **self.auto_config(),
+        }
+
+
+class CachedCrossEncoderLoss(CachedLoss):
+    name = "cross_encoder"
+    aliases = ("cross-encoder", "crossencoder")
+    st_names = ("CachedMultipleNegativesRankingLoss",)
+    settings_class = CrossEncoderSettings
+    citations = (GRADCACHE_CITATION, MNRL_CITATION)
+    equivalent_st_loss = "CachedMultipleNegativesRankingLoss"
+    model_kind = "CrossEncoder"
+    strict_model_kind = True
+    #: the rows the engine caches are pairs, and what it keeps of each is the model's score
+    engine_output = "scores"
 
     def __init__(
         self,
@@ -120,7 +195,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         show_progress_bar: bool = False,
         *,
         mini_batch_num_tokens: int | str | None = None,
-        **engine: Unpack[EngineOptions],
+        **engine: Any,
     ) -> None:
         """
         Multiple-negatives ranking loss for rerankers (``CrossEncoder``) with GradCache: each query is scored
@@ -142,15 +217,19 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
         with DDP's gradient average, the gradient of one process on all the pairs, also when the processes
         hold different numbers of rows.
 
-        Besides the arguments below, the loss takes the engine's knobs, keyword-only, each documented once on
-        [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]; none changes the result.
+        Besides the arguments below, the loss takes the engine's knobs, keyword-only, each declared once on
+        [`EngineSettings`][st_cached_losses.losses.settings.EngineSettings]; none changes the result. Its settings
+        are a [`CrossEncoderSettings`][st_cached_losses.losses.cached_cross_encoder.CrossEncoderSettings]; the
+        stage is [`PairScores`][st_cached_losses.losses.stages.reranker.PairScores].
 
         Args:
             model: the ``CrossEncoder`` to train, with one output label (``num_labels=1``).
             num_negatives: documents of other rows scored against each query (drawn at random, without
                 replacement); None (or ``"all"``): every other row's positive and hard negatives.
             scale: multiplies the activated scores (``1 / temperature``); 0 or None: not scaled, as theirs.
-            activation_fn: applied to each pair's score before scaling; None: the raw score.
+            activation_fn: applied to each pair's score before scaling; None: the raw score. A class path
+                (the config's form, ``"torch.nn.modules.activation.Sigmoid"``) of a ``torch.nn`` module is
+                built with no arguments.
             mini_batch_size: pairs per model forward: sets the memory, never the result. ``"auto"``: the
                 largest that fits ``mini_batch_memory_budget``, measured at the first step.
             show_progress_bar: tqdm bars over the mini-batches of both passes.
@@ -199,22 +278,42 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             trainer.train()
             ```
         """
-        super().__init__()
-        _check_model(model, type(self))
-        self.model = model
-        self.num_negatives = num_negatives
-        self.scale = scale
-        self.activation_fn = activation_fn
-        # the rows the engine caches are pairs, and what it keeps of each is the model's score
-        self._init_engine(
-            GradCache(
-                mini_batch_size=mini_batch_size, mini_batch_num_tokens=mini_batch_num_tokens, output="scores"
+        _check_labels(model, type(self).__name__)
+        super().__init__(
+            model,
+            CrossEncoderSettings(
+                num_negatives=num_negatives,
+                scale=scale,
+                activation_fn=activation_fn,
+                mini_batch_size=mini_batch_size,
+                show_progress_bar=show_progress_bar,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                **engine,
             ),
-            show_progress_bar,
-            engine,
         )
 
-    # ------------------------------------------------------------------ the step
+    def build_stage(self) -> PairScores:
+        s = self.__dict__["_settings"]
+        return PairScores(owner=type(self).__name__, scale=s.scale, activation_fn=s.activation_fn)
+
+    def stage_inputs(self, training: bool = False) -> dict[str, Tensor]:
+        """The parameters of a learnable ``activation_fn`` (e.g. ``nn.PReLU()``) that require grad, by name."""
+        activation = self.settings.activation_fn
+        if not isinstance(activation, nn.Module):
+            return {}
+        return {f"activation_fn.{n}": p for n, p in activation.named_parameters() if p.requires_grad}
+
+    def engine_columns(
+        self, inputs: Any, prompt: str | None = None, task: str | None = None, **call: Any
+    ) -> list[Any]:
+        """The step's pairs as the engine's columns, from ``(query, positive[, negative_1, ...])`` text
+        columns (see [`pairs`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss.pairs] and
+        [`columns`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss.columns]);
+        ``prompt`` and ``task``: the model's ``preprocess`` arguments (set per dataset by sentence-transformers'
+        collator), applied to every pair."""
+        inputs = list(inputs)
+        batch_size = len(inputs[0]) if len(inputs) else 0
+        return self.columns(self.pairs(inputs), batch_size, prompt, task)
 
     def pairs(self, inputs: Sequence[Sequence[str]]) -> list[tuple[str, str]]:
         """The (query, document) pairs of one step, column-major: every query with its positive, then
@@ -234,7 +333,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
                 f"{[len(c) for c in columns]}."
             )
         flat = [doc for column in columns for doc in column]
-        chosen = in_batch_negatives(len(queries), len(columns), self.num_negatives)
+        chosen = in_batch_negatives(len(queries), len(columns), self.settings.num_negatives)
         candidates = [columns[0]]
         candidates += [[flat[j] for j in column.tolist()] for column in chosen.T]
         candidates += columns[1:]
@@ -296,115 +395,13 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
 
         return InputsOnDemand(mask, make)
 
-    def calculate_loss(
-        self, logits: Sequence[Tensor], batch_size: int, *, total_rows: int | None = None
-    ) -> Tensor:
-        """The loss of the pairs' scores (sentence-transformers' interface).
 
-        Args:
-            logits: pieces of the ``(B * (1 + k),)`` scores in pair order (column-major, see [`pairs`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss.pairs]).
-            batch_size: queries ``B``.
-            total_rows: queries of every process, or None for this process alone. Given, this process returns
-                its share, ``sum of its rows' losses * world size / total_rows``: DDP's gradient average of
-                the shares is the gradient of the mean over every process's rows.
-
-        Returns:
-            The mean cross-entropy of each query's positive among ``scale * activation_fn(score)`` of its
-            pairs (its share of the global mean with ``total_rows``).
-        """
-        # (B, 1 + k): row i holds query i's positive first
-        scores = torch.cat([t.reshape(-1) for t in logits]).reshape(-1, batch_size).T
-        if self.activation_fn is not None:
-            scores = self.activation_fn(scores)
-        if self.scale:
-            scores = scores * self.scale
-        labels = torch.zeros(batch_size, dtype=torch.long, device=scores.device)
-        if total_rows is None:
-            return F.cross_entropy(scores, labels)
-        return F.cross_entropy(scores, labels, reduction="sum") * (world_size() / total_rows)
-
-    def _total_rows(self, scores: Tensor, batch_size: int) -> int | None:
-        """Every process's query count (None in one process); checks that the scores are finite, on
-        every process alike (one small all-gather, which every process reaches after its forwards)."""
-        # one finite number per query iff its scores are: the processes may score different numbers of pairs
-        per_row = scores.detach().reshape(-1, batch_size).sum(0, keepdim=True).T
-        sizes = agree_on_sizes([per_row], across_processes=True)
-        return sum(sizes) if sizes is not None and is_distributed() else None
-
-    def _activation_params(self) -> list[Tensor]:
-        """The parameters of a learnable ``activation_fn`` (e.g. ``nn.PReLU()``) that require grad."""
-        if not isinstance(self.activation_fn, nn.Module):
-            return []
-        return [p for p in self.activation_fn.parameters() if p.requires_grad]
-
-    def _stage2(
-        self, scores: Sequence[Tensor], batch_size: int, params: Sequence[Tensor] = ()
-    ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
-        """GradCache's stage 2: the loss and its gradient wrt every pair's raw score (the cached quantity,
-        one ``(n, 1)`` tensor per engine column) and wrt ``params``, the activation's: the activation runs
-        here, with autograd over the raw scores, so a learnable activation gets its exact gradient."""
-        total = self._total_rows(torch.cat([s.reshape(-1) for s in scores]), batch_size)
-        leaves = [s.detach().requires_grad_() for s in scores]
-        with torch.enable_grad():
-            loss = self.calculate_loss(leaves, batch_size, total_rows=total)
-            grads = torch.autograd.grad(loss, [*leaves, *params], allow_unused=True)
-        return loss.detach(), list(grads[: len(leaves)]), list(grads[len(leaves) :])
-
-    def forward(
-        self,
-        inputs: Sequence[Sequence[str]],
-        labels: Tensor | None = None,
-        prompt: str | None = None,
-        task: str | None = None,
-    ) -> Tensor:
-        """The loss of one batch of ``(query, positive[, negative_1, ...])`` text columns; its backward
-        replays the model. ``labels`` are unused; ``prompt`` and ``task`` are the model's ``preprocess``
-        arguments (set per dataset by sentence-transformers' collator), applied to every pair."""
-        self._tag_model_card()
-        batch_size = len(inputs[0]) if len(inputs) else 0
-        try:
-            pairs = self.pairs(inputs)
-        except ValueError as exc:  # the other processes are about to wait for this one: tell them
-            self.cache.raise_on_every_process(self.model, exc)
-        columns = self.columns(pairs, batch_size, prompt, task)
-        if not torch.is_grad_enabled():
-            # evaluation: the same loss, mini-batched, without caching or a graph
-            scores = self.cache.embed(self.model, columns)
-            total = self._total_rows(torch.cat([s.reshape(-1) for s in scores]), batch_size)
-            return self.calculate_loss(scores, batch_size, total_rows=total)
-        params = self._activation_params()
-        return self.cache.step(
-            self.model, columns, lambda cached: self._stage2(cached, batch_size, params), extra=params
-        )
-
-    # ------------------------------------------------------------------ model card
-
-    def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' keys, the same values for the same settings (and an ``"auto"`` loss's memory
-        budget, which rebuilding it needs)."""
-        from sentence_transformers.util import fullname
-
-        return {
-            "scale": self.scale,
-            "num_negatives": self.num_negatives,
-            "activation_fn": fullname(self.activation_fn),
-            "mini_batch_size": self.mini_batch_size,
-            **self._auto_config(),
-        }
-
-    @property
-    def citation(self) -> str:
-        """BibTeX for the model card: GradCache and the multiple-negatives ranking loss."""
-        return GRADCACHE_CITATION + MNRL_CITATION
-
-
-def _check_model(model: nn.Module, loss: type[CachedCrossEncoderLoss]) -> None:
+def _check_labels(model: nn.Module, owner: str) -> None:
     """A ``CrossEncoder`` with one output label, as sentence-transformers' loss requires."""
-    check_model_kind(model, loss, EngineSettings, strict=True)
-    owner = loss.__name__
     inner = unwrap_model(model)
-    if inner.num_labels != 1:
+    labels = getattr(inner, "num_labels", 1)
+    if labels != 1:
         raise ValueError(
-            f"{owner} expects a model with 1 output label, but got a model with {inner.num_labels} output labels; "
+            f"{owner} expects a model with 1 output label, but got a model with {labels} output labels; "
             "load it as CrossEncoder(..., num_labels=1)."
         )

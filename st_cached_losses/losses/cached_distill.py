@@ -1,63 +1,221 @@
 """Distillation from a teacher's scores with GradCache, for a ``SentenceTransformer``: sentence-transformers'
-``DistillKLDivLoss`` and ``MarginMSELoss`` with the memory of one encoder mini-batch, optionally plus an
-in-batch InfoNCE term (the family's core: [`DistillationBase`][st_cached_losses.losses.distillation.DistillationBase])."""
+``DistillKLDivLoss`` and ``MarginMSELoss`` with the memory of one encoder mini-batch (the
+[`Distillation`][st_cached_losses.losses.stages.distill.Distillation] stage), optionally plus an in-batch
+InfoNCE term (a [`WeightedSum`][st_cached_losses.losses.stages.weighted.WeightedSum] with the
+[`InfoNCE`][st_cached_losses.losses.stages.infonce.InfoNCE] stage)."""
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from sentence_transformers.util import pairwise_cos_sim, pairwise_dot_score
+from sentence_transformers.util import pairwise_dot_score
 from torch import Tensor, nn
-from typing_extensions import Unpack
 
-from st_cached_losses.functional import Similarity
-from st_cached_losses.functional.distill import DistillObjective
-from st_cached_losses.losses._base import LossStageOptions
+from st_cached_losses.functional.terms import mnrl_terms
+from st_cached_losses.losses.base import CachedLoss, Stage
 from st_cached_losses.losses.citations import DISTILL_KL_CITATION, GRADCACHE_CITATION, MARGIN_MSE_CITATION
-from st_cached_losses.losses.distillation import DistillationBase, similarity_or_none
-from st_cached_losses.losses.settings import Setting, check_temperature
+from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings
+from st_cached_losses.losses.settings import LossStageSettings, check_scale, redefault, setting
+from st_cached_losses.losses.similarity import PAIRWISE, SimilarityKind
+from st_cached_losses.losses.stages.distill import Distillation
+from st_cached_losses.losses.stages.infonce import InfoNCE
+from st_cached_losses.losses.stages.weighted import WeightedSum
 
-__all__ = ["CachedDistillKLDivLoss", "CachedMarginMSELoss", "infonce_similarity_of"]
+__all__ = [
+    "CachedDistillKLDivLoss",
+    "CachedMarginMSELoss",
+    "DistillKLDivSettings",
+    "DistillSettings",
+    "MarginMSESettings",
+    "check_temperature",
+    "distillation_stage",
+]
 
 
-def infonce_similarity_of(similarity_fct: Callable[..., Tensor]) -> Similarity | None:
-    """The core's in-batch score that a pairwise score is the diagonal of: ``pairwise_dot_score`` ->
-    ``"dot"``, ``pairwise_cos_sim`` -> ``"cosine"`` (a bare ``functools.partial`` counts as the function);
-    None for any other."""
-    fn: Any = similarity_fct
-    if isinstance(fn, functools.partial) and not fn.args and not fn.keywords:
-        fn = fn.func
-    return {pairwise_dot_score: "dot", pairwise_cos_sim: "cosine"}.get(fn)  # type: ignore[return-value]
+def check_temperature(name: str, value: Any) -> Any:
+    """A distillation loss's softmax temperature: positive and finite (sentence-transformers' rule and words);
+    None where it follows ``temperature`` (the student's and the teacher's)."""
+    if value is None and name != "temperature":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{name} must be a positive finite number, got {value}.")
+    return float(value)
 
 
-def _check_pairwise(name: str, value: Any) -> Any:
-    if not callable(value):
+def _infonce_weight(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise ValueError(
-            f"{name} must be a pairwise score f(a, b) -> (len(a),), e.g. sentence_transformers.util."
-            f"pairwise_dot_score or pairwise_cos_sim, got {value!r}."
+            f"{name} must be a finite number >= 0 (0: no in-batch InfoNCE term), got {value!r}; e.g. 0.1."
         )
-    return value
+    return float(value)
 
 
-class _DenseDistill(DistillationBase):
-    """The dense losses' parts: the pairwise score is the user's ``similarity_fct``, called on row chunks."""
+@dataclass(frozen=True, kw_only=True)
+class DistillSettings(LossStageSettings):
+    """What every distillation loss of teacher scores has: the optional in-batch InfoNCE term added to the
+    distillation loss (its weight and scale) and the processes' rows."""
 
-    similarity_fct = Setting[Callable[..., Tensor]](check=_check_pairwise)
+    infonce_weight: float = setting(
+        0.0,
+        doc="The weight of an in-batch InfoNCE term added to the teacher's loss: each query against every row's "
+        "candidates (the first candidate column the positive), by the loss's score as a matrix; 0: the "
+        "distillation loss alone. Not on the sparse distillation losses.",
+        check=_infonce_weight,
+        config="never",
+    )
+    infonce_scale: float = setting(
+        20.0,
+        doc="The InfoNCE term's scale (1 / its temperature): 20 for the dense losses' cosine (0.05), 1 for the "
+        "multi-vector ones (MaxSim sums over query tokens).",
+        check=check_scale,
+        config="never",
+    )
+    gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
 
-    def _pairwise(self) -> Callable[[Tensor, Tensor], Tensor]:
-        return self.similarity_fct
+    def infonce_similarity(self) -> Any:
+        """The InfoNCE term's in-batch score, or None where the loss's score has no matrix form."""
+        raise NotImplementedError
 
-    def _infonce_similarity(self, weight: float | None = None) -> Similarity:
-        weight = weight if weight is not None else self.infonce_weight
-        return similarity_or_none(infonce_similarity_of(self.similarity_fct), type(self).__name__, weight)
+    def validate(self) -> None:
+        super().validate()
+        if self.infonce_weight and self.infonce_similarity() is None:
+            raise ValueError(
+                f"{self.owner}: infonce_weight={self.infonce_weight!r} needs an in-batch score of every query against "
+                "every document, which this similarity_fct has no form of: use pairwise_dot_score or pairwise_cos_sim "
+                "(sentence_transformers.util), or set infonce_weight=0."
+            )
+
+    def extras(self) -> dict[str, Any]:
+        """The config's extras: the InfoNCE term where it is on (with the gathering), the tile size, and an
+        ``"auto"`` loss's memory budget."""
+        extras: dict[str, Any] = {}
+        if self.infonce_weight:
+            extras.update(infonce_weight=self.infonce_weight, infonce_scale=self.infonce_scale)
+            if self.gather_across_devices:
+                extras["gather_across_devices"] = True
+        return {**extras, **self.changed(("tile_size",)), **self.auto_config()}
 
 
-class CachedDistillKLDivLoss(_DenseDistill):
-    _citations = (GRADCACHE_CITATION, DISTILL_KL_CITATION)
+@dataclass(frozen=True, kw_only=True)
+class _DenseScore(DistillSettings):
+    #: the kind of ``similarity_fct`` (its check, its config name, the arguments' names)
+    similarity_kind: ClassVar[SimilarityKind] = PAIRWISE
+
+    similarity_fct: Callable[..., Tensor] | str = setting(
+        pairwise_dot_score,
+        doc="The student's pairwise score f(a, b) -> (len(a),): 'dot' / 'cosine' (pairwise_dot_score / "
+        "pairwise_cos_sim; the InfoNCE term then scores with the dot product / cosine), or any function.",
+        check=PAIRWISE,
+        config="always",
+    )
+
+    def infonce_similarity(self) -> Any:
+        return PAIRWISE.infonce(self.resolved("similarity_fct"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class KLTemperatures(DistillSettings):
+    """The KL objective's temperatures, sentence-transformers' ``DistillKLDivLoss`` meaning."""
+
+    temperature: float = setting(
+        1.0,
+        doc="The KL distillation losses' softmax temperature (both softmaxes, unless student_temperature / "
+        "teacher_temperature says otherwise; the loss is multiplied by student_temperature ** 2), as "
+        "sentence-transformers' DistillKLDivLoss.",
+        check=check_temperature,
+        config="always",
+    )
+    student_temperature: float | None = setting(
+        None,
+        doc="The KL loss's student softmax temperature (None: temperature).",
+        check=check_temperature,
+        config="never",
+    )
+    teacher_temperature: float | None = setting(
+        None,
+        doc="The KL loss's teacher softmax temperature (None: temperature).",
+        check=check_temperature,
+        config="never",
+    )
+
+    def temperatures(self) -> tuple[float, float]:
+        """The student's and the teacher's temperatures, as used."""
+        student = self.student_temperature if self.student_temperature is not None else self.temperature
+        teacher = self.teacher_temperature if self.teacher_temperature is not None else self.temperature
+        return student, teacher
+
+    def temperature_config(self) -> dict[str, Any]:
+        """sentence-transformers' keys: ``temperature``, and the student's / teacher's where they differ."""
+        student, teacher = self.temperatures()
+        config: dict[str, Any] = {"temperature": self.temperature}
+        if student != self.temperature:
+            config["student_temperature"] = student
+        if teacher != self.temperature:
+            config["teacher_temperature"] = teacher
+        return config
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistillKLDivSettings(_DenseScore, KLTemperatures):
+    """[`CachedDistillKLDivLoss`][st_cached_losses.losses.cached_distill.CachedDistillKLDivLoss]'s settings."""
+
+    owner: ClassVar[str] = "CachedDistillKLDivLoss"
+
+    def config(self) -> dict[str, Any]:
+        """sentence-transformers' keys (the temperatures that differ from ``temperature`` only), then ours."""
+        similarity = {"similarity_fct": PAIRWISE.config_name(self.similarity_fct)}
+        return {**similarity, **self.temperature_config(), **self.extras()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MarginMSESettings(_DenseScore):
+    """[`CachedMarginMSELoss`][st_cached_losses.losses.cached_distill.CachedMarginMSELoss]'s settings."""
+
+    owner: ClassVar[str] = "CachedMarginMSELoss"
+
+    def config(self) -> dict[str, Any]:
+        """sentence-transformers' keys, then ours."""
+        config = {
+            "similarity_fct": PAIRWISE.config_name(self.similarity_fct),
+            "mini_batch_size": self.mini_batch_size,
+        }
+        return {**config, **self.extras()}
+
+
+def distillation_stage(distill: Distillation, settings: DistillSettings, form: Any = None) -> Stage:
+    """The distillation stage alone, or with ``infonce_weight`` times the in-batch InfoNCE of the queries
+    against every column of every row (the first candidate column the positive), at ``infonce_scale``."""
+    s = settings
+    if not s.infonce_weight:
+        return distill
+
+    terms = functools.partial(mnrl_terms, ONE_DIRECTION, "joint", None, 0.0)
+    infonce = InfoNCE(
+        owner=distill.owner,
+        terms=terms,
+        similarity=s.infonce_similarity(),
+        scale=s.infonce_scale,
+        path=s.path,
+        tile_size=s.tile_size,
+        memory_budget=s.memory_budget,
+        gather=s.gather_across_devices,
+        form=form,
+    )
+    return WeightedSum(stages=[(1.0, distill), (s.infonce_weight, infonce)])
+
+
+class CachedDistillKLDivLoss(CachedLoss):
+    name = "distill_kl"
+    aliases = ("distill-kl",)
+    st_names = ("DistillKLDivLoss",)
+    settings_class = DistillKLDivSettings
+    distillation = True
+    citations = (GRADCACHE_CITATION, DISTILL_KL_CITATION)
     equivalent_st_loss = "DistillKLDivLoss"
-    objective: ClassVar[DistillObjective] = "kl"
 
     def __init__(
         self,
@@ -73,7 +231,7 @@ class CachedDistillKLDivLoss(_DenseDistill):
         infonce_scale: float = 20.0,
         gather_across_devices: bool = False,
         show_progress_bar: bool = False,
-        **engine: Unpack[LossStageOptions],
+        **engine: Any,
     ) -> None:
         """
         sentence-transformers' ``DistillKLDivLoss`` with GradCache: the KL divergence of the student's
@@ -89,8 +247,10 @@ class CachedDistillKLDivLoss(_DenseDistill):
 
         The constructor takes ``DistillKLDivLoss``'s arguments in their positional order, then ours,
         keyword-only, then the engine's knobs and the loss stage's plan
-        ([`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result).
-        Every argument is a setting, read and assigned between steps.
+        ([`LossStageSettings`][st_cached_losses.losses.settings.LossStageSettings]; none changes the result).
+        Every argument is a setting ([`DistillKLDivSettings`][st_cached_losses.losses.cached_distill.DistillKLDivSettings]),
+        read and assigned between steps. As in sentence-transformers, ``temperature`` is the KL's softmax
+        temperature; the InfoNCE term's is ``1 / infonce_scale`` (this loss has no ``scale``).
 
         Args:
             model: the ``SentenceTransformer`` (the student) to train.
@@ -106,7 +266,7 @@ class CachedDistillKLDivLoss(_DenseDistill):
                 own candidates and every other row's (the first candidate column is the positive), with the
                 score of ``similarity_fct`` as a matrix (``pairwise_dot_score``: dot product,
                 ``pairwise_cos_sim``: cosine). 0 (the default): the distillation loss alone.
-            infonce_scale: the InfoNCE term's scale (``1 / temperature``), e.g. 20 for cosine (0.05).
+            infonce_scale: the InfoNCE term's scale (``1 / its temperature``), e.g. 20 for cosine (0.05).
             gather_across_devices: the InfoNCE term scores each process's queries against every process's
                 candidates (gathered, or by ring exchange with ``path="tiled"``); the distillation term is
                 each row's own.
@@ -149,50 +309,62 @@ class CachedDistillKLDivLoss(_DenseDistill):
         """
         super().__init__(
             model,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            infonce_weight=0.0,
-            infonce_scale=infonce_scale,
-            gather_across_devices=gather_across_devices,
-            show_progress_bar=show_progress_bar,
-            **engine,
+            DistillKLDivSettings(
+                similarity_fct=similarity_fct,
+                temperature=temperature,
+                student_temperature=student_temperature,
+                teacher_temperature=teacher_temperature,
+                mini_batch_size=mini_batch_size,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                infonce_weight=infonce_weight,
+                infonce_scale=infonce_scale,
+                gather_across_devices=gather_across_devices,
+                show_progress_bar=show_progress_bar,
+                **engine,
+            ),
         )
-        self.similarity_fct = similarity_fct
-        self.temperature = temperature
-        self.student_temperature = student_temperature
-        self.teacher_temperature = teacher_temperature
-        self.infonce_weight = infonce_weight
 
-    #: the temperature of both softmaxes, unless the student's or the teacher's is given
-    temperature = Setting[float](check=check_temperature)
-    #: the student's softmax temperature (None: ``temperature``)
-    student_temperature = Setting[float](check=check_temperature, none_reads_as="temperature")
-    #: the teacher's softmax temperature (None: ``temperature``)
-    teacher_temperature = Setting[float](check=check_temperature, none_reads_as="temperature")
+    @property
+    def student_temperature(self) -> float:
+        """The student's softmax temperature (``temperature`` unless given)."""
+        return self.settings.temperatures()[0]
 
-    def _temperatures(self) -> tuple[float, float]:
-        return self.student_temperature, self.teacher_temperature
+    @student_temperature.setter
+    def student_temperature(self, value: float | None) -> None:
+        self.update_settings(student_temperature=value)
 
-    def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' keys (the temperatures that differ from ``temperature`` only), then
-        our extras in use."""
-        from sentence_transformers.util import similarity_fct_name
+    @property
+    def teacher_temperature(self) -> float:
+        """The teacher's softmax temperature (``temperature`` unless given)."""
+        return self.settings.temperatures()[1]
 
-        config: dict[str, Any] = {
-            "similarity_fct": similarity_fct_name(self.similarity_fct),
-            "temperature": self.temperature,
-        }
-        if self.student_temperature != self.temperature:
-            config["student_temperature"] = self.student_temperature
-        if self.teacher_temperature != self.temperature:
-            config["teacher_temperature"] = self.teacher_temperature
-        return {**config, **self._extras()}
+    @teacher_temperature.setter
+    def teacher_temperature(self, value: float | None) -> None:
+        self.update_settings(teacher_temperature=value)
+
+    def build_stage(self) -> Stage:
+        s = self.__dict__["_settings"]
+        student, teacher = s.temperatures()
+        distill = Distillation(
+            owner=type(self).__name__,
+            objective="kl",
+            pairwise=s.resolved("similarity_fct"),
+            student_temperature=student,
+            teacher_temperature=teacher,
+            memory_budget=s.memory_budget,
+            gather=s.gather_across_devices,
+        )
+        return distillation_stage(distill, s)
 
 
-class CachedMarginMSELoss(_DenseDistill):
-    _citations = (GRADCACHE_CITATION, MARGIN_MSE_CITATION)
+class CachedMarginMSELoss(CachedLoss):
+    name = "margin_mse"
+    aliases = ("margin-mse",)
+    st_names = ("MarginMSELoss",)
+    settings_class = MarginMSESettings
+    distillation = True
+    citations = (GRADCACHE_CITATION, MARGIN_MSE_CITATION)
     equivalent_st_loss = "MarginMSELoss"
-    objective: ClassVar[DistillObjective] = "margin_mse"
 
     def __init__(
         self,
@@ -205,7 +377,7 @@ class CachedMarginMSELoss(_DenseDistill):
         infonce_scale: float = 20.0,
         gather_across_devices: bool = False,
         show_progress_bar: bool = False,
-        **engine: Unpack[LossStageOptions],
+        **engine: Any,
     ) -> None:
         """
         sentence-transformers' ``MarginMSELoss`` with GradCache: the mean squared error between the
@@ -216,8 +388,9 @@ class CachedMarginMSELoss(_DenseDistill):
         Embedded, scored and replayed as [`CachedDistillKLDivLoss`][st_cached_losses.losses.cached_distill.CachedDistillKLDivLoss];
         the same loss and gradients as ``MarginMSELoss``. The constructor takes ``MarginMSELoss``'s
         arguments, then ours, keyword-only, then the engine's knobs and the loss stage's plan
-        ([`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]). The inherited ``scale`` /
-        ``temperature`` are the InfoNCE term's (``infonce_scale``).
+        ([`LossStageSettings`][st_cached_losses.losses.settings.LossStageSettings]); its settings are a
+        [`MarginMSESettings`][st_cached_losses.losses.cached_distill.MarginMSESettings]. It has no ``scale``
+        nor ``temperature``: the InfoNCE term's scale is ``infonce_scale``.
 
         Args:
             model: the ``SentenceTransformer`` (the student) to train.
@@ -227,7 +400,7 @@ class CachedMarginMSELoss(_DenseDistill):
             infonce_weight: the weight of an in-batch InfoNCE term (see
                 [`CachedDistillKLDivLoss`][st_cached_losses.losses.cached_distill.CachedDistillKLDivLoss]);
                 0 (the default): the margin loss alone.
-            infonce_scale: the InfoNCE term's scale (``1 / temperature``).
+            infonce_scale: the InfoNCE term's scale (``1 / its temperature``).
             gather_across_devices: the InfoNCE term across every process's candidates.
             show_progress_bar: tqdm bars over the mini-batches.
 
@@ -264,23 +437,25 @@ class CachedMarginMSELoss(_DenseDistill):
         """
         super().__init__(
             model,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            infonce_weight=0.0,
-            infonce_scale=infonce_scale,
-            gather_across_devices=gather_across_devices,
-            show_progress_bar=show_progress_bar,
-            **engine,
+            MarginMSESettings(
+                similarity_fct=similarity_fct,
+                mini_batch_size=mini_batch_size,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                infonce_weight=infonce_weight,
+                infonce_scale=infonce_scale,
+                gather_across_devices=gather_across_devices,
+                show_progress_bar=show_progress_bar,
+                **engine,
+            ),
         )
-        self.similarity_fct = similarity_fct
-        self.infonce_weight = infonce_weight
 
-    def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' key, then our extras in use."""
-        from sentence_transformers.util import similarity_fct_name
-
-        config = {
-            "similarity_fct": similarity_fct_name(self.similarity_fct),
-            "mini_batch_size": self.mini_batch_size,
-        }
-        return {**config, **self._extras()}
+    def build_stage(self) -> Stage:
+        s = self.__dict__["_settings"]
+        distill = Distillation(
+            owner=type(self).__name__,
+            objective="margin_mse",
+            pairwise=s.resolved("similarity_fct"),
+            memory_budget=s.memory_budget,
+            gather=s.gather_across_devices,
+        )
+        return distillation_stage(distill, s)

@@ -1,26 +1,154 @@
+"""GISTEmbed's guided in-batch negatives with GradCache: the InfoNCE stage with GIST's guided terms, the guide a
+frozen model or (self-guided) the step's own embeddings."""
+
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import Any, cast
+import functools
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
 
-import torch
-from torch import Tensor, nn
-from typing_extensions import Unpack
+from torch import nn
 
-from st_cached_losses.engine.features import batch_size_of, input_ids_by_row, model_device, unwrap_model
-from st_cached_losses.functional import scale_value
-from st_cached_losses.functional.options import Guide
+from st_cached_losses.engine.features import unwrap_model
 from st_cached_losses.functional.terms import gist_terms
-from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StageOutput, StepData
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
-from st_cached_losses.losses.settings import Setting, check_own_candidates
+from st_cached_losses.losses.learnable_scale import LearnableScale
+from st_cached_losses.losses.ranking import LearnableScaleSettings, RankingSettings
+from st_cached_losses.losses.settings import (
+    LossStageSettings,
+    check_bool,
+    check_finite,
+    check_max_scale,
+    check_scale,
+    redefault,
+    setting,
+    view,
+)
+from st_cached_losses.losses.stages.infonce import SELF_GUIDED, GuideModel, InfoNCE
+
+__all__ = ["CachedGISTLoss", "GISTSettings"]
 
 _NO_TOKENIZER = "Both the training model and the guiding model must have a tokenizer attribute."
 
 
+def _guide(name: str, value: Any) -> Any:
+    if value is not None and not hasattr(value, "tokenizer"):
+        raise ValueError(_NO_TOKENIZER)
+    return value
+
+
+def _margin_strategy(name: str, value: Any) -> str:
+    if value not in ("absolute", "relative"):
+        raise ValueError(f"{name} must be 'absolute' or 'relative', got {value!r}.")
+    return str(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GISTSettings(LossStageSettings):
+    """[`CachedGISTLoss`][st_cached_losses.losses.cached_gist.CachedGISTLoss]'s settings: sentence-transformers'
+    ``CachedGISTEmbedLoss`` arguments (its ``temperature``: ``scale`` is a view of it) and ours."""
+
+    owner: ClassVar[str] = "CachedGISTLoss"
+
+    guide: nn.Module | None = setting(
+        None,
+        doc="The guide SentenceTransformer rating the pairs (frozen, never trained), or None: self-guided, the "
+        "model's own embeddings of the step rate the pairs (no guide model, no extra forward).",
+        check=_guide,
+        config="always",
+        module=True,
+    )
+    temperature: float = setting(
+        0.01,
+        doc="The temperature of the InfoNCE softmax: 1 / scale (GISTEmbedLoss's 0.01).",
+        check=check_scale,
+        config="always",
+    )
+    margin_strategy: str = setting(
+        "absolute",
+        doc="'absolute' or 'relative' margin for removing negatives the guide rates high.",
+        check=_margin_strategy,
+        config="always",
+    )
+    margin: float = setting(
+        0.0,
+        doc="The margin of margin_strategy (0: remove only negatives rated above the positive; -0.1 absolute is "
+        "Qwen3-Embedding's rule).",
+        check=check_finite,
+        config="always",
+    )
+    contrast_anchors: bool = setting(
+        True, doc="Contrast each anchor with the other anchors.", check=check_bool, config="always"
+    )
+    contrast_positives: bool = setting(
+        True, doc="Contrast each positive with the other positives.", check=check_bool, config="always"
+    )
+    gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
+    learnable_scale: bool = redefault(LearnableScaleSettings, "learnable_scale", False)
+    max_scale: float = redefault(LearnableScaleSettings, "max_scale", 100.0)
+    in_batch_negatives: bool = redefault(RankingSettings, "in_batch_negatives", True)
+
+    @view
+    def scale(self) -> float:
+        """The scale of the InfoNCE softmax, ``1 / temperature``; setting it sets the temperature."""
+        return 1.0 / self.temperature
+
+    @scale.changes
+    def _(self, value: Any) -> dict[str, Any]:
+        if value == self.scale:
+            return {}  # unchanged: 1 / (1 / t) may round
+        return {"temperature": 1.0 / check_scale("scale", value)}
+
+    def validate(self) -> None:
+        super().validate()
+        if self.learnable_scale:
+            check_max_scale(self.max_scale, self.scale)
+        guide = self.guide
+        if guide is not None and self.gather_across_devices:
+            size = getattr(guide, "get_embedding_dimension", None) or getattr(
+                guide, "get_sentence_embedding_dimension", None
+            )
+            dim = size() if size is not None else None
+            if not isinstance(dim, int):
+                raise ValueError(
+                    "guide: with gather_across_devices=True every process's guide embeddings are gathered into one "
+                    "matrix, so the guide must declare its embedding size (get_embedding_dimension() returned "
+                    f"{dim!r}); end the guide with a Pooling (or Dense) module, or set gather_across_devices=False."
+                )
+
+    def config(self) -> dict[str, Any]:
+        """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values (the learned
+        temperature), then the extras that differ from their defaults."""
+        config = {
+            "guide": self.guide,
+            "temperature": self.temperature,
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "margin_strategy": self.margin_strategy,
+            "margin": self.margin,
+            "contrast_anchors": self.contrast_anchors,
+            "contrast_positives": self.contrast_positives,
+            "gather_across_devices": self.gather_across_devices,
+        }
+        learned = {"learnable_scale": True, "max_scale": self.max_scale} if self.learnable_scale else {}
+        return {
+            **config,
+            **learned,
+            **self.changed(("in_batch_negatives", "tile_size")),
+            **self.auto_config(),
+        }
+
+
 class CachedGISTLoss(LearnableScale):
-    _citations = (GRADCACHE_CITATION, GIST_CITATION)
+    name = "gist"
+    st_names = ("CachedGISTEmbedLoss",)
+    settings_class = GISTSettings
+    citations = (GRADCACHE_CITATION, GIST_CITATION)
     equivalent_st_loss = "CachedGISTEmbedLoss"
+
+    #: whether the guide reads the texts re-tokenised (another vocabulary, or it reads fewer tokens), decided
+    #: whenever the guide is set
+    must_retokenize: bool
 
     def __init__(
         self,
@@ -39,7 +167,7 @@ class CachedGISTLoss(LearnableScale):
         learnable_scale: bool = False,
         max_scale: float = 100.0,
         in_batch_negatives: bool = True,
-        **engine: Unpack[LossStageOptions],
+        **engine: Any,
     ) -> None:
         """
         GISTEmbed's guided in-batch negatives with GradCache: a frozen guide model removes the in-batch
@@ -61,8 +189,9 @@ class CachedGISTLoss(LearnableScale):
         ``hardness_strength`` nor ``mask_duplicates`` (the guide, not these, decides which negatives count).
 
         Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
-        ``tile_size``, ``memory_budget``), keyword-only, each documented once on
-        [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
+        ``tile_size``, ``memory_budget``), keyword-only, each declared once on
+        [`LossStageSettings`][st_cached_losses.losses.settings.LossStageSettings]; none changes the result. Its
+        settings are a [`GISTSettings`][st_cached_losses.losses.cached_gist.GISTSettings].
 
         Args:
             model: the SentenceTransformer to train.
@@ -111,63 +240,41 @@ class CachedGISTLoss(LearnableScale):
         Inputs:
             (anchor, positive) pairs or (anchor, positive, negative, ...) columns; no labels.
         """
-        super().__init__(
-            model,
-            scale=1.0 / scale_value(temperature, name="temperature"),
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            show_progress_bar=show_progress_bar,
-            **engine,
-        )
-        self.gather_across_devices = gather_across_devices
         if not hasattr(model, "tokenizer"):
             raise ValueError(_NO_TOKENIZER)
-        # kept from construction: the trainer later puts a DDP / FSDP wrapper, without a tokenizer, in .model
+        # kept from construction (before the settings, which decide must_retokenize with it): the trainer later
+        # puts a DDP / FSDP wrapper, without a tokenizer, in .model
         self._model_tokenizer = cast(Any, model).tokenizer
-        self.guide = guide  # checked, and must_retokenize decided
-        self.margin_strategy = margin_strategy
-        self.margin = margin
-        self.contrast_anchors = contrast_anchors
-        self.contrast_positives = contrast_positives
-        self.in_batch_negatives = in_batch_negatives
-        self._init_learnable_scale(learnable_scale, max_scale)
-
-    @property
-    def guide(self) -> nn.Module | None:
-        """The guide model (a registered submodule, as in sentence-transformers), or None: self-guided, the
-        model's own first-pass embeddings rate the pairs. Assigning a model checks it as at construction and
-        decides again whether it reads the model's token ids or the re-tokenised texts."""
-        return self._modules["guide"]
-
-    @guide.setter
-    def guide(self, value: nn.Module | None) -> None:
-        self._check_guide(value, self.gather_across_devices)
-        self._modules["guide"] = value
-        self.must_retokenize = value is not None and self._must_retokenize(value)
+        super().__init__(
+            model,
+            GISTSettings(
+                guide=guide,
+                temperature=temperature,
+                mini_batch_size=mini_batch_size,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                show_progress_bar=show_progress_bar,
+                margin_strategy=margin_strategy,
+                margin=margin,
+                contrast_anchors=contrast_anchors,
+                contrast_positives=contrast_positives,
+                gather_across_devices=gather_across_devices,
+                learnable_scale=learnable_scale,
+                max_scale=max_scale,
+                in_batch_negatives=in_batch_negatives,
+                **engine,
+            ),
+        )
 
     @property
     def self_guided(self) -> bool:
         """Whether the model guides itself (``guide=None``): the mask is computed from the embeddings of the
         engine's first pass, the very ones the loss is computed from (detached), with no guide model and no
         extra forward."""
-        return self.guide is None
+        return self.settings.guide is None
 
-    @staticmethod
-    def _check_guide(guide: nn.Module | None, gather: bool) -> None:
-        if guide is None:
-            return  # self-guided
-        if not hasattr(guide, "tokenizer"):
-            raise ValueError(_NO_TOKENIZER)
-        size = getattr(guide, "get_embedding_dimension", None) or getattr(
-            guide, "get_sentence_embedding_dimension", None
-        )
-        dim = size() if size is not None else None
-        if gather and not isinstance(dim, int):
-            raise ValueError(
-                "guide: with gather_across_devices=True every process's guide embeddings are gathered into one "
-                "matrix, so the guide must declare its embedding size (get_embedding_dimension() returned "
-                f"{dim!r}); end the guide with a Pooling (or Dense) module, or set gather_across_devices=False."
-            )
+    def _settings_changed(self, old: Any, new: Any) -> None:
+        self.must_retokenize = new.guide is not None and self._must_retokenize(new.guide)
+        super()._settings_changed(old, new)
 
     def _must_retokenize(self, guide: nn.Module) -> bool:
         """sentence-transformers' rule: another vocabulary, or a guide that reads fewer tokens than the model."""
@@ -178,93 +285,31 @@ class CachedGISTLoss(LearnableScale):
             return True
         return not same_vocab or getattr(guide, "max_seq_length", 0) < getattr(model, "max_seq_length", 0)
 
-    # ------------------------------------------------------------------ settings
+    def build_stage(self) -> InfoNCE:
+        s = self.__dict__["_settings"]
 
-    def _check_gathered_guide(self, value: bool) -> bool:
-        # the guide's embeddings are gathered too: a guide of unknown size is refused here as at construction
-        if value and self._modules.get("guide") is not None:
-            self._check_guide(self.guide, True)
-        return value
-
-    gather_across_devices = Setting[bool](validate=_check_gathered_guide)
-    margin_strategy = Setting[str]()
-    margin = Setting[float]()
-    contrast_anchors = Setting[bool]()
-    contrast_positives = Setting[bool]()
-    #: False: each anchor against its own positive and hard negatives only (no in-batch negatives)
-    in_batch_negatives = Setting[bool]()
-
-    def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values, then the extras
-        that differ from their defaults (a learnable scale's settings when learnable)."""
-        config = {
-            "guide": self.guide,
-            "temperature": self.temperature,
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "margin_strategy": self.margin_strategy,
-            "margin": self.margin,
-            "contrast_anchors": self.contrast_anchors,
-            "contrast_positives": self.contrast_positives,
-            "gather_across_devices": self.gather_across_devices,
-        }
-        return {**config, **self._changed_settings()}
-
-    # ------------------------------------------------------------------ forward
-
-    def _step_data(self, features: list[dict[str, Any]]) -> StepData:
-        """The guide's embeddings of the batch (no graph), where the model's embeddings are; self-guided,
-        nothing: the loss stage takes the model's own (`_guided_by_itself`)."""
-        if self.guide is None:
-            return StepData()
-        guide_features = self._guide_features(features)
-        with torch.no_grad():
-            guided = self.cache.embed(self.guide, guide_features)
-        assert all(g.shape[0] == batch_size_of(features[0]) for g in guided)
-        return StepData(guide=[g.to(model_device(self.model)) for g in guided])
-
-    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
-        g = step.guide
-        if g is None or len(g) != n_columns + 1 or len(g[0]) != n_rows:
-            raise ValueError(
-                "CachedGISTLoss needs the guide's embeddings of the same batch: call the loss on the features "
-                "(loss(features, labels)), which embeds them with the guide, rather than calculate_loss directly."
-            )
-        terms = gist_terms(
-            self.contrast_anchors, self.contrast_positives, n_columns, self.margin_strategy, self.margin,
-            self.in_batch_negatives,
-        )  # fmt: skip
-        return LossTerms(terms, "cosine", guide=Guide(g[0], g[1:]))
-
-    def _check_columns(self, features: list[dict[str, Any]]) -> None:
-        super()._check_columns(features)
-        if not self.in_batch_negatives:
-            check_own_candidates(len(features), type(self).__name__)
-
-    def _guided_by_itself(self, step: StepData, embeddings: list[Tensor]) -> StepData:
-        """Self-guided: this call's step with the embeddings themselves, detached, as the guide's. In GradCache's
-        stage 2 they are the first pass's embeddings, which the replay reproduces (its random state restored),
-        so the mask is the one of the very forward that is differentiated; a copy, so that a wrapper calling the
-        loss stage on other embeddings of the same step (MatryoshkaLoss's truncations) is guided by those."""
-        if self.guide is not None:
-            return step
-        return replace(step, guide=[e.detach() for e in embeddings])
-
-    def _loss_stage(
-        self, embeddings: list[Tensor], labels: Tensor | None, step: StepData, with_grad: bool
-    ) -> StageOutput:
-        return super()._loss_stage(embeddings, labels, self._guided_by_itself(step, embeddings), with_grad)
-
-    def _autograd_loss(self, embeddings: list[Tensor], labels: Tensor | None, step: StepData) -> Tensor:
-        return super()._autograd_loss(embeddings, labels, self._guided_by_itself(step, embeddings))
-
-    def _guide_features(self, features: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The columns as the guide reads them: re-tokenised from the text when its tokenizer differs."""
-        guide = cast(Any, self.guide)
-        if self.must_retokenize:
-            decode = self._model_tokenizer.batch_decode
-            features = [
-                guide.preprocess(decode(input_ids_by_row(f), skip_special_tokens=True)) for f in features
-            ]
-        device = model_device(guide)
-        return [{k: v.to(device) if isinstance(v, Tensor) else v for k, v in f.items()} for f in features]
+        terms = functools.partial(
+            gist_terms,
+            s.contrast_anchors,
+            s.contrast_positives,
+            margin_strategy=s.margin_strategy,
+            margin=s.margin,
+            in_batch_negatives=s.in_batch_negatives,
+        )
+        guide = (
+            SELF_GUIDED
+            if s.guide is None
+            else GuideModel(s.guide, self.must_retokenize, self._model_tokenizer)
+        )
+        return InfoNCE(
+            owner=type(self).__name__,
+            terms=terms,
+            similarity="cosine",
+            scale=s.scale,
+            path=s.path,
+            tile_size=s.tile_size,
+            memory_budget=s.memory_budget,
+            gather=s.gather_across_devices,
+            in_batch=s.in_batch_negatives,
+            guide=guide,
+        )

@@ -1,102 +1,67 @@
-"""The multiple-negatives ranking loss with GradCache, and the options of sentence-transformers'
-``MultipleNegativesRankingLoss`` it shares with [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss] and [`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss] (which
-are this loss with other defaults): the similarity, the directions and their partition, hardness weighting
-and the masking of duplicates."""
+"""The multiple-negatives ranking loss with GradCache: sentence-transformers' ``MultipleNegativesRankingLoss``
+options (the similarity, the directions and their partition, hardness weighting, duplicate masking) and ours
+(a learnable scale, a negative bank, each row's own candidates only), its settings a
+[`RankingSettings`][st_cached_losses.losses.ranking.RankingSettings] and its stage the package's InfoNCE.
+[`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss] and
+[`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss] are this loss with other defaults."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
-from typing_extensions import Unpack
 
-from st_cached_losses.functional import Similarity
-from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.terms import mnrl_terms
-from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StageOutput, StepData
-from st_cached_losses.losses.citations import (
-    CONTACCUM_CITATION,
-    GRADCACHE_CITATION,
-    GTE_CITATION,
-    HARDNESS_CITATION,
-    MNRL_CITATION,
-)
+from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
+from st_cached_losses.losses.learnable_scale import LearnableScale
 from st_cached_losses.losses.negative_bank import NegativeBank
-from st_cached_losses.losses.settings import (
-    ONE_DIRECTION,
-    TWO_DIRECTIONS,
-    VALID_DIRECTIONS,
-    ConfigTuple,
-    Setting,
-    check_directions,
-    check_hardness,
-    check_in_batch_negatives,
-    check_negative_bank,
-    check_own_candidates,
-    is_symmetric,
-    resolve_similarity,
-    similarity_name,
-)
+from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings
+from st_cached_losses.losses.stages.infonce import InfoNCE
 
-__all__ = ["CachedMNRLoss", "ranking_citations", "ranking_terms"]
+__all__ = ["CachedMNRLoss", "ranking_stage"]
 
 
-def ranking_terms(
-    step: StepData,
-    n_rows: int,
-    n_columns: int,
-    directions: Sequence[str],
-    partition_mode: str,
-    hardness_mode: str | None,
-    hardness_strength: float,
-    similarity: Similarity = "cosine",
-    in_batch_negatives: bool = True,
-) -> LossTerms:
-    """The core's ``terms`` for sentence-transformers' ranking options, and the duplicate keys that mask
-    them (those of these rows: a wrapper may call the loss stage on other rows, and masks nothing then)."""
-    keys = step.keys if step.keys is not None and len(step.keys[0]) == n_rows else None
-    terms = mnrl_terms(
-        directions, partition_mode, hardness_mode, hardness_strength, n_columns, in_batch_negatives
+def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | None = None) -> InfoNCE:
+    """The InfoNCE stage of sentence-transformers' ranking options (and ours) in ``settings``; ``bank``: the
+    loss's negative bank, used while ``negative_bank_size`` is set."""
+    s = settings
+
+    terms = functools.partial(
+        mnrl_terms,
+        s.directions,
+        s.partition_mode,
+        s.hardness_mode,
+        s.hardness_strength,
+        in_batch_negatives=s.in_batch_negatives,
     )
-    return LossTerms(terms, similarity, keys=keys)
-
-
-def ranking_citations(
-    directions: Sequence[str], partition_mode: str, hardness_mode: str | None, hardness_strength: float
-) -> tuple[str, ...]:
-    """The papers of the ranking options in use: GTE's four directions in one softmax, hardness weighting."""
-    extra: tuple[str, ...] = ()
-    if set(directions) == set(VALID_DIRECTIONS) and partition_mode == "joint":
-        extra += (GTE_CITATION,)
-    if hardness_mode is not None and hardness_strength > 0:
-        extra += (HARDNESS_CITATION,)
-    return extra
+    return InfoNCE(
+        owner=owner,
+        terms=terms,
+        similarity=s.similarity,
+        scale=s.scale,
+        path=s.path,
+        tile_size=s.tile_size,
+        memory_budget=s.memory_budget,
+        gather=s.gather_across_devices,
+        in_batch=s.in_batch_negatives,
+        mask_duplicates=s.mask_duplicates,
+        bank=bank if s.negative_bank_size else None,
+        # past anchors are negatives only of the terms that score against the anchors
+        bank_anchors=bool({"query_to_query", "doc_to_query"} & set(s.directions)),
+    )
 
 
 class CachedMNRLoss(LearnableScale):
-    _citations = (GRADCACHE_CITATION, MNRL_CITATION)
+    name = "mnr"
+    st_names = ("CachedMultipleNegativesRankingLoss",)
+    settings_class = RankingSettings
+    citations = (GRADCACHE_CITATION, MNRL_CITATION)
 
     #: this process's negative bank (``negative_bank_size``): its entries, their ages, its state
     negative_bank: NegativeBank
-
-    def _check_no_bank(self, value: bool) -> bool:
-        check_negative_bank(self.negative_bank_size, value, self._in_batch_or_default())
-        return value
-
-    mask_duplicates = Setting[bool](validate=_check_no_bank)
-
-    def _check_in_batch_negatives(self, value: bool) -> bool:
-        check_negative_bank(self.negative_bank_size, False, value)
-        check_in_batch_negatives(
-            value, self.directions or ONE_DIRECTION, self.hardness_mode, type(self).__name__
-        )
-        return value
-
-    #: False: each anchor against its own positive and hard negatives only (no in-batch negatives)
-    in_batch_negatives = Setting[bool](validate=_check_in_batch_negatives)
 
     def __init__(
         self,
@@ -118,7 +83,7 @@ class CachedMNRLoss(LearnableScale):
         negative_bank_size: int = 0,
         negative_bank_max_age: int | None = None,
         in_batch_negatives: bool = True,
-        **engine: Unpack[LossStageOptions],
+        **engine: Any,
     ) -> None:
         """
         Multiple-negatives ranking loss (InfoNCE with in-batch negatives) with GradCache: the gradients of a
@@ -133,8 +98,10 @@ class CachedMNRLoss(LearnableScale):
         one mini-batch, all its columns' rows together, is not cached at all.
 
         Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
-        ``tile_size``, ``memory_budget``), keyword-only, each documented once on
-        [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
+        ``tile_size``, ``memory_budget``), keyword-only, each declared once with its meaning on
+        [`LossStageSettings`][st_cached_losses.losses.settings.LossStageSettings]; none changes the result.
+        Its settings are one frozen [`RankingSettings`][st_cached_losses.losses.ranking.RankingSettings]
+        (``loss.settings``); each is an attribute too, and assigning one replaces them, checked as a whole.
 
         Args:
             model: the SentenceTransformer to train.
@@ -234,161 +201,35 @@ class CachedMNRLoss(LearnableScale):
             trainer.train()
             ```
         """
+
         super().__init__(
             model,
-            scale=scale,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            show_progress_bar=show_progress_bar,
-            **engine,
-        )
-        self.gather_across_devices = gather_across_devices
-        self.similarity_fct = similarity_fct
-        # each checked with the other: directions first, then the pair (as sentence-transformers checks them)
-        self.directions = directions
-        self.partition_mode = partition_mode
-        self.hardness_strength = hardness_strength
-        self.hardness_mode = hardness_mode
-        self.negative_bank = NegativeBank()
-        self.mask_duplicates = mask_duplicates
-        self.negative_bank_max_age = negative_bank_max_age
-        self.negative_bank_size = negative_bank_size
-        self.in_batch_negatives = in_batch_negatives
-        self._init_learnable_scale(learnable_scale, max_scale)
-
-    def _resolve_similarity(self, old: object, new: Callable[..., Tensor] | str) -> None:
-        self._similarity = resolve_similarity(new)
-
-    def _check_directions(self, value: Sequence[str]) -> tuple[str, ...]:
-        # at construction, before partition_mode is set: checked as a pair when it is
-        directions = check_directions(value, self.partition_mode or "joint", type(self).__name__)
-        check_in_batch_negatives(self.in_batch_negatives, directions, self.hardness_mode, type(self).__name__)
-        return directions
-
-    def _check_partition_mode(self, value: str) -> str:
-        check_directions(self.directions, value, type(self).__name__)
-        return value
-
-    def _check_hardness_mode(self, value: str | None) -> str | None:
-        check_hardness(value, self.hardness_strength, type(self).__name__)
-        check_in_batch_negatives(self.in_batch_negatives, self.directions, value, type(self).__name__)
-        return value
-
-    def _check_hardness_strength(self, value: float) -> float:
-        check_hardness(self.hardness_mode, value, type(self).__name__)
-        return value
-
-    def _check_bank(self, value: int) -> int:
-        check_negative_bank(value, self.mask_duplicates, self._in_batch_or_default())
-        return value
-
-    def _in_batch_or_default(self) -> bool:
-        # read before in_batch_negatives is first set at construction: its default
-        return self.__dict__.get("_in_batch_negatives", True)
-
-    def _bank_changed(self, old: object, new: object) -> None:
-        self.negative_bank.resize(self.negative_bank_size, self.negative_bank_max_age)
-
-    #: Entries of past steps kept per process and scored as extra negatives; 0: no bank.
-    negative_bank_size = Setting[int](validate=_check_bank, after=_bank_changed)
-    #: Steps a bank entry may age before it is dropped; None: no limit.
-    negative_bank_max_age = Setting[int | None](after=_bank_changed)
-
-    #: What was given: ``cos_sim`` / ``dot_score`` (or ``"cosine"`` / ``"dot"``).
-    similarity_fct = Setting[Any](after=_resolve_similarity)
-    directions = Setting[tuple[str, ...]](validate=_check_directions)
-    partition_mode = Setting[str](validate=_check_partition_mode)
-    hardness_mode = Setting[str | None](validate=_check_hardness_mode)
-    hardness_strength = Setting[float](validate=_check_hardness_strength)
-
-    @property
-    def similarity(self) -> Similarity:
-        """The core's similarity: ``"cosine"``, ``"dot"`` (GEMM tiles) or the function itself."""
-        return self._similarity
-
-    def _set_symmetric(self, old: bool, new: bool) -> None:
-        if new == old:
-            return  # e.g. False for four directions: stays four directions
-        if new:
-            self.directions, self.partition_mode = TWO_DIRECTIONS, "per_direction"
-        else:
-            self.directions = ONE_DIRECTION
-
-    #: Whether the loss has the positive -> anchors direction too (``directions=('query_to_doc',
-    #: 'doc_to_query')``, ``partition_mode='per_direction'``); setting it sets those two settings. A view
-    #: of those two, not a setting of its own.
-    symmetric = Setting[bool](view=is_symmetric, after=_set_symmetric)
-
-    @property
-    def citation(self) -> str:
-        """BibTeX for the model card."""
-        extra = ranking_citations(
-            self.directions, self.partition_mode, self.hardness_mode, self.hardness_strength
-        )
-        bank = (CONTACCUM_CITATION,) if self.negative_bank_size else ()
-        return "".join(self._citation_parts() + extra + bank)
-
-    def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' nine keys (same values for the same settings; ``scale`` is the current,
-        learned value), then the extras sentence-transformers does not have, where they differ from their
-        defaults (a learnable scale with its clamp, and the specs' ``"changed"`` settings).
-
-        A drop-in for theirs: with no extra in use it equals their loss's config for the same settings (their
-        tests compare it with ``==``), and every key is an argument of this loss's constructor, so
-        ``type(loss)(model, **loss.get_config_dict())`` rebuilds it. (The symmetric loss is said by its
-        ``directions`` and ``partition_mode``, as in theirs; no ``symmetric`` key.)"""
-        config: dict[str, Any] = {
-            "scale": self.scale,
-            "similarity_fct": similarity_name(self.similarity),
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "gather_across_devices": self.gather_across_devices,
-            "directions": ConfigTuple(self.directions),
-            "partition_mode": self.partition_mode,
-            "hardness_mode": self.hardness_mode,
-            "hardness_strength": self.hardness_strength,
-        }
-        return {**config, **self._changed_settings()}
-
-    # ------------------------------------------------------------------ the loss stage
-
-    def _step_data(self, features: list[dict[str, Any]]) -> StepData:
-        if self.negative_bank_size and torch.is_grad_enabled():  # a training step begins: the bank ages
-            self.negative_bank.begin_step()
-        # false negatives are recognised by their token ids (embeddings differ under dropout)
-        return StepData(keys=[input_hashes(f) for f in features] if self.mask_duplicates else None)
-
-    def _loss_stage(
-        self, embeddings: list[Tensor], labels: Tensor | None, step: StepData, with_grad: bool
-    ) -> StageOutput:
-        """The core's loss stage; with a negative bank, in a training step (``with_grad``), this process's
-        bank entries are scored as extra negatives, and then this step's rows join the bank."""
-        if not (with_grad and self.negative_bank_size):
-            return super()._loss_stage(embeddings, labels, step, with_grad)
-        # past anchors are negatives only of the terms that score against the anchors
-        with_anchors = bool({"query_to_query", "doc_to_query"} & set(self.directions))
-        step.bank = self.negative_bank.view(embeddings[0], with_anchors)
-        try:
-            out = super()._loss_stage(embeddings, labels, step, with_grad)
-        finally:
-            step.bank = None
-        self.negative_bank.push(embeddings[0], embeddings[1:], with_anchors)
-        return out
-
-    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
-        return ranking_terms(
-            step,
-            n_rows,
-            n_columns,
-            self.directions,
-            self.partition_mode,
-            self.hardness_mode,
-            self.hardness_strength,
-            self.similarity,
-            self.in_batch_negatives,
+            self.settings_class(
+                scale=scale,
+                similarity_fct=similarity_fct,
+                mini_batch_size=mini_batch_size,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                gather_across_devices=gather_across_devices,
+                directions=tuple(directions),
+                partition_mode=partition_mode,
+                show_progress_bar=show_progress_bar,
+                hardness_mode=hardness_mode,
+                hardness_strength=hardness_strength,
+                learnable_scale=learnable_scale,
+                max_scale=max_scale,
+                mask_duplicates=mask_duplicates,
+                negative_bank_size=negative_bank_size,
+                negative_bank_max_age=negative_bank_max_age,
+                in_batch_negatives=in_batch_negatives,
+                **engine,
+            ),
         )
 
-    def _check_columns(self, features: list[dict[str, Any]]) -> None:
-        super()._check_columns(features)
-        if not self.in_batch_negatives:
-            check_own_candidates(len(features), type(self).__name__)
+    def _settings_changed(self, old: Any, new: Any) -> None:
+        if "negative_bank" not in self._modules:
+            self.negative_bank = NegativeBank()
+        self.negative_bank.resize(new.negative_bank_size, new.negative_bank_max_age)
+        super()._settings_changed(old, new)
+
+    def build_stage(self) -> InfoNCE:
+        return ranking_stage(type(self).__name__, self.__dict__["_settings"], self.negative_bank)

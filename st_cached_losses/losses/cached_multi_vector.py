@@ -1,141 +1,92 @@
+"""Late-interaction (ColBERT MaxSim, MeanMaxSim, XTR) in-batch negatives ranking loss with GradCache, for a
+``MultiVectorEncoder``: the InfoNCE stage over token rows, cached packed
+([`TokenRows`][st_cached_losses.engine.cache_form.TokenRows])."""
+
 from __future__ import annotations
 
-import ast
 import functools
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
-from typing_extensions import Unpack
 
+from st_cached_losses.engine.cache_form import TokenRows
+from st_cached_losses.functional.checks import check_positive_int
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
-from st_cached_losses.functional.parallel import pad_to_common_tokens
 from st_cached_losses.functional.terms import mnrl_terms
-from st_cached_losses.losses._base import CachedInfoNCEBase, LossStageOptions, LossTerms, StepData
+from st_cached_losses.losses.base import CachedLoss
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
-from st_cached_losses.losses.settings import ONE_DIRECTION, Setting
+from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings, ScaleSettings
+from st_cached_losses.losses.settings import LossStageSettings, redefault, setting, view
+from st_cached_losses.losses.similarity import TOKENS, SimilarityKind
+from st_cached_losses.losses.stages.infonce import InfoNCE
 
-__all__ = ["CachedMultiVectorLoss", "resolve_token_similarity"]
-
-
-def parse_call(text: str) -> tuple[str, dict[str, Any]] | None:
-    """A scoring function as sentence-transformers' configs write it (``similarity_fct_name``):
-    ``"xtr_scores"`` -> ``("xtr_scores", {})``, ``"XTRScores(top_k=5, chunk_elements=None)"`` ->
-    ``("XTRScores", {"top_k": 5, "chunk_elements": None})``; None for anything else (positional arguments,
-    values that are not literals). Parsed, never evaluated."""
-    try:
-        node = ast.parse(text.strip(), mode="eval").body
-    except SyntaxError:
-        return None
-    if isinstance(node, ast.Name):
-        return node.id, {}
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)) or node.args:
-        return None
-    keywords: dict[str, Any] = {}
-    for keyword in node.keywords:
-        if keyword.arg is None:  # **mapping
-            return None
-        try:
-            keywords[keyword.arg] = ast.literal_eval(keyword.value)
-        except ValueError:
-            return None
-    return node.func.id, keywords
+__all__ = ["CachedMultiVectorLoss", "MultiVectorSettings", "with_tasks"]
 
 
-def scoring_from_config(text: str) -> Callable[..., Tensor]:
-    """A scoring function from its config string (``similarity_fct_name``'s form): ``colbert_scores``,
-    ``mean_colbert_scores`` or ``xtr_scores`` with keyword arguments (a ``functools.partial``), or
-    ``XTRScores(...)``; anything else raises."""
-    from sentence_transformers.multi_vector_encoder import scoring
-
-    call = parse_call(text)
-    functions = {
-        name: getattr(scoring, name)
-        for name in ("colbert_scores", "mean_colbert_scores", "xtr_scores", "XTRScores")
-    }
-    if call is None or call[0] not in functions:
-        raise ValueError(
-            f"similarity_fct={text!r} is not a multi-vector score: use 'maxsim', 'meanmaxsim' or 'xtr', or a "
-            "config's 'colbert_scores', 'mean_colbert_scores(length_normalize=...)', 'xtr_scores(top_k=...)' or "
-            "'XTRScores(top_k=...)'."
-        )
-    name, keywords = call
-    try:
-        if name == "XTRScores":
-            return functions[name](**keywords)
-        # a partial with an unknown keyword is refused below, by the callables' rule
-        return functools.partial(functions[name], **keywords)
-    except TypeError as err:
-        raise ValueError(f"similarity_fct={text!r}: {err}.") from None
+def with_tasks(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each column's task, as sentence-transformers stamps it (a collator's choice kept): queries first, the
+    other columns documents."""
+    return [{**f, "task": f.get("task", "query" if k == 0 else "document")} for k, f in enumerate(features)]
 
 
-def scoring_config_name(fn: Any) -> str:
-    """The config's name of a scoring function: sentence-transformers' for theirs; for the core's own
-    [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] / [`XTR`][st_cached_losses.functional.multi_vector.XTR], the name of their function it equals, so that the config rebuilds it and
-    reads as theirs."""
-    from sentence_transformers.util import similarity_fct_name
+@dataclass(frozen=True, kw_only=True)
+class MultiVectorSettings(ScaleSettings, LossStageSettings):
+    """[`CachedMultiVectorLoss`][st_cached_losses.losses.cached_multi_vector.CachedMultiVectorLoss]'s settings:
+    sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss`` arguments and ours."""
 
-    if isinstance(fn, str):
-        return fn
-    if isinstance(fn, MaxSim):
-        return "mean_colbert_scores" if fn.length_normalize else "colbert_scores"
-    if isinstance(fn, XTR):
-        return f"xtr_scores(top_k={fn.top_k!r})"
-    return similarity_fct_name(fn)
+    owner: ClassVar[str] = "CachedMultiVectorLoss"
 
+    scale: float = redefault(ScaleSettings, "scale", 1.0)
+    #: the kind of ``similarity_fct`` (its check, its config name, the arguments' names)
+    similarity_kind: ClassVar[SimilarityKind] = TOKENS
 
-def resolve_token_similarity(similarity_fct: Callable[..., Tensor] | str | None) -> MaxSim | XTR:
-    """sentence-transformers' multi-vector scoring functions as the core's tile score: ``None`` /
-    ``colbert_scores`` / ``"maxsim"`` -> MaxSim, ``mean_colbert_scores`` / ``"meanmaxsim"`` -> MeanMaxSim
-    (a ``functools.partial`` of either may bind ``length_normalize`` and ``chunk_elements``, the latter a
-    memory knob the tiles make moot), ``xtr_scores`` / ``XTRScores(top_k)`` / ``"xtr"`` -> XTR (a partial of
-    ``xtr_scores`` may bind ``top_k`` and ``chunk_elements``; ``top_k`` 256 by default, as theirs), or a
-    [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] / ``XTR``. ``XTRKDScores`` is refused: it
-    scores each query's own documents only (a distillation score), not the in-batch ranking."""
-    if similarity_fct is None:
-        return MaxSim()
-    if isinstance(similarity_fct, (MaxSim, XTR)):
-        return similarity_fct
-    if isinstance(similarity_fct, str):
-        names = {"maxsim": False, "colbert_scores": False, "meanmaxsim": True, "mean_colbert_scores": True}
-        if similarity_fct.lower() in names:
-            return MaxSim(names[similarity_fct.lower()])
-        if similarity_fct.lower() in ("xtr", "xtr_scores"):
-            return XTR()
-        # as a config writes it (get_config_dict, theirs and ours): "xtr_scores(top_k=5)", "XTRScores(...)"
-        similarity_fct = scoring_from_config(similarity_fct)
-    from sentence_transformers.multi_vector_encoder import scoring
+    similarity_fct: Callable[..., Tensor] | str | None = setting(
+        None,
+        doc="The multi-vector score: 'maxsim' (colbert_scores, the default), 'meanmaxsim' (mean_colbert_scores) "
+        "or 'xtr' (xtr_scores, top_k 256), sentence-transformers' functions (or a config's string of them), or "
+        "the core's MaxSim / XTR.",
+        check=TOKENS,
+        config="always",
+    )
+    score_mini_batch_size: int | None = setting(
+        None,
+        doc="sentence-transformers' scoring chunk, kept for their config (default mini_batch_size); the scoring "
+        "tiles are sized from memory_budget and never change the result.",
+        check=check_positive_int,
+        config="always",
+    )
+    gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
 
-    fn: Any = similarity_fct
-    keywords: dict[str, Any] = {}
-    if isinstance(fn, functools.partial) and not fn.args:
-        fn, keywords = fn.func, dict(fn.keywords)
-    if isinstance(fn, scoring.XTRKDScores) or fn is scoring.xtr_kd_scores:
-        raise ValueError(
-            "XTRKDScores / xtr_kd_scores score each query against its own documents only (for distillation); "
-            "the in-batch ranking loss takes xtr_scores or XTRScores."
-        )
-    if isinstance(fn, scoring.XTRScores) and not keywords:
-        return XTR(fn.top_k)
-    if fn is scoring.xtr_scores and not set(keywords) - {"top_k", "chunk_elements"}:
-        return XTR(keywords.get("top_k", 256))
-    defaults = {scoring.colbert_scores: False, scoring.mean_colbert_scores: True}
-    if fn not in defaults or set(keywords) - {"length_normalize", "chunk_elements"}:
-        raise ValueError(
-            f"similarity_fct={similarity_fct!r} is not supported: CachedMultiVectorLoss scores tile by tile, "
-            "so it takes sentence_transformers.multi_vector_encoder.scoring.colbert_scores (MaxSim, the default), "
-            "mean_colbert_scores (MeanMaxSim) or xtr_scores / XTRScores (XTR), optionally as a functools.partial "
-            "binding length_normalize / chunk_elements (top_k / chunk_elements for xtr_scores), or "
-            "st_cached_losses.functional.multi_vector.MaxSim / XTR."
-        )
-    return MaxSim(bool(keywords.get("length_normalize", defaults[fn])))
+    @view
+    def similarity(self) -> MaxSim | XTR:
+        """The core's tile score: [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] or ``XTR``."""
+        return self.resolved("similarity_fct")
+
+    def config(self) -> dict[str, Any]:
+        """sentence-transformers' six keys, the same values for the same settings, then the extras that
+        differ from their defaults."""
+        score = self.score_mini_batch_size if self.score_mini_batch_size is not None else self.mini_batch_size
+        config: dict[str, Any] = {
+            "scale": self.scale,
+            "similarity_fct": TOKENS.config_name(self.similarity_fct),
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            # None where it follows an "auto" mini_batch_size: it rebuilds the same (their key takes a count)
+            "score_mini_batch_size": None if score == "auto" else score,
+            "gather_across_devices": self.gather_across_devices,
+        }
+        return {**config, **self.changed(("tile_size",)), **self.auto_config()}
 
 
-class CachedMultiVectorLoss(CachedInfoNCEBase):
-    _citations = (GRADCACHE_CITATION, MNRL_CITATION)
+class CachedMultiVectorLoss(CachedLoss):
+    name = "multi_vector"
+    aliases = ("multi-vector", "multivector")
+    st_names = ("CachedMultiVectorMultipleNegativesRankingLoss",)
+    settings_class = MultiVectorSettings
+    citations = (GRADCACHE_CITATION, MNRL_CITATION)
     equivalent_st_loss = "CachedMultiVectorMultipleNegativesRankingLoss"
-    caches_tokens = True  # the engine caches packed token embeddings and masks
-    #: the model kind it trains (another is refused at construction)
     model_kind = "MultiVectorEncoder"
 
     def __init__(
@@ -149,7 +100,7 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
         score_mini_batch_size: int | None = None,
         gather_across_devices: bool = False,
         show_progress_bar: bool = False,
-        **engine: Unpack[LossStageOptions],
+        **engine: Any,
     ) -> None:
         """
         Late-interaction (ColBERT MaxSim) in-batch negatives ranking loss with GradCache, for a
@@ -172,7 +123,8 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
         assigned between steps.
 
         Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan, keyword-only
-        ([`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]); none changes the result. Here
+        ([`LossStageSettings`][st_cached_losses.losses.settings.LossStageSettings]); none changes the result.
+        Its settings are a [`MultiVectorSettings`][st_cached_losses.losses.cached_multi_vector.MultiVectorSettings]. Here
         the loss stage's tiles are score tiles (token similarities included), and across processes
         ``path="tiled"`` is the ring exchange (each process holds its own rows and one visiting block, never
         every process's documents), the others gather.
@@ -243,57 +195,44 @@ class CachedMultiVectorLoss(CachedInfoNCEBase):
         """
         super().__init__(
             model,
-            scale=scale,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            show_progress_bar=show_progress_bar,
-            **engine,
+            MultiVectorSettings(
+                scale=scale,
+                similarity_fct=similarity_fct,
+                mini_batch_size=mini_batch_size,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                score_mini_batch_size=score_mini_batch_size,
+                gather_across_devices=gather_across_devices,
+                show_progress_bar=show_progress_bar,
+                **engine,
+            ),
         )
-        self.gather_across_devices = gather_across_devices
-        self.similarity_fct = similarity_fct
-        self.score_mini_batch_size = score_mini_batch_size
-
-    def _resolve_similarity(self, old: object, new: Callable[..., Tensor] | str | None) -> None:
-        self._similarity = resolve_token_similarity(new)
-
-    #: What was given (``None``: ``colbert_scores``).
-    similarity_fct = Setting[Any](after=_resolve_similarity)
-    #: sentence-transformers' scoring chunk (default ``mini_batch_size``); config only: tiles are sized
-    #: from ``memory_budget`` / ``tile_size``.
-    score_mini_batch_size = Setting[int | str](none_reads_as="mini_batch_size")
 
     @property
-    def similarity(self) -> MaxSim | XTR:
-        """The core's tile score: [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] or ``XTR``."""
-        return self._similarity
+    def score_mini_batch_size(self) -> int | str:
+        """sentence-transformers' scoring chunk (default ``mini_batch_size``); config only: the tiles are sized
+        from ``memory_budget`` / ``tile_size``."""
+        s = self.settings
+        return s.score_mini_batch_size if s.score_mini_batch_size is not None else s.mini_batch_size
 
-    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
-        return LossTerms(mnrl_terms(ONE_DIRECTION, "joint", None, 0.0, n_columns), self.similarity)
+    @score_mini_batch_size.setter
+    def score_mini_batch_size(self, value: int | None) -> None:
+        self.update_settings(score_mini_batch_size=value)
 
-    def _gatherable(self, embeddings: list[Tensor]) -> list[Tensor]:
-        return pad_to_common_tokens(embeddings)
+    def engine_columns(self, inputs: Any, **call: Any) -> list[Any]:
+        return with_tasks(list(inputs))
 
-    def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' six keys, the same values for the same settings, then the extras that
-        differ from their defaults."""
-        from sentence_transformers.multi_vector_encoder.scoring import colbert_scores
+    def build_stage(self) -> InfoNCE:
+        s = self.__dict__["_settings"]
 
-        fn = self.similarity_fct if self.similarity_fct is not None else colbert_scores
-        config: dict[str, Any] = {
-            "scale": self.scale,
-            "similarity_fct": scoring_config_name(fn),
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            # None where it follows an "auto" mini_batch_size: it rebuilds the same (their key takes a count)
-            "score_mini_batch_size": None
-            if self.score_mini_batch_size == "auto"
-            else self.score_mini_batch_size,
-            "gather_across_devices": self.gather_across_devices,
-        }
-        return {**config, **self._changed_settings()}
-
-    def _columns(self, features: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        # each column's task, as sentence-transformers stamps it (a collator's choice kept): queries first
-        return [
-            {**f, "task": f.get("task", "query" if k == 0 else "document")} for k, f in enumerate(features)
-        ]
+        terms = functools.partial(mnrl_terms, ONE_DIRECTION, "joint", None, 0.0)
+        return InfoNCE(
+            owner=type(self).__name__,
+            terms=terms,
+            similarity=s.similarity,
+            scale=s.scale,
+            path=s.path,
+            tile_size=s.tile_size,
+            memory_budget=s.memory_budget,
+            gather=s.gather_across_devices,
+            form=TokenRows(),
+        )

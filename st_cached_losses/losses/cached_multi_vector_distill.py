@@ -1,24 +1,28 @@
 """Distillation from a teacher's scores with GradCache, for a ``MultiVectorEncoder`` (late interaction:
 MaxSim, MeanMaxSim, XTR): sentence-transformers' ``MultiVectorDistillKLDivLoss`` and
-``MultiVectorMarginMSELoss`` with the memory of one encoder mini-batch, optionally plus an in-batch
-InfoNCE term (the family's core: [`DistillationBase`][st_cached_losses.losses.distillation.DistillationBase])."""
+``MultiVectorMarginMSELoss`` with the memory of one encoder mini-batch (the
+[`Distillation`][st_cached_losses.losses.stages.distill.Distillation] stage over token rows), optionally plus an
+in-batch InfoNCE term."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from torch import Tensor, nn
-from typing_extensions import Unpack
 
+from st_cached_losses.engine.cache_form import TokenRows
+from st_cached_losses.engine.checks import check_mini_batch_size
 from st_cached_losses.functional.distill import DistillObjective
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
-from st_cached_losses.functional.parallel import pad_to_common_tokens
-from st_cached_losses.losses._base import LossStageOptions
+from st_cached_losses.losses.base import CachedLoss, Stage
+from st_cached_losses.losses.cached_distill import DistillSettings, KLTemperatures, distillation_stage
+from st_cached_losses.losses.cached_multi_vector import with_tasks
 from st_cached_losses.losses.citations import DISTILL_KL_CITATION, GRADCACHE_CITATION, MARGIN_MSE_CITATION
-from st_cached_losses.losses.distillation import DistillationBase, Prepared
-from st_cached_losses.losses.settings import Setting, check_temperature
+from st_cached_losses.losses.settings import EngineSettings, redefault, setting
+from st_cached_losses.losses.similarity import PAIRWISE_TOKENS_KL, PAIRWISE_TOKENS_MARGIN, PairwiseTokens
+from st_cached_losses.losses.stages.distill import Distillation, Prepared, as_cached
 
 #: the encoder's rows per mini-batch where ``mini_batch_size`` is None (sentence-transformers' default, which
 #: embeds the whole batch at once)
@@ -27,51 +31,10 @@ DEFAULT_MINI_BATCH_SIZE = 32
 __all__ = [
     "CachedMultiVectorDistillKLDivLoss",
     "CachedMultiVectorMarginMSELoss",
-    "resolve_pairwise_token_score",
+    "MultiVectorDistillKLDivSettings",
+    "MultiVectorMarginMSESettings",
+    "XTRPrepared",
 ]
-
-
-def resolve_pairwise_token_score(similarity_fct: Any, objective: DistillObjective) -> MaxSim | XTR:
-    """sentence-transformers' distillation scores as the core's token score: for the KL loss
-    ``colbert_kd_scores`` (None), ``mean_colbert_kd_scores`` or ``xtr_kd_scores`` / ``XTRKDScores(top_k)``
-    (XTR's top-k over every document of the batch); for the margin loss ``colbert_scores_pairwise`` (None),
-    ``mean_colbert_scores_pairwise`` or ``xtr_scores_pairwise`` (XTR's top-k over each column's documents);
-    a ``functools.partial`` may bind ``length_normalize`` / ``top_k`` and ``chunk_elements`` (a memory knob the
-    chunks make moot); or ``"maxsim"`` / ``"meanmaxsim"`` / ``"xtr"``, or a [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] / ``XTR``."""
-    if similarity_fct is None:
-        return MaxSim()
-    if isinstance(similarity_fct, (MaxSim, XTR)):
-        return similarity_fct
-    if isinstance(similarity_fct, str):
-        names: dict[str, MaxSim | XTR] = {"maxsim": MaxSim(), "meanmaxsim": MaxSim(True), "xtr": XTR()}
-        if similarity_fct.lower() in names:
-            return names[similarity_fct.lower()]
-    from sentence_transformers.multi_vector_encoder import scoring
-
-    kd = objective == "kl"
-    maxsims = (
-        {scoring.colbert_kd_scores: False, scoring.mean_colbert_kd_scores: True}
-        if kd
-        else {scoring.colbert_scores_pairwise: False, scoring.mean_colbert_scores_pairwise: True}
-    )
-    xtr_fn = scoring.xtr_kd_scores if kd else scoring.xtr_scores_pairwise
-    fn: Any = similarity_fct
-    keywords: dict[str, Any] = {}
-    if isinstance(fn, functools.partial) and not fn.args:
-        fn, keywords = fn.func, dict(fn.keywords)
-    if kd and isinstance(fn, scoring.XTRKDScores) and not keywords:
-        return XTR(fn.top_k)
-    if fn is xtr_fn and not set(keywords) - {"top_k", "chunk_elements"}:
-        return XTR(keywords.get("top_k", 256))
-    if fn in maxsims and not set(keywords) - {"length_normalize", "chunk_elements"}:
-        return MaxSim(bool(keywords.get("length_normalize", maxsims[fn])))
-    names_of = ", ".join(f.__name__ for f in [*maxsims, xtr_fn]) + (", XTRKDScores(top_k)" if kd else "")
-    raise ValueError(
-        f"similarity_fct={similarity_fct!r} is not supported: the cached loss scores row chunks with the core's "
-        f"MaxSim / XTR, so it takes sentence_transformers.multi_vector_encoder.scoring's {names_of} (optionally "
-        "a functools.partial binding length_normalize / top_k and chunk_elements), 'maxsim', 'meanmaxsim' or "
-        "'xtr', or st_cached_losses.functional.multi_vector.MaxSim / XTR."
-    )
 
 
 def _without_mask_grad(grad: Tensor, like: Tensor) -> Tensor:
@@ -81,43 +44,24 @@ def _without_mask_grad(grad: Tensor, like: Tensor) -> Tensor:
     return grad
 
 
-class _MultiVectorDistill(DistillationBase):
-    """The multi-vector losses' parts: token rows cached packed, scored by MaxSim or XTR."""
+@dataclass(frozen=True)
+class XTRPrepared:
+    """XTR's retrieval before the pairwise scores (a distillation stage's ``prepared``): for the KL loss
+    (``xtr_kd_scores``) each query token's top-k over every document of the batch; for the margin loss
+    (``xtr_scores_pairwise``, called per column) over that column's documents."""
 
-    caches_tokens = True  # the engine caches packed token embeddings and masks
-    model_kind = "MultiVectorEncoder"
+    score: XTR
+    objective: DistillObjective
+    budget: int
 
-    #: what was given (None: sentence-transformers' default score of the loss)
-    similarity_fct = Setting[Any](after=lambda loss, old, new: loss._resolve(new))
-
-    def _resolve(self, value: Any) -> None:
-        self._score = resolve_pairwise_token_score(value, self.objective)
-
-    @property
-    def score(self) -> MaxSim | XTR:
-        """The core's token score of the distillation term (and of the InfoNCE term)."""
-        return self._score
-
-    def _pairwise(self) -> Callable[[Tensor, Tensor], Tensor]:
-        return self._score.pairwise
-
-    def _infonce_similarity(self, weight: float | None = None) -> MaxSim | XTR:
-        return self._score
-
-    def _prepared(self, embeddings: list[Tensor]) -> Prepared:
-        score = self._score
-        if not isinstance(score, XTR):
-            return super()._prepared(embeddings)
-        queries, columns = embeddings[0], embeddings[1:]
-        budget = self.memory_budget
+    def __call__(self, embeddings: list[Tensor]) -> Prepared:
+        score, queries, columns = self.score, embeddings[0], embeddings[1:]
         if self.objective == "kl":
-            # xtr_kd_scores: each query token's top-k over every document of the batch (query-major ids)
-            pools = [score.with_column_data(columns)]
+            pools = [score.with_column_data(columns)]  # query-major ids over every document
         else:
-            # xtr_scores_pairwise, called per column: the top-k over that column's documents
             pools = [score.with_column_data([c]) for c in columns]
         cols = [c for pool in pools for c in pool]
-        rows = [score.with_row_data(queries, pool, budget) for pool in pools]
+        rows = [score.with_row_data(queries, pool, self.budget) for pool in pools]
 
         def back(grad_rows: list[Tensor], grad_cols: list[Tensor]) -> list[Tensor]:
             grad_q = sum(score.without_row_data(g) for g in grad_rows)
@@ -129,41 +73,116 @@ class _MultiVectorDistill(DistillationBase):
 
         return rows, cols, back
 
-    def _gatherable(self, embeddings: list[Tensor]) -> list[Tensor]:
-        return pad_to_common_tokens(embeddings)
 
-    def _columns(self, features: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        # each column's task, as sentence-transformers stamps it (a collator's choice kept): queries first
-        return [
-            {**f, "task": f.get("task", "query" if k == 0 else "document")} for k, f in enumerate(features)
-        ]
-
-    def _mini_batch_size_config(self) -> int | str | None:
-        """As given: None (theirs: the whole batch at once; ours: the default mini-batches) while unchanged."""
-        if self._mini_batch_size_given is None and self.mini_batch_size == DEFAULT_MINI_BATCH_SIZE:
-            return None
-        return self.mini_batch_size
-
-    def _similarity_config(self) -> str:
-        from sentence_transformers.multi_vector_encoder import scoring
-        from sentence_transformers.util import similarity_fct_name
-
-        fn = self.similarity_fct
-        if fn is None:
-            fn = scoring.colbert_kd_scores if self.objective == "kl" else scoring.colbert_scores_pairwise
-        if isinstance(fn, str):
-            return fn
-        if isinstance(fn, MaxSim):
-            return f"MaxSim(length_normalize={fn.length_normalize})"
-        if isinstance(fn, XTR):
-            return f"XTR(top_k={fn.top_k})"
-        return similarity_fct_name(fn)
+def _mini_batch_size(name: str, value: Any) -> Any:
+    if value is not None:
+        check_mini_batch_size(value)
+    return value
 
 
-class CachedMultiVectorDistillKLDivLoss(_MultiVectorDistill):
-    _citations = (GRADCACHE_CITATION, DISTILL_KL_CITATION)
+@dataclass(frozen=True, kw_only=True)
+class _MultiVectorDistill(DistillSettings):
+    """The multi-vector distillation losses' settings: sentence-transformers' ``mini_batch_size`` of None (the
+    whole batch at once: ours runs mini-batches of 32), the InfoNCE term's scale 1 (MaxSim sums over tokens)."""
+
+    mini_batch_size: int | str | None = setting(  # type: ignore[assignment]  # theirs: None, the whole batch
+        None,
+        doc=EngineSettings.declaration("mini_batch_size").metadata["doc"]
+        + " None (theirs: the whole batch at "
+        "once): 32 rows.",
+        check=_mini_batch_size,
+        config="always",
+    )
+    infonce_scale: float = redefault(DistillSettings, "infonce_scale", 1.0)
+    similarity_fct: Callable[..., Tensor] | str | None = setting(
+        None,
+        doc="The multi-vector distillation score: 'maxsim' (default), 'meanmaxsim' or 'xtr', sentence-transformers' "
+        "functions of the loss (colbert_kd_scores... for the KL loss, colbert_scores_pairwise... for the margin "
+        "loss), or the core's MaxSim / XTR.",
+        config="always",
+    )
+
+    #: the kind of ``similarity_fct`` (the KL loss's or the margin loss's scores)
+    similarity_kind: ClassVar[PairwiseTokens]
+
+    @property
+    def score(self) -> MaxSim | XTR:
+        """The core's token score of the distillation term (and of the InfoNCE term)."""
+        return self.resolved("similarity_fct")
+
+    def infonce_similarity(self) -> Any:
+        return self.score
+
+    def engine(self) -> dict[str, Any]:
+        engine = super().engine()
+        if engine["mini_batch_size"] is None:
+            engine["mini_batch_size"] = DEFAULT_MINI_BATCH_SIZE
+        return engine
+
+    def validate(self) -> None:
+        # the similarity resolved once (its kind is the class's: the KL loss's scores or the margin loss's)
+        self.__dict__["_resolved_similarity_fct"] = self.similarity_kind.resolve(self.similarity_fct)
+        super().validate()
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiVectorDistillKLDivSettings(_MultiVectorDistill, KLTemperatures):
+    """[`CachedMultiVectorDistillKLDivLoss`][st_cached_losses.losses.cached_multi_vector_distill.CachedMultiVectorDistillKLDivLoss]'s settings."""
+
+    owner: ClassVar[str] = "CachedMultiVectorDistillKLDivLoss"
+    similarity_kind: ClassVar[PairwiseTokens] = PAIRWISE_TOKENS_KL
+
+    def config(self) -> dict[str, Any]:
+        """sentence-transformers' keys, then ours."""
+        similarity = {"similarity_fct": self.similarity_kind.config_name(self.similarity_fct)}
+        size = {"mini_batch_size": self.mini_batch_size}
+        return {**similarity, **self.temperature_config(), **size, **self.extras()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class MultiVectorMarginMSESettings(_MultiVectorDistill):
+    """[`CachedMultiVectorMarginMSELoss`][st_cached_losses.losses.cached_multi_vector_distill.CachedMultiVectorMarginMSELoss]'s settings."""
+
+    owner: ClassVar[str] = "CachedMultiVectorMarginMSELoss"
+    similarity_kind: ClassVar[PairwiseTokens] = PAIRWISE_TOKENS_MARGIN
+
+    def config(self) -> dict[str, Any]:
+        """sentence-transformers' two keys, then ours."""
+        config = {
+            "similarity_fct": self.similarity_kind.config_name(self.similarity_fct),
+            "mini_batch_size": self.mini_batch_size,
+        }
+        return {**config, **self.extras()}
+
+
+def _stage(loss: CachedLoss, objective: DistillObjective) -> Stage:
+    s = loss.__dict__["_settings"]
+    score = s.score
+    student, teacher = s.temperatures() if objective == "kl" else (1.0, 1.0)
+    distill = Distillation(
+        owner=type(loss).__name__,
+        objective=objective,
+        pairwise=score.pairwise,
+        student_temperature=student,
+        teacher_temperature=teacher,
+        memory_budget=s.memory_budget,
+        gather=s.gather_across_devices,
+        prepared=XTRPrepared(score, objective, s.memory_budget) if isinstance(score, XTR) else as_cached,
+        token_rows=True,
+        form=TokenRows(),
+    )
+    return distillation_stage(distill, s, form=distill.form)
+
+
+class CachedMultiVectorDistillKLDivLoss(CachedLoss):
+    name = "multi_vector_distill_kl"
+    aliases = ("multi-vector-distill-kl",)
+    st_names = ("MultiVectorDistillKLDivLoss",)
+    settings_class = MultiVectorDistillKLDivSettings
+    distillation = True
+    citations = (GRADCACHE_CITATION, DISTILL_KL_CITATION)
     equivalent_st_loss = "MultiVectorDistillKLDivLoss"
-    objective: ClassVar[DistillObjective] = "kl"
+    model_kind = "MultiVectorEncoder"
 
     def __init__(
         self,
@@ -179,7 +198,7 @@ class CachedMultiVectorDistillKLDivLoss(_MultiVectorDistill):
         infonce_scale: float = 1.0,
         gather_across_devices: bool = False,
         show_progress_bar: bool = False,
-        **engine: Unpack[LossStageOptions],
+        **engine: Any,
     ) -> None:
         """
         sentence-transformers' ``MultiVectorDistillKLDivLoss`` with GradCache: the KL divergence of the
@@ -196,7 +215,9 @@ class CachedMultiVectorDistillKLDivLoss(_MultiVectorDistill):
 
         The constructor takes ``MultiVectorDistillKLDivLoss``'s arguments (keyword-only, as theirs), then
         ours, then the engine's knobs and the loss stage's plan
-        ([`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result).
+        ([`LossStageSettings`][st_cached_losses.losses.settings.LossStageSettings]; none changes the result).
+        Its settings are a [`MultiVectorDistillKLDivSettings`][st_cached_losses.losses.cached_multi_vector_distill.MultiVectorDistillKLDivSettings];
+        ``temperature`` is the KL's, the InfoNCE term's scale ``infonce_scale``.
 
         Args:
             model: the ``MultiVectorEncoder`` to train (column 0 embedded as ``task="query"``, the others as
@@ -257,49 +278,60 @@ class CachedMultiVectorDistillKLDivLoss(_MultiVectorDistill):
         """
         super().__init__(
             model,
-            mini_batch_size=mini_batch_size if mini_batch_size is not None else DEFAULT_MINI_BATCH_SIZE,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            infonce_weight=0.0,
-            infonce_scale=infonce_scale,
-            gather_across_devices=gather_across_devices,
-            show_progress_bar=show_progress_bar,
-            **engine,
+            MultiVectorDistillKLDivSettings(
+                similarity_fct=similarity_fct,
+                temperature=temperature,
+                student_temperature=student_temperature,
+                teacher_temperature=teacher_temperature,
+                mini_batch_size=mini_batch_size,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                infonce_weight=infonce_weight,
+                infonce_scale=infonce_scale,
+                gather_across_devices=gather_across_devices,
+                show_progress_bar=show_progress_bar,
+                **engine,
+            ),
         )
-        self.similarity_fct = similarity_fct
-        self._mini_batch_size_given = mini_batch_size
-        self.temperature = temperature
-        self.student_temperature = student_temperature
-        self.teacher_temperature = teacher_temperature
-        self.infonce_weight = infonce_weight
 
-    #: the temperature of both softmaxes, unless the student's or the teacher's is given
-    temperature = Setting[float](check=check_temperature)
-    #: the student's softmax temperature (None: ``temperature``)
-    student_temperature = Setting[float](check=check_temperature, none_reads_as="temperature")
-    #: the teacher's softmax temperature (None: ``temperature``)
-    teacher_temperature = Setting[float](check=check_temperature, none_reads_as="temperature")
+    @property
+    def student_temperature(self) -> float:
+        """The student's softmax temperature (``temperature`` unless given)."""
+        return self.settings.temperatures()[0]
 
-    def _temperatures(self) -> tuple[float, float]:
-        return self.student_temperature, self.teacher_temperature
+    @student_temperature.setter
+    def student_temperature(self, value: float | None) -> None:
+        self.update_settings(student_temperature=value)
 
-    def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' keys, then our extras in use."""
-        config: dict[str, Any] = {
-            "similarity_fct": self._similarity_config(),
-            "temperature": self.temperature,
-        }
-        if self.student_temperature != self.temperature:
-            config["student_temperature"] = self.student_temperature
-        if self.teacher_temperature != self.temperature:
-            config["teacher_temperature"] = self.teacher_temperature
-        config["mini_batch_size"] = self._mini_batch_size_config()
-        return {**config, **self._extras()}
+    @property
+    def teacher_temperature(self) -> float:
+        """The teacher's softmax temperature (``temperature`` unless given)."""
+        return self.settings.temperatures()[1]
+
+    @teacher_temperature.setter
+    def teacher_temperature(self, value: float | None) -> None:
+        self.update_settings(teacher_temperature=value)
+
+    @property
+    def score(self) -> MaxSim | XTR:
+        """The core's token score of the distillation term (and of the InfoNCE term)."""
+        return self.settings.score
+
+    def engine_columns(self, inputs: Any, **call: Any) -> list[Any]:
+        return with_tasks(list(inputs))
+
+    def build_stage(self) -> Stage:
+        return _stage(self, "kl")
 
 
-class CachedMultiVectorMarginMSELoss(_MultiVectorDistill):
-    _citations = (GRADCACHE_CITATION, MARGIN_MSE_CITATION)
+class CachedMultiVectorMarginMSELoss(CachedLoss):
+    name = "multi_vector_margin_mse"
+    aliases = ("multi-vector-margin-mse",)
+    st_names = ("MultiVectorMarginMSELoss",)
+    settings_class = MultiVectorMarginMSESettings
+    distillation = True
+    citations = (GRADCACHE_CITATION, MARGIN_MSE_CITATION)
     equivalent_st_loss = "MultiVectorMarginMSELoss"
-    objective: ClassVar[DistillObjective] = "margin_mse"
+    model_kind = "MultiVectorEncoder"
 
     def __init__(
         self,
@@ -312,7 +344,7 @@ class CachedMultiVectorMarginMSELoss(_MultiVectorDistill):
         infonce_scale: float = 1.0,
         gather_across_devices: bool = False,
         show_progress_bar: bool = False,
-        **engine: Unpack[LossStageOptions],
+        **engine: Any,
     ) -> None:
         """
         sentence-transformers' ``MultiVectorMarginMSELoss`` with GradCache: the mean squared error between
@@ -321,7 +353,8 @@ class CachedMultiVectorMarginMSELoss(_MultiVectorDistill):
 
         Embedded, scored and replayed as
         [`CachedMultiVectorDistillKLDivLoss`][st_cached_losses.losses.cached_multi_vector_distill.CachedMultiVectorDistillKLDivLoss];
-        the same loss and gradients as ``MultiVectorMarginMSELoss``.
+        the same loss and gradients as ``MultiVectorMarginMSELoss``. Its settings are a
+        [`MultiVectorMarginMSESettings`][st_cached_losses.losses.cached_multi_vector_distill.MultiVectorMarginMSESettings].
 
         Args:
             model: the ``MultiVectorEncoder`` to train.
@@ -371,22 +404,25 @@ class CachedMultiVectorMarginMSELoss(_MultiVectorDistill):
         """
         super().__init__(
             model,
-            mini_batch_size=mini_batch_size if mini_batch_size is not None else DEFAULT_MINI_BATCH_SIZE,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            infonce_weight=0.0,
-            infonce_scale=infonce_scale,
-            gather_across_devices=gather_across_devices,
-            show_progress_bar=show_progress_bar,
-            **engine,
+            MultiVectorMarginMSESettings(
+                similarity_fct=similarity_fct,
+                mini_batch_size=mini_batch_size,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                infonce_weight=infonce_weight,
+                infonce_scale=infonce_scale,
+                gather_across_devices=gather_across_devices,
+                show_progress_bar=show_progress_bar,
+                **engine,
+            ),
         )
-        self.similarity_fct = similarity_fct
-        self._mini_batch_size_given = mini_batch_size
-        self.infonce_weight = infonce_weight
 
-    def get_config_dict(self) -> dict[str, Any]:
-        """sentence-transformers' two keys, then our extras in use."""
-        config = {
-            "similarity_fct": self._similarity_config(),
-            "mini_batch_size": self._mini_batch_size_config(),
-        }
-        return {**config, **self._extras()}
+    @property
+    def score(self) -> MaxSim | XTR:
+        """The core's token score of the distillation term (and of the InfoNCE term)."""
+        return self.settings.score
+
+    def engine_columns(self, inputs: Any, **call: Any) -> list[Any]:
+        return with_tasks(list(inputs))
+
+    def build_stage(self) -> Stage:
+        return _stage(self, "margin_mse")

@@ -1,85 +1,278 @@
-"""SPLADE with GradCache: sentence-transformers' ``CachedSpladeLoss``, with the loss stage of the one core.
+"""SPLADE with GradCache: sentence-transformers' ``CachedSpladeLoss``, its stage
+[`Splade`][st_cached_losses.losses.stages.sparse.Splade] (the base loss on the package's InfoNCE core where it
+is a multiple-negatives ranking loss, else through autograd; the FLOPS regularisers from column sums), the
+embeddings cached compact where that is exact and saves memory
+([`sparse_cache`][st_cached_losses.losses.sparse_cache]).
 
-The sparse encoder is embedded in mini-batches by the engine (stage 1, no graph), the loss and its gradient
-wrt every embedding are computed (stage 2) and the encoder is replayed with them (stage 3), as for the other
-cached losses. Stage 2 is:
-
-* the base loss: a ``SparseMultipleNegativesRankingLoss`` (any ``MultipleNegativesRankingLoss`` whose
-  ``compute_loss_from_embeddings`` is theirs) on the one core ([`st_cached_losses.functional`][st_cached_losses.functional]), chunked
-  or tiled, gathered or by ring across processes, with every option it has (``scale``, ``similarity_fct``,
-  ``directions``, ``partition_mode``, ``hardness_*``, ``gather_across_devices``), read from the base loss at
-  every step; any other base loss with ``compute_loss_from_embeddings`` through autograd on the whole batch,
-  as sentence-transformers does;
-* the FLOPS regularisers (their ``FlopsLoss``, thresholds included) from column sums, with their analytic
-  gradient ([`st_cached_losses.functional.flops`][st_cached_losses.functional.flops]); another regulariser through autograd.
-
-The engine keeps the cached embeddings and their gradients compact (each row's non-zero entries, packed:
-[`st_cached_losses.losses.sparse_cache`][st_cached_losses.losses.sparse_cache]) when that is exact and saves memory; the loss stage then
-reads them packed ([`SparseDot`][st_cached_losses.functional.sparse.SparseDot], FLOPS by scatter-add) and never
-builds a dense ``B x V`` matrix.
-"""
+The base loss's settings (``scale``, ``similarity_fct``, ``directions``, ``partition_mode``, ``hardness_*``,
+``gather_across_devices``) stay on the base loss, as in sentence-transformers: they are attributes of this loss
+that read and set the base loss's, and are checked again at every step, however they were set."""
 
 from __future__ import annotations
 
-import functools
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from typing import Any, cast
+from dataclasses import dataclass
+from typing import Any, ClassVar, cast
 
-import torch
-from sentence_transformers.sparse_encoder.losses import FlopsLoss
-from torch import Tensor, nn
-from typing_extensions import Unpack
+from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+from sentence_transformers.sparse_encoder.losses import (
+    FlopsLoss,
+    SparseDistillKLDivLoss,
+    SparseMarginMSELoss,
+    SparseMultipleNegativesRankingLoss,
+)
+from torch import nn
 
 from st_cached_losses.functional.distributed import is_distributed
-from st_cached_losses.functional.flops import flops_loss_and_grad
-from st_cached_losses.functional.keys import input_hashes
-from st_cached_losses.functional.sparse import SparseDot
-from st_cached_losses.losses._base import LossStageOptions, StageOutput, StepData
-from st_cached_losses.losses.citations import (
-    FLOPS_CITATION,
-    GRADCACHE_CITATION,
-    SPLADE_CITATION,
+from st_cached_losses.losses.base import CachedLoss
+from st_cached_losses.losses.cached_mnr import ranking_stage
+from st_cached_losses.losses.citations import FLOPS_CITATION, GRADCACHE_CITATION, SPLADE_CITATION
+from st_cached_losses.losses.ranking import RankingSettings, ranking_citations
+from st_cached_losses.losses.registry import Variant
+from st_cached_losses.losses.settings import (
+    LossStageSettings,
+    check_bool,
+    check_nonnegative,
+    redefault,
+    setting,
 )
-from st_cached_losses.losses.settings import check_bool
+from st_cached_losses.losses.similarity import EMBEDDING, PAIRWISE
 from st_cached_losses.losses.sparse_cache import CompactSparseRows, zero_gradient_at_zero
-from st_cached_losses.losses.sparse_settings import SparseLossSettings, is_flops, on_core, weight_value
+from st_cached_losses.losses.stages.infonce import InfoNCE
+from st_cached_losses.losses.stages.sparse import Regularizer, Splade, is_flops
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CachedSparseLoss"]
+__all__ = [
+    "BaseLossSetting",
+    "CachedSparseLoss",
+    "SparseBaseSettings",
+    "SparseSettings",
+    "on_core",
+]
 
 
-def _autograd_loss_and_grad(
-    fn: Callable[[list[Tensor]], Tensor | dict[str, Tensor]], columns: Sequence[Tensor], with_grad: bool
-) -> tuple[dict[str, Tensor] | Tensor, list[Tensor] | None]:
-    """A loss of the whole batch through autograd (what sentence-transformers computes), and its gradient
-    wrt each column: for base losses and regularisers that are not the core's."""
-    leaves = [c.detach().requires_grad_(with_grad) for c in columns]
-    with torch.enable_grad() if with_grad else torch.no_grad():
-        out = fn(leaves)
-    if not with_grad:
-        return out, None
-    total = torch.stack(list(out.values())).sum() if isinstance(out, dict) else out
-    found = (
-        torch.autograd.grad(total, leaves, allow_unused=True) if total.requires_grad else [None] * len(leaves)
+def on_core(loss: nn.Module) -> bool:
+    """Whether the base loss is sentence-transformers' multiple-negatives ranking loss (their
+    ``SparseMultipleNegativesRankingLoss`` is one), whose loss and gradient the core computes."""
+    return (
+        isinstance(loss, MultipleNegativesRankingLoss)
+        and type(loss).compute_loss_from_embeddings
+        is MultipleNegativesRankingLoss.compute_loss_from_embeddings
     )
-    grads = [g if g is not None else torch.zeros_like(c) for g, c in zip(found, leaves)]
-    detached = {k: v.detach() for k, v in out.items()} if isinstance(out, dict) else out.detach()
-    return detached, grads
 
 
-def _weighted(regularizer: Any, weight: float, columns: list[Tensor]) -> Tensor:
-    """A regulariser of the rows of ``columns`` together (their concatenation), weighted."""
-    return regularizer.compute_loss_from_embeddings(torch.cat(columns)) * weight
+def _base_loss(name: str, value: Any) -> Any:
+    if not hasattr(value, "compute_loss_from_embeddings"):
+        raise ValueError(
+            f"CachedSparseLoss: the base loss {type(value).__name__} has no compute_loss_from_embeddings"
+            "(embeddings, labels) method; pass a sparse-encoder loss such as SparseMultipleNegativesRankingLoss."
+        )
+    return value
 
 
-class CachedSparseLoss(SparseLossSettings):
-    _citations = (GRADCACHE_CITATION, SPLADE_CITATION, FLOPS_CITATION)
+def _required_weight(name: str, value: Any) -> float:
+    weight = check_nonnegative(name, value, optional=False)
+    assert weight is not None  # not optional
+    return weight
+
+
+def _threshold(name: str, value: Any) -> float | None:
+    return check_nonnegative(name, value, example="100 (non-zero entries)")
+
+
+#: the base loss's settings read through this loss, checked again at every step when one changed
+BASE_OPTIONS = (
+    "scale",
+    "similarity_fct",
+    "gather_across_devices",
+    "directions",
+    "partition_mode",
+    "hardness_mode",
+    "hardness_strength",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseBaseSettings(RankingSettings):
+    """The base loss's options as the core computes them (its scale, similarity, directions...), read from the
+    base loss and checked as the ranking losses' are, with this loss's duplicate masking and loss stage plan."""
+
+    owner: ClassVar[str] = "CachedSparseLoss"
+
+
+@dataclass(frozen=True, kw_only=True)
+class SparseSettings(LossStageSettings):
+    """[`CachedSparseLoss`][st_cached_losses.losses.cached_sparse.CachedSparseLoss]'s own settings:
+    sentence-transformers' ``CachedSpladeLoss`` arguments and ours (the base loss's options stay on it)."""
+
+    owner: ClassVar[str] = "CachedSparseLoss"
+
+    loss: nn.Module = setting(
+        doc="The base loss, with compute_loss_from_embeddings(embeddings, labels); usually "
+        "SparseMultipleNegativesRankingLoss(model).",
+        check=_base_loss,
+        config="always",
+        module=True,
+    )
+    document_regularizer_weight: float = setting(
+        doc="Weight of the documents' FLOPS regulariser (lambda_d), on every column but the first (on every column "
+        "with use_document_regularizer_only), e.g. 3e-5; required.",
+        check=_required_weight,
+        config="always",
+    )
+    query_regularizer_weight: float | None = setting(
+        None,
+        doc="Weight of the queries' FLOPS regulariser (lambda_q), on the first column, e.g. 5e-5; None: no query "
+        "regulariser (inference-free models).",
+        check=check_nonnegative,
+        config="never",
+    )
+    document_regularizer: nn.Module | None = setting(
+        None, doc="A regulariser of the documents instead of the default FlopsLoss.", config="never"
+    )
+    query_regularizer: nn.Module | None = setting(
+        None, doc="A regulariser of the queries instead of the default FlopsLoss.", config="never"
+    )
+    document_regularizer_threshold: float | None = setting(
+        None,
+        doc="The documents' FLOPS counts only rows with more than this many non-zero entries (FLOPS with l0 "
+        "masking); None: every row.",
+        check=_threshold,
+        config="never",
+    )
+    query_regularizer_threshold: float | None = setting(
+        None,
+        doc="As document_regularizer_threshold, for the queries' FLOPS.",
+        check=_threshold,
+        config="never",
+    )
+    use_document_regularizer_only: bool = setting(
+        False,
+        doc="Every column is a document (symmetric data): one regulariser over all of them, weighted by "
+        "document_regularizer_weight.",
+        check=check_bool,
+        config="never",
+    )
+    mask_duplicates: bool = redefault(RankingSettings, "mask_duplicates", False)
+
+    def validate(self) -> None:
+        super().validate()
+        if self.query_regularizer_weight is not None and self.use_document_regularizer_only:
+            raise ValueError(
+                "query_regularizer_weight needs a query regulariser: with use_document_regularizer_only=True every "
+                "column is a document. Set use_document_regularizer_only=False, or query_regularizer_weight=None."
+            )
+        for kind in ("document", "query"):
+            name = f"{kind}_regularizer_threshold"
+            if getattr(self, name) is None:
+                continue
+            given = getattr(self, f"{kind}_regularizer")
+            if kind == "query" and self.use_document_regularizer_only and given is None:
+                raise ValueError(
+                    f"{name} needs a query regulariser: with use_document_regularizer_only=True every column is a "
+                    "document. Set use_document_regularizer_only=False first."
+                )
+            if given is not None and not hasattr(given, "threshold"):
+                raise ValueError(
+                    f"{name}: the {kind} regulariser is a {type(given).__name__}, which has no threshold; set its "
+                    f"own attributes ({kind}_regularizer), or use the default FlopsLoss."
+                )
+        if self.mask_duplicates and not on_core(self.loss):
+            raise ValueError(
+                "CachedSparseLoss: mask_duplicates masks the negatives of SparseMultipleNegativesRankingLoss; the base "
+                f"loss is a {type(self.loss).__name__}. Set mask_duplicates=False."
+            )
+
+    def config(self) -> dict[str, Any]:
+        """``SpladeLoss``'s keys (the base loss as a module, rendered with its own config by the model card) and
+        ``CachedSpladeLoss``'s ``mini_batch_size`` / ``mini_batch_num_tokens``, then our extras in use."""
+        config: dict[str, Any] = {
+            "loss": self.loss,
+            "document_regularizer_weight": self.document_regularizer_weight,
+        }
+        if self.query_regularizer_weight is not None:
+            config["query_regularizer_weight"] = self.query_regularizer_weight
+        for kind in ("document", "query"):
+            given = getattr(self, f"{kind}_regularizer")
+            if given is not None and not isinstance(given, FlopsLoss):
+                config[f"{kind}_regularizer"] = type(given).__name__
+            threshold = getattr(self, f"{kind}_regularizer_threshold")
+            if threshold is not None:
+                config[f"{kind}_regularizer_threshold"] = threshold
+        if self.use_document_regularizer_only:
+            config["use_document_regularizer_only"] = True
+        config["mini_batch_size"] = self.mini_batch_size
+        config["mini_batch_num_tokens"] = self.mini_batch_num_tokens
+        return {**config, **self.changed(("mask_duplicates", "tile_size")), **self.auto_config()}
+
+    def citations(self) -> tuple[str, ...]:
+        """The base loss's options' papers, where the core computes it."""
+        base: Any = self.loss
+        if not on_core(base):
+            return ()
+        return ranking_citations(
+            base.directions, base.partition_mode, base.hardness_mode, base.hardness_strength
+        )
+
+
+class BaseLossSetting:
+    """A setting of the base loss as an attribute of this loss: read from the base loss, assigned to it after
+    the check of its options as a whole (and checked again at every step, whoever set them)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.__doc__ = f"The base loss's ``{name}`` (read and set on ``loss.loss``)."
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(obj.base_settings(), self.name)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        checked = obj.base_settings().replace(**{self.name: value})
+        base = obj.settings.loss
+        for name in BASE_OPTIONS:
+            if getattr(base, name) != getattr(checked, name):
+                setattr(base, name, getattr(checked, name))
+
+
+class CachedSparseLoss(CachedLoss):
+    name = "sparse"
+    st_names = ("CachedSpladeLoss",)
+    settings_class = SparseSettings
+    citations = (GRADCACHE_CITATION, SPLADE_CITATION, FLOPS_CITATION)
     equivalent_st_loss = "CachedSpladeLoss"
-    #: the model kind it trains (another is refused at construction)
     model_kind = "SparseEncoder"
+    #: the base loss the arguments build for 'sparse' (from the fields its constructor takes)
+    default_base_loss = SparseMultipleNegativesRankingLoss
+    default_base_similarity = EMBEDDING
+    #: 'sparse_distill_kl' / 'sparse_margin_mse': this loss with sentence-transformers' distillation base
+    #: losses, which leave the ranking core's settings unused
+    variants = tuple(
+        Variant(
+            name,
+            base_loss=base,
+            aliases=(name.replace("_", "-"),),
+            st_names=(base.__name__,),
+            unused=frozenset({"mask_duplicates", "path", "tile_size", "memory_budget"}),
+            distillation=True,
+            base_similarity=PAIRWISE,
+        )
+        for name, base in (
+            ("sparse_distill_kl", SparseDistillKLDivLoss),
+            ("sparse_margin_mse", SparseMarginMSELoss),
+        )
+    )
+
+    scale = BaseLossSetting("scale")
+    similarity_fct = BaseLossSetting("similarity_fct")
+    gather_across_devices = BaseLossSetting("gather_across_devices")
+    directions = BaseLossSetting("directions")
+    partition_mode = BaseLossSetting("partition_mode")
+    hardness_mode = BaseLossSetting("hardness_mode")
+    hardness_strength = BaseLossSetting("hardness_strength")
+    symmetric = BaseLossSetting("symmetric")
 
     def __init__(
         self,
@@ -97,7 +290,7 @@ class CachedSparseLoss(SparseLossSettings):
         show_progress_bar: bool = False,
         *,
         mask_duplicates: bool = False,
-        **engine: Unpack[LossStageOptions],
+        **engine: Any,
     ) -> None:
         """
         SPLADE's loss (a ranking loss plus FLOPS regularisers on the documents and the queries) with
@@ -114,12 +307,13 @@ class CachedSparseLoss(SparseLossSettings):
         The constructor takes ``CachedSpladeLoss``'s arguments in its positional order, then our extras,
         keyword-only. The base loss's settings (``scale``, ``similarity_fct``, ``directions``,
         ``partition_mode``, ``hardness_mode``, ``hardness_strength``, ``gather_across_devices``) stay on the
-        base loss, read at every step, and are also properties of this loss (reading or setting one
-        reads or sets the base loss's, checked).
+        base loss, read and checked at every step, and are also attributes of this loss (reading or setting
+        one reads or sets the base loss's, checked); the loss's own settings are a
+        [`SparseSettings`][st_cached_losses.losses.cached_sparse.SparseSettings].
 
         Besides the arguments below, the loss takes the engine's knobs and the loss stage's plan (``path``,
-        ``tile_size``, ``memory_budget``), keyword-only, each documented once on
-        [`LossStageOptions`][st_cached_losses.losses._base.LossStageOptions]; none changes the result.
+        ``tile_size``, ``memory_budget``), keyword-only, each declared once on
+        [`LossStageSettings`][st_cached_losses.losses.settings.LossStageSettings]; none changes the result.
 
         Args:
             model: the SparseEncoder to train (e.g. ``MLMTransformer`` + ``SpladePooling``).
@@ -194,180 +388,161 @@ class CachedSparseLoss(SparseLossSettings):
             trainer.train()
             ```
         """
-        if not hasattr(loss, "compute_loss_from_embeddings"):
-            raise ValueError(
-                f"CachedSparseLoss: the base loss {type(loss).__name__} has no compute_loss_from_embeddings"
-                "(embeddings, labels) method; pass a sparse-encoder loss such as SparseMultipleNegativesRankingLoss."
+        if use_document_regularizer_only and query_regularizer_weight is not None:
+            logger.warning(
+                "CachedSparseLoss: use_document_regularizer_only=True regularises every column as a document with "
+                "document_regularizer_weight; query_regularizer_weight=%r is ignored (set to None).",
+                query_regularizer_weight,
             )
-        super().__init__(
-            model,
-            scale=cast(Any, loss).scale if on_core(loss) else 1.0,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=mini_batch_num_tokens,
-            show_progress_bar=show_progress_bar,
-            **engine,
-        )
-        self.mask_duplicates = mask_duplicates
-        self.loss = loss
-        self._checked: tuple[Any, ...] | None = None
-        self.document_regularizer_weight = document_regularizer_weight
-        query_weight = weight_value("query_regularizer_weight", query_regularizer_weight, optional=True)
-        check_bool("use_document_regularizer_only", use_document_regularizer_only)
-        for name, threshold in [
-            ("document_regularizer_threshold", document_regularizer_threshold),
-            ("query_regularizer_threshold", query_regularizer_threshold),
-        ]:
-            weight_value(name, threshold, optional=True, example="100 (non-zero entries)")
-        self.document_regularizer = (
-            document_regularizer
-            if document_regularizer is not None
-            else FlopsLoss(cast(Any, model), threshold=document_regularizer_threshold)
-        )
-        # as sentence-transformers: no query regulariser when every column is a document, unless given
-        self.query_regularizer: nn.Module | None = (
-            query_regularizer
-            if query_regularizer is not None
-            else None
-            if use_document_regularizer_only
-            else FlopsLoss(cast(Any, model), threshold=query_regularizer_threshold)
-        )
-        if query_weight is None and not use_document_regularizer_only:
+            query_regularizer_weight = None
+        elif query_regularizer_weight is None and not use_document_regularizer_only:
             logger.warning(
                 "CachedSparseLoss: query_regularizer_weight is None, so the queries are not regularised: right for "
                 "an inference-free model (queries not encoded by the model); otherwise set it, e.g. 5e-5."
             )
-        if use_document_regularizer_only and query_weight is not None:
-            logger.warning(
-                "CachedSparseLoss: use_document_regularizer_only=True regularises every column as a document with "
-                "document_regularizer_weight; query_regularizer_weight=%r is ignored (set to None).",
-                query_weight,
-            )
-            query_weight = None
-        self.use_document_regularizer_only = use_document_regularizer_only
-        self.query_regularizer_weight = query_weight
-        if on_core(loss):
-            self._core_options()
+        self._checked: tuple[Any, SparseBaseSettings] | None = None
+        super().__init__(
+            model,
+            SparseSettings(
+                loss=loss,
+                document_regularizer_weight=document_regularizer_weight,
+                query_regularizer_weight=query_regularizer_weight,
+                document_regularizer=document_regularizer,
+                query_regularizer=query_regularizer,
+                document_regularizer_threshold=document_regularizer_threshold,
+                query_regularizer_threshold=query_regularizer_threshold,
+                use_document_regularizer_only=use_document_regularizer_only,
+                mini_batch_size=mini_batch_size,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                show_progress_bar=show_progress_bar,
+                mask_duplicates=mask_duplicates,
+                **engine,
+            ),
+        )
 
-    def _cache_form(self) -> CompactSparseRows:
-        # the engine's cache keeps the embeddings packed when that is exact and saves memory (decided at
-        # every step, from the settings then)
-        return CompactSparseRows(self._compact_allowed, across=self._compact_across)
+    # ------------------------------------------------------------------ the base loss's settings
+
+    def base_settings(self) -> SparseBaseSettings:
+        """The base loss's options, checked (again whenever one changed, however it was set), with this loss's
+        duplicate masking and plan; reading them for another base loss is an error."""
+        s = self.settings
+        base: Any = s.loss
+        if not on_core(base):
+            raise AttributeError(
+                f"CachedSparseLoss: the base loss is a {type(base).__name__}, not SparseMultipleNegativesRankingLoss: "
+                "read its own attributes (loss.loss)."
+            )
+        key = (*(getattr(base, name) for name in BASE_OPTIONS), s)
+        if self._checked is None or self._checked[0] != key:
+            checked = SparseBaseSettings(
+                **{name: getattr(base, name) for name in BASE_OPTIONS},
+                mask_duplicates=s.mask_duplicates,
+                path=s.path,
+                tile_size=s.tile_size,
+                memory_budget=s.memory_budget,
+            )
+            self._checked = (key, checked)
+        return self._checked[1]
+
+    @property
+    def similarity(self) -> Any:
+        """The core's score of the base loss."""
+        return self.base_settings().similarity
+
+    # ------------------------------------------------------------------ regularisers
+
+    @property
+    def document_regularizer(self) -> nn.Module:
+        """The documents' regulariser (the given one, or the default ``FlopsLoss``)."""
+        return self._modules["document_regularizer"]  # type: ignore[return-value]
+
+    @document_regularizer.setter
+    def document_regularizer(self, value: nn.Module | None) -> None:
+        self.update_settings(document_regularizer=value)
+
+    @property
+    def query_regularizer(self) -> nn.Module | None:
+        """The queries' regulariser (the given one, the default ``FlopsLoss``, or None with
+        ``use_document_regularizer_only``)."""
+        return self._modules["query_regularizer"]
+
+    @query_regularizer.setter
+    def query_regularizer(self, value: nn.Module | None) -> None:
+        self.update_settings(query_regularizer=value)
+
+    def _settings_changed(self, old: Any, new: Any) -> None:
+        # the regularisers in use: the given ones, else sentence-transformers' default FlopsLoss (kept while
+        # it stays the default), the thresholds set on them
+        model = cast(Any, self.model)
+        for kind in ("document", "query"):
+            given = getattr(new, f"{kind}_regularizer")
+            current = self._modules.get(f"{kind}_regularizer")
+            if given is not None:
+                module: nn.Module | None = given
+            elif kind == "query" and new.use_document_regularizer_only:
+                module = None
+            elif current is not None and old is not None and getattr(old, f"{kind}_regularizer") is None:
+                module = current
+            else:
+                module = FlopsLoss(model, threshold=None)
+            threshold = getattr(new, f"{kind}_regularizer_threshold")
+            if (
+                module is not None
+                and hasattr(module, "threshold")
+                and (given is None or threshold is not None)
+            ):
+                module.threshold = threshold
+            self._modules[f"{kind}_regularizer"] = module
+        super()._settings_changed(old, new)
+        if on_core(new.loss):
+            self.base_settings()  # the base loss's options, checked now too
 
     def _compact_allowed(self) -> bool:
         """Whether this step's embeddings may be kept packed ([`sparse_cache`][st_cached_losses.losses.sparse_cache]):
         the core computes the base loss with dot products, the regularisers are FLOPS, and the model is a
         SPLADE encoder whose exactly-zero entries have no gradient. Across processes (gathered or ring) too:
-        the processes agree on the form (`_compact_across`)."""
-        if not on_core(self.loss) or self._core_options()[1] != "dot":
+        the processes agree on the form (``_compact_across``)."""
+        s = self.settings
+        if not on_core(s.loss) or self.base_settings().similarity != "dot":
             return False
         regularisers = [self.document_regularizer]
-        if self.query_regularizer_weight is not None and self.query_regularizer is not None:
+        if s.query_regularizer_weight is not None and self.query_regularizer is not None:
             regularisers.append(self.query_regularizer)
         return all(is_flops(r) for r in regularisers) and zero_gradient_at_zero(self.model)
 
     def _compact_across(self) -> bool:
         """Whether the loss stage reads every process's rows together (gathered or by ring): every process
         must then keep the same form, agreed on in one all-reduce."""
-        return on_core(self.loss) and bool(self.gather_across_devices) and is_distributed()
+        return (
+            on_core(self.settings.loss)
+            and bool(self.base_settings().gather_across_devices)
+            and is_distributed()
+        )
 
-    # ------------------------------------------------------------------ the loss stage
+    def _ranking(self) -> InfoNCE:
+        return ranking_stage(type(self).__name__, self.base_settings())
 
-    def _check_columns(self, features: list[dict[str, Any]]) -> None:
-        if on_core(self.loss):
-            super()._check_columns(features)
-        elif self.mask_duplicates:
-            raise ValueError(
-                f"CachedSparseLoss: mask_duplicates masks the negatives of SparseMultipleNegativesRankingLoss; the base "
-                f"loss is a {type(self.loss).__name__}. Set mask_duplicates=False."
+    def build_stage(self) -> Splade:
+        s = self.__dict__["_settings"]
+        first = 0 if s.use_document_regularizer_only else 1
+        regularizers = [
+            Regularizer(
+                "document_regularizer_loss",
+                self.document_regularizer,
+                s.document_regularizer_weight,
+                slice(first, None),
             )
-
-    def _step_data(self, features: list[dict[str, Any]]) -> StepData:
-        # false negatives are recognised by their token ids (embeddings differ under dropout)
-        return StepData(keys=[input_hashes(f) for f in features] if self.mask_duplicates else None)
-
-    def _loss_stage(
-        self, embeddings: list[Tensor], labels: Tensor | None, step: StepData, with_grad: bool
-    ) -> StageOutput:
-        """The loss's components (0-d, detached; the regularisers weighted), in sentence-transformers'
-        keys and order, their sum, and with ``with_grad`` the gradient of the sum wrt every column."""
-        parts: dict[str, Tensor] = {}
-        grads: list[Tensor] | None
-        gather = False
-        # packed rows (the engine's compact cache): (B, k, 2) indices and values of the non-zero entries
-        dim = cast(CompactSparseRows, self.cache.form).dim if embeddings[0].dim() == 3 else None
-        if on_core(self.loss):
-            gather = self.gather_across_devices
-            sizes = self._agree(embeddings)  # also the finiteness check
-            scale, _ = self._core_options()
-            options = self._options(step, len(embeddings[0]), len(embeddings) - 1, scale)
-            if dim is not None:
-                options = replace(options, similarity=SparseDot(dim))
-            out = self._ranking(embeddings, options, sizes, with_grad)
-            parts["base_loss"] = out.loss
-            grads = [out.grad_anchors, *out.grad_candidates] if with_grad else None  # type: ignore[list-item]
-        else:
-            base_loss: Any = self.loss
-            base, grads = _autograd_loss_and_grad(
-                lambda cols: base_loss.compute_loss_from_embeddings(cols, labels), embeddings, with_grad
-            )
-            parts.update(base if isinstance(base, dict) else {"base_loss": base})
-
-        first = 0 if self.use_document_regularizer_only else 1
-        regularisers = [
-            ("document_regularizer_loss", self.document_regularizer, self.document_regularizer_weight, first)
         ]
-        if self.query_regularizer_weight is not None and self.query_regularizer is not None:
-            regularisers.append(
-                ("query_regularizer_loss", self.query_regularizer, self.query_regularizer_weight, 0)
-            )
-        for key, regularizer, weight, start in regularisers:
-            columns = embeddings[start:] if key == "document_regularizer_loss" else embeddings[:1]
-            own = grads[start : start + len(columns)] if grads is not None else None
-            if is_flops(regularizer):
-                flops = flops_loss_and_grad(
-                    columns,
-                    regularizer.threshold,  # type: ignore[arg-type]
-                    grad_output=weight,
-                    with_grad=with_grad,
-                    across_processes=gather,
-                    accumulate=own,  # into the base loss's gradients, in place
-                    dim=dim,
+        if s.query_regularizer_weight is not None and self.query_regularizer is not None:
+            regularizers.append(
+                Regularizer(
+                    "query_regularizer_loss", self.query_regularizer, s.query_regularizer_weight, slice(0, 1)
                 )
-                parts[key] = flops.loss
-                continue
-            value, reg_grads = _autograd_loss_and_grad(
-                functools.partial(_weighted, regularizer, weight), columns, with_grad
             )
-            assert isinstance(value, Tensor)
-            parts[key] = value
-            if own is not None and reg_grads is not None:
-                for g, r in zip(own, reg_grads):
-                    g.add_(r.to(g.dtype))
-        if grads is not None and dim is not None:
-            # packed gradients name their entries by the embeddings' indices (the engine scatters them)
-            for g, e in zip(grads, embeddings):
-                g[..., 0] = e[..., 0]
-        total = torch.stack([v.float() for v in parts.values()]).sum()
-        return StageOutput(total, grads, parts=parts)
-
-    def _autograd_loss(self, embeddings: list[Tensor], labels: Tensor | None, step: StepData) -> Tensor:
-        """The total loss with exactly the computed gradient wrt each embedding, as a graph."""
-        with_grad = any(e.requires_grad for e in embeddings)
-        out = self._loss_stage(embeddings, labels, step, with_grad=with_grad)
-        step.parts = out.parts
-        if out.grads is None:
-            return out.loss
-        # the value, with exactly the computed gradient wrt each embedding ((e - e) is exactly 0)
-        return out.loss + sum(((e - e.detach()) * g.to(e.dtype)).sum() for e, g in zip(embeddings, out.grads))
-
-    def _returned(self, loss: Tensor, step: StepData, *, training: bool) -> Tensor | dict[str, Tensor]:
-        """A dict of components, as sentence-transformers' SpladeLoss."""
-        assert step.parts is not None  # every loss stage of this loss leaves them
-        if not training:
-            return step.parts
-        # the trainer sums the components and back-propagates the sum: the first carries the graph (the
-        # total minus the others), the others are values for its logs, as sentence-transformers does
-        values = {k: v.detach().float().to(loss.device) for k, v in step.parts.items()}
-        first = next(iter(values))
-        others = sum((v for k, v in values.items() if k != first), start=torch.zeros_like(loss))
-        return {k: (loss - others if k == first else v) for k, v in values.items()}
+        return Splade(
+            owner=type(self).__name__,
+            base_loss=s.loss,
+            ranking=self._ranking if on_core(s.loss) else None,
+            regularizers=regularizers,
+            form=CompactSparseRows(self._compact_allowed, across=self._compact_across),
+        )

@@ -1,19 +1,53 @@
+"""InfoNCE with an Inf-CL-style tiled loss stage: [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]
+whose loss stage is always tiled (a ring exchange across processes), with a ``symmetric`` shorthand."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
-from typing_extensions import Unpack
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
-from st_cached_losses.losses._base import EngineOptions
 from st_cached_losses.losses.cached_mnr import CachedMNRLoss
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION, INFCL_CITATION
-from st_cached_losses.losses.settings import ONE_DIRECTION, TWO_DIRECTIONS, Setting
+from st_cached_losses.losses.ranking import ONE_DIRECTION, TWO_DIRECTIONS, RankingSettings
+from st_cached_losses.losses.settings import redefault
+
+__all__ = ["CachedTiledLoss", "TiledSettings"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TiledSettings(RankingSettings):
+    """[`CachedTiledLoss`][st_cached_losses.losses.cached_tiled.CachedTiledLoss]'s settings: the ranking
+    settings with the loss stage's ``path`` always ``"tiled"`` (set by the loss; any other value refused)."""
+
+    owner: ClassVar[str] = "CachedTiledLoss"
+    not_arguments: ClassVar[frozenset[str]] = frozenset({"path"})
+    view_arguments: ClassVar[frozenset[str]] = frozenset({"symmetric"})
+
+    path: LossPath = redefault(RankingSettings, "path", "tiled")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.path != "tiled":
+            raise ValueError(
+                f"CachedTiledLoss.path is 'tiled' and cannot be changed (got {self.path!r}): CachedTiledLoss "
+                "always computes the Inf-CL-style tiled loss stage; for the chunked one use CachedMNRLoss or "
+                "CachedCLIPLoss with path='chunked'."
+            )
+
+    def citations(self) -> tuple[str, ...]:
+        return ((CLIP_CITATION,) if self.symmetric else ()) + super().citations()
 
 
 class CachedTiledLoss(CachedMNRLoss):
+    name = "tiled"
+    settings_class = TiledSettings
+    citations = (GRADCACHE_CITATION, INFCL_CITATION)
+
     def __init__(
         self,
         model: nn.Module,
@@ -37,7 +71,7 @@ class CachedTiledLoss(CachedMNRLoss):
         negative_bank_max_age: int | None = None,
         in_batch_negatives: bool = True,
         memory_budget: int | str = DEFAULT_MEMORY_BUDGET,
-        **engine: Unpack[EngineOptions],
+        **engine: Any,
     ) -> None:
         """
         InfoNCE with GradCache and an Inf-CL-style tiled loss stage: no block of the logits larger than one
@@ -71,8 +105,8 @@ class CachedTiledLoss(CachedMNRLoss):
                 and across processes nothing travels around the ring.
 
         Every other argument is [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss]'s, with the same default and meaning (``**engine``:
-        the engine's knobs, [`EngineOptions`][st_cached_losses.losses._base.EngineOptions]); the loss stage's ``path`` is
-        always ``"tiled"``.
+        the engine's knobs, [`EngineSettings`][st_cached_losses.losses.settings.EngineSettings]); the loss stage's ``path`` is
+        always ``"tiled"``. Its settings are a [`TiledSettings`][st_cached_losses.losses.cached_tiled.TiledSettings].
 
         References:
             - Cheng et al., Breaking the Memory Barrier: Near Infinite Batch Size Scaling for Contrastive Loss,
@@ -116,20 +150,10 @@ class CachedTiledLoss(CachedMNRLoss):
             negative_bank_size=negative_bank_size,
             negative_bank_max_age=negative_bank_max_age,
             in_batch_negatives=in_batch_negatives,
-            path="tiled",
             tile_size=tile_size,
             memory_budget=memory_budget,
             **engine,
         )
-
-    #: Always ``"tiled"``: set at construction, any other value refused.
-    path = Setting[LossPath](
-        fixed="CachedTiledLoss always computes the Inf-CL-style tiled loss stage; for the chunked one use "
-        "CachedMNRLoss or CachedCLIPLoss with path='chunked'."
-    )
-
-    def _citation_parts(self) -> tuple[str, ...]:
-        return (GRADCACHE_CITATION, INFCL_CITATION, *((CLIP_CITATION,) if self.symmetric else ()))
 
 
 def _resolve_symmetric(

@@ -18,7 +18,8 @@ checkpoint as [`STATE_FILE`][st_cached_losses.losses.callbacks.STATE_FILE] for i
 rebuild the callback from JSON, without the loss it must update.)
 
 A loss's negative bank ([`negative_bank`][st_cached_losses.losses.negative_bank], ``negative_bank_size``) is
-too large for the trainer state's JSON, and each process holds its own share: each process writes its share
+part of the loss's state dict (the bank module's extra state), read from there; it is too large for the
+trainer state's JSON, and each process holds its own share: each process writes its share
 into the checkpoint folder as ``BANK_FILE.format(rank)`` ([`BANK_FILE`][st_cached_losses.losses.callbacks.BANK_FILE]), and on resume
 reads it back from the folder the trainer resumed from (found as for the scale's older checkpoints; where it
 cannot be told, or holds no bank file, the bank restarts empty, with a warning: the run then differs from an
@@ -45,6 +46,7 @@ import torch
 from torch import nn
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from st_cached_losses.engine.caller import user_stacklevel
 from st_cached_losses.losses.negative_bank import NegativeBank
 
 logger = logging.getLogger(__name__)
@@ -66,9 +68,9 @@ def _stateful(loss: nn.Module) -> list[nn.Module]:
     return [m for m in loss.modules() if getattr(m, "learnable_scale", False) and hasattr(m, "logit_scale")]
 
 
-def _banked(loss: nn.Module) -> list[nn.Module]:
-    """The modules inside ``loss`` that can keep a negative bank (``negative_bank_size``)."""
-    return [m for m in loss.modules() if isinstance(getattr(m, "negative_bank", None), NegativeBank)]
+def _banked(loss: nn.Module) -> list[NegativeBank]:
+    """The negative banks inside ``loss`` (one per loss that can keep one, ``negative_bank_size``)."""
+    return [m for m in loss.modules() if isinstance(m, NegativeBank)]
 
 
 def _logit_scale(module: nn.Module) -> torch.Tensor:
@@ -99,23 +101,24 @@ class LossStateCallback(TrainerCallback):
         for name, loss in self.losses.items():
             for i, module in enumerate(_stateful(loss)):
                 self._scaled[f"{name}.{i}" if name else str(i)] = module
-            for i, module in enumerate(_banked(loss)):
-                self._banks[f"{name}.{i}" if name else str(i)] = module.negative_bank  # type: ignore[assignment]
+            for i, bank in enumerate(_banked(loss)):
+                self._banks[f"{name}.{i}" if name else str(i)] = bank
 
     def _active_banks(self) -> dict[str, NegativeBank]:
         """The banks in use (a loss's ``negative_bank_size`` may be set after the callback was built)."""
         return {key: bank for key, bank in self._banks.items() if bank.size}
 
     def bank_state_dict(self) -> dict[str, Any]:
-        """This process's share of every negative bank in use (see [`NegativeBank.state_dict`][st_cached_losses.losses.negative_bank.NegativeBank.state_dict])."""
-        return {key: bank.state_dict() for key, bank in self._active_banks().items()}
+        """This process's share of every negative bank in use, each its loss's state (see
+        [`NegativeBank.get_extra_state`][st_cached_losses.losses.negative_bank.NegativeBank.get_extra_state])."""
+        return {key: bank.get_extra_state() for key, bank in self._active_banks().items()}
 
     def load_bank_state_dict(self, state: dict[str, Any]) -> None:
         """Restore [`bank_state_dict`][st_cached_losses.losses.callbacks.LossStateCallback.bank_state_dict]'s banks (a bank it lacks restarts empty, with a warning)."""
         missing = []
         for key, bank in self._active_banks().items():
             if key in state:
-                bank.load_state_dict(state[key])
+                bank.set_extra_state(state[key])
             else:
                 missing.append(key)
         if missing:
@@ -330,5 +333,5 @@ def warn_if_scale_unsaved(loss: nn.Module) -> None:
         "callbacks=[LossStateCallback(loss)] (from st_cached_losses; the same loss, list or dict of losses as "
         "its loss=). In a training loop of your own, save and load loss.state_dict() with your checkpoints.",
         UserWarning,
-        stacklevel=6,  # past this function, the loss's step hook, its forward and nn.Module's call machinery
+        stacklevel=user_stacklevel(),  # past the library's frames: the user's line
     )

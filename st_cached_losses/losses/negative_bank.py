@@ -22,16 +22,20 @@ The rules, stated once:
 * Embeddings of another width (``MatryoshkaLoss`` calling the loss at several dimensions) each have a bank
   of their own, aged together.
 
-[`LossStateCallback`][st_cached_losses.losses.callbacks.LossStateCallback] saves the bank with each
-checkpoint (one file per process), restores it on ``resume_from_checkpoint`` and logs its size and age."""
+The bank is a submodule of its loss (``loss.negative_bank``) whose state is its extra state
+(``get_extra_state``): ``loss.state_dict()`` holds it (``negative_bank._extra_state``), and a state dict saved
+before it was there loads with the bank as it is.
+[`LossStateCallback`][st_cached_losses.losses.callbacks.LossStateCallback] reads it from there and saves each
+process's share with each checkpoint (one file per process), restores it on ``resume_from_checkpoint`` and
+logs its size and age."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from st_cached_losses.functional.options import Bank
 
@@ -55,8 +59,7 @@ class _Entries:
         self.added = torch.cat([self.added, added.to(self.added.device)])[-size:]
 
 
-@dataclass
-class NegativeBank:
+class NegativeBank(nn.Module):
     """One process's negative bank of a loss (see the module's rules).
 
     Args:
@@ -65,11 +68,12 @@ class NegativeBank:
         max_age: steps an entry may age before it is dropped; None: only ``size`` decides.
     """
 
-    size: int = 0
-    max_age: int | None = None
-    #: training steps begun (the age's clock)
-    step: int = 0
-    _banks: dict[tuple[str, int], _Entries] = field(default_factory=dict)
+    def __init__(self, size: int = 0, max_age: int | None = None) -> None:
+        super().__init__()
+        self.size, self.max_age = size, max_age
+        #: training steps begun (the age's clock)
+        self.step = 0
+        self._banks: dict[tuple[str, int], _Entries] = {}
 
     def begin_step(self) -> None:
         """A training step begins: the clock advances and entries past ``max_age`` are dropped."""
@@ -141,8 +145,9 @@ class NegativeBank:
             "negative_bank_oldest": float(ages.max()),
         }
 
-    def state_dict(self) -> dict[str, Any]:
-        """The clock and every entry, on the CPU (what a checkpoint holds of this process's bank)."""
+    def get_extra_state(self) -> dict[str, Any]:
+        """The clock and every entry, on the CPU (what a checkpoint holds of this process's bank, and what
+        ``loss.state_dict()`` holds of it)."""
         return {
             "step": self.step,
             "entries": {
@@ -151,15 +156,22 @@ class NegativeBank:
             },
         }
 
-    def load_state_dict(self, state: dict[str, Any], device: torch.device | str | None = None) -> None:
-        """Restore a [`state_dict`][st_cached_losses.losses.negative_bank.NegativeBank.state_dict] (onto
-        ``device``, default the CPU: moved to the embeddings' device when read); the current limits
-        apply to it."""
+    def set_extra_state(self, state: Any) -> None:
+        """Restore a [`get_extra_state`][st_cached_losses.losses.negative_bank.NegativeBank.get_extra_state]
+        (onto the CPU: moved to the embeddings' device when read); the current limits apply to it."""
         self.step = int(state["step"])
         self._banks = {}
         for key, e in state["entries"].items():
             kind, d = key.rsplit("/", 1)
-            self._banks[kind, int(d)] = _Entries(
-                e["rows"].to(device or "cpu"), e["added"].to(device or "cpu")
-            )
+            self._banks[kind, int(d)] = _Entries(e["rows"].to("cpu"), e["added"].to("cpu"))
         self.resize(self.size, self.max_age)
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        # a loss's state dict saved before its bank was part of it (or without one) loads: the bank as it is
+        state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, max_age={self.max_age}"

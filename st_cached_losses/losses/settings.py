@@ -1,113 +1,241 @@
-"""The losses' settings: one spec per setting (its default, its one check and wording, whether the model
-card's config lists it), the [`Setting`][st_cached_losses.losses.settings.Setting] descriptor that checks a plain setting on every
-assignment, and the checks of the settings that go together (``directions`` with ``partition_mode``, the
-hardness options) or need sentence-transformers' objects (the similarity function).
+"""A loss's settings: one frozen object per loss, checked as a whole when it is built and when it is replaced.
 
-Every loss setting that is a field of the arguments has a spec here. The losses check their arguments
-with these specs' checks (constructor and every assignment), the plain settings are [`Setting`][st_cached_losses.losses.settings.Setting]
-descriptors built from them, ``get_config_dict`` lists the extras from them, and the configuration layer
-builds each field from its spec's default, with its help text written on the field's line
-(``config/training_args.py``: the command line's words live with the configuration, not here), and checks
-it with the spec's check, refusing it for a loss whose signature lacks it (``tests/config/test_fields.py``
-holds that every constructor argument of every loss is a field, or on [`NOT_FIELDS`][st_cached_losses.config.registry.NOT_FIELDS] with the reason).
-Adding a setting is one entry here, its field line with its help (the annotation the parser reads) and its
-parameter in the signatures, and its use.
+A loss's settings class is a frozen dataclass of [`Settings`][st_cached_losses.losses.settings.Settings]: one
+field per constructor argument, declared with [`setting`][st_cached_losses.losses.settings.setting] (its
+default, its meaning in one sentence, the check of its one value, and whether the model card's config lists
+it), plus the checks of the settings that go together (``validate``), run on the whole object every time one
+is made. A loss never changes its settings object: assigning ``loss.scale = 10.0`` builds a new one
+(``settings.replace(scale=10.0)``), checked as a whole, so no check depends on the order of assignment;
+``loss.update_settings(a=..., b=...)`` changes several at once.
+
+A name means one thing across the family; shared settings are declared once, in the group classes every loss
+composes: [`EngineSettings`][st_cached_losses.losses.settings.EngineSettings] (the encoder's mini-batches and
+the engine's knobs) and [`LossStageSettings`][st_cached_losses.losses.settings.LossStageSettings] (the loss
+stage's plan), here; the InfoNCE options in [`ranking`][st_cached_losses.losses.ranking]; a loss's own in its
+module. A loss with another default for a shared setting redeclares it with
+[`redefault`][st_cached_losses.losses.settings.redefault] (same meaning and check). The configuration layer reads
+these declarations: the arguments' fields, their ``--help`` and their checks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
-import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar, overload
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
-from torch import Tensor
 
-from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size, memory_bytes
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, Similarity, scale_value
+from st_cached_losses.engine.checks import (
+    check_auto_budget,
+    check_mini_batch_num_tokens,
+    check_mini_batch_size,
+    memory_bytes,
+)
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
 from st_cached_losses.functional.checks import check_path, check_positive_int
 
-logger = logging.getLogger(__name__)
-
 __all__ = [
-    "ONE_DIRECTION",
-    "SPECS",
-    "TWO_DIRECTIONS",
-    "VALID_DIRECTIONS",
-    "VALID_HARDNESS_MODES",
-    "VALID_PARTITION_MODES",
-    "ConfigTuple",
-    "Setting",
-    "Spec",
+    "ConfigMode",
+    "EngineSettings",
+    "LossStageSettings",
+    "Settings",
     "check_bool",
-    "check_directions",
-    "check_hardness",
-    "check_in_batch_negatives",
-    "check_infonce_weight",
+    "check_finite",
     "check_max_scale",
-    "check_negative_bank",
     "check_nonnegative",
-    "check_own_candidates",
-    "check_temperature",
+    "check_positive_number",
+    "check_scale",
     "closest_name_hint",
-    "is_symmetric",
-    "resolve_similarity",
-    "similarity_name",
+    "optional_budget",
+    "redefault",
+    "setting",
+    "view",
 ]
 
-T = TypeVar("T")
+S = TypeVar("S", bound="Settings")
+
+#: whether the model card's config lists a setting: ``"always"`` (sentence-transformers' keys), ``"changed"``
+#: (our extras, where they differ from the loss's default), ``"never"`` (speed and memory only)
+ConfigMode = Literal["always", "changed", "never"]
 
 
-def check_bool(name: str, value: object) -> bool:
+def setting(
+    default: Any = dataclasses.MISSING,
+    *,
+    doc: str,
+    check: Callable[[str, Any], Any] | None = None,
+    config: ConfigMode = "changed",
+    module: bool = False,
+) -> Any:
+    """A setting's declaration, as a dataclass field of a settings class.
+
+    Args:
+        default: the loss's default (the constructor's, in the form it takes).
+        doc: what the setting means, in one or two sentences: the arguments' ``--help`` and the configuration
+            page read it.
+        check: ``check(name, value) -> value kept`` of the value alone (raises a ``ValueError`` naming the
+            setting); the checks of settings that go together are the class's ``validate``.
+        config: whether ``get_config_dict()`` lists it ([`ConfigMode`][st_cached_losses.losses.settings.ConfigMode]).
+        module: the value is a module (or None) that the loss registers as its submodule of the same name
+            (its parameters trained and moved with the loss's, as sentence-transformers registers theirs).
+    """
+    return dataclasses.field(
+        default=default, metadata={"doc": doc, "check": check, "config": config, "module": module}
+    )
+
+
+def redefault(group: type[Settings], name: str, default: Any) -> Any:
+    """The setting ``name`` of ``group`` (its meaning, check and config mode) with another default: a loss
+    whose default differs from the family's (the multi-vector loss's ``scale`` of 1.0)."""
+    return dataclasses.field(default=default, metadata=group.__dataclass_fields__[name].metadata)
+
+
+class view:
+    """A setting that is a view of others (``temperature`` of ``scale``, ``symmetric`` of ``directions`` and
+    ``partition_mode``): read through its getter; assigning it assigns what ``changes(settings, value)``
+    returns (a dict of fields). Not a field: the settings object keeps nothing for it, and its config never
+    lists it."""
+
+    def __init__(self, fget: Callable[[Any], Any]) -> None:
+        self.fget = fget
+        self.fchanges: Callable[[Any, Any], dict[str, Any]] | None = None
+        self.__doc__ = fget.__doc__
+        self.name = fget.__name__
+
+    def changes(self, fchanges: Callable[[Any, Any], dict[str, Any]]) -> view:
+        """Declare what an assignment of the view changes."""
+        self.fchanges = fchanges
+        return self
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else self.fget(obj)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """The base of every loss's settings: checks each field by its own check, then the whole object
+    (``validate``), whenever one is made; [`replace`][st_cached_losses.losses.settings.Settings.replace] makes
+    another, checked again."""
+
+    #: the loss that owns these settings, named in the checks' messages
+    owner: ClassVar[str] = "the loss"
+    #: fields the loss sets itself, which its constructor (and the arguments, for it) does not take
+    not_arguments: ClassVar[frozenset[str]] = frozenset()
+    #: views its constructor takes as arguments (the tiled loss's ``symmetric``)
+    view_arguments: ClassVar[frozenset[str]] = frozenset()
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            check = f.metadata.get("check")
+            if check is None:
+                continue
+            value = check(f.name, getattr(self, f.name))
+            object.__setattr__(self, f.name, value)
+            if hasattr(check, "resolve"):  # a similarity: resolved once, kept with the settings
+                self.__dict__[f"_resolved_{f.name}"] = check.resolve(value)
+        self.validate()
+
+    def resolved(self, name: str) -> Any:
+        """What the setting ``name`` (a similarity, kept as given) resolved to when these settings were made."""
+        return self.__dict__[f"_resolved_{name}"]
+
+    def validate(self) -> None:
+        """The checks of settings that go together (each group calls ``super().validate()``)."""
+
+    # ------------------------------------------------------------------ names, views, replacing
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        """The settings' fields, in declaration order."""
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def views(cls) -> dict[str, view]:
+        """The settings that are views of others, by name."""
+        return {v.name: v for c in reversed(cls.__mro__) for v in vars(c).values() if isinstance(v, view)}
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every setting a loss of these settings has: its fields and its views."""
+        return (*cls.field_names(), *(n for n in cls.views() if n not in cls.field_names()))
+
+    @classmethod
+    def declaration(cls, name: str) -> dataclasses.Field[Any]:
+        """The field declaring ``name`` (its default, and in ``metadata`` its doc, check and config mode)."""
+        return cls.__dataclass_fields__[name]
+
+    @classmethod
+    def default(cls, name: str) -> Any:
+        """The default of the field ``name``."""
+        return cls.declaration(name).default
+
+    def replace(self: S, **changes: Any) -> S:
+        """A new settings object with ``changes`` (fields or views), checked as a whole."""
+        views = type(self).views()
+        resolved: dict[str, Any] = {}
+        for name, value in changes.items():
+            if name in views and name not in type(self).field_names():
+                fchanges = views[name].fchanges
+                if fchanges is None:
+                    raise AttributeError(f"{self.owner}.{name} is read-only.")
+                resolved.update(fchanges(self, value))
+            else:
+                resolved[name] = value
+        return dataclasses.replace(self, **resolved)
+
+    # ------------------------------------------------------------------ the model card's config
+
+    def changed(self, names: Sequence[str] | None = None) -> dict[str, Any]:
+        """The fields among ``names`` (default: every ``"changed"`` field) whose value differs from their
+        default, as they are (a form the constructor takes)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            if (names is None and f.metadata.get("config") != "changed") or (
+                names is not None and f.name not in names
+            ):
+                continue
+            value = getattr(self, f.name)
+            if value != f.default:
+                out[f.name] = value
+        return out
+
+    def citations(self) -> tuple[str, ...]:
+        """BibTeX entries of the options in use, added to the loss's own."""
+        return ()
+
+    def config(self) -> dict[str, Any]:
+        """The loss's ``get_config_dict()``: the ``"always"`` fields, then the changed ones (a loss's settings
+        class writes sentence-transformers' forms where theirs differ)."""
+        always = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("config") == "always"}
+        return {**always, **self.changed()}
+
+
+# ---------------------------------------------------------------------- values' checks
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """True or False (not 0 / 1)."""
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False, got {value!r}.")
     return value
-
-
-def check_max_scale(max_scale: float, scale: float) -> None:
-    """A learnable scale's clamp is at least the scale."""
-    if max_scale < scale:
-        raise ValueError(
-            f"max_scale must be >= scale with learnable_scale, got max_scale={max_scale!r} and scale={scale!r}."
-        )
-
-
-def check_negative_bank(
-    negative_bank_size: int, mask_duplicates: bool, in_batch_negatives: bool = True
-) -> None:
-    """A negative bank keeps embeddings, not the inputs ``mask_duplicates`` compares: not both; and it adds
-    other steps' rows as negatives, which a loss without in-batch negatives has no place for."""
-    if negative_bank_size and not in_batch_negatives:
-        raise ValueError(
-            "negative_bank_size and in_batch_negatives=False cannot be used together: the bank adds other steps' "
-            "rows as negatives, and the loss without in-batch negatives scores each row against its own candidates "
-            "only. Set negative_bank_size=0 or in_batch_negatives=True."
-        )
-    if negative_bank_size and mask_duplicates:
-        raise ValueError(
-            "negative_bank_size and mask_duplicates cannot be used together: the negative bank keeps embeddings, "
-            "not the inputs mask_duplicates compares, so its duplicates could not be masked. Set "
-            "negative_bank_size=0 or mask_duplicates=False."
-        )
-
-
-def _budget(name: str, value: Any, optional: bool = False) -> int | None:
-    """A memory budget in bytes ([`memory_bytes`][st_cached_losses.engine.checks.memory_bytes]'s forms), or None where ``optional``."""
-    if value is None and not optional:
-        raise ValueError(f"{name} must be a positive integer (bytes) or a size such as '64MiB', got None.")
-    return memory_bytes(value, name)
 
 
 def _finite_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
 
 
-def _positive_number(name: str, value: Any) -> float:
+def check_finite(name: str, value: Any) -> float:
+    """A finite number, as a float."""
+    if not _finite_number(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
+    return float(value)
+
+
+def check_positive_number(name: str, value: Any) -> float:
+    """A finite number > 0, as a float."""
     if not (_finite_number(value) and value > 0):
         raise ValueError(f"{name} must be a finite positive number, got {value!r}; e.g. 100.0.")
     return float(value)
@@ -125,283 +253,40 @@ def check_nonnegative(name: str, value: Any, *, optional: bool = True, example: 
     return float(value)
 
 
-#: a FLOPS threshold's check
-_THRESHOLD = functools.partial(check_nonnegative, example="100 (non-zero entries)")
-
-
-def check_temperature(name: str, value: Any) -> Any:
-    """A distillation loss's softmax temperature: positive and finite (sentence-transformers' rule and words);
-    None where it follows ``temperature`` (the student's and the teacher's)."""
-    if value is None and name != "temperature":
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{name} must be a positive finite number, got {value}.")
-    return float(value)
-
-
-def check_infonce_weight(name: str, value: Any) -> float:
-    """The weight of a distillation loss's in-batch InfoNCE term: a finite number >= 0 (0: the distillation
-    loss alone)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
-        raise ValueError(
-            f"{name} must be a finite number >= 0 (0: no in-batch InfoNCE term), got {value!r}; e.g. 0.1."
-        )
-    return float(value)
-
-
-def _scale(name: str, value: Any) -> float:
+def check_scale(name: str, value: Any) -> float:
+    """A scale or a temperature (its inverse): finite and positive, sentence-transformers' words."""
     return scale_value(value, name)
 
 
-def _kept(check: Callable[[Any], None]) -> Callable[[str, Any], Any]:
-    """An engine check of one value (it names the setting itself) as a spec's check: the value is kept."""
-    return lambda name, value: check(value) or value  # type: ignore[func-returns-value]
-
-
-def _margin_strategy(name: str, value: Any) -> str:
-    if value not in ("absolute", "relative"):
-        raise ValueError(f"{name} must be 'absolute' or 'relative', got {value!r}.")
-    return str(value)
-
-
-def _finite(name: str, value: Any) -> float:
-    if not _finite_number(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r}.")
-    return float(value)
-
-
-def _num_negatives(name: str, value: Any) -> int | None:
-    """A positive number of in-batch negatives, or None / ``"all"``: every one there is."""
-    if value is None or value == "all":
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, or 'all' (None in Python), got {value!r}.")
-    return value
-
-
-def _bank_size(name: str, value: Any) -> int:
-    """A number of entries, 0 (none) or more."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an integer >= 0 (0: no negative bank), got {value!r}; e.g. 256.")
-    return value
-
-
-def _bank_max_age(name: str, value: Any) -> int | None:
-    """A positive number of steps, or None: no limit."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+def check_max_scale(max_scale: float, scale: float) -> None:
+    """A learnable scale's clamp is at least the scale."""
+    if max_scale < scale:
         raise ValueError(
-            f"{name} must be a positive integer (steps) or None (no limit), got {value!r}; e.g. 4."
+            f"max_scale must be >= scale with learnable_scale, got max_scale={max_scale!r} and scale={scale!r}."
         )
+
+
+def optional_budget(name: str, value: Any) -> int | None:
+    """A memory budget in bytes ([`memory_bytes`][st_cached_losses.engine.checks.memory_bytes]'s forms), or None."""
+    return memory_bytes(value, name)
+
+
+def _budget(name: str, value: Any) -> int:
+    if value is None:
+        raise ValueError(f"{name} must be a positive integer (bytes) or a size such as '64MiB', got None.")
+    out = memory_bytes(value, name)
+    assert out is not None
+    return out
+
+
+def _mini_batch_size(name: str, value: Any) -> int | str:
+    check_mini_batch_size(value)
     return value
 
 
-def _unchecked(name: str, value: Any) -> Any:
-    """For the settings checked together with another (``directions`` with ``partition_mode``:
-    [`check_directions`][st_cached_losses.losses.settings.check_directions]; ``hardness_mode`` with ``hardness_strength``: [`check_hardness`][st_cached_losses.losses.settings.check_hardness]) or by the
-    loss that takes them (``similarity_fct``, ``guide``)."""
+def _mini_batch_num_tokens(name: str, value: Any) -> int | str | None:
+    check_mini_batch_num_tokens(value)
     return value
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A loss setting. ``default``: every loss's (None where the losses differ: each its signature's, and
-    the field's None means the loss's own); ``check(name, value)`` returns the value the loss keeps or raises
-    a ``ValueError`` naming the setting; ``config``: ``"changed"`` lists it in ``get_config_dict`` when it
-    differs from the default, ``"never"`` for settings that never change the result (speed and memory only), ``"own"`` where
-    the loss writes it itself (sentence-transformers' keys and the settings that go together)."""
-
-    default: Any
-    check: Callable[[str, Any], Any] = _unchecked
-    config: Literal["own", "changed", "never"] = "own"
-
-
-SPECS: dict[str, Spec] = {
-    "scale": Spec(None, _scale),
-    "temperature": Spec(None, _scale),
-    "learnable_scale": Spec(False, check_bool),
-    "max_scale": Spec(100.0, _positive_number),
-    "similarity_fct": Spec(None),
-    "mini_batch_size": Spec(32, _kept(check_mini_batch_size)),
-    "mini_batch_num_tokens": Spec(None, _kept(check_mini_batch_num_tokens)),
-    "symmetric": Spec(None, check_bool),
-    "directions": Spec(None),
-    "partition_mode": Spec(None),
-    "hardness_mode": Spec(None),
-    "hardness_strength": Spec(0.0),
-    "guide": Spec(None),
-    "margin_strategy": Spec("absolute", _margin_strategy),
-    "margin": Spec(0.0, _finite),
-    "contrast_anchors": Spec(True, check_bool),
-    "contrast_positives": Spec(True, check_bool),
-    "document_regularizer_weight": Spec(None, check_nonnegative),
-    "query_regularizer_weight": Spec(None, check_nonnegative),
-    "document_regularizer_threshold": Spec(None, _THRESHOLD),
-    "query_regularizer_threshold": Spec(None, _THRESHOLD),
-    "use_document_regularizer_only": Spec(False, check_bool),
-    "score_mini_batch_size": Spec(None, check_positive_int),
-    "num_negatives": Spec(4, _num_negatives),
-    "gather_across_devices": Spec(False, check_bool),
-    "in_batch_negatives": Spec(True, check_bool, "changed"),
-    "mask_duplicates": Spec(False, check_bool, "changed"),
-    "negative_bank_size": Spec(0, _bank_size, "changed"),
-    "negative_bank_max_age": Spec(None, _bank_max_age, "changed"),
-    "show_progress_bar": Spec(False, check_bool, "never"),
-    "sort_by_length": Spec(True, check_bool, "never"),
-    "reuse_last_graph": Spec(True, check_bool, "never"),
-    "keep_params_unsharded": Spec(False, check_bool, "never"),
-    "path": Spec("auto", check_path, "never"),
-    "tile_size": Spec(None, check_positive_int, "changed"),
-    "memory_budget": Spec(DEFAULT_MEMORY_BUDGET, _budget, "never"),
-    "graph_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
-    "mini_batch_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
-    "student_temperature": Spec(None, check_temperature),
-    "teacher_temperature": Spec(None, check_temperature),
-    "infonce_weight": Spec(0.0, check_infonce_weight),
-    "infonce_scale": Spec(None, lambda name, value: None if value is None else scale_value(value, name)),
-}
-
-_MISSING: Any = object()
-
-
-def _argument_text(owner: type, name: str) -> str | None:
-    """The text of argument ``name`` in the Args section of ``owner``'s constructor docstring, if it has one."""
-    init = owner.__dict__.get("__init__")
-    lines = ((init.__doc__ or "") if init is not None else "").splitlines()
-    for i, line in enumerate(lines):
-        if line.strip().startswith(f"{name}:"):
-            indent = len(line) - len(line.lstrip())
-            text = [line.strip()[len(name) + 1 :].strip()]
-            for more in lines[i + 1 :]:
-                if not more.strip() or len(more) - len(more.lstrip()) <= indent:
-                    break
-                text.append(more.strip())
-            return " ".join(text)
-    return None
-
-
-class Setting(Generic[T]):
-    """A loss setting as a descriptor, the one way a loss declares a setting: read back as kept, checked on
-    every assignment (the constructor's included) by its [`Spec`][st_cached_losses.losses.settings.Spec] (or by ``check``, a spec's check, for
-    a loss's own setting without a spec), then by ``validate`` where the check needs the loss (the other
-    settings it goes with), and followed by ``after`` where a change must reset or rebuild something.
-
-    Args:
-        on_engine: kept on the loss's GradCache engine (``loss.cache.<name>``), for the engine's own settings;
-            the engine's configuration is frozen, so a change builds the loss a new engine with it
-            (``dataclasses.replace``: the run state, ``cache.auto``, goes along).
-        check: ``check(name, value) -> kept value``; default the spec's.
-        validate: ``validate(loss, value) -> kept value``, after ``check``: a check that reads the loss.
-        target: ``target(loss, name) -> holder``: the object that keeps the value as its attribute ``attr``
-            (default the setting's name), e.g. the sparse loss's base loss, read there at every step; a
-            holder of None reads as None and keeps nothing (``validate`` refuses any other value then).
-        attr: the holder's attribute (with ``target``).
-        after: ``after(loss, old, new)``, called after every assignment (``old``: the value before, the
-            spec's default at the first), to reset or rebuild what depends on the setting; if it raises,
-            the old value is restored.
-        none_reads_as: the name of another setting that a value of None reads as (a default that follows it).
-        fixed: a reason: the value is set at construction and then refused with this reason if it changes
-            (a setting kept on the loss).
-        view: ``view(loss) -> value``: a setting that is a view of others (``temperature`` of ``scale``,
-            ``symmetric`` of ``directions`` and ``partition_mode``) or of state the loss keeps elsewhere (a
-            learned scale): it is read through ``view`` and keeps nothing itself; an assignment is checked
-            (``check``, ``validate``) and then made by ``after``, which writes what the view reads.
-    """
-
-    def __init__(
-        self,
-        *,
-        on_engine: bool = False,
-        check: Callable[[str, Any], T] | None = None,
-        validate: Callable[[Any, Any], Any] | None = None,
-        target: Callable[[Any, str], Any] | None = None,
-        attr: str | None = None,
-        after: Callable[[Any, Any, Any], None] | None = None,
-        none_reads_as: str | None = None,
-        fixed: str | None = None,
-        view: Callable[[Any], Any] | None = None,
-    ) -> None:
-        self.on_engine, self.check, self.validate, self.target = on_engine, check, validate, target
-        self.after, self.none_reads_as, self.fixed, self.view = after, none_reads_as, fixed, view
-        self.name = self.attr = attr or ""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name = name
-        self.attr = self.attr or name
-        self.check = self.check or SPECS[name].check
-        # what the API reference shows for the attribute (not the descriptor class's Args)
-        self.__doc__ = (
-            _argument_text(owner, name) or f"The loss setting `{name}`, read and assigned between steps."
-        )
-
-    def __repr__(self) -> str:  # as the API reference shows the class attribute
-        return f"Setting({self.name!r})"
-
-    def _holder(self, obj: Any) -> Any:
-        if self.target is not None:
-            return self.target(obj, self.name)
-        return obj.cache if self.on_engine else None
-
-    def _read(self, obj: Any) -> Any:
-        if self.view is not None:
-            return self.view(obj)
-        holder = self._holder(obj)
-        if holder is None and (self.target is not None):
-            return None
-        if holder is None:  # not set yet: the spec's default
-            default = SPECS[self.name].default if self.name in SPECS else _MISSING
-            return obj.__dict__.get("_" + self.name, default)
-        return getattr(holder, self.attr, None) if self.target is not None else getattr(holder, self.attr)
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> Setting[T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> T: ...
-    def __get__(self, obj: object | None, owner: type | None = None) -> Setting[T] | T:
-        if obj is None:
-            return self
-        value = self._read(obj)
-        if value is _MISSING:
-            raise AttributeError(f"{type(obj).__name__}.{self.name} is not set yet.")
-        if value is None and self.none_reads_as is not None:
-            return getattr(obj, self.none_reads_as)
-        return value
-
-    def __set__(self, obj: object, value: Any) -> None:  # the check turns it into a T (e.g. '2GB')
-        assert self.check is not None  # set by __set_name__
-        value = self.check(self.name, value)
-        if self.validate is not None:
-            value = self.validate(obj, value)
-        old = self._read(obj)
-        if self.fixed is not None and "_" + self.name in vars(obj) and value != old:
-            raise ValueError(
-                f"{type(obj).__name__}.{self.name} is {old!r} and cannot be changed: {self.fixed}"
-            )
-        self._write(obj, value)
-        if self.after is not None:
-            try:
-                self.after(obj, old, value)
-            except BaseException:
-                self._write(obj, old)
-                raise
-
-    def _write(self, obj: Any, value: Any) -> None:
-        if self.view is not None:
-            return  # a view keeps nothing: its after hook writes what it reads
-        holder = self._holder(obj)
-        if holder is None and self.target is not None:
-            return  # nothing keeps it (validate allowed only None)
-        if holder is None:
-            if value is _MISSING:
-                obj.__dict__.pop("_" + self.name, None)
-            else:
-                obj.__dict__["_" + self.name] = value
-        elif self.on_engine:  # the engine's configuration is frozen: a changed setting is a new engine
-            if value is not _MISSING and getattr(holder, self.attr) != value:
-                obj.cache = dataclasses.replace(holder, **{self.attr: value})
-        elif value is not _MISSING:
-            setattr(holder, self.attr, value)
 
 
 def closest_name_hint(word: str, choices: Sequence[str]) -> str:
@@ -410,177 +295,130 @@ def closest_name_hint(word: str, choices: Sequence[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
-_SIMILARITY_ALIASES = {
-    **dict.fromkeys(("cosine", "cos_sim", "cos"), "cosine"),
-    **dict.fromkeys(("dot", "dot_score", "dot_product"), "dot"),
-}
+# ---------------------------------------------------------------------- the engine's and the loss stage's
 
 
-def resolve_similarity(similarity_fct: Callable[..., Tensor] | str) -> Similarity:
-    """Map sentence-transformers' ``cos_sim`` / ``dot_score`` (or "cosine" / "dot") to the core's GEMM
-    scores; any other function ``f(a, b) -> (len(a), len(b))`` (``util.euclidean_sim``,
-    ``util.manhattan_sim``, a user's) is scored exactly tile by tile through autograd (slower).
+@dataclass(frozen=True, kw_only=True)
+class EngineSettings(Settings):
+    """The encoder's mini-batches and the engine's knobs (how it runs them; none changes the result): every
+    cached loss's, declared here once. A loss takes the knobs as keyword-only arguments (``**engine``); a
+    change of one builds the loss a new engine (its configuration is frozen), keeping its run state."""
 
-    A ``functools.partial`` of cos_sim / dot_score with nothing bound counts as the function.
-    """
-    if isinstance(similarity_fct, str):
-        if similarity_fct.lower() in _SIMILARITY_ALIASES:
-            return _SIMILARITY_ALIASES[similarity_fct.lower()]  # type: ignore[return-value]
-        raise ValueError(
-            f"similarity_fct={similarity_fct!r} is not a similarity name: pass 'cosine', 'dot' or a function such "
-            "as sentence_transformers.util.cos_sim, dot_score, euclidean_sim or manhattan_sim."
-        )
-    if not callable(similarity_fct):
-        raise ValueError(
-            f"similarity_fct must be a function f(a, b) -> (len(a), len(b)) scores or a name, got {similarity_fct!r}."
-        )
-    from sentence_transformers.util import cos_sim, dot_score
+    mini_batch_size: int | str = setting(
+        32,
+        doc="Rows per encoder forward (GradCache's chunk): sets the memory, never the result. Smaller than the "
+        "batch to save memory; caching is off only when the whole batch, all its columns' rows together, fits "
+        "in one mini-batch. 'auto': the largest that fits mini_batch_memory_budget, measured at the first "
+        "step and logged.",
+        check=_mini_batch_size,
+        config="always",
+    )
+    mini_batch_num_tokens: int | str | None = setting(
+        None,
+        doc="A budget of real (non-padding) tokens per encoder mini-batch instead of a fixed row count, as in "
+        "sentence-transformers: rows are packed longest first while their token count stays within it (a longer "
+        "row alone), so long texts get smaller mini-batches; mini_batch_size is then not used. 'auto': the "
+        "largest budget that fits mini_batch_memory_budget.",
+        check=_mini_batch_num_tokens,
+        config="always",
+    )
+    show_progress_bar: bool = setting(
+        False,
+        doc="Show tqdm bars over the loss's encoder mini-batches (both passes).",
+        check=check_bool,
+        config="never",
+    )
+    sort_by_length: bool = setting(
+        True,
+        doc="Embed each column's rows longest first (less padding in a mini-batch); never changes the result.",
+        check=check_bool,
+        config="never",
+    )
+    reuse_last_graph: bool = setting(
+        True,
+        doc="Keep the last encoder mini-batch's graph from the first pass instead of replaying it; never "
+        "changes the result.",
+        check=check_bool,
+        config="never",
+    )
+    keep_params_unsharded: bool = setting(
+        False,
+        doc="Under FSDP2: gather every parameter group once per step and keep it until the last replay (one "
+        "all-gather and one reduce-scatter per group per step), for the memory of the full parameters; nothing "
+        "for other wrappers.",
+        check=check_bool,
+        config="never",
+    )
+    graph_memory_budget: int | None = setting(
+        None,
+        doc="Bytes (or a size such as '6GB') of first-pass encoder graphs to keep instead of replaying their "
+        "mini-batches, the largest first; the same gradients, fewer forwards. None: replay all but the last.",
+        check=optional_budget,
+        config="never",
+    )
+    mini_batch_memory_budget: int | None = setting(
+        None,
+        doc="With mini_batch_size='auto' (or mini_batch_num_tokens='auto'): the activation memory one encoder "
+        "mini-batch may take, in bytes or a size such as '2GB' (on CUDA by default half the free memory).",
+        check=optional_budget,
+        config="never",
+    )
 
-    fn = similarity_fct
-    if isinstance(fn, functools.partial) and not fn.args and not fn.keywords:
-        fn = fn.func  # a bare partial(cos_sim) is cos_sim
-    if fn is cos_sim:
-        return "cosine"
-    if fn is dot_score:
-        return "dot"
-    # tried once on tiny inputs, so that a function of another shape fails here and not mid-training
-    try:
-        scores = similarity_fct(torch.randn(2, 3), torch.randn(4, 3))
-    except Exception as exc:
-        raise ValueError(
-            f"similarity_fct={similarity_fct!r} failed on a (2, 3) and a (4, 3) tensor ({exc}); it must map "
-            "embeddings a (n, d) and b (m, d) to an (n, m) similarity matrix, like sentence_transformers.util.cos_sim."
-        ) from exc
-    if not isinstance(scores, Tensor) or scores.shape != (2, 4):
-        got = tuple(scores.shape) if isinstance(scores, Tensor) else type(scores).__name__
-        raise ValueError(
-            f"similarity_fct={similarity_fct!r} must map embeddings a (n, d) and b (m, d) to an (n, m) similarity "
-            f"matrix, like sentence_transformers.util.cos_sim; on (2, 3) and (4, 3) it returned {got}."
-        )
-    return similarity_fct
+    #: the fields kept on the engine (``loss.cache``), by their name there
+    engine_fields: ClassVar[tuple[str, ...]] = (
+        "mini_batch_size",
+        "mini_batch_num_tokens",
+        "show_progress_bar",
+        "sort_by_length",
+        "reuse_last_graph",
+        "keep_params_unsharded",
+        "graph_memory_budget",
+        "mini_batch_memory_budget",
+    )
 
-
-def similarity_name(similarity: Similarity) -> str:
-    """The config's name of a similarity (sentence-transformers writes the function's ``__name__``)."""
-    if isinstance(similarity, str):
-        return {"cosine": "cos_sim", "dot": "dot_score"}[similarity]
-    return getattr(similarity, "__name__", type(similarity).__name__)
-
-
-#: the values sentence-transformers' MultipleNegativesRankingLoss accepts for these options
-VALID_DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
-VALID_PARTITION_MODES = ("joint", "per_direction")
-VALID_HARDNESS_MODES = (None, "in_batch_negatives", "hard_negatives", "all_negatives")
-ONE_DIRECTION = ("query_to_doc",)
-TWO_DIRECTIONS = ("query_to_doc", "doc_to_query")
-
-
-class ConfigTuple(tuple[str, ...]):
-    """A tuple in a loss's config (``directions``, a tuple as in sentence-transformers' config) that also
-    equals the list a JSON round trip makes of it, so a config read back from a model card compares equal."""
-
-    def __eq__(self, other: object) -> bool:
-        return list(self) == other if isinstance(other, list) else tuple.__eq__(self, other)
-
-    def __ne__(self, other: object) -> bool:
-        return not self == other
-
-    __hash__ = tuple.__hash__
-
-
-def is_symmetric(loss: Any) -> bool:
-    """Whether ``loss`` has the CLIP pair of directions (``query_to_doc`` and ``doc_to_query``, per
-    direction): what its ``symmetric`` setting reads (a view of ``directions`` and ``partition_mode``)."""
-    return set(loss.directions) == set(TWO_DIRECTIONS) and loss.partition_mode == "per_direction"
-
-
-def check_directions(directions: Sequence[str], partition_mode: str, owner: str) -> tuple[str, ...]:
-    """sentence-transformers' checks of ``directions`` and ``partition_mode`` (same rules and messages, plus
-    the fix); every valid combination is computed."""
-    if isinstance(directions, str) or not isinstance(directions, Sequence):
-        raise ValueError(
-            f"{owner}: directions must be a tuple of direction names, e.g. ('query_to_doc',), got {directions!r}."
-        )
-    directions = tuple(directions)
-    if not directions:
-        raise ValueError("At least one direction must be specified.")
-    unknown = [d for d in directions if d not in VALID_DIRECTIONS]
-    if unknown:
-        raise ValueError(
-            f"Invalid directions: {set(unknown)}. Valid: {set(VALID_DIRECTIONS)}"
-            f"{closest_name_hint(str(unknown[0]), VALID_DIRECTIONS)}"
-        )
-    if "query_to_doc" not in directions:
-        fixed = ("query_to_doc", *directions)
-        # the arguments' field (owner "directions") is a comma-separated string; a loss's argument a tuple
-        field = owner == "directions"
-        given, example = (",".join(directions), ",".join(fixed)) if field else (directions, fixed)
-        raise ValueError(
-            "'query_to_doc' direction is required (contains the positive pair). "
-            f"{'' if field else owner + ': '}directions={given!r} lacks it; add it: directions={example!r}."
-        )
-    if len(set(directions)) != len(directions):
-        raise ValueError(f"{owner}: directions={directions!r} names a direction twice; name each once.")
-    if partition_mode not in VALID_PARTITION_MODES:
-        raise ValueError(f"partition_mode must be 'joint' or 'per_direction', got {partition_mode!r}")
-    if partition_mode == "per_direction" and {"query_to_query", "doc_to_doc"} & set(directions):
-        raise ValueError(
-            "partition_mode='per_direction' requires every direction's candidate pool to include the positive pair. "
-            "'query_to_query' and 'doc_to_doc' only contain same-type similarities and never include the positive, "
-            "making the per-direction loss ill-defined. Use partition_mode='joint' instead."
-        )
-    return directions
-
-
-def check_hardness(hardness_mode: str | None, hardness_strength: float, owner: str) -> None:
-    """sentence-transformers' checks (and warning) of the hardness options."""
-    if hardness_mode not in VALID_HARDNESS_MODES:
-        modes = [mode for mode in VALID_HARDNESS_MODES if mode is not None]
-        raise ValueError(
-            f"hardness_mode must be one of {', '.join(map(repr, modes))} (or leave it unset: no hardness weighting), "
-            f"got {hardness_mode!r}.{closest_name_hint(str(hardness_mode), modes)}"
-        )
-    if isinstance(hardness_strength, bool) or not isinstance(hardness_strength, (int, float)):
-        raise ValueError(
-            f"{owner}: hardness_strength must be a non-negative number, got {hardness_strength!r}."
-        )
-    if not hardness_strength >= 0.0:
-        raise ValueError("hardness_strength must be non-negative.")
-    if hardness_mode is not None and hardness_strength == 0.0:
-        logger.warning(
-            f"hardness_mode={hardness_mode!r} is set but hardness_strength=0.0, so hardness weighting has no "
-            "effect. Set hardness_strength to a positive value to enable hardness weighting."
+    def validate(self) -> None:
+        super().validate()
+        check_auto_budget(
+            self.mini_batch_size,
+            self.mini_batch_num_tokens,
+            self.mini_batch_memory_budget,
+            cuda=torch.cuda.is_available(),
         )
 
+    def engine(self) -> dict[str, Any]:
+        """The engine's configuration these settings give (``GradCache``'s fields)."""
+        return {name: getattr(self, name) for name in self.engine_fields}
 
-def check_in_batch_negatives(
-    in_batch_negatives: bool, directions: Sequence[str], hardness_mode: str | None, owner: str
-) -> None:
-    """``in_batch_negatives=False`` scores each anchor against its own candidates: only the ``query_to_doc``
-    direction has any (the others score a row against other rows), and ``hardness_mode='in_batch_negatives'``
-    would weigh negatives that are not there."""
-    if in_batch_negatives:
-        return
-    if tuple(directions) != ONE_DIRECTION:
-        raise ValueError(
-            f"{owner}: in_batch_negatives=False scores each anchor against its own positive and hard negatives "
-            f"only, so directions must be ('query_to_doc',), got {tuple(directions)!r} (the other directions score "
-            "a row against other rows). Set directions=('query_to_doc',) or in_batch_negatives=True."
-        )
-    if hardness_mode == "in_batch_negatives":
-        raise ValueError(
-            f"{owner}: hardness_mode='in_batch_negatives' weighs in-batch negatives, which in_batch_negatives=False "
-            "removes; use hardness_mode='hard_negatives' (or 'all_negatives') to weigh the own hard negatives."
-        )
+    def auto_config(self) -> dict[str, Any]:
+        """What the config of an ``"auto"`` loss needs besides its sizes to rebuild it: its
+        ``mini_batch_memory_budget`` (a setting that never changes the result, otherwise left out of the
+        config; an ``"auto"`` loss without it is refused where no CUDA device gives it a default)."""
+        budget = self.mini_batch_memory_budget
+        return {} if budget is None else {"mini_batch_memory_budget": budget}
 
 
-def check_own_candidates(n_columns: int, owner: str) -> None:
-    """A batch for ``in_batch_negatives=False`` has hard-negative columns: with pairs alone each row's softmax
-    holds its positive only (a loss of 0, no gradient)."""
-    if n_columns < 3:
-        raise ValueError(
-            f"{owner} with in_batch_negatives=False scores each anchor against its own positive and hard "
-            f"negatives only, and this batch has {n_columns} columns (no hard negative): the loss would be 0. "
-            "Give the dataset hard-negative columns (anchor, positive, negative, ...), or set "
-            "in_batch_negatives=True for this dataset."
-        )
+@dataclass(frozen=True, kw_only=True)
+class LossStageSettings(EngineSettings):
+    """The loss stage's plan (how the embedding losses' loss stage runs; none changes the result), declared
+    here once, taken keyword-only with the engine's knobs."""
+
+    path: LossPath = setting(
+        "auto",
+        doc="The loss stage's algorithm: 'auto' (from the batch and memory_budget), 'chunked' (row chunks "
+        "against every column) or 'tiled' (Inf-CL-style tiles; across processes, the ring exchange); never "
+        "changes the result.",
+        check=check_path,
+        config="never",
+    )
+    tile_size: int | None = setting(
+        None,
+        doc="Side of a logit tile / rows of a chunk of the loss stage (default: from memory_budget, at most 2048).",
+        check=check_positive_int,
+    )
+    memory_budget: int = setting(
+        DEFAULT_MEMORY_BUDGET,
+        doc=f"Bytes of logit blocks the loss stage may hold at once, or a size such as '64MiB' (default "
+        f"{DEFAULT_MEMORY_BUDGET // 2**20} MiB).",
+        check=_budget,
+        config="never",
+    )

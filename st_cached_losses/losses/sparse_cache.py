@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from st_cached_losses.engine.cache_form import CacheForm, pad_packed
 from st_cached_losses.engine.features import unwrap_model
 from st_cached_losses.functional.sparse import MAX_PACKED_DIM, agree_packed, dense_rows, pack_rows
 
@@ -58,7 +59,7 @@ def zero_gradient_at_zero(model: nn.Module) -> bool:
     )
 
 
-class CompactSparseRows:
+class CompactSparseRows(CacheForm):
     """Keeps vocabulary-sized rows packed (their non-zero entries) while ``active()`` and while every
     mini-batch of the step is sparse enough (``max_density``) on every process that reads the rows together
     (``across()``: the loss stage is across processes); ``compact`` tells what the last step kept."""
@@ -91,7 +92,9 @@ class CompactSparseRows:
         if self.active() and self.across():  # the same on every process: each joins the all-reduce
             device = parts[0].device if parts else torch.device("cpu")
             self.compact = agree_packed(self.compact, device)
-        if self.compact or not any(packed):
+        if self.compact:
+            return pad_packed(columns)  # each column's packed parts at its widest row's width
+        if not any(packed):
             return columns
         # some mini-batch was too dense: every column dense, as the loss stage reads one form
         assert self.dim is not None

@@ -17,7 +17,7 @@ from tests.support.tiny_model import make_tiny_model
 @pytest.mark.parametrize(
     ("kwargs", "cls", "checks"),
     [
-        ({"loss": "mnr", "scale": 30.0}, CachedMNRLoss, {"_scale": 30.0, "symmetric": False}),
+        ({"loss": "mnr", "scale": 30.0}, CachedMNRLoss, {"scale": 30.0, "symmetric": False}),
         (
             {"loss": "CachedCLIPLoss", "learnable_scale": True, "max_scale": 50.0},
             CachedCLIPLoss,

@@ -107,3 +107,30 @@ def test_a_dataset_without_negatives_or_scores_is_refused():
         check_dataset_columns(Dataset.from_dict({"q": ["a"] * 2, "p": ["c"] * 2, "n": ["e"] * 2}), args)
     with pytest.raises(ValueError, match="needs \\(query, positive, negative_1"):
         check_dataset_columns(Dataset.from_dict({"q": ["a"] * 2, "p": ["c"] * 2, "label": [1.0, 0.0]}), args)
+
+
+@pytest.mark.parametrize(
+    ("loss", "cls"),
+    [
+        ("margin_mse", CachedLossTrainingArguments),
+        ("multi_vector_margin_mse", CachedMultiVectorEncoderTrainingArguments),
+    ],
+)
+@pytest.mark.parametrize("field", ["temperature", "scale"])
+def test_a_margin_loss_refuses_a_scale_or_temperature(loss, cls, field):
+    """The margin losses have neither a scale nor a temperature (issue 51: both were exempted as "every loss
+    takes them", silently ignored, and reported by the model card): refused, naming the field."""
+    with pytest.raises(ValueError, match=rf"{field} does not apply to loss={loss!r}"):
+        cls(**BASE, loss=loss, **{field: 0.5})
+    settings = cls(**BASE, loss=loss).loss_settings()
+    assert "scale" not in settings and "temperature" not in settings
+
+
+def test_the_kl_loss_takes_a_temperature_and_no_scale():
+    """``temperature`` is the KL's, as sentence-transformers' DistillKLDivLoss; the InfoNCE term's scale is
+    ``infonce_scale``: a ``scale`` field is refused, and the card lists the temperature alone."""
+    args = CachedLossTrainingArguments(**BASE, loss="distill_kl", temperature=0.5, infonce_weight=0.1)
+    assert args.loss_kwargs()["temperature"] == 0.5 and "scale" not in args.loss_kwargs()
+    assert "scale" not in args.loss_settings() and args.loss_settings()["temperature"] == 0.5
+    with pytest.raises(ValueError, match="scale does not apply to loss='distill_kl'"):
+        CachedLossTrainingArguments(**BASE, loss="distill_kl", scale=20.0)

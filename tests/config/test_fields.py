@@ -11,98 +11,89 @@ import pytest
 from st_cached_losses import CachedLossArgumentParser
 from st_cached_losses.config.factory import build_loss
 from st_cached_losses.config.training_args import (
-    LOSS_FIELDS,
     CachedLossTrainingArguments,
 )
 from tests.config.helpers import BASE, _arguments
 
 
-def test_every_constructor_argument_is_a_field_with_the_specs_default_and_help():
-    """One spec per setting: every argument of every loss's constructor is a field of the arguments (under
-    ``FIELD_NAMES``' name) or on ``NOT_FIELDS`` with its reason; a field of a plain setting has its spec's
-    default (or None for the loss's own) and a help text (its field's own); and each loss built from default arguments has its
-    constructor's defaults."""
-    import dataclasses
-    import inspect
-
-    from st_cached_losses.config.registry import FIELD_NAMES, LOSSES, NOT_FIELDS, loss_parameters
-    from st_cached_losses.losses.settings import SPECS
+def test_every_setting_a_loss_takes_is_a_field_with_its_declarations_help():
+    """The arguments' fields are read from the losses' settings: every setting a loss takes from the arguments
+    (its settings' fields, the views its constructor takes, its base loss's arguments) is a field of the
+    arguments (under ``FIELD_NAMES``' name) or on ``NOT_FIELDS`` with its reason; a field's help is its
+    setting's declaration (its meaning), and its default the declaration's or None (the loss's own)."""
+    from st_cached_losses.config.registry import FIELD_NAMES, LOSSES, NOT_FIELDS, declaration, loss_parameters
+    from st_cached_losses.config.training_args import FIELD_SETTINGS
 
     fields = {f.name: f for f in dataclasses.fields(CachedLossTrainingArguments)}
-    none_is_loss_default = {
-        "scale",
-        "temperature",
-        "directions",
-        "partition_mode",
-        "symmetric",
-        "memory_budget",
-        "infonce_scale",
-    }
-    assert {"sparse", "multi_vector"} <= set(LOSSES)
-    for name, cls in LOSSES.items():
-        params = loss_parameters(name)  # 'sparse': its base loss's arguments too (the factory builds it)
-        if name == "sparse":
-            assert {"loss", "scale", "similarity_fct", "directions", "hardness_mode"} <= set(params)
-        for param in params:
-            if param in NOT_FIELDS:
+    assert {"sparse", "multi_vector", "distill_kl", "sparse_distill_kl"} <= set(LOSSES)
+    for name in LOSSES:
+        for setting in loss_parameters(name):
+            if setting in NOT_FIELDS:
                 continue
-            field_name = FIELD_NAMES.get(param, param)
-            assert field_name in fields, f"{cls.__name__}({param}=...) has no field in the arguments"
-            f = fields[field_name]
-            default = params[param].default
-            if param in SPECS:
-                assert f.metadata["help"], field_name  # its help is written on the field's line
-                # a spec's None default: the losses differ, each has its own (the field's None leaves it)
-                # (the multi-vector distillation losses' mini_batch_size=None is theirs: the whole batch at
-                # once; ours then runs mini-batches of the spec's 32)
-                if not (param == "mini_batch_size" and default is None):
-                    assert SPECS[param].default in (None, default), (cls.__name__, param)
-            if f.default is None and param in none_is_loss_default:
+            field_name = FIELD_NAMES.get(setting, setting)
+            assert field_name in fields, (
+                f"loss {name!r} takes {setting}, which no field of the arguments sets"
+            )
+            assert FIELD_SETTINGS[field_name] == setting
+    for field_name, setting in FIELD_SETTINGS.items():
+        f = fields[field_name]
+        found = declaration(setting)
+        if found is not None and setting not in (
+            "scale",
+            "temperature",
+            "similarity_fct",
+            "directions",
+            "guide",
+        ):
+            assert f.metadata["help"].startswith(found.metadata["doc"]), field_name
+            assert f.default in (found.default, None), field_name
+        assert f.metadata["help"], field_name
+
+
+def test_each_constructor_takes_its_settings():
+    """A loss's constructor is the one list of its settings: its parameters (but the model) are its settings'
+    fields (but those the loss sets itself), the views it takes (the tiled loss's ``symmetric``), and the
+    engine's knobs; each parameter's default is its setting's default."""
+    import inspect
+
+    from st_cached_losses.losses.registry import losses
+
+    for cls in set(losses().values()):
+        settings = cls.settings_class
+        params = {
+            k: p for k, p in inspect.signature(cls.__init__).parameters.items() if k not in ("self", "model")
+        }
+        wanted = (set(settings.field_names()) - settings.not_arguments) | settings.view_arguments
+        assert set(params) == wanted, (cls.__name__, set(params) ^ wanted)
+        for name, param in params.items():
+            if name in settings.view_arguments or settings.declaration(name).metadata.get("module"):
                 continue
-            if (
-                default is inspect.Parameter.empty
-            ):  # required (document_regularizer_weight): checked when built
-                assert f.default is None, field_name
-                continue
-            if param in ("similarity_fct", "guide", "mini_batch_size"):
-                continue  # a function / a model in the loss; mini_batch_size: ours 32 as theirs
-            if f.default != default and not (name == "gist" and param == "mini_batch_size"):
-                raise AssertionError(
-                    f"{field_name}: field default {f.default!r} != {cls.__name__}'s {default!r}"
+            default = settings.default(name)
+            if default is not dataclasses.MISSING and param.default is not inspect.Parameter.empty:
+                assert param.default == default or (
+                    cls.__name__ == "CachedTiledLoss" and name in ("directions", "partition_mode")
+                ), (
+                    cls.__name__,
+                    name,
+                    param.default,
+                    default,
                 )
 
 
-def test_every_loss_field_is_its_specs():
-    """One spec per field: every field the arguments add (but the loss choice) is a spec's field, with the
-    default (or None: the loss's own) and a help text of its own, and is checked by the spec's check."""
-    from st_cached_losses.config.training_args import FIELD_SPECS
-
-    fields = {f.name: f for f in dataclasses.fields(CachedLossTrainingArguments)}
-    assert set(LOSS_FIELDS) - {"loss"} == set(FIELD_SPECS)
-    for name, (_, spec) in FIELD_SPECS.items():
-        assert fields[name].metadata["help"], name
-        assert fields[name].default in (spec.default, None), name
+def test_every_loss_field_is_checked_by_its_setting():
+    """A field's value is checked by its setting's declaration (the losses' own check, naming the field)."""
     for name, value in [("margin", float("nan")), ("contrast_anchors", "yes"), ("scale_learning_rate", -1.0)]:
         with pytest.raises(ValueError, match=f"^{name} must be"):
             CachedLossTrainingArguments(**BASE, loss="gist", guide_model="g", **{name: value})
 
 
-def test_the_help_texts_live_with_the_configuration():
-    """The command line's words are the configuration layer's: the losses' specs carry a setting's default,
-    check and config mode, no help text; each field's help is written on its line in
-    ``config/training_args.py``."""
-    from pathlib import Path
-
-    import st_cached_losses.config.training_args as training_args
-    from st_cached_losses.losses.settings import SPECS, Spec
-
-    assert "help" not in {f.name for f in dataclasses.fields(Spec)}
-    assert not any(hasattr(spec, "help") for spec in SPECS.values())
-    source = Path(training_args.__file__).read_text()
-    fields = {f.name: f for f in dataclasses.fields(CachedLossTrainingArguments)}
-    help_text = fields["keep_params_unsharded"].metadata["help"]
-    assert help_text.startswith("Under FSDP2: gather every parameter group once per step")
-    assert '"Under FSDP2: gather every parameter group once per step' in source
+def test_loss_options_take_the_settings_without_a_field():
+    """``loss_options``: a setting without a field of its own (a user's loss's) is passed to the loss and
+    checked by its settings; a name the loss lacks, or one with a field of its own, is refused."""
+    with pytest.raises(ValueError, match=r"loss_options: CachedMNRLoss has no setting 'jointt'"):
+        CachedLossTrainingArguments(**BASE, loss_options={"jointt": True})
+    with pytest.raises(ValueError, match="has a field of its own: set tile_size instead"):
+        CachedLossTrainingArguments(**BASE, loss_options={"tile_size": 4})
 
 
 @pytest.mark.parametrize("loss", ["mnr", "clip", "tiled", "gist", "sparse", "multi_vector"])

@@ -98,7 +98,7 @@ def test_defaults_are_sentence_transformers_own(model_dir):
     built loss's configuration is the hand-built one's."""
     model = load(model_dir)
     args = _args(loss="sparse_distill_kl", document_regularizer_weight=3e-5, mini_batch_size=4)
-    assert args.loss_scale == 0.5
+    assert args.loss_scale is None  # no InfoNCE scale: the KL base loss's temperature is its own setting
     loss = build_loss(model, args)
     assert (loss.loss.temperature, loss.loss.student_temperature, loss.loss.teacher_temperature) == (2.0,) * 3
     by_hand = CachedSparseLoss(
@@ -178,13 +178,13 @@ def test_names(name, expected):
     [
         (
             {"loss": "sparse_distill_kl", "infonce_weight": 0.1},
-            r"^infonce_weight is on the dense and multi-vector distillation losses only \('distill_kl', "
-            r"'margin_mse', 'multi_vector_distill_kl', 'multi_vector_margin_mse'\): .*loss='sparse_distill_kl' "
-            r"\(CachedSparseLoss with SparseDistillKLDivLoss as its base loss\) has none\. Remove infonce_weight",
+            r"^infonce_weight does not apply to loss='sparse_distill_kl' \(CachedSparseLoss with SparseDistillKLDivLoss "
+            r"as its base loss does not take infonce_weight\): infonce_weight applies to loss='distill_kl', "
+            r"loss='margin_mse', loss='multi_vector_distill_kl' or loss='multi_vector_margin_mse'\. Remove infonce_weight",
         ),
         (
             {"loss": "sparse_margin_mse", "infonce_scale": 20.0},
-            r"^infonce_scale is on the dense and multi-vector distillation losses only .*SparseMarginMSELoss",
+            r"^infonce_scale does not apply to loss='sparse_margin_mse' \(CachedSparseLoss with SparseMarginMSELoss",
         ),
         (
             {"loss": "sparse_margin_mse", "teacher_temperature": 2.0},
@@ -233,7 +233,7 @@ def test_the_command_line_refuses_infonce_with_one_error_line(monkeypatch, capsy
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(
-        "train.py: error: infonce_weight is on the dense and multi-vector"
+        "train.py: error: infonce_weight does not apply to loss='sparse_distill_kl'"
     )
     (args,) = parser.parse_command_line(
         [*argv, "--document_regularizer_weight", "3e-5", "--student_temperature", "4"]
@@ -244,10 +244,10 @@ def test_the_command_line_refuses_infonce_with_one_error_line(monkeypatch, capsy
 def test_help_names_the_sparse_distillation_losses():
     text = " ".join(CachedLossArgumentParser(CachedSparseEncoderTrainingArguments).format_help().split())
     for words in (
-        "'sparse_distill_kl' and 'sparse_margin_mse' for a SparseEncoder",
-        "SparseDistillKLDivLoss, SparseMarginMSELoss: the distillation loss of the same name",
-        "'sparse_distill_kl' 2, as SparseDistillKLDivLoss",
-        "Dense and multi-vector distillation losses only (not the sparse ones)",
+        "for a SparseEncoder: 'sparse' (CachedSparseLoss), 'sparse_distill_kl' (CachedSparseLoss with "
+        "SparseDistillKLDivLoss), 'sparse_margin_mse' (CachedSparseLoss with SparseMarginMSELoss)",
+        "SparseDistillKLDivLoss, SparseMarginMSELoss",
+        "Not on the sparse distillation losses",
     ):
         assert words in text, words
 

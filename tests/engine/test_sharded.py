@@ -49,7 +49,7 @@ def make_loss(name: str, model, keep_params_unsharded: bool = False, **extra):
     cls_name, kwargs, _, _ = CONFIGS[name]
     options = {"mini_batch_size": 2, "gather_across_devices": True, **kwargs, **extra}
     loss = getattr(st_cached_losses, cls_name)(model, **options)
-    # a settable property (CachedInfoNCEBase's keyword; the subclasses' constructors do not list it)
+    # an engine knob, a setting like any other (assigned after construction here)
     loss.keep_params_unsharded = keep_params_unsharded
     return loss
 
@@ -387,6 +387,7 @@ def test_ddp_agreed_plans_with_token_budget(model_dir, ddp_kwargs):
 
 def _bad_input_worker(rank: int, world: int, path: str):
     from st_cached_losses import CachedMNRLoss
+    from st_cached_losses.losses.base import StepData
 
     model = shard(load_model(path))
     loss = CachedMNRLoss(model, mini_batch_size=2, gather_across_devices=True)
@@ -398,7 +399,7 @@ def _bad_input_worker(rank: int, world: int, path: str):
     try:
         # the engine directly: the loss's own column check (CachedMNRLoss.forward) would raise on rank 1
         # before the engine's agreement, leaving rank 0 to learn of it from gloo's "Connection closed"
-        loss.cache.step(model, feats, lambda e: loss._stage2(e, None)).backward()
+        loss.cache.step(model, feats, lambda e: loss._stage2(e, None, StepData())).backward()
     except (ValueError, RuntimeError) as exc:
         return type(exc).__name__, str(exc), time.monotonic() - start
     return "no error", "", time.monotonic() - start
@@ -586,7 +587,7 @@ def _failure_worker(rank: int, world: int, path: str, cases: list[str]):
     where only rank 1's input is bad; what each rank raised and how long it took; then a clean step on
     every rank, which shows that none was left inside a collective (or FSDP2 in a broken state)."""
     from st_cached_losses import CachedMNRLoss
-    from st_cached_losses.losses._base import check_columns
+    from st_cached_losses.losses.base import check_columns
 
     model = shard(load_model(path))
     out = {}

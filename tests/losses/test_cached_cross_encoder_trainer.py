@@ -93,7 +93,7 @@ def test_loss_from_the_arguments_and_model_card(tmp_path):
     ("kwargs", "match"),
     [
         ({"num_negatives": 0}, "num_negatives must be"),
-        ({"similarity": "cosine"}, "remove similarity"),
+        ({"similarity": "cosine"}, "similarity does not apply to loss=.cross_encoder.*Remove similarity"),
         ({"learnable_scale": True}, "learnable_scale does not apply"),
     ],
 )

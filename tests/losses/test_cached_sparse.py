@@ -14,7 +14,6 @@ from sentence_transformers.util import cos_sim
 
 from st_cached_losses import CachedSparseLoss
 from st_cached_losses.functional.flops import flops_loss_and_grad
-from st_cached_losses.losses.settings import Setting
 from tests.losses.test_losses import assert_grads_close, flat_grads
 from tests.support.tiny_model import make_tiny_splade, random_texts
 
@@ -360,12 +359,19 @@ def test_assigning_the_current_value_changes_nothing(model, options):
     loss = ours(
         model, sparse_losses.SparseMultipleNegativesRankingLoss(model, directions=ALL_FOUR), **options
     )
-    settable = [
+    settable = sorted(
         name
-        for name, member in inspect.getmembers(type(loss))
-        if isinstance(member, Setting) or (isinstance(member, property) and member.fset is not None)
+        for name in {
+            *loss.settings_class.names(),
+            *(
+                n
+                for n, m in inspect.getmembers(type(loss))
+                if hasattr(m, "__set__") and not isinstance(m, property)
+            ),
+            *(n for n, m in inspect.getmembers(type(loss)) if isinstance(m, property) and m.fset is not None),
+        }
         if not name.startswith("_")
-    ]
+    )
     assert {"scale", "directions", "document_regularizer_weight", "use_document_regularizer_only"} <= set(
         settable
     )

@@ -7,6 +7,7 @@ import functools
 from typing import Any
 
 import pytest
+import torch
 from sentence_transformers.multi_vector_encoder.scoring import (
     XTRScores,
     colbert_scores,
@@ -213,3 +214,72 @@ def test_an_auto_loss_rebuilds_from_its_config(models, tmp_path, kind, sizes):
     )
     fixed = cls(model, mini_batch_size=8)
     assert "mini_batch_memory_budget" not in fixed.get_config_dict()
+
+
+def _every_loss(models: dict[str, Any], ce_model: Any) -> list[tuple[str, Any]]:
+    """One loss of every registered name, several settings away from their defaults (the variants of
+    the sparse loss with their base losses)."""
+    from sentence_transformers.multi_vector_encoder.scoring import xtr_kd_scores
+    from sentence_transformers.sparse_encoder.losses import SparseDistillKLDivLoss, SparseMarginMSELoss
+    from sentence_transformers.util import pairwise_cos_sim
+
+    import st_cached_losses as s
+
+    dense, mv, splade = models["dense"], models["multi_vector"], models["splade"]
+    return [
+        ("mnr", s.CachedMNRLoss(dense, 13.0, mini_batch_size=2, negative_bank_size=4, learnable_scale=True)),
+        ("clip", s.CachedCLIPLoss(dense, mini_batch_size=2, mask_duplicates=True, tile_size=3)),
+        ("tiled", s.CachedTiledLoss(dense, mini_batch_size=2, symmetric=True, hardness_mode="all_negatives",
+                                    hardness_strength=2.0)),
+        ("gist", s.CachedGISTLoss(dense, None, 0.05, 2, margin=-0.1, contrast_anchors=False)),
+        ("sparse", s.CachedSparseLoss(splade, SparseMultipleNegativesRankingLoss(splade), 3e-5, 5e-5,
+                                      mini_batch_size=2, document_regularizer_threshold=10)),
+        ("sparse_distill_kl", s.CachedSparseLoss(splade, SparseDistillKLDivLoss(splade), 3e-5, mini_batch_size=2)),
+        ("sparse_margin_mse", s.CachedSparseLoss(splade, SparseMarginMSELoss(splade), 3e-5, mini_batch_size=2)),
+        ("multi_vector", s.CachedMultiVectorLoss(mv, scale=2.0, similarity_fct="meanmaxsim", mini_batch_size=2)),
+        ("cross_encoder", s.CachedCrossEncoderLoss(ce_model, 2, 5.0, torch.nn.Tanh(), mini_batch_size=3)),
+        ("distill_kl", s.CachedDistillKLDivLoss(dense, pairwise_cos_sim, 0.5, teacher_temperature=2.0,
+                                                mini_batch_size=2, infonce_weight=0.2)),
+        ("margin_mse", s.CachedMarginMSELoss(dense, mini_batch_size=2, infonce_weight=0.1, infonce_scale=10.0)),
+        ("multi_vector_distill_kl", s.CachedMultiVectorDistillKLDivLoss(mv, similarity_fct=xtr_kd_scores,
+                                                                        temperature=2.0, mini_batch_size=2)),
+        ("multi_vector_margin_mse", s.CachedMultiVectorMarginMSELoss(mv, mini_batch_size=2, infonce_weight=0.5)),
+    ]  # fmt: skip
+
+
+def _train_step(name: str, loss: Any) -> None:
+    """One training step of ``loss`` on a tiny batch of its kind: a finite loss and a gradient in the model."""
+    from tests.support.tiny_model import random_texts
+
+    model = loss.model
+    n_columns = 3
+    if name == "cross_encoder":
+        inputs: Any = [random_texts(4, seed=k) for k in range(n_columns)]
+    else:
+        inputs = [model.preprocess(random_texts(4, seed=k)) for k in range(n_columns)]
+    labels = None
+    if loss.distillation or name.startswith("sparse_"):
+        labels = torch.randn(4, n_columns - 1)  # a teacher's score of each candidate column
+    model.zero_grad()
+    out = loss(inputs, labels)
+    total = sum(out.values()) if isinstance(out, dict) else out
+    total.backward()
+    assert torch.isfinite(total)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and any(g.abs().sum() > 0 for g in grads), name
+
+
+def test_every_loss_rebuilds_from_its_own_config_and_trains(models, tmp_path):
+    """Every registered loss (issue 51): ``type(loss)(model, **loss.get_config_dict())`` builds (the
+    distillation losses wrote similarity names their constructors refused, the reranker an activation it
+    accepted as a string and crashed on at the first step), its config is the same, and it trains a step."""
+    from st_cached_losses.losses.registry import names
+    from tests.support.tiny_model import make_tiny_cross_encoder
+
+    built = _every_loss(models, make_tiny_cross_encoder(tmp_path / "ce"))
+    assert sorted(n for n, _ in built) == sorted(names()), "a registered loss is missing here"
+    for name, loss in built:
+        config = loss.get_config_dict()
+        rebuilt = type(loss)(loss.model, **config)
+        assert rebuilt.get_config_dict() == config, name
+        _train_step(name, rebuilt)

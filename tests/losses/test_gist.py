@@ -186,16 +186,15 @@ def test_gist_has_none_of_the_settings_it_does_not_use(models):
 
 
 def _settable() -> list[str]:
-    """Every public property of CachedGISTLoss with a setter, besides those it refuses."""
+    """Every public setting of CachedGISTLoss (its settings' names, its properties with a setter), besides
+    those it refuses."""
     import inspect
 
-    from st_cached_losses.losses.settings import Setting
-
-    return [
-        n for n, m in inspect.getmembers(CachedGISTLoss)
-        if ((isinstance(m, property) and m.fset is not None) or isinstance(m, Setting))
-        and n not in UNUSED and not n.startswith("_")
-    ]  # fmt: skip
+    names = set(CachedGISTLoss.settings_class.names())
+    names |= {
+        n for n, m in inspect.getmembers(CachedGISTLoss) if isinstance(m, property) and m.fset is not None
+    }
+    return sorted(n for n in names if n not in UNUSED and not n.startswith("_"))
 
 
 @pytest.mark.parametrize("learnable", [False, True], ids=["fixed_scale", "learnable_scale"])
@@ -273,7 +272,7 @@ def test_each_setting_gist_uses_changes_the_loss_or_config(models):
 
 def test_path_settings_reach_the_core(models, monkeypatch):
     """path / tile_size / memory_budget choose the loss-stage algorithm: each reaches the core's call."""
-    import st_cached_losses.losses._base as base
+    import st_cached_losses.losses.stages.infonce as base
 
     model, guide, _ = models
     feats = [model.preprocess(t) for t in texts(2, seed=8)]
@@ -281,7 +280,9 @@ def test_path_settings_reach_the_core(models, monkeypatch):
     real = base.loss_and_grad
 
     def spy(*args, **kwargs):
-        options = args[3]  # the core's options (InfoNCEOptions), built once by the base from the loss's terms
+        options = args[
+            3
+        ]  # the core's options (InfoNCEOptions), built once by the stage from the loss's terms
         seen.append({**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}, **kwargs})
         return real(*args, **kwargs)
 

@@ -42,8 +42,7 @@ def test_auto_without_a_budget_is_refused_at_construction_off_cuda(model, monkey
     with pytest.raises(ValueError, match="set mini_batch_memory_budget"):
         loss.mini_batch_size = "auto"
     assert loss.mini_batch_size == 4  # put back
-    loss.mini_batch_memory_budget = "1GB"
-    loss.mini_batch_size = "auto"  # with a budget: fine
+    loss.update_settings(mini_batch_size="auto", mini_batch_memory_budget="1GB")  # together: fine
     with pytest.raises(ValueError, match="set mini_batch_memory_budget"):
         loss.mini_batch_memory_budget = None
     assert loss.mini_batch_memory_budget == 10**9
@@ -51,12 +50,15 @@ def test_auto_without_a_budget_is_refused_at_construction_off_cuda(model, monkey
     assert CachedMNRLoss(model, mini_batch_size="auto").mini_batch_size == "auto"
 
 
-def test_a_budget_without_auto_warns_at_the_users_line(model, tmp_path):
-    with pytest.warns(UserWarning, match="mini_batch_memory_budget sizes 'auto' mini-batches only") as record:
+def test_a_budget_without_auto_is_refused_as_by_the_arguments(model, tmp_path):
+    """One rule of the budget for the losses and the arguments (issue 51): without "auto" mini-batches it would
+    be unused, so it is refused (the losses warned, the arguments refused, in the same words)."""
+    with pytest.raises(
+        ValueError, match="mini_batch_memory_budget=1000000000 sizes 'auto' mini-batches only"
+    ):
         CachedMNRLoss(model, mini_batch_size=4, mini_batch_memory_budget="1GB")
-    assert record[0].filename == __file__
     reranker = make_tiny_cross_encoder(tmp_path / "ce")
-    with pytest.warns(UserWarning, match="the budget is unused"):
+    with pytest.raises(ValueError, match="it would be unused"):
         CachedCrossEncoderLoss(reranker, mini_batch_size=4, mini_batch_memory_budget="1GB")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -93,6 +95,6 @@ def test_user_stacklevel_skips_the_libraries_but_not_the_demo():
             namespace["f"]()
         return caught[0].filename
 
-    assert warn_from("st_cached_losses.losses._base") == __file__  # a library frame: skipped
+    assert warn_from("st_cached_losses.losses.base") == __file__  # a library frame: skipped
     assert warn_from("torch.nn.modules.module") == __file__
     assert warn_from("st_cached_losses.demo.app") == "<string>"  # the demo is a user's code: named

@@ -158,15 +158,24 @@ def test_max_age_through_the_loss(model):
 
 
 def test_state_dict_round_trip(model):
+    """The bank is in the loss's state dict (its module's extra state, issue 51): a loss loaded from another's
+    state dict scores the same negatives; a state dict without it (saved before the bank was there) loads
+    strictly, the bank as it is."""
     loss_fn = CachedCLIPLoss(model, mini_batch_size=3, negative_bank_size=9)
     for seed in range(2):
         _step(model, loss_fn, columns(model, 2, B, seed=seed))
-    state = loss_fn.negative_bank.state_dict()
+    state = loss_fn.state_dict()
+    assert "negative_bank._extra_state" in state
+    assert state["negative_bank._extra_state"]["step"] == 2
     other = CachedCLIPLoss(model, mini_batch_size=3, negative_bank_size=9)
-    other.negative_bank.load_state_dict(state)
+    other.load_state_dict(state)
     assert other.negative_bank.stats() == loss_fn.negative_bank.stats()
     feats = columns(model, 2, B, seed=5)
     assert torch.equal(_step(model, loss_fn, feats)[1], _step(model, other, feats)[1])
+    older = {k: v for k, v in state.items() if k != "negative_bank._extra_state"}
+    fresh = CachedCLIPLoss(model, mini_batch_size=3, negative_bank_size=9)
+    fresh.load_state_dict(older)  # strict: no missing key
+    assert fresh.negative_bank.stats()["negative_bank_rows"] == 0
 
 
 def test_settings_are_checked(model):
@@ -229,8 +238,8 @@ def test_trainer_checkpoint_and_resume_restore_the_bank(tmp_path, caplog):
     torch.testing.assert_close(flat_params(resumed_model), flat_params(full_model), rtol=1e-5, atol=1e-6)
     assert resumed_loss.negative_bank.stats() == full_loss.negative_bank.stats()
     for a, b in zip(
-        resumed_loss.negative_bank.state_dict()["entries"].values(),
-        full_loss.negative_bank.state_dict()["entries"].values(),
+        resumed_loss.negative_bank.get_extra_state()["entries"].values(),
+        full_loss.negative_bank.get_extra_state()["entries"].values(),
     ):
         torch.testing.assert_close(a["rows"], b["rows"], rtol=1e-5, atol=1e-6)
         assert torch.equal(a["added"], b["added"])

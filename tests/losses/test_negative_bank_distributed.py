@@ -124,7 +124,7 @@ def _worker(
             value.backward()
             per_step.append({"loss": value.item(), "grads": flat_grads(model), "params": params})
             optimizer.step()
-        results[name] = {"steps": per_step, "saved": saved, "after": banked.negative_bank.state_dict()}
+        results[name] = {"steps": per_step, "saved": saved, "after": banked.negative_bank.get_extra_state()}
     return results
 
 

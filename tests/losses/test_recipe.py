@@ -1,56 +1,37 @@
-"""docs/development.md's recipe for adding a loss, followed: a loss written from its steps 1 to 4 (a
-signature with ``**engine``, a Setting, ``_loss_terms``, the config) equals the loss it restates,
-``CachedCLIPLoss``, in value and gradients, and takes the engine's knobs without restating them."""
+"""docs/development.md's recipe for adding a loss, followed literally from a module outside the package
+(``tests/support/two_way_loss.py``: a settings class, a stage, the class with its name, registered when
+defined): the loss equals the loss it restates, ``CachedCLIPLoss``, in value and gradients, takes the engine's
+knobs without restating them, rebuilds from its config, and builds by its name from a dict, a YAML file and
+the command line, and trains (in a process of its own, as a user's script imports its module)."""
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from typing import Any
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-from typing_extensions import Unpack
 
 from st_cached_losses import CachedCLIPLoss
-from st_cached_losses.functional.terms import mnrl_terms
-from st_cached_losses.losses._base import CachedInfoNCEBase, LossStageOptions, LossTerms, StepData
-from st_cached_losses.losses.settings import TWO_DIRECTIONS, Setting, check_bool
+from st_cached_losses.losses import registry
 from tests.support.tiny_model import make_tiny_model
 
+ROOT = Path(__file__).resolve().parents[2]
 
-class CachedTwoWayLoss(CachedInfoNCEBase):
-    """Both directions, one cross-entropy each, averaged: the recipe's example."""
 
-    gather_across_devices = Setting[bool]()
-    joint = Setting[bool](check=check_bool)
-
-    def __init__(
-        self,
-        model: nn.Module,
-        scale: float = 20.0,
-        mini_batch_size: int | str = 32,
-        *,
-        joint: bool = False,
-        **engine: Unpack[LossStageOptions],
-    ) -> None:
-        super().__init__(
-            model,
-            scale=scale,
-            mini_batch_size=mini_batch_size,
-            mini_batch_num_tokens=None,
-            show_progress_bar=False,
-            **engine,
-        )
-        self.gather_across_devices = False
-        self.joint = joint
-
-    def _loss_terms(self, step: StepData, n_rows: int, n_columns: int) -> LossTerms:
-        mode = "joint" if self.joint else "per_direction"
-        return LossTerms(mnrl_terms(TWO_DIRECTIONS, mode, None, 0.0, n_columns), "cosine")
-
-    def get_config_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "joint": self.joint, **self._changed_settings()}
+@pytest.fixture
+def two_way():
+    """The recipe's module, its loss registered for this test only (the registry is the process's)."""
+    module = importlib.import_module("tests.support.two_way_loss")
+    registry.register(module.CachedTwoWayLoss)  # again, where an earlier test unregistered it
+    try:
+        yield module
+    finally:
+        registry.unregister(module.CachedTwoWayLoss)
 
 
 @pytest.fixture(scope="module")
@@ -58,25 +39,97 @@ def model(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("recipe") / "bert")
 
 
-@pytest.mark.parametrize("joint", [False, True])
-def test_a_loss_from_the_recipe_equals_the_loss_it_restates(model, joint):
-    ours = CachedTwoWayLoss(model, 7.0, tile_size=3, keep_params_unsharded=True, joint=joint)
-    clip = CachedCLIPLoss(model, 7.0, partition_mode="joint" if joint else "per_direction", tile_size=3)
+@pytest.mark.parametrize("mode", ["per_direction", "joint"])
+def test_a_loss_from_the_recipe_equals_the_loss_it_restates(model, two_way, mode):
+    ours = two_way.CachedTwoWayLoss(model, 7.0, mode, tile_size=3, keep_params_unsharded=True)
+    clip = CachedCLIPLoss(model, 7.0, partition_mode=mode, tile_size=3)
     assert ours.keep_params_unsharded and ours.cache.keep_params_unsharded and ours.tile_size == 3
-    params = inspect.signature(CachedTwoWayLoss.__init__).parameters
+    params = inspect.signature(two_way.CachedTwoWayLoss.__init__).parameters
     assert params["memory_budget"].kind is inspect.Parameter.KEYWORD_ONLY
     torch.manual_seed(0)
     columns = [torch.randn(5, 8, dtype=torch.float64) for _ in range(3)]
     got_leaves = [c.clone().requires_grad_() for c in columns]
     want_leaves = [c.clone().requires_grad_() for c in columns]
-    got = ours.calculate_loss([[c] for c in got_leaves])
-    want = clip.calculate_loss([[c] for c in want_leaves])
+    got = ours.compute_loss_from_embeddings(got_leaves)
+    want = clip.compute_loss_from_embeddings(want_leaves)
     got.backward()
     want.backward()
     torch.testing.assert_close(got, want)
     for g, w in zip(got_leaves, want_leaves):
         assert w.grad is not None and w.grad.abs().sum() > 0
         torch.testing.assert_close(g.grad, w.grad)
-    assert ours.get_config_dict() == {"scale": 7.0, "joint": joint, "tile_size": 3}
+    config = ours.get_config_dict()
+    assert config == {
+        "mini_batch_size": 32,
+        "mini_batch_num_tokens": None,
+        "scale": 7.0,
+        "partition_mode": mode,
+        "tile_size": 3,
+    }
+    assert type(ours)(model, **config).get_config_dict() == config
     with pytest.raises(TypeError, match="unexpected keyword argument 'tile_sise'"):
-        CachedTwoWayLoss(model, tile_sise=3)
+        two_way.CachedTwoWayLoss(model, tile_sise=3)
+    with pytest.raises(ValueError, match="partition_mode must be 'joint' or 'per_direction'"):
+        ours.partition_mode = "sideways"
+
+
+SCRIPT = """
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+
+import two_way_loss  # the user's module: its loss is registered when defined
+from st_cached_losses import CachedLossArgumentParser, CachedLossTrainingArguments, build_loss
+from tests.support.tiny_model import make_tiny_model, random_texts
+
+out, model_dir = sys.argv[1], sys.argv[2]
+model = make_tiny_model(Path(model_dir))
+base = {"output_dir": out, "use_cpu": True, "report_to": "none", "per_device_train_batch_size": 6}
+parser = CachedLossArgumentParser(CachedLossTrainingArguments)
+(from_dict,) = parser.parse_dict({**base, "loss": "two_way", "scale": 10.0, "partition_mode": "joint", "mini_batch_size": 2})
+with open(f"{out}/run.yaml", "w") as f:
+    yaml.safe_dump({**base, "loss": "CachedTwoWayLoss", "temperature": 0.1, "mini_batch_size": 2}, f)
+(from_yaml,) = parser.parse_yaml_file(f"{out}/run.yaml")
+(from_cli,) = parser.parse_args_into_dataclasses(
+    ["--output_dir", out, "--use_cpu", "true", "--per_device_train_batch_size", "6", "--loss", "two-way",
+     "--scale", "10", "--partition_mode", "joint", "--mini_batch_size", "2"]
+)
+for args in (from_dict, from_yaml, from_cli):
+    loss = build_loss(model, args)
+    assert type(loss) is two_way_loss.CachedTwoWayLoss and args.loss == "two_way", (type(loss), args.loss)
+    assert loss.scale == 10.0 and loss.mini_batch_size == 2, loss.get_config_dict()
+assert build_loss(model, from_cli).get_config_dict() == build_loss(model, from_dict).get_config_dict()
+try:
+    CachedLossTrainingArguments(**base, loss="two_way", margin=0.1)
+except ValueError as err:
+    assert "margin does not apply to loss='two_way'" in str(err), err
+else:
+    raise AssertionError("a field the loss does not take was accepted")
+features = [model.preprocess(random_texts(6, seed=k)) for k in range(2)]
+value = loss(features, None)
+value.backward()
+assert torch.isfinite(value) and any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+print("trained", float(value))
+"""
+
+
+def test_the_recipe_s_loss_builds_by_its_name_from_a_dict_yaml_and_the_command_line(tmp_path):
+    """In a process of its own, as a user's script: importing the loss's module registers it; the arguments
+    take ``loss: two_way`` (its alias, its class name), read its settings' fields, refuse a field it does not
+    take, and the built loss trains."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "two_way_loss.py").write_text((ROOT / "tests" / "support" / "two_way_loss.py").read_text())
+    (user / "script.py").write_text(textwrap.dedent(SCRIPT))
+    env = {**__import__("os").environ, "PYTHONPATH": f"{user}:{ROOT}"}
+    done = subprocess.run(
+        [sys.executable, str(user / "script.py"), str(tmp_path), str(tmp_path / "model")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trained" in done.stdout

@@ -1,6 +1,6 @@
-"""Settings that say what the loss does: assigning any setting its current value changes
-nothing (loss, config, every other setting), and a contradiction raises however it is spelled, at
-construction and at assignment."""
+"""A loss's settings are one frozen object, checked as a whole when built and when replaced: assigning any
+setting its current value changes nothing (loss, config, every other setting), a contradiction raises however
+it is spelled and in whatever order the settings are assigned, at construction and at assignment."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import st_cached_losses
-from st_cached_losses.losses.settings import Setting
 from tests.support.tiny_model import make_tiny_model, random_texts
 
 ALL_FOUR = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -28,13 +27,12 @@ def model(tmp_path_factory):
 
 
 def _settable(loss) -> list[str]:
-    """Every public setting of the loss's class (a :class:`Setting`, or a property with a setter)."""
-    return [
-        name
-        for name, member in inspect.getmembers(type(loss))
-        if isinstance(member, Setting) or (isinstance(member, property) and member.fset is not None)
-        if not name.startswith("_")
-    ]
+    """Every public setting of the loss: the names of its settings object (but read-only views) and its
+    attributes with a setter."""
+    views = loss.settings_class.views()
+    names = {n for n in loss.settings_class.names() if n not in views or views[n].fchanges is not None}
+    names |= {n for n, m in inspect.getmembers(type(loss)) if isinstance(m, property) and m.fset is not None}
+    return sorted(n for n in names if not n.startswith("_"))
 
 
 def _loss_value(loss, model) -> float:
@@ -164,3 +162,58 @@ def test_an_engine_setting_builds_a_new_frozen_engine(model):
     with pytest.raises(ValueError, match="mini_batch_size must be a positive integer"):
         loss.mini_batch_size = 0
     assert loss.cache.mini_batch_size == 8
+
+
+def test_settings_are_one_frozen_object_replaced_by_an_assignment(model):
+    """The settings object is never changed: an assignment builds a new one (checked as a whole); a refused
+    assignment leaves the old one; several settings change at once with ``update_settings``."""
+    import dataclasses
+
+    loss = st_cached_losses.CachedMNRLoss(model, mini_batch_size=2)
+    before = loss.settings
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        before.scale = 5.0
+    loss.scale = 5.0
+    assert loss.settings is not before and before.scale == 20.0 and loss.settings.scale == 5.0
+    with pytest.raises(ValueError, match="Scale must be a positive value"):
+        loss.scale = -1.0
+    assert loss.scale == 5.0
+    loss.update_settings(directions=("query_to_doc", "query_to_query"), partition_mode="joint")
+    assert loss.directions == ("query_to_doc", "query_to_query")
+    assert loss.get_config_dict()["directions"] == ("query_to_doc", "query_to_query")
+
+
+def test_a_check_does_not_depend_on_the_order_of_assignment(model):
+    """The issue's case: a distillation loss built with an InfoNCE term refuses a similarity without an
+    in-batch form whether it is given to the constructor or assigned afterwards (it was accepted when
+    assigned, and the next step crashed); the other order is refused too."""
+    from sentence_transformers.util import pairwise_euclidean_sim
+
+    with pytest.raises(ValueError, match=r"infonce_weight=0\.5 needs an in-batch score"):
+        st_cached_losses.CachedDistillKLDivLoss(model, pairwise_euclidean_sim, infonce_weight=0.5)
+    loss = st_cached_losses.CachedDistillKLDivLoss(model, infonce_weight=0.5, mini_batch_size=2)
+    with pytest.raises(ValueError, match=r"infonce_weight=0\.5 needs an in-batch score"):
+        loss.similarity_fct = pairwise_euclidean_sim
+    assert loss.infonce_weight == 0.5 and loss.settings.similarity_fct is not pairwise_euclidean_sim
+    plain = st_cached_losses.CachedDistillKLDivLoss(model, pairwise_euclidean_sim, mini_batch_size=2)
+    with pytest.raises(ValueError, match=r"infonce_weight=0\.5 needs an in-batch score"):
+        plain.infonce_weight = 0.5
+    plain.update_settings(similarity_fct="pairwise_cos_sim", infonce_weight=0.5)  # valid together
+    assert plain.infonce_weight == 0.5
+
+
+def test_one_budget_rule_for_the_losses_and_the_arguments(model):
+    """A memory budget without "auto" mini-batches would be unused: refused by the loss (it warned) as by the
+    arguments, in the same words; from "auto" to fixed sizes, both change at once."""
+    from st_cached_losses import CachedLossTrainingArguments
+
+    words = r"mini_batch_memory_budget=.* sizes 'auto' mini-batches only, and mini_batch_size=4 is fixed"
+    with pytest.raises(ValueError, match=words):
+        st_cached_losses.CachedMNRLoss(model, mini_batch_size=4, mini_batch_memory_budget="1GB")
+    with pytest.raises(ValueError, match=words):
+        CachedLossTrainingArguments(output_dir="o", mini_batch_size=4, mini_batch_memory_budget="1GB")
+    loss = st_cached_losses.CachedMNRLoss(model, mini_batch_size="auto", mini_batch_memory_budget="1GB")
+    with pytest.raises(ValueError, match=words):
+        loss.mini_batch_size = 4
+    loss.update_settings(mini_batch_size=4, mini_batch_memory_budget=None)
+    assert (loss.mini_batch_size, loss.mini_batch_memory_budget, loss.cache.mini_batch_size) == (4, None, 4)

@@ -12,6 +12,7 @@ import torch
 from sentence_transformers.sparse_encoder import losses as sparse_losses
 from sentence_transformers.util import cos_sim
 
+from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.losses.sparse_cache import CompactSparseRows, zero_gradient_at_zero
 from tests.losses.test_cached_sparse import (
     B,
@@ -45,24 +46,31 @@ class Spy:
     def __init__(self, loss):
         self.read: list[tuple[int, ...]] = []
         self.replayed: list[tuple[int, ...]] = []
-        stage, expand = loss._loss_stage, loss.cache.form.expand
+        stage, expand = loss.stage, loss.cache.form.expand
+        spy = self
 
-        def loss_stage(embeddings, *args, **kwargs):
-            self.read += [tuple(e.shape) for e in embeddings]
-            return stage(embeddings, *args, **kwargs)
+        class Reading:
+            """The loss's stage, recording what it reads."""
+
+            def __getattr__(self, name):
+                return getattr(stage, name)
+
+            def __call__(self, batch, with_grad):
+                spy.read += [tuple(e.shape) for e in batch.embeddings]
+                return stage(batch, with_grad)
 
         def expanded(grad, out):
             self.replayed.append(tuple(grad.shape))
             return expand(grad, out)
 
-        loss._loss_stage = loss_stage
+        loss.stage = Reading()
         loss.cache.form.expand = expanded
 
 
 def dense_twin(model, **kwargs):
     """Our loss with the engine's dense cache (no form)."""
     loss = ours(model, **kwargs)
-    loss.cache = dataclasses.replace(loss.cache, form=None)  # the engine is frozen: a new one
+    loss.cache = dataclasses.replace(loss.cache, form=CacheForm())  # the engine is frozen: a new one
     return loss
 
 

@@ -1,0 +1,198 @@
+"""The InfoNCE stage: the package's one InfoNCE core ([`st_cached_losses.functional`][st_cached_losses.functional])
+over a loss's logit terms, on one process, gathered across processes, or by ring exchange.
+
+What a loss says of it: its terms (sentence-transformers' ranking options, GIST's guided terms), its score,
+its scale (a tensor in ``step.inputs["scale"]`` when learned, whose gradient the stage returns), the loss
+stage's plan, whether rows are scored against every row's candidates or their own only
+(``in_batch_negatives``, chosen once here: the terms and the column check), duplicate masks, a guide
+(a model's embeddings, or the step's own: self-guided GIST) and a negative bank."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from st_cached_losses.engine.cache_form import CacheForm
+from st_cached_losses.engine.features import input_ids_by_row, model_device
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, InfoNCEOptions, LossPath, infonce
+from st_cached_losses.functional.distributed import is_distributed
+from st_cached_losses.functional.keys import input_hashes
+from st_cached_losses.functional.options import Bank, Guide
+from st_cached_losses.functional.parallel import (
+    gathered_infonce,
+    loss_and_grad,
+    mean_scale_grad,
+    pad_to_common_tokens,
+)
+from st_cached_losses.functional.score import Score
+from st_cached_losses.functional.terms import TermSet
+from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
+from st_cached_losses.losses.negative_bank import NegativeBank
+from st_cached_losses.losses.ranking import check_own_candidates
+
+__all__ = ["SELF_GUIDED", "GuideModel", "InfoNCE"]
+
+#: the guide of a self-guided GIST loss: the step's own embeddings
+SELF_GUIDED = "self"
+
+
+@dataclass(eq=False)
+class GuideModel:
+    """A frozen guide model (GIST) that embeds each column once per step, mini-batch by mini-batch and without
+    a graph, where the trained model's embeddings are; re-tokenising the texts when its tokenizer differs
+    (``retokenize``: another vocabulary, or a guide that reads fewer tokens, sentence-transformers' rule)."""
+
+    model: nn.Module
+    retokenize: bool
+    #: the trained model's tokenizer (it decodes the texts to re-tokenise)
+    tokenizer: Any
+
+    def embed(self, loss: CachedLoss, features: list[dict[str, Any]]) -> list[Tensor]:
+        """The guide's embeddings of every column of the step, on the trained model's device."""
+        guide = cast(Any, self.model)
+        if self.retokenize:
+            decode = self.tokenizer.batch_decode
+            features = [
+                guide.preprocess(decode(input_ids_by_row(f), skip_special_tokens=True)) for f in features
+            ]
+        device = model_device(guide)
+        moved = [{k: v.to(device) if isinstance(v, Tensor) else v for k, v in f.items()} for f in features]
+        with torch.no_grad():
+            guided = loss.cache.embed(guide, moved)
+        return [g.to(model_device(loss.model)) for g in guided]
+
+
+@dataclass(eq=False, kw_only=True)
+class InfoNCE(Stage):
+    """InfoNCE over a loss's terms (see the module's notes).
+
+    Args:
+        owner: the loss's class name, for messages.
+        terms: ``terms(n_columns=...)``: the logit terms of a step with ``n_columns`` candidate columns
+            ([`st_cached_losses.functional.terms`][st_cached_losses.functional.terms]; a ``functools.partial`` of
+            ``mnrl_terms`` / ``gist_terms``, which a loss's stage keeps picklable).
+        similarity: the core's score (``"cosine"``, ``"dot"``, a function, a token score).
+        scale: the scale when it is not learned (``step.inputs["scale"]`` otherwise).
+        path / tile_size / memory_budget: the loss stage's plan; across processes ``path="tiled"`` is the
+            ring exchange, the others gather.
+        gather: score each process's rows against every process's candidates.
+        in_batch: every row's candidates (default), or each row's own only (a batch then needs hard-negative
+            columns).
+        mask_duplicates: mask false negatives found by equal inputs (keys from the features).
+        bank: a negative bank, read and filled by training steps.
+        bank_anchors: the bank keeps past anchors too (the terms score rows against the anchors).
+        guide: a [`GuideModel`][st_cached_losses.losses.stages.infonce.GuideModel], ``"self"`` (the step's
+            own embeddings, detached), or None (unguided terms).
+        form: the engine's cache form the stage reads (token rows).
+    """
+
+    owner: str
+    terms: Callable[..., TermSet]
+    similarity: Any
+    scale: float
+    path: LossPath = "auto"
+    tile_size: int | None = None
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    gather: bool = False
+    in_batch: bool = True
+    mask_duplicates: bool = False
+    bank: NegativeBank | None = None
+    bank_anchors: bool = False
+    guide: GuideModel | str | None = None
+    form: CacheForm | None = None
+
+    def check(self, features: Sequence[Any]) -> None:
+        check_columns(features, self.owner)
+        if not self.in_batch:
+            check_own_candidates(len(features), self.owner)
+
+    def prepare(self, loss: CachedLoss, features: list[Any], inputs: Sequence[Any]) -> StepData:
+        if self.bank is not None and torch.is_grad_enabled():  # a training step begins: the bank ages
+            self.bank.begin_step()
+        # false negatives are recognised by their token ids (embeddings differ under dropout)
+        keys = [input_hashes(f) for f in features] if self.mask_duplicates else None
+        guide = self.guide.embed(loss, features) if isinstance(self.guide, GuideModel) else None
+        return StepData(keys=keys, guide=guide)
+
+    def options(
+        self, step: StepData, embeddings: list[Tensor], scale: float | Tensor, bank: Bank | None
+    ) -> InfoNCEOptions:
+        """The core's options of one call: the terms, the score, the scale, the plan, the keys of these rows
+        (a wrapper may call the stage on other rows: it masks nothing then), the guide and the bank."""
+        n_rows, n_columns = len(embeddings[0]), len(embeddings) - 1
+        keys = step.keys if step.keys is not None and len(step.keys[0]) == n_rows else None
+        return InfoNCEOptions(
+            scale=scale,
+            similarity=self.similarity,
+            terms=self.terms(n_columns=n_columns),
+            guide=self._guide(step, embeddings),
+            path=self.path,
+            tile_size=self.tile_size,
+            memory_budget=self.memory_budget,
+            anchor_keys=keys[0] if keys is not None else None,
+            candidate_keys=keys[1:] if keys is not None else None,
+            bank=bank,
+        )
+
+    def _guide(self, step: StepData, embeddings: list[Tensor]) -> Guide | None:
+        if self.guide is None:
+            return None
+        if self.guide == SELF_GUIDED:
+            # in GradCache's stage 2 these are the first pass's embeddings, which the replay reproduces (its
+            # random state restored): the mask of the very forward that is differentiated; a wrapper calling
+            # the stage on other embeddings of the step (MatryoshkaLoss's truncations) is guided by those
+            guide = [e.detach() for e in embeddings]
+        else:
+            guide = step.guide  # type: ignore[assignment]
+            if guide is None or len(guide) != len(embeddings) or len(guide[0]) != len(embeddings[0]):
+                raise ValueError(
+                    f"{self.owner} needs the guide's embeddings of the same batch: call the loss on the features "
+                    "(loss(features, labels)), which embeds them with the guide, rather than calculate_loss directly."
+                )
+        return Guide(guide[0], guide[1:])
+
+    def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
+        embeddings, step = batch.embeddings, batch.step
+        sizes = batch.sizes(self.gather)
+        scale = step.inputs.get("scale", self.scale)
+        # a training step scores this process's bank entries as extra negatives; then its rows join the bank
+        bank = (
+            self.bank.view(embeddings[0], self.bank_anchors) if with_grad and self.bank is not None else None
+        )
+        options = self.options(step, embeddings, scale, bank)
+        ring = self.path == "tiled"
+        out = loss_and_grad(embeddings[0], embeddings[1:], sizes, options, ring=ring, with_grad=with_grad)
+        if bank is not None:
+            assert self.bank is not None
+            self.bank.push(embeddings[0], embeddings[1:], self.bank_anchors)
+        if not with_grad:
+            return StageOutput(out.loss)
+        assert out.grad_anchors is not None  # asked for
+        grad_scale = out.grad_scale
+        if grad_scale is not None and sizes is None:
+            # each process scored only its own rows, and the scale belongs to the loss, outside any
+            # wrapper: average its gradient as DDP / FSDP / DeepSpeed average the model's, or every
+            # process would step to another scale (the gathered and ring paths average it themselves)
+            grad_scale = mean_scale_grad(grad_scale)
+        input_grads = {"scale": grad_scale} if grad_scale is not None else {}
+        return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
+
+    def autograd(self, batch: StageInput) -> Tensor:
+        """The core's InfoNCE with autograd (its backward recomputes the tiles); gathered with autograd
+        across processes."""
+        embeddings, step = batch.embeddings, batch.step
+        sizes = batch.sizes(self.gather)
+        scale = step.inputs.get("scale", self.scale)
+        options = self.options(step, embeddings, scale, None)
+        if sizes is None:
+            if isinstance(scale, Tensor) and scale.requires_grad and is_distributed():
+                # each process's own rows: average the scale's gradient as DDP averages the model's
+                scale.register_hook(mean_scale_grad)
+            return infonce(embeddings[0], embeddings[1:], options, check_finite=False)
+        if Score(self.similarity).packed:  # token rows: every process's padded to one width per column
+            embeddings = pad_to_common_tokens(embeddings)
+        return gathered_infonce(embeddings[0], embeddings[1:], sizes, options)
