@@ -361,9 +361,8 @@ class CachedLoss(nn.Module):
         card = getattr(unwrap_model(self.model), "model_card_data", None)
         if self._tagged or card is None or not hasattr(card, "add_tags"):
             return
-        equivalent = (
-            self.equivalent_st_loss
-        )  # None: sentence-transformers has no such loss (the sigmoid loss)
+        # None: sentence-transformers has no such loss (the sigmoid loss)
+        equivalent = self.equivalent_st_loss
         card.add_tags(["st_cached_losses"] + ([f"equivalent-loss:{equivalent}"] if equivalent else []))
         self._tagged = True
 

@@ -33,7 +33,7 @@ from st_cached_losses.losses.settings import (
     setting,
     view,
 )
-from st_cached_losses.losses.similarity import EMBEDDING
+from st_cached_losses.losses.similarity import EMBEDDING, SimilarityKind
 
 __all__ = ["CachedSigLIPLoss", "SigLIPSettings", "Sigmoid"]
 
@@ -45,6 +45,8 @@ class SigLIPSettings(ScaleSettings, LossStageSettings):
     processes, the engine's knobs and the loss stage's plan."""
 
     owner: ClassVar[str] = "CachedSigLIPLoss"
+    #: the kind of ``similarity_fct`` (its check, its config name, the arguments' names)
+    similarity_kind: ClassVar[SimilarityKind] = EMBEDDING
 
     scale: float = redefault(ScaleSettings, "scale", 10.0)
     bias: float = setting(
