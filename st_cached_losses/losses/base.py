@@ -134,6 +134,12 @@ class Stage:
         ``inputs``: what the loss was called with."""
         return StepData()
 
+    def with_embeddings(self, step: StepData, embeddings: list[Tensor]) -> StepData:
+        """What the step needs from the model's own rows of the step, at full width: called with them before
+        ``calculate_loss``, which a wrapper may call on other rows (MatryoshkaLoss's truncations). Nothing by
+        default (a self-guided GIST stage takes them as its guide's embeddings here)."""
+        return step
+
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
         """The loss of ``batch`` without a graph and, with ``with_grad``, its gradients."""
         raise NotImplementedError
@@ -388,6 +394,7 @@ class CachedLoss(nn.Module):
         step.inputs = self.stage_inputs(training=torch.is_grad_enabled())
         if not torch.is_grad_enabled():
             embeddings = self.cache.embed(self.model, features)
+            step = self.stage.with_embeddings(step, embeddings)
             loss = self.calculate_loss([[e] for e in embeddings], labels, step=step)
             return self._returned(loss, step, training=False)
         self._warn_if_caching_off(features)
@@ -456,6 +463,7 @@ class CachedLoss(nn.Module):
         """GradCache's stage 2 through ``calculate_loss``, so that a wrapper that decorates it works: the loss,
         its gradient wrt each column, and wrt each of ``step.inputs``."""
         reps = [[e.detach().requires_grad_()] for e in embeddings]
+        step = self.stage.with_embeddings(step, embeddings)
         loss = self.calculate_loss(reps, labels, with_backward=True, step=step)
         inputs = list(step.inputs.values())
         input_grads: list[Tensor | None] = [None] * len(inputs)

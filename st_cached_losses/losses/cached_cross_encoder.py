@@ -21,6 +21,7 @@ from st_cached_losses.engine.features import (
     position_shift_invariant,
     unwrap_model,
 )
+from st_cached_losses.engine.multimodal import media_axes, patches_per_row
 from st_cached_losses.losses.base import CachedLoss
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.settings import EngineSettings, setting
@@ -229,7 +230,8 @@ class CachedCrossEncoderLoss(CachedLoss):
             scale: multiplies the activated scores (``1 / temperature``); 0 or None: not scaled, as theirs.
             activation_fn: applied to each pair's score before scaling; None: the raw score. A class path
                 (the config's form, ``"torch.nn.modules.activation.Sigmoid"``) of a ``torch.nn`` module is
-                built with no arguments.
+                built with no arguments. A learnable one (e.g. ``nn.PReLU()``) gets its exact gradient,
+                averaged over the processes as the model's is.
             mini_batch_size: pairs per model forward: sets the memory, never the result. ``"auto"``: the
                 largest that fits ``mini_batch_memory_budget``, measured at the first step.
             show_progress_bar: tqdm bars over the mini-batches of both passes.
@@ -363,7 +365,11 @@ class CachedCrossEncoderLoss(CachedLoss):
 
         A model that flattens its inputs (padding-free, as sentence-transformers does under flash
         attention's variable-length kernels) gets every pair's real tokens flattened at once (no padding
-        to hold; the engine slices them per sequence)."""
+        to hold; the engine slices them per sequence).
+
+        A multimodal reranker's pairs (a document or query with images) are measured with their images: the
+        column keeps each pair's vision patches where the processor flattens them (Qwen2-VL), which a token
+        budget and the ``"auto"`` sizes count besides the pair's tokens, as for an embedding model's column."""
         inner = unwrap_model(self.model)
         kwargs = {"task": task} if task is not None else {}
         tokenizer = getattr(inner, "tokenizer", None)
@@ -381,9 +387,19 @@ class CachedCrossEncoderLoss(CachedLoss):
             tokenize(pairs[i : i + TOKENIZE_CHUNK]) for i in range(TOKENIZE_CHUNK, len(pairs), TOKENIZE_CHUNK)
         ]
         masks = [chunk["attention_mask"].bool() for chunk in chunks]
+        # a multimodal reranker's pairs: the vision patches of each pair's images, which a token budget counts
+        patches = [patches_per_row(media_axes(c, len(m)), len(m)) for c, m in zip(chunks, masks)]
         del chunks
         width = max(m.shape[1] for m in masks)
         mask = torch.cat([_pad(m, width, left, False) for m in masks])
+        per_pair = None
+        if any(p is not None for p in patches):
+            per_pair = torch.cat(
+                [
+                    p if p is not None else torch.zeros(len(m), dtype=torch.long)
+                    for p, m in zip(patches, masks)
+                ]
+            )
 
         def make(rows: Tensor, trim_leading: bool) -> Features:
             out = tokenize([pairs[i] for i in rows.tolist()])
@@ -393,7 +409,7 @@ class CachedCrossEncoderLoss(CachedLoss):
                 out = _pad_inputs(out, width, tokenizer)
             return out
 
-        return InputsOnDemand(mask, make)
+        return InputsOnDemand(mask, make, per_pair)
 
 
 def _check_labels(model: nn.Module, owner: str) -> None:

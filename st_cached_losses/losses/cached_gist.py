@@ -176,7 +176,8 @@ class CachedGISTLoss(LearnableScale):
         (``guide=None``) the model guides itself with its own embeddings of the step, at no extra cost.
 
         The guide embeds each column once per step, mini-batch by mini-batch and without a graph (re-tokenising
-        the texts when its tokenizer differs from the model's); it is never replayed nor trained. Its mask is
+        the texts when its tokenizer differs from the model's: then a column with images, videos or audio is
+        refused, the decoded text having none of them); it is never replayed nor trained. Its mask is
         computed tile by tile next to the logits, never as a ``B x C`` matrix; across processes the guide's
         embeddings of the candidates are gathered (or travel around the ring) with the model's.
 
@@ -200,7 +201,8 @@ class CachedGISTLoss(LearnableScale):
                 engine's first pass, detached: no guide model, no extra forward), so the mask follows the
                 model as it trains; the same loss as ``GISTEmbedLoss`` with a frozen copy of the model, taken
                 at this step, as the guide (on a model without dropout; with dropout, the mask is that of the
-                step's own forward). The model itself is accepted too (as in sentence-transformers): then it
+                step's own forward); inside ``MatryoshkaLoss`` every width is guided by the full-width
+                embeddings, as that frozen copy guides it. The model itself is accepted too (as in sentence-transformers): then it
                 embeds the batch once more without a graph, in the mode the model is in (as theirs: no
                 ``eval()``).
             temperature: divides the cosine similarities (``scale = 1 / temperature``).

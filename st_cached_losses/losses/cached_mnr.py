@@ -135,7 +135,8 @@ class CachedMNRLoss(LearnableScale):
             learnable_scale: learn the scale as CLIP's ``logit_scale = log(scale)``, clamped at ``max_scale``;
                 give the trainer ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it.
             max_scale: the clamp of a learned scale (CLIP: 100).
-            mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and across
+            mask_duplicates: mask false negatives found by equal inputs (token ids, and with images or videos
+                their pixels too: the same text with other images is no duplicate), on this process and across
                 processes: rows sharing their anchor or their positive are duplicates; a row's negatives lose
                 the positives of its duplicates, and any candidate equal to its own positive. With the
                 positive -> anchors direction, a positive's negatives lose the anchors of its row's duplicates.

@@ -332,7 +332,7 @@ class CachedSparseLoss(CachedLoss):
             mini_batch_size: rows per encoder forward (or ``"auto"``); sets the memory, not the result.
             mini_batch_num_tokens: a budget of real (non-padding) tokens per encoder mini-batch instead.
             show_progress_bar: tqdm bars over the mini-batches.
-            mask_duplicates: mask false negatives found by equal token ids (see ``CachedMNRLoss``); with the
+            mask_duplicates: mask false negatives found by equal inputs (see ``CachedMNRLoss``); with the
                 core's base loss only.
 
         References:

@@ -18,9 +18,9 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.features import input_ids_by_row, model_device
+from st_cached_losses.engine.multimodal import input_keys, media_inputs
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, InfoNCEOptions, LossPath, infonce
 from st_cached_losses.functional.distributed import is_distributed
-from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.options import Bank, Guide
 from st_cached_losses.functional.parallel import (
     gathered_infonce,
@@ -50,6 +50,21 @@ class GuideModel:
     retokenize: bool
     #: the trained model's tokenizer (it decodes the texts to re-tokenise)
     tokenizer: Any
+
+    def check(self, features: Sequence[Any], owner: str) -> None:
+        """Refuse columns with images, videos or audio when the guide re-tokenises the decoded text, which
+        holds none of them (sentence-transformers' guide drops them silently)."""
+        if not self.retokenize:
+            return
+        media = {k: media_inputs(f) for k, f in enumerate(features) if media_inputs(f)}
+        if media:
+            raise ValueError(
+                f"{owner}: the guide reads another vocabulary (or fewer tokens) than the model, so its inputs are "
+                "re-tokenised from the decoded text, which holds no images, videos or audio; column(s) "
+                f"{sorted(media)} have {sorted({k for keys in media.values() for k in keys})}. Use a guide that "
+                "reads the model's inputs (its processor and max_seq_length), or guide=None (the model guides "
+                "itself)."
+            )
 
     def embed(self, loss: CachedLoss, features: list[dict[str, Any]]) -> list[Tensor]:
         """The guide's embeddings of every column of the step, on the trained model's device."""
@@ -109,14 +124,26 @@ class InfoNCE(Stage):
         check_columns(features, self.owner)
         if not self.in_batch:
             check_own_candidates(len(features), self.owner)
+        if isinstance(self.guide, GuideModel):
+            self.guide.check(features, self.owner)
 
     def prepare(self, loss: CachedLoss, features: list[Any], inputs: Sequence[Any]) -> StepData:
         if self.bank is not None and torch.is_grad_enabled():  # a training step begins: the bank ages
             self.bank.begin_step()
         # false negatives are recognised by their token ids (embeddings differ under dropout)
-        keys = [input_hashes(f) for f in features] if self.mask_duplicates else None
+        keys = [input_keys(f) for f in features] if self.mask_duplicates else None
         guide = self.guide.embed(loss, features) if isinstance(self.guide, GuideModel) else None
         return StepData(keys=keys, guide=guide)
+
+    def with_embeddings(self, step: StepData, embeddings: list[Tensor]) -> StepData:
+        """Self-guided: the model's own rows of the step, at full width and detached, are the guide's. In
+        GradCache's stage 2 they are the first pass's rows, which the replay reproduces (its random state
+        restored), so the mask is the one of the very forward that is differentiated; taken before
+        ``calculate_loss``, so that a wrapper calling it on truncations (MatryoshkaLoss) guides every width with
+        them, as ``GISTEmbedLoss`` with a frozen copy of the model as guide does."""
+        if self.guide == SELF_GUIDED and step.guide is None:
+            step.guide = [e.detach() for e in embeddings]
+        return step
 
     def options(
         self, step: StepData, embeddings: list[Tensor], scale: float | Tensor, bank: Bank | None
@@ -141,18 +168,18 @@ class InfoNCE(Stage):
     def _guide(self, step: StepData, embeddings: list[Tensor]) -> Guide | None:
         if self.guide is None:
             return None
+        guide = step.guide
+        fits = guide is not None and len(guide) == len(embeddings) and len(guide[0]) == len(embeddings[0])
         if self.guide == SELF_GUIDED:
-            # in GradCache's stage 2 these are the first pass's embeddings, which the replay reproduces (its
-            # random state restored): the mask of the very forward that is differentiated; a wrapper calling
-            # the stage on other embeddings of the step (MatryoshkaLoss's truncations) is guided by those
-            guide = [e.detach() for e in embeddings]
-        else:
-            guide = step.guide  # type: ignore[assignment]
-            if guide is None or len(guide) != len(embeddings) or len(guide[0]) != len(embeddings[0]):
-                raise ValueError(
-                    f"{self.owner} needs the guide's embeddings of the same batch: call the loss on the features "
-                    "(loss(features, labels)), which embeds them with the guide, rather than calculate_loss directly."
-                )
+            # the step's own full-width rows (``with_embeddings``); called directly (``calculate_loss`` without
+            # the step's rows), the given ones, detached
+            if guide is None or not fits:
+                guide = [e.detach() for e in embeddings]
+        elif guide is None or not fits:
+            raise ValueError(
+                f"{self.owner} needs the guide's embeddings of the same batch: call the loss on the features "
+                "(loss(features, labels)), which embeds them with the guide, rather than calculate_loss directly."
+            )
         return Guide(guide[0], guide[1:])
 
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:

@@ -1,8 +1,8 @@
 """The reranker's stage: the cross-entropy of each query's positive among ``scale * activation_fn(score)`` of
 its pairs, the cached quantity being each (query, document) pair's raw score (sentence-transformers'
 cross-encoder ``MultipleNegativesRankingLoss``). The activation runs here, with autograd over the raw scores,
-so a learnable activation (``nn.PReLU``) gets its exact gradient; across processes the loss is the mean over
-every process's queries."""
+so a learnable activation (``nn.PReLU``) gets its exact gradient, averaged over the processes as the model's is;
+across processes the loss is the mean over every process's queries."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from st_cached_losses.functional.distributed import is_distributed, world_size
-from st_cached_losses.functional.parallel import agree_on_sizes
+from st_cached_losses.functional.parallel import agree_on_sizes, mean_scale_grad
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData
 
 __all__ = ["PairScores"]
@@ -84,5 +84,9 @@ class PairScores(Stage):
             loss = self.loss_of(leaves, batch_size, total)
             found = torch.autograd.grad(loss, [*leaves, *params.values()], allow_unused=True)
         grads = [g if g is not None else torch.zeros_like(s) for g, s in zip(found, leaves)]
-        input_grads = {k: g for k, g in zip(params, found[len(leaves) :]) if g is not None}
+        # the activation belongs to the loss, outside the DDP-wrapped model: its gradient is averaged over the
+        # processes here, as DDP averages the model's (a parameter the loss does not reach has no gradient, on
+        # every process alike)
+        averaged = [mean_scale_grad(g) for g in found[len(leaves) :]]
+        input_grads = {k: g for k, g in zip(params, averaged) if g is not None}
         return StageOutput(loss.detach(), grads, input_grads)

@@ -48,6 +48,11 @@ class WeightedSum(Stage):
                     setattr(step, f.name, getattr(prepared, f.name))
         return step
 
+    def with_embeddings(self, step: StepData, embeddings: list[Tensor]) -> StepData:
+        for _, stage in self.stages:
+            step = stage.with_embeddings(step, embeddings)
+        return step
+
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
         loss: Tensor | None = None
         grads: list[Tensor] | None = None
