@@ -322,3 +322,25 @@ def test_trainer_learns_saves_logs_and_cards_the_scale_and_bias(tmp_path):
     card = add_training_section(tmp_path / "model", trainer).read_text()
     assert f"scale from 10 to {loss.scale:.4g}, bias from -10 to {loss.bias:.4g}" in card
     assert "zhai2023sigmoid" in card and "equivalent-loss:" not in card
+
+
+def test_a_tiny_clip_model_with_images_and_captions(tmp_path):
+    """Image-text, as SigLIP trains: a random CLIP loaded by sentence-transformers (images in one column,
+    captions in the other, mini-batches of 2 over 5 rows), loss and every gradient against the reference."""
+    import random
+
+    from tests.support.tiny_vlm import WORDS, make_tiny_clip, random_image
+
+    model = make_tiny_clip(tmp_path / "clip")
+    rng = random.Random(0)
+    images = [random_image(rng, 8 + 4 * (i % 3)) for i in range(5)]
+    captions = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 6))) for _ in range(5)]
+    feats = [model.preprocess(images), model.preprocess(captions)]
+    assert feats[0]["modality"] == "image" and feats[1]["modality"] == "text"
+    loss = CachedSigLIPLoss(model, 10.0, -10.0, True, mini_batch_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours = ours_step(model, loss, feats)
+    assert_step_equal(ours, reference_step(model, feats, 10.0, -10.0))
+    vision = [p.grad for n, p in model.named_parameters() if "vision_model" in n and p.grad is not None]
+    assert vision and any(g.abs().max() > 0 for g in vision), "the image tower must get gradients"
