@@ -339,7 +339,8 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
     )
     mask_duplicates: bool = setting(
         False,
-        doc="Mask false negatives found by equal inputs (token ids), on this process and across processes: rows "
+        doc="Mask false negatives found by equal inputs (token ids, and pixels with images), on this process and "
+        "across processes: rows "
         "sharing their anchor or their positive are duplicates; a row's negatives lose the positives of its "
         "duplicates, and any candidate equal to its own positive.",
         check=check_bool,

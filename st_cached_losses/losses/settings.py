@@ -128,14 +128,26 @@ class Settings:
     view_arguments: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
+        # every field is checked before any error is raised: one error names every bad setting at once
+        errors: list[Exception] = []
         for f in fields(self):
             check = f.metadata.get("check")
             if check is None:
                 continue
-            value = check(f.name, getattr(self, f.name))
-            object.__setattr__(self, f.name, value)
-            if hasattr(check, "resolve"):  # a similarity: resolved once, kept with the settings
-                self.__dict__[f"_resolved_{f.name}"] = check.resolve(value)
+            try:
+                value = check(f.name, getattr(self, f.name))
+                object.__setattr__(self, f.name, value)
+                if hasattr(check, "resolve"):  # a similarity: resolved once, kept with the settings
+                    self.__dict__[f"_resolved_{f.name}"] = check.resolve(value)
+            except (TypeError, ValueError) as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            kind = type(errors[0]) if all(type(e) is type(errors[0]) for e in errors) else ValueError
+            raise kind(
+                f"{self.owner}: {len(errors)} settings are invalid:\n" + "\n".join(f"- {e}" for e in errors)
+            ) from errors[0]
         self.validate()
 
     def resolved(self, name: str) -> Any:

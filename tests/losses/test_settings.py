@@ -217,3 +217,17 @@ def test_one_budget_rule_for_the_losses_and_the_arguments(model):
         loss.mini_batch_size = 4
     loss.update_settings(mini_batch_size=4, mini_batch_memory_budget=None)
     assert (loss.mini_batch_size, loss.mini_batch_memory_budget, loss.cache.mini_batch_size) == (4, None, 4)
+
+
+def test_every_invalid_setting_is_named_at_once(model):
+    # the fields' own checks all run before one error names every bad setting, whatever their order
+    with pytest.raises(ValueError, match="2 settings are invalid") as info:
+        st_cached_losses.CachedMNRLoss(model, mask_duplicates=1, gather_across_devices="yes")
+    assert "mask_duplicates" in str(info.value) and "gather_across_devices" in str(info.value)
+    loss = st_cached_losses.CachedMNRLoss(model)
+    with pytest.raises(ValueError, match="2 settings are invalid"):
+        loss.update_settings(gather_across_devices="yes", mask_duplicates=1)
+    assert loss.mask_duplicates is False and loss.gather_across_devices is False
+    # one bad setting: its own error, as it is
+    with pytest.raises(ValueError, match=r"^mask_duplicates must be True or False"):
+        st_cached_losses.CachedMNRLoss(model, mask_duplicates=1)
