@@ -225,8 +225,10 @@ class CachedSigLIPLoss(LearnableScale):
                 the global batch; by ring exchange with ``path="tiled"``).
             show_progress_bar: tqdm bars over the encoder mini-batches.
             max_scale: the clamp of a learned scale (100, as open_clip).
-            engine: the engine's knobs and the loss stage's plan (``path``, ``tile_size``, ``memory_budget``,
-                ``graph_memory_budget``, ...), keyword-only, as every cached loss takes them.
+
+        The engine's knobs and the loss stage's plan (``path``, ``tile_size``, ``memory_budget``,
+        ``graph_memory_budget``, ...) are keyword-only, as every cached loss takes them; with
+        ``gather_across_devices``, ``path="tiled"`` is the ring.
 
         References:
             - Zhai et al., Sigmoid Loss for Language Image Pre-Training, 2023:
