@@ -116,6 +116,8 @@ model-cards: $(STAMP)
 	cp output/examples/cached_tiled/README.md model_cards/cached_tiled.md
 	$(PY) examples/train_cached_gist.py --disable_tqdm true
 	cp output/examples/cached_gist/README.md model_cards/cached_gist.md
+	$(PY) examples/train_cached_siglip.py --disable_tqdm true
+	cp output/examples/cached_siglip/README.md model_cards/cached_siglip.md
 	$(PY) examples/train_cached_sparse.py --disable_tqdm true
 	cp output/examples/cached_sparse/README.md model_cards/cached_sparse.md
 	$(PY) examples/train_cached_multi_vector.py --disable_tqdm true

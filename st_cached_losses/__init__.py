@@ -27,6 +27,7 @@ _EXPORTS = {
     "CachedGISTLoss": "st_cached_losses.losses",
     "CachedMNRLoss": "st_cached_losses.losses",
     "CachedMultiVectorLoss": "st_cached_losses.losses",
+    "CachedSigLIPLoss": "st_cached_losses.losses",
     "CachedSparseLoss": "st_cached_losses.losses",
     "CachedTiledLoss": "st_cached_losses.losses",
     "LossStateCallback": "st_cached_losses.losses.callbacks",
@@ -53,6 +54,7 @@ __all__ = [
     "CachedMultiVectorEncoderTrainingArguments",
     "CachedMultiVectorLoss",
     "CachedMultiVectorMarginMSELoss",
+    "CachedSigLIPLoss",
     "CachedSparseEncoderTrainingArguments",
     "CachedSparseLoss",
     "CachedTiledLoss",
@@ -84,6 +86,7 @@ if TYPE_CHECKING:
         CachedMultiVectorDistillKLDivLoss,
         CachedMultiVectorLoss,
         CachedMultiVectorMarginMSELoss,
+        CachedSigLIPLoss,
         CachedSparseLoss,
         CachedTiledLoss,
     )

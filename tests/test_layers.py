@@ -175,8 +175,10 @@ def test_the_top_level_holds_at_most_five_modules():
 
 def test_functional_holds_one_autograd_function():
     """One InfoNCE core: every loss of the family is a set of logit terms of one autograd Function (the
-    statistics pass in forward, the tiles recomputed in backward), not a second code path. (The other
-    Function is a collective: the all-gather whose backward sums over processes.)"""
+    statistics pass in forward, the tiles recomputed in backward), not a second code path. The sigmoid loss
+    is no softmax (no terms, no statistics): its Function is the one for losses whose gradients come out of
+    the forward pass, usable by any other such loss. (The last Function is a collective: the all-gather whose
+    backward sums over processes.)"""
     functions = []
     for path in sorted((PACKAGE / "functional").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -184,7 +186,11 @@ def test_functional_holds_one_autograd_function():
                 ast.unparse(base).endswith("autograd.Function") for base in node.bases
             ):
                 functions.append(f"{path.name}:{node.name}")
-    assert functions == ["autograd.py:InfoNCEFunction", "distributed.py:_GatherWithSummedGrad"]
+    assert functions == [
+        "autograd.py:InfoNCEFunction",
+        "autograd.py:OnePassFunction",
+        "distributed.py:_GatherWithSummedGrad",
+    ]
 
 
 #: helpers of ``st_cached_losses.functional.distributed`` that communicate nothing (the process's rank, the world size, a

@@ -183,8 +183,17 @@ def add_training_section(
         f"{getattr(args, 'mini_batch_size', getattr(loss, 'mini_batch_size', '-'))}, "
         f"{trainer.state.global_step} optimizer steps ({timing}{os.cpu_count()} CPU cores)."
     )
-    if getattr(loss, "learnable_scale", False):
-        start = f"from {args.loss_scale:g} " if isinstance(args, CachedLossArguments) else ""
+    ours = isinstance(args, CachedLossArguments)
+    if getattr(loss, "learnable", False) and hasattr(loss, "logit_bias"):  # SigLIP: its scale and bias
+        scale_from = f"from {args.loss_scale:g} " if ours else ""
+        bias_from = f"from {args.siglip_bias:g} " if ours else ""
+        body += (
+            f" The scale and the bias were learned: scale {scale_from}to {float(loss.scale):.4g}, bias "
+            f"{bias_from}to {float(loss.bias):.4g} at the end of training; the loss parameters above list them "
+            "as the trainer began."
+        )
+    elif getattr(loss, "learnable_scale", False):
+        start = f"from {args.loss_scale:g} " if ours else ""
         scale = float(loss.scale)
         body += (
             f" The scale (1 / temperature) was learned: {start}to {scale:.4g} at the end of training "

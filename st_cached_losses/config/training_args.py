@@ -75,6 +75,7 @@ from st_cached_losses.losses.similarity import SimilarityKind
 
 __all__ = [
     "ARGUMENTS_CLASSES",
+    "BIAS_PARAMETER_PATTERN",
     "LOSS_DEFAULTS",
     "LOSS_FIELDS",
     "SAME_DATASET",
@@ -94,9 +95,13 @@ __all__ = [
 #: (inside MatryoshkaLoss); never a parameter of the model the loss holds (``model.0...logit_scale``, as in a
 #: CLIP encoder)
 SCALE_PARAMETER_PATTERN = r"^(?!(?:.*\.)?model\.)(?:.*\.)?logit_scale$"
+#: the same pattern for a learned bias (SigLIP's ``logit_bias``, 'siglip' with ``learnable``), which trains at
+#: the scale's rate
+BIAS_PARAMETER_PATTERN = r"^(?!(?:.*\.)?model\.)(?:.*\.)?logit_bias$"
 #: what the loss's scale is called among the trainer's parameter names (a user pattern matching one of these
 #: already sets the scale's learning rate)
 _SCALE_PARAMETER_NAMES = ("logit_scale", "loss.logit_scale")
+_BIAS_PARAMETER_NAMES = ("logit_bias", "loss.logit_bias")
 
 #: the value of sentence-transformers' ``multi_dataset_batch_sampler`` that picks
 #: `SameDatasetBatchSampler`
@@ -204,16 +209,19 @@ class CachedLossArguments(BaseTrainingArguments):
     )
     learnable_scale: bool = loss_field("learnable_scale")
     max_scale: float = loss_field("max_scale")
+    learnable: bool = loss_field("learnable")
+    siglip_bias: float = loss_field("bias")
     scale_learning_rate: Optional[float] = field(  # noqa: UP045
         default=DEFAULT_SCALE_LEARNING_RATE,
         metadata={
             "help": f"Learning rate of a learnable scale (default {DEFAULT_SCALE_LEARNING_RATE:g}), in an optimizer "
             "group of its own: at a fine-tuning learning_rate (1e-4) the scale barely moves (Adam changes "
-            "log(scale) by about the learning rate per step). With learnable_scale it is added to "
-            "learning_rate_mapping as {'"
+            "log(scale) by about the learning rate per step). With learnable_scale (or 'siglip' with learnable) "
+            "it is added to learning_rate_mapping as {'"
             + SCALE_PARAMETER_PATTERN
             + "': rate}, unless a pattern of the user's "
-            "learning_rate_mapping already matches 'logit_scale' (the user's rate is kept). The learning rate "
+            "learning_rate_mapping already matches 'logit_scale' (the user's rate is kept); 'siglip''s learned "
+            "bias (logit_bias) gets the same rate the same way. The learning rate "
             "schedule applies to it as to every group. 0 or None: the scale trains at learning_rate."
         },
     )
@@ -354,7 +362,7 @@ class CachedLossArguments(BaseTrainingArguments):
         users = {
             k: v
             for k, v in (given.items() if isinstance(given, Mapping) else ())
-            if k != SCALE_PARAMETER_PATTERN
+            if k not in (SCALE_PARAMETER_PATTERN, BIAS_PARAMETER_PATTERN)
         }
         for pattern in users:
             try:
@@ -365,14 +373,28 @@ class CachedLossArguments(BaseTrainingArguments):
                 ) from None
         rate = self.scale_learning_rate
         ours: dict[str, float] = {}
-        if (
-            self.learnable_scale
-            and "learnable_scale" in loss_parameters(self.loss)
-            and rate
-            and not any(re.search(p, name) for p in users for name in _SCALE_PARAMETER_NAMES)
-        ):
-            ours[SCALE_PARAMETER_PATTERN] = float(rate)
+        learned = (
+            (SCALE_PARAMETER_PATTERN, _SCALE_PARAMETER_NAMES, self.learns_scale),
+            (BIAS_PARAMETER_PATTERN, _BIAS_PARAMETER_NAMES, self.learns_bias),
+        )
+        for pattern, names, learns in learned:
+            if learns and rate and not any(re.search(p, name) for p in users for name in names):
+                ours[pattern] = float(rate)
         self.learning_rate_mapping = {**ours, **users}  # a new dict: the user's is not changed
+
+    @property
+    def learns_scale(self) -> bool:
+        """Whether the chosen loss learns its scale: ``learnable_scale``, or 'siglip''s ``learnable``."""
+        taken = loss_parameters(str(self.loss))
+        return bool(
+            (self.learnable_scale and "learnable_scale" in taken) or (self.learnable and "learnable" in taken)
+        )
+
+    @property
+    def learns_bias(self) -> bool:
+        """Whether the chosen loss learns a bias ('siglip' with ``learnable``)."""
+        taken = loss_parameters(str(self.loss))
+        return bool(self.learnable and "learnable" in taken and "bias" in taken)
 
     # ------------------------------------------------------------------ derived settings
 
@@ -498,7 +520,7 @@ class CachedLossArguments(BaseTrainingArguments):
             names += ["scale", "temperature"]
         elif self.scale_setting == "temperature":
             names += ["temperature"]
-        if self.learnable_scale and "learnable_scale" in taken:
+        if self.learns_scale:
             names.append("scale_learning_rate")
         owners = {FIELD_NAMES.get(p, p): p for p in taken}
         names += [f for f in LOSS_FIELDS if f not in names and f in owners and f not in _DERIVED]
@@ -798,9 +820,15 @@ def _validate_fields(args: CachedLossArguments) -> None:
         )
         base = BASE_LOSSES.get(args.loss)
         with_base = f" with {base.__name__} as its base loss" if base is not None else ""
+        # a learned scale under another name (SigLIP's learnable, its scale and bias)
+        instead = (
+            " (it learns its scale with learnable)"
+            if setting == "learnable_scale" and "learnable" in taken
+            else ""
+        )
         raise ValueError(
             f"{f.name} does not apply to loss={args.loss!r} ({args.loss_class.__name__}{with_base} does not take "
-            f"{setting}): {f.name} applies to {takers_text}. Remove {f.name}."
+            f"{setting}): {f.name} applies to {takers_text}. Remove {f.name}{instead}."
         )
     unknown = [k for k in args._options() if k not in taken]
     named = [k for k in args._options() if FIELD_NAMES.get(k, k) in FIELD_SETTINGS]

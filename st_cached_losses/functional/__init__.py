@@ -1,4 +1,5 @@
-"""Pure-torch InfoNCE math: exact, chunked or tiled, with gradients wrt the embeddings.
+"""Pure-torch loss math (InfoNCE, SigLIP's sigmoid loss): exact, chunked or tiled, with gradients wrt the
+embeddings.
 
 Imports nothing from sentence_transformers or accelerate."""
 
@@ -13,6 +14,12 @@ from st_cached_losses.functional.infonce import (
     infonce,
     infonce_loss_and_grad,
 )
+from st_cached_losses.functional.sigmoid import (
+    SigmoidOptions,
+    SigmoidOutput,
+    sigmoid_loss,
+    sigmoid_loss_and_grad,
+)
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -20,9 +27,13 @@ __all__ = [
     "InfoNCEOptions",
     "InfoNCEOutput",
     "LossPath",
+    "SigmoidOptions",
+    "SigmoidOutput",
     "Similarity",
     "check_positive_int",
     "infonce",
     "infonce_loss_and_grad",
     "scale_value",
+    "sigmoid_loss",
+    "sigmoid_loss_and_grad",
 ]

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "bias_value",
     "candidate_columns",
     "check_path",
     "check_positive_int",
@@ -67,6 +68,26 @@ def scale_value(scale: float | Tensor, name: str = "scale") -> float:
     if not math.isfinite(value) or value <= 0:
         typical = "typical values are 20 to 100" if name == "scale" else f"e.g. {example}"
         raise ValueError(f"{first} Got {value}: {name} = {other} must be finite and positive; {typical}.")
+    return value
+
+
+def bias_value(bias: float | Tensor, name: str = "bias") -> float:
+    """A bias (added to every logit, SigLIP's ``b``) as a float: any finite real number or one-element tensor."""
+    if isinstance(bias, (bool, str)):
+        raise ValueError(f"{name} must be a finite number, got {bias!r}; e.g. {name}=-10.0.")
+    if isinstance(bias, Tensor):
+        if bias.numel() != 1:
+            raise ValueError(
+                f"{name} must be a float or a one-element tensor, got a tensor of shape {tuple(bias.shape)}."
+            )
+        value = float(bias.detach())
+    else:
+        try:
+            value = float(bias)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a finite number, got {bias!r}; e.g. {name}=-10.0.") from None
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}; e.g. {name}=-10.0.")
     return value
 
 

@@ -22,6 +22,7 @@ from st_cached_losses.losses.cached_multi_vector_distill import (
     CachedMultiVectorDistillKLDivLoss,
     CachedMultiVectorMarginMSELoss,
 )
+from st_cached_losses.losses.cached_siglip import CachedSigLIPLoss
 from st_cached_losses.losses.learnable_scale import LearnableScale
 from st_cached_losses.losses.settings import EngineSettings, LossStageSettings, Settings, setting
 # isort: on
@@ -40,6 +41,7 @@ __all__ = [
     "CachedMultiVectorDistillKLDivLoss",
     "CachedMultiVectorLoss",
     "CachedMultiVectorMarginMSELoss",
+    "CachedSigLIPLoss",
     "CachedSparseLoss",
     "CachedTiledLoss",
     "EngineSettings",

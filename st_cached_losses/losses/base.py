@@ -216,7 +216,7 @@ class CachedLoss(nn.Module):
         settings_class: its settings (a frozen [`Settings`][st_cached_losses.losses.settings.Settings]); each
             setting is an attribute of the loss.
         model_kind: the sentence-transformers model class (by name) it trains.
-        equivalent_st_loss: the sentence-transformers loss it equals (the model card's tags).
+        equivalent_st_loss: the sentence-transformers loss it equals (the model card's tags; None: none).
         citations: BibTeX entries of the model card (its settings add those of the options in use).
         engine_output: the model's output the engine caches (``"sentence_embedding"``, or a reranker's
             ``"scores"``).
@@ -231,7 +231,7 @@ class CachedLoss(nn.Module):
     variants: ClassVar[tuple[Variant, ...]] = ()
     settings_class: ClassVar[type[EngineSettings]]
     model_kind: ClassVar[str] = "SentenceTransformer"
-    equivalent_st_loss: ClassVar[str] = "CachedMultipleNegativesRankingLoss"
+    equivalent_st_loss: ClassVar[str | None] = "CachedMultipleNegativesRankingLoss"
     citations: ClassVar[tuple[str, ...]] = (GRADCACHE_CITATION,)
     engine_output: ClassVar[str] = "sentence_embedding"
     #: a distillation loss: teacher scores in the labels (the arguments check a dataset's label column)
@@ -367,7 +367,9 @@ class CachedLoss(nn.Module):
         card = getattr(unwrap_model(self.model), "model_card_data", None)
         if self._tagged or card is None or not hasattr(card, "add_tags"):
             return
-        card.add_tags(["st_cached_losses", f"equivalent-loss:{self.equivalent_st_loss}"])
+        # None: sentence-transformers has no such loss (the sigmoid loss)
+        equivalent = self.equivalent_st_loss
+        card.add_tags(["st_cached_losses"] + ([f"equivalent-loss:{equivalent}"] if equivalent else []))
         self._tagged = True
 
     # ------------------------------------------------------------------ the template

@@ -4,7 +4,9 @@ trainer.
 sentence-transformers' trainer already puts a loss's parameters in the optimizer, but it saves and
 restores only the model: a learned ``logit_scale`` would be lost by ``resume_from_checkpoint`` and
 never appear in the logs. [`LossStateCallback`][st_cached_losses.losses.callbacks.LossStateCallback] fills the gap: it saves the losses' scale with
-every checkpoint, restores it when training resumes, and adds the current scale to each log.
+every checkpoint, restores it when training resumes, and adds the current scale to each log. A loss that learns a
+bias too (SigLIP's ``logit_bias``, [`CachedSigLIPLoss`][st_cached_losses.losses.cached_siglip.CachedSigLIPLoss])
+has it saved, restored and logged beside its scale.
 
 Where the scale is kept: no callback event is told which folder ``resume_from_checkpoint`` named
 (``on_train_begin`` gets ``args`` and ``state`` only, and ``args.resume_from_checkpoint`` is not
@@ -56,6 +58,8 @@ STATE_FILE = "st_cached_losses_state.pt"
 BANK_FILE = "st_cached_losses_bank-{}.pt"
 """Each process's share of the losses' negative banks, written into each checkpoint folder (``{}``: the
 process's index)."""
+BIAS_SUFFIX = "/logit_bias"
+"""Appended to a loss's key in the saved state for its learned bias (SigLIP's ``logit_bias``)."""
 STATE_KEY = "st_cached_losses.LossStateCallback"
 """The entry of ``TrainerState.stateful_callbacks`` holding the losses' ``logit_scale`` values; not a
 class name, so that ``restore_callback_states_from_checkpoint`` never tries to rebuild a callback
@@ -71,6 +75,21 @@ def _stateful(loss: nn.Module) -> list[nn.Module]:
 def _banked(loss: nn.Module) -> list[NegativeBank]:
     """The negative banks inside ``loss`` (one per loss that can keep one, ``negative_bank_size``)."""
     return [m for m in loss.modules() if isinstance(m, NegativeBank)]
+
+
+def _logit_bias(module: nn.Module) -> torch.Tensor | None:
+    """A stateful loss's learned bias (SigLIP's ``logit_bias``), or None where it learns none."""
+    return module._parameters.get("logit_bias")
+
+
+def _entries(key: str, module: nn.Module) -> dict[str, torch.Tensor]:
+    """A stateful loss's learned tensors under their state keys: ``key`` its ``logit_scale`` (the form of every
+    checkpoint so far), ``key + BIAS_SUFFIX`` a learned bias."""
+    entries = {key: _logit_scale(module)}
+    bias = _logit_bias(module)
+    if bias is not None:
+        entries[key + BIAS_SUFFIX] = bias
+    return entries
 
 
 def _logit_scale(module: nn.Module) -> torch.Tensor:
@@ -150,16 +169,21 @@ class LossStateCallback(TrainerCallback):
         return False
 
     def state_dict(self) -> dict[str, Any]:
-        return {key: _logit_scale(module).detach().cpu().clone() for key, module in self._scaled.items()}
+        return {
+            name: value.detach().cpu().clone()
+            for key, module in self._scaled.items()
+            for name, value in _entries(key, module).items()
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = []
         for key, module in self._scaled.items():
-            if key not in state:
-                missing.append(f"{key} ({type(module).__name__})")
-                continue
-            with torch.no_grad():
-                _logit_scale(module).copy_(torch.as_tensor(state[key]))  # copy_ casts and moves
+            for name, value in _entries(key, module).items():
+                if name not in state:
+                    missing.append(f"{name} ({type(module).__name__})")
+                    continue
+                with torch.no_grad():
+                    value.copy_(torch.as_tensor(state[name]))  # copy_ casts and moves
         if missing:
             # a loss added (or renamed in the dict of losses) since the checkpoint was saved
             logger.warning(
@@ -171,9 +195,13 @@ class LossStateCallback(TrainerCallback):
             )
 
     def scales(self) -> dict[str, float]:
-        """The current ``logit_scale`` values as plain floats, for ``trainer_state.json`` (a float32
-        value survives the JSON round trip exactly)."""
-        return {key: float(_logit_scale(module).detach()) for key, module in self._scaled.items()}
+        """The current ``logit_scale`` (and learned bias) values as plain floats, for ``trainer_state.json`` (a
+        float32 value survives the JSON round trip exactly)."""
+        return {
+            name: float(value.detach())
+            for key, module in self._scaled.items()
+            for name, value in _entries(key, module).items()
+        }
 
     def record(self, state: TrainerState) -> None:
         """Put the current scale into ``state``, which the trainer writes into the next checkpoint.
@@ -279,6 +307,13 @@ class LossStateCallback(TrainerCallback):
             ("scale" if key == "0" else f"scale_{key}"): float(m.scale)  # type: ignore[arg-type]
             for key, m in self._scaled.items()
         }
+        scales.update(
+            {
+                ("bias" if key == "0" else f"bias_{key}"): float(m.bias)  # type: ignore[arg-type]
+                for key, m in self._scaled.items()
+                if _logit_bias(m) is not None
+            }
+        )
         for key, bank in self._active_banks().items():  # its size and age, on this process
             scales.update({(k if key == "0" else f"{k}_{key}"): v for k, v in bank.stats().items()})
         logs.update(scales)

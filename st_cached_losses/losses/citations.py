@@ -131,3 +131,14 @@ MARGIN_MSE_CITATION = """
     primaryClass={cs.IR}
 }
 """
+
+SIGLIP_CITATION = """
+@inproceedings{zhai2023sigmoid,
+    title={Sigmoid Loss for Language Image Pre-Training},
+    author={Xiaohua Zhai and Basil Mustafa and Alexander Kolesnikov and Lucas Beyer},
+    booktitle={Proceedings of the IEEE/CVF International Conference on Computer Vision},
+    year={2023},
+    eprint={2303.15343},
+    archivePrefix={arXiv}
+}
+"""

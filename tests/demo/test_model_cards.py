@@ -39,6 +39,7 @@ CARDS: dict[str, tuple[str, type, str, list[str]]] = {
     "cached_clip.md": ("examples/train_cached_clip.py", CachedLossTrainingArguments, "dense", []),
     "cached_tiled.md": ("examples/train_cached_tiled.py", CachedLossTrainingArguments, "dense", []),
     "cached_gist.md": ("examples/train_cached_gist.py", CachedLossTrainingArguments, "dense", []),
+    "cached_siglip.md": ("examples/train_cached_siglip.py", CachedLossTrainingArguments, "dense", []),
     "cached_sparse.md": ("examples/train_cached_sparse.py", CachedSparseEncoderTrainingArguments, "sparse", []),
     "cached_multi_vector.md": (
         "examples/train_cached_multi_vector.py", CachedMultiVectorEncoderTrainingArguments, "multi_vector", []

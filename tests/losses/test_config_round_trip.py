@@ -244,6 +244,7 @@ def _every_loss(models: dict[str, Any], ce_model: Any) -> list[tuple[str, Any]]:
         ("multi_vector_distill_kl", s.CachedMultiVectorDistillKLDivLoss(mv, similarity_fct=xtr_kd_scores,
                                                                         temperature=2.0, mini_batch_size=2)),
         ("multi_vector_margin_mse", s.CachedMultiVectorMarginMSELoss(mv, mini_batch_size=2, infonce_weight=0.5)),
+        ("siglip", s.CachedSigLIPLoss(dense, 5.0, -3.0, True, 2, similarity_fct="dot", path="tiled")),
     ]  # fmt: skip
 
 

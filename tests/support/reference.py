@@ -1,4 +1,4 @@
-"""Naive dense InfoNCE: the oracle for every test and benchmark.
+"""Naive dense InfoNCE and sigmoid (SigLIP) losses: the oracle for every test and benchmark.
 
 Builds the full ``(B, C)`` logit matrix with plain autograd ops; nothing clever, nothing shared
 with the package. Computes in the inputs' dtype (so a bf16 call shows the naive bf16 error).
@@ -6,7 +6,7 @@ with the package. Computes in the inputs' dtype (so a bf16 call shows the naive 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -107,3 +107,29 @@ def reference_infonce_blockwise_float64(
             pos = logits[torch.arange(r1 - r0), torch.arange(r0, r1)]
             back += float((torch.logsumexp(logits, dim=1) - pos).sum())
         return (loss + back / p.shape[0]) / 2
+
+
+def reference_sigmoid(
+    anchors: Tensor,
+    candidates: Tensor | Sequence[Tensor],
+    *,
+    scale: float | Tensor = 10.0,
+    bias: float | Tensor = -10.0,
+    similarity: str | Callable[[Tensor, Tensor], Tensor] = "cosine",
+    row_offset: int = 0,
+    bank: Tensor | None = None,
+) -> Tensor:
+    """SigLIP's loss as the paper writes it, ``-(1/B) sum_i sum_j log sigmoid(z_ij (scale * sim_ij + bias))``,
+    over ``anchors (B, d)`` against ``cat(candidates, bank) (C, d)``; ``z_ij = +1`` at row i's positive
+    ``candidates[0][row_offset + i]``, -1 elsewhere. The full ``(B, C)`` logits, plain autograd."""
+    cols = [candidates] if isinstance(candidates, Tensor) else list(candidates)
+    c = torch.cat(cols + ([bank] if bank is not None else []), dim=0)
+    if callable(similarity):
+        sim = similarity(anchors, c)
+    else:
+        sim = _prep(anchors, similarity) @ _prep(c, similarity).T  # (B, C)
+    logits = scale * sim + bias
+    b = anchors.shape[0]
+    z = -torch.ones_like(logits)
+    z[torch.arange(b), torch.arange(b) + row_offset] = 1.0
+    return -F.logsigmoid(z * logits).sum() / b

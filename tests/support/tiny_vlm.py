@@ -314,3 +314,43 @@ def qwen_video_column(model, n: int, *, seed: int, videos: list[int] | None = No
     out["num_videos_per_sample"] = torch.tensor(counts, dtype=torch.long)
     out["modality"] = "message"
     return out
+
+
+def make_tiny_clip(path: Path, *, seed: int = 0):
+    """Write a random CLIP (1-layer text and vision towers, 8 x 8 images of 4 x 4 patches, 16-dimensional
+    projections) and its processor to ``path``; load it as sentence-transformers loads a CLIP model (its
+    ``Transformer`` module finds the text and image methods: one embedding per row, text or image)."""
+    from sentence_transformers import SentenceTransformer
+    from transformers import CLIPConfig, CLIPModel, CLIPProcessor
+
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer(["<pad>", "<s>", "</s>"], "<pad>", "</s>")
+    images = CLIPImageProcessorPil(
+        size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}, do_center_crop=True
+    )
+    config = CLIPConfig(
+        text_config={
+            "vocab_size": len(tokenizer),
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "max_position_embeddings": 64,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+        vision_config={
+            "hidden_size": 16,
+            "intermediate_size": 32,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "image_size": 8,
+            "patch_size": 4,
+        },
+        projection_dim=16,
+    )
+    torch.manual_seed(seed)
+    CLIPModel(config).save_pretrained(path)
+    CLIPProcessor(image_processor=images, tokenizer=tokenizer).save_pretrained(path)
+    return SentenceTransformer(str(path), device="cpu")

@@ -1,0 +1,327 @@
+"""SigLIP's pairwise sigmoid loss with GradCache: [`CachedSigLIPLoss`][st_cached_losses.losses.cached_siglip.CachedSigLIPLoss],
+its settings ([`SigLIPSettings`][st_cached_losses.losses.cached_siglip.SigLIPSettings]) and its stage
+([`Sigmoid`][st_cached_losses.losses.cached_siglip.Sigmoid], the functional core's
+[`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.sigmoid_loss_and_grad]): the first loss added as
+``docs/development.md`` says a loss is added, in one file.
+
+Every pair's term is independent (no softmax), so the loss stage needs no statistics: row chunks, tiles and a
+ring of processes each compute the loss and every gradient in one pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from sentence_transformers.util import cos_sim
+from torch import Tensor, nn
+
+from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
+from st_cached_losses.functional.parallel import mean_scale_grad
+from st_cached_losses.functional.sigmoid import SigmoidOptions, sigmoid_loss_and_grad
+from st_cached_losses.losses.base import Stage, StageInput, StageOutput
+from st_cached_losses.losses.citations import GRADCACHE_CITATION, SIGLIP_CITATION
+from st_cached_losses.losses.learnable_scale import LearnableScale
+from st_cached_losses.losses.ranking import LearnableScaleSettings, RankingSettings, ScaleSettings
+from st_cached_losses.losses.settings import (
+    LossStageSettings,
+    check_bool,
+    check_finite,
+    check_max_scale,
+    redefault,
+    setting,
+    view,
+)
+from st_cached_losses.losses.similarity import EMBEDDING, SimilarityKind
+
+__all__ = ["CachedSigLIPLoss", "SigLIPSettings", "Sigmoid"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SigLIPSettings(ScaleSettings, LossStageSettings):
+    """[`CachedSigLIPLoss`][st_cached_losses.losses.cached_siglip.CachedSigLIPLoss]'s settings: the scale and
+    the bias of the logits ``scale * sim + bias``, whether both are learned, the similarity, gathering across
+    processes, the engine's knobs and the loss stage's plan."""
+
+    owner: ClassVar[str] = "CachedSigLIPLoss"
+    #: the kind of ``similarity_fct`` (its check, its config name, the arguments' names)
+    similarity_kind: ClassVar[SimilarityKind] = EMBEDDING
+
+    scale: float = redefault(ScaleSettings, "scale", 10.0)
+    bias: float = setting(
+        -10.0,
+        doc="SigLIP's bias b in the pair logits scale * sim + b (the initial value when learnable); -10 keeps "
+        "the many negative pairs from dominating the first steps.",
+        check=check_finite,
+        config="always",
+    )
+    learnable: bool = setting(
+        False,
+        doc="Learn SigLIP's scale (through its log, logit_scale, clamped at max_scale) and bias (logit_bias) as "
+        "parameters of the loss; give the trainer callbacks=[LossStateCallback(loss)] to save, restore and log "
+        "them.",
+        check=check_bool,
+        config="never",
+    )
+    max_scale: float = redefault(LearnableScaleSettings, "max_scale", 100.0)
+    similarity_fct: Callable[..., Tensor] | str = redefault(RankingSettings, "similarity_fct", cos_sim)
+    gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
+
+    @view
+    def learnable_scale(self) -> bool:
+        """Whether the scale is learned: ``learnable`` (which learns the bias too); setting it sets
+        ``learnable``."""
+        return self.learnable
+
+    @learnable_scale.changes
+    def _(self, value: Any) -> dict[str, Any]:
+        return {"learnable": check_bool("learnable_scale", value)}
+
+    @view
+    def similarity(self) -> Any:
+        """The core's score: ``"cosine"``, ``"dot"`` (GEMM blocks) or the function itself."""
+        return self.resolved("similarity_fct")
+
+    def validate(self) -> None:
+        super().validate()
+        if self.learnable:
+            check_max_scale(self.max_scale, self.scale)
+
+    def config(self) -> dict[str, Any]:
+        """The scale and the bias (the current, learned ones), the similarity by name, the mini-batches and
+        gathering; then what differs from its default (learning, its clamp, the tile size) and an ``"auto"``
+        loss's memory budget: every key a constructor argument."""
+        config: dict[str, Any] = {
+            "scale": self.scale,
+            "bias": self.bias,
+            "similarity_fct": EMBEDDING.config_name(self.similarity_fct),
+            "mini_batch_size": self.mini_batch_size,
+            "mini_batch_num_tokens": self.mini_batch_num_tokens,
+            "gather_across_devices": self.gather_across_devices,
+        }
+        learned = {"learnable": True, "max_scale": self.max_scale} if self.learnable else {}
+        return {**config, **learned, **self.changed(("tile_size",)), **self.auto_config()}
+
+
+@dataclass(eq=False, kw_only=True)
+class Sigmoid(Stage):
+    """The sigmoid loss of the cached rows (anchors, then the positives and every hard-negative column) and
+    its gradients wrt them and wrt a learned scale and bias (``step.inputs["scale"]`` / ``["bias"]``), in one
+    pass: on one process, gathered across processes, or on a ring (``path="tiled"`` with ``gather``).
+
+    Args:
+        owner: the loss's class name, for messages.
+        similarity: ``"cosine"``, ``"dot"`` or a function of two ``(rows, dim)`` tensors.
+        scale / bias: the logits' ``scale * sim + bias`` when they are not learned.
+        path / tile_size / memory_budget: the loss stage's plan; across processes ``path="tiled"`` is the
+            ring exchange, the others gather.
+        gather: score each process's rows against every process's candidates.
+    """
+
+    owner: str
+    similarity: Any
+    scale: float
+    bias: float
+    path: LossPath = "auto"
+    tile_size: int | None = None
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    gather: bool = False
+
+    def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
+        embeddings, step = batch.embeddings, batch.step
+        sizes = batch.sizes(self.gather)  # also the finiteness check, agreed on by every process
+        scale = step.inputs.get("scale", self.scale)
+        bias = step.inputs.get("bias", self.bias)
+        # matmul_precision (issue 52, the GPU issue): the InfoNCE stage has no such setting on this base yet;
+        # when it lands, pass it here as SigmoidOptions' precision of the blocks' products
+        options = SigmoidOptions(
+            scale=scale,
+            bias=bias,
+            similarity=self.similarity,
+            path=self.path,
+            tile_size=self.tile_size,
+            memory_budget=self.memory_budget,
+            check_finite=False,
+        )
+        ring = sizes is not None and self.path == "tiled"
+        out = sigmoid_loss_and_grad(
+            embeddings[0], embeddings[1:], options, sizes=sizes, ring=ring, with_grad=with_grad
+        )
+        if not with_grad:
+            return StageOutput(out.loss)
+        assert out.grad_anchors is not None  # asked for
+        input_grads: dict[str, Tensor] = {}
+        for name, grad in (("scale", out.grad_scale), ("bias", out.grad_bias)):
+            if grad is None:
+                continue
+            if sizes is None:
+                # each process scored its own rows and the scale and bias belong to the loss, outside any
+                # wrapper: average their gradients as DDP averages the model's (the gathered and ring paths
+                # average them themselves)
+                grad = mean_scale_grad(grad)
+            assert grad is not None
+            input_grads[name] = grad
+        return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
+
+
+class CachedSigLIPLoss(LearnableScale):
+    name = "siglip"
+    aliases = ("sigmoid",)
+    settings_class = SigLIPSettings
+    citations = (GRADCACHE_CITATION, SIGLIP_CITATION)
+    #: sentence-transformers has no sigmoid loss (their issue 3119)
+    equivalent_st_loss = None
+
+    logit_bias: nn.Parameter
+
+    def __init__(
+        self,
+        model: nn.Module,
+        scale: float = 10.0,
+        bias: float = -10.0,
+        learnable: bool = False,
+        mini_batch_size: int | str = 32,
+        similarity_fct: Callable[..., Tensor] | str = cos_sim,
+        mini_batch_num_tokens: int | str | None = None,
+        gather_across_devices: bool = False,
+        show_progress_bar: bool = False,
+        *,
+        max_scale: float = 100.0,
+        **engine: Any,
+    ) -> None:
+        """
+        SigLIP's pairwise sigmoid loss with GradCache: every (anchor, candidate) pair of the batch is a binary
+        classification, exact at any batch size with the memory of one mini-batch.
+
+        For anchors ``x_i`` and candidates ``y_j`` (the positives, then every hard-negative column; across
+        processes with ``gather_across_devices``, every process's), as the paper writes it:
+
+        ```text
+        L = -(1 / B) * sum_i sum_j log sigmoid(z_ij * (scale * sim(x_i, y_j) + bias))
+        ```
+
+        with ``z_ij = +1`` for row ``i``'s own positive and -1 for every other pair. One sum over all pairs, so
+        the loss is symmetric by construction (there is no ``directions`` setting), and it is not normalised
+        over the batch: no softmax, so the loss stage needs no row or column statistics, and its memory is
+        the embeddings plus one block of pairs whatever the batch (and, on the ring, whatever the number of
+        processes). With ``learnable=True`` the loss has two parameters, ``logit_scale = log(scale)`` (clamped
+        at ``max_scale``) and ``logit_bias``, which the stock trainer optimises; their gradients are averaged
+        over processes, and [`LossStateCallback`][st_cached_losses.losses.callbacks.LossStateCallback] saves,
+        restores and logs them.
+
+        Args:
+            model: the SentenceTransformer to train (text-text, or image-text such as a CLIP model).
+            scale: ``t`` in ``t * sim + b`` (the initial value when learnable; SigLIP: 10).
+            bias: ``b`` in ``t * sim + b`` (the initial value when learnable; SigLIP: -10).
+            learnable: learn ``scale`` (through its log, as the paper) and ``bias``; give the trainer
+                ``callbacks=[LossStateCallback(loss)]`` to save, restore and log them with checkpoints.
+            mini_batch_size: rows per encoder forward (GradCache's chunk): sets the memory, never the result;
+                ``"auto"``: the largest that fits ``mini_batch_memory_budget``.
+            similarity_fct: ``cos_sim`` / ``"cosine"`` (default, as SigLIP), ``dot_score`` / ``"dot"``, or any
+                ``f(a, b) -> (len(a), len(b))`` (scored exactly block by block through autograd, slower).
+            mini_batch_num_tokens: a token budget per encoder mini-batch instead of ``mini_batch_size``.
+            gather_across_devices: score each process's anchors against every process's candidates (the loss of
+                the global batch; by ring exchange with ``path="tiled"``).
+            show_progress_bar: tqdm bars over the encoder mini-batches.
+            max_scale: the clamp of a learned scale (100, as open_clip).
+
+        The engine's knobs and the loss stage's plan (``path``, ``tile_size``, ``memory_budget``,
+        ``graph_memory_budget``, ...) are keyword-only, as every cached loss takes them; with
+        ``gather_across_devices``, ``path="tiled"`` is the ring.
+
+        References:
+            - Zhai et al., Sigmoid Loss for Language Image Pre-Training, 2023:
+              https://huggingface.co/papers/2303.15343
+            - Gao et al., Scaling Deep Contrastive Learning Batch Size under Memory Limited Setup, 2021:
+              https://huggingface.co/papers/2101.06983
+
+        Requirements:
+            1. (anchor, positive) pairs or (anchor, positive, negative_1, ..., negative_n) tuples.
+            2. A SentenceTransformer of text or of images and text (the columns may hold either).
+
+        Inputs:
+            | Texts | Labels |
+            |---|---|
+            | (anchor, positive) pairs | none |
+            | (anchor, positive, negative) triplets | none |
+            | (anchor, positive, negative_1, ..., negative_n) | none |
+            | (image, caption) pairs | none |
+
+        Relations:
+            - [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss] is the softmax (InfoNCE)
+              counterpart: its loss is normalised over the batch, both directions.
+            - [`sigmoid_loss`][st_cached_losses.functional.sigmoid.sigmoid_loss] computes this loss on
+              embeddings from any training loop.
+
+        Example:
+            ```python
+            from sentence_transformers import SentenceTransformer, SentenceTransformerTrainer
+            from st_cached_losses import CachedSigLIPLoss, LossStateCallback
+
+            model = SentenceTransformer("all-MiniLM-L6-v2")
+            loss = CachedSigLIPLoss(model, scale=10.0, bias=-10.0, learnable=True, mini_batch_size=32)
+            trainer = SentenceTransformerTrainer(
+                model=model, train_dataset=train_dataset, loss=loss,
+                callbacks=[LossStateCallback(loss)],  # the scale and bias saved / restored with checkpoints
+            )
+            trainer.train()
+            ```
+        """
+        super().__init__(
+            model,
+            SigLIPSettings(
+                scale=scale,
+                bias=bias,
+                learnable=learnable,
+                mini_batch_size=mini_batch_size,
+                similarity_fct=similarity_fct,
+                mini_batch_num_tokens=mini_batch_num_tokens,
+                gather_across_devices=gather_across_devices,
+                show_progress_bar=show_progress_bar,
+                max_scale=max_scale,
+                **engine,
+            ),
+        )
+
+    @property
+    def settings(self) -> Any:
+        """The loss's settings (frozen), the learned scale and bias in them when learnable."""
+        settings = super().settings
+        if settings.learnable and "logit_bias" in self._parameters:
+            learned = float(self.logit_bias.detach())
+            if learned != settings.bias:
+                settings = settings.replace(bias=learned)
+        return settings
+
+    def _settings_changed(self, old: Any, new: Any) -> None:
+        super()._settings_changed(old, new)  # the scale's parameter
+        was = old is not None and old.learnable and "logit_bias" in self._parameters
+        if new.learnable and not was:
+            self.logit_bias = nn.Parameter(torch.tensor(new.bias, dtype=torch.float32))
+        elif new.learnable and new.bias != old.bias:
+            with torch.no_grad():
+                self.logit_bias.fill_(new.bias)
+        elif not new.learnable and was:
+            del self.logit_bias
+
+    def stage_inputs(self, training: bool = False) -> dict[str, Tensor]:
+        """The learned scale (``exp(logit_scale)``, clamped on the parameter) and bias with their graphs to
+        the parameters, as ``"scale"`` and ``"bias"`` (nothing when fixed)."""
+        inputs = super().stage_inputs(training)
+        if self.__dict__["_settings"].learnable:
+            inputs["bias"] = self.logit_bias.float()
+        return inputs
+
+    def build_stage(self) -> Sigmoid:
+        s = self.__dict__["_settings"]
+        return Sigmoid(
+            owner=type(self).__name__,
+            similarity=s.similarity,
+            scale=s.scale,
+            bias=s.bias,
+            path=s.path,
+            tile_size=s.tile_size,
+            memory_budget=s.memory_budget,
+            gather=s.gather_across_devices,
+        )
