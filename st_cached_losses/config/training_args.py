@@ -780,7 +780,8 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
     canonical = canonical_loss(key, type(args).trains)
     if canonical is None:
         names = ", ".join(repr(name) for name in LOSSES)
-        classes = ", ".join(cls.__name__ for cls in LOSSES.values())
+        # each class once (CachedSparseLoss is the class of three names)
+        classes = ", ".join(dict.fromkeys(cls.__name__ for cls in LOSSES.values()))
         spellings = {**LOSS_ALIASES, **{name: name for name in ST_LOSS_NAMES}}
         close = difflib.get_close_matches(key, list(spellings), n=1, cutoff=0.6)
         hint = f" Did you mean loss={canonical_loss(close[0], type(args).trains)!r}?" if close else ""

@@ -213,3 +213,14 @@ def test_the_wrong_arguments_class_for_a_reranker_says_what_its_collator_does():
     assert "takes CachedCrossEncoderTrainingArguments only" in message
     assert "keeps the texts for the loss, which pairs each query with its documents" in message
     assert "tokenizes queries as queries" not in message
+
+
+def test_an_unknown_loss_lists_each_class_once():
+    """CachedSparseLoss is three names' class ('sparse', 'sparse_distill_kl', 'sparse_margin_mse'): the error
+    lists it once."""
+    from st_cached_losses import CachedLossTrainingArguments
+
+    with pytest.raises(ValueError, match="is not a cached loss") as info:
+        CachedLossTrainingArguments(output_dir="out", loss="nonsense")
+    classes = str(info.value).split("ours: ")[1].split(";")[0].split(", ")
+    assert classes.count("CachedSparseLoss") == 1 and len(classes) == len(set(classes)) >= 11
