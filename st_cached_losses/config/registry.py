@@ -92,16 +92,21 @@ LOSS_ALIASES: dict[str, str] = {
     "crossencoder": "cross_encoder",
     **{name.replace("_", "-"): name for name in DISTILLATION_LOSSES},
 }
-#: sentence-transformers' cached losses (their class names, lower case) -> ours, by the model kind they train:
-#: a run written for theirs names its loss as before. Two of theirs share the name
-#: CachedMultipleNegativesRankingLoss (the SentenceTransformer's and the CrossEncoder's): the arguments class,
-#: which trains one kind, tells them apart
+#: sentence-transformers' losses (their class names, lower case) -> ours, by the model kind they train: a run
+#: written for theirs names its loss as before, the cached one or the non-cached one it equals (the switching
+#: table of the docs). Two of theirs share each name (Cached)MultipleNegativesRankingLoss (the
+#: SentenceTransformer's and the CrossEncoder's): the arguments class, which trains one kind, tells them apart
 ST_LOSS_NAMES: dict[str, dict[str, str]] = {
     "cachedmultiplenegativesrankingloss": {"SentenceTransformer": "mnr", "CrossEncoder": "cross_encoder"},
+    "multiplenegativesrankingloss": {"SentenceTransformer": "mnr", "CrossEncoder": "cross_encoder"},
     "cachedmultiplenegativessymmetricrankingloss": {"SentenceTransformer": "clip"},
+    "multiplenegativessymmetricrankingloss": {"SentenceTransformer": "clip"},
     "cachedgistembedloss": {"SentenceTransformer": "gist"},
+    "gistembedloss": {"SentenceTransformer": "gist"},
     "cachedspladeloss": {"SparseEncoder": "sparse"},
+    "spladeloss": {"SparseEncoder": "sparse"},
     "cachedmultivectormultiplenegativesrankingloss": {"MultiVectorEncoder": "multi_vector"},
+    "multivectormultiplenegativesrankingloss": {"MultiVectorEncoder": "multi_vector"},
     # their non-cached distillation losses (they have no cached ones)
     "distillkldivloss": {"SentenceTransformer": "distill_kl"},
     "marginmseloss": {"SentenceTransformer": "margin_mse"},

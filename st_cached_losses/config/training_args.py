@@ -158,11 +158,11 @@ _LOSS_HELP = (
     "infonce_weight), 'sparse_distill_kl' and 'sparse_margin_mse' for a SparseEncoder (CachedSparseLoss with "
     "SparseDistillKLDivLoss / SparseMarginMSELoss as its base loss, plus the FLOPS regularisers; needs "
     "document_regularizer_weight; no InfoNCE term). "
-    "Our class names are accepted too, and sentence-transformers' cached loss class names for the loss that "
-    "replaces each (CachedMultipleNegativesRankingLoss: 'mnr', or 'cross_encoder' with the CrossEncoder's "
-    "arguments; CachedMultipleNegativesSymmetricRankingLoss: 'clip'; CachedGISTEmbedLoss: 'gist'; "
-    "CachedSpladeLoss: 'sparse'; CachedMultiVectorMultipleNegativesRankingLoss: 'multi_vector'; their "
-    "non-cached DistillKLDivLoss, MarginMSELoss, MultiVectorDistillKLDivLoss, MultiVectorMarginMSELoss, "
+    "Our class names are accepted too, and sentence-transformers' class names for the loss that replaces each, "
+    "cached or not ((Cached)MultipleNegativesRankingLoss: 'mnr', or 'cross_encoder' with the CrossEncoder's "
+    "arguments; (Cached)MultipleNegativesSymmetricRankingLoss: 'clip'; (Cached)GISTEmbedLoss: 'gist'; "
+    "(Cached)SpladeLoss: 'sparse'; (Cached)MultiVectorMultipleNegativesRankingLoss: 'multi_vector'; "
+    "DistillKLDivLoss, MarginMSELoss, MultiVectorDistillKLDivLoss, MultiVectorMarginMSELoss, "
     "SparseDistillKLDivLoss, SparseMarginMSELoss: the distillation loss of the same name)."
 )
 
@@ -787,7 +787,7 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
         hint = f" Did you mean loss={canonical_loss(close[0], type(args).trains)!r}?" if close else ""
         raise ValueError(
             f"loss={args.loss!r} is not a cached loss; choose one of {names} (or a class name, ours: {classes}; "
-            f"or sentence-transformers' cached loss it replaces, e.g. CachedMultipleNegativesRankingLoss).{hint}"
+            f"or sentence-transformers' loss it replaces, e.g. MultipleNegativesRankingLoss).{hint}"
         )
     args.loss = canonical
     _check_model_kind(args)

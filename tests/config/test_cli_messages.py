@@ -136,6 +136,17 @@ def test_help_titles_the_loss_section_by_the_arguments_class(demo_help):
         ("CachedLossTrainingArguments", "cachedmultiplenegativessymmetricrankingloss", "clip"),
         ("CachedCrossEncoderTrainingArguments", "CachedMultipleNegativesRankingLoss", "cross_encoder"),
         ("CachedSparseEncoderTrainingArguments", "CachedSpladeLoss", "sparse"),
+        # the non-cached losses the switching table maps to ours
+        ("CachedLossTrainingArguments", "MultipleNegativesRankingLoss", "mnr"),
+        ("CachedLossTrainingArguments", "MultipleNegativesSymmetricRankingLoss", "clip"),
+        ("CachedLossTrainingArguments", "GISTEmbedLoss", "gist"),
+        ("CachedCrossEncoderTrainingArguments", "MultipleNegativesRankingLoss", "cross_encoder"),
+        ("CachedSparseEncoderTrainingArguments", "SpladeLoss", "sparse"),
+        (
+            "CachedMultiVectorEncoderTrainingArguments",
+            "MultiVectorMultipleNegativesRankingLoss",
+            "multi_vector",
+        ),
         (
             "CachedMultiVectorEncoderTrainingArguments",
             "CachedMultiVectorMultipleNegativesRankingLoss",
