@@ -828,11 +828,20 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
     _validate_similarity(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size
+    # both sizes at their defaults (transformers' batch 8, mini-batch 32): nothing chosen yet, nothing to warn
+    # about here (a bare CachedLossTrainingArguments() warned at once); a loss that trains such a batch says so
+    # at its first step
+    defaults = type(args).__dataclass_fields__
+    chosen = (batch, rows) != (
+        defaults["per_device_train_batch_size"].default,
+        defaults["mini_batch_size"].default,
+    )
     # caching is off when the whole batch, every column's rows together, fits in one mini-batch; the columns
     # are not known here, but there are at least two: a batch of pairs is the one this can tell about (a
     # reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely)
     if (
-        args.mini_batch_num_tokens is None
+        chosen
+        and args.mini_batch_num_tokens is None
         and isinstance(rows, int)
         and rows >= 2 * batch
         and args.loss != "cross_encoder"
