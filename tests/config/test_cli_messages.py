@@ -61,16 +61,40 @@ def test_a_misspelt_hardness_mode_on_the_command_line(monkeypatch, capsys):
     assert "None" not in err and "{" not in err
 
 
-@pytest.fixture(scope="module")
-def demo_help() -> str:
+def _demo_help(flag: str) -> str:
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as info:
-        main(["--help"])
+        main([flag])
     assert info.value.code == 0
     return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def demo_help() -> str:
+    return _demo_help("--help")
+
+
+@pytest.fixture(scope="module")
+def demo_help_all() -> str:
+    return _demo_help("--help_all")
+
+
+def test_help_names_the_training_arguments_and_help_all_describes_them(demo_help, demo_help_all):
+    """--help describes the loss fields and the script's, and names the ~120 training arguments (it ran to 873
+    lines); --help_all describes them too. Each default is shown once: not appended where the help states it."""
+    assert len(demo_help.splitlines()) < 450 < len(demo_help_all.splitlines())
+    assert "--help_all describes each" in demo_help and "--log_on_each_node" in demo_help
+    assert "--help_all describes each" not in demo_help_all
+    for text in (demo_help, demo_help_all):
+        assert _option_help(text, "--mini_batch_size").startswith("--mini_batch_size")
+    assert "whether to log once per node" not in demo_help  # transformers' help of log_on_each_node
+    assert "whether to log once per node" in " ".join(demo_help_all.split())
+    budget = _option_help(demo_help, "--memory_budget")
+    assert "(default 64 MiB)" in budget and "(default: None)" not in budget
+    assert "(default: mnr)" in _option_help(demo_help, "--loss")  # a help that does not state it: appended
 
 
 def test_help_names_the_program_and_is_free_of_rst_markup(demo_help):
@@ -94,9 +118,9 @@ def _option_help(text: str, flag: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["contrast_anchors", "contrast_positives", "log_on_each_node"])
-def test_a_no_flag_has_its_own_help(demo_help, name):
-    positive = _option_help(demo_help, f"--{name}")
-    negative = _option_help(demo_help, f"--no_{name}")
+def test_a_no_flag_has_its_own_help(demo_help_all, name):
+    positive = _option_help(demo_help_all, f"--{name}")
+    negative = _option_help(demo_help_all, f"--no_{name}")
     assert f"Turn off {name}" in negative, negative
     assert "(default: False)" not in negative  # what the flag sets, not a default
     assert "Turn off" not in positive
