@@ -58,6 +58,18 @@ from st_cached_losses.config.training_args import (
 #: below it (script defaults < configuration file < command line)
 ALTERNATIVE_FIELDS: tuple[tuple[str, ...], ...] = (("scale", "temperature"),)
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+#: the training arguments ``--help`` describes (a run sets them most; the one this package adds a value to);
+#: it names the others, ``--help_all`` describes them too
+DESCRIBED_TRAINING_FIELDS = (
+    "output_dir",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "num_train_epochs",
+    "max_steps",
+    "batch_sampler",
+    "multi_dataset_batch_sampler",
+)
 USAGE = "%(prog)s [CONFIG.yaml | --config CONFIG.yaml] [--FIELD VALUE ...]"
 
 
@@ -324,18 +336,23 @@ class CachedLossArgumentParser(HfArgumentParser):
                             "the same dataset in each step (see same_dataset_order, same_dataset_per_optimizer_step)."
                         )
         if issubclass(dtype, CachedLossArguments):
-            self._name_only(rest, [f.name for f in groups[1][1]])
+            self._name_only(rest, [f.name for f in groups[1][1] if f.name not in DESCRIBED_TRAINING_FIELDS])
 
     def _name_only(self, group: Any, names: list[str]) -> None:
-        """``--help`` names the training arguments of ``group`` in a paragraph (their help texts, transformers'
-        and sentence-transformers', ran to some 650 lines); ``--help_all`` describes each."""
+        """``--help`` describes the training arguments of ``group`` a run sets most
+        (``DESCRIBED_TRAINING_FIELDS``) and names the others in a paragraph (their help texts, transformers' and
+        sentence-transformers', ran to some 650 lines); ``--help_all`` describes each."""
         self._brief_groups[group] = group.description
         for action in group._group_actions:
-            self._brief_help[action] = action.help
-            action.help = argparse.SUPPRESS
+            if action.dest in names:
+                self._brief_help[action] = action.help
+                action.help = argparse.SUPPRESS
         flags = textwrap.fill(", ".join(f"--{name}" for name in names), width=100)
         classes = group.title.split("(", 1)[1].rstrip(")").replace(", ", " and ")
-        group.description = f"The fields of {classes}, by name (--help_all describes each):\n{flags}"
+        group.description = (
+            f"The fields of {classes} a run sets most are described below; every other one is named here "
+            f"(--help_all describes each):\n{flags}"
+        )
 
     # ------------------------------------------------------------------ parsing
 
