@@ -450,6 +450,17 @@ class CachedLossArguments(BaseTrainingArguments):
         "gradient_accumulation_steps micro-batches of every process) on one dataset, not only each micro-step.",
     )
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # a misspelt keyword names the closest field (the dataclass's __init__ raises a TypeError naming none)
+        known = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            raise TypeError(
+                f"{cls.__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}."
+                + closest_name_hint(unknown[0], known)
+            )
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         # ours first: a wrong loss setting is reported before anything else is set up
         validate_loss_fields(self)  # below

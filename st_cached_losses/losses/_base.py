@@ -40,7 +40,7 @@ from st_cached_losses.functional.terms import TermSet
 from st_cached_losses.losses.callbacks import warn_if_scale_unsaved
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
 from st_cached_losses.losses.guards import check_model_kind, foreign_setting_owners
-from st_cached_losses.losses.settings import SPECS, Setting, check_max_scale
+from st_cached_losses.losses.settings import SPECS, Setting, check_max_scale, closest_name_hint
 
 __all__ = [
     "CachedInfoNCEBase",
@@ -226,9 +226,11 @@ class EngineSettings:
         """Keep ``cache`` as the loss's engine and set its knobs (``engine``, keys of ``options``; those left
         out take their spec's default), each checked by its spec."""
         unknown = [name for name in engine if name not in options.__annotations__]
-        if unknown:  # as Python says it of a keyword the signature lacks
+        if unknown:  # as Python says it of a keyword the signature lacks, with the closest one it has
+            known = list(inspect.signature(type(self).__init__).parameters)
             raise TypeError(
-                f"{type(self).__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}"
+                f"{type(self).__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}."
+                + closest_name_hint(unknown[0], known)
             )
         self.cache = cache
         self.show_progress_bar = show_progress_bar

@@ -259,3 +259,33 @@ def test_an_unknown_loss_lists_each_class_once():
         CachedLossTrainingArguments(output_dir="out", loss="nonsense")
     classes = str(info.value).split("ours: ")[1].split(";")[0].split(", ")
     assert classes.count("CachedSparseLoss") == 1 and len(classes) == len(set(classes)) >= 11
+
+
+def test_a_misspelt_keyword_in_python_names_the_closest_one(tmp_path):
+    """Python's own TypeError names no alternative; the arguments classes and the losses name the closest."""
+    import pickle
+
+    from st_cached_losses import (
+        CachedLossTrainingArguments,
+        CachedMNRLoss,
+        CachedSparseEncoderTrainingArguments,
+    )
+    from tests.support.tiny_model import make_tiny_model
+
+    with pytest.raises(
+        TypeError, match=r"unexpected keyword argument 'mini_bach_size'\. Did you mean 'mini_batch_size'"
+    ):
+        CachedLossTrainingArguments(output_dir="out", mini_bach_size=4)
+    with pytest.raises(TypeError, match="Did you mean 'document_regularizer_weight'"):
+        CachedSparseEncoderTrainingArguments(
+            output_dir="out", loss="sparse", document_regulariser_weight=3e-5
+        )
+    args = CachedLossTrainingArguments(output_dir="out", loss="clip", per_device_train_batch_size=64)
+    assert pickle.loads(pickle.dumps(args)).loss == "clip"  # what checkpoints do still works
+    model = make_tiny_model(tmp_path)
+    with pytest.raises(
+        TypeError, match=r"unexpected keyword argument 'mini_bach_size'\. Did you mean 'mini_batch_size'"
+    ):
+        CachedMNRLoss(model, mini_bach_size=4)
+    with pytest.raises(TypeError, match="Did you mean 'memory_budget'"):
+        CachedMNRLoss(model, memory_budgit="1GB")
