@@ -42,22 +42,6 @@ def _griffe_workaround() -> None:
     CachedLossTrainingArguments.__init__.__module__ = CachedLossTrainingArguments.__module__
 
 
-class _SharedEntries(logging.Filter):
-    """Some losses document several arguments in one entry (``path / tile_size / memory_budget: ...``), which
-    griffe's Google parser reports as an unknown, untyped parameter (or, wrapped, as no ``name: description``
-    pair); they render as written. Those reports, and only those, are logged as INFO so that ``--strict``
-    fails on any other warning."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if record.levelno == logging.WARNING and (
-            (" / " in message and "parameter '" in message.lower())
-            or "Failed to get 'name: description' pair" in message
-        ):
-            record.levelno, record.levelname = logging.INFO, "INFO"
-        return True
-
-
 def repository_url() -> str:
     """``Repository`` of ``[project.urls]`` in pyproject.toml (read as text: no TOML parser on Python 3.10)."""
     text = (ROOT / "pyproject.toml").read_text()
@@ -82,8 +66,6 @@ def on_startup(command: str, dirty: bool) -> None:
     _griffe_workaround()
     # preloading typing (mkdocs.yml) has griffe read typing.io / typing.re, which warn on Python 3.11
     warnings.filterwarnings("ignore", r"typing\.(io|re) is deprecated", DeprecationWarning)
-    for name in ("griffe", "mkdocs.plugins.griffe", "mkdocs.plugins.mkdocstrings_handlers.python"):
-        logging.getLogger(name).addFilter(_SharedEntries())
 
 
 def _type_name(annotation: typing.Any) -> str:

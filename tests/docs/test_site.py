@@ -6,7 +6,9 @@ outside its code, for what Markdown does not render: a role (``:class:`X```, sho
 name), a grid table (``+-----+`` borders), a literal-block marker (``::``); and the generated settings table
 for Markdown read into its help texts (a regex's ``.*`` taken as emphasis). The docstrings' source is also
 checked with ``tools/md_docstrings.py --check`` against the site's inventory, which names the file and line
-of a role merged in since.
+of a role merged in since. The API reference shows no docstring of Python's built-in types (``str``'s under a
+constant: ``docs/griffe_exports.py`` gives attributes their own words) and no parameter entry that documents two
+arguments at once (rendered as one unknown, "required" argument).
 
 Run alone: ``python -m pytest tests/docs/test_site.py -q``.
 """
@@ -146,3 +148,61 @@ def test_repository_url_is_one_setting(site):
     assert clones and set(clones) == {url}, clones
     for page in _pages(site):
         assert "<!-- repository-url -->" not in page.read_text(), page
+
+
+def _builtin_docstrings() -> set[str]:
+    """The opening (60 characters, whitespace collapsed) of the docstring of every built-in type and of a few
+    standard-library types whose instances are module constants (what inspection showed under a constant)."""
+    import builtins
+    import collections
+    import functools
+    import inspect
+    import types
+
+    out = set()
+    for obj in [*vars(builtins).values(), functools.partial, re.Pattern, types.MappingProxyType]:
+        if inspect.isclass(obj) and isinstance(obj.__doc__, str):
+            text = " ".join(obj.__doc__.split())[:60]
+            if len(text) >= 15:
+                out.add(text)
+    out.add(" ".join(collections.OrderedDict.__doc__.split())[:60])
+    return out
+
+
+def _text(page: Path) -> str:
+    return " ".join(html.unescape(TAG.sub(" ", page.read_text())).split())
+
+
+def test_the_api_reference_shows_no_builtin_docstring(site):
+    """Inspection gave a constant its value's type's docstring (157 of them: ``str``'s "Create a new string
+    object from the given object..." under ``equivalent_st_loss``, ``dict``'s under ``TIE_TOLERANCE``)."""
+    openings = _builtin_docstrings()
+    assert " ".join(str.__doc__.split())[:60] in openings  # what the check is about
+    found = [
+        f"{page.relative_to(site)}: {text!r}"
+        for page in sorted((site / "api").rglob("*.html"))
+        for text in openings
+        if text in _text(page)
+    ]
+    assert not found, "built-in docstrings in the API reference:\n" + "\n".join(found[:20])
+    # and the attributes that had them have their own words (a #: comment, a dataclass field's help)
+    functional = _text(site / "api" / "functional" / "index.html")
+    assert "Guide similarities within this of a row's threshold count as equal to it" in functional
+
+
+PARAMETERS = re.compile(r'doc-section-title">Parameters:.*?</table>', re.S)
+PARAMETER_ROW = re.compile(r'<tr class="doc-section-item">\s*<td>\s*<code>(.*?)</code>', re.S)
+
+
+def test_each_parameter_entry_documents_one_argument(site):
+    """An entry that documents two arguments (``document_regularizer / query_regularizer: ...``) is no argument
+    of the signature: rendered as one unknown, untyped, "required" argument where both are optional."""
+    names = [
+        (page.relative_to(site), html.unescape(TAG.sub("", name)).strip())
+        for page in sorted((site / "api").rglob("*.html"))
+        for table in PARAMETERS.findall(page.read_text())
+        for name in PARAMETER_ROW.findall(table)
+    ]
+    assert len(names) > 150  # the patterns find the parameter tables
+    shared = [f"{page}: {name}" for page, name in names if not re.fullmatch(r"\*{0,2}[A-Za-z_]\w*", name)]
+    assert not shared, "parameter entries naming several arguments:\n" + "\n".join(shared)
