@@ -852,6 +852,7 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
     # reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely)
     if (
         chosen
+        and not args.negative_bank_size  # a bank's small batches: the non-cached loss has no bank
         and args.mini_batch_num_tokens is None
         and isinstance(rows, int)
         and rows >= 2 * batch

@@ -533,8 +533,12 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     def _warn_if_caching_off(self, features: list[dict[str, Any]]) -> None:
         """Once per loss: a batch that fits in one mini-batch, every column's rows together, saves no memory
         (configured without CachedLossTrainingArguments, which warns at construction, nothing else would
-        say so)."""
+        say so). Not with a negative bank: its point is small batches, whose negatives it adds, and the
+        non-cached loss the warning points to has none."""
         if self._warned_caching_off or not self.cache.fits_in_one(features):
+            return
+        if getattr(self, "negative_bank_size", 0):
+            # a bank's small batches need no caching, and the non-cached loss has no bank: no same result
             return
         self._warned_caching_off = True
         rows = sum(batch_size_of(f) for f in features)
