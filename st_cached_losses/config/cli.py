@@ -132,7 +132,7 @@ def load_config(path: str | os.PathLike[Any]) -> dict[str, Any]:
             import yaml
         except ImportError as err:  # pragma: no cover - PyYAML comes with transformers today
             raise ImportError(
-                f"reading {path} needs PyYAML: pip install 'st_cached_losses[yaml]' (or pip install pyyaml), "
+                f"reading {path} needs PyYAML: pip install pyyaml (or, in a clone of the repository, pip install '.[yaml]'), "
                 "or write the configuration as JSON."
             ) from err
         try:
