@@ -8,7 +8,8 @@
   registry in ``st_cached_losses/config/registry.py``).
 * The repository's address is ``Repository`` under ``[project.urls]`` in ``pyproject.toml``, the one place it is
   written: it becomes the site's ``repo_url`` (the header's link) and replaces ``<!-- repository-url -->`` in
-  every page (code blocks included).
+  every page (code blocks included); ``<!-- repository-placeholder-note -->`` says that it is a placeholder
+  while it is one (``OWNER``).
 * The plots and CSV files of ``benchmarks/results/`` are served under ``results/`` (the pages link
   ``results/<name>.png``): they are read from where the benchmarks write them, never copied into ``docs/``.
 """
@@ -53,6 +54,14 @@ def repository_url() -> str:
 
 
 REPOSITORY_MARKER = "<!-- repository-url -->"
+#: where a page says that the address is a placeholder, while it is one (``OWNER``): nothing once it is real
+PLACEHOLDER_NOTE_MARKER = "<!-- repository-placeholder-note -->"
+
+
+def placeholder_note(url: str) -> str:
+    if "/OWNER/" not in url:
+        return ""
+    return " (`OWNER` is a placeholder: the repository's public address is not settled yet)"
 
 
 def on_config(config):
@@ -94,7 +103,10 @@ def _text_cell(text: str) -> str:
 
 
 def settings_table() -> str:
-    """Markdown table of the arguments' own fields, in their declaration order."""
+    """Markdown table of the arguments' own fields, in their declaration order: two columns, so that the help
+    texts get the page's width (five columns were cut at 1,400 px): the field with its type and default, then
+    its help and the losses that take it. The ``loss`` field's help names every loss: its row points at the
+    table of names above instead."""
     from sentence_transformers import SentenceTransformerTrainingArguments
 
     from st_cached_losses.config.cli import ALTERNATIVE_FIELDS
@@ -104,7 +116,7 @@ def settings_table() -> str:
     inherited = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     hints = typing.get_type_hints(CachedLossTrainingArguments)
     parameters = {name: loss_parameters(name) for name in LOSSES}
-    rows = ["| field | type | default | losses that take it | meaning |", "|---|---|---|---|---|"]
+    rows = ["| field | meaning |", "|---|---|"]
     for f in dataclasses.fields(CachedLossTrainingArguments):
         if f.name in inherited:
             continue
@@ -119,29 +131,46 @@ def settings_table() -> str:
         else:
             names = [name for name in LOSSES if arguments & set(parameters[name])]
             takes = "all" if len(names) == len(LOSSES) else ", ".join(f"`{n}`" for n in names)
-        default = "-" if f.default is None else f"`{f.default!r}`"
-        help_text = f.metadata.get("help", "")
+        default = "none" if f.default is None else f"`{f.default!r}`"
+        if f.name == "loss":
+            meaning = "The loss to train: a name of the table above (or a class name it lists)."
+        else:
+            meaning = _text_cell(f.metadata.get("help", ""))
         rows.append(
-            f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {default} | {takes} | {_text_cell(help_text)} |"
+            f"| `{f.name}`<br>`{_cell(_type_name(hints[f.name]))}`, default {default} | "
+            f"{meaning}<br>Losses: {takes} |"
         )
     # a wrapper the stylesheet sizes the columns by (md_in_html renders the table inside it)
     return '<div class="settings-table" markdown>\n\n' + "\n".join(rows) + "\n\n</div>"
 
 
+def _st_class_names() -> dict[str, str]:
+    """sentence-transformers' loss class names by their lower case (the registry keeps them lower-cased)."""
+    import importlib
+
+    out: dict[str, str] = {}
+    for module in ("sentence_transformer", "sparse_encoder", "multi_vector_encoder", "cross_encoder"):
+        losses = importlib.import_module(f"sentence_transformers.{module}.losses")
+        out.update({name.lower(): name for name in dir(losses) if name.endswith("Loss")})
+    return out
+
+
 def loss_names_table() -> str:
+    """The names ``loss:`` takes: ours, then the class (and the model it trains), then every other spelling:
+    ours hyphenated and sentence-transformers' class names (any case is accepted; our class names too)."""
     from st_cached_losses.config.registry import BASE_LOSSES, LOSS_ALIASES, LOSSES, MODEL_KINDS, ST_LOSS_NAMES
 
-    rows = ["| `loss:` | class | model it trains | also accepted |", "|---|---|---|---|"]
+    proper = _st_class_names()
+    rows = ["| `loss:` | class (model it trains) | also accepted |", "|---|---|---|"]
     for name, cls in LOSSES.items():
-        aliases = sorted(a for a, n in LOSS_ALIASES.items() if n == name and a != name)
-        # and sentence-transformers' class names that name it (with the arguments class of the model it trains)
-        aliases += sorted(
-            st for st, ours in ST_LOSS_NAMES.items() if name in ours.values() and st not in aliases
+        aliases = sorted(
+            a for a, n in LOSS_ALIASES.items() if n == name and a != name and a != cls.__name__.lower()
         )
+        aliases += sorted(proper.get(st, st) for st, ours in ST_LOSS_NAMES.items() if name in ours.values())
         base = f" with `{BASE_LOSSES[name].__name__}`" if name in BASE_LOSSES else ""
         rows.append(
-            f"| `{name}` | `{cls.__name__}`{base} | `{MODEL_KINDS.get(name, '?')}` | "
-            f"{', '.join(f'`{a}`' for a in aliases)} |"
+            f"| `{name}` | `{cls.__name__}`{base} (`{MODEL_KINDS.get(name, '?')}`) | "
+            f"{', '.join(f'`{a}`' for a in aliases) or '-'} |"
         )
     return "\n".join(rows)
 
@@ -167,6 +196,7 @@ def type_aliases(paths: str) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = markdown.replace(PLACEHOLDER_NOTE_MARKER, placeholder_note(repository_url()))
     markdown = markdown.replace(REPOSITORY_MARKER, repository_url())
     for marker, build in GENERATED.items():
         if marker in markdown:

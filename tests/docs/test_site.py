@@ -129,7 +129,7 @@ def test_settings_table_shows_help_texts_as_written(site):
     help_text = " ".join(field.metadata["help"].split())
     assert "*" in help_text and "\\" in help_text  # what the check is about
     page = (site / "configuration" / "index.html").read_text()
-    row = re.search(r"<tr>\s*<td><code>scale_learning_rate</code></td>.*?</tr>", page, re.S)
+    row = re.search(r"<tr>\s*<td><code>scale_learning_rate</code>.*?</tr>", page, re.S)
     assert row, "the settings table has no scale_learning_rate row"
     assert "<em>" not in row.group(0)
     assert help_text in " ".join(html.unescape(TAG.sub("", row.group(0))).split())
@@ -148,6 +148,10 @@ def test_repository_url_is_one_setting(site):
     assert clones and set(clones) == {url}, clones
     for page in _pages(site):
         assert "<!-- repository-url -->" not in page.read_text(), page
+    # a placeholder address is said to be one (README and the site's home), and a real one is not
+    placeholder = "/OWNER/" in url
+    assert ("`OWNER` is a placeholder" in readme) == placeholder
+    assert ("is a placeholder" in _text(site / "index.html")) == placeholder
 
 
 def _builtin_docstrings() -> set[str]:
