@@ -101,7 +101,8 @@ def check_dataset_columns(dataset: Any, args: CachedLossArguments, name: str = "
 
     The cached losses need at least two text columns, ``(anchor, positive[, negative_1, ...])``; a label
     or score column is not one. A ``DatasetDict`` (or a dict of datasets, one loss for all) is checked
-    dataset by dataset. A dataset smaller than one batch only warns.
+    dataset by dataset. A dataset smaller than one batch only warns, and so does a negative bank that holds
+    much of an epoch in a run of several epochs (rows would meet their own earlier copy among its negatives).
 
     Args:
         dataset: a ``datasets.Dataset``, ``IterableDataset`` or a dict of them.
@@ -144,6 +145,43 @@ def check_dataset_columns(dataset: Any, args: CachedLossArguments, name: str = "
             f"{name} has {num_rows} rows, fewer than one global batch "
             f"({args.per_device_train_batch_size} x {args.world_size} processes): each step sees fewer in-batch "
             "negatives than configured.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
+    if num_rows:
+        _warn_if_the_bank_sees_an_epoch_again(num_rows, len(texts) - 1, args, name)
+
+
+#: the share of a later epoch's rows meeting their own earlier copy in the negative bank above which
+#: ``check_dataset_columns`` warns
+BANK_REPEAT_WARNING = 0.05
+
+
+def _warn_if_the_bank_sees_an_epoch_again(num_rows: int, candidates: int, args: Any, name: str) -> None:
+    """A negative bank spanning ``K`` steps of an epoch of ``S`` (per process) holds, from the second epoch on,
+    the earlier copy of a row whose two visits are at most ``K`` steps apart: reshuffled, a share of about
+    ``K (K + 1) / (2 S^2)`` of the rows (all of them once ``K >= 2 S``), each scored against its own positive
+    embedded an epoch earlier, a negative nearly as strong as the positive. Warn above
+    ``BANK_REPEAT_WARNING``."""
+    size = getattr(args, "negative_bank_size", 0) or 0
+    epochs = getattr(args, "num_train_epochs", 1)
+    max_steps = getattr(args, "max_steps", -1)
+    batch = args.per_device_train_batch_size
+    steps = max(1, -(-num_rows // (batch * max(args.world_size, 1))))  # S: one loss call per micro-batch
+    if not size or (epochs <= 1 and (max_steps is None or max_steps <= steps)):
+        return
+    span = -(-size // (batch * max(candidates, 1)))  # K: steps of rows the bank holds
+    age = getattr(args, "negative_bank_max_age", None)
+    if age is not None:
+        span = min(span, age)
+    share = 1.0 if span >= 2 * steps else min(1.0, span * (span + 1) / (2 * steps * steps))
+    if share >= BANK_REPEAT_WARNING:
+        warnings.warn(
+            f"{name}: negative_bank_size={size} holds the rows of the last {span} steps of an epoch of {steps} "
+            f"per process, so from the second epoch on about {share:.0%} of the rows meet their own positive, "
+            "embedded an epoch earlier, among the bank's negatives (scored nearly as the positive). Keep the bank "
+            "to a small part of an epoch (a smaller negative_bank_size, or negative_bank_max_age), or train one "
+            "epoch.",
             UserWarning,
             stacklevel=user_stacklevel(),
         )

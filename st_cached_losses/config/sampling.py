@@ -61,20 +61,47 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
       is exhausted (each dataset trained on equally, as sentence-transformers' ``ROUND_ROBIN``; a dataset
       without a single batch is left out, with a warning, rather than stopping the others).
 
-    A dataset whose batches do not fill its last group: with ``drop_last=False`` (the trainer's
-    ``dataloader_drop_last``) the group is completed with batches re-drawn from a new pass over that dataset
-    (so every process gets a batch of it and every row is trained on); with ``drop_last=True`` the
-    incomplete group is dropped, unless it is the dataset's only one (a dataset is never left out). The
-    re-drawn batches are full (a dataset with fewer rows than a batch repeats rows in them). A dataset's
-    short last batch (``drop_last=False``) goes first in its group: accelerate withholds a group of ``N``
-    whose last batch is short, so it lands on process 0, which takes a shorter batch (the cached losses
-    weight every process's rows exactly). The stream always holds a multiple of ``N`` batches, so no
-    process waits for a step the others do not take.
+    A dataset has ``ceil(len(batch sampler) / group)`` groups (``drop_last=False``, the trainer's
+    ``dataloader_drop_last``), or ``floor`` of it, at least 1 (``drop_last=True``: the incomplete group is
+    dropped, as an incomplete batch is, unless it is the dataset's only one: no dataset is left out). Its
+    groups hold its batch sampler's batches in the order it yields them, except where its batches do not fill
+    its last group: there the largest of the last group's batches are cut in two (at an even row, so that
+    ``group_by_label``'s pairs stay together) until every process has a batch, reaching into the groups before
+    only when the last one holds fewer than two rows per batch (a batch of one row has no in-batch negative).
+    A cut batch is a part of one the batch sampler made, so ``no_duplicates`` still holds in it.
+
+    Guarantees, under accelerate's own sharding (``BatchSamplerShard``, ``even_batches`` on or off, as the
+    trainer uses it) with any number of processes dividing ``world_size`` and the default, ``no_duplicates``,
+    ``group_by_label`` or any other batch sampler (``tests/config/test_sampling.py`` checks each, a property
+    test over random dataset sizes and duplicate patterns included):
+
+    * Every process gets ``len(self) / N`` batches, the length the trainer plans its steps by: no process
+      waits at a collective for a step the others do not take.
+    * Each step (and each run of ``gradient_accumulation_steps`` steps) holds batches of one dataset on every
+      process.
+    * No row is twice in a group (a step on every process, or an optimizer step with
+      ``gradient_accumulation_steps``): a row's copy would be a negative scored exactly as its positive. A row
+      the batch sampler yields again in one epoch (``no_duplicates``' resampled passes) is trained once.
+    * With ``drop_last=False`` and ``order="proportional"``, every row the datasets' batch samplers yield in
+      the epoch is trained exactly once, wherever sentence-transformers' own sampler trains it (where a batch
+      sampler yields more batches than its length, which only ``no_duplicates`` on data with many duplicates
+      does, the shortest batches past the dataset's groups are left out with a warning, as sentence-
+      transformers' samplers, stopping at that length, leave them out).
+
+    The batches vary in length (a dataset's short last batch, ``no_duplicates``' and cut batches), so the
+    sampler's ``batch_size`` is None, accelerate's word for it: given a batch size, accelerate's sharding
+    withholds every ``N`` consecutive batches whose last is shorter, losing their rows (hence, also,
+    accelerate's ``split_batches=True``, which needs a batch size, is not for this sampler: it already puts
+    one batch, so one dataset, on every process). A dataset with fewer rows in an epoch than a group has
+    batches cannot give every batch rows of its own: its rows repeat across the group's batches, with a
+    warning. A batch sampler that runs out of rows before its length's batches (``no_duplicates`` with
+    ``drop_last`` on rows of too few distinct values) has its dataset's remaining groups skipped, with a
+    warning: the epoch ends earlier than planned, on every process alike.
 
     Args:
         dataset: the concatenation of the datasets (the trainer builds it from a ``DatasetDict``).
         batch_samplers: one batch sampler per dataset, in the same order (the trainer's, from
-            ``batch_sampler``; ``no_duplicates`` works).
+            ``batch_sampler``: the default, ``no_duplicates``, ``group_by_label`` or a custom one).
         generator: the generator the batch samplers draw from; reseeded with ``seed + epoch`` at every epoch.
         seed: the seed of the order (the trainer passes ``args.seed``).
         order: ``"proportional"`` or ``"round_robin"``, see above.
@@ -129,11 +156,27 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
         self.order = order
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.world_size = current_world_size() if world_size is None else world_size
+        # None: batches of any length (what accelerate's sharding reads; see the class's docstring)
+        self.batch_size = None  # type: ignore[assignment]
         empty = [i for i, sampler in enumerate(batch_samplers) if len(sampler) == 0]
         if empty:
             warnings.warn(
                 f"SameDatasetBatchSampler: dataset(s) {empty} (in the DatasetDict's order) hold no batch "
                 f"(fewer rows than a batch with drop_last=True, or none): they are not trained on.",
+                UserWarning,
+                stacklevel=2,
+            )
+        tiny = [
+            i
+            for i, (rows, sampler) in enumerate(zip(_sizes(dataset), batch_samplers))
+            if len(sampler) and rows < self.group_size
+        ]
+        if tiny:
+            warnings.warn(
+                f"SameDatasetBatchSampler: dataset(s) {tiny} (in the DatasetDict's order) hold fewer rows than "
+                f"a group has batches ({self.group_size} = world_size x gradient_accumulation_steps), so their "
+                "rows repeat within a step, where a row's copy is a negative as strong as its positive; give "
+                "them more rows or train them apart.",
                 UserWarning,
                 stacklevel=2,
             )
@@ -192,15 +235,19 @@ class SameDatasetBatchSampler(MultiDatasetDefaultBatchSampler):
         if self.generator is not None:
             self.generator.manual_seed(self._seed + self.epoch)
         offsets = [0, *self.dataset.cumulative_sizes]
-        streams: dict[int, Iterator[list[int]]] = {}
+        counts, sizes = self.groups_per_dataset(), _sizes(self.dataset)
+        streams: dict[int, Iterator[list[list[int]]]] = {}
         for d in self.dataset_order():
             if d not in streams:
-                streams[d] = _batches_then_refills(self.batch_samplers[d], self.batch_size, d)
-            group = [next(streams[d]) for _ in range(self.group_size)]
-            # accelerate withholds a group of N whose last batch is short: a short one goes first
-            group.sort(key=lambda batch: len(batch) == self.batch_size)
-            for batch in group:
+                streams[d] = _dataset_groups(self.batch_samplers[d], sizes[d], counts[d], self.group_size, d)
+            for batch in next(streams[d]):
                 yield [offsets[d] + i for i in batch]
+
+
+def _sizes(dataset: ConcatDataset) -> list[int]:
+    """The rows of each dataset of the concatenation."""
+    ends = list(dataset.cumulative_sizes)
+    return [end - start for start, end in zip([0, *ends], ends)]
 
 
 def _resumed_epoch() -> int | None:
@@ -225,22 +272,116 @@ def _resumed_epoch() -> int | None:
     return iteration if isinstance(iteration, int) else None
 
 
-def _batches_then_refills(sampler: BatchSampler, batch_size: int, dataset: int) -> Iterator[list[int]]:
-    """A dataset's batches for one epoch, then, to complete its last group, full batches cut from further
-    passes over it (the indices of consecutive passes, so a dataset smaller than a batch repeats rows)."""
-    yield from sampler
-    pending: list[int] = []
-    while True:
-        drawn = False
-        for batch in sampler:
-            drawn = True
-            pending.extend(batch)
-            while len(pending) >= batch_size:
-                yield pending[:batch_size]
-                pending = pending[batch_size:]
-        if not drawn:
-            raise ValueError(
-                f"SameDatasetBatchSampler: the batch sampler of dataset {dataset} yields no batch when drawn "
-                "again, so its last group cannot be completed; use a batch sampler that can be iterated more "
-                "than once (every sentence-transformers sampler can)."
+def _dataset_groups(
+    sampler: BatchSampler, rows: int, groups: int, size: int, dataset: int
+) -> Iterator[list[list[int]]]:
+    """A dataset's ``groups`` groups of ``size`` batches for one epoch, from one pass of its batch sampler.
+
+    A row the pass yields again is left out of the later batch (an emptied batch is skipped). A group is
+    handed out as the sampler made it while more than a group of batches follows it; once the pass ends,
+    what is left is fitted to the groups still due ([`_fit`][st_cached_losses.config.sampling._fit]). The pass
+    is read at most about two groups ahead."""
+    seen = bytearray(rows)
+    source = iter(sampler)
+    buffer: list[list[int]] = []
+    yielded = 0  # batches the batch sampler yielded, emptied ones included
+    done = False
+
+    def pull() -> None:
+        nonlocal done, yielded
+        for batch in source:
+            yielded += 1
+            fresh = []
+            for i in batch:
+                if not seen[i]:
+                    seen[i] = 1
+                    fresh.append(i)
+            if fresh:
+                buffer.append(fresh)
+                return
+        done = True
+
+    for g in range(groups):
+        remaining = groups - g
+        while not done and (remaining == 1 or len(buffer) < 2 * size):
+            pull()
+        if not done:  # at least a group more follows this one: it goes as the sampler made it
+            yield buffer[:size]
+            del buffer[:size]
+            continue
+        if not buffer:  # every process alike: the epoch ends earlier than planned, on all of them
+            warnings.warn(
+                f"SameDatasetBatchSampler: the batch sampler of dataset {dataset} yielded no more rows in this "
+                f"epoch, where its length ({len(sampler)} batches) promised {remaining} more group(s) of {size} "
+                "batches: they are skipped, so this epoch is shorter than the trainer planned (no_duplicates "
+                "with drop_last yields no batch from rows of too few distinct values).",
+                UserWarning,
+                stacklevel=2,
             )
+            for _ in range(remaining):
+                yield []
+            return
+        extra = len(buffer) - remaining * size
+        if extra > 0 and yielded > len(sampler):
+            dropped = sorted(len(b) for b in buffer)[:extra]
+            warnings.warn(
+                f"SameDatasetBatchSampler: the batch sampler of dataset {dataset} yielded {yielded} batches in "
+                f"this epoch, more than its length ({len(sampler)}), by which the trainer plans its steps; its "
+                f"{extra} shortest batches past the dataset's groups ({sum(dropped)} rows) are not trained on in "
+                "this epoch, as sentence-transformers' own samplers, stopping at that length, leave them out "
+                "(no_duplicates makes extra short batches on data with many duplicate values).",
+                UserWarning,
+                stacklevel=2,
+            )
+        plan = _fit(buffer, remaining, size, dataset)
+        for k in range(remaining):
+            yield plan[k * size : (k + 1) * size]
+        return
+
+
+def _fit(batches: list[list[int]], groups: int, size: int, dataset: int) -> list[list[int]]:
+    """``batches`` (in order, none empty) made into exactly ``groups x size`` batches.
+
+    Too many: the shortest are left out (the latest of equal ones: ``drop_last``'s incomplete group). Too few:
+    the fewest trailing groups whose rows can give each of their batches two rows (else one) keep the batches
+    before them as they are, and their largest batch (the latest of equal ones) is cut in two until they are
+    enough. Fewer rows than batches: each batch one row, the rows repeated (warned)."""
+    target = groups * size
+    if len(batches) >= target:
+        by_length = sorted(range(len(batches)), key=lambda j: (len(batches[j]), -j))
+        dropped = set(by_length[: len(batches) - target])
+        return [b for j, b in enumerate(batches) if j not in dropped]
+    # the fewest trailing groups whose rows give each of their batches two rows (a batch of one row has no
+    # in-batch negative), else one
+    fits = (
+        ((groups - trailing) * size, trailing)
+        for need in (2, 1)
+        for trailing in range(1, groups + 1)
+        if (groups - trailing) * size < len(batches)
+        and sum(len(b) for b in batches[(groups - trailing) * size :]) >= need * trailing * size
+    )
+    start, trailing = next(fits, (-1, 0))
+    if start < 0:
+        rows = [i for b in batches for i in b]
+        warnings.warn(
+            f"SameDatasetBatchSampler: dataset {dataset} has {len(rows)} rows left in this epoch for {target} "
+            "batches, so its rows repeat within a step (a row's copy is a negative as strong as its positive).",
+            UserWarning,
+            stacklevel=3,
+        )
+        return [[rows[k % len(rows)]] for k in range(target)]
+    head, tail = batches[:start], list(batches[start:])
+    while len(tail) < trailing * size:
+        j = max(range(len(tail)), key=lambda k: (len(tail[k]), k))
+        cut = _cut(len(tail[j]))
+        tail[j : j + 1] = [tail[j][:cut], tail[j][cut:]]
+    return head + tail
+
+
+def _cut(length: int) -> int:
+    """Where a batch of ``length >= 2`` rows is cut: half, rounded up to an even row where both parts keep a
+    row (``group_by_label`` lays its rows out in pairs of one label: a part of 2k rows keeps them whole)."""
+    cut = (length + 1) // 2
+    if length % 2 == 0 and cut % 2 and cut + 1 < length:
+        cut += 1
+    return cut

@@ -269,10 +269,10 @@ class CachedLossArguments(BaseTrainingArguments):
     )
     mask_duplicates: bool = _spec_field(
         "mask_duplicates",
-        "Mask false negatives found by equal inputs (token ids), on this process and across processes (which "
-        "the NO_DUPLICATES sampler cannot see beyond one process's batch): rows sharing their anchor or their "
-        "positive are duplicates; a row's negatives lose the positives of its duplicates, and any candidate "
-        "(hard negatives included) equal to its own positive.",
+        "Mask false negatives found by equal inputs (token ids, and pixels with images), on this process and "
+        "across processes (which the NO_DUPLICATES sampler cannot see beyond one process's batch): rows sharing "
+        "their anchor or their positive are duplicates; a row's negatives lose the positives of its duplicates, "
+        "and any candidate (hard negatives included) equal to its own positive.",
     )
     negative_bank_size: int = _spec_field(
         "negative_bank_size",

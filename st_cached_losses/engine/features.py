@@ -78,9 +78,15 @@ class InputsOnDemand(Mapping[str, Any]):
     a copy into one (``dict(column)``, ``{**column}``) would keep the mask alone and lose the inputs, so it
     is refused with a ``TypeError`` saying so."""
 
-    def __init__(self, attention_mask: Tensor, make: Callable[[Tensor, bool], Features]) -> None:
+    def __init__(
+        self, attention_mask: Tensor, make: Callable[[Tensor, bool], Features], patches: Tensor | None = None
+    ) -> None:
         self._read = {"attention_mask": attention_mask}
         self._make = make
+        #: per row, the vision patches of its images and videos in flattened-patch layouts (``(B,)``, counted
+        #: when the rows were measured), or None: what [`media_tokens`][st_cached_losses.engine.features.media_tokens]
+        #: reads of this column, whose inputs are not held
+        self.patches = patches
 
     def rows(self, rows: Tensor, trim_leading: bool) -> dict[str, Any]:
         """The inputs of ``rows``, made now (what [`slice_features`][st_cached_losses.engine.features.slice_features] returns for this column)."""
@@ -340,7 +346,10 @@ def token_counts(features: Features, batch_size: int) -> Tensor | None:
 def media_tokens(features: Features, batch_size: int) -> Tensor | None:
     """Per row, the vision patches of its images and videos where they come flattened with a grid
     (Qwen2-VL, [`patches_per_row`][st_cached_losses.engine.multimodal.patches_per_row]): ``(B,)``; None for a column without them. What a
-    token budget and the ``"auto"`` sizes count besides a row's text."""
+    token budget and the ``"auto"`` sizes count besides a row's text. A column made per mini-batch
+    ([`InputsOnDemand`][st_cached_losses.engine.features.InputsOnDemand]) gives those it measured."""
+    if isinstance(features, InputsOnDemand):
+        return features.patches
     return patches_per_row(media_axes(features, batch_size), batch_size)
 
 

@@ -30,10 +30,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from st_cached_losses.functional.keys import combine_hashes, content_hashes, input_hashes, segment_hashes
+
 __all__ = [
     "MediaAxis",
     "imageless_keys",
+    "input_keys",
     "media_axes",
+    "media_hashes",
+    "media_inputs",
     "media_keys",
     "patches_per_row",
     "slice_media",
@@ -53,6 +58,17 @@ _SAMPLE_FIRST = ("pixel_attention_mask", "aspect_ratio_ids")
 _PER_ROW_VISUAL = ("pixel_values", "pixel_values_videos", "image_sizes", "aspect_ratio_mask", *_SAMPLE_FIRST)
 #: what a sample-first processor writes only for a batch with images (Mllama's cross-attention mask too)
 _SAMPLE_FIRST_IMAGES = (*_PER_ROW_VISUAL, "cross_attention_mask")
+#: the inputs of images, videos and audio that processors write besides the text's
+_MEDIA_INPUTS = (
+    *_SAMPLE_FIRST_IMAGES,
+    "image_grid_thw",
+    "video_grid_thw",
+    "second_per_grid_ts",
+    "image_position_ids",
+    "input_features",
+    "input_values",
+    "feature_attention_mask",
+)
 
 
 @dataclass(frozen=True)
@@ -219,3 +235,59 @@ def patches_per_row(axes: list[MediaAxis], batch_size: int) -> Tensor | None:
         own = torch.zeros(batch_size, dtype=torch.long).index_add_(0, row_of, axis.patches)
         total = own if total is None else total + own
     return total
+
+
+def media_inputs(features: Mapping[str, Any]) -> list[str]:
+    """The inputs of images, videos or audio a column holds besides its text's (empty for text), in a
+    processor's names."""
+    return [k for k in _MEDIA_INPUTS if isinstance(features.get(k), Tensor)]
+
+
+def media_hashes(features: Mapping[str, Any], batch_size: int) -> Tensor | None:
+    """Per row, a key of its images and videos, bit for bit (their pixels, patches, grids and sizes): rows with
+    equal visual inputs get equal keys, a row without any 0; None for a column without visual inputs.
+    ``(B,)`` int64.
+
+    Every layout of the module's docstring: flattened patches (each image's patches, then its grid), one entry
+    per image, and sample-first images (a row's first ``num_images_per_sample`` images: the rest is the
+    processor's padding, which depends on the other rows)."""
+    axes = media_axes(features, batch_size)
+    total: Tensor | None = None
+
+    def mix(keys: Tensor) -> None:
+        nonlocal total
+        total = keys if total is None else combine_hashes(total, keys)
+
+    for axis in axes:
+        entries: Tensor | None = None
+        parts = [content_hashes(features[k]) for k in axis.keys]
+        if axis.patch_key is not None and axis.patches is not None:
+            parts.append(segment_hashes(content_hashes(features[axis.patch_key]), axis.patches))
+        for part in parts:
+            entries = part if entries is None else combine_hashes(entries, part)
+        if entries is not None:
+            mix(segment_hashes(entries, axis.per_row))
+    counts = features.get("num_images_per_sample")
+    for key in sorted(untrimmed_keys(features) - media_keys(axes)):
+        value = features[key]
+        if not isinstance(value, Tensor) or value.dim() < 1 or value.shape[0] != batch_size:
+            continue
+        if isinstance(counts, Tensor) and value.dim() >= 2 and value.shape[1] >= int(_long(counts).max()):
+            # sample-first: (B, max_images, ...), a row's images first, then the batch's padding
+            per_row = _long(counts).reshape(-1)
+            picked = _ranges(torch.arange(batch_size) * value.shape[1], per_row)
+            flat = value.reshape(batch_size * value.shape[1], *value.shape[2:])
+            mix(segment_hashes(content_hashes(flat.index_select(0, picked.to(flat.device))), per_row))
+        else:
+            mix(content_hashes(value))
+    return total
+
+
+def input_keys(features: Mapping[str, Any]) -> Tensor:
+    """A 64-bit key per row of a column's inputs (``mask_duplicates``): its token ids' (padding ignored, see
+    [`input_hashes`][st_cached_losses.functional.keys.input_hashes]) and, with images or videos, theirs, so
+    that two rows are duplicates only when their text *and* their images are. A text column's keys are
+    ``input_hashes``'. ``(B,)`` int64."""
+    keys = input_hashes(dict(features))
+    media = media_hashes(features, len(keys))
+    return keys if media is None else keys + media.to(keys.device)

@@ -264,14 +264,16 @@ def _own_loss_and_grad(
 
 
 def mean_scale_grad(grad: Tensor | None, w: int | None = None) -> Tensor | None:
-    """A tensor scale's gradient averaged over the ``w`` processes (default: the process group's size).
+    """The gradient of a tensor the loss owns (a scale, a learnable activation's weights), of any shape,
+    averaged over the ``w`` processes (default: the process group's size).
 
-    The scale lives outside DDP / FSDP / DeepSpeed (it belongs to the loss), so nobody else averages it:
-    without this, each process would step its scale by its own rows' gradient and the processes would
+    Such a tensor lives outside DDP / FSDP / DeepSpeed (it belongs to the loss), so nobody else averages its
+    gradient: without this, each process would step it by its own rows' gradient and the processes would
     drift apart. One all-reduce; nothing outside a process group of more than one process."""
     if grad is None or not is_distributed():
         return grad
-    return all_reduce_sum(grad.reshape(1).clone(), "all_reduce_scale")[0] / (w or world_size())
+    summed = all_reduce_sum(grad.reshape(-1).clone(), "all_reduce_scale")
+    return summed.reshape(grad.shape) / (w or world_size())
 
 
 @fp32_loss_stage

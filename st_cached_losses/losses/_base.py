@@ -403,6 +403,13 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         """What this call's loss stage needs from the features besides the embeddings (a loss adds its own)."""
         return StepData()
 
+    def _with_embeddings(self, step: StepData, embeddings: list[Tensor]) -> StepData:
+        """What this call's loss stage needs from the model's own embeddings of the step, at full width: called
+        with them before [`calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss],
+        which a wrapper may call on other embeddings (MatryoshkaLoss's truncations). Nothing by default (the
+        self-guided GIST loss takes its guide's embeddings here)."""
+        return step
+
     def _agree(self, embeddings: list[Tensor]) -> list[int] | None:
         """Every process's row count when gathering across processes (else None), and the finiteness check,
         agreed on by every process."""
@@ -520,7 +527,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         """GradCache's stage 2 through [`calculate_loss`][st_cached_losses.losses._base.CachedInfoNCEBase.calculate_loss], so that a wrapper that decorates it works."""
         reps = [[e.detach().requires_grad_()] for e in embeddings]
         scale = self.scale_tensor()
-        step = step if step is not None else StepData()
+        step = self._with_embeddings(step if step is not None else StepData(), embeddings)
         step.scale_leaf = scale.detach().requires_grad_() if isinstance(scale, Tensor) else None
         loss = self.calculate_loss(reps, labels, with_backward=True, step=step)
         scale_grad = None
@@ -586,6 +593,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
         if not torch.is_grad_enabled():
             # evaluation: the same loss, mini-batched, no caching and no graph
             embeddings = self.cache.embed(self.model, features)
+            step = self._with_embeddings(step, embeddings)
             loss = self.calculate_loss([[e] for e in embeddings], labels, step=step)
             return self._returned(loss, step, training=False)
         self._warn_if_caching_off(features)

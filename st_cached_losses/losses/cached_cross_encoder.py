@@ -20,8 +20,9 @@ from st_cached_losses.engine.features import (
     unwrap_model,
 )
 from st_cached_losses.engine.gradcache import GradCache
+from st_cached_losses.engine.multimodal import media_axes, patches_per_row
 from st_cached_losses.functional.distributed import is_distributed, world_size
-from st_cached_losses.functional.parallel import agree_on_sizes
+from st_cached_losses.functional.parallel import agree_on_sizes, mean_scale_grad
 from st_cached_losses.losses._base import EngineOptions, EngineSettings
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.guards import check_model_kind
@@ -150,7 +151,8 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             num_negatives: documents of other rows scored against each query (drawn at random, without
                 replacement); None (or ``"all"``): every other row's positive and hard negatives.
             scale: multiplies the activated scores (``1 / temperature``); 0 or None: not scaled, as theirs.
-            activation_fn: applied to each pair's score before scaling; None: the raw score.
+            activation_fn: applied to each pair's score before scaling; None: the raw score. A learnable one
+                (e.g. ``nn.PReLU()``) gets its exact gradient, averaged over the processes as the model's is.
             mini_batch_size: pairs per model forward: sets the memory, never the result. ``"auto"``: the
                 largest that fits ``mini_batch_memory_budget``, measured at the first step.
             show_progress_bar: tqdm bars over the mini-batches of both passes.
@@ -264,7 +266,11 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
 
         A model that flattens its inputs (padding-free, as sentence-transformers does under flash
         attention's variable-length kernels) gets every pair's real tokens flattened at once (no padding
-        to hold; the engine slices them per sequence)."""
+        to hold; the engine slices them per sequence).
+
+        A multimodal reranker's pairs (a document or query with images) are measured with their images: the
+        column keeps each pair's vision patches where the processor flattens them (Qwen2-VL), which a token
+        budget and the ``"auto"`` sizes count besides the pair's tokens, as for an embedding model's column."""
         inner = unwrap_model(self.model)
         kwargs = {"task": task} if task is not None else {}
         tokenizer = getattr(inner, "tokenizer", None)
@@ -282,9 +288,19 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
             tokenize(pairs[i : i + TOKENIZE_CHUNK]) for i in range(TOKENIZE_CHUNK, len(pairs), TOKENIZE_CHUNK)
         ]
         masks = [chunk["attention_mask"].bool() for chunk in chunks]
+        # a multimodal reranker's pairs: the vision patches of each pair's images, which a token budget counts
+        patches = [patches_per_row(media_axes(c, len(m)), len(m)) for c, m in zip(chunks, masks)]
         del chunks
         width = max(m.shape[1] for m in masks)
         mask = torch.cat([_pad(m, width, left, False) for m in masks])
+        per_pair = None
+        if any(p is not None for p in patches):
+            per_pair = torch.cat(
+                [
+                    p if p is not None else torch.zeros(len(m), dtype=torch.long)
+                    for p, m in zip(patches, masks)
+                ]
+            )
 
         def make(rows: Tensor, trim_leading: bool) -> Features:
             out = tokenize([pairs[i] for i in rows.tolist()])
@@ -294,7 +310,7 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
                 out = _pad_inputs(out, width, tokenizer)
             return out
 
-        return InputsOnDemand(mask, make)
+        return InputsOnDemand(mask, make, per_pair)
 
     def calculate_loss(
         self, logits: Sequence[Tensor], batch_size: int, *, total_rows: int | None = None
@@ -342,13 +358,19 @@ class CachedCrossEncoderLoss(EngineSettings, nn.Module):
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
         """GradCache's stage 2: the loss and its gradient wrt every pair's raw score (the cached quantity,
         one ``(n, 1)`` tensor per engine column) and wrt ``params``, the activation's: the activation runs
-        here, with autograd over the raw scores, so a learnable activation gets its exact gradient."""
+        here, with autograd over the raw scores, so a learnable activation gets its exact gradient.
+
+        Across processes each process's loss is its share of the global mean, and the activation belongs to
+        the loss, outside the DDP-wrapped model: its gradient is averaged over the processes here, as DDP
+        averages the model's, so that every process steps it by the global batch's gradient."""
         total = self._total_rows(torch.cat([s.reshape(-1) for s in scores]), batch_size)
         leaves = [s.detach().requires_grad_() for s in scores]
         with torch.enable_grad():
             loss = self.calculate_loss(leaves, batch_size, total_rows=total)
             grads = torch.autograd.grad(loss, [*leaves, *params], allow_unused=True)
-        return loss.detach(), list(grads[: len(leaves)]), list(grads[len(leaves) :])
+        # (a parameter the loss does not reach has no gradient, on every process alike)
+        own = [mean_scale_grad(g) for g in grads[len(leaves) :]]
+        return loss.detach(), list(grads[: len(leaves)]), own
 
     def forward(
         self,

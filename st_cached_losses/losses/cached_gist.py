@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from typing_extensions import Unpack
 
 from st_cached_losses.engine.features import batch_size_of, input_ids_by_row, model_device, unwrap_model
+from st_cached_losses.engine.multimodal import media_inputs
 from st_cached_losses.functional import scale_value
 from st_cached_losses.functional.options import Guide
 from st_cached_losses.functional.terms import gist_terms
@@ -48,7 +49,8 @@ class CachedGISTLoss(LearnableScale):
         (``guide=None``) the model guides itself with its own embeddings of the step, at no extra cost.
 
         The guide embeds each column once per step, mini-batch by mini-batch and without a graph (re-tokenising
-        the texts when its tokenizer differs from the model's); it is never replayed nor trained. Its mask is
+        the texts when its tokenizer differs from the model's: then a column with images, videos or audio is
+        refused, the decoded text having none of them); it is never replayed nor trained. Its mask is
         computed tile by tile next to the logits, never as a ``B x C`` matrix; across processes the guide's
         embeddings of the candidates are gathered (or travel around the ring) with the model's.
 
@@ -71,7 +73,8 @@ class CachedGISTLoss(LearnableScale):
                 engine's first pass, detached: no guide model, no extra forward), so the mask follows the
                 model as it trains; the same loss as ``GISTEmbedLoss`` with a frozen copy of the model, taken
                 at this step, as the guide (on a model without dropout; with dropout, the mask is that of the
-                step's own forward). The model itself is accepted too (as in sentence-transformers): then it
+                step's own forward); inside ``MatryoshkaLoss`` every width is guided by the full-width
+                embeddings, as that frozen copy guides it. The model itself is accepted too (as in sentence-transformers): then it
                 embeds the batch once more without a graph, in the mode the model is in (as theirs: no
                 ``eval()``).
             temperature: divides the cosine similarities (``scale = 1 / temperature``).
@@ -214,7 +217,7 @@ class CachedGISTLoss(LearnableScale):
 
     def _step_data(self, features: list[dict[str, Any]]) -> StepData:
         """The guide's embeddings of the batch (no graph), where the model's embeddings are; self-guided,
-        nothing: the loss stage takes the model's own (`_guided_by_itself`)."""
+        nothing: the model's own embeddings are its guide (`_with_embeddings`)."""
         if self.guide is None:
             return StepData()
         guide_features = self._guide_features(features)
@@ -240,13 +243,31 @@ class CachedGISTLoss(LearnableScale):
         super()._check_columns(features)
         if not self.in_batch_negatives:
             check_own_candidates(len(features), type(self).__name__)
+        if self.guide is not None and self.must_retokenize:
+            media = {k: media_inputs(f) for k, f in enumerate(features) if media_inputs(f)}
+            if media:
+                raise ValueError(
+                    f"CachedGISTLoss: the guide reads another vocabulary (or fewer tokens) than the model, so its "
+                    "inputs are re-tokenised from the decoded text, which holds no images, videos or audio; "
+                    f"column(s) {sorted(media)} have {sorted({k for keys in media.values() for k in keys})}. "
+                    "Use a guide that reads the model's inputs (its processor and max_seq_length), or guide=None "
+                    "(the model guides itself)."
+                )
+
+    def _with_embeddings(self, step: StepData, embeddings: list[Tensor]) -> StepData:
+        """Self-guided: the model's own embeddings of the step, at full width and detached, are the guide's.
+        In GradCache's stage 2 they are the first pass's embeddings, which the replay reproduces (its random
+        state restored), so the mask is the one of the very forward that is differentiated; taken before
+        ``calculate_loss``, so that a wrapper calling it on truncations (MatryoshkaLoss) guides every width
+        with them, as ``GISTEmbedLoss`` with a frozen copy of the model as guide does."""
+        if self.guide is None and step.guide is None:
+            step.guide = [e.detach() for e in embeddings]
+        return step
 
     def _guided_by_itself(self, step: StepData, embeddings: list[Tensor]) -> StepData:
-        """Self-guided: this call's step with the embeddings themselves, detached, as the guide's. In GradCache's
-        stage 2 they are the first pass's embeddings, which the replay reproduces (its random state restored),
-        so the mask is the one of the very forward that is differentiated; a copy, so that a wrapper calling the
-        loss stage on other embeddings of the same step (MatryoshkaLoss's truncations) is guided by those."""
-        if self.guide is not None:
+        """Self-guided and called without the step's own embeddings (``calculate_loss`` called directly):
+        a copy of the step with the given embeddings, detached, as the guide's."""
+        if self.guide is not None or step.guide is not None:
             return step
         return replace(step, guide=[e.detach() for e in embeddings])
 

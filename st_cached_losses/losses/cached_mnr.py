@@ -13,8 +13,8 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
+from st_cached_losses.engine.multimodal import input_keys
 from st_cached_losses.functional import Similarity
-from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses._base import LearnableScale, LossStageOptions, LossTerms, StageOutput, StepData
 from st_cached_losses.losses.citations import (
@@ -168,7 +168,8 @@ class CachedMNRLoss(LearnableScale):
             learnable_scale: learn the scale as CLIP's ``logit_scale = log(scale)``, clamped at ``max_scale``;
                 give the trainer ``callbacks=[LossStateCallback(loss)]`` to save, restore and log it.
             max_scale: the clamp of a learned scale (CLIP: 100).
-            mask_duplicates: mask false negatives found by equal inputs (token ids), on this process and across
+            mask_duplicates: mask false negatives found by equal inputs (token ids, and with images or videos
+                their pixels too: the same text with other images is no duplicate), on this process and across
                 processes: rows sharing their anchor or their positive are duplicates; a row's negatives lose
                 the positives of its duplicates, and any candidate equal to its own positive. With the
                 positive -> anchors direction, a positive's negatives lose the anchors of its row's duplicates.
@@ -356,7 +357,7 @@ class CachedMNRLoss(LearnableScale):
         if self.negative_bank_size and torch.is_grad_enabled():  # a training step begins: the bank ages
             self.negative_bank.begin_step()
         # false negatives are recognised by their token ids (embeddings differ under dropout)
-        return StepData(keys=[input_hashes(f) for f in features] if self.mask_duplicates else None)
+        return StepData(keys=[input_keys(f) for f in features] if self.mask_duplicates else None)
 
     def _loss_stage(
         self, embeddings: list[Tensor], labels: Tensor | None, step: StepData, with_grad: bool

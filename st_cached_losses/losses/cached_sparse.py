@@ -32,9 +32,9 @@ from sentence_transformers.sparse_encoder.losses import FlopsLoss
 from torch import Tensor, nn
 from typing_extensions import Unpack
 
+from st_cached_losses.engine.multimodal import input_keys
 from st_cached_losses.functional.distributed import is_distributed
 from st_cached_losses.functional.flops import flops_loss_and_grad
-from st_cached_losses.functional.keys import input_hashes
 from st_cached_losses.functional.sparse import SparseDot
 from st_cached_losses.losses._base import LossStageOptions, StageOutput, StepData
 from st_cached_losses.losses.citations import (
@@ -140,7 +140,7 @@ class CachedSparseLoss(SparseLossSettings):
             mini_batch_size: rows per encoder forward (or ``"auto"``); sets the memory, not the result.
             mini_batch_num_tokens: a budget of real (non-padding) tokens per encoder mini-batch instead.
             show_progress_bar: tqdm bars over the mini-batches.
-            mask_duplicates: mask false negatives found by equal token ids (see ``CachedMNRLoss``); with the
+            mask_duplicates: mask false negatives found by equal inputs (see ``CachedMNRLoss``); with the
                 core's base loss only.
 
         References:
@@ -285,7 +285,7 @@ class CachedSparseLoss(SparseLossSettings):
 
     def _step_data(self, features: list[dict[str, Any]]) -> StepData:
         # false negatives are recognised by their token ids (embeddings differ under dropout)
-        return StepData(keys=[input_hashes(f) for f in features] if self.mask_duplicates else None)
+        return StepData(keys=[input_keys(f) for f in features] if self.mask_duplicates else None)
 
     def _loss_stage(
         self, embeddings: list[Tensor], labels: Tensor | None, step: StepData, with_grad: bool

@@ -3,6 +3,8 @@ training."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from st_cached_losses import CachedCLIPLoss, CachedMNRLoss, CachedTiledLoss
@@ -63,3 +65,46 @@ def test_build_loss_checks_the_dataset_it_is_given(tmp_path):
         build_loss(model, args, train_dataset=one_text)
     triplets = Dataset.from_dict({"anchor": ["a", "b"], "positive": ["c", "d"], "negative": ["e", "f"]})
     assert isinstance(build_loss(model, args, train_dataset=triplets), CachedMNRLoss)
+
+
+def _share_meeting_their_copy(rows: int, batch: int, span: int, trials: int = 200) -> float:
+    """Simulated: the share of a second epoch's rows (reshuffled) whose first-epoch visit is at most ``span``
+    steps earlier, i.e. whose positive a bank of ``span`` steps still holds."""
+    import random
+
+    steps, hits = rows // batch, 0
+    for trial in range(trials):
+        rng = random.Random(trial)
+        first, second = list(range(rows)), list(range(rows))
+        rng.shuffle(first), rng.shuffle(second)
+        seen = {r: i // batch for i, r in enumerate(first)}
+        hits += sum(steps + i // batch - seen[r] <= span for i, r in enumerate(second))
+    return hits / (trials * rows)
+
+
+def test_a_bank_holding_much_of_an_epoch_warns_in_a_run_of_several_epochs():
+    """Issue 50's review: from the second epoch on, a row whose earlier visit the bank still holds meets its own
+    positive among the negatives. 100 pairs, batch 4 (25 steps), a bank of 40 entries (10 steps): about 9%
+    of the rows (the warning's estimate, checked by simulation)."""
+    from datasets import Dataset
+
+    pairs = Dataset.from_dict(
+        {"anchor": [f"a{i}" for i in range(100)], "positive": [f"p{i}" for i in range(100)]}
+    )
+
+    def args(**kw):
+        return CachedLossTrainingArguments(**BASE, per_device_train_batch_size=4, mini_batch_size=2, **kw)
+
+    with pytest.warns(
+        UserWarning,
+        match=r"last 10 steps of an epoch of 25 per process, so from the second epoch on about 9%",
+    ):
+        check_dataset_columns(pairs, args(negative_bank_size=40, num_train_epochs=2))
+    assert _share_meeting_their_copy(100, 4, 10) == pytest.approx(10 * 11 / (2 * 25 * 25), abs=0.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_dataset_columns(pairs, args(negative_bank_size=40, num_train_epochs=1))  # one epoch
+        check_dataset_columns(pairs, args(negative_bank_size=40, num_train_epochs=2, negative_bank_max_age=2))
+        check_dataset_columns(pairs, args(negative_bank_size=8, num_train_epochs=3))  # 2 steps: 0.5%
+    with pytest.warns(UserWarning, match="about 100%"):  # a bank of two epochs: every row, every epoch
+        check_dataset_columns(pairs, args(negative_bank_size=200, max_steps=60))

@@ -322,3 +322,52 @@ def test_a_flattened_column_keeps_its_rows_images():
     assert part["pixel_values"].flatten().tolist() == [*range(12, 16), *range(12)]
     assert part["num_images_per_sample"].tolist() == [1, 2]
     assert token_counts(column, 3).tolist() == [3 + 12, 2, 4 + 4]
+
+
+# --------------------------------------------------------------------------- duplicate keys (mask_duplicates)
+
+
+def _captioned(images: list, text: str = "w1 w2 w3") -> list:
+    """A message row: ``images`` then one caption."""
+    content = [{"type": "image", "image": image} for image in images]
+    return [{"role": "user", "content": [*content, {"type": "text", "text": text}]}]
+
+
+@pytest.mark.parametrize("which", ["qwen", "llava", "idefics3"])
+def test_duplicate_keys_are_equal_text_and_equal_images(request, which):
+    """Issue 50: ``mask_duplicates`` compared token ids only, so two rows of one caption and different images
+    (of one size: the same image tokens) were duplicates. Now a row's key covers its images, bit for bit, in
+    each layout (flattened patches with grids, one entry per image, sample-first): equal text and equal images
+    give equal keys, another image (or one image fewer, or another caption) another key; in a column with no
+    image the keys are the text's."""
+    import random
+
+    from st_cached_losses.engine.multimodal import input_keys, media_hashes
+    from st_cached_losses.functional.keys import input_hashes
+    from tests.support.tiny_vlm import random_image
+
+    model = request.getfixturevalue(which)
+    rng = random.Random(3)
+    a, b, c = (random_image(rng, 16) for _ in range(3))
+    rows = [
+        _captioned([a]),  # 0
+        _captioned([b]),  # 1: row 0's caption, another image
+        _captioned([a]),  # 2: row 0 again
+        _captioned([a, c]),  # 3: two images
+        _captioned([a, c]),  # 4: row 3 again
+        _captioned([c, a]),  # 5: row 3's images in the other order
+        _captioned([a], "w4 w5"),  # 6: another caption
+        _captioned([]),  # 7: no image
+    ]
+    features = model.preprocess(rows)
+    text = input_hashes(features)
+    keys = input_keys(features)
+    assert text[0] == text[1], "the issue's case: one caption, images of one size, the same token ids"
+    assert keys[0] == keys[2] and keys[3] == keys[4]
+    assert len({int(keys[i]) for i in (0, 1, 3, 5, 6, 7)}) == 6
+    assert keys[7] == text[7], "a row without an image keeps its text's key"
+    # the same rows in another batch (other padding, other rows' images around them): the same keys
+    again = model.preprocess([rows[7], rows[4], rows[2], rows[1]])
+    assert input_keys(again).tolist() == [int(keys[i]) for i in (7, 4, 2, 1)]
+    text_only = model.preprocess([_captioned([]), _captioned([], "w4 w5")])
+    assert media_hashes(text_only, 2) is None and torch.equal(input_keys(text_only), input_hashes(text_only))

@@ -110,3 +110,52 @@ def test_processes_equal_one_process_on_the_same_pairs(model_dir, sizes, n_cols,
             err = (r["grads"] - ref_grads).abs().max().item()
             assert err <= tol, f"step {step} rank {rank}: max grad error {err:.2e} > {tol:.2e}"
             assert r["hooks"] == 1, "DDP must all-reduce exactly once per step"
+
+
+def _activation_worker(rank: int, world: int, path: str, sizes: list[int]):
+    import torch.distributed as dist
+
+    from st_cached_losses import CachedCrossEncoderLoss
+
+    assert dist.get_world_size() == world == len(sizes)
+    model = load(path)
+    ddp = DDP(model)
+    activation = torch.nn.PReLU(init=0.3)
+    loss_fn = CachedCrossEncoderLoss(model, 2, 10.0, activation, mini_batch_size=2)
+    loss_fn.model = ddp
+    start = sum(sizes[:rank])
+    local = [c[start : start + sizes[rank]] for c in global_columns(sum(sizes), 2, 5)]
+    torch.manual_seed(rank)
+    pairs = loss_fn.pairs(local)
+    torch.manual_seed(rank)
+    loss_fn(local, None).backward()
+    return {"pairs": pairs, "grads": flat_grads(model), "activation": activation.weight.grad.clone()}
+
+
+def test_a_learnable_activation_is_stepped_by_the_global_batchs_gradient(model_dir):
+    """Issue 50: a learnable ``activation_fn`` belongs to the loss, not to the DDP-wrapped model, so nothing
+    averaged its gradient: with 3 and 5 rows, the PReLU weight's gradient was each process's own (0.0725 and
+    2.3165 where the global batch's is 1.1945). Now every process holds the global batch's gradient, as for
+    the model's parameters."""
+    from sentence_transformers.cross_encoder.losses import MultipleNegativesRankingLoss
+
+    sizes = [3, 5]
+    per_rank = run_distributed(_activation_worker, 2, model_dir, sizes)
+    model = load(model_dir)
+    activation = torch.nn.PReLU(init=0.3)
+    theirs = MultipleNegativesRankingLoss(model, 2, 10.0, activation)
+    total = torch.zeros(())
+    for r, b in zip(per_rank, sizes):
+        total = total + theirs.calculate_loss([theirs.call_model_with_pairs(r["pairs"])], b) * b
+    (total / sum(sizes)).backward()
+    ref, ref_grads = activation.weight.grad, flat_grads(model)
+    assert ref.abs().max() > 0
+    for r in per_rank:
+        torch.testing.assert_close(r["activation"], ref, rtol=2e-5, atol=0)
+        torch.testing.assert_close(r["grads"], ref_grads, rtol=0, atol=2e-5 * ref_grads.abs().max().item())
+    # not vacuous: each process's own rows alone give another gradient than the global batch's
+    for r in per_rank:
+        own = torch.nn.PReLU(init=0.3)
+        alone = MultipleNegativesRankingLoss(model, 2, 10.0, own)
+        alone.calculate_loss([alone.call_model_with_pairs(r["pairs"])], len(r["pairs"]) // 3).backward()
+        assert (own.weight.grad - ref).abs().item() > 0.05 * ref.abs().item()

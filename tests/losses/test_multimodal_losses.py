@@ -114,6 +114,114 @@ def test_qwen2_vl_images_equal_st_mnrl(qwen, options):
     _assert_images_split(plans, features)
 
 
+def test_mask_duplicates_sees_the_images(qwen):
+    """Issue 50: two positives of one caption and different images are no duplicates (they were: the keys were
+    the token ids), so with ``mask_duplicates`` and no other duplicate the loss is sentence-transformers'
+    unmasked one; the same caption with the same image is, and is masked."""
+    import random
+
+    from tests.support.tiny_vlm import random_image
+
+    rng = random.Random(5)
+    pictures = [random_image(rng, 16) for _ in range(5)]
+
+    def row(image, text):
+        return [
+            {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": text}]}
+        ]
+
+    anchors = qwen.preprocess([f"w{i} w{i + 9}" for i in range(5)])
+    positives = [row(pictures[0], "w1 w2"), row(pictures[1], "w1 w2")]
+    positives += [row(pictures[i], f"w{i} w3") for i in range(2, 5)]
+    features = [anchors, qwen.preprocess(positives)]
+    ref_loss, ref = param_grads(qwen, st_mnrl(qwen), features)
+    loss, grads = param_grads(qwen, ours(qwen, mask_duplicates=True, mini_batch_size=2)[1], features)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref)
+    # row 2's positive made row 0's (caption and image): a duplicate, masked, so another loss than theirs
+    positives[2] = positives[0]
+    features = [anchors, qwen.preprocess(positives)]
+    _, fn = ours(qwen, mask_duplicates=True, mini_batch_size=2)
+    with torch.no_grad():
+        assert float(fn(features)) < float(st_mnrl(qwen)(features)) - 1e-3
+
+
+def test_gist_guide_of_the_models_processor_sees_images_another_is_refused(qwen, qwen_dir, tmp_path):
+    """Issue 50: a guide of another tokenizer reads the columns re-tokenised from their decoded text, which
+    drops the images (silently, as sentence-transformers' GISTEmbedLoss does): refused, naming the fix. A guide
+    with the model's processor reads the very inputs, images included: GISTEmbedLoss's loss and gradients."""
+    from sentence_transformers.sentence_transformer.losses import GISTEmbedLoss
+
+    from st_cached_losses import CachedGISTLoss
+    from tests.support.tiny_model import make_tiny_model
+
+    features = image_columns(qwen, 2)
+    other = CachedGISTLoss(qwen, make_tiny_model(tmp_path / "bert"), mini_batch_size=3)
+    assert other.must_retokenize
+    with pytest.raises(
+        ValueError, match=r"re-tokenised from the decoded text, which holds no images.*guide=None"
+    ):
+        other(features, None)
+    guide = load_tiny_qwen2_vl(qwen_dir)
+    ref_loss, ref = param_grads(qwen, lambda f: GISTEmbedLoss(qwen, guide, 0.05)(f, None), features)
+    same = CachedGISTLoss(qwen, guide, 0.05, mini_batch_size=3)
+    assert not same.must_retokenize
+    loss, grads = param_grads(qwen, lambda f: same(f, None), features)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref)
+
+
+@pytest.mark.parametrize(
+    "options", [{"mini_batch_size": 3}, {"mini_batch_num_tokens": 48}], ids=["mb3", "tok48"]
+)
+def test_a_multimodal_reranker_equals_st_and_its_budget_counts_the_patches(qwen_dir, options):
+    """Issue 50: a Qwen2-VL reranker (``CrossEncoder`` of its causal LM and ``LogitScore``) ranking documents with
+    and without images: the loss and gradients of sentence-transformers' cross-encoder
+    ``MultipleNegativesRankingLoss``; a token budget counts each pair's vision patches besides its tokens, as
+    for an embedding column (it counted the tokens only, so a mini-batch ran over the budget)."""
+    import random
+
+    from sentence_transformers.cross_encoder.losses import MultipleNegativesRankingLoss
+
+    from st_cached_losses import CachedCrossEncoderLoss
+    from st_cached_losses.engine.multimodal import media_axes, patches_per_row
+    from tests.support.tiny_vlm import load_tiny_qwen2_vl_reranker, random_image
+
+    reranker = load_tiny_qwen2_vl_reranker(qwen_dir)
+    rng = random.Random(0)
+    n = 5
+    queries = [f"w{i} w{i + 3}" for i in range(n)]
+    documents = [
+        {"image": random_image(rng, rng.choice([8, 16])), "text": f"w{i + 20}"}
+        if i % 2 == 0
+        else f"w{i + 30} w7"
+        for i in range(n)
+    ]
+    negatives = [{"image": random_image(rng, 16)} if i % 3 == 0 else f"w{i + 40}" for i in range(n)]
+    inputs = [queries, documents, negatives]
+    torch.manual_seed(0)
+    ref_loss, ref = param_grads(
+        reranker, lambda x: MultipleNegativesRankingLoss(reranker, 3)(x, None), inputs
+    )
+    loss_fn = CachedCrossEncoderLoss(reranker, 3, **options)
+    plans = _spy_plans(loss_fn)
+    torch.manual_seed(0)
+    loss, grads = param_grads(reranker, lambda x: loss_fn(x, None), inputs)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, ref)
+    if "mini_batch_num_tokens" in options:
+        torch.manual_seed(0)
+        pairs = loss_fn.pairs(inputs)
+        assert len(loss_fn.columns(pairs, n, None, None)) == 1  # rows of the plans are the pairs
+        every = reranker.preprocess(pairs)
+        patches = patches_per_row(media_axes(every, len(pairs)), len(pairs))
+        assert patches is not None and int(patches.max()) > 0
+        cost = every["attention_mask"].sum(1) + patches
+        packed = [mb.rows for plan in plans for mb in plan if len(mb.rows) > 1]
+        assert packed, "no mini-batch of several pairs: the budget is not tested"
+        assert max(int(cost[rows].sum()) for rows in packed) <= options["mini_batch_num_tokens"]
+
+
 @pytest.mark.parametrize(
     "options", [{"mini_batch_size": 3}, {"mini_batch_num_tokens": 90}], ids=["mb3", "tok"]
 )

@@ -149,6 +149,21 @@ def load_tiny_qwen2_vl(path: Path | str):
     return _sentence_transformer(path)
 
 
+def load_tiny_qwen2_vl_reranker(path: Path | str):
+    """The Qwen2-VL of :func:`make_tiny_qwen2_vl` as a multimodal reranker, as sentence-transformers builds one
+    from a vision-language model: its causal LM (``transformer_task="any-to-any"``, a new random ``lm_head``)
+    scored by ``LogitScore`` (the logit of ``w1`` minus that of ``w2`` at the last position)."""
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.cross_encoder import CrossEncoder
+    from sentence_transformers.cross_encoder.modules import LogitScore
+
+    _register()
+    torch.manual_seed(0)
+    transformer = Transformer(str(path), transformer_task="any-to-any")
+    ids = transformer.processor.tokenizer.convert_tokens_to_ids
+    return CrossEncoder(modules=[transformer, LogitScore(ids("w1"), ids("w2"))], device="cpu")
+
+
 def make_tiny_llava(path: Path, *, seed: int = 0):
     """Write a random LLaVA (a 1-layer CLIP vision tower on 8 x 8 images of 4 x 4 patches, 4 image tokens
     each; a 2-layer Llama) and its processor to ``path``; load it as a mean-pooling SentenceTransformer."""
