@@ -129,7 +129,7 @@ def test_the_quickstart_runs_as_written(tmp_path, monkeypatch):
         str(w.message) for w in caught if re.search(r"caching (saves no memory|is off)", str(w.message))
     ]
     assert not caching_off, caching_off
-    assert namespace["model"].get_sentence_embedding_dimension() == 384  # all-MiniLM-L6-v2, not a tiny model
+    assert namespace["model"].get_embedding_dimension() == 384  # all-MiniLM-L6-v2, not a tiny model
     final = tmp_path / "output" / "quickstart" / "final"
     assert (final / "model.safetensors").is_file()
     assert "CachedMNRLoss" in (final / "README.md").read_text()
