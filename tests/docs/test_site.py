@@ -8,7 +8,10 @@ for Markdown read into its help texts (a regex's ``.*`` taken as emphasis). The 
 checked with ``tools/md_docstrings.py --check`` against the site's inventory, which names the file and line
 of a role merged in since. The API reference shows no docstring of Python's built-in types (``str``'s under a
 constant: ``docs/griffe_exports.py`` gives attributes their own words) and no parameter entry that documents two
-arguments at once (rendered as one unknown, "required" argument).
+arguments at once (rendered as one unknown, "required" argument). Wide tables fit (issue 54, looked at in headless
+Chromium at 1,400 px): the settings table is two columns, a table of three or more columns on Configuration and
+Choosing holds no long prose cell, and every page loads the stylesheet whose code blocks scroll instead of
+wrapping to column 0.
 
 Run alone: ``python -m pytest tests/docs/test_site.py -q``.
 """
@@ -210,3 +213,49 @@ def test_each_parameter_entry_documents_one_argument(site):
     assert len(names) > 150  # the patterns find the parameter tables
     shared = [f"{page}: {name}" for page, name in names if not re.fullmatch(r"\*{0,2}[A-Za-z_]\w*", name)]
     assert not shared, "parameter entries naming several arguments:\n" + "\n".join(shared)
+
+
+TABLE = re.compile(r"<table>(.*?)</table>", re.S)
+CELL = re.compile(r"<t([dh])\b[^>]*>(.*?)</t[dh]>", re.S)
+#: the longest cell text (characters) a table of three or more columns may hold: at 1,400 px such a cell made
+#: its row ~1,000 px tall and pushed the columns after it off the page (the settings table had the meaning
+#: column cut); a two-column table gives its prose the width
+WIDE_TABLE_CELL = 200
+
+
+def _tables(text: str) -> list[tuple[int, list[str]]]:
+    """(columns, cell texts) of each table of an HTML text."""
+    out = []
+    for table in TABLE.findall(text):
+        cells = CELL.findall(table)
+        columns = sum(1 for kind, _ in cells if kind == "h")
+        out.append((columns, [" ".join(html.unescape(TAG.sub(" ", cell)).split()) for _, cell in cells]))
+    return out
+
+
+def test_wide_tables_fit_and_code_keeps_its_indentation(site):
+    configuration = (site / "configuration" / "index.html").read_text()
+    columns, cells = _tables(configuration[configuration.index('class="settings-table"') :])[0]
+    assert columns == 2 and len(cells) > 80, (columns, len(cells))  # the field; its help and losses
+    for page in ("configuration", "guides/choosing"):
+        tables = _tables((site / page / "index.html").read_text())
+        assert tables, page
+        for columns, cells in tables:
+            longest = max(cells, key=len)
+            assert columns < 3 or len(longest) <= WIDE_TABLE_CELL, (
+                f"{page}: {columns} columns, {longest[:80]!r}"
+            )
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"pre > code \{[^}]*white-space: pre;", css)
+    unstyled = [page for page in _pages(site) if "stylesheets/extra.css" not in page.read_text()]
+    assert not unstyled, unstyled[:5]
+
+
+def test_the_table_check_can_fail():
+    wide = (
+        "<table><tr><th>a</th><th>b</th><th>c</th></tr><tr><td>x</td><td>"
+        + "y " * 150
+        + "</td><td>z</td></tr></table>"
+    )
+    ((columns, cells),) = _tables(wide)
+    assert columns == 3 and len(max(cells, key=len)) > WIDE_TABLE_CELL
