@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # cannot reach is warned about (pip retries it a few times) and skipped. `make TORCH_INDEX=` leaves it
 # out: pip then takes torch==2.13.0 from the default index, which on Linux is the CUDA build.
 TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
-# the torch the environments here are built with (.venv and make dist's fresh one); the package itself asks torch>=2.11
+# the torch the environments here are built with (.venv and make dist's fresh one); the package itself asks torch>=2.6
 TORCH ?= torch==2.13.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1

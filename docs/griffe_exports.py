@@ -5,10 +5,21 @@ name a module holds, its imports included (``Any``, ``cast``, constants it re-us
 logger). A module that declares ``__all__`` documents those names only (and its submodules): the others are
 dropped, as static analysis of ``__all__`` would. Modules without ``__all__`` keep every name the ``!^_``
 filter lets through; their pages list the members to show.
+
+Inspection also gives a constant or a class attribute the docstring of its value's type: ``str``'s "Create a
+new string object from the given object..." under a class name, ``dict``'s under a table, ``int``'s under a
+size. Such an attribute gets its own words instead, where the source has them: the ``#:`` comment above its
+assignment (as Sphinx reads it), or a dataclass field's ``help``; otherwise no docstring (its name and value
+are shown). ``tests/docs/test_site.py`` fails on a built-in docstring in the reference.
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
 from typing import Any
 
 import griffe
@@ -26,3 +37,68 @@ class ExportsOnly(griffe.Extension):
             # an alias is not resolved here (its target may not be loaded): imported names go unless exported
             if name not in exported and (member.is_alias or not member.is_module):
                 mod.del_member(name)
+
+
+def _same_text(a: Any, b: Any) -> bool:
+    """Whether two docstrings read the same (a type's ``__doc__`` may also be a descriptor, or None)."""
+    return isinstance(a, str) and isinstance(b, str) and " ".join(a.split()) == " ".join(b.split())
+
+
+@functools.cache
+def _comments(owner: Any) -> dict[str, str]:
+    """``{name: text}`` of the ``#:`` comments right above the assignments in ``owner``'s body (a class or a
+    module), as Sphinx's autodoc reads attribute documentation."""
+    try:
+        lines, _ = inspect.getsourcelines(owner)
+    except (OSError, TypeError):
+        return {}
+    source = textwrap.dedent("".join(lines))
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return {}
+    body = tree.body
+    if inspect.isclass(owner) and body and isinstance(body[0], ast.ClassDef):
+        body = body[0].body
+    text = source.splitlines()
+    out: dict[str, str] = {}
+    for node in body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names = [node.target.id]
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        else:
+            continue
+        comment: list[str] = []
+        row = node.lineno - 2  # the line above, 0-based
+        while row >= 0 and text[row].strip().startswith("#:"):
+            comment.insert(0, text[row].strip()[2:].strip())
+            row -= 1
+        if comment:
+            out.update(dict.fromkeys(names, " ".join(comment)))
+    return out
+
+
+def _field_help(owner: Any, name: str) -> str | None:
+    """A dataclass field's ``help`` (the arguments classes' fields: what ``--help`` prints)."""
+    if not (inspect.isclass(owner) and dataclasses.is_dataclass(owner)):
+        return None
+    field = owner.__dataclass_fields__.get(name)
+    help_text = field.metadata.get("help") if field is not None else None
+    return help_text if isinstance(help_text, str) and help_text.strip() else None
+
+
+class AttributeDocs(griffe.Extension):
+    """An attribute documented by the docstring of its value's type gets its own words, or none."""
+
+    def on_attribute_instance(self, *, node: Any, attr: griffe.Attribute, **kwargs: Any) -> None:
+        if not isinstance(node, griffe.ObjectNode) or node.parent is None:
+            return  # found by static analysis: its docstring is its own
+        value, owner = node.obj, node.parent.obj
+        inherited = attr.docstring is not None and _same_text(
+            attr.docstring.value, getattr(type(value), "__doc__", None)
+        )
+        if attr.docstring is not None and not inherited:
+            return
+        own = _comments(owner).get(attr.name) or _field_help(owner, attr.name)
+        attr.docstring = griffe.Docstring(own, parent=attr) if own else None

@@ -8,7 +8,8 @@
   losses' registry, read through ``st_cached_losses/config/registry.py``).
 * The repository's address is ``Repository`` under ``[project.urls]`` in ``pyproject.toml``, the one place it is
   written: it becomes the site's ``repo_url`` (the header's link) and replaces ``<!-- repository-url -->`` in
-  every page (code blocks included).
+  every page (code blocks included); ``<!-- repository-placeholder-note -->`` says that it is a placeholder
+  while it is one (``OWNER``).
 * The plots and CSV files of ``benchmarks/results/`` are served under ``results/`` (the pages link
   ``results/<name>.png``): they are read from where the benchmarks write them, never copied into ``docs/``.
 """
@@ -42,22 +43,6 @@ def _griffe_workaround() -> None:
     CachedLossTrainingArguments.__init__.__module__ = CachedLossTrainingArguments.__module__
 
 
-class _SharedEntries(logging.Filter):
-    """Some losses document several arguments in one entry (``path / tile_size / memory_budget: ...``), which
-    griffe's Google parser reports as an unknown, untyped parameter (or, wrapped, as no ``name: description``
-    pair); they render as written. Those reports, and only those, are logged as INFO so that ``--strict``
-    fails on any other warning."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if record.levelno == logging.WARNING and (
-            (" / " in message and "parameter '" in message.lower())
-            or "Failed to get 'name: description' pair" in message
-        ):
-            record.levelno, record.levelname = logging.INFO, "INFO"
-        return True
-
-
 def repository_url() -> str:
     """``Repository`` of ``[project.urls]`` in pyproject.toml (read as text: no TOML parser on Python 3.10)."""
     text = (ROOT / "pyproject.toml").read_text()
@@ -69,6 +54,14 @@ def repository_url() -> str:
 
 
 REPOSITORY_MARKER = "<!-- repository-url -->"
+#: where a page says that the address is a placeholder, while it is one (``OWNER``): nothing once it is real
+PLACEHOLDER_NOTE_MARKER = "<!-- repository-placeholder-note -->"
+
+
+def placeholder_note(url: str) -> str:
+    if "/OWNER/" not in url:
+        return ""
+    return " (`OWNER` is a placeholder: the repository's public address is not settled yet)"
 
 
 def on_config(config):
@@ -82,8 +75,6 @@ def on_startup(command: str, dirty: bool) -> None:
     _griffe_workaround()
     # preloading typing (mkdocs.yml) has griffe read typing.io / typing.re, which warn on Python 3.11
     warnings.filterwarnings("ignore", r"typing\.(io|re) is deprecated", DeprecationWarning)
-    for name in ("griffe", "mkdocs.plugins.griffe", "mkdocs.plugins.mkdocstrings_handlers.python"):
-        logging.getLogger(name).addFilter(_SharedEntries())
 
 
 def _type_name(annotation: typing.Any) -> str:
@@ -112,8 +103,10 @@ def _text_cell(text: str) -> str:
 
 
 def settings_table() -> str:
-    """Markdown table of the arguments' own fields, in their declaration order: each field's type, default, the
-    losses that take its setting (read from the losses' settings) and its help (the setting's declaration)."""
+    """Markdown table of the arguments' own fields, in their declaration order: two columns, so that the help
+    texts get the page's width (five columns were cut at 1,400 px): the field with its type and default, then
+    its help and the losses that take it. The ``loss`` field's help names every loss: its row points at the
+    table of names above instead."""
     from sentence_transformers import SentenceTransformerTrainingArguments
 
     from st_cached_losses.config.registry import LOSSES, takers
@@ -121,7 +114,7 @@ def settings_table() -> str:
 
     inherited = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     hints = typing.get_type_hints(CachedLossTrainingArguments)
-    rows = ["| field | type | default | losses that take it | meaning |", "|---|---|---|---|---|"]
+    rows = ["| field | meaning |", "|---|---|"]
     for f in dataclasses.fields(CachedLossTrainingArguments):
         if f.name in inherited:
             continue
@@ -137,29 +130,46 @@ def settings_table() -> str:
             group = {"scale", "temperature"} if setting in ("scale", "temperature") else {setting}
             names = [name for name in LOSSES if any(name in takers(g) for g in group)]
             takes = "all" if len(names) == len(LOSSES) else ", ".join(f"`{n}`" for n in names)
-        default = "-" if f.default is None else f"`{f.default!r}`"
-        help_text = f.metadata.get("help", "")
+        default = "none" if f.default is None else f"`{f.default!r}`"
+        if f.name == "loss":
+            meaning = "The loss to train: a name of the table above (or a class name it lists)."
+        else:
+            meaning = _text_cell(f.metadata.get("help", ""))
         rows.append(
-            f"| `{f.name}` | `{_cell(_type_name(hints[f.name]))}` | {default} | {takes} | {_text_cell(help_text)} |"
+            f"| `{f.name}`<br>`{_cell(_type_name(hints[f.name]))}`, default {default} | "
+            f"{meaning}<br>Losses: {takes} |"
         )
     # a wrapper the stylesheet sizes the columns by (md_in_html renders the table inside it)
     return '<div class="settings-table" markdown>\n\n' + "\n".join(rows) + "\n\n</div>"
 
 
+def _st_class_names() -> dict[str, str]:
+    """sentence-transformers' loss class names by their lower case (the registry keeps them lower-cased)."""
+    import importlib
+
+    out: dict[str, str] = {}
+    for module in ("sentence_transformer", "sparse_encoder", "multi_vector_encoder", "cross_encoder"):
+        losses = importlib.import_module(f"sentence_transformers.{module}.losses")
+        out.update({name.lower(): name for name in dir(losses) if name.endswith("Loss")})
+    return out
+
+
 def loss_names_table() -> str:
+    """The names ``loss:`` takes: ours, then the class (and the model it trains), then every other spelling:
+    ours hyphenated and sentence-transformers' class names (any case is accepted; our class names too)."""
     from st_cached_losses.config.registry import BASE_LOSSES, LOSS_ALIASES, LOSSES, MODEL_KINDS, ST_LOSS_NAMES
 
-    rows = ["| `loss:` | class | model it trains | also accepted |", "|---|---|---|---|"]
+    proper = _st_class_names()
+    rows = ["| `loss:` | class (model it trains) | also accepted |", "|---|---|---|"]
     for name, cls in LOSSES.items():
-        aliases = sorted(a for a, n in LOSS_ALIASES.items() if n == name and a != name)
-        # and sentence-transformers' class names that name it (with the arguments class of the model it trains)
-        aliases += sorted(
-            st for st, ours in ST_LOSS_NAMES.items() if name in ours.values() and st not in aliases
+        aliases = sorted(
+            a for a, n in LOSS_ALIASES.items() if n == name and a != name and a != cls.__name__.lower()
         )
+        aliases += sorted(proper.get(st, st) for st, ours in ST_LOSS_NAMES.items() if name in ours.values())
         base = f" with `{BASE_LOSSES[name].__name__}`" if name in BASE_LOSSES else ""
         rows.append(
-            f"| `{name}` | `{cls.__name__}`{base} | `{MODEL_KINDS.get(name, '?')}` | "
-            f"{', '.join(f'`{a}`' for a in aliases)} |"
+            f"| `{name}` | `{cls.__name__}`{base} (`{MODEL_KINDS.get(name, '?')}`) | "
+            f"{', '.join(f'`{a}`' for a in aliases) or '-'} |"
         )
     return "\n".join(rows)
 
@@ -185,6 +195,7 @@ def type_aliases(paths: str) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
+    markdown = markdown.replace(PLACEHOLDER_NOTE_MARKER, placeholder_note(repository_url()))
     markdown = markdown.replace(REPOSITORY_MARKER, repository_url())
     for marker, build in GENERATED.items():
         if marker in markdown:

@@ -9,7 +9,7 @@ the encoder's 1e-4 it would hardly move in a short run.
 
 Every option is a field of CachedLossTrainingArguments or of ExampleArguments below (--help):
 
-    python examples/train_cached_clip.py                   # tiny CPU defaults, about a minute
+    python examples/train_cached_clip.py                   # tiny CPU defaults, a minute or two on 2 CPU cores
     python examples/train_cached_clip.py --temperature 0.07 --per_device_train_batch_size 2048
     python examples/train_cached_clip.py --learnable_scale false --scale 30
     python examples/train_cached_clip.py examples/configs/cached_clip.yaml

@@ -7,7 +7,7 @@ as sentence-transformers' MultipleNegativesRankingLoss.
 
 Every option is a field of CachedLossTrainingArguments or of ExampleArguments below (--help):
 
-    python examples/train_cached_mnr.py                    # tiny CPU defaults, about a minute
+    python examples/train_cached_mnr.py                    # tiny CPU defaults, a minute or two on 2 CPU cores
     python examples/train_cached_mnr.py --temperature 0.07
     python examples/train_cached_mnr.py --per_device_train_batch_size 1024 --mini_batch_size 64 \\
         --train_pairs 4096 --hard_negatives 3

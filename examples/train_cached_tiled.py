@@ -8,7 +8,7 @@ false the one-directional InfoNCE.
 
 Every option is a field of CachedLossTrainingArguments or of ExampleArguments below (--help):
 
-    python examples/train_cached_tiled.py                  # tiny CPU defaults, about a minute
+    python examples/train_cached_tiled.py                  # tiny CPU defaults, a minute or two on 2 CPU cores
     python examples/train_cached_tiled.py --per_device_train_batch_size 4096 --mini_batch_size 64 \\
         --tile_size 1024 --train_pairs 4096
     python examples/train_cached_tiled.py examples/configs/cached_tiled.yaml

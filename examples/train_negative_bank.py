@@ -10,7 +10,7 @@ restores it on resume_from_checkpoint and logs its size and age.
 
 Every option is a field of CachedLossTrainingArguments or of ExampleArguments below (--help):
 
-    python examples/train_negative_bank.py                              # tiny CPU defaults, about a minute
+    python examples/train_negative_bank.py                              # tiny CPU defaults, a minute or two on 2 CPU cores
     python examples/train_negative_bank.py --negative_bank_size 0       # the same run without the bank
     python examples/train_negative_bank.py --negative_bank_size 256 --negative_bank_max_age 16
     python examples/train_negative_bank.py --config examples/configs/negative_bank.yaml --max_steps 2

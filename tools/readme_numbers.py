@@ -131,16 +131,24 @@ def timed(cmd: list[str]) -> float:
     return time.perf_counter() - start
 
 
+#: the suite as --measure test runs it: less the one test that checks the times this run replaces (after the suite
+#: grew by more than the tolerance it fails until they are re-measured, and a failing run writes nothing)
+TEST_ARGS = (
+    "-m",
+    "pytest",
+    "-q",
+    "-p",
+    "no:cacheprovider",
+    "--deselect",
+    "tests/test_readme_numbers.py::test_the_readmes_times_are_the_last_measured_ones",
+)
+
+
 def measure(what: list[str], python: str) -> dict[str, float | list[float]]:
     """Time the suite, the demo and / or each example (what ``make test`` / ``make demo`` run)."""
     times: dict[str, float | list[float]] = {}
     if "test" in what:
-        # less the one test that checks the times this run replaces (after the suite grew by more than the
-        # tolerance it fails until they are re-measured, and a failing run writes nothing)
-        stale = "tests/test_readme_numbers.py::test_the_readmes_times_are_the_last_measured_ones"
-        times["test_seconds"] = timed(
-            [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--deselect", stale]
-        )
+        times["test_seconds"] = timed([python, *TEST_ARGS])
     if "demo" in what:
         times["demo_seconds"] = timed([python, "-m", "st_cached_losses.demo", "--disable_tqdm", "true"])
     if "examples" in what:
@@ -181,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if options.measure:
         record.update(measure(options.measure, options.python), load_average_before=round(load, 1))
+        if "test" in options.measure:  # what was timed, by this script
+            record["test_command"] = " ".join(TEST_ARGS[1:]) + " (tools/readme_numbers.py --measure test)"
         # the times' own day and suite size: a later --write of the count alone keeps them
         record.update(times_date=record["date"], times_tests=record["tests"])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,8 @@ needs on top:
 * a misspelt key or flag is an error that names the closest field, raised before any dataclass is
   built (``HfArgumentParser`` builds them first, so a typo'd ``mini_bach_size`` used to warn that
   "caching is off" for the default mini-batch size before its own error, which names no field);
-* ``--help`` lists the loss fields first, then the script's own, then the ~120 training arguments, and
-  keeps the line breaks of the script's docstring;
+* ``--help`` lists the loss fields first, then the script's own, then names the ~120 training arguments
+  (``--help_all`` describes each), shows each default once, and keeps the line breaks of the script's docstring;
 * [`parse_command_line`][st_cached_losses.config.cli.CachedLossArgumentParser.parse_command_line] takes ``script.py run.yaml`` and ``script.py
   --config run.yaml --max_steps 10`` as well as flags, over a script's own defaults; setting ``scale``
   replaces a ``temperature`` given by a lower-priority source (and the other way round), so that
@@ -36,6 +36,7 @@ import json
 import os
 import re
 import sys
+import textwrap
 import types
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -57,17 +58,50 @@ from st_cached_losses.config.training_args import (
 #: below it (script defaults < configuration file < command line)
 ALTERNATIVE_FIELDS: tuple[tuple[str, ...], ...] = (("scale", "temperature"),)
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+#: the training arguments ``--help`` describes (a run sets them most; the one this package adds a value to);
+#: it names the others, ``--help_all`` describes them too
+DESCRIBED_TRAINING_FIELDS = (
+    "output_dir",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "learning_rate",
+    "num_train_epochs",
+    "max_steps",
+    "batch_sampler",
+    "multi_dataset_batch_sampler",
+)
 USAGE = "%(prog)s [CONFIG.yaml | --config CONFIG.yaml] [--FIELD VALUE ...]"
+
+
+#: a help text that states its field's default in its own words (then ``(default: ...)`` is not added)
+_STATES_DEFAULT = re.compile(r"\bdefaults?\b", re.IGNORECASE)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     """Keeps the description's line breaks (a script's docstring, with its example commands) and shows
-    every field's default, but not a ``--no_<field>`` flag's (``False``: what the flag sets, not a default)."""
+    every field's default once: not where the help already states it ("default 64 MiB", "Default: the loss's
+    own"), nor a ``--no_<field>`` flag's (``False``: what the flag sets, not a default)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if isinstance(action, argparse._StoreFalseAction):
+        if isinstance(action, argparse._StoreFalseAction) or _STATES_DEFAULT.search(action.help or ""):
             return action.help
         return super()._get_help_string(action)
+
+
+class _HelpAllAction(argparse.Action):
+    """``--help_all``: ``--help`` with every training argument described (``--help`` names them only)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        assert isinstance(parser, CachedLossArgumentParser)
+        for action, text in parser._brief_help.items():
+            action.help = text
+        for group, description in parser._brief_groups.items():
+            group.description = description
+        parser.print_help()
+        parser.exit()
 
 
 def load_config(path: str | os.PathLike[Any]) -> dict[str, Any]:
@@ -98,7 +132,7 @@ def load_config(path: str | os.PathLike[Any]) -> dict[str, Any]:
             import yaml
         except ImportError as err:  # pragma: no cover - PyYAML comes with transformers today
             raise ImportError(
-                f"reading {path} needs PyYAML: pip install 'st_cached_losses[yaml]' (or pip install pyyaml), "
+                f"reading {path} needs PyYAML: pip install pyyaml (or, in a clone of the repository, pip install '.[yaml]'), "
                 "or write the configuration as JSON."
             ) from err
         try:
@@ -205,7 +239,17 @@ class CachedLossArgumentParser(HfArgumentParser):
         if kwargs.get("description"):  # a script's docstring: --help is plain text
             kwargs["description"] = plain_text(kwargs["description"])
         self._loss_group: Any = None  # the loss fields' --help section, created with the first dataclass
+        # the training arguments' help texts and their sections' descriptions, which --help leaves out (it names
+        # the ~120 fields only) and --help_all shows
+        self._brief_help: dict[argparse.Action, str | None] = {}
+        self._brief_groups: dict[Any, str | None] = {}
         super().__init__(dataclass_types, **kwargs)
+        if "--help_all" not in self._option_string_actions:
+            self.add_argument(
+                "--help_all",
+                action=_HelpAllAction,
+                help="show this help with every training argument described, and exit",
+            )
 
     # ------------------------------------------------------------------ fields
 
@@ -291,6 +335,24 @@ class CachedLossArgumentParser(HfArgumentParser):
                             f"{action.help} '{SAME_DATASET}': SameDatasetBatchSampler, every process trains on "
                             "the same dataset in each step (see same_dataset_order, same_dataset_per_optimizer_step)."
                         )
+        if issubclass(dtype, CachedLossArguments):
+            self._name_only(rest, [f.name for f in groups[1][1] if f.name not in DESCRIBED_TRAINING_FIELDS])
+
+    def _name_only(self, group: Any, names: list[str]) -> None:
+        """``--help`` describes the training arguments of ``group`` a run sets most
+        (``DESCRIBED_TRAINING_FIELDS``) and names the others in a paragraph (their help texts, transformers' and
+        sentence-transformers', ran to some 650 lines); ``--help_all`` describes each."""
+        self._brief_groups[group] = group.description
+        for action in group._group_actions:
+            if action.dest in names:
+                self._brief_help[action] = action.help
+                action.help = argparse.SUPPRESS
+        flags = textwrap.fill(", ".join(f"--{name}" for name in names), width=100)
+        classes = group.title.split("(", 1)[1].rstrip(")").replace(", ", " and ")
+        group.description = (
+            f"The fields of {classes} a run sets most are described below; every other one is named here "
+            f"(--help_all describes each):\n{flags}"
+        )
 
     # ------------------------------------------------------------------ parsing
 

@@ -303,6 +303,17 @@ class CachedLossArguments(BaseTrainingArguments):
         },
     )
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # a misspelt keyword names the closest field (the dataclass's __init__ raises a TypeError naming none)
+        known = [f.name for f in dataclasses.fields(cls) if f.init]
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            raise TypeError(
+                f"{cls.__name__}.__init__() got an unexpected keyword argument {unknown[0]!r}."
+                + closest_name_hint(unknown[0], known)
+            )
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         # ours first: a wrong loss setting is reported before anything else is set up
         validate_loss_fields(self)  # below
@@ -664,13 +675,14 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
     canonical = canonical_loss(key, type(args).trains)
     if canonical is None:
         names = ", ".join(repr(name) for name in LOSSES)
+        # each class once (CachedSparseLoss is the class of three names)
         classes = ", ".join(dict.fromkeys(cls.__name__ for cls in LOSSES.values()))
         spellings = {**LOSS_ALIASES, **{name: name for name in ST_LOSS_NAMES}}
         close = difflib.get_close_matches(key, list(spellings), n=1, cutoff=0.6)
         hint = f" Did you mean loss={canonical_loss(close[0], type(args).trains)!r}?" if close else ""
         raise ValueError(
             f"loss={args.loss!r} is not a cached loss; choose one of {names} (or a class name, ours: {classes}; "
-            f"or sentence-transformers' cached loss it replaces, e.g. CachedMultipleNegativesRankingLoss).{hint}"
+            f"or sentence-transformers' loss it replaces, e.g. MultipleNegativesRankingLoss).{hint}"
         )
     args.loss = canonical
     _check_model_kind(args)
@@ -714,12 +726,21 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
     _validate_settings(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size
-    # caching is off when the whole batch, every column's rows together, fits in one mini-batch (the engine's
-    # rule); the columns are not known here, but there are at least two: a batch of pairs is the one this can
-    # tell about (a reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more
-    # rarely)
+    # both sizes at their defaults (transformers' batch 8, mini-batch 32): nothing chosen yet, nothing to warn
+    # about here (a bare CachedLossTrainingArguments() warned at once); a loss that trains such a batch says so
+    # at its first step
+    defaults = type(args).__dataclass_fields__
+    chosen = (batch, rows) != (
+        defaults["per_device_train_batch_size"].default,
+        defaults["mini_batch_size"].default,
+    )
+    # caching is off when the whole batch, every column's rows together, fits in one mini-batch; the columns
+    # are not known here, but there are at least two: a batch of pairs is the one this can tell about (a
+    # reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely)
     if (
-        args.mini_batch_num_tokens is None
+        chosen
+        and not args.negative_bank_size  # a bank's small batches: the non-cached loss has no bank
+        and args.mini_batch_num_tokens is None
         and isinstance(rows, int)
         and rows_fit_in_one([batch, batch], rows)
         and args.loss != "cross_encoder"

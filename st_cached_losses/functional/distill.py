@@ -97,7 +97,8 @@ def distill_loss_and_grad(
         objective: ``"kl"``: ``student_temperature**2 * KL(softmax(targets / teacher_temperature) ||
             softmax(scores / student_temperature))`` per row (sentence-transformers' ``DistillKLDivLoss``);
             ``"margin_mse"``: ``mean_j ((s_pos - s_neg_j) - targets_j)**2`` per row (``MarginMSELoss``).
-        student_temperature / teacher_temperature: ``"kl"`` only.
+        student_temperature: the student's softmax temperature; ``"kl"`` only.
+        teacher_temperature: the teacher's softmax temperature; ``"kl"`` only.
         row_weight: the weight of each row's loss in the returned sum (default ``1 / B``, the mean; across
             processes ``W / B_global``, this process's share of the global mean).
         chunk_rows: rows scored (and differentiated) at once; sets the memory, not the result.

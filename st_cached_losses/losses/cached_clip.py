@@ -32,7 +32,7 @@ class CLIPSettings(RankingSettings):
 
 class CachedCLIPLoss(CachedMNRLoss):
     name = "clip"
-    st_names = ("CachedMultipleNegativesSymmetricRankingLoss",)
+    st_names = ("CachedMultipleNegativesSymmetricRankingLoss", "MultipleNegativesSymmetricRankingLoss")
     settings_class = CLIPSettings
     citations = (GRADCACHE_CITATION, CLIP_CITATION)
 

@@ -177,7 +177,7 @@ class CrossEncoderSettings(EngineSettings):
 class CachedCrossEncoderLoss(CachedLoss):
     name = "cross_encoder"
     aliases = ("cross-encoder", "crossencoder")
-    st_names = ("CachedMultipleNegativesRankingLoss",)
+    st_names = ("CachedMultipleNegativesRankingLoss", "MultipleNegativesRankingLoss")
     settings_class = CrossEncoderSettings
     citations = (GRADCACHE_CITATION, MNRL_CITATION)
     equivalent_st_loss = "CachedMultipleNegativesRankingLoss"

@@ -141,7 +141,7 @@ class GISTSettings(LossStageSettings):
 
 class CachedGISTLoss(LearnableScale):
     name = "gist"
-    st_names = ("CachedGISTEmbedLoss",)
+    st_names = ("CachedGISTEmbedLoss", "GISTEmbedLoss")
     settings_class = GISTSettings
     citations = (GRADCACHE_CITATION, GIST_CITATION)
     equivalent_st_loss = "CachedGISTEmbedLoss"

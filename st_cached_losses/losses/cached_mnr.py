@@ -56,7 +56,7 @@ def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | No
 
 class CachedMNRLoss(LearnableScale):
     name = "mnr"
-    st_names = ("CachedMultipleNegativesRankingLoss",)
+    st_names = ("CachedMultipleNegativesRankingLoss", "MultipleNegativesRankingLoss")
     settings_class = RankingSettings
     citations = (GRADCACHE_CITATION, MNRL_CITATION)
 

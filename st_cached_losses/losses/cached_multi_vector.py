@@ -83,7 +83,7 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
 class CachedMultiVectorLoss(CachedLoss):
     name = "multi_vector"
     aliases = ("multi-vector", "multivector")
-    st_names = ("CachedMultiVectorMultipleNegativesRankingLoss",)
+    st_names = ("CachedMultiVectorMultipleNegativesRankingLoss", "MultiVectorMultipleNegativesRankingLoss")
     settings_class = MultiVectorSettings
     citations = (GRADCACHE_CITATION, MNRL_CITATION)
     equivalent_st_loss = "CachedMultiVectorMultipleNegativesRankingLoss"

@@ -239,7 +239,7 @@ class BaseLossSetting:
 
 class CachedSparseLoss(CachedLoss):
     name = "sparse"
-    st_names = ("CachedSpladeLoss",)
+    st_names = ("CachedSpladeLoss", "SpladeLoss")
     settings_class = SparseSettings
     citations = (GRADCACHE_CITATION, SPLADE_CITATION, FLOPS_CITATION)
     equivalent_st_loss = "CachedSpladeLoss"
@@ -324,9 +324,11 @@ class CachedSparseLoss(CachedLoss):
                 ``use_document_regularizer_only``.
             query_regularizer_weight: weight of the queries' regulariser ("lambda_q"), on the first column;
                 None: no query regulariser (inference-free models).
-            document_regularizer / query_regularizer: regularisers instead of the default ``FlopsLoss``.
-            document_regularizer_threshold / query_regularizer_threshold: the default FLOPS counts only rows
-                with more than this many non-zero entries (FLOPS with l0 masking).
+            document_regularizer: the documents' regulariser instead of the default ``FlopsLoss``.
+            query_regularizer: the queries' regulariser instead of the default ``FlopsLoss``.
+            document_regularizer_threshold: the default FLOPS of the documents counts only rows with more than
+                this many non-zero entries (FLOPS with l0 masking).
+            query_regularizer_threshold: the same for the queries' FLOPS.
             use_document_regularizer_only: every column is a document (symmetric data): one regulariser
                 over all of them, weighted by ``document_regularizer_weight``.
             mini_batch_size: rows per encoder forward (or ``"auto"``); sets the memory, not the result.

@@ -61,16 +61,40 @@ def test_a_misspelt_hardness_mode_on_the_command_line(monkeypatch, capsys):
     assert "None" not in err and "{" not in err
 
 
-@pytest.fixture(scope="module")
-def demo_help() -> str:
+def _demo_help(flag: str) -> str:
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as info:
-        main(["--help"])
+        main([flag])
     assert info.value.code == 0
     return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def demo_help() -> str:
+    return _demo_help("--help")
+
+
+@pytest.fixture(scope="module")
+def demo_help_all() -> str:
+    return _demo_help("--help_all")
+
+
+def test_help_names_the_training_arguments_and_help_all_describes_them(demo_help, demo_help_all):
+    """--help describes the loss fields and the script's, and names the ~120 training arguments (it ran to 873
+    lines); --help_all describes them too. Each default is shown once: not appended where the help states it."""
+    assert len(demo_help.splitlines()) < 450 < len(demo_help_all.splitlines())
+    assert "--help_all describes each" in demo_help and "--log_on_each_node" in demo_help
+    assert "--help_all describes each" not in demo_help_all
+    for text in (demo_help, demo_help_all):
+        assert _option_help(text, "--mini_batch_size").startswith("--mini_batch_size")
+    assert "whether to log once per node" not in demo_help  # transformers' help of log_on_each_node
+    assert "whether to log once per node" in " ".join(demo_help_all.split())
+    budget = _option_help(demo_help, "--memory_budget")
+    assert "(default 64 MiB)" in budget and "(default: None)" not in budget
+    assert "(default: mnr)" in _option_help(demo_help, "--loss")  # a help that does not state it: appended
 
 
 def test_help_names_the_program_and_is_free_of_rst_markup(demo_help):
@@ -94,9 +118,9 @@ def _option_help(text: str, flag: str) -> str:
 
 
 @pytest.mark.parametrize("name", ["contrast_anchors", "contrast_positives", "log_on_each_node"])
-def test_a_no_flag_has_its_own_help(demo_help, name):
-    positive = _option_help(demo_help, f"--{name}")
-    negative = _option_help(demo_help, f"--no_{name}")
+def test_a_no_flag_has_its_own_help(demo_help_all, name):
+    positive = _option_help(demo_help_all, f"--{name}")
+    negative = _option_help(demo_help_all, f"--no_{name}")
     assert f"Turn off {name}" in negative, negative
     assert "(default: False)" not in negative  # what the flag sets, not a default
     assert "Turn off" not in positive
@@ -136,6 +160,17 @@ def test_help_titles_the_loss_section_by_the_arguments_class(demo_help):
         ("CachedLossTrainingArguments", "cachedmultiplenegativessymmetricrankingloss", "clip"),
         ("CachedCrossEncoderTrainingArguments", "CachedMultipleNegativesRankingLoss", "cross_encoder"),
         ("CachedSparseEncoderTrainingArguments", "CachedSpladeLoss", "sparse"),
+        # the non-cached losses the switching table maps to ours
+        ("CachedLossTrainingArguments", "MultipleNegativesRankingLoss", "mnr"),
+        ("CachedLossTrainingArguments", "MultipleNegativesSymmetricRankingLoss", "clip"),
+        ("CachedLossTrainingArguments", "GISTEmbedLoss", "gist"),
+        ("CachedCrossEncoderTrainingArguments", "MultipleNegativesRankingLoss", "cross_encoder"),
+        ("CachedSparseEncoderTrainingArguments", "SpladeLoss", "sparse"),
+        (
+            "CachedMultiVectorEncoderTrainingArguments",
+            "MultiVectorMultipleNegativesRankingLoss",
+            "multi_vector",
+        ),
         (
             "CachedMultiVectorEncoderTrainingArguments",
             "CachedMultiVectorMultipleNegativesRankingLoss",
@@ -213,3 +248,44 @@ def test_the_wrong_arguments_class_for_a_reranker_says_what_its_collator_does():
     assert "takes CachedCrossEncoderTrainingArguments only" in message
     assert "keeps the texts for the loss, which pairs each query with its documents" in message
     assert "tokenizes queries as queries" not in message
+
+
+def test_an_unknown_loss_lists_each_class_once():
+    """CachedSparseLoss is three names' class ('sparse', 'sparse_distill_kl', 'sparse_margin_mse'): the error
+    lists it once."""
+    from st_cached_losses import CachedLossTrainingArguments
+
+    with pytest.raises(ValueError, match="is not a cached loss") as info:
+        CachedLossTrainingArguments(output_dir="out", loss="nonsense")
+    classes = str(info.value).split("ours: ")[1].split(";")[0].split(", ")
+    assert classes.count("CachedSparseLoss") == 1 and len(classes) == len(set(classes)) >= 11
+
+
+def test_a_misspelt_keyword_in_python_names_the_closest_one(tmp_path):
+    """Python's own TypeError names no alternative; the arguments classes and the losses name the closest."""
+    import pickle
+
+    from st_cached_losses import (
+        CachedLossTrainingArguments,
+        CachedMNRLoss,
+        CachedSparseEncoderTrainingArguments,
+    )
+    from tests.support.tiny_model import make_tiny_model
+
+    with pytest.raises(
+        TypeError, match=r"unexpected keyword argument 'mini_bach_size'\. Did you mean 'mini_batch_size'"
+    ):
+        CachedLossTrainingArguments(output_dir="out", mini_bach_size=4)
+    with pytest.raises(TypeError, match="Did you mean 'document_regularizer_weight'"):
+        CachedSparseEncoderTrainingArguments(
+            output_dir="out", loss="sparse", document_regulariser_weight=3e-5
+        )
+    args = CachedLossTrainingArguments(output_dir="out", loss="clip", per_device_train_batch_size=64)
+    assert pickle.loads(pickle.dumps(args)).loss == "clip"  # what checkpoints do still works
+    model = make_tiny_model(tmp_path)
+    with pytest.raises(
+        TypeError, match=r"unexpected keyword argument 'mini_bach_size'\. Did you mean 'mini_batch_size'"
+    ):
+        CachedMNRLoss(model, mini_bach_size=4)
+    with pytest.raises(TypeError, match="Did you mean 'memory_budget'"):
+        CachedMNRLoss(model, memory_budgit="1GB")

@@ -57,3 +57,17 @@ def test_a_mini_batch_holding_a_whole_pair_batch_warns_caching_off_at_the_users_
     with pytest.warns(UserWarning, match="caching is off") as record:
         CachedLossArgumentParser().parse_yaml_file(tmp_path / "run.yaml")
     assert record[0].filename == __file__
+
+
+def test_bare_arguments_do_not_warn():
+    """transformers' batch of 8 under the default mini-batch of 32 is nobody's choice: a bare
+    CachedLossTrainingArguments() (or one that sets neither size) builds without a warning; setting either
+    size to a batch that fits in one mini-batch warns."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CachedLossTrainingArguments()
+        CachedLossTrainingArguments(**BASE)
+    with pytest.warns(UserWarning, match="caching is off"):
+        CachedLossTrainingArguments(**BASE, per_device_train_batch_size=4)
+    with pytest.warns(UserWarning, match="caching is off"):
+        CachedLossTrainingArguments(**BASE, mini_batch_size=64)

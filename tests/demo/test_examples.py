@@ -167,6 +167,13 @@ def check_card(card: str, loss_class: str, citations: list[str], settings: dict)
             ["gao2021scaling", "kim2024gradient"],
             {"loss": "mnr", "negative_bank_size": 24, "negative_bank_max_age": 4},
         ),
+        (  # offline (HF_HUB_OFFLINE=1 in the tests): the standard-library pairs, an evaluation set and an evaluator
+            "train_real_data",
+            [],
+            "CachedMNRLoss",
+            ["gao2021scaling", "henderson2017efficient"],
+            {"loss": "mnr"},
+        ),
         (  # ColBERT on the tiny BERT's weights, queries expanded to 8 tokens, MultiVectorEncoderTrainer
             "train_cached_multi_vector",
             ["--query_length", "8"],
@@ -220,6 +227,10 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
         assert "- `temperature`: None" in card and "- `temperature`: 0.05" not in card
         settings = json.loads(card.split("Loss settings (")[1].split("```json")[1].split("```")[0])
         assert settings["scale"] == 30.0 and "temperature" not in settings  # no null beside the scale
+    if name == "train_real_data":  # offline: the packaged pairs, 24 held out as evaluation set and evaluator
+        assert "Python standard library" in printed.out and "evaluation loss" in printed.out
+        assert len(trainer.eval_dataset) == 24 and trainer.eval_dataset.column_names == ["query", "document"]
+        assert "Python standard library" in card
     if name == "train_cached_gist":  # guided by a second, frozen model: the trained one is a copy
         assert trainer.loss.guide is not trainer.model
         assert all(not p.requires_grad or p.grad is None for p in trainer.loss.guide.parameters())
@@ -235,6 +246,27 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
             "length": 8,
         }
         assert '"query_expansion"' in (out / "sentence_bert_config.json").read_text()
+
+
+def test_real_data_example_loads_the_hub_dataset_online(monkeypatch):
+    """Online (no HF_HUB_OFFLINE), the example asks load_dataset for the first rows of the named dataset and
+    keeps its first two columns (natural-questions: query, answer); offline it never calls it."""
+    module = load_example("train_real_data")
+    asked = []
+
+    def fake_load_dataset(name, split):
+        asked.append((name, split))
+        rows = {"query": [f"q{i}" for i in range(10)], "answer": [f"a{i}" for i in range(10)]}
+        return module.Dataset.from_dict({**rows, "id": list(range(10))})
+
+    monkeypatch.setattr(module, "load_dataset", fake_load_dataset)
+    monkeypatch.setattr(module, "is_offline_mode", lambda: False)
+    dataset, source = module.load_pairs("sentence-transformers/natural-questions", 10)
+    assert asked == [("sentence-transformers/natural-questions", "train[:10]")]
+    assert dataset.column_names == ["query", "answer"] and source == "sentence-transformers/natural-questions"
+    monkeypatch.setattr(module, "is_offline_mode", lambda: True)
+    dataset, source = module.load_pairs("sentence-transformers/natural-questions", 10)
+    assert len(asked) == 1 and len(dataset) == 10 and "standard library" in source
 
 
 @pytest.mark.slow
@@ -373,6 +405,7 @@ def test_accelerate_example_two_processes(tmp_path, tiny_model):
         "train_cached_multi_vector",
         "train_accelerate",
         "train_multi_dataset",
+        "train_real_data",
         "demo",
     ],
 )

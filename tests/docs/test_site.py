@@ -6,7 +6,12 @@ outside its code, for what Markdown does not render: a role (``:class:`X```, sho
 name), a grid table (``+-----+`` borders), a literal-block marker (``::``); and the generated settings table
 for Markdown read into its help texts (a regex's ``.*`` taken as emphasis). The docstrings' source is also
 checked with ``tools/md_docstrings.py --check`` against the site's inventory, which names the file and line
-of a role merged in since.
+of a role merged in since. The API reference shows no docstring of Python's built-in types (``str``'s under a
+constant: ``docs/griffe_exports.py`` gives attributes their own words) and no parameter entry that documents two
+arguments at once (rendered as one unknown, "required" argument). Wide tables fit (issue 54, looked at in headless
+Chromium at 1,400 px): the settings table is two columns, a table of three or more columns on Configuration and
+Choosing holds no long prose cell, and every page loads the stylesheet whose code blocks scroll instead of
+wrapping to column 0.
 
 Run alone: ``python -m pytest tests/docs/test_site.py -q``.
 """
@@ -127,7 +132,7 @@ def test_settings_table_shows_help_texts_as_written(site):
     help_text = " ".join(field.metadata["help"].split())
     assert "*" in help_text and "\\" in help_text  # what the check is about
     page = (site / "configuration" / "index.html").read_text()
-    row = re.search(r"<tr>\s*<td><code>scale_learning_rate</code></td>.*?</tr>", page, re.S)
+    row = re.search(r"<tr>\s*<td><code>scale_learning_rate</code>.*?</tr>", page, re.S)
     assert row, "the settings table has no scale_learning_rate row"
     assert "<em>" not in row.group(0)
     assert help_text in " ".join(html.unescape(TAG.sub("", row.group(0))).split())
@@ -146,3 +151,111 @@ def test_repository_url_is_one_setting(site):
     assert clones and set(clones) == {url}, clones
     for page in _pages(site):
         assert "<!-- repository-url -->" not in page.read_text(), page
+    # a placeholder address is said to be one (README and the site's home), and a real one is not
+    placeholder = "/OWNER/" in url
+    assert ("`OWNER` is a placeholder" in readme) == placeholder
+    assert ("is a placeholder" in _text(site / "index.html")) == placeholder
+
+
+def _builtin_docstrings() -> set[str]:
+    """The opening (60 characters, whitespace collapsed) of the docstring of every built-in type and of a few
+    standard-library types whose instances are module constants (what inspection showed under a constant)."""
+    import builtins
+    import collections
+    import functools
+    import inspect
+    import types
+
+    out = set()
+    for obj in [*vars(builtins).values(), functools.partial, re.Pattern, types.MappingProxyType]:
+        if inspect.isclass(obj) and isinstance(obj.__doc__, str):
+            text = " ".join(obj.__doc__.split())[:60]
+            if len(text) >= 15:
+                out.add(text)
+    out.add(" ".join(collections.OrderedDict.__doc__.split())[:60])
+    return out
+
+
+def _text(page: Path) -> str:
+    return " ".join(html.unescape(TAG.sub(" ", page.read_text())).split())
+
+
+def test_the_api_reference_shows_no_builtin_docstring(site):
+    """Inspection gave a constant its value's type's docstring (157 of them: ``str``'s "Create a new string
+    object from the given object..." under ``equivalent_st_loss``, ``dict``'s under ``TIE_TOLERANCE``)."""
+    openings = _builtin_docstrings()
+    assert " ".join(str.__doc__.split())[:60] in openings  # what the check is about
+    found = [
+        f"{page.relative_to(site)}: {text!r}"
+        for page in sorted((site / "api").rglob("*.html"))
+        for text in openings
+        if text in _text(page)
+    ]
+    assert not found, "built-in docstrings in the API reference:\n" + "\n".join(found[:20])
+    # and the attributes that had them have their own words (a #: comment, a dataclass field's help)
+    functional = _text(site / "api" / "functional" / "index.html")
+    assert "Guide similarities within this of a row's threshold count as equal to it" in functional
+
+
+PARAMETERS = re.compile(r'doc-section-title">Parameters:.*?</table>', re.S)
+PARAMETER_ROW = re.compile(r'<tr class="doc-section-item">\s*<td>\s*<code>(.*?)</code>', re.S)
+
+
+def test_each_parameter_entry_documents_one_argument(site):
+    """An entry that documents two arguments (``document_regularizer / query_regularizer: ...``) is no argument
+    of the signature: rendered as one unknown, untyped, "required" argument where both are optional."""
+    names = [
+        (page.relative_to(site), html.unescape(TAG.sub("", name)).strip())
+        for page in sorted((site / "api").rglob("*.html"))
+        for table in PARAMETERS.findall(page.read_text())
+        for name in PARAMETER_ROW.findall(table)
+    ]
+    assert len(names) > 150  # the patterns find the parameter tables
+    shared = [f"{page}: {name}" for page, name in names if not re.fullmatch(r"\*{0,2}[A-Za-z_]\w*", name)]
+    assert not shared, "parameter entries naming several arguments:\n" + "\n".join(shared)
+
+
+TABLE = re.compile(r"<table>(.*?)</table>", re.S)
+CELL = re.compile(r"<t([dh])\b[^>]*>(.*?)</t[dh]>", re.S)
+#: the longest cell text (characters) a table of three or more columns may hold: at 1,400 px such a cell made
+#: its row ~1,000 px tall and pushed the columns after it off the page (the settings table had the meaning
+#: column cut); a two-column table gives its prose the width
+WIDE_TABLE_CELL = 200
+
+
+def _tables(text: str) -> list[tuple[int, list[str]]]:
+    """(columns, cell texts) of each table of an HTML text."""
+    out = []
+    for table in TABLE.findall(text):
+        cells = CELL.findall(table)
+        columns = sum(1 for kind, _ in cells if kind == "h")
+        out.append((columns, [" ".join(html.unescape(TAG.sub(" ", cell)).split()) for _, cell in cells]))
+    return out
+
+
+def test_wide_tables_fit_and_code_keeps_its_indentation(site):
+    configuration = (site / "configuration" / "index.html").read_text()
+    columns, cells = _tables(configuration[configuration.index('class="settings-table"') :])[0]
+    assert columns == 2 and len(cells) > 80, (columns, len(cells))  # the field; its help and losses
+    for page in ("configuration", "guides/choosing"):
+        tables = _tables((site / page / "index.html").read_text())
+        assert tables, page
+        for columns, cells in tables:
+            longest = max(cells, key=len)
+            assert columns < 3 or len(longest) <= WIDE_TABLE_CELL, (
+                f"{page}: {columns} columns, {longest[:80]!r}"
+            )
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
+    assert re.search(r"pre > code \{[^}]*white-space: pre;", css)
+    unstyled = [page for page in _pages(site) if "stylesheets/extra.css" not in page.read_text()]
+    assert not unstyled, unstyled[:5]
+
+
+def test_the_table_check_can_fail():
+    wide = (
+        "<table><tr><th>a</th><th>b</th><th>c</th></tr><tr><td>x</td><td>"
+        + "y " * 150
+        + "</td><td>z</td></tr></table>"
+    )
+    ((columns, cells),) = _tables(wide)
+    assert columns == 3 and len(max(cells, key=len)) > WIDE_TABLE_CELL

@@ -9,6 +9,10 @@ blocks whose first line is ``# <name>.yaml`` are written to that file first (the
 (multi-process runs and Hub pushes, tested elsewhere). The API reference's examples are not collected:
 they are the docstrings' own.
 
+The Quickstart (README's, which getting-started repeats word for word) is the exception: a new user runs it
+first, offline, as written, so it runs here on the real packaged all-MiniLM-L6-v2 with one change,
+``num_train_epochs=1`` -> ``max_steps=1`` (``test_the_quickstart_runs_as_written``).
+
 Run alone: ``python -m pytest tests/docs -q``.
 """
 
@@ -91,10 +95,52 @@ def test_every_page_has_snippets_collected():
         assert expected in pages, expected
 
 
+def quickstart(page: Path) -> str:
+    """The first Python block under a page's ``## Quickstart`` heading."""
+    text = page.read_text()
+    section = text[text.index("\n## Quickstart\n") :]
+    match = FENCE.search(section)
+    assert match is not None and match.group(1) == "python", page
+    return match.group(2)
+
+
+GETTING_STARTED = ROOT / "docs" / "getting-started.md"
+
+
+def test_readme_and_getting_started_share_one_quickstart():
+    assert quickstart(ROOT / "README.md") == quickstart(GETTING_STARTED)
+
+
+@pytest.mark.slow
+def test_the_quickstart_runs_as_written(tmp_path, monkeypatch):
+    """README's Quickstart on the real packaged model (no model name swapped), offline, one step instead of the
+    epoch: it trains without a "caching is off" warning and saves the model with a card naming the loss."""
+    code = quickstart(ROOT / "README.md")
+    assert code.count("num_train_epochs=1") == 1
+    code = code.replace("num_train_epochs=1", "max_steps=1")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_DISABLED", "true")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        namespace: dict = {"__name__": "__snippet__"}
+        exec(compile(code, "README.md:quickstart", "exec"), namespace)
+    caching_off = [
+        str(w.message) for w in caught if re.search(r"caching (saves no memory|is off)", str(w.message))
+    ]
+    assert not caching_off, caching_off
+    assert namespace["model"].get_embedding_dimension() == 384  # all-MiniLM-L6-v2, not a tiny model
+    final = tmp_path / "output" / "quickstart" / "final"
+    assert (final / "model.safetensors").is_file()
+    assert "CachedMNRLoss" in (final / "README.md").read_text()
+
+
 @pytest.mark.parametrize(("page", "code", "skip"), SNIPPETS)
 def test_snippet_runs(page: Path, code: str, skip: str | None, tiny_models, tmp_path, monkeypatch):
     if skip is not None:
         pytest.skip(skip)
+    if page.name in QUICKSTART_PAGES and code == quickstart(page):
+        pytest.skip("test_the_quickstart_runs_as_written runs it, on the packaged model")
     for name, path in tiny_models.items():
         code = code.replace(f'"{name}"', repr(path))
     for _, yaml_code, _ in _blocks(page, "yaml"):

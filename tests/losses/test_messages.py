@@ -3,6 +3,7 @@ at construction rather than at the first step, and a warning points at the user'
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -98,3 +99,30 @@ def test_user_stacklevel_skips_the_libraries_but_not_the_demo():
     assert warn_from("st_cached_losses.losses.base") == __file__  # a library frame: skipped
     assert warn_from("torch.nn.modules.module") == __file__
     assert warn_from("st_cached_losses.demo.app") == "<string>"  # the demo is a user's code: named
+
+
+def test_a_small_batch_with_a_negative_bank_does_not_say_caching_saves_no_memory(model, tmp_path):
+    """The bank is for small batches (a batch of 4 pairs under a mini-batch of 32): "caching saves no memory ...
+    the non-cached loss ... with the same result" would be wrong there (the non-cached loss has no bank), so
+    neither the loss nor the arguments say it; without the bank both do."""
+    from st_cached_losses import CachedLossTrainingArguments
+
+    data = Dataset.from_dict({"anchor": random_texts(8, seed=1), "positive": random_texts(8, seed=2)})
+    for bank in (16, 0):
+        args = SentenceTransformerTrainingArguments(
+            output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=2, report_to="none"
+        )
+        loss = CachedMNRLoss(model, mini_batch_size=32, negative_bank_size=bank)
+        trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=data, loss=loss)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train()
+            CachedLossTrainingArguments(
+                output_dir=str(tmp_path), per_device_train_batch_size=4, negative_bank_size=bank
+            )
+        said = [
+            str(w.message) for w in caught if re.search("caching (saves no memory|is off)", str(w.message))
+        ]
+        assert len(said) == (0 if bank else 2), said
+        if bank:
+            assert loss.negative_bank.stats()["negative_bank_rows"] > 0  # the bank did fill
