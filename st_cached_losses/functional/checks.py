@@ -46,7 +46,7 @@ def check_matmul_precision(name: str, value: object) -> str | None:
             f"{name} must be 'highest' (fp32 products), 'high' (TF32), 'medium' (bf16) or None (torch's "
             f"float32 matmul precision), got {value!r}."
         )
-    return value  # type: ignore[return-value]
+    return value
 
 
 def scale_value(scale: float | Tensor, name: str = "scale") -> float:

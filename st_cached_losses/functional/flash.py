@@ -152,7 +152,7 @@ def _precision(dtype: torch.dtype) -> str:
 def _tuned(name: str) -> Any:
     """The kernel ``name`` ("stats", "fused", "grad"): autotuned on a GPU, a fixed small block under the
     interpreter (which cannot time anything)."""
-    mod = _module()
+    mod: Any = _module()
     cache = _state.setdefault("tuned", {})
     if name not in cache:
         raw = mod.rows_grad_kernel if name == "grad" else mod.rows_fwd_kernel
@@ -165,7 +165,7 @@ def _tuned(name: str) -> Any:
 
 
 def _launch(name: str, args: list[Any], n_rows_pad: int, n_rows: int, **flags: Any) -> None:
-    mod = _module()
+    mod: Any = _module()
     kernel = _tuned(name)
     bucket = max(0, int(n_rows).bit_length() - 1)
     if kernel is None:  # the interpreter: one fixed block
@@ -368,7 +368,7 @@ def fused(
         mine = [b for b in bound if b.term.group == grp and b.cols.n > 0]
         if not mine:
             continue
-        parts = []
+        parts: list[Any] = []
         for b in mine:
             dtype, diag = _kernel_dtype(b), _positive(b, weights)[0]
             x, y = _matrix(b.rows, dtype), _matrix(b.cols, dtype)
