@@ -129,7 +129,8 @@ def test_kernels_against_float64_and_the_torch_tiles(change):
     loose = (
         case["scale"] == 100.0
     )  # bf16 operands at scale 100 with cosines near 1: see test_matmul_precision
-    assert got["loss"] == pytest.approx(got["ref_loss"], rel=2e-2 if loose else 5e-3)
+    # one bf16 row of 40 lanes moves a logit by ~scale * 2^-9: a loss near 0.1 (B = 1) by ~2e-3
+    assert got["loss"] == pytest.approx(got["ref_loss"], rel=2e-2 if loose else 5e-3, abs=2e-3)
     assert got["grad_err"] <= (0.2 if loose else 2e-2)
     # the torch tiles at the same precision round the probabilities elsewhere (bf16 noise), nothing more
     assert got["loss"] == pytest.approx(got["torch_loss"], rel=1e-5)
