@@ -149,24 +149,27 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.bfloat16 else "tf32"
 
 
-def _tuned(name: str) -> Any:
-    """The kernel ``name`` ("stats", "fused", "grad"): autotuned on a GPU, a fixed small block under the
-    interpreter (which cannot time anything)."""
+def _tuned(name: str, dtype: torch.dtype) -> Any:
+    """The kernel ``name`` ("stats", "fused", "grad") for ``dtype`` operands: autotuned on a GPU, a fixed small
+    block under the interpreter (which cannot time anything)."""
     mod: Any = _module()
     cache = _state.setdefault("tuned", {})
-    if name not in cache:
+    if (name, dtype) not in cache:
         raw = mod.rows_grad_kernel if name == "grad" else mod.rows_fwd_kernel
         if _interpreting():
-            cache[name] = None
+            cache[name, dtype] = None
         else:
-            specs = mod.STATS_CONFIGS if name == "stats" else mod.ACC_CONFIGS
-            cache[name] = mod.autotuned(raw, specs)
-    return cache[name]
+            f32 = dtype == torch.float32
+            stats, acc = (
+                (mod.STATS_CONFIGS_F32, mod.ACC_CONFIGS_F32) if f32 else (mod.STATS_CONFIGS, mod.ACC_CONFIGS)
+            )
+            cache[name, dtype] = mod.autotuned(raw, stats if name == "stats" else acc)
+    return cache[name, dtype]
 
 
 def _launch(name: str, args: list[Any], n_rows_pad: int, n_rows: int, **flags: Any) -> None:
     mod: Any = _module()
-    kernel = _tuned(name)
+    kernel = _tuned(name, args[0].dtype)
     bucket = max(0, int(n_rows).bit_length() - 1)
     if kernel is None:  # the interpreter: one fixed block
         raw = mod.rows_grad_kernel if name == "grad" else mod.rows_fwd_kernel
@@ -236,7 +239,7 @@ def _grad(
 def _ready(variants: set[tuple], device: torch.device, dtype: torch.dtype, d: int) -> bool:
     """Each kernel variant compiled and run once on a small input (compiling every autotuner config), before a
     pass uses it: a failure turns the kernels off for the process (one warning) and the pass runs in torch."""
-    if _state["broken"] is not None or _module() is None:
+    if _state["broken"] is not None or _module() is None or dtype in _state.setdefault("bad", set()):
         return False
     for v in variants:
         key = (v, device, dtype, d)
@@ -249,9 +252,15 @@ def _ready(variants: set[tuple], device: torch.device, dtype: torch.dtype, d: in
                 _grad(x, x, 2, 2, stats if v[1] else None, 1.0, stats if v[2] else None, 1.0, v[3], *v[4:])
             else:
                 _fwd(x, x, 2, 2, acc=v[0] == "fused", sg=v[1], diag=v[2])
-        except Exception as e:
-            _state["broken"] = f"a kernel failed to compile or run ({type(e).__name__}: {str(e)[:300]})"
-            _warn()
+        except Exception as e:  # off for this operand dtype only (bf16's may run where fp32's do not fit)
+            _state["bad"].add(dtype)
+            warnings.warn(
+                f"st_cached_losses: the loss stage's Triton kernels for {dtype} operands are off for this "
+                f"process: a kernel failed to compile or run ({type(e).__name__}: {str(e)[:300]}). The torch "
+                "path runs instead, at the same matmul_precision (slower on a GPU).",
+                RuntimeWarning,
+                stacklevel=4,
+            )
             return False
         _state["probed"].add(key)
     return True

@@ -237,7 +237,10 @@ def _configs(specs: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 #: each compiled for sm_90 here first (shared memory and registers without spills at D = 384): few, so that
 #: compiling and tuning every kernel a step needs stays within a minute on a fresh machine.
 STATS_CONFIGS = [(128, 64, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3)]
-ACC_CONFIGS = [(64, 64, 8, 2), (64, 64, 8, 3), (64, 64, 4, 2)]
+ACC_CONFIGS = [(64, 64, 8, 2), (64, 64, 8, 3)]
+#: fp32 operands (TF32 products) take twice the shared memory: narrower column blocks
+STATS_CONFIGS_F32 = [(64, 32, 4, 2), (64, 32, 8, 2)]
+ACC_CONFIGS_F32 = [(64, 32, 8, 2)]
 
 rows_fwd_kernel = _rows_fwd
 rows_grad_kernel = _rows_grad
