@@ -121,8 +121,9 @@ def float64_reference(q, p, symmetric: bool, chunk: int = 4096):
 def accuracy(out, ref) -> tuple[float, float]:
     loss, g_q, g_p = out
     r_loss, r_q, r_p = ref
-    top = max(float(r_q.abs().max()), float(r_p.abs().max()))
-    err = max(float((g_q.double() - r_q).abs().max()), float((g_p.double() - r_p).abs().max()))
+    pairs = [(g_q, r_q)] if g_p is None else [(g_q, r_q), (g_p, r_p)]  # None: a locked tower (memeff's LiT)
+    top = max(float(r.abs().max()) for _, r in pairs)
+    err = max(float((g.double() - r).abs().max()) for g, r in pairs)
     return abs(float(loss) - r_loss) / abs(r_loss), err / top
 
 
@@ -138,23 +139,42 @@ def ours(q, p, symmetric: bool, precision: str, kernels: bool):
     return run
 
 
-def memeff_contender(q, p, symmetric: bool):
-    """memeff 0.3.1's CLIP loss (symmetric; its temperature 1 / SCALE, gradients by autograd) and, for one
-    direction, its LiT loss (the image tower's row softmax); None where it is not installed."""
+def memeff_contenders(q, p, symmetric: bool) -> dict:
+    """memeff 0.3.1's losses, their temperature 1 / SCALE, ``stable=False`` (the plain gradient), gradients by
+    autograd; none where it is not installed. Symmetric: ``MemoryEfficientCLIPLoss`` (both towers).
+    One direction: ``MemoryEfficientQwen3Loss`` with ``margin=2`` (its false-negative mask off: query -> document
+    InfoNCE, both towers get gradients, as ours), and ``MemoryEfficientLiTLoss`` (the document tower locked:
+    the anchors' gradient only, half the work; its accuracy is over that gradient alone)."""
     try:
         import memeff
     except ImportError:
-        return None
-    cls = memeff.MemoryEfficientCLIPLoss if symmetric else memeff.MemoryEfficientLiTLoss
-    loss_fn = cls(temperature=1.0 / SCALE, stable=False)
+        return {}
+    if symmetric:
+        losses = {"memeff-0.3.1-clip": memeff.MemoryEfficientCLIPLoss(temperature=1.0 / SCALE, stable=False)}
+    else:
+        losses = {
+            "memeff-0.3.1-qwen3": memeff.MemoryEfficientQwen3Loss(
+                temperature=1.0 / SCALE, margin=2.0, stable=False
+            ),
+            "memeff-0.3.1-lit(anchors only)": memeff.MemoryEfficientLiTLoss(
+                temperature=1.0 / SCALE, stable=False
+            ),
+        }
 
-    def run():
-        qq, pp = q.detach().requires_grad_(), p.detach().requires_grad_()
-        loss = loss_fn(qq, pp)
-        g_q, g_p = torch.autograd.grad(loss, [qq, pp])
-        return loss.detach(), g_q, g_p
+    def runner(loss_fn, locked: bool):
+        def run():
+            qq = q.detach().requires_grad_()
+            pp = p.detach() if locked else p.detach().requires_grad_()
+            loss = loss_fn(qq, pp)
+            if locked:
+                (g_q,) = torch.autograd.grad(loss, [qq])
+                return loss.detach(), g_q, None
+            g_q, g_p = torch.autograd.grad(loss, [qq, pp])
+            return loss.detach(), g_q, g_p
 
-    return run
+        return run
+
+    return {name: runner(fn, "lit" in name) for name, fn in losses.items()}
 
 
 def matmul_bound(q, p, symmetric: bool):
@@ -181,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--sizes", default="16384,65536")
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/gpu")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the float64 references")
     args = ap.parse_args(argv)
@@ -202,9 +222,7 @@ def main(argv: list[str] | None = None) -> None:
                 if cuda and prec != "highest":
                     contenders[f"ours-{prec}-triton"] = ours(q, p, symmetric, prec, kernels=True)
             if cuda:
-                mem = memeff_contender(q, p, symmetric)
-                if mem is not None:
-                    contenders["memeff-0.3.1"] = mem
+                contenders.update(memeff_contenders(q, p, symmetric))
             contenders["matmul-bound"] = matmul_bound(q, p, symmetric)
             for name, fn in contenders.items():
                 try:
@@ -224,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
                 }  # fmt: skip
                 rows.append(row)
                 print(
-                    f"B={b:6d} {direction:13s} {name:22s} {row['ms']:9.2f} ms  peak {row['peak_mib']:8.1f} MiB  "
+                    f"B={b:6d} {direction:13s} {name:30s} {row['ms']:9.2f} ms  peak {row['peak_mib']:8.1f} MiB  "
                     f"loss err {acc[0]:.1e}  grad err {acc[1]:.1e}  ({time.perf_counter() - t_start:.0f} s)",
                     flush=True,
                 )
