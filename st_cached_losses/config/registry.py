@@ -123,7 +123,7 @@ BASE_LOSSES: dict[str, type[Any]] = {
 #: CachedSparseLoss's options of the core's ranking loss, which a distillation base loss (each row's own
 #: scores, through autograd on the whole batch) does not run
 UNUSED_PARAMETERS: dict[str, frozenset[str]] = {
-    name: frozenset({"mask_duplicates", "path", "tile_size", "memory_budget"})
+    name: frozenset({"mask_duplicates", "path", "tile_size", "memory_budget", "matmul_precision"})
     for name in SPARSE_DISTILLATION_LOSSES
 }
 

@@ -306,6 +306,11 @@ class CachedLossArguments(BaseTrainingArguments):
         "every column) or 'tiled' (Inf-CL-style tiles); never changes the result."
         " Not 'tiled' (always tiled).",
     )
+    matmul_precision: Optional[str] = _spec_field(  # noqa: UP045
+        "matmul_precision",
+        "The loss stage's similarity products: 'highest' (fp32), 'high' (TF32 on CUDA), 'medium' (bf16 "
+        "operands, fp32 sums); default: torch.get_float32_matmul_precision() at the step.",
+    )
     memory_budget: Optional[str] = _spec_field(  # noqa: UP045
         "memory_budget",
         f"Bytes of logit blocks the loss stage may hold at once, or a size such as '64MiB' (default "

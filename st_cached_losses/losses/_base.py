@@ -143,6 +143,10 @@ class LossStageOptions(EngineOptions, total=False):
     most 2048)."""
     memory_budget: int | str
     """Bytes of logit blocks the loss stage may hold at once, or a size such as ``"64MiB"``."""
+    matmul_precision: str | None
+    """The loss stage's similarity products, with ``torch.set_float32_matmul_precision``'s names:
+    ``"highest"`` (fp32, exact), ``"high"`` (TF32 on CUDA), ``"medium"`` (bf16 operands, fp32 sums); default
+    None: ``torch.get_float32_matmul_precision()`` at the step. Statistics and gradients stay fp32."""
 
 
 def engine_signature(init: Callable[..., None]) -> inspect.Signature:
@@ -290,6 +294,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
     path = Setting[LossPath]()
     tile_size = Setting[int | None]()
     memory_budget = Setting[int]()
+    matmul_precision = Setting[str | None]()
 
     def __setattr__(self, name: str, value: Any) -> None:
         # a setting (a property or Setting of the class) receives every value assigned to it: nn.Module would
@@ -392,6 +397,7 @@ class CachedInfoNCEBase(EngineSettings, nn.Module):
             path=self.path,
             tile_size=self.tile_size,
             memory_budget=self.memory_budget,
+            matmul_precision=self.matmul_precision,  # type: ignore[arg-type]
             anchor_keys=keys[0] if keys is not None else None,
             candidate_keys=keys[1:] if keys is not None else None,
             bank=step.bank,

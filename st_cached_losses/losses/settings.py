@@ -30,7 +30,7 @@ from torch import Tensor
 
 from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size, memory_bytes
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, Similarity, scale_value
-from st_cached_losses.functional.checks import check_path, check_positive_int
+from st_cached_losses.functional.checks import check_matmul_precision, check_path, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -254,6 +254,7 @@ SPECS: dict[str, Spec] = {
     "path": Spec("auto", check_path, "never"),
     "tile_size": Spec(None, check_positive_int, "changed"),
     "memory_budget": Spec(DEFAULT_MEMORY_BUDGET, _budget, "never"),
+    "matmul_precision": Spec(None, check_matmul_precision, "changed"),
     "graph_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
     "mini_batch_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
     "student_temperature": Spec(None, check_temperature),
