@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import st_cached_losses
-from st_cached_losses.engine import auto_size
+from st_cached_losses.engine import auto_size, graph_budget
 from st_cached_losses.engine.auto_size import PROBE_ROWS, MemoryFit, fit_memory, pick_mini_batch
 from st_cached_losses.engine.features import longest_first, row_lengths
 from st_cached_losses.engine.gradcache import GradCache
@@ -207,6 +207,89 @@ def test_auto_keeps_the_largest_while_the_next_could_still_be_replayed():
     assert choose_kept(sizes, meter, 900) == {0, 1}
 
 
+def _tiny_step(model, loss, feats):
+    model.zero_grad(set_to_none=True)
+    forwards = []
+    handle = model[0].register_forward_hook(lambda *_: forwards.append(1))
+    value = loss(feats, None)
+    stage1 = len(forwards)
+    value.backward()
+    handle.remove()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return value.item(), grads, len(forwards) - stage1
+
+
+def test_auto_graph_budget_keeps_nothing_off_cuda(tiny):
+    model = tiny.to("cpu")
+    feats = [model.preprocess(random_texts(16, seed=k)) for k in range(2)]
+    plain = st_cached_losses.CachedMNRLoss(model, mini_batch_size=4)
+    auto = st_cached_losses.CachedMNRLoss(model, mini_batch_size=4, graph_memory_budget="auto")
+    v0, g0, r0 = _tiny_step(model, plain, feats)
+    v1, g1, r1 = _tiny_step(model, auto, feats)
+    assert r0 == r1 == 7 and v0 == v1 and torch.equal(g0, g1)
+    assert auto.cache.auto.graph_budget is None and auto.cache.auto.graphs_kept == 0
+
+
+@pytest.mark.parametrize("free", ["ample", "some", "scarce", "capped"])
+def test_auto_graph_budget_from_free_memory_same_gradients(tiny, monkeypatch, free):
+    """A device that reports free memory (the CUDA path, its numbers planted on the CPU): with ample memory
+    every graph is kept, with some a few, with too little none; a cap keeps fewer. Always the replay path's
+    loss and gradients, bit for bit (dropout off: the same forwards either way)."""
+    model = tiny.to("cpu")
+    feats = [model.preprocess(random_texts(16, seed=k, min_words=6, max_words=30)) for k in range(2)]
+    plain = st_cached_losses.CachedMNRLoss(model, mini_batch_size=4)
+    v0, g0, r0 = _tiny_step(model, plain, feats)
+    # what one mini-batch's graph holds, for the sizes below
+    order = longest_first(row_lengths(feats[1], 16), 16)
+    one = _bytes(model, feats[1], order[:4], "cpu")
+    total = 10**12
+    margin = AUTO_MARGIN * total
+    available = {
+        "ample": margin + 100 * one,
+        "some": margin + 5 * one,
+        "scarce": margin + one / 2,
+        "capped": margin + 100 * one,
+    }[free]
+    monkeypatch.setattr(graph_budget, "device_memory", lambda device: (int(available), total))
+    budget = "auto:" + str(int(2.5 * one)) if free == "capped" else "auto"
+    auto = st_cached_losses.CachedMNRLoss(model, mini_batch_size=4, graph_memory_budget=budget)
+    v1, g1, r1 = _tiny_step(model, auto, feats)
+    kept = auto.cache.auto.graphs_kept
+    print(
+        f"{free}: budget {auto.cache.auto.graph_budget} (one mini-batch {one:.0f}), kept {kept}, replays {r1} of {r0}"
+    )
+    assert v1 == v0 and torch.equal(g1, g0)
+    assert r1 == r0 - kept
+    if free == "ample":
+        assert r1 == 0
+    elif free == "scarce":
+        assert kept == 0 and r1 == r0
+    else:
+        assert 0 < kept < 7
+    if free == "capped":
+        assert auto.cache.auto.graph_budget == int(2.5 * one)
+
+
+@pytest.mark.parametrize("budget", ["auto", "auto:1GB"])
+def test_auto_graph_budget_on_the_device(tiny, device, budget):
+    """On CUDA (the real device's free memory): graphs are kept, fewer replays, the same loss and gradients
+    (to the ordering of CUDA's atomic adds); on CPU: none kept, bit for bit."""
+    model = tiny.to(device)
+    feats = [_on(device, model.preprocess(random_texts(16, seed=k))) for k in range(2)]
+    plain = st_cached_losses.CachedMNRLoss(model, mini_batch_size=4)
+    auto = st_cached_losses.CachedMNRLoss(model, mini_batch_size=4, graph_memory_budget=budget)
+    v0, g0, r0 = _tiny_step(model, plain, feats)
+    v1, g1, r1 = _tiny_step(model, auto, feats)
+    assert g0.abs().max() > 0
+    if device == "cuda":
+        assert r1 < r0 and auto.cache.auto.graphs_kept > 0
+        assert v1 == pytest.approx(v0, rel=1e-6)
+        assert (g1 - g0).abs().max() <= 1e-5 * g0.abs().max()
+    else:
+        assert r1 == r0 and v1 == v0 and torch.equal(g1, g0)
+    model.to("cpu")
+
+
 def test_graph_budget_settings():
     from st_cached_losses.engine.checks import auto_graph_cap
     from st_cached_losses.engine.checks import graph_budget as parse
@@ -220,3 +303,23 @@ def test_graph_budget_settings():
         with pytest.raises(ValueError, match="graph_memory_budget must be"):
             parse(bad)
     assert GradCache(graph_memory_budget="auto:1KiB").graph_memory_budget == "auto:1024"
+
+
+def test_auto_graph_budget_through_the_loss_and_the_arguments(tiny, tmp_path):
+    """The setting as the losses and the arguments take it: kept as the engine normalises it, left out of the
+    model card's config (it never changes the result), rebuilt alike, and from a field (CLI / YAML)."""
+    from st_cached_losses import CachedLossTrainingArguments
+    from st_cached_losses.config.factory import build_loss
+
+    loss = st_cached_losses.CachedMNRLoss(tiny, graph_memory_budget="auto:1GB")
+    assert (
+        loss.graph_memory_budget == "auto:1000000000" and "graph_memory_budget" not in loss.get_config_dict()
+    )
+    again = st_cached_losses.CachedMNRLoss(tiny, graph_memory_budget=loss.graph_memory_budget)
+    assert again.graph_memory_budget == loss.graph_memory_budget
+    loss.graph_memory_budget = "auto"
+    assert loss.cache.graph_memory_budget == "auto"
+    with pytest.raises(ValueError, match="graph_memory_budget must be 'auto'"):
+        loss.graph_memory_budget = "auto:plenty"
+    args = CachedLossTrainingArguments(output_dir=str(tmp_path / "out"), graph_memory_budget="auto:2GiB")
+    assert build_loss(tiny, args).graph_memory_budget == f"auto:{2 * 2**30}"
