@@ -85,21 +85,30 @@ def fit_memory(
 ) -> MemoryFit:
     """Fit a forward's memory from two measured forwards of a column's rows, taken from the front of
     ``order`` (the rows to measure on, first first): [`PROBE_ROWS`][st_cached_losses.engine.auto_size.PROBE_ROWS] rows,
-    then as many as the budget surely holds, ``n1 * budget / m1`` (at most the column's rows); where that is
-    no more than the first, one row instead (a fixed cost above the budget sizes to 1 either way). Always
-    two forwards, whatever the rows (under a sharded wrapper each is a collective every process runs): with
-    one row to measure, the line goes through the origin.
+    then as many as the budget surely holds: the most whose units are within ``u1 * budget / m1`` (the first
+    forward's units and bytes; a fixed cost is at least 0, so bytes grow no faster than units), at most the
+    column's rows. Where that is no more than the first, one row instead (a fixed cost above the budget sizes
+    to 1 either way). Always two forwards, whatever the rows (under a sharded wrapper each is a collective
+    every process runs): with one row to measure, the line goes through the origin.
 
-    ``measure(rows)``: bytes of a forward of ``rows``; ``units(rows)``: its rows, or its padded tokens."""
+    ``measure(rows)``: bytes of a forward of ``rows``; ``units(rows)``: its rows, or its padded tokens (which
+    grow with the rows taken: a mini-batch pads to its widest)."""
     b = len(order)
     n1 = min(PROBE_ROWS, b)
     first = order[:n1]
     m1 = measure(first)
-    n2 = min(b, int(n1 * budget // max(m1, 1.0)))
-    if n2 <= n1:
-        n2 = 1
-    second = order[:n2]
-    return _line([(float(units(first)), m1), (float(units(second)), measure(second))])
+    u1 = float(units(first))
+    limit = u1 * budget / max(m1, 1.0)
+    # the most rows within the limit (units grow with the rows taken): a bisection
+    low, high = n1, b
+    while low < high:
+        mid = (low + high + 1) // 2
+        if units(order[:mid]) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    second = order[: low if low > n1 else 1]
+    return _line([(u1, m1), (float(units(second)), measure(second))])
 
 
 def row_span(columns: Sequence[Features], trim_leading: bool, device: torch.device) -> tuple[int, int]:

@@ -93,6 +93,21 @@ def test_the_line_through_two_sizes_separates_the_fixed_cost():
     seen.clear()
     fit = fit_memory(measure, order[:1], len, 100_000_000)
     assert seen == [1, 1] and fit == MemoryFit(0.0, fixed + per_row)
+    # padded tokens, the lightest rows first (a token budget's second line): the units grow faster than the
+    # rows (a mini-batch pads to its widest), and the second forward still stays within the budget
+    widths = torch.arange(1, 10_001)
+    units: list[int] = []
+
+    def padded(rows):
+        return len(rows) * int(widths[rows].max())
+
+    def measure_padded(rows):
+        units.append(padded(rows))
+        return fixed + per_row * padded(rows)
+
+    fit = fit_memory(measure_padded, order, padded, 100_000_000)
+    assert fixed + per_row * units[1] <= 1e8 and units[1] > padded(order[:PROBE_ROWS])
+    assert fit.fixed == pytest.approx(fixed) and fit.per_unit == pytest.approx(per_row)
     # noise that makes the line fall: the line through the origin above both points (an overestimate)
     fit = fit_memory(lambda rows: 1e6 if len(rows) == PROBE_ROWS else 0.9e6, order, len, 10**9)
     assert fit == MemoryFit(0.0, 1e6 / PROBE_ROWS)
