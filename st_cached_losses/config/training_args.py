@@ -335,7 +335,9 @@ class CachedLossArguments(BaseTrainingArguments):
     graph_memory_budget: Optional[str] = _spec_field(  # noqa: UP045
         "graph_memory_budget",
         "Bytes (or a size such as '6GB') of first-pass encoder graphs to keep instead of replaying their "
-        "mini-batches, the longest first; the same gradients, fewer forwards. Default: replay all but the last.",
+        "mini-batches, the longest first; the same gradients, fewer forwards. 'auto': on CUDA what the device has "
+        "free after the step's own needs ('auto:20GB': at most 20 GB), elsewhere none. Default: replay all but the "
+        "last.",
     )
     mini_batch_memory_budget: Optional[str] = _spec_field(  # noqa: UP045
         "mini_batch_memory_budget",

@@ -124,7 +124,8 @@ class EngineOptions(TypedDict, total=False):
     graph_memory_budget: int | str | None
     """Bytes (or a size such as ``"6GB"``) of first-pass encoder graphs to keep instead of replaying their
     mini-batches, the largest first: the same gradients, fewer forwards (default None: replay all but the
-    last)."""
+    last). ``"auto"``: on CUDA, what the device has free after the step's own needs (``"auto:20GB"``: at most
+    20 GB); elsewhere none."""
     mini_batch_memory_budget: int | str | None
     """With ``mini_batch_size="auto"`` (or ``mini_batch_num_tokens="auto"``), the activation memory one
     encoder mini-batch may take, in bytes or a size such as ``"2GB"`` (default None: on CUDA half the free
@@ -203,7 +204,7 @@ class EngineSettings:
     sort_by_length = Setting[bool](on_engine=True)
     reuse_last_graph = Setting[bool](on_engine=True)
     keep_params_unsharded = Setting[bool](on_engine=True)
-    graph_memory_budget = Setting[int | None](on_engine=True)
+    graph_memory_budget = Setting[int | str | None](on_engine=True)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

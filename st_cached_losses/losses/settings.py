@@ -28,7 +28,12 @@ from typing import Any, Generic, Literal, TypeVar, overload
 import torch
 from torch import Tensor
 
-from st_cached_losses.engine.checks import check_mini_batch_num_tokens, check_mini_batch_size, memory_bytes
+from st_cached_losses.engine.checks import (
+    check_mini_batch_num_tokens,
+    check_mini_batch_size,
+    graph_budget,
+    memory_bytes,
+)
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, Similarity, scale_value
 from st_cached_losses.functional.checks import check_matmul_precision, check_path, check_positive_int
 
@@ -255,7 +260,7 @@ SPECS: dict[str, Spec] = {
     "tile_size": Spec(None, check_positive_int, "changed"),
     "memory_budget": Spec(DEFAULT_MEMORY_BUDGET, _budget, "never"),
     "matmul_precision": Spec(None, check_matmul_precision, "changed"),
-    "graph_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
+    "graph_memory_budget": Spec(None, lambda name, value: graph_budget(value, name), "never"),
     "mini_batch_memory_budget": Spec(None, functools.partial(_budget, optional=True), "never"),
     "student_temperature": Spec(None, check_temperature),
     "teacher_temperature": Spec(None, check_temperature),
