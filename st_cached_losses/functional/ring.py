@@ -58,7 +58,7 @@ def ring_terms_solve(
     spec: LossSpec, anchors: Tensor, cols: Sequence[Tensor], sizes: list[int], *, scale: float | Tensor,
     with_grad: bool, bank_shares: tuple[list[int], list[int]] | None = None,
 ) -> Solution:  # fmt: skip
-    """[`_ring_terms_solve`][st_cached_losses.functional.ring._ring_terms_solve] with torch's GEMMs at the
+    """``_ring_terms_solve`` (below) with torch's GEMMs at the
     call's product precision."""
     with spec.score.products.pinned(anchors.device):
         return _ring_terms_solve(
