@@ -69,13 +69,14 @@ bench: $(STAMP)
 # gpu-check then keeps that torch (never reinstalls it) and installs the rest from wheels/ only.
 .PHONY: gpu-check gpu-kit
 GPU_WHEELS ?= $(WHEELS)
-# The short check (tools/gpu_quick_check.sh) for a GPU machine reached with a small carry: after
-# `make wheels`, the wheels it lacks go to build/gpu_kit/wheels (about 3 MiB).
-GPU_KIT_WHEELS := sentence_transformers pytest- pluggy iniconfig hypothesis sortedcontainers pytest_xdist execnet pyyaml-
+# The one-shot check (tools/gpu_quick_check.sh) for a GPU machine reached with a small carry: after
+# `make wheels`, what it lacks goes to build/gpu_kit (tools/gpu_kit.py, a few MiB, at most 64): wheels/
+# (sentence-transformers 6.2, datasets and three of its dependencies, memeff 0.3.1 downloaded with
+# --no-deps, this package's wheel built from the checkout; the machine has the test runner) and
+# minilm/ (all-MiniLM-L6-v2's config and tokenizer, for benchmarks/gpu_train_step.py). Carry build/gpu_kit.
 gpu-kit:
-	mkdir -p build/gpu_kit/wheels
-	for p in $(GPU_KIT_WHEELS); do cp $(WHEELS)/$${p}*.whl build/gpu_kit/wheels/ || exit 1; done
-	du -sh build/gpu_kit
+	$(WHEELS_HOST) tools/gpu_kit.py --wheels $(WHEELS) --dest build/gpu_kit \
+		--pip-option=--python-version=$(WHEELS_PYTHON) $(addprefix --pip-option=--platform=,$(WHEELS_PLATFORMS))
 gpu-check:
 	@PYTHON="$(PYTHON)" GPU_WHEELS="$(GPU_WHEELS)" bash tools/gpu_check.sh
 

@@ -107,9 +107,9 @@ def test_gpu_check_with_a_gpu_runs_suite_and_benchmarks_on_cuda(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0] == "gpu-check: GPU 0: Fake GPU (UUID: GPU-0)"
     steps = {line.split("]")[0].split("[")[1]: line for line in lines if line.startswith("gpu-check: [")}
-    assert list(steps) == ["install", "env", "pytest", "loss_stage", "train_step"]
+    assert list(steps) == ["install", "env", "pytest", "loss_stage", "train_step", "gpu_train_step"]
     assert "-m pytest --device cuda" in steps["pytest"]
-    for bench in ("loss_stage", "train_step"):
+    for bench in ("loss_stage", "train_step", "gpu_train_step"):
         assert f"benchmarks/{bench}.py --device cuda --out {tmp_path / 'out'}" in steps[bench]
     assert lines[-1] == f"gpu-check: done; results in {tmp_path / 'out'}"
     # nothing was created: no virtualenv, no results

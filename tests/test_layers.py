@@ -74,8 +74,10 @@ def test_functional_imports_nothing_above_it():
                     f"{_module_name(path)} imports {module}"
                 )
             else:
-                # the standard library and torch only
-                assert top == "torch" or top in sys.stdlib_module_names, (
+                # the standard library and torch only; Triton in the kernels' module alone, which only
+                # flash imports, lazily (the layer imports with torch alone)
+                triton_ok = top == "triton" and path.name == "triton_kernels.py"
+                assert top == "torch" or triton_ok or top in sys.stdlib_module_names, (
                     f"{_module_name(path)} imports {module}"
                 )
         if path.name == "distributed.py":

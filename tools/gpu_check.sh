@@ -14,10 +14,11 @@
 #      builds; $GPU_TORCH_INDEX_URL picks another index);
 #   2. records the GPU, driver, torch, CUDA and package versions in $GPU_OUT/env.txt;
 #   3. runs the test suite with `--device cuda` (every device-parametrised test on the GPU);
-#   4. runs benchmarks/loss_stage.py and benchmarks/train_step.py with `--device cuda`.
+#   4. runs benchmarks/loss_stage.py, benchmarks/train_step.py and benchmarks/gpu_train_step.py (the
+#      trainer's step in bf16 on BERT-base and MiniLM shapes, theirs against ours) with `--device cuda`.
 # Results and logs land in $GPU_OUT (default benchmarks/results/gpu). Every step runs even if an
 # earlier one failed; the exit status is non-zero if any did. Extra arguments: $PYTEST_ARGS,
-# $LOSS_STAGE_ARGS, $TRAIN_STEP_ARGS (they replace the defaults below). GPU_CHECK_DRY_RUN=1 prints
+# $LOSS_STAGE_ARGS, $TRAIN_STEP_ARGS, $GPU_TRAIN_STEP_ARGS (they replace the defaults below). GPU_CHECK_DRY_RUN=1 prints
 # the steps without running them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -47,6 +48,7 @@ PY=$VENV/bin/python
 PYTEST_ARGS=${PYTEST_ARGS:--q}
 LOSS_STAGE_ARGS=${LOSS_STAGE_ARGS:---sizes 4096,16384,65536,262144 --repeats 5 --st-max 65536 --st-max-symmetric 16384}
 TRAIN_STEP_ARGS=${TRAIN_STEP_ARGS:---batch-sizes 64,256,1024 --steps 5 --memory-sizes 64,256,1024,4096,16384}
+GPU_TRAIN_STEP_ARGS=${GPU_TRAIN_STEP_ARGS:---steps 5}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 echo "gpu-check: $(head -n 1 <<<"$gpus")"
@@ -133,6 +135,8 @@ step pytest "$PY" -m pytest --device cuda $PYTEST_ARGS
 step loss_stage "$PY" benchmarks/loss_stage.py --device cuda --out "$OUT" $LOSS_STAGE_ARGS
 # shellcheck disable=SC2086
 step train_step "$PY" benchmarks/train_step.py --device cuda --out "$OUT" $TRAIN_STEP_ARGS
+# shellcheck disable=SC2086
+step gpu_train_step "$PY" benchmarks/gpu_train_step.py --device cuda --out "$OUT" $GPU_TRAIN_STEP_ARGS
 
 if [ "${#failed[@]}" -ne 0 ]; then
     echo "gpu-check: FAILED: ${failed[*]} (logs in $OUT)"

@@ -243,6 +243,7 @@ class CachedLossArguments(BaseTrainingArguments):
     in_batch_negatives: bool = loss_field("in_batch_negatives")
     loss_show_progress_bar: bool = loss_field("show_progress_bar")
     path: str = loss_field("path")
+    matmul_precision: Optional[str] = loss_field("matmul_precision")  # noqa: UP045
     memory_budget: Optional[str] = loss_field("memory_budget", None)  # noqa: UP045
     sort_by_length: bool = loss_field("sort_by_length")
     reuse_last_graph: bool = loss_field("reuse_last_graph")

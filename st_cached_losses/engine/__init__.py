@@ -1,6 +1,7 @@
 """The caching engine (GradCache): embed without a graph, cache the loss's gradient wrt the embeddings,
 replay the encoder mini-batch by mini-batch in backward. The mini-batch plans (``planning``), the RNG
-snapshots of every device type (``rng``), graphs kept within a memory budget (``graph_budget``), the
+snapshots of every device type (``rng``), graphs kept within a memory budget (``graph_budget``), ``"auto"``
+mini-batch sizes from forwards at two sizes (``auto_size``), the
 tokenizer features (``features``), a multimodal column's images and videos (``multimodal``) and, in one
 module, the training wrappers: DDP / FSDP1 / FSDP2 / DeepSpeed (``wrappers``).
 

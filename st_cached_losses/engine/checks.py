@@ -14,10 +14,12 @@ from typing import Any
 from st_cached_losses.engine.caller import user_stacklevel
 
 __all__ = [
+    "auto_graph_cap",
     "auto_needs_budget",
     "check_auto_budget",
     "check_mini_batch_num_tokens",
     "check_mini_batch_size",
+    "graph_budget",
     "is_auto",
     "memory_bytes",
     "no_token_counts",
@@ -81,6 +83,44 @@ def memory_bytes(value: int | float | str | None, name: str) -> int | None:
     if amount.denominator != 1:
         raise ValueError(f"{usage}: not a whole number of bytes.")
     return int(amount)
+
+
+def graph_budget(value: int | float | str | None, name: str = "graph_memory_budget") -> int | str | None:
+    """``graph_memory_budget`` as the engine keeps it: None, bytes ([`memory_bytes`][st_cached_losses.engine.checks.memory_bytes]'s
+    forms), ``"auto"`` (what the device has free, see
+    [`AutoGraphBudget`][st_cached_losses.engine.graph_budget.AutoGraphBudget]) or ``"auto:<size>"``, ``"auto"``
+    capped at a size (``"auto:20GB"``, kept as ``"auto:20000000000"``).
+
+    Raises:
+        ValueError: for anything else, naming ``name`` and showing ``value``."""
+    if isinstance(value, str) and value.strip().lower().startswith("auto"):
+        rest = value.strip()[4:].strip()
+        if not rest:
+            return "auto"
+        if rest.startswith(":"):
+            try:
+                return f"auto:{memory_bytes(rest[1:], name)}"
+            except ValueError:
+                pass
+        raise ValueError(
+            f"{name} must be 'auto', 'auto:' and a size (a cap, such as 'auto:20GB'), a positive number of "
+            f"bytes or a size such as '6GB', got {value!r}."
+        )
+    try:
+        return memory_bytes(value, name)
+    except ValueError as exc:
+        raise ValueError(
+            f"{exc} Or 'auto': what the device has free (e.g. 'auto', or 'auto:20GB' capped)."
+        ) from None
+
+
+def auto_graph_cap(value: int | str | None) -> tuple[bool, int | None]:
+    """Whether a ``graph_memory_budget`` as [`graph_budget`][st_cached_losses.engine.checks.graph_budget] keeps it
+    is ``"auto"``, and its cap in bytes (None: none)."""
+    if not isinstance(value, str):
+        return False, None
+    _, _, cap = value.partition(":")
+    return True, int(cap) if cap else None
 
 
 def check_mini_batch_size(value: int | str) -> None:

@@ -40,11 +40,13 @@ import torch
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from st_cached_losses.engine.auto_size import pick_mini_batch, row_span
 from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.checks import (
     auto_needs_budget,
     check_mini_batch_num_tokens,
     check_mini_batch_size,
+    graph_budget,
     is_auto,
     memory_bytes,
 )
@@ -54,7 +56,7 @@ from st_cached_losses.engine.features import (
     model_device,
     position_shift_invariant,
 )
-from st_cached_losses.engine.graph_budget import GraphKeeper, pick_mini_batch, row_span
+from st_cached_losses.engine.graph_budget import GraphKeeper, device_memory
 from st_cached_losses.engine.planning import AutoSize, MiniBatch, MiniBatchPlanner, unsort
 from st_cached_losses.engine.rng import RandState
 from st_cached_losses.engine.wrappers import (
@@ -292,9 +294,13 @@ class GradCache(MiniBatchPlanner):
             whose full parameters do not fit at once. Nothing for other wrappers.
         graph_memory_budget: bytes (or a size such as ``"6GB"``) of first-stage graphs to keep instead
             of replaying their mini-batches ([`st_cached_losses.engine.graph_budget`][st_cached_losses.engine.graph_budget]): the largest
-            mini-batches first, measured, within the budget; the same gradients. None: keep only the
-            last mini-batch's graph (``reuse_last_graph``). Under gradient synchronisation the last
-            mini-batch is still replayed (the step's one reduction).
+            mini-batches first, measured, within the budget; the same gradients. ``"auto"``: on CUDA,
+            what the device has free at the step's start after the step's own needs (a margin of a tenth
+            of the device, the gradients, the cached embeddings, one mini-batch beside the kept graphs;
+            [`AutoGraphBudget`][st_cached_losses.engine.graph_budget.AutoGraphBudget]), ``"auto:20GB"`` at
+            most 20 GB; elsewhere none. None: keep only the last mini-batch's graph
+            (``reuse_last_graph``). Under gradient synchronisation the last mini-batch is still replayed
+            (the step's one reduction).
         output: the key of the model's output that a mini-batch's forward yields (with the default form):
             ``"sentence_embedding"``, a SentenceTransformer's ``(m, d)`` rows; ``"scores"``, a CrossEncoder's
             ``(m, 1)`` score of each (query, document) pair, where the rows are pairs and the cached
@@ -312,7 +318,7 @@ class GradCache(MiniBatchPlanner):
     show_progress_bar: bool = False
     agree_mini_batches: bool | None = None
     keep_params_unsharded: bool = False
-    graph_memory_budget: int | None = None
+    graph_memory_budget: int | str | None = None
     mini_batch_memory_budget: int | None = None
     output: str = "sentence_embedding"
     form: CacheForm = field(default_factory=CacheForm, repr=False)
@@ -338,9 +344,7 @@ class GradCache(MiniBatchPlanner):
         check_mini_batch_size(self.mini_batch_size)
         check_mini_batch_num_tokens(self.mini_batch_num_tokens)
         # frozen: the budgets in bytes are written once, here
-        object.__setattr__(
-            self, "graph_memory_budget", memory_bytes(self.graph_memory_budget, "graph_memory_budget")
-        )
+        object.__setattr__(self, "graph_memory_budget", graph_budget(self.graph_memory_budget))
         object.__setattr__(
             self,
             "mini_batch_memory_budget",
@@ -348,9 +352,10 @@ class GradCache(MiniBatchPlanner):
         )
 
     def resolve_auto(self, model: nn.Module, columns: Sequence[Features], trim_leading: bool) -> None:
-        """Size ``"auto"`` mini-batches: the largest whose graph fits in ``mini_batch_memory_budget`` (on
-        CUDA, by default half the device's free memory), measured on the batch's longest rows (and, for
-        a token budget, its shortest); logged.
+        """Size ``"auto"`` mini-batches: the largest whose forward fits in ``mini_batch_memory_budget`` (on
+        CUDA, by default half the device's free memory: what no process holds plus what torch's allocator
+        holds unused), from forwards at two sizes of the batch's heaviest rows (and, for a token budget,
+        of its lightest; [`auto_size`][st_cached_losses.engine.auto_size]); logged.
 
         Sized at the first step, and measured again at every step whose rows (over every process) reach
         outside the lengths measured so far: longer rows for either setting (a graph grows with its
@@ -371,15 +376,16 @@ class GradCache(MiniBatchPlanner):
             shortest, longest = min(shortest, low), max(longest, high)
         budget = self.mini_batch_memory_budget
         if budget is None:
-            if device.type != "cuda":
+            memory = device_memory(device)
+            if memory is None:
                 raise auto_needs_budget(device.type)
-            budget = torch.cuda.mem_get_info(device)[0] // 2
+            budget = memory[0] // 2
         size = pick_mini_batch(model, columns, trim_leading, budget, by_tokens=by_tokens, encode=self.encode)
         what = "mini_batch_num_tokens" if by_tokens else "mini_batch_size"
         if self.auto.size is None:
             logger.info(
-                "%s='auto': %d for a budget of %.3g GB of activations (measured on this batch's rows of "
-                "%d to %d tokens).",
+                "%s='auto': %d for a budget of %.3g GB of activations (measured at two sizes on this "
+                "batch's rows of %d to %d tokens).",
                 what,
                 size,
                 budget / 1e9,
@@ -511,7 +517,14 @@ class GradCache(MiniBatchPlanner):
             total = sum(len(plan) for plan in plans)
             budget = None if keep_all else self.graph_memory_budget
             keeper = GraphKeeper(
-                model, plans, columns, trim, budget, agree=counts is not None, encode=self.encode
+                model,
+                plans,
+                columns,
+                trim,
+                budget,
+                agree=counts is not None,
+                encode=self.encode,
+                last_kept=self.reuse_last_graph and not sync,
             )
             bar = tqdm(total=total, desc="Embed", disable=not self.show_progress_bar or keep_all, leave=False)
             for k, plan in enumerate(plans):
@@ -548,6 +561,8 @@ class GradCache(MiniBatchPlanner):
                 batches.extend(plan)
                 kept.append(parts)
             bar.close()
+            self.auto.graph_budget = keeper.resolved_budget
+            self.auto.graphs_kept = keeper.kept
             embeddings = self._columns(kept, plans, columns)
             loss, grads, extra_grads = loss_and_grad(embeddings)
             session = _Session(

@@ -6,46 +6,58 @@ several mini-batches fit in memory, keeping their graphs from the first stage sa
 changes nothing else (the same forward, the same RNG state, the same gradients). The engine measures the
 step's first mini-batch, estimates the others from their sizes, keeps the largest ones first (they
 save the most work) while the estimate fits, and measures every graph it keeps: one that would push
-the total past the budget is dropped (replayed, as without a budget).
+the total past the budget is dropped (replayed, as without a budget). A later column's first mini-batch
+with longer rows than any measured is measured too (its graph kept if chosen), and the estimates start
+again from it: the growth with the length is then measured rather than bounded.
+
+``graph_memory_budget="auto"`` ([`AutoGraphBudget`][st_cached_losses.engine.graph_budget.AutoGraphBudget]): on
+CUDA, the memory the device has free at the start of the step (what no process holds, plus what torch's
+allocator holds unused) after the step's own needs: a margin of a tenth of the device, the parameters'
+gradients not yet allocated, the cached embeddings and their gradients, and room for the largest mini-batch
+that is not kept (a replay, or the step's last forward, holds one beside the kept graphs). ``"auto:20GB"``
+caps it. Elsewhere (CPU, MPS, XPU) it keeps no graph: the host's memory has no allocator count to read,
+and other programs share it.
 
 The meter: on CUDA the caching allocator's count of bytes still allocated after the forward (what the
-graph holds); elsewhere the bytes of the tensors autograd saves for backward
-(``torch.autograd.graph.saved_tensors_hooks``), each storage counted once, the model's own parameters
-and buffers not counted: deterministic, on any device."""
+graph holds), or its peak during the forward; elsewhere the bytes of the tensors autograd saves for
+backward (``torch.autograd.graph.saved_tensors_hooks``), each storage counted once, the model's own
+parameters and buffers not counted: deterministic, on any device."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from st_cached_losses.engine.checks import auto_graph_cap
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
-    longest_first,
     mini_batch_length,
     model_device,
     row_lengths,
-    row_weights,
-    slice_features,
     unwrap_model,
 )
 from st_cached_losses.engine.planning import MiniBatch
-from st_cached_losses.engine.rng import RandState
-from st_cached_losses.functional.distributed import all_reduce_min, is_distributed
+from st_cached_losses.functional.distributed import all_reduce_min
 
 __all__ = [
-    "PROBE_ROWS",
+    "AUTO_MARGIN",
+    "AutoGraphBudget",
     "GraphKeeper",
     "GraphMeter",
     "choose_kept",
-    "pick_mini_batch",
-    "row_span",
+    "device_memory",
     "work_of",
 ]
+
+#: the share of a CUDA device's memory ``graph_memory_budget="auto"`` leaves free (the allocator's
+#: fragmentation, the loss stage's blocks, what other libraries allocate outside torch's allocator)
+AUTO_MARGIN = 0.1
 
 
 def work_of(rows: int, length: int) -> int:
@@ -54,10 +66,20 @@ def work_of(rows: int, length: int) -> int:
     return max(rows, 1) * max(length, 1)
 
 
+def device_memory(device: torch.device) -> tuple[int, int] | None:
+    """``(available, total)`` bytes of a CUDA device: what no process holds plus what torch's caching
+    allocator holds unused (freed blocks it keeps for reuse), and the device's size. None elsewhere."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(cached, 0), total
+
+
 @dataclass
 class GraphMeter:
     """Bytes held by the graphs of forwards run inside [`measure`][st_cached_losses.engine.graph_budget.GraphMeter.measure], and the estimate for a mini-batch
-    of another size from the first measurement (``bytes_per_unit`` at ``reference_length``)."""
+    of another size from the latest calibration (``bytes_per_unit`` at ``reference_length``)."""
 
     model: nn.Module
     bytes_per_unit: float | None = None
@@ -67,13 +89,20 @@ class GraphMeter:
         self._own = {_storage_ptr(t) for t in (*self.model.parameters(), *self.model.buffers())}
 
     @contextlib.contextmanager
-    def measure(self, device: torch.device, out: list[int]) -> Iterator[None]:
-        """Appends to ``out`` the bytes the graph of the forward inside holds."""
+    def measure(self, device: torch.device, out: list[int], *, peak: bool = False) -> Iterator[None]:
+        """Appends to ``out`` the bytes the graph of the forward inside holds; with ``peak``, on CUDA, the
+        allocator's peak during it above what was allocated before (its graph, its output and what it
+        freed on the way: ``torch.cuda.reset_peak_memory_stats`` is called). Elsewhere ``peak`` changes
+        nothing: the bytes autograd saves."""
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
+            if peak:
+                torch.cuda.reset_peak_memory_stats(device)
             yield
-            out.append(max(torch.cuda.memory_allocated(device) - before, 0))
+            torch.cuda.synchronize(device)
+            after = torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
+            out.append(max(after - before, 0))
             return
         seen: set[int] = set()
         total = [0]
@@ -93,7 +122,7 @@ class GraphMeter:
         out.append(total[0])
 
     def calibrate(self, nbytes: int, rows: int, length: int) -> None:
-        """The first measurement of the step: bytes per unit of [`work_of`][st_cached_losses.engine.graph_budget.work_of]."""
+        """A measurement of the step: bytes per unit of [`work_of`][st_cached_losses.engine.graph_budget.work_of]."""
         self.bytes_per_unit = nbytes / work_of(rows, length)
         self.reference_length = max(length, 1)
 
@@ -114,17 +143,77 @@ def _storage_ptr(t: Tensor) -> int:
         return 0
 
 
-def choose_kept(sizes: Sequence[tuple[int, int]], meter: GraphMeter, budget: int) -> set[int]:
+def choose_kept(
+    sizes: Sequence[tuple[int, int]],
+    meter: GraphMeter,
+    budget: float,
+    *,
+    room: float | None = None,
+    exempt: int | None = None,
+) -> set[int]:
     """Indices (into ``sizes``: ``(rows, padded length)`` per mini-batch) of the mini-batches whose
-    graphs to keep: the largest first, while their estimated bytes fit in ``budget``."""
+    graphs to keep: the largest first, while their estimated bytes fit in ``budget``.
+
+    With ``room`` (``graph_memory_budget="auto"``): also while the kept graphs and the largest graph that
+    is not kept (one replay, or the step's last graph, ``exempt``, which is kept anyway and not counted)
+    fit in ``room`` together; the largest first, each one is chosen only if the next largest could still
+    be replayed beside it."""
     order = sorted(range(len(sizes)), key=lambda i: work_of(*sizes[i]), reverse=True)
-    kept, used = set(), 0.0
-    for i in order:
-        need = meter.estimate(*sizes[i])
-        if used + need <= budget:
+    need = [meter.estimate(*s) for s in sizes]
+    kept: set[int] = set()
+    used = 0.0
+    # the largest graph held beside the kept ones: the step's last, or one passed over
+    beside = need[exempt] if exempt is not None else 0.0
+    for pos, i in enumerate(order):
+        if i == exempt:
+            continue
+        fits = used + need[i] <= budget
+        if fits and room is not None:
+            after = next((need[j] for j in order[pos + 1 :] if j != exempt), 0.0)
+            fits = used + need[i] + max(beside, after) <= room
+        if fits:
             kept.add(i)
-            used += need
+            used += need[i]
+        else:
+            beside = max(beside, need[i])
     return kept
+
+
+@dataclass(frozen=True)
+class AutoGraphBudget:
+    """What ``graph_memory_budget="auto"`` has to go by at the start of a step (see the module's text):
+    bytes ``available`` on the device, its ``total``, the parameters' gradients the backward will allocate
+    (``grads``) and the user's ``cap``. [`room`][st_cached_losses.engine.graph_budget.AutoGraphBudget.room]
+    turns it into the bytes every graph of the step may hold together."""
+
+    available: int
+    total: int
+    grads: int
+    cap: int | None = None
+
+    @classmethod
+    def at_step_start(cls, model: nn.Module, cap: int | None) -> AutoGraphBudget | None:
+        """Read from ``model``'s device (None off CUDA: nothing is kept)."""
+        memory = device_memory(model_device(model))
+        if memory is None:
+            return None
+        grads = sum(
+            _local(p).numel() * p.element_size()
+            for p in model.parameters()
+            if p.requires_grad and p.grad is None
+        )
+        return cls(memory[0], memory[1], grads, cap)
+
+    def room(self, cached_bytes: float) -> float:
+        """Bytes for every graph of the step (the kept ones and the largest one beside them), after the
+        margin, the gradients and ``cached_bytes`` (the embeddings and their gradients)."""
+        return max(self.available - AUTO_MARGIN * self.total - self.grads - cached_bytes, 0.0)
+
+
+def _local(p: Tensor) -> Tensor:
+    """A parameter's own part (a sharded DTensor's local shard)."""
+    to_local = getattr(p, "to_local", None)
+    return to_local() if callable(to_local) else p
 
 
 class GraphKeeper:
@@ -133,7 +222,10 @@ class GraphKeeper:
     The first forward with a graph calibrates the meter (under a sharded wrapper, where every replay is a
     collective, the processes then agree on the kept set: each keeps a mini-batch only if all do, one
     small all-reduce, and no process drops one later); [`forward`][st_cached_losses.engine.graph_budget.GraphKeeper.forward] runs and measures the others.
-    ``budget`` None: keeps nothing (the engine's plain rules apply)."""
+    ``budget`` None: keeps nothing (the engine's plain rules apply); ``"auto"`` (or ``"auto:<bytes>"``):
+    what the device has free ([`AutoGraphBudget`][st_cached_losses.engine.graph_budget.AutoGraphBudget]),
+    resolved when the first forward is measured (read back as ``budget``), nothing off CUDA.
+    ``last_kept``: the step's last forward keeps its graph anyway (``reuse_last_graph``)."""
 
     def __init__(
         self,
@@ -141,24 +233,59 @@ class GraphKeeper:
         plans: Sequence[Sequence[MiniBatch]],
         columns: Sequence[Features],
         trim_leading: bool,
-        budget: int | None,
+        budget: int | str | None,
         *,
         agree: bool,
         encode: Callable[[nn.Module, Features], Tensor],
+        last_kept: bool = False,
     ) -> None:
-        self.budget, self.agree, self.encode = budget, agree, encode
+        self.agree, self.encode = agree, encode
         self.kept_ids: set[int] | None = None
         self.used = 0
-        if budget is None:
+        self.auto: AutoGraphBudget | None = None
+        self.budget: float | None
+        is_auto, cap = auto_graph_cap(budget)
+        if is_auto:
+            self.auto = AutoGraphBudget.at_step_start(unwrap_model(model), cap)
+            self.budget = None if self.auto is None else math.inf  # resolved at the first measurement
+        else:
+            self.budget = None if budget is None else float(budget)
+        if self.budget is None:
             return
         self.meter = GraphMeter(unwrap_model(model))
         self.flat = [mb for plan in plans for mb in plan]
         self.index = {id(mb): i for i, mb in enumerate(self.flat)}
+        self.rows = sum(batch_size_of(f) for f in columns)
         lengths = [row_lengths(f, batch_size_of(f), trim_leading) for f in columns]
         self.sizes = [
             (len(mb.rows), mini_batch_length(columns[mb.column], lengths[mb.column], mb.rows))
             for mb in self.flat
         ]
+        self.exempt = len(self.flat) - 1 if last_kept and self.flat else None
+        # each later column's first mini-batch (its longest rows), measured when longer than any before
+        firsts: dict[int, int] = {}
+        for i, mb in enumerate(self.flat):
+            if not mb.filler:
+                firsts.setdefault(mb.column, i)
+        self.firsts = sorted(firsts.values())
+        self.remeasure: set[int] = set()
+        self.room = 0.0
+
+    @property
+    def resolved_budget(self) -> int | None:
+        """The budget in bytes (what ``"auto"`` resolved to), None where nothing could be kept."""
+        if self.budget is None or math.isinf(self.budget):
+            return None
+        return int(self.budget)
+
+    @property
+    def kept(self) -> int:
+        """How many graphs this step keeps within the budget (the step's last, kept anyway, not counted)."""
+        if self.budget is None:
+            return 0
+        return sum(1 for mb in self.flat if mb.kept is not None) - (
+            1 if self.exempt is not None and self.flat[self.exempt].kept is not None else 0
+        )
 
     def wants(self, mb: MiniBatch) -> bool:
         """Whether ``mb``'s first-stage forward runs with a graph through [`forward`][st_cached_losses.engine.graph_budget.GraphKeeper.forward]."""
@@ -166,7 +293,8 @@ class GraphKeeper:
             return False
         if self.kept_ids is None:
             return True  # not calibrated yet: this forward measures
-        return not mb.filler and self.index[id(mb)] in self.kept_ids
+        i = self.index[id(mb)]
+        return not mb.filler and (i in self.kept_ids or i in self.remeasure)
 
     def forward(self, model: nn.Module, mb: MiniBatch, device: torch.device, *, exempt: bool) -> Tensor:
         """Run ``mb`` with a graph, measured; keep the graph when chosen and within the budget.
@@ -179,19 +307,50 @@ class GraphKeeper:
         if not out.requires_grad:  # a frozen column: no graph to keep
             return out
         i, nbytes = self.index[id(mb)], measured[0]
-        if self.kept_ids is None:
+        if self.kept_ids is None or i in self.remeasure:
+            first = self.kept_ids is None
             self.meter.calibrate(nbytes, *self.sizes[i])
-            candidates = [j for j in range(i, len(self.flat)) if not self.flat[j].filler]
-            chosen = choose_kept([self.sizes[j] for j in candidates], self.meter, self.budget)
-            self.kept_ids = {candidates[c] for c in chosen}
-            if self.agree:
+            if first and self.auto is not None:
+                # the cached embeddings (kept in fp32) and their gradients, every column's rows
+                self.room = self.auto.room(2 * 4 * self.rows * out[0].numel())
+            self._choose(i)
+            if self.agree and first:
+                assert self.kept_ids is not None
                 self.kept_ids = _agreed(self.kept_ids, len(self.flat), device)
+        assert self.kept_ids is not None
         if exempt:
             mb.kept = out
         elif i in self.kept_ids and not mb.filler and (self.agree or self.used + nbytes <= self.budget):
             mb.kept = out
             self.used += nbytes
         return out
+
+    def _choose(self, i: int) -> None:
+        """(Re)choose the graphs to keep among the mini-batches from ``i`` on, the meter just calibrated on
+        ``i``: those kept before stay kept; the budget left is what the kept ones have not used."""
+        candidates = [j for j in range(i, len(self.flat)) if not self.flat[j].filler]
+        sizes = [self.sizes[j] for j in candidates]
+        exempt = candidates.index(self.exempt) if self.exempt in candidates else None
+        if self.auto is None:
+            assert self.budget is not None
+            chosen = choose_kept(sizes, self.meter, self.budget - self.used)
+        else:
+            cap = math.inf if self.auto.cap is None else self.auto.cap - self.used
+            room = self.room - self.used
+            chosen = choose_kept(sizes, self.meter, cap, room=room, exempt=exempt)
+            # the kept graphs may take the room less the largest graph beside them
+            beside = max(
+                (self.meter.estimate(*sizes[c]) for c in range(len(sizes)) if c not in chosen), default=0.0
+            )
+            self.budget = min(self.used + max(room - beside, 0.0), self.used + cap)
+        before = {j for j in self.kept_ids or () if j < i}
+        self.kept_ids = before | {candidates[c] for c in chosen}
+        # under a sharded wrapper the processes agree once: no process measures again on its own
+        self.remeasure = (
+            set()
+            if self.agree
+            else {f for f in self.firsts if f > i and self.sizes[f][1] > self.meter.reference_length}
+        )
 
 
 def _agreed(kept: set[int], n: int, device: torch.device) -> set[int]:
@@ -201,93 +360,3 @@ def _agreed(kept: set[int], n: int, device: torch.device) -> set[int]:
         flags[list(kept)] = 1
     all_reduce_min(flags, "all_reduce_kept")
     return {int(i) for i in flags.nonzero().flatten().tolist()}
-
-
-def row_span(columns: Sequence[Features], trim_leading: bool, device: torch.device) -> tuple[int, int]:
-    """The shortest and the longest row of any column, in tokens as a mini-batch pads them plus its vision
-    patches ([`row_weights`][st_cached_losses.engine.features.row_weights]; 1 for columns without an attention
-    mask), over every process: where they all size ``"auto"`` together,
-    they must all decide alike whether to measure again."""
-    lengths = [x for x in (row_weights(f, batch_size_of(f), trim_leading) for f in columns) if x is not None]
-    shortest = min((int(x.min()) for x in lengths if len(x)), default=1)
-    longest = max((int(x.max()) for x in lengths if len(x)), default=1)
-    if is_distributed():
-        # the maximum as the minimum of the negative: one small all-reduce for both
-        span = all_reduce_min(torch.tensor([shortest, -longest], device=device), "all_reduce_auto")
-        shortest, longest = int(span[0]), -int(span[1])
-    return shortest, longest
-
-
-#: rows of the probe forward that sizes ``mini_batch_size="auto"`` (the longest rows of the batch)
-PROBE_ROWS = 4
-
-
-def pick_mini_batch(
-    model: nn.Module,
-    columns: Sequence[Features],
-    trim_leading: bool,
-    budget: int,
-    *,
-    by_tokens: bool,
-    encode: Callable[[nn.Module, Features], Tensor],
-) -> int:
-    """The largest mini-batch (rows, or with ``by_tokens`` a budget of tokens) whose forward's graph fits
-    in ``budget`` bytes, from measured forwards with a graph and the RNG restored afterwards (a probe
-    changes no dropout mask of the step). Every process takes the smallest of their choices.
-
-    Rows: one forward of the batch's longest rows (at most [`PROBE_ROWS`][st_cached_losses.engine.graph_budget.PROBE_ROWS]; their text plus their
-    vision patches, [`row_weights`][st_cached_losses.engine.features.row_weights]), padded as a mini-batch of them
-    is; a mini-batch of shorter rows holds less. Tokens: the bytes per padded token, the larger
-    of the longest rows' and the shortest rows' (a row's own costs, such as its pooled output, weigh
-    more on a short row), so that a mini-batch of any of the batch's lengths fits; the planner then
-    packs ``"auto"`` token budgets by padded tokens (see ``MiniBatchPlanner.plan``)."""
-    lengths = [row_lengths(f, batch_size_of(f), trim_leading) for f in columns]
-    if by_tokens and any(x is None for x in lengths):
-        raise ValueError(
-            "mini_batch_num_tokens='auto' needs each row's token count, read from the inputs' attention_mask, "
-            "and a column has none; use mini_batch_size='auto' instead."
-        )
-    device = model_device(model)
-    # rows weighed by their text and their vision patches: a row of few words and a large image is heavy
-    weights = [row_weights(f, batch_size_of(f), trim_leading) for f in columns]
-    # the column holding the heaviest row, and its heaviest rows
-    longest = [int(x.max()) if x is not None and len(x) else 0 for x in weights]
-    k = max(range(len(columns)), key=lambda c: longest[c])
-    b = batch_size_of(columns[k])
-    rows = longest_first(weights[k], b)[: min(PROBE_ROWS, b)]
-    per_row = _probe(model, columns[k], rows, trim_leading, encode, device)
-    if by_tokens:
-        per_token = per_row / max(mini_batch_length(columns[k], lengths[k], rows), 1)
-        # the column holding the lightest row, and its lightest rows
-        shortest = [int(x.min()) if x is not None and len(x) else 1 << 62 for x in weights]
-        s = min(range(len(columns)), key=lambda c: shortest[c])
-        b = batch_size_of(columns[s])
-        rows = longest_first(weights[s], b)[-min(PROBE_ROWS, b) :]
-        per_short_row = _probe(model, columns[s], rows, trim_leading, encode, device)
-        per_token = max(per_token, per_short_row / max(mini_batch_length(columns[s], lengths[s], rows), 1))
-        chosen = max(int(budget // per_token), 1)
-    else:
-        chosen = max(int(budget // per_row), 1)
-    if is_distributed():
-        chosen = int(all_reduce_min(torch.tensor([chosen], device=device), "all_reduce_auto")[0])
-    return chosen
-
-
-def _probe(
-    model: nn.Module,
-    features: Features,
-    rows: Tensor,
-    trim_leading: bool,
-    encode: Callable[[nn.Module, Features], Tensor],
-    device: torch.device,
-) -> float:
-    """Bytes per row of the graph of one forward of ``rows`` of a column (a mini-batch of them)."""
-    probe = slice_features(features, rows, batch_size_of(features), trim_leading=trim_leading)
-    meter = GraphMeter(unwrap_model(model))
-    measured: list[int] = []
-    # the bare module: a wrapper would expect this graph's backward (FSDP2's forward stays a collective,
-    # which every process runs here at its first step); every device type's random state forked
-    with RandState().replay(), torch.enable_grad(), meter.measure(device, measured):
-        out = encode(unwrap_model(model), probe)
-    del out
-    return max(measured[0], 1) / len(rows)

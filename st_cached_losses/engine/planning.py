@@ -92,6 +92,11 @@ class AutoSize:
     size: int | None = None
     #: the shortest and longest rows (padded lengths, in tokens) ``size`` holds for: rows outside re-size
     span: tuple[int, int] = (0, 0)
+    #: bytes the last step's graphs could be kept within (``graph_memory_budget``, what ``"auto"`` resolved
+    #: to); None: none kept
+    graph_budget: int | None = None
+    #: mini-batch graphs the last step kept within it (the step's last graph, kept anyway, not counted)
+    graphs_kept: int = 0
 
     def forget(self) -> None:
         """Size again at the next step (a size setting changed)."""

@@ -25,19 +25,38 @@ class Operand:
     With ``prenormalize=True`` one fp32 copy is made up front (the chunked path, where each chunk
     spans whole columns and re-normalising them per chunk would repeat work); otherwise only the
     per-row multipliers (``mult / ||x_i||``) are stored and each tile is normalised when it is read,
-    so memory stays ``O(n)`` beyond the input (the tiled path)."""
+    so memory stays ``O(n)`` beyond the input (the tiled path).
 
-    def __init__(self, x: Tensor, cosine: bool, mult: float, prenormalize: bool) -> None:
+    ``rounds`` (bf16 products, ``matmul_precision="medium"``): the normalised rows are rounded to bf16 (the
+    prenormalised copy is kept in bf16) and ``mult`` multiplies them after, in fp32, so that a product of two
+    operands is ``mult * (bf16 . bf16)`` whichever of the two carries the scale (the symmetric loss scores
+    one pair of rows from both sides)."""
+
+    def __init__(
+        self, x: Tensor, cosine: bool, mult: float, prenormalize: bool, rounds: bool = False
+    ) -> None:
         self.x = x
         self.n = x.shape[0]
         self.dtype = accumulation_dtype(x)
         self.cosine = cosine
+        self.mult = float(mult)
+        self.rounds = rounds
+        self.kernel_copy: Tensor | None = None  # the whole operand as the kernels read it (flash)
         # (n,) fp32: 1 / max(||x_i||, eps), the same clamp as F.normalize
         self.inv_norm = (
             torch.linalg.vector_norm(x, dim=1, dtype=self.dtype).clamp_min_(NORM_EPS).reciprocal_()
             if cosine
             else None
         )
+        if rounds:
+            data = x
+            if prenormalize:  # normalised in fp32, rounded once, kept in half the bytes
+                data = x.to(self.dtype)
+                data = (data * self.inv_norm[:, None] if self.inv_norm is not None else data).to(
+                    torch.bfloat16
+                )
+            self.data, self.row_mult = data, (None if prenormalize else self.inv_norm)
+            return
         row_mult = self.inv_norm * mult if self.inv_norm is not None else None
         if row_mult is None and mult != 1.0:
             row_mult = torch.full((self.n,), mult, dtype=self.dtype, device=x.device)
@@ -51,10 +70,26 @@ class Operand:
 
     def tile(self, i0: int, i1: int) -> Tensor:
         """Rows ``i0:i1`` in the compute dtype, normalised and scaled: ``(i1 - i0, d)``."""
+        if self.rounds:
+            t = self.unscaled_tile(i0, i1)
+            return t * self.mult if self.mult != 1.0 else t
         t = self.data[i0:i1].to(self.dtype)
         if self.row_mult is not None:
             return t * self.row_mult[i0:i1, None]
         return t
+
+    def unscaled_tile(self, i0: int, i1: int) -> Tensor:
+        """Rows ``i0:i1`` normalised, without ``mult`` (rounded to bf16 values when ``rounds``): what the
+        kernels multiply (they scale the product)."""
+        if self.rounds:
+            t = self.data[i0:i1].to(self.dtype)
+            if self.data.dtype == torch.bfloat16 and self.row_mult is None:
+                return t
+            if self.row_mult is not None:
+                t = t * self.row_mult[i0:i1, None]
+            return t.to(torch.bfloat16).to(self.dtype)
+        t = self.x[i0:i1].to(self.dtype)
+        return t * self.inv_norm[i0:i1, None] if self.inv_norm is not None else t
 
 
 #: Log-probabilities (relative to the row's largest logit) below this are flushed to exactly zero

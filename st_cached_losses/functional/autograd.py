@@ -38,7 +38,8 @@ class InfoNCEFunction(torch.autograd.Function):
         call = LocalCall(
             spec, anchors, list(cols), anchors_all, s, with_grad=False, one_pass=False, need_scale_grad=False
         )
-        rows_lse, _ = call.stats()
+        with spec.score.products.pinned(anchors.device):
+            rows_lse, _ = call.stats()
         if any(ctx.needs_input_grad):
             # nothing derived from the embeddings (a normalised copy in the chunked path) outlives forward
             ctx.spec, ctx.s, ctx.n_cols, ctx.scale_dtype = spec, s, len(cols), scale.dtype
@@ -57,7 +58,8 @@ class InfoNCEFunction(torch.autograd.Function):
             need_scale_grad=scale_grad,
         )  # fmt: skip
         _, lse = row_lse(m, ssum)
-        gs = call.grads(lse, scale_grad)
+        with ctx.spec.score.products.pinned(anchors.device):
+            gs = call.grads(lse, scale_grad)
         g_a, g_c, g_all, g_s = call.finish(float(grad_loss), gs, ctx.scale_dtype if scale_grad else None)
         return (None, g_s, g_a, g_all, *g_c)
 

@@ -13,6 +13,7 @@ from torch import Tensor
 __all__ = [
     "bias_value",
     "candidate_columns",
+    "check_matmul_precision",
     "check_path",
     "check_positive_int",
     "nonfinite_columns",
@@ -36,6 +37,17 @@ def check_path(name: str, value: object) -> str:
     if value not in ("auto", "chunked", "tiled"):
         raise ValueError(f"{name} must be 'auto', 'chunked' or 'tiled', got {value!r}.")
     return str(value)
+
+
+def check_matmul_precision(name: str, value: object) -> str | None:
+    """The loss stage's product precision: None (torch's ``get_float32_matmul_precision()`` at the step),
+    ``"highest"``, ``"high"`` or ``"medium"``; returned."""
+    if value is not None and value not in ("highest", "high", "medium"):
+        raise ValueError(
+            f"{name} must be 'highest' (fp32 products), 'high' (TF32), 'medium' (bf16) or None (torch's "
+            f"float32 matmul precision), got {value!r}."
+        )
+    return value
 
 
 def scale_value(scale: float | Tensor, name: str = "scale") -> float:

@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from st_cached_losses.functional import flash
 from st_cached_losses.functional._kernels import LogSumExp, plan_blocks
 from st_cached_losses.functional.binding import (
     Solution,
@@ -79,7 +80,8 @@ class LocalCall:
     def stats(self) -> tuple[Tensor, list[LogSumExp]]:
         """First pass: every group's statistics; their log-sum-exp per row, ``(G, b)`` fp64, and them."""
         p = self.plan
-        term_stats(self.bound, self.m, self.ssum, scale=self.s, row_tile=p.row_tile, col_tile=p.col_tile)
+        if not flash.stats(self.bound, self.m, self.ssum):
+            term_stats(self.bound, self.m, self.ssum, scale=self.s, row_tile=p.row_tile, col_tile=p.col_tile)
         return row_lse(self.m, self.ssum)
 
     def grads(self, lse: list[LogSumExp], need_scale_grad: bool) -> Tensor:
@@ -89,8 +91,25 @@ class LocalCall:
             col_lse = lse[self.pair[1].group]
             bound = [replace(x, col_lse=col_lse) if x.col_group is not None else x for x in bound]
         p = self.plan
+        gs = flash.grads(bound, lse, self.spec.terms.weights, need_scale_grad=need_scale_grad)
+        if gs is not None:
+            return gs
         return term_grads(
             bound, lse, self.spec.terms.weights, scale=self.s, row_tile=p.row_tile, col_tile=p.col_tile,
+            need_scale_grad=need_scale_grad,
+        )  # fmt: skip
+
+    def solve_fused(self, with_grad: bool, need_scale_grad: bool) -> tuple[Tensor, Tensor]:
+        """Both passes in one (no softmax runs down the columns): every group's log-sum-exp per row
+        ``(G, b)`` fp64 and ``sum(G * s * sim)``."""
+        weights = self.spec.terms.weights
+        done = flash.fused(
+            self.bound, weights, n_rows=self.b, need_grads=with_grad, need_scale_grad=need_scale_grad
+        )
+        if done is not None:
+            return done
+        return fused_chunk(
+            self.bound, weights, n_rows=self.b, scale=self.s, chunk=self.plan.row_tile, need_grads=with_grad,
             need_scale_grad=need_scale_grad,
         )  # fmt: skip
 
@@ -123,18 +142,16 @@ def terms_solve(
     over row chunks where it can, else a statistics and a gradient pass."""
     s = scale_value(scale)
     need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
-    call = LocalCall(
-        spec, anchors, list(cols), anchors_all, s, with_grad=with_grad, one_pass=with_grad or spec.options.path != "tiled",
-        need_scale_grad=need_scale_grad,
-    )  # fmt: skip
-    if call.fused:
-        rows_lse, gs = fused_chunk(
-            call.bound, spec.terms.weights, n_rows=call.b, scale=s, chunk=call.plan.row_tile, need_grads=with_grad,
-            need_scale_grad=need_scale_grad,
+    with spec.score.products.pinned(anchors.device):
+        call = LocalCall(
+            spec, anchors, list(cols), anchors_all, s, with_grad=with_grad,
+            one_pass=with_grad or spec.options.path != "tiled", need_scale_grad=need_scale_grad,
         )  # fmt: skip
-    else:
-        rows_lse, lse = call.stats()
-        gs = call.grads(lse, need_scale_grad) if with_grad else torch.zeros(())
+        if call.fused:
+            rows_lse, gs = call.solve_fused(with_grad, need_scale_grad)
+        else:
+            rows_lse, lse = call.stats()
+            gs = call.grads(lse, need_scale_grad) if with_grad else torch.zeros(())
     loss = call.loss(rows_lse)
     if not with_grad:
         return loss, None, [], None, None

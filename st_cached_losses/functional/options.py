@@ -8,10 +8,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+import torch
 from torch import Tensor
 
 from st_cached_losses.functional._kernels import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.functional.checks import check_path, check_positive_int, validate_keys
+from st_cached_losses.functional.checks import (
+    check_matmul_precision,
+    check_path,
+    check_positive_int,
+    validate_keys,
+)
+from st_cached_losses.functional.flash import kernels_enabled
+from st_cached_losses.functional.precision import MatmulPrecision, Products, global_matmul_precision
 from st_cached_losses.functional.score import Score, Similarity
 from st_cached_losses.functional.terms import PairKeys, TermSet, bank_terms, mnrl_terms
 
@@ -109,6 +117,15 @@ class InfoNCEOptions:
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs).
         bank: a negative bank ([`Bank`][st_cached_losses.functional.options.Bank]): earlier rows' embeddings
             scored as extra negatives, without gradient; None (default) or an empty bank: none.
+        matmul_precision: the precision of the similarity products, with
+            ``torch.set_float32_matmul_precision``'s names: ``"highest"`` (fp32, the exact path), ``"high"``
+            (TF32 on CUDA; fp32 on a CPU), ``"medium"`` (bf16 operands, fp32 sums: what bf16 tensor cores
+            compute); None (default): ``torch.get_float32_matmul_precision()`` at the call. Maxima,
+            log-sum-exps, sums of probabilities and accumulated gradients are fp32 whatever it says. On CUDA
+            with Triton installed, ``"high"`` and ``"medium"`` run FlashAttention-style kernels
+            ([`flash`][st_cached_losses.functional.flash]). Losses with a guide (GIST), duplicate keys or a
+            hardness penalty, a similarity function, packed (multi-vector, sparse) rows and fp64 inputs keep
+            fp32 products (see [`Products`][st_cached_losses.functional.precision.Products]).
 
     ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
     against columns the caller gathered: the strategies of [`parallel`][st_cached_losses.functional.parallel] set them (and refuse the first
@@ -130,10 +147,12 @@ class InfoNCEOptions:
     row_offset: int = 0
     check_finite: bool = True
     bank: Bank | None = None
+    matmul_precision: MatmulPrecision | None = None
 
     def __post_init__(self) -> None:
         Score(self.similarity)  # refuses anything but "cosine", "dot" or a function
         check_path("path", self.path)
+        check_matmul_precision("matmul_precision", self.matmul_precision)
         for name in ("chunk_size", "tile_size", "memory_budget"):
             check_positive_int(name, getattr(self, name))
         if self.terms is not None and self.symmetric:
@@ -200,7 +219,22 @@ class InfoNCEOptions:
                 "columns' tokens): the loss's terms may score only the anchors against the candidate columns "
                 "(query_to_doc), not documents against anchors."
             )
-        return LossSpec(self, terms, score, keys)
+        return LossSpec(self, terms, score.with_products(self._products(anchors, terms, score, keys)), keys)
+
+    def _products(self, anchors: Tensor, terms: TermSet, score: Score, keys: Keys | None) -> Products:
+        """``matmul_precision`` as this call runs it (see [`Products`][st_cached_losses.functional.precision.Products]):
+        fp32 products for the losses that keep them; TF32 only on CUDA (or the kernels' interpreter); the
+        kernels where every term is a plain one (no diagonal removed) and they can run here."""
+        if anchors.dtype == torch.float64 or not score.gemm or score.packed:
+            return Products()
+        precision = self.matmul_precision or global_matmul_precision(anchors.device.type)
+        masked = self.guide is not None or keys is not None or terms.guided
+        if precision == "highest" or masked or any(t.pen_off or t.pen_diag for t in terms.terms):
+            return Products()
+        kernels = all(t.diag in ("positive", "keep") for t in terms.terms) and kernels_enabled(anchors.device)
+        if precision == "high" and anchors.device.type != "cuda" and not kernels:
+            return Products()  # no TF32 on this device: fp32
+        return Products(precision, kernels)
 
     def _with_bank(self, terms: TermSet, bank: Bank, anchors: Tensor, score: Score) -> TermSet:
         """``terms`` extended by the bank's columns, checked against the embeddings."""

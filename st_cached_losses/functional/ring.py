@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from st_cached_losses.functional import flash
 from st_cached_losses.functional._kernels import LogSumExp, Operand, init_stats, merge_stats, tile_side
 from st_cached_losses.functional.binding import (
     Solution,
@@ -30,7 +31,42 @@ from st_cached_losses.functional.terms import Bound, term_grads, term_stats
 __all__ = ["ring_terms_solve"]
 
 
+def _stats(bound: list[Bound], m: Tensor, ssum: Tensor, scale: float, tile: int) -> None:
+    """A visiting block's statistics pass: on the kernels where its terms allow, else on torch tiles."""
+    if not flash.stats(bound, m, ssum):
+        term_stats(bound, m, ssum, scale=scale, row_tile=tile, col_tile=tile)
+
+
+def _grads(
+    bound: list[Bound],
+    lse: list[LogSumExp],
+    weights: Sequence[float],
+    scale: float,
+    tile: int,
+    need_scale_grad: bool,
+) -> Tensor:
+    """A visiting block's gradient pass: on the kernels where its terms allow, else on torch tiles."""
+    gs = flash.grads(bound, lse, weights, need_scale_grad=need_scale_grad)
+    if gs is not None:
+        return gs
+    return term_grads(
+        bound, lse, weights, scale=scale, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
+    )
+
+
 def ring_terms_solve(
+    spec: LossSpec, anchors: Tensor, cols: Sequence[Tensor], sizes: list[int], *, scale: float | Tensor,
+    with_grad: bool, bank_shares: tuple[list[int], list[int]] | None = None,
+) -> Solution:  # fmt: skip
+    """``_ring_terms_solve`` (below) with torch's GEMMs at the
+    call's product precision."""
+    with spec.score.products.pinned(anchors.device):
+        return _ring_terms_solve(
+            spec, anchors, cols, sizes, scale=scale, with_grad=with_grad, bank_shares=bank_shares
+        )
+
+
+def _ring_terms_solve(
     spec: LossSpec, anchors: Tensor, cols: Sequence[Tensor], sizes: list[int], *, scale: float | Tensor,
     with_grad: bool, bank_shares: tuple[list[int], list[int]] | None = None,
 ) -> Solution:  # fmt: skip
@@ -124,9 +160,7 @@ def ring_terms_solve(
 
     def visit_stats(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
         col_state = {"col_stats": (carried[0][:, 0], carried[0][:, 1])} if pair is not None else {}
-        term_stats(
-            bind_block(owner, tensors, None, **col_state), m, ssum, scale=s, row_tile=tile, col_tile=tile
-        )
+        _stats(bind_block(owner, tensors, None, **col_state), m, ssum, s, tile)
         release()
 
     # the column softmax's statistics of each block's positives travel with it and come home complete
@@ -164,7 +198,7 @@ def ring_terms_solve(
 
             ring_exchange([block.contiguous()], [], shares, visit)
 
-    bank_ring(lambda bound: term_stats(bound, m, ssum, scale=s, row_tile=tile, col_tile=tile))
+    bank_ring(lambda bound: _stats(bound, m, ssum, s, tile))
     rows_lse, lse = row_lse(m, ssum)
     factor = w / sum(sizes)
     loss = (loss_sum(terms, rows_lse, src, 0, tile, s) * factor).to(src.q.dtype)
@@ -178,9 +212,7 @@ def ring_terms_solve(
         nonlocal gs_total
         col_state = {"col_lse": LogSumExp.unstack(tensors[-1])} if pair is not None else {}
         bound = bind_block(owner, tensors[:-1] if pair is not None else tensors, carried[0], **col_state)
-        gs_total += term_grads(
-            bound, lse, terms.weights, scale=s, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
-        )
+        gs_total += _grads(bound, lse, terms.weights, s, tile, need_scale_grad)
         release()
 
     g_block = torch.zeros(b, len(names), *row_shape, dtype=src.q.dtype, device=anchors.device)
@@ -188,9 +220,7 @@ def ring_terms_solve(
 
     def bank_grads(bound: list[Bound]) -> None:
         nonlocal gs_total
-        gs_total += term_grads(
-            bound, lse, terms.weights, scale=s, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
-        )
+        gs_total += _grads(bound, lse, terms.weights, s, tile, need_scale_grad)
 
     bank_ring(bank_grads)
     for j, n in enumerate(names):

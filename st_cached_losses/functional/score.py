@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional._kernels import Operand, spans
+from st_cached_losses.functional.precision import Products
 
 __all__ = ["Score", "ScoreFn", "Similarity", "TileGraph"]
 
@@ -48,7 +49,10 @@ class Score:
     """A similarity as the kernels use it: how to read operands, score a tile, and accumulate a tile's
     gradient into the operands' gradient buffers."""
 
-    def __init__(self, similarity: Similarity) -> None:
+    def __init__(self, similarity: Similarity, products: Products | None = None) -> None:
+        #: how GEMM tiles are multiplied (``matmul_precision``); a function score's tiles are always fp32
+        self.products = products if products is not None else Products()
+        self.similarity = similarity
         if isinstance(similarity, str):
             if similarity not in ("cosine", "dot"):
                 raise ValueError(f"similarity must be 'cosine', 'dot' or a function, got {similarity!r}.")
@@ -61,6 +65,10 @@ class Score:
                 f"similarity must be 'cosine', 'dot' or a function f(a, b) -> (len(a), len(b)) scores, got "
                 f"{similarity!r}."
             )
+
+    def with_products(self, products: Products) -> Score:
+        """This score, its GEMM tiles multiplied as ``products`` says."""
+        return Score(self.similarity, products)
 
     @property
     def gemm(self) -> bool:
@@ -92,7 +100,9 @@ class Score:
     def operand(self, x: Tensor, scale: float, prenormalize: bool) -> Operand:
         """``x`` as the kernels read it; a GEMM score folds ``scale`` (rows) into the tiles, a function
         scores the raw embeddings and its tile is scaled afterwards."""
-        return Operand(x, self.cosine, scale if self.fn is None else 1.0, prenormalize)
+        if self.fn is not None:
+            return Operand(x, self.cosine, 1.0, prenormalize)
+        return Operand(x, self.cosine, scale, prenormalize, rounds=self.products.rounds)
 
     def logits(self, q: Tensor, c: Tensor, scale: float) -> Tensor:
         """``(b, t)`` logits of rows ``q (b, d)`` against columns ``c (t, d)``, a new tensor."""
@@ -146,6 +156,8 @@ class Score:
         ``* scale``) and the columns' ``g_cols (t, d)``; ``graph``: the tile's, from
         [`logits_with_graph`][st_cached_losses.functional.score.Score.logits_with_graph] (else a function score is scored again, with autograd)."""
         if self.fn is None:
+            if self.products.rounds:  # the gradient products' probabilities are bf16 too
+                g = self.products.round(g)
             if g_rows is not None:
                 g_rows.addmm_(g, c)  # (b, t) @ (t, d)
             if g_cols is not None:

@@ -97,7 +97,7 @@ class DistillSettings(LossStageSettings):
             extras.update(infonce_weight=self.infonce_weight, infonce_scale=self.infonce_scale)
             if self.gather_across_devices:
                 extras["gather_across_devices"] = True
-        return {**extras, **self.changed(("tile_size",)), **self.auto_config()}
+        return {**extras, **self.changed(("tile_size", "matmul_precision")), **self.auto_config()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -202,6 +202,7 @@ def distillation_stage(distill: Distillation, settings: DistillSettings, form: A
         path=s.path,
         tile_size=s.tile_size,
         memory_budget=s.memory_budget,
+        matmul_precision=s.matmul_precision,
         gather=s.gather_across_devices,
         form=form,
     )

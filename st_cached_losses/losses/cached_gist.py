@@ -134,7 +134,7 @@ class GISTSettings(LossStageSettings):
         return {
             **config,
             **learned,
-            **self.changed(("in_batch_negatives", "tile_size")),
+            **self.changed(("in_batch_negatives", "tile_size", "matmul_precision")),
             **self.auto_config(),
         }
 
@@ -311,6 +311,7 @@ class CachedGISTLoss(LearnableScale):
             path=s.path,
             tile_size=s.tile_size,
             memory_budget=s.memory_budget,
+            matmul_precision=s.matmul_precision,
             gather=s.gather_across_devices,
             in_batch=s.in_batch_negatives,
             guide=guide,

@@ -45,6 +45,7 @@ def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | No
         path=s.path,
         tile_size=s.tile_size,
         memory_budget=s.memory_budget,
+        matmul_precision=s.matmul_precision,
         gather=s.gather_across_devices,
         in_batch=s.in_batch_negatives,
         mask_duplicates=s.mask_duplicates,

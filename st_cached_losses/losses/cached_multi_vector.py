@@ -77,7 +77,7 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
             "score_mini_batch_size": None if score == "auto" else score,
             "gather_across_devices": self.gather_across_devices,
         }
-        return {**config, **self.changed(("tile_size",)), **self.auto_config()}
+        return {**config, **self.changed(("tile_size", "matmul_precision")), **self.auto_config()}
 
 
 class CachedMultiVectorLoss(CachedLoss):
@@ -233,6 +233,7 @@ class CachedMultiVectorLoss(CachedLoss):
             path=s.path,
             tile_size=s.tile_size,
             memory_budget=s.memory_budget,
+            matmul_precision=s.matmul_precision,
             gather=s.gather_across_devices,
             form=TokenRows(),
         )

@@ -133,8 +133,8 @@ class Sigmoid(Stage):
         sizes = batch.sizes(self.gather)  # also the finiteness check, agreed on by every process
         scale = step.inputs.get("scale", self.scale)
         bias = step.inputs.get("bias", self.bias)
-        # matmul_precision (issue 52, the GPU issue): the InfoNCE stage has no such setting on this base yet;
-        # when it lands, pass it here as SigmoidOptions' precision of the blocks' products
+        # matmul_precision: the sigmoid blocks keep fp32 products (the tensor-core path is the InfoNCE
+        # stage's; docs/memory.md says which losses have it)
         options = SigmoidOptions(
             scale=scale,
             bias=bias,

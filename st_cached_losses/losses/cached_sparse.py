@@ -204,7 +204,11 @@ class SparseSettings(LossStageSettings):
             config["use_document_regularizer_only"] = True
         config["mini_batch_size"] = self.mini_batch_size
         config["mini_batch_num_tokens"] = self.mini_batch_num_tokens
-        return {**config, **self.changed(("mask_duplicates", "tile_size")), **self.auto_config()}
+        return {
+            **config,
+            **self.changed(("mask_duplicates", "tile_size", "matmul_precision")),
+            **self.auto_config(),
+        }
 
     def citations(self) -> tuple[str, ...]:
         """The base loss's options' papers, where the core computes it."""
@@ -255,7 +259,7 @@ class CachedSparseLoss(CachedLoss):
             base_loss=base,
             aliases=(name.replace("_", "-"),),
             st_names=(base.__name__,),
-            unused=frozenset({"mask_duplicates", "path", "tile_size", "memory_budget"}),
+            unused=frozenset({"mask_duplicates", "path", "tile_size", "memory_budget", "matmul_precision"}),
             distillation=True,
             base_similarity=PAIRWISE,
         )
@@ -442,6 +446,7 @@ class CachedSparseLoss(CachedLoss):
                 path=s.path,
                 tile_size=s.tile_size,
                 memory_budget=s.memory_budget,
+                matmul_precision=s.matmul_precision,
             )
             self._checked = (key, checked)
         return self._checked[1]

@@ -32,10 +32,11 @@ from st_cached_losses.engine.checks import (
     check_auto_budget,
     check_mini_batch_num_tokens,
     check_mini_batch_size,
+    graph_budget,
     memory_bytes,
 )
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
-from st_cached_losses.functional.checks import check_path, check_positive_int
+from st_cached_losses.functional.checks import check_matmul_precision, check_path, check_positive_int
 
 __all__ = [
     "ConfigMode",
@@ -283,6 +284,12 @@ def optional_budget(name: str, value: Any) -> int | None:
     return memory_bytes(value, name)
 
 
+def _graph_budget(name: str, value: Any) -> int | str | None:
+    """``graph_memory_budget``: a budget as ``optional_budget`` takes it, or ``"auto"`` / ``"auto:<size>"``
+    ([`graph_budget`][st_cached_losses.engine.checks.graph_budget])."""
+    return graph_budget(value, name)
+
+
 def _budget(name: str, value: Any) -> int:
     if value is None:
         raise ValueError(f"{name} must be a positive integer (bytes) or a size such as '64MiB', got None.")
@@ -361,11 +368,13 @@ class EngineSettings(Settings):
         check=check_bool,
         config="never",
     )
-    graph_memory_budget: int | None = setting(
+    graph_memory_budget: int | str | None = setting(
         None,
         doc="Bytes (or a size such as '6GB') of first-pass encoder graphs to keep instead of replaying their "
-        "mini-batches, the largest first; the same gradients, fewer forwards. None: replay all but the last.",
-        check=optional_budget,
+        "mini-batches, the largest first; the same gradients, fewer forwards. 'auto': on CUDA what the device "
+        "has free after the step's own needs ('auto:20GB': at most 20 GB), elsewhere none. None: replay all but "
+        "the last.",
+        check=_graph_budget,
         config="never",
     )
     mini_batch_memory_budget: int | None = setting(
@@ -433,4 +442,11 @@ class LossStageSettings(EngineSettings):
         f"{DEFAULT_MEMORY_BUDGET // 2**20} MiB).",
         check=_budget,
         config="never",
+    )
+    matmul_precision: str | None = setting(
+        None,
+        doc="The loss stage's similarity products, with torch.set_float32_matmul_precision's names: 'highest' "
+        "(fp32, exact), 'high' (TF32 on CUDA), 'medium' (bf16 operands, fp32 sums); default None: "
+        "torch.get_float32_matmul_precision() at the step. Statistics and gradients stay fp32.",
+        check=check_matmul_precision,
     )

@@ -261,24 +261,28 @@ def _heavy_images_column() -> dict:
 @pytest.mark.parametrize("by_tokens", [False, True], ids=["rows", "tokens"])
 def test_auto_sizes_measure_the_rows_with_the_most_vision_patches(monkeypatch, by_tokens):
     """``"auto"`` probes the heaviest rows (text plus vision patches), and a token budget's bytes per
-    token divide by the text and the patches the probe ran on."""
+    token divide by the text and the patches the probes ran on."""
     from torch import nn
 
-    from st_cached_losses.engine import graph_budget
+    from st_cached_losses.engine import auto_size
+    from st_cached_losses.engine.features import mini_batch_length, row_lengths
 
     seen: list[list[int]] = []
+    column = _heavy_images_column()
+    lengths = row_lengths(column, 5)
 
     def probe(model, features, rows, trim_leading, encode, device) -> float:
         seen.append(rows.tolist())
-        return 7400.0  # bytes per row
+        if by_tokens:  # 100 bytes per padded token, text and patches
+            return 100.0 * len(rows) * mini_batch_length(features, lengths, rows)
+        return 7400.0 * len(rows)
 
-    monkeypatch.setattr(graph_budget, "_probe", probe)
-    column = _heavy_images_column()
-    size = graph_budget.pick_mini_batch(
+    monkeypatch.setattr(auto_size, "_probe", probe)
+    size = auto_size.pick_mini_batch(
         nn.Linear(1, 1), [column], True, 74_000, by_tokens=by_tokens, encode=lambda m, f: torch.zeros(1)
     )
     assert sorted(seen[0]) == [1, 2, 3, 4]  # not row 0, the longest text
-    # rows: 74,000 / 7,400 per row; tokens: 7,400 per row of 10 tokens + 64 patches = 100 per unit
+    # rows: 74,000 / 7,400 per row; tokens: 74,000 / 100 per token of text or patches
     assert size == (740 if by_tokens else 10)
 
 

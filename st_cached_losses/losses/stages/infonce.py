@@ -94,6 +94,8 @@ class InfoNCE(Stage):
         scale: the scale when it is not learned (``step.inputs["scale"]`` otherwise).
         path / tile_size / memory_budget: the loss stage's plan; across processes ``path="tiled"`` is the
             ring exchange, the others gather.
+        matmul_precision: the similarity products' precision (``"highest"``, ``"high"``, ``"medium"``; None:
+            torch's float32 matmul precision at the step); statistics and gradients stay fp32.
         gather: score each process's rows against every process's candidates.
         in_batch: every row's candidates (default), or each row's own only (a batch then needs hard-negative
             columns).
@@ -112,6 +114,7 @@ class InfoNCE(Stage):
     path: LossPath = "auto"
     tile_size: int | None = None
     memory_budget: int = DEFAULT_MEMORY_BUDGET
+    matmul_precision: str | None = None
     gather: bool = False
     in_batch: bool = True
     mask_duplicates: bool = False
@@ -160,6 +163,7 @@ class InfoNCE(Stage):
             path=self.path,
             tile_size=self.tile_size,
             memory_budget=self.memory_budget,
+            matmul_precision=self.matmul_precision,  # type: ignore[arg-type]
             anchor_keys=keys[0] if keys is not None else None,
             candidate_keys=keys[1:] if keys is not None else None,
             bank=bank,
