@@ -411,6 +411,7 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
                 "negative_bank_size",
                 "negative_bank_max_age",
                 "tile_size",
+                "matmul_precision",
             )
         )
         extras = {k: v for k, v in extras.items() if k not in self.not_arguments}
