@@ -113,9 +113,12 @@ class Sigmoid(Stage):
     Args:
         owner: the loss's class name, for messages.
         similarity: ``"cosine"``, ``"dot"`` or a function of two ``(rows, dim)`` tensors.
-        scale / bias: the logits' ``scale * sim + bias`` when they are not learned.
-        path / tile_size / memory_budget: the loss stage's plan; across processes ``path="tiled"`` is the
-            ring exchange, the others gather.
+        scale: the logits' scale (``scale * sim + bias``) when it is not learned.
+        bias: the logits' bias when it is not learned.
+        path: the loss stage's algorithm (``"auto"``, ``"chunked"``, ``"tiled"``); across processes
+            ``"tiled"`` is the ring exchange, the others gather.
+        tile_size: side of a logit tile / rows of a chunk (None: from ``memory_budget``).
+        memory_budget: bytes of logit blocks the loss stage may hold at once.
         gather: score each process's rows against every process's candidates.
     """
 

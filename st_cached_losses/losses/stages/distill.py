@@ -37,7 +37,8 @@ class Distillation(Stage):
         owner: the loss's class name, for messages.
         objective: ``"kl"`` or ``"margin_mse"``.
         pairwise: the student's score of row ``i`` of the queries against row ``i`` of a column, ``(b,)``.
-        student_temperature / teacher_temperature: the KL objective's softmax temperatures.
+        student_temperature: the KL objective's softmax temperature of the student's scores.
+        teacher_temperature: the KL objective's softmax temperature of the teacher's scores.
         memory_budget: bytes a row chunk's score intermediates (and their gradient) may take.
         gather: across processes each process returns its share of the global mean (the InfoNCE core's
             weighting), each row's loss being its own.

@@ -92,8 +92,10 @@ class InfoNCE(Stage):
             ``mnrl_terms`` / ``gist_terms``, which a loss's stage keeps picklable).
         similarity: the core's score (``"cosine"``, ``"dot"``, a function, a token score).
         scale: the scale when it is not learned (``step.inputs["scale"]`` otherwise).
-        path / tile_size / memory_budget: the loss stage's plan; across processes ``path="tiled"`` is the
-            ring exchange, the others gather.
+        path: the loss stage's algorithm (``"auto"``, ``"chunked"``, ``"tiled"``); across processes
+            ``"tiled"`` is the ring exchange, the others gather.
+        tile_size: side of a logit tile / rows of a chunk (None: from ``memory_budget``).
+        memory_budget: bytes of logit blocks the loss stage may hold at once.
         matmul_precision: the similarity products' precision (``"highest"``, ``"high"``, ``"medium"``; None:
             torch's float32 matmul precision at the step); statistics and gradients stay fp32.
         gather: score each process's rows against every process's candidates.
