@@ -128,6 +128,19 @@ class Settings:
     #: views its constructor takes as arguments (the tiled loss's ``symmetric``)
     view_arguments: ClassVar[frozenset[str]] = frozenset()
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # a misspelt keyword names the closest setting (the dataclass's __init__ raises a TypeError naming none);
+        # the loss's name where it has one: its constructor passes its keywords on to its settings
+        known = [f.name for f in fields(cls) if f.init]
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            owner = cls.owner if cls.owner != Settings.owner else cls.__name__
+            raise TypeError(
+                f"{owner}.__init__() got an unexpected keyword argument {unknown[0]!r}."
+                + closest_name_hint(unknown[0], known)
+            )
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         # every field is checked before any error is raised: one error names every bad setting at once
         errors: list[Exception] = []
