@@ -1,6 +1,6 @@
 """What the benchmark scripts share: the repository root first on ``sys.path``, the packaged model (whole or
-cut to its first layers), the rows of ``graph_budget.csv``, and the quality scripts' trainer arguments and
-training run (``quality_arguments``, ``quality_train``).
+cut to its first layers), the rows of ``graph_budget.csv``, and the quality scripts' harness (``quality_setup``,
+``quality_data``, ``quality_arguments``, ``quality_train``, ``quality_evaluate``).
 
 A benchmark runs as ``python benchmarks/<name>.py`` from the repository root (as the docs and the Makefile run
 it), so its own folder is on ``sys.path`` and ``from _common import ROOT`` finds this module; importing it puts
@@ -52,6 +52,50 @@ def read_rows(csv_path: Path) -> list[dict]:
              "peak_mib": float(r["peak_mib"]), "budget_mib": float(r["budget_mib"]) if r["budget_mib"] else ""}
             for r in csv.DictReader(f)
         ]  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- quality harness
+# The quality scripts (``teacher_bank_quality``, ``recipe_quality``, ``batch_size_quality``, ``siglip_quality``)
+# fine-tune the packaged MiniLM on the Python standard library's (docstring summary, function source) pairs and
+# score held-out pairs: the process set-up, the data and evaluator, the trainer arguments, the training run and
+# the metrics are these functions, so every script trains and measures the same way.
+
+
+def quality_setup(threads: int | None = None) -> None:
+    """The process of a quality run: the Hub offline and the tokenizers' threads off (unless the environment
+    says otherwise), and ``threads`` torch CPU threads (None: torch's default). Call it before anything imports
+    ``huggingface_hub``."""
+    import os
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
+
+
+def quality_data(train_pairs: int, eval_pairs: int) -> tuple[Any, list[tuple[str, str]], Any]:
+    """The quality runs' data: a ``(query, document)`` training ``Dataset`` of ``train_pairs`` stdlib pairs,
+    ``eval_pairs`` held-out pairs, and their evaluator (each summary retrieves its source among all held-out
+    sources; sentence-transformers' ``InformationRetrievalEvaluator``, named ``heldout``, no progress bar)."""
+    from st_cached_losses.demo import retrieval_evaluator, stdlib_data
+
+    dataset, held_out = stdlib_data(train_pairs, eval_pairs)
+    return dataset, held_out, retrieval_evaluator(held_out, name="heldout", show_progress_bar=False)
+
+
+def quality_evaluate(
+    model: Any, evaluator: Any, *metrics: str, digits: int | None = None
+) -> dict[str, float]:
+    """``model``'s retrieval metrics by ``evaluator`` (recall@1, recall@10, MRR@10, NDCG@10; only ``metrics``
+    when named), rounded to ``digits`` when given."""
+    from st_cached_losses.demo import pick_metrics
+
+    values = pick_metrics(evaluator(model))
+    if metrics:
+        values = {m: values[m] for m in metrics}
+    return {m: round(v, digits) for m, v in values.items()} if digits is not None else values
 
 
 def quality_arguments(

@@ -36,7 +36,6 @@ import argparse
 import csv
 import gc
 import json
-import os
 import shlex
 import statistics
 import sys
@@ -45,18 +44,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import ROOT, quality_arguments, quality_train
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import ROOT, quality_arguments, quality_data, quality_evaluate, quality_setup, quality_train
 
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def evaluate(model, evaluator) -> dict[str, float]:
-    from st_cached_losses.demo import pick_metrics
-
-    return pick_metrics(evaluator(model))
 
 
 def train_one(batch: int, cached: bool, seed: int, train_dataset, args_ns, out_dir: str):
@@ -165,10 +155,7 @@ def main() -> None:
         help="results file stem under benchmarks/results/ (an empty --sweep-losses skips the fixed runs)",
     )
     args = parser.parse_args()
-    if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+    quality_setup(args.threads)
     if args.scale_sweep:
         scale_sweep(args)
         return
@@ -180,10 +167,9 @@ def main() -> None:
 
     import torch
 
-    from st_cached_losses.demo import load_model, retrieval_evaluator, stdlib_data
+    from st_cached_losses.demo import load_model
 
-    train_dataset, held_out = stdlib_data(args.train_pairs, args.eval_pairs)
-    evaluator = retrieval_evaluator(held_out, name="heldout", show_progress_bar=False)
+    train_dataset, held_out, evaluator = quality_data(args.train_pairs, args.eval_pairs)
     print(
         f"{len(train_dataset)} training pairs, {len(held_out)} held-out pairs, max_seq_length {args.max_seq_length}, "
         f"lr {args.lr:g} ({args.schedule}), scale {args.scale:g}, {torch.get_num_threads()} threads",
@@ -202,7 +188,7 @@ def main() -> None:
             "steps": 0,
             "train_s": 0.0,
         }
-        | evaluate(model, evaluator)
+        | quality_evaluate(model, evaluator)
     )
     print(f"pretrained: {rows[-1]} ({time.perf_counter() - t0:.0f} s to evaluate)", flush=True)
     del model
@@ -221,7 +207,7 @@ def main() -> None:
                     "seed": seed,
                     "steps": steps,
                     "train_s": round(seconds, 1),
-                } | evaluate(model, evaluator)
+                } | quality_evaluate(model, evaluator)
                 rows.append(row)
                 print(f"{name}, seed {seed}: {row}", flush=True)
                 del model
@@ -313,7 +299,7 @@ def scale_sweep(args) -> None:
     import torch
 
     from st_cached_losses.config.registry import DEFAULT_SCALE_LEARNING_RATE
-    from st_cached_losses.demo import load_model, retrieval_evaluator, stdlib_data
+    from st_cached_losses.demo import load_model
 
     name = f"{args.sweep_name}_quick" if args.quick else args.sweep_name
     if args.quick:
@@ -362,8 +348,7 @@ def scale_sweep(args) -> None:
     command = "HF_HUB_OFFLINE=1 .venv/bin/python " + shlex.join(
         ["benchmarks/batch_size_quality.py", *sys.argv[1:]]
     )
-    train_dataset, held_out = stdlib_data(args.train_pairs, args.eval_pairs)
-    evaluator = retrieval_evaluator(held_out, name="heldout", show_progress_bar=False)
+    train_dataset, held_out, evaluator = quality_data(args.train_pairs, args.eval_pairs)
     setup = (
         f"all-MiniLM-L6-v2, {len(train_dataset)} stdlib training pairs (1 epoch), {len(held_out)} held-out; batch "
         f"{args.sweep_batch} (encoder mini-batch {args.mini_batch}), max_seq_length {args.max_seq_length}, lr "
@@ -374,7 +359,7 @@ def scale_sweep(args) -> None:
     rows: list[dict[str, Any]] = []
     model = load_model(args.model, args.max_seq_length)
     rows.append({"run": "pretrained", "loss": "-", "scale": None, "seed": "-", "steps": 0, "train_s": 0.0})
-    rows[-1] |= evaluate(model, evaluator)
+    rows[-1] |= quality_evaluate(model, evaluator)
     print(f"pretrained: {rows[-1]}", flush=True)
     del model
     with tempfile.TemporaryDirectory() as tmp:
@@ -397,7 +382,7 @@ def scale_sweep(args) -> None:
                     "scale_min": min(scales),
                     "scale_max": max(scales),
                     "scale_trajectory": [round(s, 3) for s in scales],
-                } | evaluate(model, evaluator)
+                } | quality_evaluate(model, evaluator)
                 rows.append(row)
                 print(
                     f"{run['run']}, seed {seed}: { ({k: v for k, v in row.items() if k != 'scale_trajectory'}) }",

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
 import shlex
 import statistics
 import sys
@@ -34,10 +33,7 @@ import tempfile
 import time
 from typing import Any
 
-from _common import ROOT, quality_arguments, quality_train
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import ROOT, quality_arguments, quality_evaluate, quality_setup, quality_train
 
 RESULTS = ROOT / "benchmarks" / "results"
 TASKS = ("summary_to_code", "code_to_summary")
@@ -88,9 +84,7 @@ def train_one(run: str, loss_name: str, seed: int, train: dict, ns: argparse.Nam
 
 
 def evaluate(model, evaluators: dict) -> dict[str, float]:
-    from st_cached_losses.demo import pick_metrics
-
-    out = {name: pick_metrics(ev(model))["MRR@10"] for name, ev in evaluators.items()}
+    out = {name: quality_evaluate(model, ev, "MRR@10")["MRR@10"] for name, ev in evaluators.items()}
     out["mean"] = statistics.mean(out.values())
     return out
 
@@ -117,10 +111,9 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.quick:
         ns.train_pairs, ns.eval_pairs, ns.batch, ns.mini_batch, ns.name = 32, 32, 16, 8, f"{ns.name}_quick"
+    quality_setup(ns.threads)
     import torch
 
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
     from st_cached_losses.demo import load_model, retrieval_evaluator
 
     train, held_out = tasks(ns.train_pairs - ns.train_pairs % ns.batch, ns.eval_pairs)

@@ -22,16 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import tempfile
 import time
 
-from _common import ROOT, quality_arguments, quality_train
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import ROOT, quality_arguments, quality_data, quality_evaluate, quality_setup, quality_train
 
 RESULTS = ROOT / "benchmarks" / "results"
 
@@ -62,23 +58,20 @@ def main() -> None:
     if args.quick:
         args.train_pairs, args.eval_pairs, args.name = 128, 100, f"{args.name}_quick"
 
+    quality_setup(args.threads)
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     from st_cached_losses import LossStateCallback
-    from st_cached_losses.demo import load_model, pick_metrics, retrieval_evaluator, stdlib_data
+    from st_cached_losses.demo import load_model
 
-    train_dataset, held_out = stdlib_data(args.train_pairs, args.eval_pairs)
-    evaluator = retrieval_evaluator(held_out, name="heldout", show_progress_bar=False)
+    train_dataset, held_out, evaluator = quality_data(args.train_pairs, args.eval_pairs)
     header = (
         f"all-MiniLM-L6-v2, {len(train_dataset)} stdlib training pairs (1 epoch), {len(held_out)} held-out; "
         f"batch {args.batch}, encoder mini-batch {args.mini_batch}, max_seq_length {args.max_seq_length}, lr "
         f"{args.lr:g} constant, seed {args.seed}, {torch.get_num_threads()} CPU threads"
     )
     print(header, flush=True)
-    rows = [{"run": "pretrained", **pick_metrics(evaluator(load_model(None, args.max_seq_length)))}]
+    rows = [{"run": "pretrained", **quality_evaluate(load_model(None, args.max_seq_length), evaluator)}]
     print(rows[-1], flush=True)
     for name in args.runs.split(","):
         fields = RUNS[name]
@@ -103,7 +96,7 @@ def main() -> None:
                 "steps": steps,
                 "train_s": round(seconds, 1),
                 "final": learned,
-                **pick_metrics(evaluator(model)),
+                **quality_evaluate(model, evaluator),
             }
         )
         print(rows[-1], flush=True)

@@ -45,10 +45,15 @@ import tempfile
 import time
 from typing import Any
 
-from _common import ROOT, quality_arguments, quality_train, truncate
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from _common import (
+    ROOT,
+    quality_arguments,
+    quality_data,
+    quality_evaluate,
+    quality_setup,
+    quality_train,
+    truncate,
+)
 
 RESULTS = ROOT / "benchmarks" / "results"
 EXPERIMENTS = ("bank", "distill")
@@ -62,17 +67,8 @@ def training_args(out_dir: str, batch: int, lr: float, seed: int, ns: argparse.N
     return quality_arguments(out_dir, batch, lr, seed, drop_last=True, mini_batch_size=ns.mini_batch, **loss)
 
 
-def train(model, args, dataset) -> tuple[float, int]:
-    """Train ``model`` with the loss ``args`` describe; the seconds and the optimizer steps taken."""
-    _, seconds, steps = quality_train(model, args, dataset)
-    return seconds, steps
-
-
 def evaluate(model, evaluator) -> dict[str, float]:
-    from st_cached_losses.demo import pick_metrics
-
-    metrics = pick_metrics(evaluator(model))
-    return {"MRR@10": round(metrics["MRR@10"], 4), "recall@10": round(metrics["recall@10"], 4)}
+    return quality_evaluate(model, evaluator, "MRR@10", "recall@10", digits=4)
 
 
 def row(experiment: str, run: str, loss: str, **values: Any) -> dict[str, Any]:
@@ -84,10 +80,9 @@ def row(experiment: str, run: str, loss: str, **values: Any) -> dict[str, Any]:
 
 
 def bank_experiment(ns: argparse.Namespace, seeds: list[int], out_dir: str) -> list[dict[str, Any]]:
-    from st_cached_losses.demo import load_model, retrieval_evaluator, stdlib_data
+    from st_cached_losses.demo import load_model
 
-    dataset, held_out = stdlib_data(ns.bank_train_pairs, ns.eval_pairs)
-    evaluator = retrieval_evaluator(held_out, name="heldout", show_progress_bar=False)
+    dataset, _, evaluator = quality_data(ns.bank_train_pairs, ns.eval_pairs)
     small, big = ns.bank_batch, ns.bank_batch * ns.reference_factor
     runs = [(f"b={small}", small, 0, None)] + [
         (f"b={small} + bank {n}" + (f" max age {age}" if age else ""), small, n, age)
@@ -103,7 +98,7 @@ def bank_experiment(ns: argparse.Namespace, seeds: list[int], out_dir: str) -> l
             model = load_model(None, ns.max_seq_length)
             bank_options = {"negative_bank_size": bank, "negative_bank_max_age": max_age}
             args = training_args(out_dir, batch, ns.lr, seed, ns, loss="mnr", scale=ns.scale, **bank_options)
-            seconds, steps = train(model, args, dataset)
+            _, seconds, steps = quality_train(model, args, dataset)
             rows.append(
                 row("bank", name, "CachedMNRLoss", batch=batch, bank=bank, seed=seed, steps=steps,
                     train_s=round(seconds, 1)) | evaluate(model, evaluator)
@@ -121,11 +116,10 @@ def distill_experiment(ns: argparse.Namespace, seeds: list[int], out_dir: str) -
     import torch
 
     from examples.train_cached_distill import distillation_dataset
-    from st_cached_losses.demo import load_model, retrieval_evaluator, stdlib_data
+    from st_cached_losses.demo import load_model
 
-    pairs_dataset, held_out = stdlib_data(ns.distill_train_pairs, ns.eval_pairs)
+    pairs_dataset, _, evaluator = quality_data(ns.distill_train_pairs, ns.eval_pairs)
     pairs = list(zip(pairs_dataset["query"], pairs_dataset["document"]))
-    evaluator = retrieval_evaluator(held_out, name="heldout", show_progress_bar=False)
     teacher = load_model(None, ns.max_seq_length)
     teacher.eval()
     t0 = time.perf_counter()
@@ -154,7 +148,7 @@ def distill_experiment(ns: argparse.Namespace, seeds: list[int], out_dir: str) -
         for name, loss_name, dataset, loss in runs:
             model = student_model(ns)
             args = training_args(out_dir, ns.distill_batch, ns.distill_lr, seed, ns, **loss)
-            seconds, steps = train(model, args, dataset)
+            _, seconds, steps = quality_train(model, args, dataset)
             negatives = len(dataset.column_names) - 2 - ("label" in dataset.column_names)
             rows.append(
                 row("distill", f"{student}, {name}", loss_name, batch=ns.distill_batch, negatives=negatives,
@@ -300,10 +294,9 @@ def main() -> None:
     if ns.quick:
         ns.bank_train_pairs = ns.distill_train_pairs = ns.eval_pairs = 64
         ns.seeds, ns.name = "0", f"{ns.name}_quick"
+    quality_setup(ns.threads)
     import torch
 
-    if ns.threads:
-        torch.set_num_threads(ns.threads)
     seeds = [int(s) for s in ns.seeds.split(",")]
     experiments = EXPERIMENTS if ns.experiment == "both" else (ns.experiment,)
     command = shlex.join(["python", "benchmarks/teacher_bank_quality.py", *sys.argv[1:]])
