@@ -491,6 +491,10 @@ class CachedLoss(nn.Module):
         (configured without the arguments, which warn at construction, nothing else would say so)."""
         if self._warned_caching_off or not self.cache.fits_in_one(features):
             return
+        if getattr(self.settings, "negative_bank_size", 0):
+            # a bank's point is small batches, whose negatives it adds, and the non-cached loss the warning
+            # points to has no bank: no same result to point at
+            return
         self._warned_caching_off = True
         rows = sum(batch_size_of(f) for f in features)
         tokens = self.cache.mini_batch_num_tokens

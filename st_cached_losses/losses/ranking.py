@@ -198,7 +198,10 @@ def ranking_citations(
 
 
 def _directions(name: str, value: Any) -> Any:
-    """Kept as a tuple, as sentence-transformers keeps it (checked with ``partition_mode``)."""
+    """Kept as a tuple, as sentence-transformers keeps it (checked with ``partition_mode``); a string (one name,
+    whose letters would be read as names) is refused as theirs is."""
+    if isinstance(value, str):
+        raise ValueError(f"{name} must be a tuple of direction names, e.g. ('query_to_doc',), got {value!r}.")
     return tuple(value) if isinstance(value, (list, tuple)) else value
 
 

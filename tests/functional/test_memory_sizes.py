@@ -53,7 +53,10 @@ def test_losses_and_arguments_take_float_budgets(tmp_path):
     from tests.support.tiny_model import make_tiny_model
 
     loss = CachedMNRLoss(
-        make_tiny_model(tmp_path / "m"), graph_memory_budget=6e9, mini_batch_memory_budget="2.5e9"
+        make_tiny_model(tmp_path / "m"),
+        mini_batch_size="auto",  # a mini-batch budget sizes "auto" mini-batches only (issue 51's one rule)
+        graph_memory_budget=6e9,
+        mini_batch_memory_budget="2.5e9",
     )
     assert loss.graph_memory_budget == 6 * 10**9 and loss.mini_batch_memory_budget == 2_500_000_000
     loss.graph_memory_budget = "2.5GB"

@@ -20,6 +20,7 @@ from st_cached_losses import (
     CachedMultiVectorDistillKLDivLoss,
     CachedMultiVectorLoss,
     CachedMultiVectorMarginMSELoss,
+    CachedSigLIPLoss,
     CachedSparseLoss,
     CachedTiledLoss,
 )
@@ -30,7 +31,7 @@ from tests.support.tiny_model import (
     make_tiny_splade,
 )
 
-EMBEDDING = "CachedCLIPLoss, CachedDistillKLDivLoss, CachedGISTLoss, CachedMNRLoss, CachedMarginMSELoss, CachedTiledLoss"
+EMBEDDING = "CachedCLIPLoss, CachedDistillKLDivLoss, CachedGISTLoss, CachedMNRLoss, CachedMarginMSELoss, CachedSigLIPLoss, CachedTiledLoss"
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,7 @@ KIND_OF = {
     CachedMNRLoss: "SentenceTransformer",
     CachedCLIPLoss: "SentenceTransformer",
     CachedTiledLoss: "SentenceTransformer",
+    CachedSigLIPLoss: "SentenceTransformer",
     CachedGISTLoss: "SentenceTransformer",
     CachedSparseLoss: "SparseEncoder",
     CachedMultiVectorLoss: "MultiVectorEncoder",
