@@ -7,7 +7,7 @@ most 64 MiB, carried there with the checkout; ``make wheels``' whole folder is a
   hypothesis, pyarrow and the rest the CUDA tests import, so no test runner is carried); the ones
   ``--download`` names, fetched with ``pip download --no-deps`` (memeff 0.3.1, the Triton contender of the
   loss-stage benchmark: pure Python, its kernels compile on the GPU); and this package's own wheel, built
-  here from the checkout (``pip wheel --no-deps --no-build-isolation``; ``--no-own-wheel`` leaves it out).
+  here from the checkout (``pip wheel --no-deps``, in an isolated build with pyproject's setuptools>=77; ``--no-own-wheel`` leaves it out).
   On the GPU machine the checkout itself is imported first (the script puts it on ``PYTHONPATH``); the
   wheel gives the installed metadata (version, the model card's project URLs) and the package to a process
   that does not inherit that path;
@@ -78,9 +78,10 @@ def download(requirements: list[str], dest: Path, pip_args: list[str]) -> None:
 
 
 def own_wheel(dest: Path) -> Path:
-    """This package's wheel, built from the checkout at ``ROOT`` into ``dest`` (no dependencies, no isolated
-    build: the running Python has setuptools)."""
-    cmd = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation"]
+    """This package's wheel, built from the checkout at ``ROOT`` into ``dest`` (no dependencies; an isolated
+    build, so that pyproject's setuptools>=77 builds it whatever setuptools the running Python has: a system
+    Python's older one refuses the SPDX ``license`` string)."""
+    cmd = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps"]
     with tempfile.TemporaryDirectory() as build:
         subprocess.run([*cmd, "--wheel-dir", build, str(ROOT)], check=True)
         built = sorted(Path(build).glob("st_cached_losses-*.whl"))
