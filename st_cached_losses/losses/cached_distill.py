@@ -209,7 +209,33 @@ def distillation_stage(distill: Distillation, settings: DistillSettings, form: A
     return WeightedSum(stages=[(1.0, distill), (s.infonce_weight, infonce)])
 
 
-class CachedDistillKLDivLoss(CachedLoss):
+class KLTemperatureAttributes:
+    """The KL losses' ``student_temperature`` and ``teacher_temperature`` as attributes (each ``temperature``
+    unless given), read from and written to the loss's settings (``KLTemperatures``)."""
+
+    settings: Any
+    update_settings: Callable[..., None]
+
+    @property
+    def student_temperature(self) -> float:
+        """The student's softmax temperature (``temperature`` unless given)."""
+        return self.settings.temperatures()[0]
+
+    @student_temperature.setter
+    def student_temperature(self, value: float | None) -> None:
+        self.update_settings(student_temperature=value)
+
+    @property
+    def teacher_temperature(self) -> float:
+        """The teacher's softmax temperature (``temperature`` unless given)."""
+        return self.settings.temperatures()[1]
+
+    @teacher_temperature.setter
+    def teacher_temperature(self, value: float | None) -> None:
+        self.update_settings(teacher_temperature=value)
+
+
+class CachedDistillKLDivLoss(KLTemperatureAttributes, CachedLoss):
     name = "distill_kl"
     aliases = ("distill-kl",)
     st_names = ("DistillKLDivLoss",)
@@ -324,24 +350,6 @@ class CachedDistillKLDivLoss(CachedLoss):
                 **engine,
             ),
         )
-
-    @property
-    def student_temperature(self) -> float:
-        """The student's softmax temperature (``temperature`` unless given)."""
-        return self.settings.temperatures()[0]
-
-    @student_temperature.setter
-    def student_temperature(self, value: float | None) -> None:
-        self.update_settings(student_temperature=value)
-
-    @property
-    def teacher_temperature(self) -> float:
-        """The teacher's softmax temperature (``temperature`` unless given)."""
-        return self.settings.temperatures()[1]
-
-    @teacher_temperature.setter
-    def teacher_temperature(self, value: float | None) -> None:
-        self.update_settings(teacher_temperature=value)
 
     def build_stage(self) -> Stage:
         s = self.__dict__["_settings"]

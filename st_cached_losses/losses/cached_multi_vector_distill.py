@@ -17,7 +17,12 @@ from st_cached_losses.engine.checks import check_mini_batch_size
 from st_cached_losses.functional.distill import DistillObjective
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.losses.base import CachedLoss, Stage
-from st_cached_losses.losses.cached_distill import DistillSettings, KLTemperatures, distillation_stage
+from st_cached_losses.losses.cached_distill import (
+    DistillSettings,
+    KLTemperatureAttributes,
+    KLTemperatures,
+    distillation_stage,
+)
 from st_cached_losses.losses.cached_multi_vector import with_tasks
 from st_cached_losses.losses.citations import DISTILL_KL_CITATION, GRADCACHE_CITATION, MARGIN_MSE_CITATION
 from st_cached_losses.losses.settings import EngineSettings, redefault, setting
@@ -174,7 +179,7 @@ def _stage(loss: CachedLoss, objective: DistillObjective) -> Stage:
     return distillation_stage(distill, s, form=distill.form)
 
 
-class CachedMultiVectorDistillKLDivLoss(CachedLoss):
+class CachedMultiVectorDistillKLDivLoss(KLTemperatureAttributes, CachedLoss):
     name = "multi_vector_distill_kl"
     aliases = ("multi-vector-distill-kl",)
     st_names = ("MultiVectorDistillKLDivLoss",)
@@ -292,24 +297,6 @@ class CachedMultiVectorDistillKLDivLoss(CachedLoss):
                 **engine,
             ),
         )
-
-    @property
-    def student_temperature(self) -> float:
-        """The student's softmax temperature (``temperature`` unless given)."""
-        return self.settings.temperatures()[0]
-
-    @student_temperature.setter
-    def student_temperature(self, value: float | None) -> None:
-        self.update_settings(student_temperature=value)
-
-    @property
-    def teacher_temperature(self) -> float:
-        """The teacher's softmax temperature (``temperature`` unless given)."""
-        return self.settings.temperatures()[1]
-
-    @teacher_temperature.setter
-    def teacher_temperature(self, value: float | None) -> None:
-        self.update_settings(teacher_temperature=value)
 
     @property
     def score(self) -> MaxSim | XTR:
