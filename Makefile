@@ -99,8 +99,8 @@ wheels:
 		$(addprefix --platform ,$(WHEELS_PLATFORMS))
 	du -sh $(WHEELS)
 
-# The model cards in model_cards/, regenerated from the demo and the examples (about 4.5 minutes on 2 CPU
-# cores before the GIST, sparse and multi-vector examples; see examples/README.md for each one's time). The demo writes its card for DEMO_REPO; its push_to_hub dry run (--push_dry_run, st_cached_losses/demo/hub.py,
+# The model cards in model_cards/, regenerated from the demo and the examples (23 minutes for all twelve on 2 idle
+# CPU cores; see examples/README.md for each one's time). The demo writes its card for DEMO_REPO; its push_to_hub dry run (--push_dry_run, st_cached_losses/demo/hub.py,
 # nothing is sent) copies the folder a real push would upload to output/demo_hub_upload, whose card is demo.md.
 DEMO_REPO := your-username/all-MiniLM-L6-v2-stdlib-cached-mnr
 ACCELERATE_2 := $(VENV)/bin/accelerate launch --multi_gpu --num_processes 2 --num_machines 1 \
