@@ -55,6 +55,61 @@ def _dot(a, b, acc, PRECISION: tl.constexpr):
 
 
 @triton.jit
+def _load_chunks(ptrs, DC: tl.constexpr, NUM_DC: tl.constexpr, UPCAST: tl.constexpr):
+    """The ``NUM_DC`` chunks of ``DC`` lanes from ``ptrs`` on (the chunks past ``NUM_DC`` repeat chunk 0 and
+    are never read)."""
+    c0 = _ld(ptrs, UPCAST)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    if NUM_DC > 1:
+        c1 = _ld(ptrs + DC, UPCAST)
+    if NUM_DC > 2:
+        c2 = _ld(ptrs + 2 * DC, UPCAST)
+    if NUM_DC > 3:
+        c3 = _ld(ptrs + 3 * DC, UPCAST)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _block_scores(
+    r0, r1, r2, r3, ptrs,
+    DC: tl.constexpr, NUM_DC: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr,
+):  # fmt: skip
+    """The unscaled scores ``(BM, BN)`` of the row block's chunks ``r`` against the column block at ``ptrs``,
+    each column chunk loaded as its product needs it; returns the scores and the column chunks (reused by
+    the gradient product)."""
+    c0 = _ld(ptrs, UPCAST)
+    s = _dot(r0, tl.trans(c0), tl.zeros([BM, BN], tl.float32), PRECISION)
+    c1 = c0
+    c2 = c0
+    c3 = c0
+    if NUM_DC > 1:
+        c1 = _ld(ptrs + DC, UPCAST)
+        s = _dot(r1, tl.trans(c1), s, PRECISION)
+    if NUM_DC > 2:
+        c2 = _ld(ptrs + 2 * DC, UPCAST)
+        s = _dot(r2, tl.trans(c2), s, PRECISION)
+    if NUM_DC > 3:
+        c3 = _ld(ptrs + 3 * DC, UPCAST)
+        s = _dot(r3, tl.trans(c3), s, PRECISION)
+    return s, c0, c1, c2, c3
+
+
+@triton.jit
+def _store_chunks(ptrs, c0, c1, c2, c3, DC: tl.constexpr, NUM_DC: tl.constexpr):
+    """``_load_chunks``' inverse: the ``NUM_DC`` chunks written from ``ptrs`` on."""
+    tl.store(ptrs, c0)
+    if NUM_DC > 1:
+        tl.store(ptrs + DC, c1)
+    if NUM_DC > 2:
+        tl.store(ptrs + 2 * DC, c2)
+    if NUM_DC > 3:
+        tl.store(ptrs + 3 * DC, c3)
+
+
+@triton.jit
 def _rows_fwd(
     X, Y, M_out, L_out, Acc_out, SG_out, E_out, scale, n_x, n_y, n_y_pad, diag, n_bucket,
     D: tl.constexpr, DC: tl.constexpr, NUM_DC: tl.constexpr,
@@ -72,16 +127,7 @@ def _rows_fwd(
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     lanes = tl.arange(0, DC)
     x_ptrs = X + rows[:, None] * D + lanes[None, :]  # (BM, DC), chunk 0
-    x0 = _ld(x_ptrs, UPCAST)
-    x1 = x0
-    x2 = x0
-    x3 = x0
-    if NUM_DC > 1:
-        x1 = _ld(x_ptrs + DC, UPCAST)
-    if NUM_DC > 2:
-        x2 = _ld(x_ptrs + 2 * DC, UPCAST)
-    if NUM_DC > 3:
-        x3 = _ld(x_ptrs + 3 * DC, UPCAST)
+    x0, x1, x2, x3 = _load_chunks(x_ptrs, DC, NUM_DC, UPCAST)
     m = tl.full([BM], float("-inf"), tl.float32)
     lsum = tl.zeros([BM], tl.float32)
     sg = tl.zeros([BM], tl.float32)
@@ -92,17 +138,7 @@ def _rows_fwd(
     acc3 = tl.zeros([BM, DC], tl.float32)
     y_ptrs = Y + tl.arange(0, BN)[:, None] * D + lanes[None, :]  # (BN, DC), block 0, chunk 0
     for j0 in range(0, n_y_pad, BN):
-        y0 = _ld(y_ptrs, UPCAST)
-        s = _dot(x0, tl.trans(y0), tl.zeros([BM, BN], tl.float32), PRECISION)  # (BM, BN)
-        if NUM_DC > 1:
-            y1 = _ld(y_ptrs + DC, UPCAST)
-            s = _dot(x1, tl.trans(y1), s, PRECISION)
-        if NUM_DC > 2:
-            y2 = _ld(y_ptrs + 2 * DC, UPCAST)
-            s = _dot(x2, tl.trans(y2), s, PRECISION)
-        if NUM_DC > 3:
-            y3 = _ld(y_ptrs + 3 * DC, UPCAST)
-            s = _dot(x3, tl.trans(y3), s, PRECISION)
+        s, y0, y1, y2, y3 = _block_scores(x0, x1, x2, x3, y_ptrs, DC, NUM_DC, UPCAST, PRECISION, BM, BN)
         cols = j0 + tl.arange(0, BN)
         s = s * scale + tl.where(cols < n_y, 0.0, float("-inf"))[None, :]  # the padding's columns
         # every block holds a column in range, so m_new is finite and exp(-inf) gives the 0 it should
@@ -135,14 +171,7 @@ def _rows_fwd(
     if HAS_DIAG:
         tl.store(E_out + rows, e_diag, mask=in_rows)
     if WITH_ACC:  # padded rows (n_x_pad, D): the caller slices
-        o_ptrs = Acc_out + rows[:, None] * D + lanes[None, :]
-        tl.store(o_ptrs, acc0)
-        if NUM_DC > 1:
-            tl.store(o_ptrs + DC, acc1)
-        if NUM_DC > 2:
-            tl.store(o_ptrs + 2 * DC, acc2)
-        if NUM_DC > 3:
-            tl.store(o_ptrs + 3 * DC, acc3)
+        _store_chunks(Acc_out + rows[:, None] * D + lanes[None, :], acc0, acc1, acc2, acc3, DC, NUM_DC)
 
 
 @triton.jit
@@ -161,16 +190,7 @@ def _rows_grad(
     in_rows = rows < n_a
     lanes = tl.arange(0, DC)
     a_ptrs = A + rows[:, None] * D + lanes[None, :]
-    a0 = _ld(a_ptrs, UPCAST)
-    a1 = a0
-    a2 = a0
-    a3 = a0
-    if NUM_DC > 1:
-        a1 = _ld(a_ptrs + DC, UPCAST)
-    if NUM_DC > 2:
-        a2 = _ld(a_ptrs + 2 * DC, UPCAST)
-    if NUM_DC > 3:
-        a3 = _ld(a_ptrs + 3 * DC, UPCAST)
+    a0, a1, a2, a3 = _load_chunks(a_ptrs, DC, NUM_DC, UPCAST)
     la_m = tl.zeros([BM], tl.float32)
     la_ls = tl.zeros([BM], tl.float32)
     if HAS_LA:  # rows out of range: their gradient is not kept, any finite statistics do
@@ -183,17 +203,7 @@ def _rows_grad(
     acc3 = tl.zeros([BM, DC], tl.float32)
     b_ptrs = B + tl.arange(0, BN)[:, None] * D + lanes[None, :]
     for j0 in range(0, n_b_pad, BN):
-        b0 = _ld(b_ptrs, UPCAST)
-        s = _dot(a0, tl.trans(b0), tl.zeros([BM, BN], tl.float32), PRECISION)  # (BM, BN)
-        if NUM_DC > 1:
-            b1 = _ld(b_ptrs + DC, UPCAST)
-            s = _dot(a1, tl.trans(b1), s, PRECISION)
-        if NUM_DC > 2:
-            b2 = _ld(b_ptrs + 2 * DC, UPCAST)
-            s = _dot(a2, tl.trans(b2), s, PRECISION)
-        if NUM_DC > 3:
-            b3 = _ld(b_ptrs + 3 * DC, UPCAST)
-            s = _dot(a3, tl.trans(b3), s, PRECISION)
+        s, b0, b1, b2, b3 = _block_scores(a0, a1, a2, a3, b_ptrs, DC, NUM_DC, UPCAST, PRECISION, BM, BN)
         s = s * scale
         g = tl.zeros([BM, BN], tl.float32)
         if HAS_LA:  # (S - m) - log_s: exact where S is near the max (a probability near 1)
@@ -219,14 +229,8 @@ def _rows_grad(
         b_ptrs += BN * D
     if WITH_SG:
         tl.store(SG_out + rows, sg, mask=in_rows)
-    o_ptrs = Out + rows[:, None] * D + lanes[None, :]  # padded rows (n_a_pad, D): the caller slices
-    tl.store(o_ptrs, acc0)
-    if NUM_DC > 1:
-        tl.store(o_ptrs + DC, acc1)
-    if NUM_DC > 2:
-        tl.store(o_ptrs + 2 * DC, acc2)
-    if NUM_DC > 3:
-        tl.store(o_ptrs + 3 * DC, acc3)
+    # padded rows (n_a_pad, D): the caller slices
+    _store_chunks(Out + rows[:, None] * D + lanes[None, :], acc0, acc1, acc2, acc3, DC, NUM_DC)
 
 
 def _configs(specs: list[tuple[int, int, int, int]]) -> list[triton.Config]:
