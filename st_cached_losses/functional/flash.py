@@ -38,9 +38,9 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional._kernels import LogSumExp, Operand, merge_stats, spans
-from st_cached_losses.functional.terms import Bound
+from st_cached_losses.functional.terms import Bound, term_grads, term_stats
 
-__all__ = ["KERNEL_MAX_DIM", "fused", "grads", "kernels_enabled", "stats"]
+__all__ = ["KERNEL_MAX_DIM", "fused", "grads", "grads_or_tiles", "kernels_enabled", "stats", "stats_or_tiles"]
 
 #: The widest embeddings the kernels take: a block of gradient rows is held in registers
 #: (``64 x D`` fp32); wider ones take the torch tiles (same precision).
@@ -350,6 +350,35 @@ def grads(
             dy, _ = _grad(y, x, b.cols.n, b.rows.n, col_lse, cw, row_lse, w, False, back, w_pos, sc)
             b.g_cols.add_(dy[: b.cols.n, :d], alpha=b.rows.mult)
     return gs
+
+
+def stats_or_tiles(
+    bound: Sequence[Bound], m: Tensor, ssum: Tensor, *, scale: float, row_tile: int, col_tile: int
+) -> None:
+    """A statistics pass: on the kernels where these terms allow ([`stats`][st_cached_losses.functional.flash.stats]),
+    else on torch tiles ([`term_stats`][st_cached_losses.functional.terms.term_stats])."""
+    if not stats(bound, m, ssum):
+        term_stats(bound, m, ssum, scale=scale, row_tile=row_tile, col_tile=col_tile)
+
+
+def grads_or_tiles(
+    bound: Sequence[Bound], lse: Sequence[LogSumExp], weights: Sequence[float], *, scale: float, row_tile: int,
+    col_tile: int, need_scale_grad: bool,
+) -> Tensor:  # fmt: skip
+    """A gradient pass: on the kernels where these terms allow ([`grads`][st_cached_losses.functional.flash.grads]),
+    else on torch tiles ([`term_grads`][st_cached_losses.functional.terms.term_grads]); returns ``sum(G * S)``."""
+    gs = grads(bound, lse, weights, need_scale_grad=need_scale_grad)
+    if gs is not None:
+        return gs
+    return term_grads(
+        bound,
+        lse,
+        weights,
+        scale=scale,
+        row_tile=row_tile,
+        col_tile=col_tile,
+        need_scale_grad=need_scale_grad,
+    )
 
 
 def fused(

@@ -28,7 +28,7 @@ from st_cached_losses.functional.binding import (
 )
 from st_cached_losses.functional.checks import scale_value
 from st_cached_losses.functional.options import LossSpec
-from st_cached_losses.functional.terms import fused_chunk, term_grads, term_stats
+from st_cached_losses.functional.terms import fused_chunk
 
 __all__ = ["LocalCall", "terms_solve"]
 
@@ -80,8 +80,9 @@ class LocalCall:
     def stats(self) -> tuple[Tensor, list[LogSumExp]]:
         """First pass: every group's statistics; their log-sum-exp per row, ``(G, b)`` fp64, and them."""
         p = self.plan
-        if not flash.stats(self.bound, self.m, self.ssum):
-            term_stats(self.bound, self.m, self.ssum, scale=self.s, row_tile=p.row_tile, col_tile=p.col_tile)
+        flash.stats_or_tiles(
+            self.bound, self.m, self.ssum, scale=self.s, row_tile=p.row_tile, col_tile=p.col_tile
+        )
         return row_lse(self.m, self.ssum)
 
     def grads(self, lse: list[LogSumExp], need_scale_grad: bool) -> Tensor:
@@ -91,10 +92,7 @@ class LocalCall:
             col_lse = lse[self.pair[1].group]
             bound = [replace(x, col_lse=col_lse) if x.col_group is not None else x for x in bound]
         p = self.plan
-        gs = flash.grads(bound, lse, self.spec.terms.weights, need_scale_grad=need_scale_grad)
-        if gs is not None:
-            return gs
-        return term_grads(
+        return flash.grads_or_tiles(
             bound, lse, self.spec.terms.weights, scale=self.s, row_tile=p.row_tile, col_tile=p.col_tile,
             need_scale_grad=need_scale_grad,
         )  # fmt: skip

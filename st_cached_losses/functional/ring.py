@@ -26,32 +26,9 @@ from st_cached_losses.functional.binding import (
 from st_cached_losses.functional.checks import scale_value
 from st_cached_losses.functional.distributed import all_reduce_sum, rank, ring_exchange
 from st_cached_losses.functional.options import Keys, LossSpec
-from st_cached_losses.functional.terms import Bound, term_grads, term_stats
+from st_cached_losses.functional.terms import Bound
 
 __all__ = ["ring_terms_solve"]
-
-
-def _stats(bound: list[Bound], m: Tensor, ssum: Tensor, scale: float, tile: int) -> None:
-    """A visiting block's statistics pass: on the kernels where its terms allow, else on torch tiles."""
-    if not flash.stats(bound, m, ssum):
-        term_stats(bound, m, ssum, scale=scale, row_tile=tile, col_tile=tile)
-
-
-def _grads(
-    bound: list[Bound],
-    lse: list[LogSumExp],
-    weights: Sequence[float],
-    scale: float,
-    tile: int,
-    need_scale_grad: bool,
-) -> Tensor:
-    """A visiting block's gradient pass: on the kernels where its terms allow, else on torch tiles."""
-    gs = flash.grads(bound, lse, weights, need_scale_grad=need_scale_grad)
-    if gs is not None:
-        return gs
-    return term_grads(
-        bound, lse, weights, scale=scale, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
-    )
 
 
 def ring_terms_solve(
@@ -160,7 +137,9 @@ def _ring_terms_solve(
 
     def visit_stats(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
         col_state = {"col_stats": (carried[0][:, 0], carried[0][:, 1])} if pair is not None else {}
-        _stats(bind_block(owner, tensors, None, **col_state), m, ssum, s, tile)
+        flash.stats_or_tiles(
+            bind_block(owner, tensors, None, **col_state), m, ssum, scale=s, row_tile=tile, col_tile=tile
+        )
         release()
 
     # the column softmax's statistics of each block's positives travel with it and come home complete
@@ -198,7 +177,7 @@ def _ring_terms_solve(
 
             ring_exchange([block.contiguous()], [], shares, visit)
 
-    bank_ring(lambda bound: _stats(bound, m, ssum, s, tile))
+    bank_ring(lambda bound: flash.stats_or_tiles(bound, m, ssum, scale=s, row_tile=tile, col_tile=tile))
     rows_lse, lse = row_lse(m, ssum)
     factor = w / sum(sizes)
     loss = (loss_sum(terms, rows_lse, src, 0, tile, s) * factor).to(src.q.dtype)
@@ -212,7 +191,9 @@ def _ring_terms_solve(
         nonlocal gs_total
         col_state = {"col_lse": LogSumExp.unstack(tensors[-1])} if pair is not None else {}
         bound = bind_block(owner, tensors[:-1] if pair is not None else tensors, carried[0], **col_state)
-        gs_total += _grads(bound, lse, terms.weights, s, tile, need_scale_grad)
+        gs_total += flash.grads_or_tiles(
+            bound, lse, terms.weights, scale=s, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
+        )
         release()
 
     g_block = torch.zeros(b, len(names), *row_shape, dtype=src.q.dtype, device=anchors.device)
@@ -220,7 +201,9 @@ def _ring_terms_solve(
 
     def bank_grads(bound: list[Bound]) -> None:
         nonlocal gs_total
-        gs_total += _grads(bound, lse, terms.weights, s, tile, need_scale_grad)
+        gs_total += flash.grads_or_tiles(
+            bound, lse, terms.weights, scale=s, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
+        )
 
     bank_ring(bank_grads)
     for j, n in enumerate(names):
