@@ -486,14 +486,19 @@ class CachedLoss(nn.Module):
         others = sum((v for k, v in values.items() if k != first), start=torch.zeros_like(loss))
         return {k: (loss - others if k == first else v) for k, v in values.items()}
 
+    def _non_cached_gives_the_same(self) -> bool:
+        """Whether a batch in one mini-batch gives the non-cached loss's result, the one the caching-off warning
+        points to (a loss with a state the non-cached loss lacks says no)."""
+        return True
+
     def _warn_if_caching_off(self, features: list[Any]) -> None:
         """Once per loss: a batch that fits in one mini-batch, every column's rows together, saves no memory
         (configured without the arguments, which warn at construction, nothing else would say so)."""
-        if self._warned_caching_off or not self.cache.fits_in_one(features):
-            return
-        if getattr(self.settings, "negative_bank_size", 0):
-            # a bank's point is small batches, whose negatives it adds, and the non-cached loss the warning
-            # points to has no bank: no same result to point at
+        if (
+            self._warned_caching_off
+            or not self._non_cached_gives_the_same()
+            or not self.cache.fits_in_one(features)
+        ):
             return
         self._warned_caching_off = True
         rows = sum(batch_size_of(f) for f in features)
