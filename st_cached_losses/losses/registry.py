@@ -57,9 +57,13 @@ _OWNERS: dict[str, Any] = {}
 
 
 def register(cls: type[Any]) -> None:
-    """Register ``cls`` under its ``name`` and its variants. A name taken by another class raises; the
-    same class defined again (its module reloaded) replaces the earlier one. A subclass declares its own
-    names: it inherits none of its parent's (the CLIP loss is not sentence-transformers' MNRL)."""
+    """Register ``cls`` under its ``name`` and its variants. Every spelling ``loss:`` would take for it (a
+    name, an alias, our class name, any case) and every sentence-transformers class name it claims for its
+    model kind must be free: one taken by another class raises a ``ValueError`` naming that class (a later
+    registration would otherwise take the name from it, or be shadowed by it, silently). The same class
+    defined again (its module reloaded, a notebook cell run twice: the same module and qualified name)
+    replaces the earlier one, its old names with it. A subclass declares its own names: it inherits none of
+    its parent's (the CLIP loss is not sentence-transformers' MNRL)."""
     own = vars(cls)
     entries = [
         LossName(
@@ -86,16 +90,40 @@ def register(cls: type[Any]) -> None:
             for v in own.get("variants", ())
         ),
     ]
+    qualified = _qualified(cls)
+    others = [e for e in _NAMES.values() if _qualified(e.cls) != qualified]
+    taken = {s: e for e in others for s in _spellings(e)}
+    st_taken = {(st.lower(), e.cls.model_kind): e for e in others for st in e.st_names}
     for entry in entries:
-        taken = _NAMES.get(entry.name)
-        if taken is not None and _qualified(taken.cls) != _qualified(cls):
-            raise ValueError(
-                f"loss name {entry.name!r} of {_qualified(cls)} is taken by {_qualified(taken.cls)}: give "
-                "the loss another name."
-            )
+        for spelling, what in _spellings(entry).items():
+            owner = taken.get(spelling)
+            if owner is not None:
+                raise ValueError(
+                    f"loss {what} {spelling!r} of {qualified} is taken by {_qualified(owner.cls)} "
+                    f"(loss {owner.name!r}): give {cls.__name__} another {what}; 'loss:' must mean one loss."
+                )
+        for st in entry.st_names:
+            owner = st_taken.get((st.lower(), cls.model_kind))
+            if owner is not None:
+                raise ValueError(
+                    f"sentence-transformers' class name {st!r} in st_names of {qualified} is taken by "
+                    f"{_qualified(owner.cls)} (loss {owner.name!r}) for a {cls.model_kind}: remove it from "
+                    f"{cls.__name__}.st_names; 'loss:' must mean one loss."
+                )
+    for name in [n for n, e in _NAMES.items() if _qualified(e.cls) == qualified]:
+        del _NAMES[name]  # the class defined again: its earlier definition's names go
     for entry in entries:
         _NAMES[entry.name] = entry
     _VERSION[0] += 1
+
+
+def _spellings(entry: LossName) -> dict[str, str]:
+    """What ``loss:`` takes for ``entry`` (lower case; the configuration reads names in any case), each with
+    what it is: its name, its aliases and, for a class's own name, our class name."""
+    out = {entry.cls.__name__.lower(): "class name"} if not entry.variant else {}
+    out.update({alias.lower(): "alias" for alias in entry.aliases})
+    out[entry.name.lower()] = "name"
+    return out
 
 
 def unregister(cls: type[Any]) -> None:
