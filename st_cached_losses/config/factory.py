@@ -150,6 +150,17 @@ def check_dataset_columns(dataset: Any, args: CachedLossArguments, name: str = "
         _warn_if_the_bank_sees_an_epoch_again(num_rows, len(texts) - 1, args, name)
 
 
+def _reaches_a_second_epoch(args: Any, steps: int) -> bool:
+    """Whether a run of ``args`` trains past its first epoch of ``steps`` loss calls (micro-batches) per
+    process: ``max_steps`` (optimizer steps, each of ``gradient_accumulation_steps`` micro-batches) when it is
+    set, which overrides ``num_train_epochs`` as in the trainer; else ``num_train_epochs`` above 1."""
+    max_steps = getattr(args, "max_steps", -1)
+    if max_steps is not None and max_steps > 0:
+        accumulation = max(getattr(args, "gradient_accumulation_steps", 1) or 1, 1)
+        return max_steps * accumulation > steps
+    return getattr(args, "num_train_epochs", 1) > 1
+
+
 #: the share of a later epoch's rows meeting their own earlier copy in the negative bank above which
 #: ``check_dataset_columns`` warns
 BANK_REPEAT_WARNING = 0.05
@@ -162,11 +173,9 @@ def _warn_if_the_bank_sees_an_epoch_again(num_rows: int, candidates: int, args: 
     embedded an epoch earlier, a negative nearly as strong as the positive. Warn above
     ``BANK_REPEAT_WARNING``."""
     size = getattr(args, "negative_bank_size", 0) or 0
-    epochs = getattr(args, "num_train_epochs", 1)
-    max_steps = getattr(args, "max_steps", -1)
     batch = args.per_device_train_batch_size
     steps = max(1, -(-num_rows // (batch * max(args.world_size, 1))))  # S: one loss call per micro-batch
-    if not size or (epochs <= 1 and (max_steps is None or max_steps <= steps)):
+    if not size or not _reaches_a_second_epoch(args, steps):
         return
     span = -(-size // (batch * max(candidates, 1)))  # K: steps of rows the bank holds
     age = getattr(args, "negative_bank_max_age", None)

@@ -108,3 +108,34 @@ def test_a_bank_holding_much_of_an_epoch_warns_in_a_run_of_several_epochs():
         check_dataset_columns(pairs, args(negative_bank_size=8, num_train_epochs=3))  # 2 steps: 0.5%
     with pytest.warns(UserWarning, match="about 100%"):  # a bank of two epochs: every row, every epoch
         check_dataset_columns(pairs, args(negative_bank_size=200, max_steps=60))
+
+
+def test_a_run_that_max_steps_ends_within_its_first_epoch_does_not_warn():
+    """Issue 58: ``max_steps`` overrides ``num_train_epochs`` (as in the trainer): 500 pairs at batch 4 are an
+    epoch of 125 steps, and ``num_train_epochs=3, max_steps=10`` stops at step 10, never reaching a second
+    epoch (the warning said it would). Past the epoch (``max_steps=130``, or 40 steps of 4 accumulated
+    micro-batches: 160 loss calls) it warns."""
+    from datasets import Dataset
+
+    pairs = Dataset.from_dict(
+        {"anchor": [f"a{i}" for i in range(500)], "positive": [f"p{i}" for i in range(500)]}
+    )
+
+    def args(**kw):
+        return CachedLossTrainingArguments(
+            **BASE, per_device_train_batch_size=4, mini_batch_size=2, negative_bank_size=400, **kw
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_dataset_columns(pairs, args(num_train_epochs=3, max_steps=10))
+        check_dataset_columns(pairs, args(num_train_epochs=3, max_steps=125))  # exactly one epoch
+        check_dataset_columns(pairs, args(num_train_epochs=1, max_steps=30, gradient_accumulation_steps=4))
+    for kw in (
+        {"num_train_epochs": 1, "max_steps": 130},
+        {"max_steps": 40, "gradient_accumulation_steps": 4},
+    ):
+        with pytest.warns(UserWarning, match="from the second epoch on"):
+            check_dataset_columns(pairs, args(**kw))
+    with pytest.warns(UserWarning, match="from the second epoch on"):
+        check_dataset_columns(pairs, args(num_train_epochs=2))
