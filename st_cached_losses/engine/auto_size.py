@@ -19,12 +19,15 @@ counted as a cost of every mini-batch); elsewhere the bytes of the tensors autog
 from __future__ import annotations
 
 import logging
+import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from st_cached_losses.engine.caller import user_stacklevel
 from st_cached_losses.engine.features import (
     Features,
     batch_size_of,
@@ -160,17 +163,18 @@ def pick_mini_batch(
     k = max(range(len(columns)), key=lambda c: heaviest[c])
     probe = _Probe(model, trim_leading, encode, device)
 
+    def units_of(c: int, rows: Tensor) -> int:
+        return len(rows) * (mini_batch_length(columns[c], lengths[c], rows) if by_tokens else 1)
+
     def fit(c: int, order: Tensor) -> MemoryFit:
         def measure(rows: Tensor) -> float:
             return _probe(model, columns[c], rows, trim_leading, encode, device)
 
-        def units(rows: Tensor) -> int:
-            return len(rows) * (mini_batch_length(columns[c], lengths[c], rows) if by_tokens else 1)
-
         probe.warm_up(columns[c], order[:1])
-        return fit_memory(measure, order, units, budget)
+        return fit_memory(measure, order, lambda rows: units_of(c, rows), budget)
 
-    heavy = fit(k, longest_first(weights[k], batch_size_of(columns[k])))
+    heavy_order = longest_first(weights[k], batch_size_of(columns[k]))
+    heavy = fit(k, heavy_order)
     chosen = heavy.largest_within(budget)
     fits = [heavy]
     if by_tokens:
@@ -180,19 +184,34 @@ def pick_mini_batch(
         light = fit(s, longest_first(weights[s], batch_size_of(columns[s])).flip(0))
         chosen = min(chosen, light.largest_within(budget))
         fits.append(light)
-    if any(f.fixed >= budget for f in fits):
-        logger.warning(
-            "mini_batch_%s='auto': a forward's fixed cost (%.3g GB) is no less than the budget of %.3g GB; "
-            "sized to %d. Give mini_batch_memory_budget more.",
-            "num_tokens" if by_tokens else "size",
-            max(f.fixed for f in fits) / 1e9,
-            budget / 1e9,
-            chosen,
-        )
+    # the heaviest row alone: a mini-batch holds at least one row, whatever the budget
+    one_row = heavy.bytes_for(units_of(k, heavy_order[:1]))
+    if one_row > budget:
+        _warn_one_row_over_budget(by_tokens, budget, one_row, heavy.fixed, chosen)
     logger.debug("'auto' memory fits (fixed bytes, bytes per unit): %s", fits)
     if is_distributed():
         chosen = int(all_reduce_min(torch.tensor([chosen], device=device), "all_reduce_auto")[0])
     return chosen
+
+
+def _warn_one_row_over_budget(
+    by_tokens: bool, budget: int, one_row: float, fixed: float, chosen: int
+) -> None:
+    """Say that ``"auto"`` sized to one row whose forward alone takes more than the budget: the mini-batches
+    will hold more than the budget (by ``one_row / budget``), and how much budget one row needs."""
+    setting = "mini_batch_num_tokens" if by_tokens else "mini_batch_size"
+    sized = (
+        f"{chosen} tokens (a row longer than that is a mini-batch alone)" if by_tokens else f"{chosen} row"
+    )
+    why = f", of which {fixed:,.0f} B is a forward's fixed cost" if fixed >= budget else ""
+    warnings.warn(
+        f"{setting}='auto': one row's forward needs {one_row:,.0f} B (this batch's heaviest row{why}), more than "
+        f"mini_batch_memory_budget={budget:,} B; sized to {sized}, so a mini-batch takes up to "
+        f"{one_row / budget:.1f}x the budget. Give mini_batch_memory_budget at least {math.ceil(one_row):,} B "
+        "(or shorter rows: the model's max_seq_length).",
+        UserWarning,
+        stacklevel=user_stacklevel(),
+    )
 
 
 @dataclass

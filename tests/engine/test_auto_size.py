@@ -7,6 +7,7 @@ CUDA device has free after the step's needs, nothing elsewhere, the same gradien
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -134,6 +135,36 @@ def test_a_planted_fixed_cost_fails_the_old_probe_and_not_the_new(device, by_tok
     )
     assert LOW * budget <= peak <= HIGH * budget, peak / budget
     assert old_peak < LOW * budget, old_peak / budget
+
+
+@pytest.mark.parametrize("by_tokens", [False, True], ids=["rows", "tokens"])
+def test_a_budget_below_one_row_s_forward_says_so(device, by_tokens):
+    """Issue 58: a budget smaller than one row's forward sized to 1 row in silence, and its mini-batches took
+    3.0x the budget. Now a warning names the budget, what the heaviest row needs (the fit's bytes of it,
+    at least what was measured), and the smallest budget that holds it; the size is still the smallest."""
+    model = PlantedCosts(fixed_floats=16).to(device)
+    column = _column(64, 8, device)
+    one_row = _bytes(model, column, torch.arange(1), device)
+    budget = int(one_row / 3)
+    with pytest.warns(UserWarning) as caught:
+        size = pick_mini_batch(model, [column], True, budget, by_tokens=by_tokens, encode=_encode)
+    (warning,) = [w for w in caught if "one row's forward needs" in str(w.message)]
+    text = str(warning.message)
+    setting = "mini_batch_num_tokens" if by_tokens else "mini_batch_size"
+    assert text.startswith(f"{setting}='auto': one row's forward needs "), text
+    assert f"more than mini_batch_memory_budget={budget:,} B" in text, text
+    needs = int(text.split("one row's forward needs ")[1].split(" B")[0].replace(",", ""))
+    assert one_row <= needs <= 1.01 * one_row, (needs, one_row)
+    assert f"at least {needs:,} B" in text or f"at least {needs + 1:,} B" in text, text
+    assert "3.0x the budget" in text, text
+    assert warning.filename == __file__  # at the caller's line, not inside the engine
+    assert size == (1 if not by_tokens else size) and size >= 1
+    if by_tokens:
+        assert size < 8 and "a row longer than that is a mini-batch alone" in text
+    # a budget that holds a row: no such warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pick_mini_batch(model, [column], True, int(4 * one_row), by_tokens=by_tokens, encode=_encode)
 
 
 @pytest.fixture(scope="module")
