@@ -24,7 +24,9 @@ Both run on one process (``sizes=None``) or across processes (``sizes``: every p
 order, from [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]), gathered or by ring exchange (``ring=True``), each process
 returning its share of the global loss ([`sigmoid_drivers`][st_cached_losses.functional.sigmoid_drivers] says why that share makes DDP's
 gradient average the full-batch gradient). Similarities are computed in fp32 whatever the input dtype
-(fp64 for fp64 inputs; autocast is off inside); gradients come back in each input's dtype."""
+(fp64 for fp64 inputs; autocast is off inside), their products at ``matmul_precision`` (bf16 operands for
+``"medium"``, TF32 on CUDA for ``"high"``, fp32 for ``"highest"`` whatever torch's global setting); the terms,
+sums and gradients stay fp32, and gradients come back in each input's dtype."""
 
 from __future__ import annotations
 
@@ -126,7 +128,9 @@ def _solve(
     # one process: the mean over its rows; across processes its share, W / B_global times its rows' sum
     row_weight = 1.0 / anchors.shape[0] if sizes is None else len(sizes) / sum(sizes)
     driver = local_pairs if sizes is None else ring_pairs if ring else gathered_pairs
-    with torch.no_grad():
+    # torch's fp32 GEMMs held at the products' precision for the call ("highest": fp32 whatever torch's
+    # global setting), every sum fp32 whatever it is
+    with torch.no_grad(), opts.products(anchors).pinned(anchors.device):
         sums = driver(anchors, cols, sizes, opts, factor=grad_output * row_weight, want=want)
     loss = (sums.loss_sum * row_weight).to(accumulation_dtype(anchors))
     g_a = sums.grad_rows.to(anchors.dtype) if sums.grad_rows is not None else None

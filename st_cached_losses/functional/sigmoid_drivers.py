@@ -89,7 +89,7 @@ def local_pairs(
     """This process's rows ``anchors (B, d)`` against the columns ``cols`` (``K`` of ``(N, d)``, positives at
     ``opts.row_offset``) and ``opts.bank``; ``factor``: the weight of the sum in the gradients. ``sizes`` is
     not read (one process)."""
-    score = Score(opts.similarity)
+    score = opts.score(anchors)
     n_bank = opts.bank.shape[0] if opts.bank is not None else 0
     plan = block_plan(anchors.shape[0], max(cols[0].shape[0], n_bank), opts, score, want)
     s, bias = scale_value(opts.scale), bias_value(opts.bias)
@@ -119,7 +119,7 @@ def gathered_pairs(
     shares); with gradients, one all-reduce of the columns' gradients and one of the scale's and bias's."""
     assert sizes is not None  # across processes
     me, w = rank(), len(sizes)
-    score = Score(opts.similarity)
+    score = opts.score(anchors)
     start = sum(sizes[:me])
     # (N, K, d): the columns side by side, one collective; each column a strided (N, d) view
     gathered = all_gather_rows(torch.stack(cols, dim=1), sizes)
@@ -168,7 +168,7 @@ def ring_pairs(
     gradients."""
     assert sizes is not None  # across processes
     me, w = rank(), len(sizes)
-    score = Score(opts.similarity)
+    score = opts.score(anchors)
     k = len(cols)
     bank = opts.bank
     shares = _bank_shares(bank, w)

@@ -6,11 +6,19 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from st_cached_losses.functional._kernels import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.functional.checks import bias_value, check_path, check_positive_int, scale_value
+from st_cached_losses.functional.checks import (
+    bias_value,
+    check_matmul_precision,
+    check_path,
+    check_positive_int,
+    scale_value,
+)
 from st_cached_losses.functional.options import LossPath
+from st_cached_losses.functional.precision import MatmulPrecision, Products, global_matmul_precision
 from st_cached_losses.functional.score import Score, Similarity
 
 __all__ = ["SigmoidOptions", "SigmoidOutput"]
@@ -49,7 +57,15 @@ class SigmoidOptions:
             caller who gathered the columns itself (0 on one process; the strategies across processes set
             it and refuse another value).
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs; across
-            processes [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes] checks every process at once instead)."""
+            processes [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes] checks every process at once instead).
+        matmul_precision: the precision of the similarity products, with
+            ``torch.set_float32_matmul_precision``'s names: ``"highest"`` (fp32 products whatever torch's
+            global setting, the exact path), ``"high"`` (TF32 on CUDA; fp32 on a CPU), ``"medium"`` (bf16
+            operands: each normalised and scaled in fp32, then rounded; the gradient products' logit
+            gradients rounded too; fp32 sums); None (default): ``torch.get_float32_matmul_precision()`` at
+            the call. The softplus terms, the sigmoids, every sum and every accumulated gradient are fp32
+            whatever it says; a similarity function and fp64 inputs keep fp32 (fp64) products
+            ([`Products`][st_cached_losses.functional.precision.Products])."""
 
     scale: float | Tensor = 10.0
     bias: float | Tensor = -10.0
@@ -61,8 +77,10 @@ class SigmoidOptions:
     bank: Tensor | None = None
     row_offset: int = 0
     check_finite: bool = True
+    matmul_precision: MatmulPrecision | None = None
 
     def __post_init__(self) -> None:
+        check_matmul_precision("matmul_precision", self.matmul_precision)
         scale_value(self.scale)
         bias_value(self.bias)
         score = Score(self.similarity)  # refuses anything but "cosine", "dot" or a function
@@ -85,6 +103,22 @@ class SigmoidOptions:
                 f"options must be a SigmoidOptions, got {options!r}: pass the options as keywords."
             )
         return replace(options, **keywords) if keywords else options
+
+    def products(self, anchors: Tensor) -> Products:
+        """``matmul_precision`` as a call on ``anchors`` runs it: fp32 products for a similarity function and
+        fp64 inputs, and for ``"high"`` where the device has no TF32 (a CPU); the torch blocks (the sigmoid
+        loss has no fused kernels)."""
+        if anchors.dtype == torch.float64 or not Score(self.similarity).gemm:
+            return Products()
+        precision = self.matmul_precision or global_matmul_precision(anchors.device.type)
+        if precision == "highest" or (precision == "high" and anchors.device.type != "cuda"):
+            return Products()
+        return Products(precision)
+
+    def score(self, anchors: Tensor) -> Score:
+        """The blocks' score for a call on ``anchors``: the similarity, its products at
+        [`products`][st_cached_losses.functional.sigmoid_options.SigmoidOptions.products]'s precision."""
+        return Score(self.similarity, self.products(anchors))
 
     @property
     def scale_needs_grad(self) -> bool:

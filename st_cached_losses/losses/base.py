@@ -39,6 +39,7 @@ from st_cached_losses.losses.registry import Variant
 from st_cached_losses.losses.settings import EngineSettings, LossStageSettings, Settings
 
 __all__ = [
+    "PLAN_FIELDS",
     "CachedLoss",
     "SettingAttribute",
     "Stage",
@@ -46,6 +47,7 @@ __all__ = [
     "StageOutput",
     "StepData",
     "check_columns",
+    "check_plan_reaches",
     "check_splittable_model",
     "engine_signature",
 ]
@@ -324,6 +326,7 @@ class CachedLoss(nn.Module):
                 if isinstance(value, nn.Module) or f.name in self._modules:
                     self._modules[f.name] = value
         stage = self.build_stage()
+        check_plan_reaches(stage, new, type(self).__name__)
         engine = new.engine()
         form = stage.form
         cache = self.__dict__.get("cache")
@@ -512,6 +515,27 @@ class CachedLoss(nn.Module):
         warn_caching_off(
             f"{type(self).__name__}: the whole batch ({len(features)} columns, {rows} rows together)", setting
         )
+
+
+#: the loss stage's plan (``LossStageSettings``' fields) that a stage takes under the same names
+PLAN_FIELDS = ("path", "tile_size", "memory_budget", "matmul_precision")
+
+
+def check_plan_reaches(stage: Stage, settings: Settings, owner: str) -> None:
+    """Refuse a stage built without a setting of the loss stage's plan that its loss has and it takes (a
+    field of the same name): a loss whose ``build_stage`` forgets to pass one would accept it and ignore it
+    (the recipe's loss once dropped ``matmul_precision`` so)."""
+    takes = set(getattr(stage, "__dataclass_fields__", {}))  # a dataclass's fields (a stage may be none)
+    for name in PLAN_FIELDS:
+        if name not in takes or name not in settings.field_names():
+            continue
+        wanted, built = getattr(settings, name), getattr(stage, name)
+        if built != wanted:
+            raise ValueError(
+                f"{owner}: {name}={wanted!r} does not reach its stage ({type(stage).__name__} was built with "
+                f"{name}={built!r}): {owner}.build_stage must pass {name}=settings.{name} to the stage "
+                "(docs/development.md, Adding a loss)."
+            )
 
 
 def check_splittable_model(model: nn.Module, owner: str) -> None:

@@ -101,7 +101,7 @@ class SigLIPSettings(ScaleSettings, LossStageSettings):
             "gather_across_devices": self.gather_across_devices,
         }
         learned = {"learnable": True, "max_scale": self.max_scale} if self.learnable else {}
-        return {**config, **learned, **self.changed(("tile_size",)), **self.auto_config()}
+        return {**config, **learned, **self.changed(("tile_size", "matmul_precision")), **self.auto_config()}
 
 
 @dataclass(eq=False, kw_only=True)
@@ -119,6 +119,9 @@ class Sigmoid(Stage):
             ``"tiled"`` is the ring exchange, the others gather.
         tile_size: side of a logit tile / rows of a chunk (None: from ``memory_budget``).
         memory_budget: bytes of logit blocks the loss stage may hold at once.
+        matmul_precision: the similarity products' precision (``"highest"``: fp32 whatever torch's global
+            setting; ``"high"``: TF32 on CUDA; ``"medium"``: bf16 operands; None: torch's float32 matmul
+            precision at the step); the softplus terms, sums and gradients stay fp32.
         gather: score each process's rows against every process's candidates.
     """
 
@@ -129,6 +132,7 @@ class Sigmoid(Stage):
     path: LossPath = "auto"
     tile_size: int | None = None
     memory_budget: int = DEFAULT_MEMORY_BUDGET
+    matmul_precision: str | None = None
     gather: bool = False
 
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
@@ -136,8 +140,6 @@ class Sigmoid(Stage):
         sizes = batch.sizes(self.gather)  # also the finiteness check, agreed on by every process
         scale = step.inputs.get("scale", self.scale)
         bias = step.inputs.get("bias", self.bias)
-        # matmul_precision: the sigmoid blocks keep fp32 products (the tensor-core path is the InfoNCE
-        # stage's; docs/memory.md says which losses have it)
         options = SigmoidOptions(
             scale=scale,
             bias=bias,
@@ -145,6 +147,7 @@ class Sigmoid(Stage):
             path=self.path,
             tile_size=self.tile_size,
             memory_budget=self.memory_budget,
+            matmul_precision=self.matmul_precision,  # type: ignore[arg-type]
             check_finite=False,
         )
         ring = sizes is not None and self.path == "tiled"
@@ -326,5 +329,6 @@ class CachedSigLIPLoss(LearnableScale):
             path=s.path,
             tile_size=s.tile_size,
             memory_budget=s.memory_budget,
+            matmul_precision=s.matmul_precision,
             gather=s.gather_across_devices,
         )

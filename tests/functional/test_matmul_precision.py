@@ -12,8 +12,9 @@ import torch
 from st_cached_losses.functional import InfoNCEOptions, infonce, infonce_loss_and_grad
 from st_cached_losses.functional.precision import Products, global_matmul_precision
 from st_cached_losses.functional.score import Score
+from st_cached_losses.functional.sigmoid import SigmoidOptions, sigmoid_loss_and_grad
 from st_cached_losses.functional.terms import mnrl_terms
-from tests.support.reference import reference_infonce
+from tests.support.reference import reference_infonce, reference_sigmoid
 
 
 @contextlib.contextmanager
@@ -206,3 +207,96 @@ def test_across_processes_medium_equals_one_process(symmetric, ring):
         ours = torch.cat([p["grads"][k] for p in per_rank]) / w
         noise = 1e-2 if symmetric and not ring else 1e-5
         torch.testing.assert_close(ours, g, rtol=0, atol=noise * float(g.abs().max()))
+
+
+# --------------------------------------------------------------------------- the sigmoid loss (issue 58)
+
+
+def _sigmoid(q, cols, **kw):
+    out = sigmoid_loss_and_grad(q, cols, **kw)
+    return out.loss, [out.grad_anchors, *out.grad_candidates], out.grad_scale, out.grad_bias
+
+
+SIGMOID_CASES = [
+    pytest.param({}, id="chunked"),
+    pytest.param({"path": "tiled", "tile_size": 96}, id="tiled"),
+    pytest.param({"similarity": "dot", "scale": 0.05, "bias": -2.0}, id="dot"),
+]
+
+
+@pytest.mark.parametrize("kw", SIGMOID_CASES)
+def test_sigmoid_highest_is_the_exact_path_bit_for_bit(kw):
+    """The sigmoid loss's "highest" (and "high" on a CPU) is the path its default took under torch's global
+    "highest", bit for bit, also when torch's global setting is "medium" (before issue 58 the setting was not
+    read and the products followed the global setting, which on a CPU with bf16 support rounds them)."""
+    q, cols = _emb(300, 48)
+    kw = {
+        "scale": torch.tensor(10.0, requires_grad=True),
+        "bias": torch.tensor(-10.0, requires_grad=True),
+        **kw,
+    }
+    with torch_precision("highest"):
+        base = _sigmoid(q, cols, **kw)
+    with torch_precision("medium"):
+        runs = [_sigmoid(q, cols, matmul_precision=p, **kw) for p in ("highest", "high")]
+    for ours in runs:
+        assert torch.equal(ours[0], base[0])
+        assert all(torch.equal(a, b) for a, b in zip(ours[1], base[1]))
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(ours[2:], base[2:]))
+
+
+def _sigmoid_float64(q, cols, scale, bias, similarity="cosine"):
+    q64 = q.double().requires_grad_()
+    c64 = [c.double().requires_grad_() for c in cols]
+    s = torch.tensor(float(scale), dtype=torch.float64, requires_grad=True)
+    b = torch.tensor(float(bias), dtype=torch.float64, requires_grad=True)
+    loss = reference_sigmoid(q64, c64, scale=s, bias=b, similarity=similarity)
+    grads = torch.autograd.grad(loss, [q64, *c64, s, b])
+    return float(loss.detach()), list(grads[:-2]), float(grads[-2]), float(grads[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path", ["chunked", "tiled"])
+def test_sigmoid_medium_rounds_its_products_like_bf16(dtype, path):
+    """B = 1,024, d = 384, cosine, SigLIP's scale 10 and bias -10 (and a looser batch, bias -3): "medium"
+    is not the fp32 result (the products are bf16's): its gradients are off float64's by bf16's rounding (above
+    1e-3 and within 2e-2 of the largest entry; fp32 products: below 1e-5), its loss within 1e-3 relative
+    (more than ten times fp32's error), the scale's and bias's gradients within 2e-2, in the embeddings'
+    dtype."""
+    q, cols = _emb(1024, 384, k=2, near=3.0)
+    q, cols = q.to(torch.bfloat16).to(dtype), [c.to(torch.bfloat16).to(dtype) for c in cols]
+    for scale, bias in ((10.0, -10.0), (10.0, -3.0)):
+        s = torch.tensor(scale, requires_grad=True)
+        b = torch.tensor(bias, requires_grad=True)
+        loss, grads, g_s, g_b = _sigmoid(q, cols, scale=s, bias=b, path=path, matmul_precision="medium")
+        exact = _sigmoid(q, cols, scale=s, bias=b, path=path, matmul_precision="highest")
+        ref_loss, ref_grads, ref_s, ref_b = _sigmoid_float64(q, cols, scale, bias)
+        exact_error = abs(float(exact[0]) - ref_loss) / abs(ref_loss)
+        medium_error = abs(float(loss) - ref_loss) / abs(ref_loss)
+        assert exact_error <= 1e-6 and 10 * exact_error < medium_error <= 1e-3, (exact_error, medium_error)
+        assert not torch.equal(grads[0], exact[1][0]) and not torch.equal(loss, exact[0])
+        for g, e, r in zip(grads, exact[1], ref_grads):
+            assert g.dtype == dtype and float(r.abs().max()) > 0
+            # bf16's rounding (2^-8 of a product) against fp32's: measured 4e-3 to 5e-3, and 1e-6 (bf16
+            # embeddings get their gradients in bf16: the exact path's rounded too)
+            worst = float((g.double() - r).abs().max() / r.abs().max())
+            exact_worst = float((e.double() - r).abs().max() / r.abs().max())
+            assert 1e-3 < worst <= 2e-2 and exact_worst < (1e-5 if dtype == torch.float32 else 4e-3), worst
+        assert float(g_s) == pytest.approx(ref_s, rel=2e-2, abs=2e-2 * abs(ref_s))
+        assert float(g_b) == pytest.approx(ref_b, rel=2e-2, abs=2e-2 * abs(ref_b))
+
+
+def test_sigmoid_products_follow_the_setting_and_the_global_default():
+    q, cols = _emb(8, 16)
+    assert SigmoidOptions(matmul_precision="medium").products(q) == Products("medium")
+    assert SigmoidOptions(matmul_precision="high").products(q) == Products()  # no TF32 on a CPU
+    assert SigmoidOptions(matmul_precision="medium").products(q.double()) == Products()
+    assert (
+        SigmoidOptions(similarity=lambda a, c: a @ c.T, matmul_precision="medium").products(q) == Products()
+    )
+    with torch_precision("medium"):
+        assert SigmoidOptions().products(q) == Products("medium")
+        default = _sigmoid(q, cols)
+    assert torch.equal(default[0], _sigmoid(q, cols, matmul_precision="medium")[0])
+    with pytest.raises(ValueError, match="matmul_precision"):
+        SigmoidOptions(matmul_precision="bf16")

@@ -6,6 +6,7 @@ the command line, and trains (in a process of its own, as a user's script import
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import subprocess
@@ -133,3 +134,47 @@ def test_the_recipe_s_loss_builds_by_its_name_from_a_dict_yaml_and_the_command_l
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trained" in done.stdout
+
+
+def test_the_recipe_s_loss_honours_matmul_precision(model, two_way):
+    """Issue 58: the recipe's loss took matmul_precision and dropped it (its stage ran torch's global
+    precision). It now reaches the stage: "medium" equals CachedCLIPLoss's "medium" bit for bit and differs
+    from "highest"; the config lists it."""
+    torch.manual_seed(0)
+    columns = [torch.randn(6, 8) for _ in range(2)]
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        values = {}
+        for precision in ("highest", "medium"):
+            ours = two_way.CachedTwoWayLoss(model, 7.0, matmul_precision=precision)
+            clip = CachedCLIPLoss(model, 7.0, matmul_precision=precision)
+            values[precision] = ours.compute_loss_from_embeddings(columns)
+            assert torch.equal(values[precision], clip.compute_loss_from_embeddings(columns))
+            assert ours.stage.matmul_precision == precision
+            assert ours.get_config_dict()["matmul_precision"] == precision
+        assert not torch.equal(values["medium"], values["highest"])
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_a_stage_built_without_a_plan_setting_is_refused(model, two_way):
+    """The template refuses a loss whose build_stage leaves a setting of the plan out of a stage that takes
+    it (it would be accepted and ignored), naming the setting and the fix."""
+
+    class Forgetful(two_way.CachedTwoWayLoss):
+        def build_stage(self):
+            return dataclasses.replace(super().build_stage(), matmul_precision=None, tile_size=None)
+
+    assert Forgetful(model).stage.tile_size is None  # the defaults reach it either way
+    with pytest.raises(ValueError, match=r"Forgetful: matmul_precision='medium' does not reach its stage"):
+        Forgetful(model, matmul_precision="medium")
+    with pytest.raises(
+        ValueError,
+        match=r"tile_size=3 does not reach .*\.build_stage must pass tile_size=settings\.tile_size",
+    ):
+        Forgetful(model, tile_size=3)
+    loss = Forgetful(model)
+    with pytest.raises(ValueError, match="does not reach its stage"):
+        loss.tile_size = 5
+    assert loss.tile_size is None and loss.stage.tile_size is None  # the refused assignment left no trace

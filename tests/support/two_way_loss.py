@@ -76,4 +76,5 @@ class CachedTwoWayLoss(CachedLoss):
             path=s.path,
             tile_size=s.tile_size,
             memory_budget=s.memory_budget,
+            matmul_precision=s.matmul_precision,
         )
