@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal, TypeVar
@@ -463,3 +465,64 @@ class LossStageSettings(EngineSettings):
         "torch.get_float32_matmul_precision() at the step. Statistics and gradients stay fp32.",
         check=check_matmul_precision,
     )
+
+
+# ---------------------------------------------------------------------- the previous release's names
+
+#: names the previous release (0.2.0) documented here that moved, each to its new home: still importable from
+#: here, with a DeprecationWarning naming it (looked up when read: ``ranking`` imports this module)
+_MOVED = {
+    **{
+        name: ("st_cached_losses.losses.ranking", name)
+        for name in (
+            "ONE_DIRECTION",
+            "TWO_DIRECTIONS",
+            "VALID_DIRECTIONS",
+            "VALID_HARDNESS_MODES",
+            "VALID_PARTITION_MODES",
+            "ConfigTuple",
+            "check_directions",
+            "check_hardness",
+        )
+    },
+    # the embedding similarities' kind: resolving a similarity_fct, and its config's name, the same answers
+    "resolve_similarity": ("st_cached_losses.losses.similarity", "EMBEDDING.resolve"),
+    "similarity_name": ("st_cached_losses.losses.similarity", "EMBEDDING.config_name"),
+}
+#: names the previous release documented here whose home is now above this layer, or which are gone
+_GONE = {
+    "FIELD_NAMES": "st_cached_losses.config.registry.FIELD_NAMES (the configuration layer's, which this layer "
+    "does not import)",
+    "NOT_FIELDS": "st_cached_losses.config.registry.NOT_FIELDS (the configuration layer's, which this layer "
+    "does not import)",
+    "SPECS": "each setting's declaration: a field of its settings class, setting(default, doc=..., check=..., "
+    "config=...), read with SettingsClass.declaration(name)",
+    "Spec": "setting(default, doc=..., check=..., config=...), a field of a Settings dataclass",
+    "Setting": "a field of a Settings dataclass declared with setting(...); the loss's attribute is "
+    "st_cached_losses.losses.base.SettingAttribute",
+}
+
+
+def __getattr__(name: str) -> Any:
+    """The previous release's names (``VALID_DIRECTIONS``, ``check_directions``, ``ConfigTuple``, ...): a
+    moved one from its new home with a ``DeprecationWarning`` naming it; one that is not in this layer any
+    more raises an ``ImportError`` naming where it went or what replaced it."""
+    if name in _MOVED:
+        module, path = _MOVED[name]
+        warnings.warn(
+            f"st_cached_losses.losses.settings.{name} is deprecated: import {module}.{path} instead.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        value: Any = importlib.import_module(module)
+        for part in path.split("."):
+            value = getattr(value, part)
+        return value
+    if name in _GONE:
+        # an ImportError: ``from ... import`` replaces an AttributeError's message with a bare one
+        raise ImportError(
+            f"st_cached_losses.losses.settings.{name} moved out of this module with the settings redesign: use "
+            f"{_GONE[name]}; docs/development.md walks through a loss's settings.",
+            name=__name__,
+        )
+    raise AttributeError(f"module 'st_cached_losses.losses.settings' has no attribute {name!r}")
