@@ -70,7 +70,7 @@ from st_cached_losses.engine.caller import user_stacklevel  # the warnings point
 from st_cached_losses.engine.checks import check_auto_budget, is_auto, rows_fit_in_one, warn_caching_off
 from st_cached_losses.losses import CachedLoss, registry
 from st_cached_losses.losses.ranking import RankingSettings, check_directions, check_hardness
-from st_cached_losses.losses.settings import check_bool, check_nonnegative
+from st_cached_losses.losses.settings import Settings, check_bool, check_nonnegative
 from st_cached_losses.losses.similarity import SimilarityKind
 
 __all__ = [
@@ -724,7 +724,7 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
             raise ValueError("give either symmetric or directions / partition_mode, not both.")
     check_hardness(args.hardness_mode, args.hardness_strength, "hardness_mode")
     _validate_similarity(args)
-    _validate_settings(args)
+    settings = _validate_settings(args)
     batch = args.per_device_train_batch_size
     rows = args.mini_batch_size
     # both sizes at their defaults (transformers' batch 8, mini-batch 32): nothing chosen yet, nothing to warn
@@ -737,10 +737,13 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
     )
     # caching is off when the whole batch, every column's rows together, fits in one mini-batch; the columns
     # are not known here, but there are at least two: a batch of pairs is the one this can tell about (a
-    # reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely)
+    # reranker's mini-batches hold pairs, B x (1 + k) of them: a batch of B fits in one more rarely). Said
+    # only where a non-cached loss of sentence-transformers gives the same result (not with a bank, whose
+    # point is small batches, a learnable scale, the sigmoid loss...)
+    non_cached = None if settings is None else args.loss_class.non_cached_equivalent(settings)
     if (
         chosen
-        and not args.negative_bank_size  # a bank's small batches: the non-cached loss has no bank
+        and non_cached is not None
         and args.mini_batch_num_tokens is None
         and isinstance(rows, int)
         and rows_fit_in_one([batch, batch], rows)
@@ -750,6 +753,7 @@ def validate_loss_fields(args: CachedLossArguments) -> None:
             f"mini_batch_size={rows} >= 2 x per_device_train_batch_size={batch}: a batch of pairs ({2 * batch} "
             "rows, both columns together)",
             f"mini_batch_size={rows}",
+            non_cached,
             " (A batch with more columns is cached while its rows together exceed mini_batch_size.)",
         )
 
@@ -864,10 +868,11 @@ def _validate_fields(args: CachedLossArguments) -> None:
         raise ValueError(f"loss_options: {reason}")
 
 
-def _validate_settings(args: CachedLossArguments) -> None:
+def _validate_settings(args: CachedLossArguments) -> Settings | None:
     """The chosen loss's settings built from the fields and checked as a whole, as the loss checks them (the
-    settings that go together: a learnable scale's clamp, the negative bank, in-batch negatives...). A loss
-    whose settings need an object no field gives (the sparse losses' base loss) is checked field by field."""
+    settings that go together: a learnable scale's clamp, the negative bank, in-batch negatives...), and
+    returned. A loss whose settings need an object no field gives (the sparse losses' base loss) is checked
+    field by field (None returned)."""
     cls = args.loss_class
     kwargs = {k: v for k, v in args.loss_kwargs().items() if k in cls.settings_class.__dataclass_fields__}
     if kwargs.get("mini_batch_memory_budget") is None and is_auto(
@@ -883,10 +888,9 @@ def _validate_settings(args: CachedLossArguments) -> None:
         and f.name not in kwargs
     ]
     if required:
-        return
+        return None
     settings = cls.settings_class(**kwargs)
-    if views:
-        settings.replace(**views)
+    return settings.replace(**views) if views else settings
 
 
 def _validate_similarity(args: CachedLossArguments) -> None:

@@ -194,14 +194,16 @@ def rows_fit_in_one(rows: Sequence[int], rows_per_mini_batch: int) -> bool:
     return sum(rows) <= rows_per_mini_batch
 
 
-def warn_caching_off(batch: str, setting: str, note: str = "") -> None:
+def warn_caching_off(batch: str, setting: str, non_cached: str, note: str = "") -> None:
     """The one warning that caching is off, at the user's line: ``batch`` (what fits, e.g. "the whole batch
-    (2 columns, 8 rows together)") fits in one encoder mini-batch of ``setting`` (e.g. "mini_batch_size=32");
-    ``note``: a sentence added at the end."""
+    (2 columns, 8 rows together)") fits in one encoder mini-batch of ``setting`` (e.g. "mini_batch_size=32"),
+    and ``non_cached``, sentence-transformers' loss that gives the same result without caching (e.g.
+    "MultipleNegativesRankingLoss"; a loss without one is not warned about); ``note``: a sentence added at the
+    end."""
     warnings.warn(
         f"{batch} fits in one encoder mini-batch ({setting}), so caching is off: caching saves no memory for "
-        "it, the non-cached loss holds no more than that one mini-batch, with the same result. Use a "
-        f"mini-batch smaller than the batch to save memory.{note}",
+        f"it, and sentence-transformers' {non_cached} (not cached) holds no more than that one mini-batch, "
+        f"with the same result. Use a mini-batch smaller than the batch to save memory.{note}",
         UserWarning,
         stacklevel=user_stacklevel(),
     )

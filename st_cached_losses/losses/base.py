@@ -489,19 +489,28 @@ class CachedLoss(nn.Module):
         others = sum((v for k, v in values.items() if k != first), start=torch.zeros_like(loss))
         return {k: (loss - others if k == first else v) for k, v in values.items()}
 
-    def _non_cached_gives_the_same(self) -> bool:
-        """Whether a batch in one mini-batch gives the non-cached loss's result, the one the caching-off warning
-        points to (a loss with a state the non-cached loss lacks says no)."""
-        return True
+    @classmethod
+    def non_cached_equivalent(cls, settings: Settings) -> str | None:
+        """sentence-transformers' non-cached loss (its class name) that gives the result of a loss of this
+        class with ``settings`` on a batch that fits in one encoder mini-batch; None where none does: theirs
+        lacks a setting in use ([`beyond_sentence_transformers`][st_cached_losses.losses.settings.Settings.beyond_sentence_transformers]:
+        a learnable scale, a negative bank, ...), or they have no such loss (``equivalent_st_loss`` None: the
+        sigmoid loss). The caching-off warning names it, and is not given without one."""
+        equivalent = cls.equivalent_st_loss
+        if equivalent is None or settings.beyond_sentence_transformers():
+            return None
+        return equivalent.removeprefix("Cached")
 
     def _warn_if_caching_off(self, features: list[Any]) -> None:
         """Once per loss: a batch that fits in one mini-batch, every column's rows together, saves no memory
-        (configured without the arguments, which warn at construction, nothing else would say so)."""
-        if (
-            self._warned_caching_off
-            or not self._non_cached_gives_the_same()
-            or not self.cache.fits_in_one(features)
-        ):
+        (configured without the arguments, which warn at construction, nothing else would say so), and
+        sentence-transformers' non-cached loss would give the same result; not said where none would
+        ([`non_cached_equivalent`][st_cached_losses.losses.base.CachedLoss.non_cached_equivalent])."""
+        if self._warned_caching_off or not self.cache.fits_in_one(features):
+            return
+        # its flags only: the settings as set (a learned scale's value is not needed)
+        non_cached = self.non_cached_equivalent(self.__dict__["_settings"])
+        if non_cached is None:
             return
         self._warned_caching_off = True
         rows = sum(batch_size_of(f) for f in features)
@@ -513,7 +522,9 @@ class CachedLoss(nn.Module):
         )
         # pointing past forward, torch and the trainer: at the line that calls train()
         warn_caching_off(
-            f"{type(self).__name__}: the whole batch ({len(features)} columns, {rows} rows together)", setting
+            f"{type(self).__name__}: the whole batch ({len(features)} columns, {rows} rows together)",
+            setting,
+            non_cached,
         )
 
 

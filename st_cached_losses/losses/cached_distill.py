@@ -89,6 +89,13 @@ class DistillSettings(LossStageSettings):
                 "(sentence_transformers.util), or set infonce_weight=0."
             )
 
+    def beyond_sentence_transformers(self) -> tuple[str, ...]:
+        """The in-batch InfoNCE term (sentence-transformers' distillation losses have none)."""
+        return (
+            *super().beyond_sentence_transformers(),
+            *(("infonce_weight",) if self.infonce_weight else ()),
+        )
+
     def extras(self) -> dict[str, Any]:
         """The config's extras: the InfoNCE term where it is on (with the gathering), the tile size, and an
         ``"auto"`` loss's memory budget."""

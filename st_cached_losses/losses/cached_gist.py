@@ -116,6 +116,16 @@ class GISTSettings(LossStageSettings):
                     f"{dim!r}); end the guide with a Pooling (or Dense) module, or set gather_across_devices=False."
                 )
 
+    def beyond_sentence_transformers(self) -> tuple[str, ...]:
+        """Self-guidance (their GIST losses need a guide model), a learned temperature, each row's own
+        candidates only: none is an option of sentence-transformers' ``GISTEmbedLoss``."""
+        ours = (
+            ("guide", self.guide is None),
+            ("learnable_scale", self.learnable_scale),
+            ("in_batch_negatives", not self.in_batch_negatives),
+        )
+        return (*super().beyond_sentence_transformers(), *(name for name, used in ours if used))
+
     def config(self) -> dict[str, Any]:
         """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values (the learned
         temperature), then the extras that differ from their defaults."""

@@ -233,9 +233,5 @@ class CachedMNRLoss(LearnableScale):
         self.negative_bank.resize(new.negative_bank_size, new.negative_bank_max_age)
         super()._settings_changed(old, new)
 
-    def _non_cached_gives_the_same(self) -> bool:
-        # a bank's point is small batches, whose negatives it adds, and the non-cached loss has no bank
-        return not self.settings.negative_bank_size
-
     def build_stage(self) -> InfoNCE:
         return ranking_stage(type(self).__name__, self.__dict__["_settings"], self.negative_bank)

@@ -210,6 +210,13 @@ class SparseSettings(LossStageSettings):
             **self.auto_config(),
         }
 
+    def beyond_sentence_transformers(self) -> tuple[str, ...]:
+        """Duplicate masks (not an option of sentence-transformers' ``SpladeLoss`` or its base losses)."""
+        return (
+            *super().beyond_sentence_transformers(),
+            *(("mask_duplicates",) if self.mask_duplicates else ()),
+        )
+
     def citations(self) -> tuple[str, ...]:
         """The base loss's options' papers, where the core computes it."""
         base: Any = self.loss

@@ -275,6 +275,13 @@ class LearnableScaleSettings(ScaleSettings):
         if self.learnable_scale:
             check_max_scale(self.max_scale, self.scale)
 
+    def beyond_sentence_transformers(self) -> tuple[str, ...]:
+        """A learned scale (sentence-transformers' losses keep theirs fixed)."""
+        return (
+            *super().beyond_sentence_transformers(),
+            *(("learnable_scale",) if self.learnable_scale else ()),
+        )
+
     def learned_config(self) -> dict[str, Any]:
         """The config's entries of a learnable scale: ``learnable_scale`` and its clamp, when learnable."""
         return {"learnable_scale": True, "max_scale": self.max_scale} if self.learnable_scale else {}
@@ -389,6 +396,16 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
         check_hardness(self.hardness_mode, self.hardness_strength, owner)
         check_in_batch_negatives(self.in_batch_negatives, self.directions, self.hardness_mode, owner)
         check_negative_bank(self.negative_bank_size, self.mask_duplicates, self.in_batch_negatives)
+
+    def beyond_sentence_transformers(self) -> tuple[str, ...]:
+        """A learned scale, each row's own candidates only, duplicate masks, a negative bank: none is an option
+        of sentence-transformers' ``MultipleNegativesRankingLoss``."""
+        ours = (
+            ("in_batch_negatives", not self.in_batch_negatives),
+            ("mask_duplicates", self.mask_duplicates),
+            ("negative_bank_size", bool(self.negative_bank_size)),
+        )
+        return (*super().beyond_sentence_transformers(), *(name for name, used in ours if used))
 
     def config(self) -> dict[str, Any]:
         """sentence-transformers' nine keys (the same values for the same settings; ``scale`` the current,

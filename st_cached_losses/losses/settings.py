@@ -234,6 +234,12 @@ class Settings:
         """BibTeX entries of the options in use, added to the loss's own."""
         return ()
 
+    def beyond_sentence_transformers(self) -> tuple[str, ...]:
+        """The settings in use that sentence-transformers' loss of the same kind does not have (a learnable
+        scale, a negative bank, duplicate masks, ...): with any, no loss of theirs gives this loss's result,
+        cached or not (the caching-off warning then points to none). Each group adds its own."""
+        return ()
+
     def config(self) -> dict[str, Any]:
         """The loss's ``get_config_dict()``: the ``"always"`` fields, then the changed ones (a loss's settings
         class writes sentence-transformers' forms where theirs differ)."""

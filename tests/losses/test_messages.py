@@ -10,7 +10,14 @@ import pytest
 from datasets import Dataset
 from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
 
-from st_cached_losses import CachedCrossEncoderLoss, CachedGISTLoss, CachedMNRLoss
+from st_cached_losses import (
+    CachedCLIPLoss,
+    CachedCrossEncoderLoss,
+    CachedGISTLoss,
+    CachedMNRLoss,
+    CachedSigLIPLoss,
+    CachedTiledLoss,
+)
 from st_cached_losses.engine import caller, gradcache
 from tests.support.tiny_model import make_tiny_cross_encoder, make_tiny_model, random_texts
 
@@ -126,3 +133,79 @@ def test_a_small_batch_with_a_negative_bank_does_not_say_caching_saves_no_memory
         assert len(said) == (0 if bank else 2), said
         if bank:
             assert loss.negative_bank.stats()["negative_bank_rows"] > 0  # the bank did fill
+
+
+def _caching_off_said(loss, features) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss(features, None).backward()
+    return [str(w.message) for w in caught if "caching is off" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    ("build", "non_cached"),
+    [
+        (lambda m: CachedMNRLoss(m), "MultipleNegativesRankingLoss"),
+        (lambda m: CachedCLIPLoss(m), "MultipleNegativesRankingLoss"),
+        (lambda m: CachedTiledLoss(m), "MultipleNegativesRankingLoss"),
+        (lambda m: CachedGISTLoss(m, m), "GISTEmbedLoss"),
+        (lambda m: CachedSigLIPLoss(m), None),
+        (lambda m: CachedSigLIPLoss(m, learnable=True), None),
+        (lambda m: CachedMNRLoss(m, learnable_scale=True), None),
+        (lambda m: CachedCLIPLoss(m, learnable_scale=True), None),
+        (lambda m: CachedMNRLoss(m, mask_duplicates=True), None),
+        (lambda m: CachedMNRLoss(m, negative_bank_size=8), None),
+        (lambda m: CachedGISTLoss(m, None), None),
+        (lambda m: CachedGISTLoss(m, m, learnable_scale=True), None),
+    ],
+    ids=[
+        "mnr",
+        "clip",
+        "tiled",
+        "gist",
+        "siglip",
+        "siglip-learnable",
+        "mnr-learnable-scale",
+        "clip-learnable-scale",
+        "mnr-mask-duplicates",
+        "mnr-bank",
+        "gist-self-guided",
+        "gist-learnable",
+    ],
+)
+def test_the_caching_off_warning_names_the_non_cached_loss_that_gives_the_same_result(
+    model, build, non_cached
+):
+    """Issue 58: the warning told CachedSigLIPLoss users (and those of a learnable scale) that "the non-cached
+    loss" gives the same result: sentence-transformers has no sigmoid loss, and none of theirs learns its
+    scale. It now names sentence-transformers' loss that does give the same result, and where there is none
+    (the sigmoid loss, a learned scale, duplicate masks, a bank, self-guidance) it is not given."""
+    features = [model.preprocess(random_texts(4, seed=k)) for k in range(2)]
+    loss = build(model)
+    said = _caching_off_said(loss, features)
+    if non_cached is None:
+        assert said == []
+    else:
+        assert len(said) == 1, said
+        assert (
+            f"and sentence-transformers' {non_cached} (not cached) holds no more than that one mini-batch"
+            in said[0]
+        )
+    assert type(loss).non_cached_equivalent(loss.settings) == non_cached
+
+
+def test_the_arguments_caching_off_warning_follows_the_same_rule(tmp_path):
+    from st_cached_losses import CachedLossTrainingArguments
+
+    def said(**kw) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            CachedLossTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, **kw)
+        return [str(w.message) for w in caught if "caching is off" in str(w.message)]
+
+    (mnr,) = said(loss="mnr")
+    assert "sentence-transformers' MultipleNegativesRankingLoss (not cached)" in mnr
+    (clip,) = said(loss="clip")
+    assert "MultipleNegativesRankingLoss (not cached)" in clip
+    for kw in ({"loss": "siglip"}, {"loss": "mnr", "learnable_scale": True}, {"loss": "gist"}):
+        assert said(**kw) == [], kw
