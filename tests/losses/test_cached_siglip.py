@@ -380,6 +380,22 @@ def test_matmul_precision_is_honoured_and_listed(model, global_precision):
             default["logit_scale"],
             default["logit_bias"],
         )
+    # the tiny model's products are too small for torch's bf16 CPU path to touch them; rows of 48 dimensions
+    # are not: there "highest" holds fp32 under a global "medium" (which alone moves the loss's gradients)
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randn(300, 48, generator=g).requires_grad_() for _ in range(3)]
+
+    def loss_and_grads(**kw):
+        value = CachedSigLIPLoss(model, **kw).compute_loss_from_embeddings(rows)
+        return value.detach(), torch.autograd.grad(value, rows)
+
+    global_precision("highest")
+    exact = loss_and_grads()
+    global_precision("medium")
+    pinned_rows = loss_and_grads(matmul_precision="highest")
+    assert torch.equal(pinned_rows[0], exact[0]) and all(map(torch.equal, pinned_rows[1], exact[1]))
+    moved = loss_and_grads()  # None: torch's global precision, read at the step
+    assert not all(map(torch.equal, moved[1], exact[1]))
     global_precision("highest")
     medium = step(matmul_precision="medium")
     assert not torch.equal(medium["grads"], default["grads"])
