@@ -102,3 +102,63 @@ class AttributeDocs(griffe.Extension):
             return
         own = _comments(owner).get(attr.name) or _field_help(owner, attr.name)
         attr.docstring = griffe.Docstring(own, parent=attr) if own else None
+
+
+def _setting_meaning(settings_class: Any, name: str) -> str:
+    """A setting's meaning as its declaration says it: a settings field's ``doc``, or a view's docstring."""
+    found = settings_class.__dataclass_fields__.get(name)
+    if found is not None and found.metadata.get("doc"):
+        return " ".join(str(found.metadata["doc"]).split())
+    view = settings_class.views().get(name)
+    return " ".join((getattr(view, "__doc__", None) or "").split())
+
+
+def _markdown_cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def settings_table(loss_class: Any) -> str:
+    """The Markdown table of a loss's settings: every argument its constructor takes but the model, with its
+    default and its declaration's meaning."""
+    rows = [
+        "**Settings.** Each is also an attribute of the loss: read it, or assign it to replace the settings "
+        "(checked as a whole).",
+        "",
+        "| setting | default | meaning |",
+        "|---|---|---|",
+    ]
+    for param in list(inspect.signature(loss_class).parameters.values())[1:]:
+        if param.kind in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL):
+            continue
+        default = getattr(param.default, "__name__", None) or repr(param.default)
+        meaning = _setting_meaning(loss_class.settings_class, param.name)
+        rows.append(f"| `{param.name}` | `{_markdown_cell(default)}` | {_markdown_cell(meaning)} |")
+    return "\n".join(rows)
+
+
+class LossSettingsTable(griffe.Extension):
+    """A loss's settings are attributes of the loss (``SettingAttribute``s, one per setting): listed one by
+    one they would be as many entries saying "the setting x". They are dropped, and the loss's docstring ends
+    with one table of its settings instead. Its ``citations`` (BibTeX strings) are shown by name and meaning,
+    without their raw text."""
+
+    def on_class_members(self, *, node: Any, cls: griffe.Class, **kwargs: Any) -> None:
+        if not isinstance(node, griffe.ObjectNode):
+            return
+        runtime = node.obj
+        settings_class = getattr(runtime, "settings_class", None)
+        if settings_class is None or not hasattr(settings_class, "views"):
+            return
+        for name in list(cls.members):
+            if type(inspect.getattr_static(runtime, name, None)).__name__ == "SettingAttribute":
+                cls.del_member(name)
+        citations = cls.members.get("citations")
+        if citations is not None and not citations.is_alias:
+            citations.value = None
+        if "settings_class" not in vars(runtime) or "__init__" not in vars(runtime):
+            return  # a class that declares no loss of its own (the template, a base)
+        table = settings_table(runtime)
+        if cls.docstring is None:
+            cls.docstring = griffe.Docstring(table, parent=cls)
+        else:
+            cls.docstring.value = cls.docstring.value.rstrip() + "\n\n" + table

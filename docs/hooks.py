@@ -4,6 +4,7 @@
   sentence-transformers' training arguments: its type, default, the losses that take it (from the losses'
   settings, as the arguments' own check decides) and its help text (the settings' declarations). Nothing in
   it is typed into the docs.
+* ``<!-- renamed-fields -->``: the loss settings whose field has another name (``bias`` is ``siglip_bias``).
 * ``<!-- loss-names-table -->``: the names ``loss:`` accepts, each loss's class and the model it trains (the
   losses' registry, read through ``st_cached_losses/config/registry.py``).
 * The repository's address is ``Repository`` under ``[project.urls]`` in ``pyproject.toml``, the one place it is
@@ -96,10 +97,21 @@ def _cell(text: str) -> str:
 _MARKDOWN_SPECIALS = re.compile(r"([\\`*_{}\[\]|])")
 
 
+#: a docstring's inline code, ``like this``
+_INLINE_CODE = re.compile(r"``(.+?)``")
+
+
 def _text_cell(text: str) -> str:
     """A table cell of plain text (a field's help), shown as written: Markdown's specials backslash-escaped
-    (``*`` would start emphasis, ``_`` and ``[`` too), then HTML escaped."""
-    return html.escape(_MARKDOWN_SPECIALS.sub(r"\\\1", text)).replace("\n", " ")
+    (``*`` would start emphasis, ``_`` and ``[`` too), then HTML escaped; a docstring's double-backticked code
+    becomes inline code."""
+    parts = _INLINE_CODE.split(text)
+    # split() alternates text and the code spans' contents
+    cells = [
+        f"<code>{html.escape(part)}</code>" if i % 2 else html.escape(_MARKDOWN_SPECIALS.sub(r"\\\1", part))
+        for i, part in enumerate(parts)
+    ]
+    return "".join(cells).replace("\n", " ")
 
 
 def settings_table() -> str:
@@ -109,8 +121,12 @@ def settings_table() -> str:
     table of names above instead."""
     from sentence_transformers import SentenceTransformerTrainingArguments
 
-    from st_cached_losses.config.registry import LOSSES, takers
-    from st_cached_losses.config.training_args import FIELD_SETTINGS, CachedLossTrainingArguments
+    from st_cached_losses.config.registry import LOSSES, field_takers
+    from st_cached_losses.config.training_args import (
+        FIELD_MEANINGS,
+        FIELD_SETTINGS,
+        CachedLossTrainingArguments,
+    )
 
     inherited = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     hints = typing.get_type_hints(CachedLossTrainingArguments)
@@ -126,15 +142,13 @@ def settings_table() -> str:
                 "all (sets no loss setting)" if f.name != "loss_options" else "all (settings without a field)"
             )
         else:
-            # scale / temperature: a loss that takes either takes the other where it is its inverse
-            group = {"scale", "temperature"} if setting in ("scale", "temperature") else {setting}
-            names = [name for name in LOSSES if any(name in takers(g) for g in group)]
+            names = field_takers(setting)  # the arguments' own rule, as --help and the errors list them
             takes = "all" if len(names) == len(LOSSES) else ", ".join(f"`{n}`" for n in names)
         default = "none" if f.default is None else f"`{f.default!r}`"
         if f.name == "loss":
             meaning = "The loss to train: a name of the table above (or a class name it lists)."
         else:
-            meaning = _text_cell(f.metadata.get("help", ""))
+            meaning = _text_cell(FIELD_MEANINGS.get(f.name, f.metadata.get("help", "")))
         rows.append(
             f"| `{f.name}`<br>`{_cell(_type_name(hints[f.name]))}`, default {default} | "
             f"{meaning}<br>Losses: {takes} |"
@@ -174,7 +188,20 @@ def loss_names_table() -> str:
     return "\n".join(rows)
 
 
-GENERATED = {"<!-- settings-table -->": settings_table, "<!-- loss-names-table -->": loss_names_table}
+def renamed_fields() -> str:
+    """The loss settings whose arguments' field has another name, as a sentence's list: "`similarity_fct` is
+    `similarity`, ...", read from the registry's ``FIELD_NAMES``."""
+    from st_cached_losses.config.registry import FIELD_NAMES
+
+    items = [f"`{setting}` is `{field}`" for setting, field in FIELD_NAMES.items()]
+    return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else "".join(items)
+
+
+GENERATED = {
+    "<!-- settings-table -->": settings_table,
+    "<!-- loss-names-table -->": loss_names_table,
+    "<!-- renamed-fields -->": renamed_fields,
+}
 TYPE_ALIASES = re.compile(r"<!-- type-aliases: ([\w. ]+) -->")
 
 

@@ -44,7 +44,7 @@ from typing import Any, Optional, Union, get_args, get_origin, get_type_hints
 
 from transformers import HfArgumentParser
 
-from st_cached_losses.config.registry import closest_name_hint
+from st_cached_losses.config.registry import FIELD_NAMES, closest_name_hint
 from st_cached_losses.config.training_args import (
     COUNT_OR_ALL_FIELDS,
     COUNT_OR_AUTO_FIELDS,
@@ -73,8 +73,18 @@ DESCRIBED_TRAINING_FIELDS = (
 USAGE = "%(prog)s [CONFIG.yaml | --config CONFIG.yaml] [--FIELD VALUE ...]"
 
 
-#: a help text that states its field's default in its own words (then ``(default: ...)`` is not added)
-_STATES_DEFAULT = re.compile(r"\bdefaults?\b", re.IGNORECASE)
+#: a help text that states its field's default in its own words (then ``(default: ...)`` is not added): "default
+#: 64 MiB", "None: every row", "required"
+_STATES_DEFAULT = re.compile(r"\bdefaults?\b|\bNone:|\brequired\b", re.IGNORECASE)
+
+
+def field_hint(key: str, fields: Sequence[str]) -> str:
+    """The hint for an unknown field ``key``: a loss setting whose field has another name (``bias`` is
+    ``siglip_bias``) names that field; anything else the closest field."""
+    field = FIELD_NAMES.get(key)
+    if field is not None and field in fields:
+        return f" The loss setting {key!r} is the field {field!r}."
+    return closest_name_hint(key, fields)
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -85,6 +95,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if isinstance(action, argparse._StoreFalseAction) or _STATES_DEFAULT.search(action.help or ""):
             return action.help
+        if action.default is None and action.dest in LOSS_FIELDS:
+            # a loss field left unset gives the loss its own default, which "None" would misstate
+            return f"{action.help} (default: the loss's own)"
         return super()._get_help_string(action)
 
 
@@ -268,7 +281,7 @@ class CachedLossArgumentParser(HfArgumentParser):
         known = self.field_names
         unknown = sorted(set(keys) - set(known))
         if unknown:
-            hints = "".join(closest_name_hint(key, known) for key in unknown)
+            hints = "".join(field_hint(key, known) for key in unknown)
             where = f"{source}: " if source is not None else ""
             raise ValueError(f"{where}unknown field(s) {unknown}; see --help for the fields.{hints}")
 
@@ -395,7 +408,7 @@ class CachedLossArgumentParser(HfArgumentParser):
             _, remaining = self.parse_known_args(args=None if args is None else list(args))
             if remaining:
                 flag = remaining[0]
-                hint = closest_name_hint(flag.lstrip("-").split("=")[0], self.field_names)
+                hint = field_hint(flag.lstrip("-").split("=")[0].replace("-", "_"), self.field_names)
                 raise ValueError(
                     f"unknown command-line argument(s) {remaining}; see --help for the fields."
                     + (hint if flag.startswith("--") else "")

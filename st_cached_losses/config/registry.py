@@ -36,10 +36,12 @@ __all__ = [
     "NOT_FIELDS",
     "ST_LOSS_NAMES",
     "UNUSED_PARAMETERS",
+    "accepts",
     "base_parameters",
     "canonical_loss",
     "closest_name_hint",
     "declaration",
+    "field_takers",
     "loss_default",
     "loss_parameters",
     "own_parameters",
@@ -208,8 +210,29 @@ def loss_default(name: str, setting: str) -> Any:
 
 
 def takers(setting: str) -> list[str]:
-    """The losses (canonical names) that take ``setting`` from the arguments."""
+    """The losses (canonical names) that have ``setting`` as a setting of their own (or of their base loss)."""
     return [name for name in _losses() if setting in loss_parameters(name)]
+
+
+def accepts(name: str, setting: str) -> bool:
+    """Whether the arguments take ``setting`` for loss ``name``: a setting of its own (or of its base loss), or
+    ``scale`` / ``temperature`` where the loss has the other as a setting and this one is its inverse (an
+    InfoNCE loss's ``temperature`` is ``1 / scale``; GIST's ``scale`` is a view of its temperature). The one
+    rule of the arguments' checks, their ``--help`` and the configuration page's lists."""
+    taken = loss_parameters(name)
+    if setting in taken:
+        return True
+    if setting == "temperature":
+        return "scale" in taken
+    if setting == "scale":
+        return "temperature" in taken and "scale" in _losses()[name].settings_class.views()
+    return False
+
+
+def field_takers(setting: str) -> list[str]:
+    """The losses (canonical names) whose arguments take ``setting``
+    ([`accepts`][st_cached_losses.config.registry.accepts]), in the registry's order."""
+    return [name for name in _losses() if accepts(name, setting)]
 
 
 def declaration(setting: str) -> dataclasses.Field[Any] | None:

@@ -56,14 +56,15 @@ from st_cached_losses.config.registry import (
     MODEL_KINDS,
     NOT_FIELDS,
     ST_LOSS_NAMES,
+    accepts,
     base_parameters,
     canonical_loss,
     closest_name_hint,
     declaration,
+    field_takers,
     loss_default,
     loss_parameters,
     own_parameters,
-    takers,
 )
 from st_cached_losses.config.sampling import DATASET_ORDERS, SameDatasetBatchSampler
 from st_cached_losses.engine.caller import user_stacklevel  # the warnings point at the user's line
@@ -129,20 +130,22 @@ def _doc(setting: str) -> str:
 
 #: field name -> the loss setting it sets (every loss field's, filled as the fields are declared)
 FIELD_SETTINGS: dict[str, str] = {}
+#: field name -> its help without the list of losses that take it (the configuration page lists them apart)
+FIELD_MEANINGS: dict[str, str] = {}
 
 
 def loss_field(setting: str, default: Any = dataclasses.MISSING, *, text: str | None = None) -> Any:
     """The arguments' field of the loss setting ``setting``: its help is the setting's declaration (what it
     means, [`st_cached_losses.losses.settings`][st_cached_losses.losses.settings]) and the losses that take it;
     its default the declaration's (or ``default``: None where the losses' defaults differ, each its own)."""
-    losses = takers(setting)
-    help_text = text if text is not None else _doc(setting)
-    if len(losses) < len(LOSSES):
-        help_text += f" Losses: {_names(losses)}."
+    losses = field_takers(setting)
+    meaning = text if text is not None else _doc(setting)
+    help_text = meaning + (f" Losses: {_names(losses)}." if len(losses) < len(LOSSES) else "")
     found = declaration(setting)
     if default is dataclasses.MISSING:
         default = found.default if found is not None else None
     FIELD_SETTINGS[FIELD_NAMES.get(setting, setting)] = setting
+    FIELD_MEANINGS[FIELD_NAMES.get(setting, setting)] = meaning
     return field(default=default, metadata={"help": help_text})
 
 
@@ -822,6 +825,7 @@ def _validate_fields(args: CachedLossArguments) -> None:
     losses that take it; ``scale`` / ``temperature`` where the loss takes either as its own setting or as its
     inverse."""
     taken = loss_parameters(args.loss)
+    loss = str(args.loss)
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         if f.name in _ARGUMENT_CHECKS and value is not None:
@@ -834,11 +838,9 @@ def _validate_fields(args: CachedLossArguments) -> None:
         check = found.metadata.get("check") if found is not None else None
         if check is not None and f.name not in _OWN_CHECKS and not isinstance(check, SimilarityKind):
             check(f.name, value)
-        if value == f.default or setting in taken:
+        if value == f.default or accepts(loss, setting):
             continue
-        if setting in ("scale", "temperature") and args.scale_setting is not None and args._scale_inverse():
-            continue  # the other of the pair, its inverse
-        losses = takers(setting)
+        losses = field_takers(setting)
         takers_text = (
             f"loss={losses[0]!r} only"
             if len(losses) == 1

@@ -2,7 +2,7 @@
 
 A loss warns from inside ``forward``, which the trainer calls through transformers, sentence-transformers and
 torch's module machinery; the arguments warn from a dataclass ``__init__`` that ``HfArgumentParser`` may call.
-A fixed ``stacklevel`` points into one of those libraries on some route, so [`user_stacklevel`][st_cached_losses.config.training_args.user_stacklevel] walks the
+A fixed ``stacklevel`` points into one of those libraries on some route, so [`user_stacklevel`][st_cached_losses.engine.caller.user_stacklevel] walks the
 stack out of them (``warnings.warn``'s ``skip_file_prefixes`` would do it from Python 3.12 only).
 """
 

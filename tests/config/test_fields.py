@@ -189,3 +189,70 @@ def test_mini_batch_size_auto_from_the_command_line_and_a_file(tmp_path):
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--mini_batch_size", "lots"])
     with pytest.raises(ValueError, match="mini_batch_size must be a positive integer or 'auto'"):
         CachedLossTrainingArguments(output_dir=str(tmp_path), mini_batch_size="lots")
+
+
+@pytest.mark.parametrize(
+    ("field_name", "value"), [("scale", 5.0), ("temperature", 0.2), ("siglip_bias", -3.0)]
+)
+def test_the_listed_losses_are_those_whose_arguments_take_the_field(field_name, value):
+    """One rule lists the losses of a field (``field_takers``: --help, the errors, the configuration page):
+    the losses listed are exactly those whose arguments take the field (built with it away from its default
+    without "does not apply"); ``scale`` is not listed for the KL distillation losses, which refuse it, and
+    ``temperature`` is listed for the InfoNCE losses, which take it as ``1 / scale``."""
+    from st_cached_losses.config.registry import LOSSES, field_takers
+    from st_cached_losses.config.training_args import FIELD_SETTINGS
+
+    # what a loss needs besides the field to be built at all
+    needs = {
+        "gist": {"guide_model": "guide"},
+        "sparse": {"document_regularizer_weight": 3e-5},
+        "sparse_distill_kl": {"document_regularizer_weight": 3e-5},
+        "sparse_margin_mse": {"document_regularizer_weight": 3e-5},
+    }
+    accepted = []
+    for name in LOSSES:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                _arguments(**BASE, loss=name, **needs.get(name, {}), **{field_name: value})
+        except ValueError as err:
+            assert "does not apply" in str(err), (name, str(err))
+            continue
+        accepted.append(name)
+    listed = field_takers(FIELD_SETTINGS[field_name])
+    assert listed == accepted
+    assert len(accepted) < len(LOSSES)
+    if field_name == "scale":
+        assert "distill_kl" not in listed and "mnr" in listed
+    if field_name == "temperature":
+        assert {"mnr", "clip", "tiled", "siglip", "distill_kl"} <= set(listed)
+    help_text = {f.name: f for f in dataclasses.fields(CachedLossTrainingArguments)}[field_name].metadata[
+        "help"
+    ]
+    assert help_text.count("Losses:") == 1
+    from st_cached_losses.config.training_args import _names
+
+    assert help_text.endswith(f" Losses: {_names(listed)}.")
+
+
+def test_a_field_under_its_settings_name_names_the_field(tmp_path):
+    """A configuration file or flag with a loss setting's name whose field has another name (SigLIP's ``bias``
+    is ``siglip_bias``) is an error naming that field."""
+    config = tmp_path / "run.yaml"
+    config.write_text("output_dir: out\nloss: siglip\nbias: -5\n")
+    parser = CachedLossArgumentParser(CachedLossTrainingArguments)
+    with pytest.raises(ValueError, match="The loss setting 'bias' is the field 'siglip_bias'"):
+        parser.parse_yaml_file(str(config))
+    with pytest.raises(ValueError, match="The loss setting 'bias' is the field 'siglip_bias'"):
+        parser.parse_args_into_dataclasses(["--output_dir", "out", "--loss", "siglip", "--bias", "-5"])
+
+
+def test_help_states_each_default_once():
+    """``--help`` adds "(default: None)" only where the help text does not state the default itself (a
+    "None: ..." or "required")."""
+    import re
+
+    help_text = " ".join(CachedLossArgumentParser(CachedLossTrainingArguments).format_help().split())
+    entries = re.split(r" (?=--\w)", help_text)
+    doubled = [e[:40] for e in entries if "(default: None)" in e and re.search(r"None:|required", e)]
+    assert not doubled

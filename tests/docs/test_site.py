@@ -19,6 +19,7 @@ Run alone: ``python -m pytest tests/docs/test_site.py -q``.
 from __future__ import annotations
 
 import html
+import inspect
 import os
 import re
 import subprocess
@@ -259,3 +260,81 @@ def test_the_table_check_can_fail():
     )
     ((columns, cells),) = _tables(wide)
     assert columns == 3 and len(max(cells, key=len)) > WIDE_TABLE_CELL
+
+
+def _text(page: Path) -> str:
+    return " ".join(html.unescape(TAG.sub(" ", page.read_text())).split())
+
+
+def test_a_loss_page_has_one_settings_table_and_no_setting_boilerplate(site):
+    """A loss's settings are one table at the end of its entry (every constructor argument but the model),
+    not one "The setting x (see the loss's settings class)" entry per setting; SigLIP's page lists no setting
+    its constructor refuses (``learnable_scale``, ``temperature``)."""
+    import inspect
+
+    from st_cached_losses.losses.registry import losses
+
+    boilerplate = [
+        str(page.relative_to(site))
+        for page in _pages(site)
+        if "(see the loss's settings class)" in _text(page)
+    ]
+    assert not boilerplate
+    pages = {
+        page.relative_to(site).parent.name: page.read_text() for page in (site / "api").rglob("index.html")
+    }
+    for cls in set(losses().values()):
+        anchor = f'id="{cls.__module__}.{cls.__name__}"'
+        page = next((text for text in pages.values() if anchor in text), None)
+        assert page is not None, cls.__name__
+        entry = page[page.index(anchor) :]
+        assert "Settings.</strong> Each is also an attribute of the loss" in entry, cls.__name__
+        table = entry[entry.index("Settings.</strong>") :]
+        table = table[: table.index("</table>")]
+        shown = re.findall(r"<tr>\s*<td><code>(\w+)</code></td>", table)
+        params = [
+            p.name
+            for p in list(inspect.signature(cls).parameters.values())[1:]
+            if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL)
+        ]
+        assert shown == params, cls.__name__
+    siglip = pages["siglip"]
+    for refused in ("learnable_scale", "temperature"):
+        assert f'id="st_cached_losses.losses.cached_siglip.CachedSigLIPLoss.{refused}"' not in siglip
+
+
+def test_citations_are_not_shown_as_raw_strings(site):
+    """A loss's ``citations`` (BibTeX entries) are not rendered as a Python string with its ``\\n``s."""
+    raw = [
+        str(page.relative_to(site))
+        for page in (site / "api").rglob("*.html")
+        if re.search(r"@(?:article|inproceedings|misc)\{[^<]*\\n", page.read_text())
+    ]
+    assert not raw
+
+
+def test_each_object_is_documented_once(site):
+    """A class or function is documented under the module that defines it only: a module that re-exports it
+    (``functional.sigmoid``'s ``SigmoidOptions``) does not show it a second time."""
+    import importlib
+
+    ids = set()
+    for page in (site / "api").rglob("*.html"):
+        ids.update(re.findall(r'id="(st_cached_losses[\w.]*)"', page.read_text()))
+    homes: dict[int, list[str]] = {}
+    for identifier in sorted(ids):
+        try:
+            importlib.import_module(identifier)
+            continue  # a module (functional.infonce, beside its function infonce)
+        except (ImportError, ValueError):
+            pass
+        module_name, _, name = identifier.rpartition(".")
+        try:
+            module = importlib.import_module(module_name)
+        except (ImportError, ValueError):
+            continue  # a member of a class, not of a module (or the package itself)
+        obj = getattr(module, name, None)
+        if inspect.isclass(obj) or inspect.isfunction(obj):
+            homes.setdefault(id(obj), []).append(identifier)
+    twice = [places for places in homes.values() if len(places) > 1]
+    assert not twice, twice
