@@ -119,7 +119,14 @@ def check_dataset_columns(dataset: Any, args: CachedLossArguments, name: str = "
         return
     texts = _text_columns(list(column_names))
     loss_name = args.loss_class.__name__
-    if len(texts) < 2:
+    # a loss of one column's rows (embedding distillation) says so; the contrastive losses need two
+    minimum = getattr(args.loss_class, "min_text_columns", 2)
+    if len(texts) < minimum < 2:
+        raise ValueError(
+            f"{name} has columns {list(column_names)}, so {loss_name} (loss={args.loss!r}) would get no text "
+            "column; it needs at least one. A 'label'/'score' column is not a text column."
+        )
+    if len(texts) < minimum:
         raise ValueError(
             f"{name} has columns {list(column_names)}, so {loss_name} (loss={args.loss!r}) would get "
             f"{len(texts)} text column(s) {texts}; it needs at least two: (anchor, positive[, negative_1, ...]). "

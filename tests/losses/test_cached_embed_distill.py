@@ -1,0 +1,230 @@
+"""CachedEmbedDistillLoss against sentence-transformers' non-cached EmbedDistillLoss (the oracle) on a tiny random
+BERT: the same loss and every parameter gradient (the model's and the projection's) for each metric, with and
+without a projection, one and two columns, 2-D and 3-D labels, mini-batches smaller than the batch; inside
+MatryoshkaLoss; evaluation; the projection's save / load; config round trip and refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sentence_transformers.sentence_transformer import losses as st_losses
+
+from st_cached_losses import CachedEmbedDistillLoss
+from tests.losses.test_losses import assert_grads_close, flat_grads
+from tests.support.tiny_model import make_tiny_model, random_texts
+
+B = 7  # rows: mini-batch size 3 does not divide it
+D = 32  # the tiny model's width
+TEACHER_D = 12
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_embed_distill") / "bert", dropout=0.0)
+
+
+def columns(model, n_cols: int, b: int = B, seed: int = 0):
+    return [model.preprocess(random_texts(b, seed=seed + 100 * k)) for k in range(n_cols)]
+
+
+def teacher_labels(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def grads_of(model, loss, feats, labels):
+    """The loss and the flat gradient vector of the model's parameters then the projection's."""
+    model.zero_grad(set_to_none=True)
+    if getattr(loss, "projection", None) is not None:
+        loss.projection.zero_grad(set_to_none=True)
+    value = loss(feats, labels)
+    value.backward()
+    flat = flat_grads(model)
+    if getattr(loss, "projection", None) is not None:
+        proj = torch.cat([p.grad.reshape(-1) for p in loss.projection.parameters()])
+        assert proj.abs().max() > 0, "vacuous: the projection's gradient is zero"
+        flat = torch.cat([flat, proj])
+    return value.detach(), flat.clone()
+
+
+def pair(model, metric, projection_dim, mini_batch_size=3, **ours_kwargs):
+    """Their loss and ours with the same projection weights."""
+    theirs = st_losses.EmbedDistillLoss(model, metric, projection_dim)
+    ours = CachedEmbedDistillLoss(
+        model, metric, projection_dim, mini_batch_size=mini_batch_size, **ours_kwargs
+    )
+    if projection_dim is not None:
+        ours.projection.load_state_dict(theirs.projection.state_dict())
+    return theirs, ours
+
+
+@pytest.mark.parametrize("metric", ["cosine", "l2", "mse"])
+@pytest.mark.parametrize("projection_dim", [None, TEACHER_D], ids=["no-projection", "projection"])
+@pytest.mark.parametrize(
+    ("n_cols", "labels_dim"), [(1, 2), (2, 3), (2, 2)], ids=["1col", "2col-3d", "2col-broadcast"]
+)
+@pytest.mark.parametrize("mini_batch_size", [3, 32], ids=["mb3", "one-mini-batch"])
+def test_matches_embed_distill_loss(model, metric, projection_dim, n_cols, labels_dim, mini_batch_size):
+    d_t = projection_dim or D
+    shape = (B, d_t) if labels_dim == 2 else (B, n_cols, d_t)
+    labels = teacher_labels(shape, seed=n_cols)
+    feats = columns(model, n_cols)
+    torch.manual_seed(0)
+    theirs, ours = pair(model, metric, projection_dim, mini_batch_size)
+    ref_loss, ref = grads_of(model, theirs, feats, labels)
+    loss, got = grads_of(model, ours, feats, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, ref)
+
+
+def test_default_loss_is_a_positional_drop_in(model):
+    """The constructor takes theirs positionally (model, distance_metric, projection_dim) with their defaults,
+    and the config has their keys with their values."""
+    theirs = st_losses.EmbedDistillLoss(model, "l2", 16)
+    ours = CachedEmbedDistillLoss(model, "l2", 16)
+    config = ours.get_config_dict()
+    assert {k: config[k] for k in theirs.get_config_dict()} == theirs.get_config_dict()
+    default = CachedEmbedDistillLoss(model)
+    assert (
+        default.distance_metric == "cosine" and default.projection_dim is None and default.projection is None
+    )
+    assert "kim2023embeddistill" in ours.citation and "gao2021scaling" in ours.citation
+
+
+def test_matryoshka_matches(model):
+    """Inside MatryoshkaLoss (which decorates calculate_loss): the same loss and gradients as MatryoshkaLoss
+    around EmbedDistillLoss, which cuts labels of the model's width to each dimension."""
+    feats = columns(model, 2, seed=5)
+    labels = teacher_labels((B, 2, D), seed=5)
+    dims, weights = [32, 16, 8], [1.0, 0.5, 2.0]
+    theirs = st_losses.MatryoshkaLoss(model, st_losses.EmbedDistillLoss(model, "mse"), dims, weights)
+    ours = st_losses.MatryoshkaLoss(
+        model, CachedEmbedDistillLoss(model, "mse", mini_batch_size=3), dims, weights
+    )
+    ref_loss, ref = grads_of(model, theirs, feats, labels)
+    loss, got = grads_of(model, ours, feats, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, ref)
+
+
+def test_matryoshka_with_a_projection_is_refused(model):
+    ours = st_losses.MatryoshkaLoss(
+        model, CachedEmbedDistillLoss(model, "cosine", TEACHER_D, mini_batch_size=3), [32, 16]
+    )
+    with pytest.raises(ValueError, match="cannot go through the full-width projection"):
+        ours(columns(model, 1), teacher_labels((B, TEACHER_D)))
+
+
+def test_evaluation_gives_the_same_loss(model):
+    feats = columns(model, 2, seed=7)
+    labels = teacher_labels((B, 2, TEACHER_D), seed=7)
+    theirs, ours = pair(model, "cosine", TEACHER_D)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(feats, labels), theirs(feats, labels), rtol=1e-5, atol=1e-6)
+
+
+def test_compute_loss_from_embeddings_takes_their_form(model):
+    """Their ``compute_loss_from_embeddings(embeddings, teacher_embeddings)``: one teacher tensor per column."""
+    theirs, ours = pair(model, "l2", TEACHER_D)
+    embs = [torch.randn(B, D, requires_grad=True) for _ in range(2)]
+    teachers = [teacher_labels((B, TEACHER_D), seed=k) for k in range(2)]
+    ref = theirs.compute_loss_from_embeddings(embs, teachers)
+    ref_grads = torch.autograd.grad(ref, embs)
+    got = ours.compute_loss_from_embeddings(embs, teachers)
+    got_grads = torch.autograd.grad(got, embs)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for g, r in zip(got_grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-7)
+
+
+def test_projection_saves_and_loads_as_theirs(model, tmp_path):
+    """Their file loads into ours and ours into theirs; a loss without a projection makes one from the file."""
+    theirs = st_losses.EmbedDistillLoss(model, "cosine", TEACHER_D)
+    theirs.save_projection(tmp_path / "theirs.safetensors")
+    ours = CachedEmbedDistillLoss(model)
+    ours.load_projection(tmp_path / "theirs.safetensors")
+    assert ours.projection_dim == TEACHER_D
+    torch.testing.assert_close(ours.projection.weight, theirs.projection.weight)
+    ours.save_projection(tmp_path / "ours.safetensors")
+    again = st_losses.EmbedDistillLoss(model, "cosine")
+    again.load_projection(tmp_path / "ours.safetensors")
+    torch.testing.assert_close(again.projection.bias, theirs.projection.bias)
+    assert "projection.weight" in dict(ours.named_parameters())
+    with pytest.raises(ValueError, match="No projection layer to save"):
+        CachedEmbedDistillLoss(model).save_projection(tmp_path / "none.safetensors")
+    with pytest.raises(ValueError, match="does not match the configured projection"):
+        CachedEmbedDistillLoss(model, "cosine", 5).load_projection(tmp_path / "ours.safetensors")
+
+
+def test_assigning_projection_dim_rebuilds_the_projection(model):
+    loss = CachedEmbedDistillLoss(model, "cosine", 8)
+    assert loss.projection.out_features == 8
+    loss.projection_dim = 12
+    assert loss.projection.out_features == 12
+    loss.projection_dim = None
+    assert loss.projection is None
+
+
+def test_config_round_trip_and_refusals(model):
+    loss = CachedEmbedDistillLoss(
+        model, "mse", 16, mini_batch_size=4, listwise_weight=0.5, listwise_scale=10.0
+    )
+    config = loss.get_config_dict()
+    assert config["listwise_weight"] == 0.5 and config["listwise_scale"] == 10.0
+    assert CachedEmbedDistillLoss(model, **config).get_config_dict() == config
+    with pytest.raises(ValueError, match="distance_metric must be one of"):
+        CachedEmbedDistillLoss(model, "dot")
+    with pytest.raises(ValueError, match="both 0"):
+        CachedEmbedDistillLoss(model, pointwise_weight=0.0)
+    ours = CachedEmbedDistillLoss(model, mini_batch_size=3)
+    feats = columns(model, 2)
+    with pytest.raises(ValueError, match="requires pre-computed teacher embeddings"):
+        ours(feats, None)
+    with pytest.raises(ValueError, match=r"Number of label columns \(3\)"):
+        ours(feats, teacher_labels((B, 3, D)))
+    with pytest.raises(ValueError, match="set projection_dim=12"):
+        ours(feats, teacher_labels((B, 12)))
+
+
+def test_registered_by_name():
+    from st_cached_losses.config.registry import canonical_loss
+
+    assert canonical_loss("embed_distill") == "embed_distill"
+    assert canonical_loss("EmbedDistillLoss") == "embed_distill"
+    assert canonical_loss("CachedEmbedDistillLoss") == "embed_distill"
+
+
+def test_built_from_yaml_and_trains_with_the_stock_trainer(model, tmp_path):
+    """The arguments route: a YAML file names the loss (sentence-transformers' class name) and its settings;
+    the one-column dataset passes the dataset check; the stock trainer runs two steps, the projection learns."""
+    import yaml
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer
+    from transformers import HfArgumentParser
+
+    from st_cached_losses import build_loss
+    from st_cached_losses.config.factory import check_dataset_columns
+    from st_cached_losses.config.training_args import CachedLossTrainingArguments
+
+    fields = {
+        "output_dir": str(tmp_path / "out"),
+        "use_cpu": True,
+        "report_to": "none",
+        "loss": "EmbedDistillLoss",
+        "mini_batch_size": 3,
+        "per_device_train_batch_size": 8,
+        "max_steps": 2,
+        "loss_options": {"distance_metric": "mse", "projection_dim": TEACHER_D},
+    }
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(fields))
+    (args,) = HfArgumentParser(CachedLossTrainingArguments).parse_yaml_file(str(tmp_path / "run.yaml"))
+    texts = random_texts(16, seed=11)
+    dataset = Dataset.from_dict(
+        {"sentence": texts, "label": teacher_labels((16, TEACHER_D), seed=11).tolist()}
+    )
+    check_dataset_columns(dataset, args)
+    loss = build_loss(model, args)
+    assert isinstance(loss, CachedEmbedDistillLoss) and loss.distance_metric == "mse"
+    before = loss.projection.weight.detach().clone()
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
+    trainer.train()
+    assert not torch.equal(before, loss.projection.weight.detach()), "the projection was not trained"
