@@ -228,3 +228,62 @@ def test_built_from_yaml_and_trains_with_the_stock_trainer(model, tmp_path):
     trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=dataset, loss=loss)
     trainer.train()
     assert not torch.equal(before, loss.projection.weight.detach()), "the projection was not trained"
+
+
+# ---------------------------------------------------------------------- the live teacher (item 3 of the issue)
+
+
+@pytest.fixture(scope="module")
+def teachers(tmp_path_factory):
+    """A teacher reading the student's tokens (same vocabulary, as many tokens: embedded from the features as
+    they are) and one of another width reading fewer tokens (re-tokenised from the decoded texts)."""
+    root = tmp_path_factory.mktemp("embed_distill_teachers")
+    same = make_tiny_model(root / "same", seed=3, hidden=TEACHER_D * 2)
+    fewer = make_tiny_model(root / "fewer", seed=4, hidden=TEACHER_D, max_seq_length=16)
+    for t in (same, fewer):
+        t.requires_grad_(False)
+    return {"same": same, "fewer": fewer}
+
+
+def precomputed(teacher, texts_by_column):
+    """The labels a preprocessing pass would write: the teacher's embeddings of each column, (B, K, d_t)."""
+    with torch.no_grad():
+        return torch.stack(
+            [teacher(teacher.preprocess(texts))["sentence_embedding"] for texts in texts_by_column], dim=1
+        )
+
+
+@pytest.mark.parametrize("which", ["same", "fewer"])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"distance_metric": "cosine"}, {"distance_metric": "l2", "listwise_weight": 0.5}],
+    ids=["pointwise", "pointwise+listwise"],
+)
+def test_live_teacher_equals_precomputed_labels(model, teachers, which, kwargs):
+    """``teacher=`` embeds every column in stage 1 (mini-batch by mini-batch, no graph; re-tokenised where it
+    reads fewer tokens): the same loss and gradients as the labels its preprocessing pass would give."""
+    teacher = teachers[which]
+    d_t = teacher.get_embedding_dimension()
+    texts = [random_texts(B, seed=21 + k) for k in range(2)]
+    feats = [model.preprocess(t) for t in texts]
+    labels = precomputed(teacher, texts)
+    with_labels = CachedEmbedDistillLoss(model, projection_dim=d_t, mini_batch_size=3, **kwargs)
+    live = CachedEmbedDistillLoss(model, projection_dim=d_t, mini_batch_size=3, teacher=teacher, **kwargs)
+    live.projection.load_state_dict(with_labels.projection.state_dict())
+    assert live.stage.teacher.retokenize == (which == "fewer")
+    ref_loss, ref = grads_of(model, with_labels, feats, labels)
+    loss, got = grads_of(model, live, feats, None)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, ref)
+    assert all(p.grad is None for p in teacher.parameters()), "the teacher got a gradient"
+    with torch.no_grad():  # evaluation embeds with the teacher too
+        torch.testing.assert_close(live(feats, None), with_labels(feats, labels), rtol=1e-5, atol=1e-6)
+
+
+def test_live_teacher_with_labels_is_refused(model, teachers):
+    live = CachedEmbedDistillLoss(
+        model, projection_dim=TEACHER_D * 2, teacher=teachers["same"], mini_batch_size=3
+    )
+    with pytest.raises(ValueError, match="got both a teacher model and labels"):
+        live(columns(model, 1), teacher_labels((B, TEACHER_D * 2)))
+    assert "teacher" in live.get_config_dict()
