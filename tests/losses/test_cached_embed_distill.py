@@ -287,3 +287,105 @@ def test_live_teacher_with_labels_is_refused(model, teachers):
     with pytest.raises(ValueError, match="got both a teacher model and labels"):
         live(columns(model, 1), teacher_labels((B, TEACHER_D * 2)))
     assert "teacher" in live.get_config_dict()
+
+
+# ---------------------------------------------------------------------- the listwise term (item 2 of the issue)
+
+
+def naive_combined(
+    model, theirs, feats, labels, pointwise_weight, listwise_weight, scale, teacher_scale, dims=None
+):
+    """``pointwise_weight`` x their EmbedDistillLoss + ``listwise_weight`` x the dense listwise reference, on
+    the model's embeddings with autograd (``dims``: the Matryoshka widths, weight 1 each, the teacher's rows
+    at full width for the listwise term)."""
+    from sentence_transformers.sentence_transformer.losses.matryoshka import shrink
+
+    from tests.support.reference import reference_listwise_kl
+
+    embs = [model(dict(f))["sentence_embedding"] for f in feats]
+    teachers = list(labels.unbind(1))
+    total = 0.0
+    for dim in dims or [None]:
+        e = [shrink(x, dim) for x in embs] if dim else embs
+        t = [x[..., :dim] for x in teachers] if dim and labels.shape[-1] == D else teachers
+        value = pointwise_weight * theirs.compute_loss_from_embeddings(e, t) if pointwise_weight else 0.0
+        listwise = reference_listwise_kl(
+            e[0],
+            torch.cat(e[1:]),
+            teachers[0],
+            torch.cat(teachers[1:]),
+            scale=scale,
+            teacher_scale=teacher_scale,
+        )
+        total = total + value + listwise_weight * listwise
+    return total
+
+
+@pytest.mark.parametrize(
+    ("n_cols", "projection_dim", "weights", "tile"),
+    [
+        (2, None, (1.0, 0.5), 3),
+        (3, TEACHER_D, (1.0, 2.0), 4),
+        (3, None, (0.0, 1.0), 5),
+        (2, TEACHER_D, (0.3, 1.0), None),
+    ],
+    ids=["pairs-pointwise+listwise", "hard-negative-projection", "listwise-alone", "default-tile"],
+)
+def test_listwise_term_matches_the_dense_reference(model, n_cols, projection_dim, weights, tile):
+    """pointwise_weight x EmbedDistillLoss + listwise_weight x the dense float64-checked reference, with
+    hard-negative columns, tiles that do not divide the rows, the teacher of another width than the student
+    (the listwise term needs no projection) and the teacher's scale apart from the student's."""
+    pw, lw = weights
+    d_t = projection_dim or D
+    labels = teacher_labels((B, n_cols, d_t), seed=40 + n_cols)
+    feats = columns(model, n_cols, seed=40)
+    theirs, ours = pair(
+        model,
+        "cosine",
+        projection_dim,
+        pointwise_weight=pw,
+        listwise_weight=lw,
+        listwise_scale=20.0,
+        listwise_teacher_scale=50.0,
+        tile_size=tile,
+    )
+    if not pw and projection_dim is None:
+        # the listwise term alone takes a teacher of any width
+        labels = teacher_labels((B, n_cols, TEACHER_D), seed=41)
+    ref_loss, ref = grads_of(
+        model, lambda f, y: naive_combined(model, theirs, f, y, pw, lw, 20.0, 50.0), feats, labels
+    )
+    if projection_dim is not None and pw:
+        ref = torch.cat([ref, torch.cat([p.grad.reshape(-1) for p in theirs.projection.parameters()])])
+    loss, got = grads_of(model, ours, feats, labels)
+    if projection_dim is not None and not pw:
+        got = got[: ref.numel()]
+    torch.testing.assert_close(loss, ref_loss.float(), rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, ref)
+
+
+def test_listwise_inside_matryoshka(model):
+    """Inside MatryoshkaLoss every width's listwise term ranks with the truncated student rows and the
+    teacher's full rows; the pointwise term cuts labels of the model's width as theirs."""
+    dims = [32, 16, 8]
+    labels = teacher_labels((B, 3, D), seed=50)
+    feats = columns(model, 3, seed=50)
+    theirs = st_losses.EmbedDistillLoss(model, "l2")
+    ours = st_losses.MatryoshkaLoss(
+        model, CachedEmbedDistillLoss(model, "l2", mini_batch_size=3, listwise_weight=0.7, tile_size=4), dims
+    )
+    ref_loss, ref = grads_of(
+        model,
+        lambda f, y: naive_combined(model, theirs, f, y, 1.0, 0.7, 20.0, 20.0, dims=dims),
+        feats,
+        labels,
+    )
+    loss, got = grads_of(model, ours, feats, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, ref)
+
+
+def test_listwise_needs_two_columns(model):
+    ours = CachedEmbedDistillLoss(model, listwise_weight=1.0, mini_batch_size=3)
+    with pytest.raises(ValueError, match="needs at least two text columns"):
+        ours(columns(model, 1), teacher_labels((B, D)))
