@@ -13,6 +13,7 @@ anchor over every candidate, computed in tiles with running log-sum-exps."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,9 +27,11 @@ from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
 from st_cached_losses.functional.embed_distill import EMBED_DISTANCES, embed_distill_loss_and_grad
 from st_cached_losses.functional.listwise import listwise_kl_loss_and_grad, listwise_tile_size
 from st_cached_losses.functional.parallel import mean_scale_grad
+from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
+from st_cached_losses.losses.cached_distill import DistillSettings
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
-from st_cached_losses.losses.ranking import RankingSettings
+from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings
 from st_cached_losses.losses.settings import (
     LossStageSettings,
     check_nonnegative,
@@ -36,7 +39,8 @@ from st_cached_losses.losses.settings import (
     redefault,
     setting,
 )
-from st_cached_losses.losses.stages.infonce import GuideModel
+from st_cached_losses.losses.stages.infonce import GuideModel, InfoNCE
+from st_cached_losses.losses.stages.weighted import WeightedSum
 
 __all__ = ["EMBED_DISTILL_CITATION", "CachedEmbedDistillLoss", "EmbedDistill", "EmbedDistillSettings"]
 
@@ -158,14 +162,16 @@ class EmbedDistillSettings(LossStageSettings):
         "teacher candidate) (None: listwise_scale).",
         check=_teacher_scale,
     )
+    infonce_weight: float = redefault(DistillSettings, "infonce_weight", 0.0)
+    infonce_scale: float = redefault(DistillSettings, "infonce_scale", 20.0)
     gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
 
     def validate(self) -> None:
         super().validate()
-        if not self.pointwise_weight and not self.listwise_weight:
+        if not self.pointwise_weight and not self.listwise_weight and not self.infonce_weight:
             raise ValueError(
-                f"{self.owner}: pointwise_weight and listwise_weight are both 0, so there is no loss; set either "
-                "above 0 (e.g. listwise_weight=1.0)."
+                f"{self.owner}: pointwise_weight, listwise_weight and infonce_weight are all 0, so there is no loss; "
+                "set one above 0 (e.g. listwise_weight=1.0)."
             )
 
     def teacher_scale(self) -> float:
@@ -189,6 +195,8 @@ class EmbedDistillSettings(LossStageSettings):
                 "listwise_weight",
                 "listwise_scale",
                 "listwise_teacher_scale",
+                "infonce_weight",
+                "infonce_scale",
                 "gather_across_devices",
                 "tile_size",
             )
@@ -458,8 +466,12 @@ class CachedEmbedDistillLoss(CachedLoss):
             listwise_weight: the listwise term's weight (0, the default: the pointwise loss alone).
             listwise_scale: the student's listwise logits' scale (``1 / temperature``).
             listwise_teacher_scale: the teacher's listwise logits' scale (None: ``listwise_scale``).
+            infonce_weight: the weight of an in-batch InfoNCE term added to the loss (sentence-transformers'
+                ``MultipleNegativesRankingLoss`` of the same batch: the anchors against every row's candidates,
+                the second column the positive, by cosine); 0 (the default): none. Needs two columns.
+            infonce_scale: the InfoNCE term's scale (``1 / its temperature``).
             gather_across_devices: the pointwise term is the mean over every process's rows (each process's
-                share), the listwise term ranks every process's candidates.
+                share), the listwise and InfoNCE terms rank every process's candidates.
             show_progress_bar: tqdm bars over the mini-batches.
 
         References:
@@ -548,14 +560,14 @@ class CachedEmbedDistillLoss(CachedLoss):
             inputs[_PROJECTION[1]] = projection.bias
         return inputs
 
-    def build_stage(self) -> EmbedDistill:
+    def build_stage(self) -> Stage:
         s = self.__dict__["_settings"]
         teacher = None
         if s.teacher is not None:
             model = unwrap_model(self.model)
             retokenize = GuideModel.must_retokenize(s.teacher, model, self._model_tokenizer)
             teacher = GuideModel(s.teacher, retokenize, self._model_tokenizer)
-        return EmbedDistill(
+        distill = EmbedDistill(
             owner=type(self).__name__,
             metric=s.distance_metric,
             pointwise_weight=s.pointwise_weight,
@@ -568,6 +580,22 @@ class CachedEmbedDistillLoss(CachedLoss):
             tile_size=s.tile_size,
             memory_budget=s.memory_budget,
         )
+        if not s.infonce_weight:
+            return distill
+        # the anchors against every row's candidates, the first candidate column the positive (sentence-
+        # transformers' MultipleNegativesRankingLoss), by cosine at infonce_scale
+        infonce = InfoNCE(
+            owner=distill.owner,
+            terms=functools.partial(mnrl_terms, ONE_DIRECTION, "joint", None, 0.0),
+            similarity="cosine",
+            scale=s.infonce_scale,
+            path=s.path,
+            tile_size=s.tile_size,
+            memory_budget=s.memory_budget,
+            matmul_precision=s.matmul_precision,
+            gather=s.gather_across_devices,
+        )
+        return WeightedSum(stages=[(1.0, distill), (s.infonce_weight, infonce)])
 
     # ------------------------------------------------------------------ the projection, as theirs
 

@@ -173,7 +173,7 @@ def test_config_round_trip_and_refusals(model):
     assert CachedEmbedDistillLoss(model, **config).get_config_dict() == config
     with pytest.raises(ValueError, match="distance_metric must be one of"):
         CachedEmbedDistillLoss(model, "dot")
-    with pytest.raises(ValueError, match="both 0"):
+    with pytest.raises(ValueError, match="are all 0"):
         CachedEmbedDistillLoss(model, pointwise_weight=0.0)
     ours = CachedEmbedDistillLoss(model, mini_batch_size=3)
     feats = columns(model, 2)
@@ -293,14 +293,24 @@ def test_live_teacher_with_labels_is_refused(model, teachers):
 
 
 def naive_combined(
-    model, theirs, feats, labels, pointwise_weight, listwise_weight, scale, teacher_scale, dims=None
+    model,
+    theirs,
+    feats,
+    labels,
+    pointwise_weight,
+    listwise_weight,
+    scale,
+    teacher_scale,
+    dims=None,
+    infonce=0.0,
 ):
     """``pointwise_weight`` x their EmbedDistillLoss + ``listwise_weight`` x the dense listwise reference, on
     the model's embeddings with autograd (``dims``: the Matryoshka widths, weight 1 each, the teacher's rows
-    at full width for the listwise term)."""
+    at full width for the listwise term; ``infonce``: the weight of the dense InfoNCE of the anchors against every
+    candidate at scale 20)."""
     from sentence_transformers.sentence_transformer.losses.matryoshka import shrink
 
-    from tests.support.reference import reference_listwise_kl
+    from tests.support.reference import reference_infonce, reference_listwise_kl
 
     embs = [model(dict(f))["sentence_embedding"] for f in feats]
     teachers = list(labels.unbind(1))
@@ -318,24 +328,33 @@ def naive_combined(
             teacher_scale=teacher_scale,
         )
         total = total + value + listwise_weight * listwise
+        if infonce:
+            total = total + infonce * reference_infonce(e[0], e[1:], scale=20.0, similarity="cosine")
     return total
 
 
 @pytest.mark.parametrize(
     ("n_cols", "projection_dim", "weights", "tile"),
     [
-        (2, None, (1.0, 0.5), 3),
-        (3, TEACHER_D, (1.0, 2.0), 4),
-        (3, None, (0.0, 1.0), 5),
-        (2, TEACHER_D, (0.3, 1.0), None),
+        (2, None, (1.0, 0.5, 0.0), 3),
+        (3, TEACHER_D, (1.0, 2.0, 0.0), 4),
+        (3, None, (0.0, 1.0, 0.0), 5),
+        (2, TEACHER_D, (0.3, 1.0, 0.0), None),
+        (3, None, (0.0, 1.0, 0.5), 4),
     ],
-    ids=["pairs-pointwise+listwise", "hard-negative-projection", "listwise-alone", "default-tile"],
+    ids=[
+        "pairs-pointwise+listwise",
+        "hard-negative-projection",
+        "listwise-alone",
+        "default-tile",
+        "listwise+infonce",
+    ],
 )
 def test_listwise_term_matches_the_dense_reference(model, n_cols, projection_dim, weights, tile):
     """pointwise_weight x EmbedDistillLoss + listwise_weight x the dense float64-checked reference, with
     hard-negative columns, tiles that do not divide the rows, the teacher of another width than the student
     (the listwise term needs no projection) and the teacher's scale apart from the student's."""
-    pw, lw = weights
+    pw, lw, iw = weights
     d_t = projection_dim or D
     labels = teacher_labels((B, n_cols, d_t), seed=40 + n_cols)
     feats = columns(model, n_cols, seed=40)
@@ -347,13 +366,14 @@ def test_listwise_term_matches_the_dense_reference(model, n_cols, projection_dim
         listwise_weight=lw,
         listwise_scale=20.0,
         listwise_teacher_scale=50.0,
+        infonce_weight=iw,
         tile_size=tile,
     )
     if not pw and projection_dim is None:
         # the listwise term alone takes a teacher of any width
         labels = teacher_labels((B, n_cols, TEACHER_D), seed=41)
     ref_loss, ref = grads_of(
-        model, lambda f, y: naive_combined(model, theirs, f, y, pw, lw, 20.0, 50.0), feats, labels
+        model, lambda f, y: naive_combined(model, theirs, f, y, pw, lw, 20.0, 50.0, infonce=iw), feats, labels
     )
     if projection_dim is not None and pw:
         ref = torch.cat([ref, torch.cat([p.grad.reshape(-1) for p in theirs.projection.parameters()])])
