@@ -60,6 +60,12 @@ def build_loss(model: nn.Module, args: CachedLossArguments, train_dataset: Any |
         device = next(model.parameters()).device
         guide = SentenceTransformer(str(args.guide_model), device=str(device)) if args.guide_model else None
         return CachedGISTLoss(model, guide, **args.loss_kwargs())  # no guide_model: self-guided
+    if args.loss == "embed_distill" and args.teacher_model:
+        from sentence_transformers import SentenceTransformer
+
+        device = next(model.parameters()).device
+        teacher = SentenceTransformer(str(args.teacher_model), device=str(device)).requires_grad_(False)
+        return cast(Any, args.loss_class)(model, teacher=teacher, **args.loss_kwargs())
     return args.loss_class(model, **args.loss_kwargs())
 
 

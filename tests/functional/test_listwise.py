@@ -158,3 +158,22 @@ def test_pointwise_matches_autograd(metric, projection, chunk):
     for a, r in zip(got, ref_grads):
         assert r.abs().max() > 0
         torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-12)
+
+
+def test_memory_is_rows_plus_one_tile_not_the_matrix():
+    """The peak of live tensor bytes (a dispatch mode, deterministic) is the rows' copies, gradients and one
+    tile's blocks: at B = 1024 anchors against C = 2048 candidates with 128-wide tiles it stays under a third of
+    one dense B x C fp32 matrix (the dense loss holds several), and from B = 256 to 1024 it grows about as the
+    rows (x4), far from B x C (x16)."""
+    from tests.support.memory import PeakMemory
+
+    def peak(b: int) -> int:
+        q, c, u, v = _case(b, 2, 16, 24, seed=b, dtype=torch.float32)
+        with PeakMemory() as meter:
+            listwise_kl_loss_and_grad(q, c, u, v, scale=20.0, teacher_scale=20.0, tile_size=128)
+        return meter.peak_bytes
+
+    small, large = peak(256), peak(1024)
+    dense = 1024 * 2048 * 4
+    assert large < dense / 3, (large, dense)
+    assert large < 5 * small, (small, large)

@@ -213,7 +213,8 @@ def test_built_from_yaml_and_trains_with_the_stock_trainer(model, tmp_path):
         "mini_batch_size": 3,
         "per_device_train_batch_size": 8,
         "max_steps": 2,
-        "loss_options": {"distance_metric": "mse", "projection_dim": TEACHER_D},
+        "distance_metric": "mse",
+        "projection_dim": TEACHER_D,
     }
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(fields))
     (args,) = HfArgumentParser(CachedLossTrainingArguments).parse_yaml_file(str(tmp_path / "run.yaml"))
@@ -409,3 +410,28 @@ def test_listwise_needs_two_columns(model):
     ours = CachedEmbedDistillLoss(model, listwise_weight=1.0, mini_batch_size=3)
     with pytest.raises(ValueError, match="needs at least two text columns"):
         ours(columns(model, 1), teacher_labels((B, D)))
+
+
+def test_teacher_model_field_loads_the_teacher(model, teachers, tmp_path):
+    """``teacher_model`` (a path) gives the loss a frozen teacher, loaded on the model's device; the other
+    fields set the terms."""
+    from st_cached_losses import build_loss
+    from st_cached_losses.config.training_args import CachedLossTrainingArguments
+
+    teachers["fewer"].save(str(tmp_path / "teacher"))
+    args = CachedLossTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        loss="embed_distill",
+        teacher_model=str(tmp_path / "teacher"),
+        projection_dim=TEACHER_D,
+        listwise_weight=0.5,
+        listwise_teacher_scale=30.0,
+        mini_batch_size=3,
+    )
+    loss = build_loss(model, args)
+    assert loss.teacher is not None and not any(p.requires_grad for p in loss.teacher.parameters())
+    assert (loss.listwise_weight, loss.listwise_teacher_scale, loss.projection_dim) == (0.5, 30.0, TEACHER_D)
+    value = loss(columns(model, 2), None)
+    assert torch.isfinite(value)
