@@ -231,7 +231,11 @@ def test_built_from_yaml_and_trains_with_the_stock_trainer(model, tmp_path):
     assert not torch.equal(before, loss.projection.weight.detach()), "the projection was not trained"
     model.save(str(tmp_path / "saved"))
     card = (tmp_path / "saved" / "README.md").read_text()
-    assert "CachedEmbedDistillLoss" in card and "kim2023embeddistill" in card and '"distance_metric": "mse"' in card
+    assert (
+        "CachedEmbedDistillLoss" in card
+        and "kim2023embeddistill" in card
+        and '"distance_metric": "mse"' in card
+    )
 
 
 # ---------------------------------------------------------------------- the live teacher (item 3 of the issue)
