@@ -223,6 +223,8 @@ class EmbedDistill(Stage):
         teacher: the live teacher (its embeddings of every column, computed in ``prepare``), or None: labels.
         gather: the pointwise term returns this process's share of the global mean, the listwise term scores
             every process's candidates.
+        path: across processes ``"tiled"`` passes the listwise term's candidate blocks around a ring of
+            processes (nothing gathered); the others gather them.
         tile_size: the listwise term's logit tile side (None: from ``memory_budget``).
         memory_budget: bytes of logit tiles (listwise) / of a row chunk's projections (pointwise).
     """
@@ -236,6 +238,7 @@ class EmbedDistill(Stage):
     student_dim: int | None = None
     teacher: GuideModel | None = None
     gather: bool = False
+    path: str = "auto"
     tile_size: int | None = None
     memory_budget: int = DEFAULT_MEMORY_BUDGET
     min_columns: int = 1
@@ -378,6 +381,7 @@ class EmbedDistill(Stage):
                 scale=self.listwise_scale,
                 teacher_scale=self.teacher_scale,
                 candidate_sizes=candidate_counts,
+                ring=self.path == "tiled",
                 row_weight=row_weight,
                 tile_size=tile,
                 with_grad=with_grad,
@@ -473,7 +477,8 @@ class CachedEmbedDistillLoss(CachedLoss):
                 the second column the positive, by cosine); 0 (the default): none. Needs two columns.
             infonce_scale: the InfoNCE term's scale (``1 / its temperature``).
             gather_across_devices: the pointwise term is the mean over every process's rows (each process's
-                share), the listwise and InfoNCE terms rank every process's candidates.
+                share), the listwise and InfoNCE terms rank every process's candidates (gathered, or passed
+                around a ring of processes with ``path="tiled"``).
             show_progress_bar: tqdm bars over the mini-batches.
 
         References:
@@ -581,6 +586,7 @@ class CachedEmbedDistillLoss(CachedLoss):
             student_dim=embedding_dimension(self.model),
             teacher=teacher,
             gather=s.gather_across_devices,
+            path=s.path,
             tile_size=s.tile_size,
             memory_budget=s.memory_budget,
         )

@@ -1,5 +1,5 @@
 """CachedEmbedDistillLoss across 2 and 3 gloo processes (spawned from pytest) with unequal batches and
-``gather_across_devices``: under DDP, the model's and the projection's gradients and the mean of the processes'
+``gather_across_devices`` (gathered, and on a ring with ``path="tiled"``, the InfoNCE term beside it): under DDP, the model's and the projection's gradients and the mean of the processes'
 losses equal one process on the concatenated global batch under the naive loss (sentence-transformers'
 EmbedDistillLoss plus the dense listwise reference over every process's candidates)."""
 
@@ -10,7 +10,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.support.dist_utils import run_distributed
-from tests.support.reference import reference_listwise_kl
+from tests.support.reference import reference_infonce, reference_listwise_kl
 from tests.support.tiny_model import make_tiny_model, random_texts
 
 TEACHER_D = 12
@@ -21,6 +21,17 @@ CONFIGS = {
         2,
     ),
     "listwise-hard-negative": ({"pointwise_weight": 0.0, "listwise_weight": 1.0, "tile_size": 3}, 3),
+    "ring-listwise+infonce": (
+        {
+            "distance_metric": "cosine",
+            "projection_dim": TEACHER_D,
+            "listwise_weight": 1.0,
+            "infonce_weight": 0.3,
+            "path": "tiled",
+            "tile_size": 2,
+        },
+        3,
+    ),
 }
 
 
@@ -96,6 +107,8 @@ def _reference(path: str, name: str, n_rows: int) -> dict:
         value = value + theirs.compute_loss_from_embeddings(embs, teachers)
     listwise = reference_listwise_kl(embs[0], torch.cat(embs[1:]), teachers[0], torch.cat(teachers[1:]))
     value = value + kwargs["listwise_weight"] * listwise
+    if kwargs.get("infonce_weight"):
+        value = value + kwargs["infonce_weight"] * reference_infonce(embs[0], embs[1:], similarity="cosine")
     value.backward()
     return {"loss": value.item(), "grads": grads(model, proj)}
 
