@@ -442,3 +442,21 @@ def test_teacher_model_field_loads_the_teacher(model, teachers, tmp_path):
     assert (loss.listwise_weight, loss.listwise_teacher_scale, loss.projection_dim) == (0.5, 30.0, TEACHER_D)
     value = loss(columns(model, 2), None)
     assert torch.isfinite(value)
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [{"mini_batch_num_tokens": 40}, {"mini_batch_size": "auto", "mini_batch_memory_budget": "64MiB"}],
+    ids=["token-budget", "auto"],
+)
+def test_engine_options_give_the_same_result(model, engine):
+    """A token budget per mini-batch and ``"auto"`` sizes change the memory, not the loss or the gradients."""
+    labels = teacher_labels((B, 2, TEACHER_D), seed=60)
+    feats = columns(model, 2, seed=60)
+    theirs = st_losses.EmbedDistillLoss(model, "l2", TEACHER_D)
+    ours = CachedEmbedDistillLoss(model, "l2", TEACHER_D, show_progress_bar=True, **engine)
+    ours.projection.load_state_dict(theirs.projection.state_dict())
+    ref_loss, ref = grads_of(model, theirs, feats, labels)
+    loss, got = grads_of(model, ours, feats, labels)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    assert_grads_close(got, ref)
