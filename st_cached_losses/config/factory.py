@@ -60,6 +60,12 @@ def build_loss(model: nn.Module, args: CachedLossArguments, train_dataset: Any |
         device = next(model.parameters()).device
         guide = SentenceTransformer(str(args.guide_model), device=str(device)) if args.guide_model else None
         return CachedGISTLoss(model, guide, **args.loss_kwargs())  # no guide_model: self-guided
+    if args.loss == "embed_distill" and args.teacher_model:
+        from sentence_transformers import SentenceTransformer
+
+        device = next(model.parameters()).device
+        teacher = SentenceTransformer(str(args.teacher_model), device=str(device)).requires_grad_(False)
+        return cast(Any, args.loss_class)(model, teacher=teacher, **args.loss_kwargs())
     return args.loss_class(model, **args.loss_kwargs())
 
 
@@ -119,7 +125,14 @@ def check_dataset_columns(dataset: Any, args: CachedLossArguments, name: str = "
         return
     texts = _text_columns(list(column_names))
     loss_name = args.loss_class.__name__
-    if len(texts) < 2:
+    # a loss of one column's rows (embedding distillation) says so; the contrastive losses need two
+    minimum = getattr(args.loss_class, "min_text_columns", 2)
+    if len(texts) < minimum < 2:
+        raise ValueError(
+            f"{name} has columns {list(column_names)}, so {loss_name} (loss={args.loss!r}) would get no text "
+            "column; it needs at least one. A 'label'/'score' column is not a text column."
+        )
+    if len(texts) < minimum:
         raise ValueError(
             f"{name} has columns {list(column_names)}, so {loss_name} (loss={args.loss!r}) would get "
             f"{len(texts)} text column(s) {texts}; it needs at least two: (anchor, positive[, negative_1, ...]). "

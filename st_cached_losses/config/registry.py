@@ -125,6 +125,7 @@ FIELD_NAMES = {
     "similarity_fct": "similarity",
     "show_progress_bar": "loss_show_progress_bar",
     "guide": "guide_model",
+    "teacher": "teacher_model",
     "bias": "siglip_bias",
 }
 #: settings no field sets, and why

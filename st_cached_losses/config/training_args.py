@@ -283,6 +283,18 @@ class CachedLossArguments(BaseTrainingArguments):
     teacher_temperature: Optional[float] = loss_field("teacher_temperature")  # noqa: UP045
     infonce_weight: float = loss_field("infonce_weight")
     infonce_scale: Optional[float] = loss_field("infonce_scale", None)  # noqa: UP045
+    distance_metric: str = loss_field("distance_metric")
+    projection_dim: Optional[int] = loss_field("projection_dim")  # noqa: UP045
+    teacher_model: Optional[str] = loss_field(  # noqa: UP045
+        "teacher",
+        text=_doc("teacher")
+        + " Here a local path (or a Hub name when online), loaded on the trained model's "
+        "device, never trained.",
+    )
+    pointwise_weight: float = loss_field("pointwise_weight")
+    listwise_weight: float = loss_field("listwise_weight")
+    listwise_scale: float = loss_field("listwise_scale")
+    listwise_teacher_scale: Optional[float] = loss_field("listwise_teacher_scale")  # noqa: UP045
     same_dataset_order: str = field(
         default="proportional",
         metadata={
@@ -461,11 +473,12 @@ class CachedLossArguments(BaseTrainingArguments):
         return MODEL_KINDS[LOSS_ALIASES[str(self.loss).lower()]]
 
     def loss_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the loss constructor (besides the model; for 'gist', besides the guide too;
+        """Keyword arguments of the loss constructor (besides the model; for 'gist' / 'embed_distill', besides the
+        guide / teacher too;
         for the sparse losses, besides the base loss, built from `base_loss_kwargs`): every setting the loss
         takes that a field sets, except where the field leaves the loss's own default, and ``loss_options``."""
         name = str(self.loss)
-        kwargs = self._kwargs(own_parameters(name), skip={"guide"})
+        kwargs = self._kwargs(own_parameters(name), skip={"guide", "teacher"})
         return {**kwargs, **self._options()}
 
     def base_loss_kwargs(self) -> dict[str, Any]:
@@ -795,6 +808,7 @@ def _check_model_kind(args: CachedLossArguments) -> None:
 #: fields checked on their own terms (a path, a comma-separated list, a name whose meaning the loss decides)
 _OWN_CHECKS = {
     "guide_model",
+    "teacher_model",
     "similarity",
     "directions",
     "partition_mode",

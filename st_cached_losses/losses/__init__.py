@@ -23,6 +23,7 @@ from st_cached_losses.losses.cached_multi_vector_distill import (
     CachedMultiVectorMarginMSELoss,
 )
 from st_cached_losses.losses.cached_siglip import CachedSigLIPLoss
+from st_cached_losses.losses.cached_embed_distill import CachedEmbedDistillLoss
 from st_cached_losses.losses.learnable_scale import LearnableScale
 from st_cached_losses.losses.settings import EngineSettings, LossStageSettings, Settings, setting
 # isort: on
@@ -34,6 +35,7 @@ __all__ = [
     "CachedCLIPLoss",
     "CachedCrossEncoderLoss",
     "CachedDistillKLDivLoss",
+    "CachedEmbedDistillLoss",
     "CachedGISTLoss",
     "CachedLoss",
     "CachedMNRLoss",

@@ -66,6 +66,8 @@ class StepData:
     keys: list[Tensor] | None = None
     #: per column, a guide model's embeddings of the same rows (``CachedGISTLoss``)
     guide: list[Tensor] | None = None
+    #: per column, a live teacher's embeddings of the same rows (``CachedEmbedDistillLoss``)
+    teacher: list[Tensor] | None = None
     #: the queries of the step (the reranker's rows are its pairs)
     queries: int | None = None
     #: the loss's components of the last stage call, where it has several (the sparse loss)

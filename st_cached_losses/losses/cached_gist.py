@@ -290,12 +290,8 @@ class CachedGISTLoss(LearnableScale):
 
     def _must_retokenize(self, guide: nn.Module) -> bool:
         """sentence-transformers' rule: another vocabulary, or a guide that reads fewer tokens than the model."""
-        model = unwrap_model(self.model)  # the trainer may have wrapped it by now
-        try:
-            same_vocab = self._model_tokenizer.get_vocab() == cast(Any, guide).tokenizer.get_vocab()
-        except AttributeError:
-            return True
-        return not same_vocab or getattr(guide, "max_seq_length", 0) < getattr(model, "max_seq_length", 0)
+        # the trainer may have wrapped the model by now
+        return GuideModel.must_retokenize(guide, unwrap_model(self.model), self._model_tokenizer)
 
     def build_stage(self) -> InfoNCE:
         s = self.__dict__["_settings"]

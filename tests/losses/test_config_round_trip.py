@@ -245,6 +245,8 @@ def _every_loss(models: dict[str, Any], ce_model: Any) -> list[tuple[str, Any]]:
                                                                         temperature=2.0, mini_batch_size=2)),
         ("multi_vector_margin_mse", s.CachedMultiVectorMarginMSELoss(mv, mini_batch_size=2, infonce_weight=0.5)),
         ("siglip", s.CachedSigLIPLoss(dense, 5.0, -3.0, True, 2, similarity_fct="dot", path="tiled")),
+        ("embed_distill", s.CachedEmbedDistillLoss(dense, "l2", 12, mini_batch_size=2, listwise_weight=0.5,
+                                                   listwise_teacher_scale=10.0, tile_size=3)),
     ]  # fmt: skip
 
 
@@ -261,6 +263,8 @@ def _train_step(name: str, loss: Any) -> None:
     labels = None
     if loss.distillation or name.startswith("sparse_"):
         labels = torch.randn(4, n_columns - 1)  # a teacher's score of each candidate column
+    if name == "embed_distill":
+        labels = torch.randn(4, n_columns, 12)  # a teacher's embedding of each row of each column
     model.zero_grad()
     out = loss(inputs, labels)
     total = sum(out.values()) if isinstance(out, dict) else out

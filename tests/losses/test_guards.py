@@ -14,6 +14,7 @@ from st_cached_losses import (
     CachedCLIPLoss,
     CachedCrossEncoderLoss,
     CachedDistillKLDivLoss,
+    CachedEmbedDistillLoss,
     CachedGISTLoss,
     CachedMarginMSELoss,
     CachedMNRLoss,
@@ -31,7 +32,7 @@ from tests.support.tiny_model import (
     make_tiny_splade,
 )
 
-EMBEDDING = "CachedCLIPLoss, CachedDistillKLDivLoss, CachedGISTLoss, CachedMNRLoss, CachedMarginMSELoss, CachedSigLIPLoss, CachedTiledLoss"
+EMBEDDING = "CachedCLIPLoss, CachedDistillKLDivLoss, CachedEmbedDistillLoss, CachedGISTLoss, CachedMNRLoss, CachedMarginMSELoss, CachedSigLIPLoss, CachedTiledLoss"
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,7 @@ KIND_OF = {
     CachedMarginMSELoss: "SentenceTransformer",
     CachedMultiVectorDistillKLDivLoss: "MultiVectorEncoder",
     CachedMultiVectorMarginMSELoss: "MultiVectorEncoder",
+    CachedEmbedDistillLoss: "SentenceTransformer",
 }
 
 

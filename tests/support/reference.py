@@ -133,3 +133,22 @@ def reference_sigmoid(
     z = -torch.ones_like(logits)
     z[torch.arange(b), torch.arange(b) + row_offset] = 1.0
     return -F.logsigmoid(z * logits).sum() / b
+
+
+def reference_listwise_kl(
+    anchors: Tensor,
+    candidates: Tensor,
+    teacher_anchors: Tensor,
+    teacher_candidates: Tensor,
+    *,
+    scale: float = 20.0,
+    teacher_scale: float = 20.0,
+) -> Tensor:
+    """Listwise distillation as the issue states it: per anchor, ``KL(softmax(teacher_scale * cos(u_i, v_j)) ||
+    softmax(scale * cos(q_i, c_j)))`` over every candidate ``j``, the mean over the anchors. The full ``(B, C)``
+    matrices of both, plain autograd (the teacher's rows detached)."""
+    z = scale * F.normalize(anchors, dim=-1) @ F.normalize(candidates, dim=-1).T  # (B, C)
+    u, v = teacher_anchors.detach(), teacher_candidates.detach()
+    y = teacher_scale * F.normalize(u, dim=-1) @ F.normalize(v, dim=-1).T  # (B, C)
+    log_p, log_q = torch.log_softmax(y, dim=1), torch.log_softmax(z, dim=1)
+    return (log_p.exp() * (log_p - log_q)).sum(1).mean()

@@ -51,6 +51,16 @@ class GuideModel:
     #: the trained model's tokenizer (it decodes the texts to re-tokenise)
     tokenizer: Any
 
+    @staticmethod
+    def must_retokenize(guide: nn.Module, model: nn.Module, model_tokenizer: Any) -> bool:
+        """sentence-transformers' rule for a guide (or a teacher) of ``model``: it reads the texts re-tokenised
+        when its vocabulary differs from ``model_tokenizer``'s or it reads fewer tokens than the model."""
+        try:
+            same_vocab = model_tokenizer.get_vocab() == cast(Any, guide).tokenizer.get_vocab()
+        except AttributeError:
+            return True
+        return not same_vocab or getattr(guide, "max_seq_length", 0) < getattr(model, "max_seq_length", 0)
+
     def check(self, features: Sequence[Any], owner: str) -> None:
         """Refuse columns with images, videos or audio when the guide re-tokenises the decoded text, which
         holds none of them (sentence-transformers' guide drops them silently)."""
