@@ -168,6 +168,17 @@ class EmbedDistillSettings(LossStageSettings):
                 "set one above 0 (e.g. listwise_weight=1.0)."
             )
 
+    def beyond_sentence_transformers(self) -> tuple[str, ...]:
+        """What ``EmbedDistillLoss`` has no form of: a live teacher, a pointwise weight other than 1, the
+        listwise and the InfoNCE terms."""
+        ours = (
+            ("teacher", self.teacher is not None),
+            ("pointwise_weight", self.pointwise_weight != 1.0),
+            ("listwise_weight", bool(self.listwise_weight)),
+            ("infonce_weight", bool(self.infonce_weight)),
+        )
+        return (*super().beyond_sentence_transformers(), *(name for name, used in ours if used))
+
     def teacher_scale(self) -> float:
         """The listwise term's teacher scale, as used."""
         return self.listwise_teacher_scale if self.listwise_teacher_scale is not None else self.listwise_scale

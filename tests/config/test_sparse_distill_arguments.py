@@ -180,7 +180,7 @@ def test_names(name, expected):
             {"loss": "sparse_distill_kl", "infonce_weight": 0.1},
             r"^infonce_weight does not apply to loss='sparse_distill_kl' \(CachedSparseLoss with SparseDistillKLDivLoss "
             r"as its base loss does not take infonce_weight\): infonce_weight applies to loss='distill_kl', "
-            r"loss='margin_mse', loss='multi_vector_distill_kl' or loss='multi_vector_margin_mse'\. Remove infonce_weight",
+            r"loss='margin_mse', loss='multi_vector_distill_kl', loss='multi_vector_margin_mse' or loss='embed_distill'\. Remove infonce_weight",
         ),
         (
             {"loss": "sparse_margin_mse", "infonce_scale": 20.0},

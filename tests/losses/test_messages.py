@@ -209,3 +209,16 @@ def test_the_arguments_caching_off_warning_follows_the_same_rule(tmp_path):
     assert "MultipleNegativesRankingLoss (not cached)" in clip
     for kw in ({"loss": "siglip"}, {"loss": "mnr", "learnable_scale": True}, {"loss": "gist"}):
         assert said(**kw) == [], kw
+
+
+def test_embed_distill_names_embed_distill_loss_only_for_its_pointwise_term(model):
+    """``CachedEmbedDistillLoss`` equals ``EmbedDistillLoss`` on its pointwise term alone; with the listwise
+    or the InfoNCE term, a pointwise weight other than 1 or a live teacher, sentence-transformers has no loss
+    that gives its result."""
+    from st_cached_losses import CachedEmbedDistillLoss
+
+    settings = CachedEmbedDistillLoss.settings_class
+    assert CachedEmbedDistillLoss.non_cached_equivalent(settings()) == "EmbedDistillLoss"
+    for changed in ({"listwise_weight": 1.0}, {"infonce_weight": 0.5}, {"pointwise_weight": 0.5}):
+        assert CachedEmbedDistillLoss.non_cached_equivalent(settings(**changed)) is None, changed
+    assert CachedEmbedDistillLoss.non_cached_equivalent(settings(teacher=model)) is None
