@@ -54,7 +54,13 @@ class LocalCall:
             pair = None
         scored = [t for t in terms.terms if pair is None or t != pair[1]]
         bank_c, bank_q = o.bank.sizes if o.bank is not None else (0, 0)
-        n_cols = {"q_local": b, "bank_c": bank_c, "bank_q": bank_q}
+        # every source's own length: lists of hard negatives (listed_negatives) have any number of rows
+        n_cols = {
+            "q_local": b,
+            "bank_c": bank_c,
+            "bank_q": bank_q,
+            **{f"c{k}": len(c) for k, c in enumerate(cols)},
+        }
         width = sum(n_cols.get(t.cols, cols[0].shape[0]) for t in scored)
         one_pass = one_pass and pair is None
         buffers = (1 + need_scale_grad + terms.guided) if one_pass else 3 + terms.guided

@@ -233,6 +233,12 @@ def loss_and_grad(
     if not in_batch_negatives(opts):
         return _own_loss_and_grad(anchors, candidates, sizes, opts, with_grad)
     if sizes is not None:
+        if opts.listed_negatives:
+            raise ValueError(
+                "listed_negatives=True (lists of hard negatives, each row its own number) is for one process: "
+                "across processes the lists are not exchanged yet; pass sizes=None, or hard-negative columns "
+                "with one row per anchor."
+            )
         strategy = ring_loss_and_grad if ring else gathered_loss_and_grad
         return strategy(anchors, candidates, sizes, opts, with_grad=with_grad)
     opts = replace(opts, check_finite=False)

@@ -30,6 +30,7 @@ from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.checks import warn_caching_off
 from st_cached_losses.engine.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
+from st_cached_losses.engine.lists import ListColumns, list_columns
 from st_cached_losses.functional.distributed import is_distributed, warn_no_process_group_once
 from st_cached_losses.functional.parallel import agree_on_sizes
 from st_cached_losses.losses import registry
@@ -68,6 +69,9 @@ class StepData:
     queries: int | None = None
     #: the loss's components of the last stage call, where it has several (the sparse loss)
     parts: dict[str, Tensor] | None = None
+    #: per column the engine embedded, its per-row text counts ``(B,)`` where it is list-valued (None for a
+    #: column of one text per row); None: no column is ([`lists`][st_cached_losses.engine.lists])
+    counts: list[Tensor | None] | None = None
 
 
 @dataclass
@@ -378,6 +382,15 @@ class CachedLoss(nn.Module):
         """The columns the engine embeds from what the loss was called with (the features, as given)."""
         return list(inputs)
 
+    def check_lists(self, features: list[Any], lists: ListColumns) -> None:
+        """Refuse a batch with list-valued columns (or ``None`` values) the loss cannot take, before any forward
+        (instead of the stage's check of fixed columns). By default every loss refuses them."""
+        raise ValueError(
+            f"{type(self).__name__} takes columns of one text per row: column(s) {lists.kept} (or a column left "
+            "out) hold lists of texts or None values. Lists of hard negatives are taken by CachedMNRLoss, "
+            "CachedCLIPLoss and CachedTiledLoss; otherwise give one text per row in every column."
+        )
+
     def forward(self, inputs: Iterable[Any], labels: Tensor | None = None, **call: Any) -> Any:
         """The loss of one batch: ``inputs`` are the columns' features (the reranker's: text columns; ``call``
         its ``prompt`` / ``task``). With gradients enabled, the returned loss's backward replays the
@@ -386,11 +399,17 @@ class CachedLoss(nn.Module):
         inputs = list(inputs)
         self._tag_model_card()
         try:
-            features = self.engine_columns(inputs, **call)
-            self.stage.check(features)
+            lists = list_columns(inputs)  # list-valued columns: their existing texts, and per-row counts
+            features = self.engine_columns(lists.columns, **call)
+            if lists.listed:
+                self.check_lists(features, lists)
+            else:
+                self.stage.check(features)
         except ValueError as exc:  # the other processes are about to wait for this one: tell them
             self.cache.raise_on_every_process(self.model, exc)
         step = self.stage.prepare(self, features, inputs)
+        if lists.listed:
+            step.counts = lists.counts
         step.inputs = self.stage_inputs(training=torch.is_grad_enabled())
         if not torch.is_grad_enabled():
             embeddings = self.cache.embed(self.model, features)

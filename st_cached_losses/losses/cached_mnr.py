@@ -14,6 +14,9 @@ from typing import Any
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
+from st_cached_losses.engine.features import batch_size_of
+from st_cached_losses.engine.lists import ListColumns
+from st_cached_losses.functional.distributed import is_distributed
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
@@ -22,6 +25,28 @@ from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings
 from st_cached_losses.losses.stages.infonce import InfoNCE
 
 __all__ = ["CachedMNRLoss", "ranking_stage"]
+
+#: why an option cannot take lists of hard negatives (each row its own number, every row's a candidate of every
+#: anchor, none in a row's own slot of a column), and what to do instead
+_LIST_REFUSALS = {
+    "hardness_mode": (
+        "it weighs a row's own hard negatives apart from the others', and a list's entries hold no row's slot. "
+        "Use hardness_mode='all_negatives' (every negative alike) or None, or hard-negative columns of one text "
+        "per row."
+    ),
+    "directions": (
+        "doc_to_doc removes every document of a row's own query, and a list's entries hold no row's slot. Drop "
+        "'doc_to_doc', or give hard-negative columns of one text per row."
+    ),
+    "in_batch_negatives": (
+        "each row would be scored against its own entries only, and a list's entries hold no row's slot. Set "
+        "in_batch_negatives=True, or give hard-negative columns of one text per row."
+    ),
+    "gather_across_devices": (
+        "lists are not exchanged across processes yet. Train on one process, set gather_across_devices=False "
+        "(each process's own candidates), or give hard-negative columns of one text per row."
+    ),
+}
 
 
 def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | None = None) -> InfoNCE:
@@ -236,6 +261,37 @@ class CachedMNRLoss(LearnableScale):
     def _non_cached_gives_the_same(self) -> bool:
         # a bank's point is small batches, whose negatives it adds, and the non-cached loss has no bank
         return not self.settings.negative_bank_size
+
+    def check_lists(self, features: list[Any], lists: ListColumns) -> None:
+        """Lists of hard negatives: the anchors and the positives one text per row, each other column its texts
+        of every row (each row's count of them), and no option that reads a row's own hard negatives."""
+        s, owner = self.settings, type(self).__name__
+        sizes = [batch_size_of(f) for f in features]
+        if lists.kept[:2] != [0, 1] or lists.counts[0] is not None or lists.counts[1] is not None:
+            raise ValueError(
+                f"{owner} takes lists (or None values) in its hard-negative columns only: the anchors (column 0) "
+                "and the positives (column 1) must hold one text per row. Give each anchor one positive."
+            )
+        b = sizes[0]
+        for k, (n, counts) in enumerate(zip(sizes, lists.counts)):
+            expected = b if counts is None else int(counts.sum())
+            if (counts is not None and len(counts) != b) or n != expected:
+                raise ValueError(
+                    f"{owner}: column {lists.kept[k]} has {n} texts for {b} anchors (its per-row counts say "
+                    f"{expected}): every hard-negative column needs one entry (a list, or None) per anchor."
+                )
+        refusals = {
+            "hardness_mode": s.hardness_mode in ("hard_negatives", "in_batch_negatives"),
+            "directions": "doc_to_doc" in s.directions,
+            "in_batch_negatives": not s.in_batch_negatives,
+            "gather_across_devices": s.gather_across_devices and is_distributed(),
+        }
+        for name, refused in refusals.items():
+            if refused:
+                raise ValueError(
+                    f"{owner}: {name}={getattr(s, name)!r} cannot take lists of hard negatives (a column of lists, "
+                    f"or None values): {_LIST_REFUSALS[name]}"
+                )
 
     def build_stage(self) -> InfoNCE:
         return ranking_stage(type(self).__name__, self.__dict__["_settings"], self.negative_bank)

@@ -169,6 +169,8 @@ class InfoNCE(Stage):
             anchor_keys=keys[0] if keys is not None else None,
             candidate_keys=keys[1:] if keys is not None else None,
             bank=bank,
+            # lists of hard negatives (each row its own number): candidates of every row, no row's own
+            listed_negatives=step.counts is not None,
         )
 
     def _guide(self, step: StepData, embeddings: list[Tensor]) -> Guide | None:
