@@ -26,6 +26,22 @@ from st_cached_losses.losses.stages.infonce import InfoNCE
 
 __all__ = ["CachedMNRLoss", "ranking_stage"]
 
+#: why an option cannot take several positives per row, and what to do instead
+_POSITIVES_REFUSALS = {
+    "directions": "query_to_query is not defined for them. Drop 'query_to_query', or give one positive per row.",
+    "partition_mode": (
+        "in one joint softmax a positive's row would hold its anchor's candidates and the anchors at once, with no "
+        "single target. Use partition_mode='per_direction', or give one positive per row."
+    ),
+    "negative_bank_size": (
+        "the bank is not kept for them yet. Set negative_bank_size=0, or give one positive per row."
+    ),
+    "mask_duplicates": (
+        "duplicates are masked in the anchor -> candidates direction only for them. Drop 'doc_to_query' or "
+        "mask_duplicates, or give one positive per row."
+    ),
+}
+
 #: why an option cannot take lists of hard negatives (each row its own number, every row's a candidate of every
 #: anchor, none in a row's own slot of a column), and what to do instead
 _LIST_REFUSALS = {
@@ -195,6 +211,9 @@ class CachedMNRLoss(LearnableScale):
             1. (anchor, positive) pairs, optionally with hard-negative columns (anchor, positive, negative_1,
                ..., negative_n).
             2. A model whose inputs have a batch dimension (not StaticEmbedding).
+            3. For list-valued columns (or None values), the trainer's
+               ``data_collator=ListDataCollator(preprocess_fn=model.preprocess)``
+               ([`ListDataCollator`][st_cached_losses.config.collator.ListDataCollator]).
 
         Inputs:
             | Texts | Labels |
@@ -202,6 +221,15 @@ class CachedMNRLoss(LearnableScale):
             | (anchor, positive) pairs | none |
             | (anchor, positive, negative) triplets | none |
             | (anchor, positive, negative_1, ..., negative_n) | none |
+            | (anchor, positive, negative), a list of negatives per row (or None in negative_k) | none |
+            | (anchor, positive[, negative]), a list of one or more positives per row | none |
+
+        Lists: every row's negatives are candidates of every anchor, as a hard-negative column's are; a missing
+        one is not a candidate and costs no forward. Each positive of a row is scored against itself and every
+        candidate that is not a positive of its row, averaged over the row's positives, then the mean over the
+        anchors (the symmetric direction: each positive against the anchors, its row's the target). Options
+        that read a row's own hard negatives (``hardness_mode`` ``"hard_negatives"`` / ``"in_batch_negatives"``,
+        ``doc_to_doc``, ``in_batch_negatives=False``) and gathering across processes are refused with lists.
 
         Recommendations:
             - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
@@ -263,14 +291,20 @@ class CachedMNRLoss(LearnableScale):
         return not self.settings.negative_bank_size
 
     def check_lists(self, features: list[Any], lists: ListColumns) -> None:
-        """Lists of hard negatives: the anchors and the positives one text per row, each other column its texts
+        """Lists: the anchors one text per row, the positives one or more per row, each other column its texts
         of every row (each row's count of them), and no option that reads a row's own hard negatives."""
         s, owner = self.settings, type(self).__name__
         sizes = [batch_size_of(f) for f in features]
-        if lists.kept[:2] != [0, 1] or lists.counts[0] is not None or lists.counts[1] is not None:
+        if lists.kept[:2] != [0, 1] or lists.counts[0] is not None:
             raise ValueError(
-                f"{owner} takes lists (or None values) in its hard-negative columns only: the anchors (column 0) "
-                "and the positives (column 1) must hold one text per row. Give each anchor one positive."
+                f"{owner} takes lists (or None values) in its positive and hard-negative columns only: the "
+                "anchors (column 0) must hold one text per row, and every row at least one positive (column 1)."
+            )
+        positives = lists.counts[1]
+        if positives is not None and bool((positives < 1).any()):
+            raise ValueError(
+                f"{owner}: rows {(positives < 1).nonzero().flatten().tolist()} have no positive: every anchor needs "
+                "at least one positive (column 1)."
             )
         b = sizes[0]
         for k, (n, counts) in enumerate(zip(sizes, lists.counts)):
@@ -291,6 +325,20 @@ class CachedMNRLoss(LearnableScale):
                 raise ValueError(
                     f"{owner}: {name}={getattr(s, name)!r} cannot take lists of hard negatives (a column of lists, "
                     f"or None values): {_LIST_REFUSALS[name]}"
+                )
+        if positives is None:
+            return
+        several = {
+            "directions": "query_to_query" in s.directions,
+            "partition_mode": s.partition_mode == "joint" and "doc_to_query" in s.directions,
+            "negative_bank_size": bool(s.negative_bank_size),
+            "mask_duplicates": s.mask_duplicates and "doc_to_query" in s.directions,
+        }
+        for name, refused in several.items():
+            if refused:
+                raise ValueError(
+                    f"{owner}: {name}={getattr(s, name)!r} cannot take several positives per row (a positive "
+                    f"column of lists): {_POSITIVES_REFUSALS[name]}"
                 )
 
     def build_stage(self) -> InfoNCE:

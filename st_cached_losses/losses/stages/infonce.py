@@ -28,16 +28,22 @@ from st_cached_losses.functional.parallel import (
     mean_scale_grad,
     pad_to_common_tokens,
 )
+from st_cached_losses.functional.positives import several_positives_loss_and_grad
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import TermSet
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
 from st_cached_losses.losses.negative_bank import NegativeBank
 from st_cached_losses.losses.ranking import check_own_candidates
 
-__all__ = ["SELF_GUIDED", "GuideModel", "InfoNCE"]
+__all__ = ["SELF_GUIDED", "GuideModel", "InfoNCE", "several_positives"]
 
 #: the guide of a self-guided GIST loss: the step's own embeddings
 SELF_GUIDED = "self"
+
+
+def several_positives(step: StepData) -> Tensor | None:
+    """The positives' per-row counts ``(B,)`` when a row of the step has other than one positive, else None."""
+    return step.counts[1] if step.counts is not None and len(step.counts) > 1 else None
 
 
 @dataclass(eq=False)
@@ -192,6 +198,8 @@ class InfoNCE(Stage):
 
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
         embeddings, step = batch.embeddings, batch.step
+        if several_positives(step) is not None:
+            return self._several_positives(batch, with_grad)
         sizes = batch.sizes(self.gather)
         scale = step.inputs.get("scale", self.scale)
         # a training step scores this process's bank entries as extra negatives; then its rows join the bank
@@ -216,9 +224,29 @@ class InfoNCE(Stage):
         input_grads = {"scale": grad_scale} if grad_scale is not None else {}
         return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
 
+    def _several_positives(self, batch: StageInput, with_grad: bool) -> StageOutput:
+        """Several positives per row ([`positives`][st_cached_losses.functional.positives]), on one process."""
+        embeddings, step = batch.embeddings, batch.step
+        counts = several_positives(step)
+        assert counts is not None  # asked for
+        batch.sizes(False)  # the finiteness check of the rows
+        scale = step.inputs.get("scale", self.scale)
+        options = self.options(step, embeddings, scale, None)
+        out = several_positives_loss_and_grad(
+            embeddings[0], embeddings[1:], counts, options, with_grad=with_grad
+        )
+        if not with_grad:
+            return StageOutput(out.loss)
+        assert out.grad_anchors is not None  # asked for
+        grad_scale = mean_scale_grad(out.grad_scale)
+        input_grads = {"scale": grad_scale} if grad_scale is not None else {}
+        return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
+
     def autograd(self, batch: StageInput) -> Tensor:
         """The core's InfoNCE with autograd (its backward recomputes the tiles); gathered with autograd
-        across processes."""
+        across processes. Several positives per row: the stage's gradients as the graph."""
+        if several_positives(batch.step) is not None:
+            return super().autograd(batch)
         embeddings, step = batch.embeddings, batch.step
         sizes = batch.sizes(self.gather)
         scale = step.inputs.get("scale", self.scale)
