@@ -195,7 +195,7 @@ def validate_inputs(
             raise ValueError(f"{name} must be a 2-D (rows, dim) tensor of embeddings, got {shape}.")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}.")
-        if t.shape[0] == 0:
+        if t.shape[0] == 0 and not (listed and name.startswith("candidates[") and name != "candidates[0]"):
             raise ValueError(
                 f"{name} is empty (0 rows): the loss needs at least one pair; skip empty batches."
             )

@@ -75,7 +75,8 @@ class LocalCall:
         self.src = Sources.of(spec, anchors, cols, anchors_all, s, prenorm=prenorm, with_grad=with_grad)
         gsrc, thr = guide_sources(o.guide, terms, o.row_offset, prenorm, self.plan.row_tile)
         self.m, self.ssum = group_stats(len(terms.weights), b, self.src.q)
-        self.bound = bind(terms.terms, self.src, o.row_offset, gsrc, thr)
+        # a list of hard negatives may be empty (listed_negatives): its terms hold no logit
+        self.bound = [x for x in bind(terms.terms, self.src, o.row_offset, gsrc, thr) if x.cols.n > 0]
         self.pair = pair
         if pair is not None:
             g_back = pair[1].group  # the columns are these rows: their statistics are the group's own

@@ -130,8 +130,9 @@ class InfoNCEOptions:
             of rows (every row's own number of negatives, flattened; a column of ``None`` where a row has
             none holds the rows that have one), and each of their entries is a candidate of every row and
             no row's own, so no term may treat their diagonal apart (no hardness penalty on a row's own hard
-            negatives, no ``doc_to_doc``). One process (the strategies across processes refuse it). Several
-            positives per row: [`positives`][st_cached_losses.functional.positives].
+            negatives, no ``doc_to_doc``); a list column may be empty. Across processes they are gathered
+            (each process's lists of its own length), not passed around the ring. Several positives per
+            row: [`positives`][st_cached_losses.functional.positives].
 
     ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
     against columns the caller gathered: the strategies of [`parallel`][st_cached_losses.functional.parallel] set them (and refuse the first
@@ -232,11 +233,6 @@ class InfoNCEOptions:
 
     def _check_listed(self, terms: TermSet | None, anchors: Tensor, cols: list[Tensor]) -> None:
         """Lists of hard negatives belong to no row: refuse what reads a row's own entry of them."""
-        if self.anchors_all is not None:
-            raise ValueError(
-                "listed_negatives=True is for one process's rows (no anchors_all): lists of hard negatives are not "
-                "exchanged across processes."
-            )
         if terms is None:
             return
         if not terms.in_batch:

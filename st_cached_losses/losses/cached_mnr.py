@@ -36,6 +36,10 @@ _POSITIVES_REFUSALS = {
     "negative_bank_size": (
         "the bank is not kept for them yet. Set negative_bank_size=0, or give one positive per row."
     ),
+    "gather_across_devices": (
+        "they are scored on one process (each process's own candidates) yet. Set gather_across_devices=False, train "
+        "on one process, or give one positive per row."
+    ),
     "mask_duplicates": (
         "duplicates are masked in the anchor -> candidates direction only for them. Drop 'doc_to_query' or "
         "mask_duplicates, or give one positive per row."
@@ -58,11 +62,51 @@ _LIST_REFUSALS = {
         "each row would be scored against its own entries only, and a list's entries hold no row's slot. Set "
         "in_batch_negatives=True, or give hard-negative columns of one text per row."
     ),
-    "gather_across_devices": (
-        "lists are not exchanged across processes yet. Train on one process, set gather_across_devices=False "
-        "(each process's own candidates), or give hard-negative columns of one text per row."
+    "mask_duplicates": (
+        "across processes the lists' duplicate keys are not gathered yet. Set mask_duplicates=False, train on one "
+        "process, or give hard-negative columns of one text per row."
+    ),
+    "path": (
+        "across processes the tiled path passes candidate blocks around a ring, and lists are gathered, not passed "
+        "around yet. Use path='auto' or 'chunked' (CachedMNRLoss, CachedCLIPLoss), or give hard-negative columns "
+        "of one text per row."
     ),
 }
+
+
+def list_refusal(settings: RankingSettings, owner: str, several: bool, across: bool) -> str | None:
+    """The message refusing a batch with lists (``several``: several positives per row) under ``settings``
+    (``across``: gathered across processes), None where they are taken."""
+    s = settings
+    refusals = {
+        "hardness_mode": s.hardness_mode in ("hard_negatives", "in_batch_negatives"),
+        "directions": "doc_to_doc" in s.directions,
+        "in_batch_negatives": not s.in_batch_negatives,
+        "mask_duplicates": s.mask_duplicates and across,
+        "path": s.path == "tiled" and across,
+    }
+    for name, refused in refusals.items():
+        if refused:
+            return (
+                f"{owner}: {name}={getattr(s, name)!r} cannot take lists of hard negatives (a column of lists, or "
+                f"None values): {_LIST_REFUSALS[name]}"
+            )
+    if not several:
+        return None
+    refused_several = {
+        "directions": "query_to_query" in s.directions,
+        "partition_mode": s.partition_mode == "joint" and "doc_to_query" in s.directions,
+        "negative_bank_size": bool(s.negative_bank_size),
+        "mask_duplicates": s.mask_duplicates and "doc_to_query" in s.directions,
+        "gather_across_devices": across,
+    }
+    for name, refused in refused_several.items():
+        if refused:
+            return (
+                f"{owner}: {name}={getattr(s, name)!r} cannot take several positives per row (a positive column "
+                f"of lists): {_POSITIVES_REFUSALS[name]}"
+            )
+    return None
 
 
 def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | None = None) -> InfoNCE:
@@ -93,6 +137,7 @@ def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | No
         bank=bank if s.negative_bank_size else None,
         # past anchors are negatives only of the terms that score against the anchors
         bank_anchors=bool({"query_to_query", "doc_to_query"} & set(s.directions)),
+        refuse_lists=functools.partial(list_refusal, s, owner),
     )
 
 
@@ -314,32 +359,11 @@ class CachedMNRLoss(LearnableScale):
                     f"{owner}: column {lists.kept[k]} has {n} texts for {b} anchors (its per-row counts say "
                     f"{expected}): every hard-negative column needs one entry (a list, or None) per anchor."
                 )
-        refusals = {
-            "hardness_mode": s.hardness_mode in ("hard_negatives", "in_batch_negatives"),
-            "directions": "doc_to_doc" in s.directions,
-            "in_batch_negatives": not s.in_batch_negatives,
-            "gather_across_devices": s.gather_across_devices and is_distributed(),
-        }
-        for name, refused in refusals.items():
-            if refused:
-                raise ValueError(
-                    f"{owner}: {name}={getattr(s, name)!r} cannot take lists of hard negatives (a column of lists, "
-                    f"or None values): {_LIST_REFUSALS[name]}"
-                )
-        if positives is None:
-            return
-        several = {
-            "directions": "query_to_query" in s.directions,
-            "partition_mode": s.partition_mode == "joint" and "doc_to_query" in s.directions,
-            "negative_bank_size": bool(s.negative_bank_size),
-            "mask_duplicates": s.mask_duplicates and "doc_to_query" in s.directions,
-        }
-        for name, refused in several.items():
-            if refused:
-                raise ValueError(
-                    f"{owner}: {name}={getattr(s, name)!r} cannot take several positives per row (a positive "
-                    f"column of lists): {_POSITIVES_REFUSALS[name]}"
-                )
+        across = s.gather_across_devices and is_distributed()
+        # across processes the settings are checked once every process knows whether any has lists (the stage)
+        message = None if across else list_refusal(s, owner, positives is not None, False)
+        if message:
+            raise ValueError(message)
 
     def build_stage(self) -> InfoNCE:
         return ranking_stage(type(self).__name__, self.__dict__["_settings"], self.negative_bank)
