@@ -208,7 +208,7 @@ class InfoNCEOptions:
             keys = Keys(self.anchor_keys, list(self.candidate_keys), self.anchors_all_keys)
         terms = self.terms
         if self.listed_negatives:
-            self._check_listed(terms, anchors, cols)
+            self._check_listed(terms)
         if terms is not None and not terms.in_batch:
             raise ValueError(
                 "terms without in-batch negatives (in_batch=False) are each row's own candidates, computed by "
@@ -231,7 +231,7 @@ class InfoNCEOptions:
             )
         return LossSpec(self, terms, score.with_products(self._products(anchors, terms, score, keys)), keys)
 
-    def _check_listed(self, terms: TermSet | None, anchors: Tensor, cols: list[Tensor]) -> None:
+    def _check_listed(self, terms: TermSet | None) -> None:
         """Lists of hard negatives belong to no row: refuse what reads a row's own entry of them."""
         if terms is None:
             return
