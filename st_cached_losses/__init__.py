@@ -39,6 +39,7 @@ _EXPORTS = {
     "build_loss": "st_cached_losses.config.factory",
     "CachedLossArgumentParser": "st_cached_losses.config.cli",
     "SameDatasetBatchSampler": "st_cached_losses.config.sampling",
+    "ListDataCollator": "st_cached_losses.config.collator",
 }
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "CachedSparseEncoderTrainingArguments",
     "CachedSparseLoss",
     "CachedTiledLoss",
+    "ListDataCollator",
     "LossStateCallback",
     "SameDatasetBatchSampler",
     "__version__",
@@ -70,6 +72,7 @@ __all__ = [
 if TYPE_CHECKING:
     from st_cached_losses import functional
     from st_cached_losses.config.cli import CachedLossArgumentParser
+    from st_cached_losses.config.collator import ListDataCollator
     from st_cached_losses.config.factory import build_loss
     from st_cached_losses.config.sampling import SameDatasetBatchSampler
     from st_cached_losses.config.training_args import (

@@ -175,9 +175,11 @@ def validate_inputs(
     row_offset: int,
     check_finite: bool,
     tokens: bool = False,
+    listed: bool = False,
 ) -> None:
     """The core's inputs: ``(rows, dim)`` embeddings, or with ``tokens`` (a score of packed rows) 3-D packed
-    rows (multi-vector ``(rows, tokens, dim + 1)``, sparse ``(rows, k, 2)``) whose widths may differ."""
+    rows (multi-vector ``(rows, tokens, dim + 1)``, sparse ``(rows, k, 2)``) whose widths may differ. With
+    ``listed``, the hard-negative columns (``cols[1:]``) may have any number of rows (lists of negatives)."""
     named = [("anchors", anchors)] + [(f"candidates[{k}]", c) for k, c in enumerate(cols)]
     if anchors_all is not None:
         named.append(("anchors_all", anchors_all))
@@ -193,7 +195,7 @@ def validate_inputs(
             raise ValueError(f"{name} must be a 2-D (rows, dim) tensor of embeddings, got {shape}.")
         if not t.is_floating_point():
             raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}.")
-        if t.shape[0] == 0:
+        if t.shape[0] == 0 and not (listed and name.startswith("candidates[") and name != "candidates[0]"):
             raise ValueError(
                 f"{name} is empty (0 rows): the loss needs at least one pair; skip empty batches."
             )
@@ -210,7 +212,7 @@ def validate_inputs(
             )
     n = cols[0].shape[0]
     for k, c in enumerate(cols[1:], start=1):
-        if c.shape[0] != n:
+        if c.shape[0] != n and not listed:
             raise ValueError(
                 f"candidates[{k}] has {c.shape[0]} rows but the positives have {n}: every candidate column "
                 "(positives, then each hard-negative column) needs one row per positive."

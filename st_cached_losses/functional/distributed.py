@@ -24,6 +24,7 @@ __all__ = [
     "all_reduce_min",
     "all_reduce_sum",
     "exchange_shapes",
+    "exchange_tagged_shapes",
     "gather_with_grad",
     "is_distributed",
     "own_rows",
@@ -90,19 +91,32 @@ def exchange_shapes(
     without a collective of its own), in rank order, and a check that ``values`` (e.g. column count and
     embedding dim) agree, in one small all-gather; on disagreement every rank raises the same
     ``ValueError`` (no hang)."""
+    sizes, flags, _ = exchange_tagged_shapes(n, values, device, what, flag)
+    return sizes, flags
+
+
+def exchange_tagged_shapes(
+    n: int, values: list[int], device: torch.device, what: str, flag: Tensor | None = None, tag: int = 0
+) -> tuple[list[int], list[int], int]:
+    """[`exchange_shapes`][st_cached_losses.functional.distributed.exchange_shapes], and every rank's ``tag`` (a
+    small non-negative integer of bits, e.g. what kind of batch this rank has) OR-ed over ranks, in the same
+    all-gather."""
     mine_flag = flag if flag is not None else torch.zeros((), dtype=torch.long, device=device)
     if not is_distributed():
-        return [n], [int(mine_flag)]
-    sent = torch.tensor([n, *values], dtype=torch.long, device=device)
+        return [n], [int(mine_flag)], tag
+    sent = torch.tensor([n, *values, tag], dtype=torch.long, device=device)
     mine = torch.cat([sent, mine_flag.to(device=device, dtype=torch.long).reshape(1)])
     table = _gather_table(mine, "all_gather_shapes")
-    shapes = [row[1:-1] for row in table]
+    shapes = [row[1:-2] for row in table]
     if any(row != shapes[0] for row in shapes):
         raise ValueError(
             f"processes disagree on {what}: {shapes} (by rank). Every process must feed the loss "
             "the same columns from the same model; check that each rank's dataset has the same columns."
         )
-    return [row[0] for row in table], [row[-1] for row in table]
+    tags = 0
+    for row in table:
+        tags |= row[-2]
+    return [row[0] for row in table], [row[-1] for row in table], tags
 
 
 def _gather_table(mine: Tensor, kind: str) -> list[list[int]]:

@@ -136,7 +136,7 @@ def _prepared(
     score = Score(opts.similarity)
     validate_inputs(
         anchors, cols, opts.anchors_all, symmetric=opts.uses_anchors_all, row_offset=opts.row_offset,
-        check_finite=opts.check_finite, tokens=score.packed,
+        check_finite=opts.check_finite, tokens=score.packed, listed=opts.listed_negatives,
     )  # fmt: skip
     spec = opts.spec(anchors, cols, score)
     rows = anchors

@@ -54,7 +54,13 @@ class LocalCall:
             pair = None
         scored = [t for t in terms.terms if pair is None or t != pair[1]]
         bank_c, bank_q = o.bank.sizes if o.bank is not None else (0, 0)
-        n_cols = {"q_local": b, "bank_c": bank_c, "bank_q": bank_q}
+        # every source's own length: lists of hard negatives (listed_negatives) have any number of rows
+        n_cols = {
+            "q_local": b,
+            "bank_c": bank_c,
+            "bank_q": bank_q,
+            **{f"c{k}": len(c) for k, c in enumerate(cols)},
+        }
         width = sum(n_cols.get(t.cols, cols[0].shape[0]) for t in scored)
         one_pass = one_pass and pair is None
         buffers = (1 + need_scale_grad + terms.guided) if one_pass else 3 + terms.guided
@@ -69,7 +75,8 @@ class LocalCall:
         self.src = Sources.of(spec, anchors, cols, anchors_all, s, prenorm=prenorm, with_grad=with_grad)
         gsrc, thr = guide_sources(o.guide, terms, o.row_offset, prenorm, self.plan.row_tile)
         self.m, self.ssum = group_stats(len(terms.weights), b, self.src.q)
-        self.bound = bind(terms.terms, self.src, o.row_offset, gsrc, thr)
+        # a list of hard negatives may be empty (listed_negatives): its terms hold no logit
+        self.bound = [x for x in bind(terms.terms, self.src, o.row_offset, gsrc, thr) if x.cols.n > 0]
         self.pair = pair
         if pair is not None:
             g_back = pair[1].group  # the columns are these rows: their statistics are the group's own

@@ -126,6 +126,13 @@ class InfoNCEOptions:
             ([`flash`][st_cached_losses.functional.flash]). Losses with a guide (GIST), duplicate keys or a
             hardness penalty, a similarity function, packed (multi-vector, sparse) rows and fp64 inputs keep
             fp32 products (see [`Products`][st_cached_losses.functional.precision.Products]).
+        listed_negatives: the hard-negative columns (``candidates[1:]``) are lists: each may have any number
+            of rows (every row's own number of negatives, flattened; a column of ``None`` where a row has
+            none holds the rows that have one), and each of their entries is a candidate of every row and
+            no row's own, so no term may treat their diagonal apart (no hardness penalty on a row's own hard
+            negatives, no ``doc_to_doc``); a list column may be empty. Across processes they are gathered
+            (each process's lists of its own length), not passed around the ring. Several positives per
+            row: [`positives`][st_cached_losses.functional.positives].
 
     ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
     against columns the caller gathered: the strategies of [`parallel`][st_cached_losses.functional.parallel] set them (and refuse the first
@@ -148,6 +155,7 @@ class InfoNCEOptions:
     check_finite: bool = True
     bank: Bank | None = None
     matmul_precision: MatmulPrecision | None = None
+    listed_negatives: bool = False
 
     def __post_init__(self) -> None:
         Score(self.similarity)  # refuses anything but "cosine", "dot" or a function
@@ -199,6 +207,8 @@ class InfoNCEOptions:
         if self.candidate_keys is not None:
             keys = Keys(self.anchor_keys, list(self.candidate_keys), self.anchors_all_keys)
         terms = self.terms
+        if self.listed_negatives:
+            self._check_listed(terms)
         if terms is not None and not terms.in_batch:
             raise ValueError(
                 "terms without in-batch negatives (in_batch=False) are each row's own candidates, computed by "
@@ -220,6 +230,25 @@ class InfoNCEOptions:
                 "(query_to_doc), not documents against anchors."
             )
         return LossSpec(self, terms, score.with_products(self._products(anchors, terms, score, keys)), keys)
+
+    def _check_listed(self, terms: TermSet | None) -> None:
+        """Lists of hard negatives belong to no row: refuse what reads a row's own entry of them."""
+        if terms is None:
+            return
+        if not terms.in_batch:
+            raise ValueError(
+                "listed_negatives=True: a list of hard negatives belongs to no row's own entries, so a loss "
+                "without in-batch negatives (in_batch=False) has nothing to score them against; use one or the "
+                "other."
+            )
+        for t in terms.terms:
+            if t.cols.startswith("c") and t.cols != "c0" and (t.diag != "keep" or t.pen_diag != t.pen_off):
+                raise ValueError(
+                    f"listed_negatives=True: the term {t.rows!r} -> {t.cols!r} treats a row's own entry of a "
+                    "hard-negative column apart (a penalty on the row's own hard negatives, or removing them as "
+                    "doc_to_doc does), but a listed negative is no row's own entry; use terms that score every "
+                    "entry of a hard-negative column alike."
+                )
 
     def _products(self, anchors: Tensor, terms: TermSet, score: Score, keys: Keys | None) -> Products:
         """``matmul_precision`` as this call runs it (see [`Products`][st_cached_losses.functional.precision.Products]):

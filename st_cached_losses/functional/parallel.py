@@ -37,7 +37,7 @@ from st_cached_losses.functional.distributed import (
     all_gather_rows,
     all_reduce_min,
     all_reduce_sum,
-    exchange_shapes,
+    exchange_tagged_shapes,
     gather_with_grad,
     is_distributed,
     own_rows,
@@ -60,6 +60,7 @@ from st_cached_losses.functional.terms import bank_terms
 
 __all__ = [
     "agree_on_sizes",
+    "agree_on_sizes_and_tag",
     "bank_sizes",
     "gathered_bank",
     "gathered_infonce",
@@ -78,16 +79,25 @@ def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[in
     shape exchange, the step's first collective, so every process raises the same ``ValueError`` naming
     the culprits before any other collective (a process raising alone would leave the others waiting;
     the ring would spread the NaN silently)."""
+    return agree_on_sizes_and_tag(columns, across_processes)[0]
+
+
+def agree_on_sizes_and_tag(
+    columns: Sequence[Tensor], across_processes: bool, tag: int = 0
+) -> tuple[list[int] | None, int]:
+    """[`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes], and ``tag`` (bits saying what kind of
+    batch this process has, e.g. lists) OR-ed over the processes, in the same collective (this process's own
+    outside a group)."""
     flags = nonfinite_columns(columns)
     if not across_processes or not is_distributed():
         raise_if_nonfinite([int(flags)])
-        return None
+        return None, tag
     b, d = columns[0].shape[0], columns[0].shape[-1]
-    sizes, all_flags = exchange_shapes(
-        b, [len(columns), d], columns[0].device, "the number of columns and the embedding dim", flags
+    sizes, all_flags, tags = exchange_tagged_shapes(
+        b, [len(columns), d], columns[0].device, "the number of columns and the embedding dim", flags, tag
     )
     raise_if_nonfinite(all_flags)
-    return sizes
+    return sizes, tags
 
 
 def bank_sizes(bank: Bank) -> tuple[list[int], list[int]]:
@@ -154,6 +164,11 @@ def _gathered(
     keys (every column's in one collective) and the guide's candidates."""
     _own_rows_only(opts)
     layout: dict[str, Any] = {"row_offset": sum(sizes[: rank()]), "check_finite": False}  # agree_on_sizes's
+    if opts.candidate_keys is not None and opts.listed_negatives:
+        raise ValueError(
+            "listed_negatives=True with duplicate keys across processes: the lists' keys are not gathered yet; "
+            "drop the keys (mask_duplicates) or train on one process."
+        )
     if opts.candidate_keys is not None:
         # without anchor keys the pairs are compared by their positives only, as on one process and the ring
         keys = [*opts.candidate_keys] + ([opts.anchor_keys] if opts.anchor_keys is not None else [])
@@ -169,7 +184,19 @@ def _gathered(
         )
     if opts.bank is not None:
         layout["bank"] = gathered_bank(opts.bank)
-    return [gather(c, sizes) for c in candidates], replace(opts, **layout)
+    per_column = column_sizes(candidates, sizes, opts.listed_negatives)
+    cols = [gather(c, n) if max(n) > 0 else c for c, n in zip(candidates, per_column)]
+    return cols, replace(opts, **layout)
+
+
+def column_sizes(candidates: Sequence[Tensor], sizes: list[int], listed: bool) -> list[list[int]]:
+    """Every process's row count of each candidate column: ``sizes`` for each, or with ``listed`` (lists of hard
+    negatives, each process its own number) the hard-negative columns' own, agreed in one small all-gather."""
+    if not listed or len(sizes) == 1:
+        return [sizes] * len(candidates) if not listed else [sizes] + [[len(c)] for c in candidates[1:]]
+    own = torch.tensor([[len(c) for c in candidates[1:]]], dtype=torch.long, device=candidates[0].device)
+    every = all_gather_rows(own, [1] * len(sizes)).cpu()  # (W, K - 1)
+    return [sizes] + [every[:, k].tolist() for k in range(len(candidates) - 1)]
 
 
 @fp32_loss_stage
@@ -199,13 +226,18 @@ def gathered_loss_and_grad(
     if Score(opts.similarity).packed:  # packed rows: every process's padded to one width per column
         anchors, *candidates = pad_to_common_tokens(given)
     cands_all, core = _gathered(all_gather_rows, anchors, candidates, sizes, opts)
+    per_column = column_sizes(candidates, sizes, opts.listed_negatives)
     w, b = len(sizes), anchors.shape[0]
     factor = w / sum(sizes) * b  # the module's weighting; the core averages over local rows
     if not with_grad:
         return InfoNCEOutput(infonce(anchors, cands_all, core) * factor, None, [], None, None)
     out = infonce_loss_and_grad(anchors, cands_all, core, grad_output=factor)
-    # every process scored everyone's candidates: sum their gradients, keep this process's rows
-    g_cands = [own_rows(all_reduce_sum(g, "all_reduce_grad"), sizes) for g in out.grad_candidates]
+    # every process scored everyone's candidates: sum their gradients, keep this process's rows (a list
+    # column no process has an entry of has none to sum)
+    g_cands = [
+        own_rows(all_reduce_sum(g, "all_reduce_grad"), n) if max(n) > 0 else g
+        for g, n in zip(out.grad_candidates, per_column)
+    ]
     g_anchors = out.grad_anchors
     if out.grad_anchors_all is not None and g_anchors is not None:
         g_anchors = g_anchors + own_rows(all_reduce_sum(out.grad_anchors_all, "all_reduce_grad"), sizes)
@@ -233,6 +265,12 @@ def loss_and_grad(
     if not in_batch_negatives(opts):
         return _own_loss_and_grad(anchors, candidates, sizes, opts, with_grad)
     if sizes is not None:
+        if opts.listed_negatives and ring:
+            raise ValueError(
+                "listed_negatives=True (lists of hard negatives, each row its own number) is gathered across "
+                "processes, not passed around the ring yet: use the gathered strategy (ring=False), or hard-negative "
+                "columns with one row per anchor."
+            )
         strategy = ring_loss_and_grad if ring else gathered_loss_and_grad
         return strategy(anchors, candidates, sizes, opts, with_grad=with_grad)
     opts = replace(opts, check_finite=False)

@@ -30,8 +30,9 @@ from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.checks import warn_caching_off
 from st_cached_losses.engine.features import batch_size_of, check_splittable, unwrap_model
 from st_cached_losses.engine.gradcache import GradCache
+from st_cached_losses.engine.lists import ListColumns, list_columns
 from st_cached_losses.functional.distributed import is_distributed, warn_no_process_group_once
-from st_cached_losses.functional.parallel import agree_on_sizes
+from st_cached_losses.functional.parallel import agree_on_sizes_and_tag
 from st_cached_losses.losses import registry
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
 from st_cached_losses.losses.guards import check_model_kind
@@ -72,6 +73,13 @@ class StepData:
     queries: int | None = None
     #: the loss's components of the last stage call, where it has several (the sparse loss)
     parts: dict[str, Tensor] | None = None
+    #: per column the engine embedded, its per-row text counts ``(B,)`` where it is list-valued (None for a
+    #: column of one text per row); None: no column is ([`lists`][st_cached_losses.engine.lists])
+    counts: list[Tensor | None] | None = None
+    #: with ``counts``, each embedded column's index among the batch's columns, and how many it has (a list
+    #: column without a text in any row is not embedded)
+    kept: list[int] | None = None
+    given: int = 0
 
 
 @dataclass
@@ -98,16 +106,22 @@ class StageInput:
     labels: Tensor | None
     step: StepData
     owner: str = "the loss"
-    _sizes: dict[bool, list[int] | None] = field(default_factory=dict, repr=False)
+    _sizes: dict[bool, tuple[list[int] | None, int]] = field(default_factory=dict, repr=False)
 
-    def sizes(self, gather: bool) -> list[int] | None:
+    def sizes(self, gather: bool, tag: int = 0) -> list[int] | None:
         """Every process's row count when ``gather`` across processes (else None), and the finiteness check of
-        the rows, agreed on by every process (one small collective, once per call)."""
+        the rows, agreed on by every process (one small collective, once per call); ``tag``: bits of this
+        process's batch every process learns in it, OR-ed ([`tag`][st_cached_losses.losses.base.StageInput.tag])."""
         if gather not in self._sizes:
             if gather and not is_distributed():
                 warn_no_process_group_once(self.owner)
-            self._sizes[gather] = agree_on_sizes(self.embeddings, gather)
-        return self._sizes[gather]
+            self._sizes[gather] = agree_on_sizes_and_tag(self.embeddings, gather, tag)
+        return self._sizes[gather][0]
+
+    def tag(self, gather: bool) -> int:
+        """The ``tag`` bits of every process OR-ed, as agreed by [`sizes`][st_cached_losses.losses.base.StageInput.sizes]
+        (this process's own on one process)."""
+        return self._sizes[gather][1] if gather in self._sizes else 0
 
 
 class Stage:
@@ -383,6 +397,15 @@ class CachedLoss(nn.Module):
         """The columns the engine embeds from what the loss was called with (the features, as given)."""
         return list(inputs)
 
+    def check_lists(self, features: list[Any], lists: ListColumns) -> None:
+        """Refuse a batch with list-valued columns (or ``None`` values) the loss cannot take, before any forward
+        (instead of the stage's check of fixed columns). By default every loss refuses them."""
+        raise ValueError(
+            f"{type(self).__name__} takes columns of one text per row: column(s) {lists.kept} (or a column left "
+            "out) hold lists of texts or None values. Lists of hard negatives are taken by CachedMNRLoss, "
+            "CachedCLIPLoss and CachedTiledLoss; otherwise give one text per row in every column."
+        )
+
     def forward(self, inputs: Iterable[Any], labels: Tensor | None = None, **call: Any) -> Any:
         """The loss of one batch: ``inputs`` are the columns' features (the reranker's: text columns; ``call``
         its ``prompt`` / ``task``). With gradients enabled, the returned loss's backward replays the
@@ -391,11 +414,17 @@ class CachedLoss(nn.Module):
         inputs = list(inputs)
         self._tag_model_card()
         try:
-            features = self.engine_columns(inputs, **call)
-            self.stage.check(features)
+            lists = list_columns(inputs)  # list-valued columns: their existing texts, and per-row counts
+            features = self.engine_columns(lists.columns, **call)
+            if lists.listed:
+                self.check_lists(features, lists)
+            else:
+                self.stage.check(features)
         except ValueError as exc:  # the other processes are about to wait for this one: tell them
             self.cache.raise_on_every_process(self.model, exc)
         step = self.stage.prepare(self, features, inputs)
+        if lists.listed:
+            step.counts, step.kept, step.given = lists.counts, lists.kept, lists.given
         step.inputs = self.stage_inputs(training=torch.is_grad_enabled())
         if not torch.is_grad_enabled():
             embeddings = self.cache.embed(self.model, features)

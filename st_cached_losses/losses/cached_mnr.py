@@ -14,6 +14,9 @@ from typing import Any
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
+from st_cached_losses.engine.features import batch_size_of
+from st_cached_losses.engine.lists import ListColumns
+from st_cached_losses.functional.distributed import is_distributed
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
@@ -22,6 +25,88 @@ from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings
 from st_cached_losses.losses.stages.infonce import InfoNCE
 
 __all__ = ["CachedMNRLoss", "ranking_stage"]
+
+#: why an option cannot take several positives per row, and what to do instead
+_POSITIVES_REFUSALS = {
+    "directions": "query_to_query is not defined for them. Drop 'query_to_query', or give one positive per row.",
+    "partition_mode": (
+        "in one joint softmax a positive's row would hold its anchor's candidates and the anchors at once, with no "
+        "single target. Use partition_mode='per_direction', or give one positive per row."
+    ),
+    "negative_bank_size": (
+        "the bank is not kept for them yet. Set negative_bank_size=0, or give one positive per row."
+    ),
+    "gather_across_devices": (
+        "they are scored on one process (each process's own candidates) yet. Set gather_across_devices=False, train "
+        "on one process, or give one positive per row."
+    ),
+    "mask_duplicates": (
+        "duplicates are masked in the anchor -> candidates direction only for them. Drop 'doc_to_query' or "
+        "mask_duplicates, or give one positive per row."
+    ),
+}
+
+#: why an option cannot take lists of hard negatives (each row its own number, every row's a candidate of every
+#: anchor, none in a row's own slot of a column), and what to do instead
+_LIST_REFUSALS = {
+    "hardness_mode": (
+        "it weighs a row's own hard negatives apart from the others', and a list's entries hold no row's slot. "
+        "Use hardness_mode='all_negatives' (every negative alike) or None, or hard-negative columns of one text "
+        "per row."
+    ),
+    "directions": (
+        "doc_to_doc removes every document of a row's own query, and a list's entries hold no row's slot. Drop "
+        "'doc_to_doc', or give hard-negative columns of one text per row."
+    ),
+    "in_batch_negatives": (
+        "each row would be scored against its own entries only, and a list's entries hold no row's slot. Set "
+        "in_batch_negatives=True, or give hard-negative columns of one text per row."
+    ),
+    "mask_duplicates": (
+        "across processes the lists' duplicate keys are not gathered yet. Set mask_duplicates=False, train on one "
+        "process, or give hard-negative columns of one text per row."
+    ),
+    "path": (
+        "across processes the tiled path passes candidate blocks around a ring, and lists are gathered, not passed "
+        "around yet. Use path='auto' or 'chunked' (CachedMNRLoss, CachedCLIPLoss), or give hard-negative columns "
+        "of one text per row."
+    ),
+}
+
+
+def list_refusal(settings: RankingSettings, owner: str, several: bool, across: bool) -> str | None:
+    """The message refusing a batch with lists (``several``: several positives per row) under ``settings``
+    (``across``: gathered across processes), None where they are taken."""
+    s = settings
+    refusals = {
+        "hardness_mode": s.hardness_mode in ("hard_negatives", "in_batch_negatives"),
+        "directions": "doc_to_doc" in s.directions,
+        "in_batch_negatives": not s.in_batch_negatives,
+        "mask_duplicates": s.mask_duplicates and across,
+        "path": s.path == "tiled" and across,
+    }
+    for name, refused in refusals.items():
+        if refused:
+            return (
+                f"{owner}: {name}={getattr(s, name)!r} cannot take lists of hard negatives (a column of lists, or "
+                f"None values): {_LIST_REFUSALS[name]}"
+            )
+    if not several:
+        return None
+    refused_several = {
+        "directions": "query_to_query" in s.directions,
+        "partition_mode": s.partition_mode == "joint" and "doc_to_query" in s.directions,
+        "negative_bank_size": bool(s.negative_bank_size),
+        "mask_duplicates": s.mask_duplicates and "doc_to_query" in s.directions,
+        "gather_across_devices": across,
+    }
+    for name, refused in refused_several.items():
+        if refused:
+            return (
+                f"{owner}: {name}={getattr(s, name)!r} cannot take several positives per row (a positive column "
+                f"of lists): {_POSITIVES_REFUSALS[name]}"
+            )
+    return None
 
 
 def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | None = None) -> InfoNCE:
@@ -52,6 +137,7 @@ def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | No
         bank=bank if s.negative_bank_size else None,
         # past anchors are negatives only of the terms that score against the anchors
         bank_anchors=bool({"query_to_query", "doc_to_query"} & set(s.directions)),
+        refuse_lists=functools.partial(list_refusal, s, owner),
     )
 
 
@@ -170,6 +256,9 @@ class CachedMNRLoss(LearnableScale):
             1. (anchor, positive) pairs, optionally with hard-negative columns (anchor, positive, negative_1,
                ..., negative_n).
             2. A model whose inputs have a batch dimension (not StaticEmbedding).
+            3. For list-valued columns (or None values), the trainer's
+               ``data_collator=ListDataCollator(preprocess_fn=model.preprocess)``
+               ([`ListDataCollator`][st_cached_losses.config.collator.ListDataCollator]).
 
         Inputs:
             | Texts | Labels |
@@ -177,6 +266,15 @@ class CachedMNRLoss(LearnableScale):
             | (anchor, positive) pairs | none |
             | (anchor, positive, negative) triplets | none |
             | (anchor, positive, negative_1, ..., negative_n) | none |
+            | (anchor, positive, negative), a list of negatives per row (or None in negative_k) | none |
+            | (anchor, positive[, negative]), a list of one or more positives per row | none |
+
+        Lists: every row's negatives are candidates of every anchor, as a hard-negative column's are; a missing
+        one is not a candidate and costs no forward. Each positive of a row is scored against itself and every
+        candidate that is not a positive of its row, averaged over the row's positives, then the mean over the
+        anchors (the symmetric direction: each positive against the anchors, its row's the target). Options
+        that read a row's own hard negatives (``hardness_mode`` ``"hard_negatives"`` / ``"in_batch_negatives"``,
+        ``doc_to_doc``, ``in_batch_negatives=False``) and gathering across processes are refused with lists.
 
         Recommendations:
             - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.
@@ -232,6 +330,36 @@ class CachedMNRLoss(LearnableScale):
             self.negative_bank = NegativeBank()
         self.negative_bank.resize(new.negative_bank_size, new.negative_bank_max_age)
         super()._settings_changed(old, new)
+
+    def check_lists(self, features: list[Any], lists: ListColumns) -> None:
+        """Lists: the anchors one text per row, the positives one or more per row, each other column its texts
+        of every row (each row's count of them), and no option that reads a row's own hard negatives."""
+        s, owner = self.settings, type(self).__name__
+        sizes = [batch_size_of(f) for f in features]
+        if lists.kept[:2] != [0, 1] or lists.counts[0] is not None:
+            raise ValueError(
+                f"{owner} takes lists (or None values) in its positive and hard-negative columns only: the "
+                "anchors (column 0) must hold one text per row, and every row at least one positive (column 1)."
+            )
+        positives = lists.counts[1]
+        if positives is not None and bool((positives < 1).any()):
+            raise ValueError(
+                f"{owner}: rows {(positives < 1).nonzero().flatten().tolist()} have no positive: every anchor needs "
+                "at least one positive (column 1)."
+            )
+        b = sizes[0]
+        for k, (n, counts) in enumerate(zip(sizes, lists.counts)):
+            expected = b if counts is None else int(counts.sum())
+            if (counts is not None and len(counts) != b) or n != expected:
+                raise ValueError(
+                    f"{owner}: column {lists.kept[k]} has {n} texts for {b} anchors (its per-row counts say "
+                    f"{expected}): every hard-negative column needs one entry (a list, or None) per anchor."
+                )
+        across = s.gather_across_devices and is_distributed()
+        # across processes the settings are checked once every process knows whether any has lists (the stage)
+        message = None if across else list_refusal(s, owner, positives is not None, False)
+        if message:
+            raise ValueError(message)
 
     def build_stage(self) -> InfoNCE:
         return ranking_stage(type(self).__name__, self.__dict__["_settings"], self.negative_bank)

@@ -152,3 +152,54 @@ def reference_listwise_kl(
     y = teacher_scale * F.normalize(u, dim=-1) @ F.normalize(v, dim=-1).T  # (B, C)
     log_p, log_q = torch.log_softmax(y, dim=1), torch.log_softmax(z, dim=1)
     return (log_p.exp() * (log_p - log_q)).sum(1).mean()
+
+
+def reference_listed_infonce(
+    anchors: Tensor,
+    positives: Sequence[Tensor],
+    negatives: Sequence[Tensor],
+    *,
+    scale: float | Tensor = 20.0,
+    similarity: str = "cosine",
+    symmetric: bool = False,
+    all_negatives_penalty: float = 0.0,
+) -> Tensor:
+    """InfoNCE with lists, in float64, one (anchor, positive) pair at a time: ``anchors`` ``(B, d)``;
+    ``positives[i]`` ``(m_i, d)`` (``m_i >= 1``) and ``negatives[i]`` ``(n_i, d)`` (``n_i >= 0``) row ``i``'s.
+
+    Every row's candidates flattened: each positive ``p`` of row ``i`` is scored against itself, every other
+    row's positives and every row's negatives (row ``i``'s other positives are masked: they are not its
+    negatives); ``-s <q_i, p> + logsumexp``, averaged over the row's positives, then the mean over the rows.
+    Symmetric: each positive ``p`` of row ``i`` also against every anchor, its target ``q_i``, averaged the same
+    way, and the two directions averaged. ``all_negatives_penalty``: sentence-transformers' ``all_negatives``
+    hardness (``alpha * stop_grad(sim)`` added to every logit but the positive's, not scaled)."""
+    q = _prep(anchors.double(), similarity)
+    pos = [_prep(p.double(), similarity) for p in positives]
+    negs = [_prep(n.double(), similarity) for n in negatives]
+    s = scale.double() if isinstance(scale, Tensor) else scale
+    b = q.shape[0]
+    all_pos = torch.cat(pos)
+    all_neg = torch.cat(negs) if negs else all_pos[:0]
+    owner = torch.cat([torch.full((len(p),), i) for i, p in enumerate(pos)])
+    fwd = q.new_zeros(())
+    back = q.new_zeros(())
+    for i in range(b):
+        row = q.new_zeros(())
+        back_row = q.new_zeros(())
+        for j in range(len(pos[i])):
+            p = pos[i][j]
+            others = all_pos[owner != i]
+            cands = torch.cat([p[None], others, all_neg])  # the positive first
+            sims = cands @ q[i]
+            logits = s * sims
+            if all_negatives_penalty:
+                logits = torch.cat([logits[:1], logits[1:] + all_negatives_penalty * sims[1:].detach()])
+            row = row + torch.logsumexp(logits, 0) - logits[0]
+            if symmetric:
+                back_logits = s * (q @ p)
+                back_row = back_row + torch.logsumexp(back_logits, 0) - back_logits[i]
+        fwd = fwd + row / len(pos[i])
+        back = back + back_row / len(pos[i])
+    if not symmetric:
+        return fwd / b
+    return (fwd / b + back / b) / 2

@@ -10,7 +10,7 @@ stage's plan, whether rows are scored against every row's candidates or their ow
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -28,16 +28,22 @@ from st_cached_losses.functional.parallel import (
     mean_scale_grad,
     pad_to_common_tokens,
 )
+from st_cached_losses.functional.positives import several_positives_loss_and_grad
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import TermSet
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
 from st_cached_losses.losses.negative_bank import NegativeBank
 from st_cached_losses.losses.ranking import check_own_candidates
 
-__all__ = ["SELF_GUIDED", "GuideModel", "InfoNCE"]
+__all__ = ["SELF_GUIDED", "GuideModel", "InfoNCE", "several_positives"]
 
 #: the guide of a self-guided GIST loss: the step's own embeddings
 SELF_GUIDED = "self"
+
+
+def several_positives(step: StepData) -> Tensor | None:
+    """The positives' per-row counts ``(B,)`` when a row of the step has other than one positive, else None."""
+    return step.counts[1] if step.counts is not None and len(step.counts) > 1 else None
 
 
 @dataclass(eq=False)
@@ -117,6 +123,10 @@ class InfoNCE(Stage):
         guide: a [`GuideModel`][st_cached_losses.losses.stages.infonce.GuideModel], ``"self"`` (the step's
             own embeddings, detached), or None (unguided terms).
         form: the engine's cache form the stage reads (token rows).
+        refuse_lists: the loss takes list-valued columns: ``refuse_lists(several, across)`` is the message
+            refusing a batch with lists (``several``: several positives per row; ``across``: across processes)
+            under the loss's settings, None where they are taken. Across processes every process learns in the
+            step's first collective whether any has lists, so that all take the same path, or all raise.
     """
 
     owner: str
@@ -134,6 +144,7 @@ class InfoNCE(Stage):
     bank_anchors: bool = False
     guide: GuideModel | str | None = None
     form: CacheForm | None = None
+    refuse_lists: Callable[[bool, bool], str | None] | None = None
 
     def check(self, features: Sequence[Any]) -> None:
         check_columns(features, self.owner)
@@ -179,6 +190,8 @@ class InfoNCE(Stage):
             anchor_keys=keys[0] if keys is not None else None,
             candidate_keys=keys[1:] if keys is not None else None,
             bank=bank,
+            # lists of hard negatives (each row its own number): candidates of every row, no row's own
+            listed_negatives=step.counts is not None,
         )
 
     def _guide(self, step: StepData, embeddings: list[Tensor]) -> Guide | None:
@@ -200,13 +213,33 @@ class InfoNCE(Stage):
 
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
         embeddings, step = batch.embeddings, batch.step
-        sizes = batch.sizes(self.gather)
+        if self._agrees_on_lists():
+            full, kept = self._every_column(batch)
+            # a list column this process did not embed: (0, d) rows, as every process has it
+            if kept is not None:
+                assert step.counts is not None  # a column left out is a list column
+                counts: list[Tensor | None] = [None] * len(full)
+                for k, c in zip(kept, step.counts):
+                    counts[k] = c
+                inner = replace(step, kept=None, counts=counts)
+                every = self(StageInput(full, batch.labels, inner, batch.owner), with_grad)
+                step.parts = inner.parts
+                if every.grads is not None:
+                    every.grads = [every.grads[k] for k in kept]
+                return every
+            sizes = batch.sizes(self.gather, self._lists_tag(step))
+            listed = self._check_agreed_lists(batch.tag(self.gather))
+        else:
+            if several_positives(step) is not None:
+                return self._several_positives(batch, with_grad)
+            sizes = batch.sizes(self.gather)
+            listed = step.counts is not None
         scale = step.inputs.get("scale", self.scale)
         # a training step scores this process's bank entries as extra negatives; then its rows join the bank
         bank = (
             self.bank.view(embeddings[0], self.bank_anchors) if with_grad and self.bank is not None else None
         )
-        options = self.options(step, embeddings, scale, bank)
+        options = replace(self.options(step, embeddings, scale, bank), listed_negatives=listed)
         ring = self.path == "tiled"
         out = loss_and_grad(embeddings[0], embeddings[1:], sizes, options, ring=ring, with_grad=with_grad)
         if bank is not None:
@@ -224,9 +257,70 @@ class InfoNCE(Stage):
         input_grads = {"scale": grad_scale} if grad_scale is not None else {}
         return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
 
+    def _agrees_on_lists(self) -> bool:
+        """Whether the processes agree on lists in this stage's first collective: a loss that takes them,
+        gathering across processes."""
+        return self.refuse_lists is not None and self.gather and is_distributed()
+
+    @staticmethod
+    def _lists_tag(step: StepData) -> int:
+        """This process's bits of the lists agreement: 1 lists, 2 several positives per row."""
+        return (1 if step.counts is not None else 0) | (2 if several_positives(step) is not None else 0)
+
+    def _check_agreed_lists(self, tag: int) -> bool:
+        """Every process raises the same refusal where a process has lists the settings cannot take across
+        processes; whether any has lists (all then score them as lists)."""
+        if tag and self.refuse_lists is not None:
+            message = self.refuse_lists(bool(tag & 2), True)
+            if message:
+                raise ValueError(f"{message} (a batch of some process holds lists; every process stops here)")
+        return bool(tag)
+
+    @staticmethod
+    def _every_column(batch: StageInput) -> tuple[list[Tensor], list[int] | None]:
+        """The step's columns with a ``(0, d)`` one where a list column was not embedded on this process (none
+        of its rows here holds a text), and the embedded columns' indices among them (None: every column)."""
+        step = batch.step
+        if step.kept is None or len(step.kept) == step.given:
+            return batch.embeddings, None
+        like = batch.embeddings[0]
+        full = [like.new_zeros((0, *like.shape[1:])) for _ in range(step.given)]
+        for k, e in zip(step.kept, batch.embeddings):
+            full[k] = e
+        return full, step.kept
+
+    def _several_positives(self, batch: StageInput, with_grad: bool) -> StageOutput:
+        """Several positives per row ([`positives`][st_cached_losses.functional.positives]), on one process."""
+        embeddings, step = batch.embeddings, batch.step
+        counts = several_positives(step)
+        assert counts is not None  # asked for
+        batch.sizes(False)  # the finiteness check of the rows
+        scale = step.inputs.get("scale", self.scale)
+        options = self.options(step, embeddings, scale, None)
+        out = several_positives_loss_and_grad(
+            embeddings[0], embeddings[1:], counts, options, with_grad=with_grad
+        )
+        if not with_grad:
+            return StageOutput(out.loss)
+        assert out.grad_anchors is not None  # asked for
+        grad_scale = mean_scale_grad(out.grad_scale)
+        input_grads = {"scale": grad_scale} if grad_scale is not None else {}
+        return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
+
     def autograd(self, batch: StageInput) -> Tensor:
         """The core's InfoNCE with autograd (its backward recomputes the tiles); gathered with autograd
-        across processes."""
+        across processes. Lists (several positives per row; across processes, lists on any process): the stage's
+        gradients as the graph."""
+        step = batch.step
+        if self._agrees_on_lists():
+            # lists agreed on in the step's first collective; lists on any process take the stage's path
+            if step.kept is not None and len(step.kept) != step.given:
+                return super().autograd(batch)
+            batch.sizes(self.gather, self._lists_tag(step))
+            if batch.tag(self.gather):
+                return super().autograd(batch)
+        elif several_positives(step) is not None:
+            return super().autograd(batch)
         embeddings, step = batch.embeddings, batch.step
         sizes = batch.sizes(self.gather)
         scale = step.inputs.get("scale", self.scale)

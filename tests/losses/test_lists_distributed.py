@@ -1,0 +1,132 @@
+"""Lists of hard negatives across 2 gloo processes (spawned from pytest) with ``gather_across_devices=True`` and
+unequal per-process batches (3 and 5 rows): one training step under DDP, each process's lists gathered at their
+own lengths (one process's lists all empty, so its list column is not embedded there; a ``None``-padded layout
+too). The mean of the processes' losses and the DDP-averaged parameter gradients equal the one-process float64
+reference on the global batch (``reference_listed_infonce``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.losses.test_lists import as_columns, collate, make_rows, reference_step
+from tests.losses.test_losses import assert_grads_close
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_model import make_tiny_model
+
+SIZES = [3, 5]
+#: name -> (class name, kwargs, layout, symmetric)
+CONFIGS = {
+    "mnr": ("CachedMNRLoss", {}, "list", False),
+    "clip_none_padded": ("CachedCLIPLoss", {}, "none_padded", True),
+    # the first process's negative_1 has no None (a fixed column there), the second's has: every process
+    # learns in the step's first collective that one has lists, and all score them as lists
+    "mixed": ("CachedMNRLoss", {}, "mixed", False),
+}
+
+
+def global_rows(layout: str = "list") -> dict[str, list]:
+    rows = make_rows(sum(SIZES), 4, seed=31)
+    for i in range(SIZES[0]):  # the first process's lists are all empty
+        rows["negative"][i] = [] if layout != "mixed" else rows["negative"][-1][:1]
+    rows["negative"][-2] = rows["negative"][-1][:2]
+    if layout == "mixed":  # one negative or none per row
+        rows["negative"] = [n[:1] for n in rows["negative"]]
+    return rows
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    base = tmp_path_factory.mktemp("lists_dist_model")
+    model = make_tiny_model(base / "bert", dropout=0.0)
+    model.save(str(base / "st"))
+    return str(base / "st")
+
+
+def load_model(path: str):
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(path, device="cpu")
+    model[0].auto_model.pooler = None  # unused by mean pooling: DDP sees every parameter used
+    return model
+
+
+def _worker(rank: int, world: int, path: str) -> dict:
+    import st_cached_losses
+
+    assert torch.distributed.get_world_size() == world
+    start = sum(SIZES[:rank])
+    results = {}
+    for name, (cls_name, kwargs, layout, _) in CONFIGS.items():
+        rows = global_rows(layout)
+        model = load_model(path)
+        ddp = DDP(model)
+        loss = getattr(st_cached_losses, cls_name)(
+            model, mini_batch_size=2, gather_across_devices=True, **kwargs
+        )
+        loss.model = ddp
+        mine = {k: v[start : start + SIZES[rank]] for k, v in rows.items()}
+        columns = mine if layout == "list" else as_columns(mine, 4 if layout != "mixed" else 1)
+        model.zero_grad(set_to_none=True)
+        value = loss(collate(model, columns), None)
+        value.backward()
+        grads = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()]
+        )
+        results[name] = {
+            "loss": value.item(),
+            "grads": grads,
+            "embedded": len(collate(model, columns)[2]["input_ids"]),
+        }
+    return results
+
+
+def test_lists_across_two_processes_equal_the_global_reference(model_dir):
+    per_rank = run_distributed(_worker, len(SIZES), model_dir)
+    model = load_model(model_dir)
+    for name, (_, _, layout, symmetric) in CONFIGS.items():
+        ref, g_ref = reference_step(model, global_rows(layout), symmetric=symmetric)
+        losses = [r[name]["loss"] for r in per_rank]
+        # the first process had no negative to embed (mixed: one per row, a fixed column)
+        assert per_rank[0][name]["embedded"] == (SIZES[0] if layout == "mixed" else 0)
+        torch.testing.assert_close(
+            torch.tensor(sum(losses) / len(losses), dtype=torch.float64), ref, rtol=1e-5, atol=1e-6
+        )
+        torch.testing.assert_close(per_rank[0][name]["grads"], per_rank[1][name]["grads"])  # DDP's average
+        assert_grads_close(per_rank[0][name]["grads"], g_ref)
+
+
+def _refusing_worker(rank: int, world: int, path: str) -> dict:
+    """What is not exchanged across processes yet is refused on every process, with the option named (several
+    positives: the first process's rows have one positive each, the second's several)."""
+    import st_cached_losses
+
+    assert torch.distributed.get_world_size() == world
+    model = load_model(path)
+    start = sum(SIZES[:rank])
+    rows = global_rows()
+    several = make_rows(sum(SIZES), 2, seed=5, max_positives=2)
+    several["positive"][: SIZES[0]] = [p[:1] for p in several["positive"][: SIZES[0]]]
+    several["positive"][-1] = several["positive"][-1] + ["w1 w2"]
+    cases = {
+        "ring": ("CachedTiledLoss", rows),
+        "several_positives": ("CachedMNRLoss", several),
+    }
+    messages = {}
+    for name, (cls_name, batch) in cases.items():
+        loss = getattr(st_cached_losses, cls_name)(model, mini_batch_size=2, gather_across_devices=True)
+        mine = {k: v[start : start + SIZES[rank]] for k, v in batch.items()}
+        try:
+            loss(collate(model, mine), None)
+            messages[name] = ""
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages
+
+
+def test_what_is_not_exchanged_yet_is_refused_on_every_process(model_dir):
+    per_rank = run_distributed(_refusing_worker, len(SIZES), model_dir)
+    for messages in per_rank:
+        assert "path='tiled'" in messages["ring"]
+        assert "gather_across_devices=True" in messages["several_positives"]
