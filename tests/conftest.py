@@ -68,6 +68,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark each test with the costly kinds its code reaches (``tests/support/lanes.py``), before ``-m``
     deselects: pytest's default leaves them out (the fast lane), ``make test`` runs them."""
     found = config.stash.setdefault(lanes.KINDS, {})
+    xdist = config.pluginmanager.hasplugin("xdist")
     for item in items:
         kinds = _kinds(item)
         by_hand = lanes.BY_HAND.get(item.nodeid.split("[")[0])
@@ -76,6 +77,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(kind)
         # pytest -n N --dist loadgroup: the tests that start process groups on one worker (one set of kept
         # groups, not one per worker), the site's tests on one (one mkdocs build)
+        if not xdist:
+            continue  # its marker is registered by pytest-xdist (--strict-markers)
         if "distributed" in kinds:
             item.add_marker(pytest.mark.xdist_group("processes"))
         elif "site" in item.fixturenames:
