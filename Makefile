@@ -22,7 +22,7 @@ export NO_MKDOCS_2_WARNING := 1
 # CPU its tests JIT-compile one comm op with the system C++ compiler on first use (~1 minute, then cached).
 export DS_BUILD_OPS := 0
 
-.PHONY: install test lint format demo bench model-cards clean wheels dist compat docs
+.PHONY: install test test-fast lint format demo bench model-cards clean wheels dist compat docs
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,10 +45,21 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# pytest builds the documentation site once, strictly (tests/docs/test_site.py: mkdocs build --strict, then
-# checks on the built pages); a second build here would only repeat it.
+# The whole suite, as CI runs it (.ci/run): every test whatever its marker (-m "" replaces the fast lane's
+# default -m of pyproject.toml). pytest builds the documentation site once, strictly (tests/docs/test_site.py:
+# mkdocs build --strict, then checks on the built pages); a second build here would only repeat it.
+# TEST_N=2: on two pytest-xdist workers, the process-group tests on one and the site's on one (--dist loadgroup,
+# tests/conftest.py groups them); serial by default until a whole run on two workers is measured.
+TEST_N ?=
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "" $(if $(TEST_N),-n $(TEST_N) --dist loadgroup)
+
+# The developer's loop: pytest's default, the fast lane. Every module's tests less those marked distributed
+# (gloo process groups, accelerate launch), subprocess (scripts, mkdocs build), trainer (a Trainer trains) or
+# slow, which tests/conftest.py marks from each test's code (tests/support/lanes.py). No linters. Two pytest-xdist
+# workers of one torch thread each (tests/conftest.py sets one): both cores, none waiting on another's thread.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n 2
 
 # The documentation site (docs/, mkdocs.yml) into site/: strict, so a broken link or reference fails.
 docs: $(STAMP)

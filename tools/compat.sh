@@ -8,7 +8,8 @@
 #
 # The source tree is tested (pytest imports the package from the checkout); each environment gets the
 # package's dependencies and its dev and examples extras. COMPAT_ENVS picks environments (default
-# "newest floor"), COMPAT_PYTEST the pytest arguments (default: the whole suite, -q; COMPAT_SUBSET=1: the
+# "newest floor"), COMPAT_PYTEST the pytest arguments (default: the whole suite, -q, every marker: -m "" comes
+# first, a -m there replaces it; COMPAT_SUBSET=1: the
 # subset below), COMPAT_KEEP=1 reuses
 # environments an earlier run built (to run other tests in them). The versions each
 # environment ran and its pytest summary line are appended to build/compat/summary.txt.
@@ -71,7 +72,7 @@ for env in $ENVS; do
     echo "== $env: $versions"
     # the checkout's package, not the installed copy: pytest puts the repository root first on sys.path
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false DS_BUILD_OPS=0 \
-        "$py" -m pytest "${PYTEST_ARGS[@]}" 2>&1 | tee "$OUT/$env.log"
+        "$py" -m pytest -m "" "${PYTEST_ARGS[@]}" 2>&1 | tee "$OUT/$env.log"
     rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || status=1
     echo "$env: $versions" >>"$OUT/summary.txt"

@@ -127,9 +127,9 @@ EOF
 }
 LOG=$OUT/env.txt step env environment
 
-# 3. the suite, device-parametrised tests on the GPU
+# 3. the suite, device-parametrised tests on the GPU; all of it (-m "": not only pytest's default fast lane)
 # shellcheck disable=SC2086  # the *_ARGS are word lists
-step pytest "$PY" -m pytest --device cuda $PYTEST_ARGS
+step pytest "$PY" -m pytest --device cuda -m "" $PYTEST_ARGS
 # 4. the benchmarks, on the GPU
 # shellcheck disable=SC2086
 step loss_stage "$PY" benchmarks/loss_stage.py --device cuda --out "$OUT" $LOSS_STAGE_ARGS

@@ -347,7 +347,6 @@ def test_examples_are_self_contained(path):
             assert not any(alias.name.startswith("_") for alias in node.names), node.module
 
 
-@pytest.mark.slow
 def _aborted_after_finishing(proc: subprocess.CompletedProcess[str]) -> bool:
     """The run finished (model and card saved) and only then did a rank abort ("terminate called")."""
     return (

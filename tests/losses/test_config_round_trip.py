@@ -4,6 +4,7 @@ sentence-transformers' (with their nine keys' settings, ours equals theirs, no `
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any
 
 import pytest
@@ -67,8 +68,14 @@ DENSE = [
 ]
 
 
+def _id(value: object) -> str:
+    """A test id without the memory addresses of function reprs: the same in every process (pytest -n
+    compares the ids its workers collected)."""
+    return re.sub(r" at 0x[0-9a-f]+", "", str(value))
+
+
 @pytest.mark.parametrize(
-    ("cls", "kwargs"), DENSE, ids=lambda v: v.__name__ if isinstance(v, type) else str(v)
+    ("cls", "kwargs"), DENSE, ids=lambda v: v.__name__ if isinstance(v, type) else _id(v)
 )
 def test_dense_losses_rebuild_from_their_config(models, cls, kwargs):
     _round_trip(cls, models["dense"], cls(models["dense"], **kwargs))
@@ -114,7 +121,7 @@ def test_sparse_rebuilds_from_its_config(models, kwargs):
         MaxSim(True),
         XTR(7),
     ],
-    ids=str,
+    ids=_id,
 )
 def test_multi_vector_rebuilds_from_its_config(models, similarity_fct):
     model = models["multi_vector"]

@@ -170,6 +170,10 @@ class _Group:
 #: the kept groups, by world size
 _GROUPS: dict[int, _Group] = {}
 
+#: the running test's id when it is not marked ``distributed`` (tests/conftest.py sets it around each test):
+#: process groups are refused there, so that a test the marking missed fails instead of slowing the fast lane
+UNMARKED_TEST: str | None = None
+
 
 @atexit.register
 def _close_groups() -> None:
@@ -190,6 +194,12 @@ def run_distributed(
     exceptions. ``fresh``: a group of its own for this call, as for a call that leaves process state
     :func:`_reset_between_calls` does not put back.
     """
+    if UNMARKED_TEST is not None:
+        raise RuntimeError(
+            f"{UNMARKED_TEST} starts gloo process groups but is not marked `distributed`, so the fast lane "
+            "(pytest's default) runs it: tests/support/lanes.py did not see the call in its code; mark the test "
+            "with @pytest.mark.distributed"
+        )
     group = _Group(world_size) if fresh else _GROUPS.pop(world_size, None) or _Group(world_size)
     ok = False
     try:
