@@ -15,7 +15,7 @@ from st_cached_losses.engine.cache_form import TokenRows
 from st_cached_losses.functional.checks import check_positive_int
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.functional.terms import mnrl_terms
-from st_cached_losses.losses.base import CachedLoss, StepData
+from st_cached_losses.losses.base import CachedLoss
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings, ScaleSettings
 from st_cached_losses.losses.settings import LossStageSettings, redefault, setting, view
@@ -35,8 +35,8 @@ class TokenScoreLoss(CachedLoss):
     """A multi-vector loss (a ``MultiVectorEncoder``'s token rows, each column's task stamped as
     sentence-transformers stamps it) whose ``similarity_fct=None`` scores as sentence-transformers' default
     ([`model_token_score`][st_cached_losses.losses.similarity.model_token_score]: from 6.3 the model's own
-    similarity, MaxSim with 6.2): its stage is built with it and built again at the next step when the model's
-    ``similarity_fn_name`` has changed. An explicit ``similarity_fct`` is used as given."""
+    similarity, MaxSim with 6.2): its stage is built with it and built again at the next call of the loss when the
+    model's ``similarity_fn_name`` has changed. An explicit ``similarity_fct`` is used as given."""
 
     @property
     def similarity(self) -> MaxSim | XTR:
@@ -62,19 +62,6 @@ class TokenScoreLoss(CachedLoss):
     def engine_columns(self, inputs: Any, **call: Any) -> list[Any]:
         self.follow_model_score()
         return with_tasks(list(inputs))
-
-    def calculate_loss(
-        self,
-        reps: list[list[Tensor]],
-        labels: Tensor | None = None,
-        *,
-        with_backward: bool = False,
-        step: StepData | None = None,
-    ) -> Tensor:
-        """[`CachedLoss.calculate_loss`][st_cached_losses.losses.base.CachedLoss.calculate_loss], the model's
-        own score followed first (a wrapper may call this directly)."""
-        self.follow_model_score()
-        return super().calculate_loss(reps, labels, with_backward=with_backward, step=step)
 
 
 @dataclass(frozen=True, kw_only=True)
