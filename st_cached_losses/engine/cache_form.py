@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
-from st_cached_losses.functional.multi_vector import pack_tokens, pad_tokens
+from st_cached_losses.functional.multi_vector import pack_tokens, pad_tokens, unpack_tokens
 
 __all__ = ["CacheForm", "TokenRows", "pad_packed"]
 
@@ -54,6 +55,24 @@ class CacheForm:
         the replayed output ``out`` (``out``'s shape)."""
         return grad
 
+    def expose(self, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        """A column's kept rows as the loss's ``calculate_loss`` takes them, which a wrapper decorating it sees
+        (MatryoshkaLoss truncates and normalises their last axis), and what is kept aside to restore them
+        (None: the rows as they are)."""
+        return rows, None
+
+    def restore(self, exposed: Tensor, aside: Tensor | None) -> Tensor:
+        """The rows the loss stage reads, from ``exposed`` (perhaps a wrapper's truncation) and ``aside``."""
+        return exposed
+
+    def exposed_grad(self, grad: Tensor, aside: Tensor | None) -> Tensor:
+        """The gradient wrt the restored rows as the gradient wrt the exposed ones."""
+        return grad
+
+    def rows_grad(self, grad: Tensor, aside: Tensor | None) -> Tensor:
+        """The gradient wrt the exposed rows as the gradient wrt the kept rows (``expose`` undone)."""
+        return grad
+
 
 class TokenRows(CacheForm):
     """A multi-vector model's rows: the model is called with the column's ``task`` and its token embeddings
@@ -73,3 +92,17 @@ class TokenRows(CacheForm):
 
     def expand(self, grad: Tensor, out: Tensor) -> Tensor:
         return grad[:, : out.shape[1]]
+
+    def expose(self, rows: Tensor) -> tuple[Tensor, Tensor | None]:
+        # the token embeddings (n, t, d) alone, as sentence-transformers' cached multi-vector loss hands them to
+        # a wrapper (MultiVectorMatryoshkaLoss truncates d); the (n, t) mask kept aside
+        return unpack_tokens(rows)
+
+    def restore(self, exposed: Tensor, aside: Tensor | None) -> Tensor:
+        return exposed if aside is None else pack_tokens(exposed, aside)
+
+    def exposed_grad(self, grad: Tensor, aside: Tensor | None) -> Tensor:
+        return grad if aside is None else grad[..., :-1]
+
+    def rows_grad(self, grad: Tensor, aside: Tensor | None) -> Tensor:
+        return grad if aside is None else torch.cat([grad, grad.new_zeros(*grad.shape[:-1], 1)], dim=-1)

@@ -146,7 +146,9 @@ def gist_terms(
 ) -> TermSet:  # fmt: skip
     """sentence-transformers' ``GISTEmbedLoss``: one softmax over anchor-positive (gathered), anchor-anchor
     (this process's anchors only), positive-positive (this process's positives against the gathered
-    ones) and anchor-negative blocks, every entry rated above the positive by the guide removed. Without
+    ones) and anchor-negative blocks, every entry rated above the positive by the guide removed. A row is
+    never its own negative: its entry of the anchor-anchor and positive-positive blocks is removed whatever
+    the guide says (sentence-transformers 6.3's fix; 6.2 kept it unless the guide's mask removed it). Without
     ``in_batch_negatives``: each anchor against its own positive and its own hard negatives, those the guide
     rates above the positive removed (the anchor-anchor and positive-positive blocks contrast other rows)."""
     if not in_batch_negatives:
@@ -154,9 +156,9 @@ def gist_terms(
         return TermSet(tuple(own), (1.0,), margin_strategy, float(margin), in_batch=False)
     terms = [Term("q", "c0", 0, "positive", guided=True)]
     if contrast_anchors:
-        terms.append(Term("q", "q_local", 0, "keep", guided=True))
+        terms.append(Term("q", "q_local", 0, "exclude", guided=True))
     if contrast_positives:
-        terms.append(Term("d", "c0", 0, "keep", guided=True))
+        terms.append(Term("d", "c0", 0, "exclude", guided=True))
     terms += [Term("q", f"c{k}", 0, "keep", guided=True) for k in range(1, n_columns)]
     return TermSet(tuple(terms), (1.0,), margin_strategy, float(margin))
 

@@ -80,6 +80,9 @@ class StepData:
     #: column without a text in any row is not embedded)
     kept: list[int] | None = None
     given: int = 0
+    #: per column, what ``calculate_loss``'s rows leave out and the stage needs (the cache form's ``expose``:
+    #: a multi-vector column's mask, its rows the token embeddings alone, which a wrapper may truncate)
+    aside: list[Tensor | None] | None = None
 
 
 @dataclass
@@ -429,7 +432,8 @@ class CachedLoss(nn.Module):
         if not torch.is_grad_enabled():
             embeddings = self.cache.embed(self.model, features)
             step = self.stage.with_embeddings(step, embeddings)
-            loss = self.calculate_loss([[e] for e in embeddings], labels, step=step)
+            exposed = self._expose(embeddings, step)
+            loss = self.calculate_loss([[e] for e in exposed], labels, step=step)
             return self._returned(loss, step, training=False)
         self._warn_if_caching_off(features)
         extra = list(step.inputs.values())
@@ -466,6 +470,9 @@ class CachedLoss(nn.Module):
         embeddings = [torch.cat(r) if len(r) > 1 else r[0] for r in reps]
         if step is None:
             step = StepData(inputs=self.stage_inputs())
+        form = self.cache.form
+        aside = step.aside if step.aside is not None else [None] * len(embeddings)
+        embeddings = [form.restore(e, a) for e, a in zip(embeddings, aside)]
         batch = StageInput(embeddings, labels, step, type(self).__name__)
         if not with_backward and torch.is_grad_enabled():  # a caller asking for autograd, not the cache
             return self.stage.autograd(batch)
@@ -474,8 +481,8 @@ class CachedLoss(nn.Module):
         if not with_backward:
             return out.loss
         assert out.grads is not None  # asked for
-        form = self.cache.form
-        for pieces, grad in zip(reps, out.grads):
+        for pieces, grad, a in zip(reps, out.grads, aside):
+            grad = form.exposed_grad(grad, a)
             for piece, g in zip(pieces, grad.split([p.shape[0] for p in pieces])):
                 g = form.expand(g, piece).to(piece.dtype)
                 piece.grad = g if piece.grad is None else piece.grad + g
@@ -496,16 +503,27 @@ class CachedLoss(nn.Module):
     ) -> tuple[Tensor, list[Tensor], list[Tensor | None]]:
         """GradCache's stage 2 through ``calculate_loss``, so that a wrapper that decorates it works: the loss,
         its gradient wrt each column, and wrt each of ``step.inputs``."""
-        reps = [[e.detach().requires_grad_()] for e in embeddings]
         step = self.stage.with_embeddings(step, embeddings)
+        reps = [[e.detach().requires_grad_()] for e in self._expose(embeddings, step)]
         loss = self.calculate_loss(reps, labels, with_backward=True, step=step)
         inputs = list(step.inputs.values())
         input_grads: list[Tensor | None] = [None] * len(inputs)
         if inputs and loss.requires_grad:
             # through whatever a wrapper did with the returned losses (e.g. Matryoshka's weights)
             input_grads = list(torch.autograd.grad(loss, inputs, allow_unused=True))
-        grads = [r[0].grad if r[0].grad is not None else torch.zeros_like(r[0]) for r in reps]
+        form, aside = self.cache.form, step.aside or [None] * len(reps)
+        grads = [
+            form.rows_grad(r[0].grad if r[0].grad is not None else torch.zeros_like(r[0]), a)
+            for r, a in zip(reps, aside)
+        ]
         return loss.detach(), grads, input_grads
+
+    def _expose(self, embeddings: list[Tensor], step: StepData) -> list[Tensor]:
+        """The columns' rows as ``calculate_loss`` takes them (the cache form's ``expose``), what each leaves
+        out put aside in ``step``."""
+        exposed = [self.cache.form.expose(e) for e in embeddings]
+        step.aside = [a for _, a in exposed]
+        return [x for x, _ in exposed]
 
     def _returned(self, loss: Tensor, step: StepData, *, training: bool) -> Tensor | dict[str, Tensor]:
         """What ``forward`` returns: the loss, or the stage's components (``step.parts``) as a dict: in

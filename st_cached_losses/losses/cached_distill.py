@@ -193,9 +193,12 @@ class MarginMSESettings(_DenseScore):
         return {**config, **self.extras()}
 
 
-def distillation_stage(distill: Distillation, settings: DistillSettings, form: Any = None) -> Stage:
+def distillation_stage(
+    distill: Distillation, settings: DistillSettings, form: Any = None, similarity: Any = None
+) -> Stage:
     """The distillation stage alone, or with ``infonce_weight`` times the in-batch InfoNCE of the queries
-    against every column of every row (the first candidate column the positive), at ``infonce_scale``."""
+    against every column of every row (the first candidate column the positive), at ``infonce_scale``, scored
+    by ``similarity`` (None: the settings' ``infonce_similarity()``)."""
     s = settings
     if not s.infonce_weight:
         return distill
@@ -204,7 +207,7 @@ def distillation_stage(distill: Distillation, settings: DistillSettings, form: A
     infonce = InfoNCE(
         owner=distill.owner,
         terms=terms,
-        similarity=s.infonce_similarity(),
+        similarity=similarity if similarity is not None else s.infonce_similarity(),
         scale=s.infonce_scale,
         path=s.path,
         tile_size=s.tile_size,

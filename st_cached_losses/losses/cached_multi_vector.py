@@ -19,16 +19,49 @@ from st_cached_losses.losses.base import CachedLoss
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings, ScaleSettings
 from st_cached_losses.losses.settings import LossStageSettings, redefault, setting, view
-from st_cached_losses.losses.similarity import TOKENS, SimilarityKind
+from st_cached_losses.losses.similarity import TOKENS, SimilarityKind, model_token_score
 from st_cached_losses.losses.stages.infonce import InfoNCE
 
-__all__ = ["CachedMultiVectorLoss", "MultiVectorSettings", "with_tasks"]
+__all__ = ["CachedMultiVectorLoss", "MultiVectorSettings", "TokenScoreLoss", "with_tasks"]
 
 
 def with_tasks(features: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each column's task, as sentence-transformers stamps it (a collator's choice kept): queries first, the
     other columns documents."""
     return [{**f, "task": f.get("task", "query" if k == 0 else "document")} for k, f in enumerate(features)]
+
+
+class TokenScoreLoss(CachedLoss):
+    """A multi-vector loss (a ``MultiVectorEncoder``'s token rows, each column's task stamped as
+    sentence-transformers stamps it) whose ``similarity_fct=None`` scores as sentence-transformers' default
+    ([`model_token_score`][st_cached_losses.losses.similarity.model_token_score]: from 6.3 the model's own
+    similarity, MaxSim with 6.2): its stage is built with it and built again at the next call of the loss when the
+    model's ``similarity_fn_name`` has changed. An explicit ``similarity_fct`` is used as given."""
+
+    @property
+    def similarity(self) -> MaxSim | XTR:
+        """The core's token score the loss computes with: ``similarity_fct`` resolved, or where it is None the
+        model's own (MaxSim, or MeanMaxSim for a ``"meanmaxsim"`` model)."""
+        if self.settings.similarity_fct is None:
+            return model_token_score(self.model)
+        score: MaxSim | XTR = self.settings.resolved("similarity_fct")
+        return score
+
+    def stage_score(self) -> MaxSim | XTR:
+        """[`similarity`][st_cached_losses.losses.cached_multi_vector.TokenScoreLoss.similarity], remembered as
+        the one the stage being built computes with (``build_stage`` calls this)."""
+        score = self.similarity
+        self.__dict__["_stage_score"] = score
+        return score
+
+    def follow_model_score(self) -> None:
+        """Build the stage again if the model's own score, which it follows, has changed since it was built."""
+        if self.settings.similarity_fct is None and self.__dict__.get("_stage_score") != self.similarity:
+            self.stage = self.build_stage()
+
+    def engine_columns(self, inputs: Any, **call: Any) -> list[Any]:
+        self.follow_model_score()
+        return with_tasks(list(inputs))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +77,10 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
 
     similarity_fct: Callable[..., Tensor] | str | None = setting(
         None,
-        doc="The multi-vector score: 'maxsim' (colbert_scores, the default), 'meanmaxsim' (mean_colbert_scores) "
-        "or 'xtr' (xtr_scores, top_k 256), sentence-transformers' functions (or a config's string of them), or "
-        "the core's MaxSim / XTR.",
+        doc="The multi-vector score: None (the default: the model's own, model.similarity as "
+        "sentence-transformers 6.3: MaxSim, MeanMaxSim for a 'meanmaxsim' model; MaxSim with 6.2), 'maxsim' (colbert_scores), "
+        "'meanmaxsim' (mean_colbert_scores) or 'xtr' (xtr_scores, top_k 256), sentence-transformers' functions "
+        "(or a config's string of them), or the core's MaxSim / XTR.",
         check=TOKENS,
         config="always",
     )
@@ -61,7 +95,8 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
 
     @view
     def similarity(self) -> MaxSim | XTR:
-        """The core's tile score: [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] or ``XTR``."""
+        """The core's tile score: [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] or ``XTR``
+        (MaxSim for None; the loss's ``similarity`` is the model's own then)."""
         return self.resolved("similarity_fct")
 
     def config(self) -> dict[str, Any]:
@@ -80,7 +115,7 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
         return {**config, **self.changed(("tile_size", "matmul_precision")), **self.auto_config()}
 
 
-class CachedMultiVectorLoss(CachedLoss):
+class CachedMultiVectorLoss(TokenScoreLoss):
     name = "multi_vector"
     aliases = ("multi-vector", "multivector")
     st_names = ("CachedMultiVectorMultipleNegativesRankingLoss", "MultiVectorMultipleNegativesRankingLoss")
@@ -134,7 +169,9 @@ class CachedMultiVectorLoss(CachedLoss):
                 ``"document"``, unless the collator set a column's task).
             scale: multiplies the scores (``1 / temperature``); 1.0 as sentence-transformers (MaxSim is a sum
                 over query tokens); with MeanMaxSim about the average query length.
-            similarity_fct: ``None`` / ``colbert_scores`` (MaxSim), ``mean_colbert_scores`` (MeanMaxSim) or
+            similarity_fct: ``None``: the model's own score (``model.similarity``, as sentence-transformers 6.3:
+                MaxSim, MeanMaxSim where ``model.similarity_fn_name`` is ``"meanmaxsim"``; with 6.2 installed,
+                MaxSim, its default); ``colbert_scores`` (MaxSim), ``mean_colbert_scores`` (MeanMaxSim) or
                 ``xtr_scores`` / ``XTRScores(top_k)`` (XTR), from
                 ``sentence_transformers.multi_vector_encoder.scoring``; or ``"maxsim"`` / ``"meanmaxsim"`` /
                 ``"xtr"``. XTR's top-k runs over every in-batch document token (every process's with
@@ -218,9 +255,6 @@ class CachedMultiVectorLoss(CachedLoss):
     def score_mini_batch_size(self, value: int | None) -> None:
         self.update_settings(score_mini_batch_size=value)
 
-    def engine_columns(self, inputs: Any, **call: Any) -> list[Any]:
-        return with_tasks(list(inputs))
-
     def build_stage(self) -> InfoNCE:
         s = self.__dict__["_settings"]
 
@@ -228,7 +262,7 @@ class CachedMultiVectorLoss(CachedLoss):
         return InfoNCE(
             owner=type(self).__name__,
             terms=terms,
-            similarity=s.similarity,
+            similarity=self.stage_score(),
             scale=s.scale,
             path=s.path,
             tile_size=s.tile_size,

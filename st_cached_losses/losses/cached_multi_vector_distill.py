@@ -16,14 +16,14 @@ from st_cached_losses.engine.cache_form import TokenRows
 from st_cached_losses.engine.checks import check_mini_batch_size
 from st_cached_losses.functional.distill import DistillObjective
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
-from st_cached_losses.losses.base import CachedLoss, Stage
+from st_cached_losses.losses.base import Stage
 from st_cached_losses.losses.cached_distill import (
     DistillSettings,
     KLTemperatureAttributes,
     KLTemperatures,
     distillation_stage,
 )
-from st_cached_losses.losses.cached_multi_vector import with_tasks
+from st_cached_losses.losses.cached_multi_vector import TokenScoreLoss
 from st_cached_losses.losses.citations import DISTILL_KL_CITATION, GRADCACHE_CITATION, MARGIN_MSE_CITATION
 from st_cached_losses.losses.settings import EngineSettings, redefault, setting
 from st_cached_losses.losses.similarity import PAIRWISE_TOKENS_KL, PAIRWISE_TOKENS_MARGIN, PairwiseTokens
@@ -101,7 +101,10 @@ class _MultiVectorDistill(DistillSettings):
     infonce_scale: float = redefault(DistillSettings, "infonce_scale", 1.0)
     similarity_fct: Callable[..., Tensor] | str | None = setting(
         None,
-        doc="The multi-vector distillation score: 'maxsim' (default), 'meanmaxsim' or 'xtr', sentence-transformers' "
+        doc="The multi-vector distillation score: None (the default: the model's own, model.similarity_pairwise "
+        "as sentence-transformers 6.3: MaxSim, MeanMaxSim for a 'meanmaxsim' model; MaxSim with 6.2), 'maxsim', "
+        "'meanmaxsim' or "
+        "'xtr', sentence-transformers' "
         "functions of the loss (colbert_kd_scores... for the KL loss, colbert_scores_pairwise... for the margin "
         "loss), or the core's MaxSim / XTR.",
         config="always",
@@ -160,9 +163,9 @@ class MultiVectorMarginMSESettings(_MultiVectorDistill):
         return {**config, **self.extras()}
 
 
-def _stage(loss: CachedLoss, objective: DistillObjective) -> Stage:
+def _stage(loss: TokenScoreLoss, objective: DistillObjective) -> Stage:
     s = loss.__dict__["_settings"]
-    score = s.score
+    score = loss.stage_score()
     student, teacher = s.temperatures() if objective == "kl" else (1.0, 1.0)
     distill = Distillation(
         owner=type(loss).__name__,
@@ -176,10 +179,10 @@ def _stage(loss: CachedLoss, objective: DistillObjective) -> Stage:
         token_rows=True,
         form=TokenRows(),
     )
-    return distillation_stage(distill, s, form=distill.form)
+    return distillation_stage(distill, s, form=distill.form, similarity=score)
 
 
-class CachedMultiVectorDistillKLDivLoss(KLTemperatureAttributes, CachedLoss):
+class CachedMultiVectorDistillKLDivLoss(KLTemperatureAttributes, TokenScoreLoss):
     name = "multi_vector_distill_kl"
     aliases = ("multi-vector-distill-kl",)
     st_names = ("MultiVectorDistillKLDivLoss",)
@@ -227,7 +230,9 @@ class CachedMultiVectorDistillKLDivLoss(KLTemperatureAttributes, CachedLoss):
         Args:
             model: the ``MultiVectorEncoder`` to train (column 0 embedded as ``task="query"``, the others as
                 ``"document"``, unless the collator set a column's task).
-            similarity_fct: ``None`` / ``colbert_kd_scores`` (MaxSim), ``mean_colbert_kd_scores`` (MeanMaxSim)
+            similarity_fct: ``None``: the model's own score (``model.similarity_pairwise``, as
+                sentence-transformers 6.3: MaxSim, MeanMaxSim where ``model.similarity_fn_name`` is
+                ``"meanmaxsim"``; with 6.2 installed, MaxSim, its default); ``colbert_kd_scores`` (MaxSim), ``mean_colbert_kd_scores`` (MeanMaxSim)
                 or ``xtr_kd_scores`` / ``XTRKDScores(top_k)`` (XTR: each query token's top-k over every
                 document token of the batch, as theirs), from
                 ``sentence_transformers.multi_vector_encoder.scoring``; or ``"maxsim"`` / ``"meanmaxsim"`` /
@@ -300,17 +305,15 @@ class CachedMultiVectorDistillKLDivLoss(KLTemperatureAttributes, CachedLoss):
 
     @property
     def score(self) -> MaxSim | XTR:
-        """The core's token score of the distillation term (and of the InfoNCE term)."""
-        return self.settings.score
-
-    def engine_columns(self, inputs: Any, **call: Any) -> list[Any]:
-        return with_tasks(list(inputs))
+        """The core's token score of the distillation term (and of the InfoNCE term): ``similarity_fct``
+        resolved, or where it is None the model's own (MaxSim, or MeanMaxSim for a ``"meanmaxsim"`` model)."""
+        return self.similarity
 
     def build_stage(self) -> Stage:
         return _stage(self, "kl")
 
 
-class CachedMultiVectorMarginMSELoss(CachedLoss):
+class CachedMultiVectorMarginMSELoss(TokenScoreLoss):
     name = "multi_vector_margin_mse"
     aliases = ("multi-vector-margin-mse",)
     st_names = ("MultiVectorMarginMSELoss",)
@@ -345,7 +348,9 @@ class CachedMultiVectorMarginMSELoss(CachedLoss):
 
         Args:
             model: the ``MultiVectorEncoder`` to train.
-            similarity_fct: ``None`` / ``colbert_scores_pairwise`` (MaxSim), ``mean_colbert_scores_pairwise``
+            similarity_fct: ``None``: the model's own score (``model.similarity_pairwise``, as
+                sentence-transformers 6.3: MaxSim, MeanMaxSim where ``model.similarity_fn_name`` is
+                ``"meanmaxsim"``; with 6.2 installed, MaxSim, its default); ``colbert_scores_pairwise`` (MaxSim), ``mean_colbert_scores_pairwise``
                 (MeanMaxSim) or ``xtr_scores_pairwise`` (XTR: the top-k over each column's documents, as
                 theirs scores each column apart); or ``"maxsim"`` / ``"meanmaxsim"``.
             mini_batch_size: rows per encoder forward (or ``"auto"``); sets the memory, not the result.
@@ -405,11 +410,9 @@ class CachedMultiVectorMarginMSELoss(CachedLoss):
 
     @property
     def score(self) -> MaxSim | XTR:
-        """The core's token score of the distillation term (and of the InfoNCE term)."""
-        return self.settings.score
-
-    def engine_columns(self, inputs: Any, **call: Any) -> list[Any]:
-        return with_tasks(list(inputs))
+        """The core's token score of the distillation term (and of the InfoNCE term): ``similarity_fct``
+        resolved, or where it is None the model's own (MaxSim, or MeanMaxSim for a ``"meanmaxsim"`` model)."""
+        return self.similarity
 
     def build_stage(self) -> Stage:
         return _stage(self, "margin_mse")

@@ -16,16 +16,22 @@ the losses' ``similarity_fct`` field, which the configuration layer reads too (t
 * [`PAIRWISE_TOKENS_KL`][st_cached_losses.losses.similarity.PAIRWISE_TOKENS_KL] and
   [`PAIRWISE_TOKENS_MARGIN`][st_cached_losses.losses.similarity.PAIRWISE_TOKENS_MARGIN]: the multi-vector
   distillation losses' token scores.
+
+A multi-vector loss's ``similarity_fct=None`` is sentence-transformers' default of the installed release
+([`model_token_score`][st_cached_losses.losses.similarity.model_token_score]): from 6.3 the model's own
+``model.similarity``, in 6.2 MaxSim.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import importlib.metadata
 from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+from packaging.version import Version
 from torch import Tensor
 
 from st_cached_losses.functional import Similarity
@@ -33,6 +39,7 @@ from st_cached_losses.functional.multi_vector import XTR, MaxSim
 
 __all__ = [
     "EMBEDDING",
+    "MODEL_SCORE_DEFAULT",
     "PAIRWISE",
     "PAIRWISE_TOKENS_KL",
     "PAIRWISE_TOKENS_MARGIN",
@@ -42,8 +49,15 @@ __all__ = [
     "PairwiseTokens",
     "SimilarityKind",
     "Tokens",
+    "model_token_score",
     "parse_call",
 ]
+
+#: sentence-transformers 6.3 or newer is installed: its multi-vector losses' ``similarity_fct=None`` is the
+#: model's own similarity (``model.similarity``), written None in their config; 6.2's was MaxSim, written
+#: ``"colbert_scores"`` (``"colbert_kd_scores"``, ``"colbert_scores_pairwise"``). A default, not a fix: ours
+#: follows the installed release, so that it equals their loss and config on either.
+MODEL_SCORE_DEFAULT = Version(importlib.metadata.version("sentence-transformers")).release[:2] >= (6, 3)
 
 
 def _bare(fn: Any) -> tuple[Any, dict[str, Any]]:
@@ -110,7 +124,7 @@ class SimilarityKind:
     def resolve(self, value: Any) -> Any:
         raise NotImplementedError
 
-    def config_name(self, value: Any) -> str:
+    def config_name(self, value: Any) -> str | None:
         from sentence_transformers.util import similarity_fct_name
 
         return value if isinstance(value, str) else similarity_fct_name(value)
@@ -305,11 +319,12 @@ class Tokens(SimilarityKind):
             )
         return MaxSim(bool(keywords.get("length_normalize", defaults[fn])))
 
-    def config_name(self, value: Any) -> str:
+    def config_name(self, value: Any) -> str | None:
         """sentence-transformers' name for theirs; for the core's MaxSim / XTR, the name of their function
-        it equals (so that the config rebuilds it and reads as theirs)."""
+        it equals (so that the config rebuilds it and reads as theirs). None (the default) as the installed
+        release writes it: None from 6.3 (the model's own score), ``"colbert_scores"`` in 6.2."""
         if value is None:
-            return "colbert_scores"
+            return None if MODEL_SCORE_DEFAULT else "colbert_scores"
         if isinstance(value, MaxSim):
             return "mean_colbert_scores" if value.length_normalize else "colbert_scores"
         if isinstance(value, XTR):
@@ -388,10 +403,13 @@ class PairwiseTokens(SimilarityKind):
         maxsims, xtr_fn, _ = self._functions()
         return ", ".join(f.__name__ for f in [*maxsims, xtr_fn]) + (", XTRKDScores(top_k)" if self.kl else "")
 
-    def config_name(self, value: Any) -> str:
-        """sentence-transformers' name (theirs by default: ``colbert_kd_scores`` / ``colbert_scores_pairwise``);
-        the core's MaxSim / XTR as the name of their function it equals."""
+    def config_name(self, value: Any) -> str | None:
+        """sentence-transformers' name; the core's MaxSim / XTR as the name of their function it equals. None
+        (the default) as the installed release writes it: None from 6.3 (the model's own score),
+        ``colbert_kd_scores`` / ``colbert_scores_pairwise`` in 6.2."""
         if value is None:
+            if MODEL_SCORE_DEFAULT:
+                return None
             return "colbert_kd_scores" if self.kl else "colbert_scores_pairwise"
         if isinstance(value, MaxSim):
             maxsims, _, _ = self._functions()
@@ -405,6 +423,24 @@ class PairwiseTokens(SimilarityKind):
         from sentence_transformers.multi_vector_encoder import scoring
 
         return getattr(scoring, self.arguments[name])
+
+
+def model_token_score(model: Any) -> MaxSim:
+    """The token score of a multi-vector loss whose ``similarity_fct`` is None, sentence-transformers' default
+    of the installed release ([`MODEL_SCORE_DEFAULT`][st_cached_losses.losses.similarity.MODEL_SCORE_DEFAULT]):
+    from 6.3 the model's own, as their losses score with ``model.similarity`` (``similarity_pairwise``):
+    MeanMaxSim where the model's ``similarity_fn_name`` is ``"meanmaxsim"``, else MaxSim (a
+    ``MultiVectorEncoder``'s default ``"maxsim"``, and a model without one); in 6.2 MaxSim whatever the model's
+    ``similarity_fn_name``. The two differ for a ``"meanmaxsim"`` model only.
+
+    Args:
+        model: the loss's model (a ``MultiVectorEncoder``), read at each step: a change of its
+            ``similarity_fn_name`` is followed.
+
+    Returns:
+        The core's [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim], length-normalised or not.
+    """
+    return MaxSim(MODEL_SCORE_DEFAULT and getattr(model, "similarity_fn_name", None) == "meanmaxsim")
 
 
 #: the kinds, one object each (a settings field's check)

@@ -24,6 +24,7 @@ from sentence_transformers.multi_vector_encoder.scoring import (
     xtr_kd_scores,
     xtr_scores,
 )
+from sentence_transformers.util.similarity import maxsim
 
 from st_cached_losses import CachedMultiVectorLoss
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
@@ -415,9 +416,16 @@ class _TokenPassthrough(torch.nn.Module):
     """Returns the token embeddings given as inputs, cut to the longest real row of the mini-batch (as a
     native-resolution encoder emits a width of its own per mini-batch), and records each call's task."""
 
+    #: a model's own score, as a MultiVectorEncoder's (sentence-transformers 6.3's losses score with
+    #: ``model.similarity`` where ``similarity_fct`` is None)
+    similarity_fn_name = "maxsim"
+
     def __init__(self) -> None:
         super().__init__()
         self.tasks: list[str | None] = []
+
+    def similarity(self, a: torch.Tensor, b: torch.Tensor, **kwargs) -> torch.Tensor:
+        return maxsim(a, b, **kwargs)
 
     def forward(self, features: dict, task: str | None = None) -> dict:
         self.tasks.append(task)

@@ -16,6 +16,7 @@ from sentence_transformers.sentence_transformer.losses import GISTEmbedLoss
 from st_cached_losses import CachedGISTLoss
 from tests.losses.test_losses import assert_grads_close, param_grads
 from tests.support.dist_utils import run_distributed
+from tests.support.st_version import ST_6_3, ST_VERSION
 from tests.support.tiny_model import WORDS, make_tiny_model, random_texts
 
 B = 9
@@ -407,7 +408,7 @@ def test_ddp_with_a_guide_of_another_tokenizer_equals_one_process(saved, models)
         assert_grads_close(r["grads"], ref)
 
 
-def _gist_worker(rank: int, world: int, paths: list[str], sizes: list[int], kind: str):
+def _gist_worker(rank: int, world: int, paths: list[str], sizes: list[int], kind: str, margin: float = 0.1):
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(paths[0], device="cpu")
@@ -416,10 +417,10 @@ def _gist_worker(rank: int, world: int, paths: list[str], sizes: list[int], kind
     cols = [c[start : start + sizes[rank]] for c in texts(3, seed=21)]
     feats = [model.preprocess(t) for t in cols]
     if kind == "theirs":
-        loss_fn = GISTEmbedLoss(model, guide, 0.05, margin=0.1, gather_across_devices=True)
+        loss_fn = GISTEmbedLoss(model, guide, 0.05, margin=margin, gather_across_devices=True)
     else:
         loss_fn = CachedGISTLoss(
-            model, guide, 0.05, margin=0.1, mini_batch_size=2, gather_across_devices=True,
+            model, guide, 0.05, margin=margin, mini_batch_size=2, gather_across_devices=True,
             path="tiled" if kind == "ring" else "auto", tile_size=3,
         )  # fmt: skip
     model.zero_grad(set_to_none=True)
@@ -446,6 +447,17 @@ def test_two_processes_equal_their_gathered_loss(saved):
     """Equal batches (their gathered loss assumes them): the mean over processes of loss and gradients."""
     theirs = run_distributed(_gist_worker, 2, saved, [4, 4], "theirs", timeout=180)
     ours = run_distributed(_gist_worker, 2, saved, [4, 4], "gather", timeout=180)
+    assert _mean(ours, "loss") == pytest.approx(_mean(theirs, "loss"), rel=1e-5)
+    assert_grads_close(_mean(ours, "grads"), _mean(theirs, "grads"))
+
+
+@pytest.mark.skipif(not ST_6_3, reason=f"6.3's GIST rule (no row its own negative); {ST_VERSION} installed")
+@pytest.mark.parametrize("kind", ["gather", "ring"])
+def test_two_processes_own_rows_are_not_negatives(saved, kind):
+    """A negative margin (the guide's mask keeps a row's own anchor-anchor / positive-positive entries): ours
+    across 2 processes equals 6.3's gathered GISTEmbedLoss, which removes them (6.2's kept them)."""
+    theirs = run_distributed(_gist_worker, 2, saved, [4, 4], "theirs", -0.1, timeout=180)
+    ours = run_distributed(_gist_worker, 2, saved, [4, 4], kind, -0.1, timeout=180)
     assert _mean(ours, "loss") == pytest.approx(_mean(theirs, "loss"), rel=1e-5)
     assert_grads_close(_mean(ours, "grads"), _mean(theirs, "grads"))
 

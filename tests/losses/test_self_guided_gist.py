@@ -125,8 +125,8 @@ def _naive_self_gist(embs: list[torch.Tensor], scale: float, margin: float) -> t
     eye = torch.eye(len(a), dtype=torch.bool)
     blocks = [((a @ p.T), (ga @ gp.T) > thr)]
     blocks[0][1][eye] = False  # never the positive
-    blocks.append(((a @ a.T), (ga @ ga.T) > thr))
-    blocks.append(((p @ p.T), (gp @ gp.T) > thr))
+    blocks.append(((a @ a.T), ((ga @ ga.T) > thr) | eye))  # never its own negative (6.3's fix)
+    blocks.append(((p @ p.T), ((gp @ gp.T) > thr) | eye))
     blocks += [((a @ n.T), (ga @ g.T) > thr) for n, g in zip(negs, gn)]
     scores = torch.cat([s.masked_fill(m, -torch.inf) for s, m in blocks], dim=1) * scale
     return F.cross_entropy(scores, torch.arange(len(a)))
