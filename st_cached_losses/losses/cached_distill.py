@@ -88,6 +88,12 @@ class DistillSettings(LossStageSettings):
                 "every document, which this similarity_fct has no form of: use pairwise_dot_score or pairwise_cos_sim "
                 "(sentence_transformers.util), or set infonce_weight=0."
             )
+        if self.matmul_precision is not None and not self.infonce_weight:
+            raise ValueError(
+                f"{self.owner}: matmul_precision={self.matmul_precision!r} sets the in-batch InfoNCE term's "
+                "similarity products, and infonce_weight is 0: the teacher's loss alone keeps fp32 (its scores are "
+                "a few per row). Remove matmul_precision, or set infonce_weight above 0."
+            )
 
     def beyond_sentence_transformers(self) -> tuple[str, ...]:
         """The in-batch InfoNCE term (sentence-transformers' distillation losses have none)."""

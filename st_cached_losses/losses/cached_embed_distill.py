@@ -167,6 +167,12 @@ class EmbedDistillSettings(LossStageSettings):
                 f"{self.owner}: pointwise_weight, listwise_weight and infonce_weight are all 0, so there is no loss; "
                 "set one above 0 (e.g. listwise_weight=1.0)."
             )
+        if self.matmul_precision is not None and not self.infonce_weight:
+            raise ValueError(
+                f"{self.owner}: matmul_precision={self.matmul_precision!r} sets the in-batch InfoNCE term's "
+                "similarity products, and infonce_weight is 0: the pointwise and listwise terms keep fp32 products. "
+                "Remove matmul_precision, or set infonce_weight above 0."
+            )
 
     def beyond_sentence_transformers(self) -> tuple[str, ...]:
         """What ``EmbedDistillLoss`` has no form of: a live teacher, a pointwise weight other than 1, the

@@ -73,3 +73,26 @@ def test_the_arguments_field_reaches_the_loss(model):
     assert build_loss(model, args).get_config_dict()["matmul_precision"] == "medium"
     with pytest.raises(ValueError, match="matmul_precision"):
         CachedLossTrainingArguments(output_dir="unused", matmul_precision="low")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "CachedDistillKLDivLoss",
+        "CachedMarginMSELoss",
+        "CachedMultiVectorDistillKLDivLoss",
+        "CachedMultiVectorMarginMSELoss",
+        "CachedEmbedDistillLoss",
+    ],
+)
+def test_a_distillation_loss_refuses_matmul_precision_without_its_infonce_term(name):
+    """The distillation losses' products at matmul_precision are their in-batch InfoNCE term's: with
+    infonce_weight 0 nothing would honour it, so it is refused (it was accepted and ignored); with the term it
+    is taken."""
+    import st_cached_losses
+
+    settings_class = getattr(st_cached_losses, name).settings_class
+    with pytest.raises(ValueError, match="matmul_precision='medium' sets the in-batch InfoNCE term"):
+        settings_class(matmul_precision="medium")
+    assert settings_class(matmul_precision="medium", infonce_weight=0.5).matmul_precision == "medium"
+    assert settings_class().matmul_precision is None
