@@ -14,7 +14,12 @@ from torch import nn
 from st_cached_losses import CachedCLIPLoss, CachedMNRLoss, CachedSigLIPLoss
 from st_cached_losses.config.registry import LOSS_ALIASES, LOSSES, canonical_loss
 from st_cached_losses.losses import CachedLoss, registry
-from tests.support.two_way_loss import TwoWaySettings
+from tests.support import two_way_loss
+
+TwoWaySettings = two_way_loss.TwoWaySettings
+# the recipe's module registers its loss when imported (at collection, here): the suite's other tests, which
+# read every registered loss, must not see it (tests/losses/test_recipe.py registers it for its own tests)
+registry.unregister(two_way_loss.CachedTwoWayLoss)
 
 
 def _init(self: CachedLoss, model: nn.Module, **engine: Any) -> None:
