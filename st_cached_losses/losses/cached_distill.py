@@ -33,6 +33,7 @@ __all__ = [
     "MarginMSESettings",
     "check_temperature",
     "distillation_stage",
+    "refuse_idle_matmul_precision",
 ]
 
 
@@ -88,12 +89,9 @@ class DistillSettings(LossStageSettings):
                 "every document, which this similarity_fct has no form of: use pairwise_dot_score or pairwise_cos_sim "
                 "(sentence_transformers.util), or set infonce_weight=0."
             )
-        if self.matmul_precision is not None and not self.infonce_weight:
-            raise ValueError(
-                f"{self.owner}: matmul_precision={self.matmul_precision!r} sets the in-batch InfoNCE term's "
-                "similarity products, and infonce_weight is 0: the teacher's loss alone keeps fp32 (its scores are "
-                "a few per row). Remove matmul_precision, or set infonce_weight above 0."
-            )
+        refuse_idle_matmul_precision(
+            self, "the teacher's loss alone keeps fp32 products (a few scores a row)"
+        )
 
     def beyond_sentence_transformers(self) -> tuple[str, ...]:
         """The in-batch InfoNCE term (sentence-transformers' distillation losses have none)."""
@@ -199,12 +197,23 @@ class MarginMSESettings(_DenseScore):
         return {**config, **self.extras()}
 
 
-def distillation_stage(
-    distill: Distillation, settings: DistillSettings, form: Any = None, similarity: Any = None
-) -> Stage:
+def refuse_idle_matmul_precision(settings: Any, kept: str) -> None:
+    """Refuse ``matmul_precision`` where a distillation loss's in-batch InfoNCE term is off (``infonce_weight``
+    0): it sets that term's products only, and ``kept`` says what the rest does instead."""
+    if settings.matmul_precision is not None and not settings.infonce_weight:
+        raise ValueError(
+            f"{settings.owner}: matmul_precision={settings.matmul_precision!r} sets the in-batch InfoNCE term's "
+            f"similarity products, and infonce_weight is 0: {kept}. Remove matmul_precision, or set "
+            "infonce_weight above 0."
+        )
+
+
+def distillation_stage(distill: Stage, settings: Any, form: Any = None, similarity: Any = None) -> Stage:
     """The distillation stage alone, or with ``infonce_weight`` times the in-batch InfoNCE of the queries
     against every column of every row (the first candidate column the positive), at ``infonce_scale``, scored
-    by ``similarity`` (None: the settings' ``infonce_similarity()``)."""
+    by ``similarity`` (None: the settings' ``infonce_similarity()``). ``settings``: a distillation loss's
+    ([`DistillSettings`][st_cached_losses.losses.cached_distill.DistillSettings], or
+    ``CachedEmbedDistillLoss``'s, which has the same InfoNCE fields)."""
     s = settings
     if not s.infonce_weight:
         return distill

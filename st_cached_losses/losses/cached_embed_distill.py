@@ -13,7 +13,6 @@ anchor over every candidate, computed in tiles with running log-sum-exps."""
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -22,11 +21,14 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.features import model_device, unwrap_model
 from st_cached_losses.functional.embed_distill import EMBED_DISTANCES
-from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses.base import CachedLoss, Stage
-from st_cached_losses.losses.cached_distill import DistillSettings
+from st_cached_losses.losses.cached_distill import (
+    DistillSettings,
+    distillation_stage,
+    refuse_idle_matmul_precision,
+)
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
-from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings
+from st_cached_losses.losses.ranking import RankingSettings
 from st_cached_losses.losses.settings import (
     LossStageSettings,
     check_nonnegative,
@@ -35,8 +37,7 @@ from st_cached_losses.losses.settings import (
     setting,
 )
 from st_cached_losses.losses.stages.embed_distill import PROJECTION_INPUTS, EmbedDistill
-from st_cached_losses.losses.stages.infonce import GuideModel, InfoNCE
-from st_cached_losses.losses.stages.weighted import WeightedSum
+from st_cached_losses.losses.stages.infonce import GuideModel
 
 __all__ = ["EMBED_DISTILL_CITATION", "CachedEmbedDistillLoss", "EmbedDistillSettings", "embedding_dimension"]
 
@@ -167,12 +168,7 @@ class EmbedDistillSettings(LossStageSettings):
                 f"{self.owner}: pointwise_weight, listwise_weight and infonce_weight are all 0, so there is no loss; "
                 "set one above 0 (e.g. listwise_weight=1.0)."
             )
-        if self.matmul_precision is not None and not self.infonce_weight:
-            raise ValueError(
-                f"{self.owner}: matmul_precision={self.matmul_precision!r} sets the in-batch InfoNCE term's "
-                "similarity products, and infonce_weight is 0: the pointwise and listwise terms keep fp32 products. "
-                "Remove matmul_precision, or set infonce_weight above 0."
-            )
+        refuse_idle_matmul_precision(self, "the pointwise and listwise terms keep fp32 products")
 
     def beyond_sentence_transformers(self) -> tuple[str, ...]:
         """What ``EmbedDistillLoss`` has no form of: a live teacher, a pointwise weight other than 1, the
@@ -409,22 +405,9 @@ class CachedEmbedDistillLoss(CachedLoss):
             tile_size=s.tile_size,
             memory_budget=s.memory_budget,
         )
-        if not s.infonce_weight:
-            return distill
-        # the anchors against every row's candidates, the first candidate column the positive (sentence-
-        # transformers' MultipleNegativesRankingLoss), by cosine at infonce_scale
-        infonce = InfoNCE(
-            owner=distill.owner,
-            terms=functools.partial(mnrl_terms, ONE_DIRECTION, "joint", None, 0.0),
-            similarity="cosine",
-            scale=s.infonce_scale,
-            path=s.path,
-            tile_size=s.tile_size,
-            memory_budget=s.memory_budget,
-            matmul_precision=s.matmul_precision,
-            gather=s.gather_across_devices,
-        )
-        return WeightedSum(stages=[(1.0, distill), (s.infonce_weight, infonce)])
+        # with infonce_weight: the anchors against every row's candidates, the first candidate column the
+        # positive (sentence-transformers' MultipleNegativesRankingLoss), by cosine at infonce_scale
+        return distillation_stage(distill, s, similarity="cosine")
 
     # ------------------------------------------------------------------ the projection, as theirs
 
