@@ -82,7 +82,7 @@ bench: $(STAMP)
 GPU_WHEELS ?= $(WHEELS)
 # The one-shot check (tools/gpu_quick_check.sh) for a GPU machine reached with a small carry: after
 # `make wheels`, what it lacks goes to build/gpu_kit (tools/gpu_kit.py, a few MiB, at most 64): wheels/
-# (sentence-transformers 6.2, datasets and three of its dependencies, memeff 0.3.1 downloaded with
+# (sentence-transformers as constraints.txt pins it, datasets and three of its dependencies, memeff 0.3.1 downloaded with
 # --no-deps, this package's wheel built from the checkout; the machine has the test runner) and
 # minilm/ (all-MiniLM-L6-v2's config and tokenizer, for benchmarks/gpu_train_step.py). Carry build/gpu_kit.
 gpu-kit:

