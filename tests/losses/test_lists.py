@@ -105,6 +105,17 @@ LOSSES = {
 }
 
 
+def reference_options(kw: dict, symmetric: bool) -> dict:
+    """The reference's options for a loss built with ``kw``: its direction, a dot score's scale, the
+    all-negatives penalty."""
+    options: dict = {"symmetric": symmetric}
+    if "similarity_fct" in kw:
+        options.update(similarity="dot", scale=kw["scale"])
+    if "hardness_strength" in kw:
+        options["all_negatives_penalty"] = kw["hardness_strength"]
+    return options
+
+
 @pytest.mark.filterwarnings("ignore:.*caching is off")
 @pytest.mark.parametrize("layout", ["list", "none_padded"])
 @pytest.mark.parametrize("name", list(LOSSES))
@@ -116,12 +127,7 @@ def test_lists_of_negatives_equal_the_reference(model, name, layout, mini_batch_
     loss_fn = cls(model, mini_batch_size=mini_batch_size, **kw)
     features = collate(model, columns)
     ours, g_ours = cached_step(model, loss_fn, features)
-    ref_kw = {"symmetric": symmetric}
-    if "similarity_fct" in kw:
-        ref_kw.update(similarity="dot", scale=kw["scale"])
-    if "hardness_strength" in kw:
-        ref_kw["all_negatives_penalty"] = kw["hardness_strength"]
-    ref, g_ref = reference_step(model, rows, **ref_kw)
+    ref, g_ref = reference_step(model, rows, **reference_options(kw, symmetric))
     torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
     assert_grads_close(g_ours, g_ref)
 
@@ -272,12 +278,7 @@ def test_several_positives_equal_the_reference(model, name, mini_batch_size, max
     rows = make_rows(B, max_negatives, seed=len(name) + mini_batch_size, max_positives=3)
     features = collate(model, rows)
     ours, g_ours = cached_step(model, cls(model, mini_batch_size=mini_batch_size, **kw), features)
-    ref_kw: dict = {"symmetric": symmetric}
-    if "similarity_fct" in kw:
-        ref_kw.update(similarity="dot", scale=kw["scale"])
-    if "hardness_strength" in kw:
-        ref_kw["all_negatives_penalty"] = kw["hardness_strength"]
-    ref, g_ref = reference_step(model, rows, **ref_kw)
+    ref, g_ref = reference_step(model, rows, **reference_options(kw, symmetric))
     torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
     assert_grads_close(g_ours, g_ref)
     with torch.no_grad():  # evaluation: the same loss, no graph

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests.losses.test_lists import as_columns, collate, make_rows, reference_step
 from tests.losses.test_losses import assert_grads_close
 from tests.support.dist_utils import run_distributed
-from tests.support.tiny_model import make_tiny_model
+from tests.support.tiny_model import load_for_ddp, make_tiny_model
 
 SIZES = [3, 5]
 #: name -> (class name, kwargs, layout, symmetric)
@@ -44,12 +44,7 @@ def model_dir(tmp_path_factory) -> str:
     return str(base / "st")
 
 
-def load_model(path: str):
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(path, device="cpu")
-    model[0].auto_model.pooler = None  # unused by mean pooling: DDP sees every parameter used
-    return model
+load_model = load_for_ddp
 
 
 def _worker(rank: int, world: int, path: str) -> dict:

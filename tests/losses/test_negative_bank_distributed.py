@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.support.dist_utils import run_distributed
 from tests.support.reference import reference_infonce
-from tests.support.tiny_model import make_tiny_model, random_texts
+from tests.support.tiny_model import load_for_ddp, make_tiny_model, random_texts
 
 #: name -> (class name, kwargs, text columns, symmetric); the bank's size is per process, in rows of each
 #: kind: sizes that cut a step's rows in the middle (a row's positive kept, its hard negative dropped)
@@ -57,12 +57,7 @@ def model_dir(tmp_path_factory) -> str:
     return str(base / "st")
 
 
-def load_model(path: str):
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(path, device="cpu")
-    model[0].auto_model.pooler = None  # unused by mean pooling: DDP sees every parameter used
-    return model
+load_model = load_for_ddp
 
 
 def global_texts(n_rows: int, n_cols: int, step: int) -> list[list[str]]:

@@ -175,3 +175,13 @@ def make_tiny_cross_encoder(
     BertForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return CrossEncoder(str(path), device="cpu", max_length=max_length)
+
+
+def load_for_ddp(path: str):
+    """A saved tiny SentenceTransformer loaded on the CPU without BERT's pooler, which mean pooling leaves
+    unused (DDP expects every parameter to get a gradient)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(path, device="cpu")
+    model[0].auto_model.pooler = None
+    return model
