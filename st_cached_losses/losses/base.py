@@ -37,7 +37,14 @@ from st_cached_losses.losses import registry
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
 from st_cached_losses.losses.guards import check_model_kind
 from st_cached_losses.losses.registry import Variant
-from st_cached_losses.losses.settings import EngineSettings, LossStageSettings, Settings
+from st_cached_losses.losses.settings import (
+    DEFAULT_PLAN,
+    PLAN_FIELDS,
+    EngineSettings,
+    LossStageSettings,
+    Plan,
+    Settings,
+)
 
 __all__ = [
     "PLAN_FIELDS",
@@ -136,11 +143,26 @@ class Stage:
         owner: the loss's class name, for messages.
         min_columns: the columns a batch needs at least (checked before any forward).
         form: the engine's cache form the stage reads (None: as the model outputs the rows).
+        plan: the loss stage's plan, handed whole from the loss's settings (``settings.plan()``).
+        plan_fields: the plan's fields the stage uses.
     """
 
     owner: str = "the loss"
     min_columns: int = 2
     form: CacheForm | None = None
+    #: the loss stage's plan the stage was handed (a stage that uses any of it has a ``plan`` field)
+    plan: Plan = DEFAULT_PLAN
+    #: the plan's fields the stage uses ([`Plan`][st_cached_losses.losses.settings.Plan]): a loss refuses one
+    #: set off its default that its stage does not use
+    plan_fields: ClassVar[frozenset[str]] = frozenset()
+
+    def honoured_plan(self) -> frozenset[str]:
+        """The plan's fields this stage uses (a weighted sum: those of any of its stages)."""
+        return self.plan_fields
+
+    def plans(self) -> list[Plan]:
+        """The plans this stage (and each stage it holds) was handed, where it uses any of it."""
+        return [self.plan] if self.plan_fields else []
 
     def check(self, features: Sequence[Any]) -> None:
         """Refuse a batch the stage cannot take, before any forward (every process raises)."""
@@ -577,24 +599,30 @@ class CachedLoss(nn.Module):
         )
 
 
-#: the loss stage's plan (``LossStageSettings``' fields) that a stage takes under the same names
-PLAN_FIELDS = ("path", "tile_size", "memory_budget", "matmul_precision")
-
-
 def check_plan_reaches(stage: Stage, settings: Settings, owner: str) -> None:
-    """Refuse a stage built without a setting of the loss stage's plan that its loss has and it takes (a
-    field of the same name): a loss whose ``build_stage`` forgets to pass one would accept it and ignore it
-    (the recipe's loss once dropped ``matmul_precision`` so)."""
-    takes = set(getattr(stage, "__dataclass_fields__", {}))  # a dataclass's fields (a stage may be none)
-    for name in PLAN_FIELDS:
-        if name not in takes or name not in settings.field_names():
-            continue
-        wanted, built = getattr(settings, name), getattr(stage, name)
+    """Refuse a loss whose settings' plan (``path``, ``tile_size``, ``memory_budget``, ``matmul_precision``)
+    would be accepted and ignored: a stage that uses the plan built without the settings' (its
+    ``build_stage`` must hand over ``settings.plan()``), or a field set off its default that no stage of the
+    loss uses (the distillation losses' ``path`` without their InfoNCE term)."""
+    if not isinstance(settings, LossStageSettings):
+        return
+    wanted = settings.plan()
+    for built in stage.plans():
         if built != wanted:
+            name = next(n for n in PLAN_FIELDS if getattr(built, n) != getattr(wanted, n))
             raise ValueError(
-                f"{owner}: {name}={wanted!r} does not reach its stage ({type(stage).__name__} was built with "
-                f"{name}={built!r}): {owner}.build_stage must pass {name}=settings.{name} to the stage "
-                "(docs/development.md, Adding a loss)."
+                f"{owner}: {name}={getattr(wanted, name)!r} does not reach its stage ({type(stage).__name__} was "
+                f"built with {name}={getattr(built, name)!r}): {owner}.build_stage must pass "
+                "plan=settings.plan() to the stage (docs/development.md, Adding a loss)."
+            )
+    used = stage.honoured_plan()
+    for name in PLAN_FIELDS:
+        value = getattr(settings, name)
+        if name not in used and value != type(settings).default(name):
+            uses = ", ".join(sorted(used)) or "none of the plan"
+            raise ValueError(
+                f"{owner}: {name}={value!r} is used by no part of this loss as configured (its stage, "
+                f"{type(stage).__name__}, uses {uses}): {settings.idle_plan_hint(name)}."
             )
 
 

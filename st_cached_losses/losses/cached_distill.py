@@ -93,6 +93,12 @@ class DistillSettings(LossStageSettings):
             self, "the teacher's loss alone keeps fp32 products (a few scores a row)"
         )
 
+    def idle_plan_hint(self, name: str) -> str:
+        return (
+            f"the teacher's loss plans its row chunks by memory_budget alone, and {name} sets the in-batch InfoNCE "
+            f"term's blocks, which infonce_weight=0 leaves out: remove {name}, or set infonce_weight above 0"
+        )
+
     def beyond_sentence_transformers(self) -> tuple[str, ...]:
         """The in-batch InfoNCE term (sentence-transformers' distillation losses have none)."""
         return (
@@ -224,10 +230,7 @@ def distillation_stage(distill: Stage, settings: Any, form: Any = None, similari
         terms=terms,
         similarity=similarity if similarity is not None else s.infonce_similarity(),
         scale=s.infonce_scale,
-        path=s.path,
-        tile_size=s.tile_size,
-        memory_budget=s.memory_budget,
-        matmul_precision=s.matmul_precision,
+        plan=s.plan(),
         gather=s.gather_across_devices,
         form=form,
     )
@@ -385,7 +388,7 @@ class CachedDistillKLDivLoss(KLTemperatureAttributes, CachedLoss):
             pairwise=s.resolved("similarity_fct"),
             student_temperature=student,
             teacher_temperature=teacher,
-            memory_budget=s.memory_budget,
+            plan=s.plan(),
             gather=s.gather_across_devices,
         )
         return distillation_stage(distill, s)
@@ -489,7 +492,7 @@ class CachedMarginMSELoss(CachedLoss):
             owner=type(self).__name__,
             objective="margin_mse",
             pairwise=s.resolved("similarity_fct"),
-            memory_budget=s.memory_budget,
+            plan=s.plan(),
             gather=s.gather_across_devices,
         )
         return distillation_stage(distill, s)

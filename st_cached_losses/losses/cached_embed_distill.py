@@ -401,9 +401,7 @@ class CachedEmbedDistillLoss(CachedLoss):
             student_dim=embedding_dimension(self.model),
             teacher=teacher,
             gather=s.gather_across_devices,
-            path=s.path,
-            tile_size=s.tile_size,
-            memory_budget=s.memory_budget,
+            plan=s.plan(),
         )
         # with infonce_weight: the anchors against every row's candidates, the first candidate column the
         # positive (sentence-transformers' MultipleNegativesRankingLoss), by cosine at infonce_scale

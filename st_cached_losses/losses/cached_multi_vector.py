@@ -264,10 +264,7 @@ class CachedMultiVectorLoss(TokenScoreLoss):
             terms=terms,
             similarity=self.stage_score(),
             scale=s.scale,
-            path=s.path,
-            tile_size=s.tile_size,
-            memory_budget=s.memory_budget,
-            matmul_precision=s.matmul_precision,
+            plan=s.plan(),
             gather=s.gather_across_devices,
             form=TokenRows(),
         )

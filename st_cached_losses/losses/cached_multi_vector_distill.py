@@ -173,7 +173,7 @@ def _stage(loss: TokenScoreLoss, objective: DistillObjective) -> Stage:
         pairwise=score.pairwise,
         student_temperature=student,
         teacher_temperature=teacher,
-        memory_budget=s.memory_budget,
+        plan=s.plan(),
         gather=s.gather_across_devices,
         prepared=XTRPrepared(score, objective, s.memory_budget) if isinstance(score, XTR) else as_cached,
         token_rows=True,

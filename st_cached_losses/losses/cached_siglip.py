@@ -17,7 +17,6 @@ import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath
 from st_cached_losses.functional.parallel import mean_scale_grad
 from st_cached_losses.functional.sigmoid import SigmoidOptions, sigmoid_loss_and_grad
 from st_cached_losses.losses.base import Stage, StageInput, StageOutput
@@ -25,7 +24,10 @@ from st_cached_losses.losses.citations import GRADCACHE_CITATION, SIGLIP_CITATIO
 from st_cached_losses.losses.learnable_scale import LearnableScale
 from st_cached_losses.losses.ranking import LearnableScaleSettings, RankingSettings, ScaleSettings
 from st_cached_losses.losses.settings import (
+    DEFAULT_PLAN,
+    PLAN_FIELDS,
     LossStageSettings,
+    Plan,
     check_bool,
     check_finite,
     check_max_scale,
@@ -115,24 +117,19 @@ class Sigmoid(Stage):
         similarity: ``"cosine"``, ``"dot"`` or a function of two ``(rows, dim)`` tensors.
         scale: the logits' scale (``scale * sim + bias``) when it is not learned.
         bias: the logits' bias when it is not learned.
-        path: the loss stage's algorithm (``"auto"``, ``"chunked"``, ``"tiled"``); across processes
-            ``"tiled"`` is the ring exchange, the others gather.
-        tile_size: side of a logit tile / rows of a chunk (None: from ``memory_budget``).
-        memory_budget: bytes of logit blocks the loss stage may hold at once.
-        matmul_precision: the similarity products' precision (``"highest"``: fp32 whatever torch's global
-            setting; ``"high"``: TF32 on CUDA; ``"medium"``: bf16 operands; None: torch's float32 matmul
-            precision at the step); the softplus terms, sums and gradients stay fp32.
+        plan: the loss stage's plan, whole (``settings.plan()``: the path, across processes ``"tiled"`` the
+            ring exchange and the others a gather; the tile size; the memory budget; the products' precision,
+            the softplus terms, sums and gradients staying fp32).
         gather: score each process's rows against every process's candidates.
     """
+
+    plan_fields: ClassVar[frozenset[str]] = frozenset(PLAN_FIELDS)
 
     owner: str
     similarity: Any
     scale: float
     bias: float
-    path: LossPath = "auto"
-    tile_size: int | None = None
-    memory_budget: int = DEFAULT_MEMORY_BUDGET
-    matmul_precision: str | None = None
+    plan: Plan = DEFAULT_PLAN
     gather: bool = False
 
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
@@ -144,13 +141,10 @@ class Sigmoid(Stage):
             scale=scale,
             bias=bias,
             similarity=self.similarity,
-            path=self.path,
-            tile_size=self.tile_size,
-            memory_budget=self.memory_budget,
-            matmul_precision=self.matmul_precision,  # type: ignore[arg-type]
+            **self.plan.options(),
             check_finite=False,
         )
-        ring = sizes is not None and self.path == "tiled"
+        ring = sizes is not None and self.plan.path == "tiled"
         out = sigmoid_loss_and_grad(
             embeddings[0], embeddings[1:], options, sizes=sizes, ring=ring, with_grad=with_grad
         )
@@ -326,9 +320,6 @@ class CachedSigLIPLoss(LearnableScale):
             similarity=s.similarity,
             scale=s.scale,
             bias=s.bias,
-            path=s.path,
-            tile_size=s.tile_size,
-            memory_budget=s.memory_budget,
-            matmul_precision=s.matmul_precision,
+            plan=s.plan(),
             gather=s.gather_across_devices,
         )

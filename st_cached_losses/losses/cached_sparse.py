@@ -450,10 +450,7 @@ class CachedSparseLoss(CachedLoss):
             checked = SparseBaseSettings(
                 **{name: getattr(base, name) for name in BASE_OPTIONS},
                 mask_duplicates=s.mask_duplicates,
-                path=s.path,
-                tile_size=s.tile_size,
-                memory_budget=s.memory_budget,
-                matmul_precision=s.matmul_precision,
+                **s.plan().options(),
             )
             self._checked = (key, checked)
         return self._checked[1]

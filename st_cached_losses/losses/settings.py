@@ -41,9 +41,12 @@ from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_v
 from st_cached_losses.functional.checks import check_matmul_precision, check_path, check_positive_int
 
 __all__ = [
+    "DEFAULT_PLAN",
+    "PLAN_FIELDS",
     "ConfigMode",
     "EngineSettings",
     "LossStageSettings",
+    "Plan",
     "Settings",
     "check_bool",
     "check_finite",
@@ -439,6 +442,39 @@ class EngineSettings(Settings):
         return {} if budget is None else {"mini_batch_memory_budget": budget}
 
 
+@dataclass(frozen=True)
+class Plan:
+    """The loss stage's plan, handed to a stage whole (as the engine's part of the settings is handed to the
+    engine): how the stage cuts its logit blocks and runs their products; none changes the result beyond the
+    products' precision. A loss's settings make it ([`LossStageSettings.plan`][st_cached_losses.losses.settings.LossStageSettings.plan]);
+    a stage says which of its fields it uses (``Stage.plan_fields``), and a loss whose stage uses none of a
+    field set off its default refuses it when it is built."""
+
+    #: ``"auto"``, ``"chunked"`` or ``"tiled"`` (across processes the ring exchange)
+    path: LossPath = "auto"
+    #: side of a logit tile / rows of a chunk (None: from ``memory_budget``)
+    tile_size: int | None = None
+    #: bytes of logit blocks the stage may hold at once
+    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    #: the similarity products' precision (None: torch's float32 matmul precision at the step)
+    matmul_precision: str | None = None
+
+    def options(self) -> dict[str, Any]:
+        """The plan as the functional core's options take it (``InfoNCEOptions``, ``SigmoidOptions``)."""
+        return {
+            "path": self.path,
+            "tile_size": self.tile_size,
+            "memory_budget": self.memory_budget,
+            "matmul_precision": self.matmul_precision,
+        }
+
+
+#: the plan's fields, which ``LossStageSettings`` declares under the same names
+PLAN_FIELDS = tuple(f.name for f in fields(Plan))
+#: the plan of the defaults (a stage's default)
+DEFAULT_PLAN = Plan()
+
+
 @dataclass(frozen=True, kw_only=True)
 class LossStageSettings(EngineSettings):
     """The loss stage's plan (how the embedding losses' loss stage runs; none changes the result), declared
@@ -471,6 +507,15 @@ class LossStageSettings(EngineSettings):
         "torch.get_float32_matmul_precision() at the step. Statistics and gradients stay fp32.",
         check=check_matmul_precision,
     )
+
+    def plan(self) -> Plan:
+        """The loss stage's part of these settings, whole: what ``build_stage`` hands the stage."""
+        return Plan(**{name: getattr(self, name) for name in PLAN_FIELDS})
+
+    def idle_plan_hint(self, name: str) -> str:
+        """What to do about the plan's ``name`` set where no part of the loss uses it (a loss adds the
+        setting that would use it)."""
+        return f"remove {name}"
 
 
 # ---------------------------------------------------------------------- the previous release's names

@@ -405,7 +405,7 @@ def test_matmul_precision_is_honoured_and_listed(model, global_precision):
     assert medium["loss"] == pytest.approx(ref["loss"], rel=1e-2)
     loss = CachedSigLIPLoss(model, mini_batch_size=4, matmul_precision="medium")
     config = loss.get_config_dict()
-    assert config["matmul_precision"] == "medium" and loss.stage.matmul_precision == "medium"
+    assert config["matmul_precision"] == "medium" and loss.stage.plan.matmul_precision == "medium"
     assert CachedSigLIPLoss(model, **config).get_config_dict() == config
     assert "matmul_precision" not in CachedSigLIPLoss(model, mini_batch_size=4).get_config_dict()
     with pytest.raises(ValueError, match="matmul_precision"):

@@ -19,6 +19,7 @@ import torch
 
 from st_cached_losses import CachedCLIPLoss
 from st_cached_losses.losses import registry
+from st_cached_losses.losses.settings import Plan
 from tests.support.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -151,7 +152,7 @@ def test_the_recipe_s_loss_honours_matmul_precision(model, two_way):
             clip = CachedCLIPLoss(model, 7.0, matmul_precision=precision)
             values[precision] = ours.compute_loss_from_embeddings(columns)
             assert torch.equal(values[precision], clip.compute_loss_from_embeddings(columns))
-            assert ours.stage.matmul_precision == precision
+            assert ours.stage.plan.matmul_precision == precision
             assert ours.get_config_dict()["matmul_precision"] == precision
         assert not torch.equal(values["medium"], values["highest"])
     finally:
@@ -164,17 +165,18 @@ def test_a_stage_built_without_a_plan_setting_is_refused(model, two_way):
 
     class Forgetful(two_way.CachedTwoWayLoss):
         def build_stage(self):
-            return dataclasses.replace(super().build_stage(), matmul_precision=None, tile_size=None)
+            return dataclasses.replace(super().build_stage(), plan=Plan())
 
-    assert Forgetful(model).stage.tile_size is None  # the defaults reach it either way
+    assert Forgetful(model).stage.plan.tile_size is None  # the defaults reach it either way
     with pytest.raises(ValueError, match=r"Forgetful: matmul_precision='medium' does not reach its stage"):
         Forgetful(model, matmul_precision="medium")
     with pytest.raises(
         ValueError,
-        match=r"tile_size=3 does not reach .*\.build_stage must pass tile_size=settings\.tile_size",
+        match=r"tile_size=3 does not reach .*\.build_stage must pass plan=settings\.plan\(\)",
     ):
         Forgetful(model, tile_size=3)
     loss = Forgetful(model)
     with pytest.raises(ValueError, match="does not reach its stage"):
         loss.tile_size = 5
-    assert loss.tile_size is None and loss.stage.tile_size is None  # the refused assignment left no trace
+    # the refused assignment left no trace
+    assert loss.tile_size is None and loss.stage.plan.tile_size is None

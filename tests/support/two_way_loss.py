@@ -73,8 +73,5 @@ class CachedTwoWayLoss(CachedLoss):
             terms=terms,
             similarity="cosine",
             scale=s.scale,
-            path=s.path,
-            tile_size=s.tile_size,
-            memory_budget=s.memory_budget,
-            matmul_precision=s.matmul_precision,
+            plan=s.plan(),
         )

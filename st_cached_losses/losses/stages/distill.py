@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from st_cached_losses.engine.cache_form import CacheForm
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
 from st_cached_losses.functional.distill import DistillObjective, distill_loss_and_grad, margin_targets
 from st_cached_losses.losses.base import Stage, StageInput, StageOutput
+from st_cached_losses.losses.settings import DEFAULT_PLAN, Plan
 
 __all__ = ["Distillation", "Prepared", "as_cached"]
 
@@ -39,7 +39,8 @@ class Distillation(Stage):
         pairwise: the student's score of row ``i`` of the queries against row ``i`` of a column, ``(b,)``.
         student_temperature: the KL objective's softmax temperature of the student's scores.
         teacher_temperature: the KL objective's softmax temperature of the teacher's scores.
-        memory_budget: bytes a row chunk's score intermediates (and their gradient) may take.
+        plan: the loss stage's plan; the stage uses its ``memory_budget``: bytes a row chunk's score
+            intermediates (and their gradient) may take.
         gather: across processes each process returns its share of the global mean (the InfoNCE core's
             weighting), each row's loss being its own.
         prepared: the cached rows as ``pairwise`` scores them (XTR's retrieval; default as cached).
@@ -47,12 +48,14 @@ class Distillation(Stage):
         form: the engine's cache form the stage reads (token rows).
     """
 
+    plan_fields: ClassVar[frozenset[str]] = frozenset({"memory_budget"})
+
     owner: str
     objective: DistillObjective
     pairwise: Callable[[Tensor, Tensor], Tensor]
     student_temperature: float = 1.0
     teacher_temperature: float = 1.0
-    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    plan: Plan = DEFAULT_PLAN
     gather: bool = False
     prepared: Callable[[list[Tensor]], Prepared] = as_cached
     token_rows: bool = False
@@ -99,7 +102,7 @@ class Distillation(Stage):
         q, c = embeddings[0], embeddings[1]
         per_pair = q.shape[1] * c.shape[1] if self.token_rows else q.shape[-1]
         per_row = max(per_pair * (len(embeddings) - 1) * 4 * 3, 1)
-        return max(1, min(self.memory_budget // per_row, 1 << 16))
+        return max(1, min(self.plan.memory_budget // per_row, 1 << 16))
 
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
         embeddings, labels = batch.embeddings, batch.labels

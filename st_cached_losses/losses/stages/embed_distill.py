@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
 from st_cached_losses.functional.embed_distill import embed_distill_loss_and_grad
 from st_cached_losses.functional.listwise import listwise_kl_loss_and_grad, listwise_tile_size
 from st_cached_losses.functional.parallel import mean_scale_grad
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
+from st_cached_losses.losses.settings import DEFAULT_PLAN, Plan
 from st_cached_losses.losses.stages.infonce import GuideModel
 
 __all__ = ["PROJECTION_INPUTS", "EmbedDistill"]
@@ -45,11 +45,13 @@ class EmbedDistill(Stage):
         teacher: the live teacher (its embeddings of every column, computed in ``prepare``), or None: labels.
         gather: the pointwise term returns this process's share of the global mean, the listwise term scores
             every process's candidates.
-        path: across processes ``"tiled"`` passes the listwise term's candidate blocks around a ring of
-            processes (nothing gathered); the others gather them.
-        tile_size: the listwise term's logit tile side (None: from ``memory_budget``).
-        memory_budget: bytes of logit tiles (listwise) / of a row chunk's projections (pointwise).
+        plan: the loss stage's plan; the stage uses its ``path`` (across processes ``"tiled"`` passes the
+            listwise term's candidate blocks around a ring of processes, nothing gathered; the others gather
+            them), ``tile_size`` (the listwise term's logit tile side; None: from ``memory_budget``) and
+            ``memory_budget`` (bytes of logit tiles, listwise, or of a row chunk's projections, pointwise).
     """
+
+    plan_fields: ClassVar[frozenset[str]] = frozenset({"path", "tile_size", "memory_budget"})
 
     owner: str
     metric: str
@@ -60,9 +62,7 @@ class EmbedDistill(Stage):
     student_dim: int | None = None
     teacher: GuideModel | None = None
     gather: bool = False
-    path: str = "auto"
-    tile_size: int | None = None
-    memory_budget: int = DEFAULT_MEMORY_BUDGET
+    plan: Plan = DEFAULT_PLAN
     min_columns: int = 1
 
     def columns_message(self, n: int) -> str | None:
@@ -170,7 +170,7 @@ class EmbedDistill(Stage):
             weight, bias = inputs.get(PROJECTION_INPUTS[0]), inputs.get(PROJECTION_INPUTS[1])
             targets = self._pointwise_targets(teachers, embeddings[0].shape[-1], weight)
             d_out = teachers[0].shape[-1]
-            chunk = max(1, self.memory_budget // max(4 * 4 * (embeddings[0].shape[-1] + d_out), 1))
+            chunk = max(1, self.plan.memory_budget // max(4 * 4 * (embeddings[0].shape[-1] + d_out), 1))
             out = embed_distill_loss_and_grad(
                 embeddings,
                 targets,
@@ -194,7 +194,7 @@ class EmbedDistill(Stage):
                         input_grads[name] = averaged
         if self.listwise_weight:
             candidate_counts = [(len(embeddings) - 1) * s for s in sizes] if sizes is not None else None
-            tile = self.tile_size or listwise_tile_size(self.memory_budget)
+            tile = self.plan.tile_size or listwise_tile_size(self.plan.memory_budget)
             listwise = listwise_kl_loss_and_grad(
                 embeddings[0],
                 torch.cat(embeddings[1:]),
@@ -203,7 +203,7 @@ class EmbedDistill(Stage):
                 scale=self.listwise_scale,
                 teacher_scale=self.teacher_scale,
                 candidate_sizes=candidate_counts,
-                ring=self.path == "tiled",
+                ring=self.plan.path == "tiled",
                 row_weight=row_weight,
                 tile_size=tile,
                 with_grad=with_grad,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.features import input_ids_by_row, model_device
 from st_cached_losses.engine.multimodal import input_keys, media_inputs
-from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, InfoNCEOptions, LossPath, infonce
+from st_cached_losses.functional import InfoNCEOptions, infonce
 from st_cached_losses.functional.distributed import is_distributed
 from st_cached_losses.functional.options import Bank, Guide
 from st_cached_losses.functional.parallel import (
@@ -34,6 +34,7 @@ from st_cached_losses.functional.terms import TermSet
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
 from st_cached_losses.losses.negative_bank import NegativeBank
 from st_cached_losses.losses.ranking import check_own_candidates
+from st_cached_losses.losses.settings import DEFAULT_PLAN, PLAN_FIELDS, Plan
 
 __all__ = ["SELF_GUIDED", "GuideModel", "InfoNCE", "several_positives"]
 
@@ -108,12 +109,8 @@ class InfoNCE(Stage):
             ``mnrl_terms`` / ``gist_terms``, which a loss's stage keeps picklable).
         similarity: the core's score (``"cosine"``, ``"dot"``, a function, a token score).
         scale: the scale when it is not learned (``step.inputs["scale"]`` otherwise).
-        path: the loss stage's algorithm (``"auto"``, ``"chunked"``, ``"tiled"``); across processes
-            ``"tiled"`` is the ring exchange, the others gather.
-        tile_size: side of a logit tile / rows of a chunk (None: from ``memory_budget``).
-        memory_budget: bytes of logit blocks the loss stage may hold at once.
-        matmul_precision: the similarity products' precision (``"highest"``, ``"high"``, ``"medium"``; None:
-            torch's float32 matmul precision at the step); statistics and gradients stay fp32.
+        plan: the loss stage's plan, whole (``settings.plan()``: the path, across processes ``"tiled"`` the
+            ring exchange and the others a gather; the tile size; the memory budget; the products' precision).
         gather: score each process's rows against every process's candidates.
         in_batch: every row's candidates (default), or each row's own only (a batch then needs hard-negative
             columns).
@@ -129,14 +126,13 @@ class InfoNCE(Stage):
             step's first collective whether any has lists, so that all take the same path, or all raise.
     """
 
+    plan_fields: ClassVar[frozenset[str]] = frozenset(PLAN_FIELDS)
+
     owner: str
     terms: Callable[..., TermSet]
     similarity: Any
     scale: float
-    path: LossPath = "auto"
-    tile_size: int | None = None
-    memory_budget: int = DEFAULT_MEMORY_BUDGET
-    matmul_precision: str | None = None
+    plan: Plan = DEFAULT_PLAN
     gather: bool = False
     in_batch: bool = True
     mask_duplicates: bool = False
@@ -183,10 +179,7 @@ class InfoNCE(Stage):
             similarity=self.similarity,
             terms=self.terms(n_columns=n_columns),
             guide=self._guide(step, embeddings),
-            path=self.path,
-            tile_size=self.tile_size,
-            memory_budget=self.memory_budget,
-            matmul_precision=self.matmul_precision,  # type: ignore[arg-type]
+            **self.plan.options(),
             anchor_keys=keys[0] if keys is not None else None,
             candidate_keys=keys[1:] if keys is not None else None,
             bank=bank,
@@ -240,7 +233,7 @@ class InfoNCE(Stage):
             self.bank.view(embeddings[0], self.bank_anchors) if with_grad and self.bank is not None else None
         )
         options = replace(self.options(step, embeddings, scale, bank), listed_negatives=listed)
-        ring = self.path == "tiled"
+        ring = self.plan.path == "tiled"
         out = loss_and_grad(embeddings[0], embeddings[1:], sizes, options, ring=ring, with_grad=with_grad)
         if bank is not None:
             assert self.bank is not None

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from st_cached_losses.functional.flops import flops_loss_and_grad
 from st_cached_losses.functional.sparse import SparseDot
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData
+from st_cached_losses.losses.settings import Plan
 from st_cached_losses.losses.sparse_cache import CompactSparseRows
 from st_cached_losses.losses.stages.infonce import InfoNCE
 
@@ -97,6 +98,13 @@ class Splade(Stage):
     ranking: Callable[[], InfoNCE] | None
     regularizers: Sequence[Regularizer]
     form: CompactSparseRows
+
+    def honoured_plan(self) -> frozenset[str]:
+        """The base loss's ranking stage's, where the core computes it; none otherwise."""
+        return self.ranking().honoured_plan() if self.ranking is not None else frozenset()
+
+    def plans(self) -> list[Plan]:
+        return self.ranking().plans() if self.ranking is not None else []
 
     def check(self, features: Sequence[Any]) -> None:
         if self.ranking is not None:

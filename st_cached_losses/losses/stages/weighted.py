@@ -12,6 +12,7 @@ from torch import Tensor
 
 from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData
+from st_cached_losses.losses.settings import Plan
 
 __all__ = ["WeightedSum"]
 
@@ -34,6 +35,12 @@ class WeightedSum(Stage):
     @property
     def form(self) -> CacheForm | None:  # type: ignore[override]
         return self.stages[0][1].form
+
+    def honoured_plan(self) -> frozenset[str]:
+        return frozenset().union(*(stage.honoured_plan() for _, stage in self.stages))
+
+    def plans(self) -> list[Plan]:
+        return [plan for _, stage in self.stages for plan in stage.plans()]
 
     def check(self, features: Sequence[Any]) -> None:
         for _, stage in self.stages:
