@@ -266,7 +266,7 @@ def train_and_evaluate(data_args: DemoArguments, args: CachedLossTrainingArgumen
         "train_seconds": round(t_train, 1),
         "eval_seconds": round(t_eval, 1),
         "metrics": rows,
-        "scale": float(loss.settings.scale),
+        "scale": float(getattr(loss, "scale", loss.settings.scale)),
         "learnable_scale": bool(getattr(loss, "learnable_scale", False)),
         "model_dir": args.output_dir,
     }

@@ -207,8 +207,9 @@ class Stage:
 
 
 class SettingAttribute:
-    """A setting of a loss as its attribute: read from the loss's settings object, assigned by building a new
-    one (``loss.update_settings``), checked as a whole."""
+    """A setting of a loss as its attribute: read from the loss's settings object (a view of a learned value,
+    ``temperature`` of a learned scale, from the learned value), assigned by building a new one
+    (``loss.update_settings``), checked as a whole."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -222,6 +223,8 @@ class SettingAttribute:
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
             return self
+        if self.name in obj.learned_settings and obj.learned():  # a learned value, or a view of one
+            return getattr(obj.current_settings(), self.name)
         return getattr(obj.settings, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
@@ -281,6 +284,8 @@ class CachedLoss(nn.Module):
     distillation: ClassVar[bool] = False
     #: refuse any model that is not a ``model_kind`` (a user's own module too)
     strict_model_kind: ClassVar[bool] = False
+    #: the settings whose attribute reads a learned value while the loss learns it (``learned``)
+    learned_settings: ClassVar[frozenset[str]] = frozenset()
     #: Tells sentence-transformers' MatryoshkaLoss (and AdaptiveLayerLoss) that this loss back-propagates by
     #: replaying the encoder: Matryoshka then decorates ``calculate_loss`` instead of the model.
     uses_gradient_cache = True
@@ -333,27 +338,40 @@ class CachedLoss(nn.Module):
 
     @property
     def settings(self) -> Any:
-        """The loss's settings (frozen; an instance of ``settings_class``): assign a setting, or call
-        ``update_settings``, to change them."""
+        """The loss's settings (frozen; an instance of ``settings_class``), as given: assign a setting, or call
+        ``update_settings``, to change them. A learned value (a learnable scale) is the loss's state, not a
+        setting: the settings keep its initial value, the loss's attribute (``loss.scale``) reads the learned
+        one ([`learned`][st_cached_losses.losses.base.CachedLoss.learned])."""
         return self.__dict__["_settings"]
+
+    def learned(self) -> dict[str, Any]:
+        """The values the loss learned, by the name of the setting that gave their initial value (none by
+        default; a learnable scale's ``"scale"``, SigLIP's ``"bias"`` too)."""
+        return {}
+
+    def current_settings(self) -> Any:
+        """The settings with the learned values in them: what the model card's config writes, from which the
+        loss is rebuilt as it is now."""
+        settings = self.settings
+        learned = {k: v for k, v in self.learned().items() if getattr(settings, k) != v}
+        return settings.replace(**learned) if learned else settings
 
     def update_settings(self, **changes: Any) -> None:
         """Replace several settings at once: one new settings object, checked as a whole (a combination whose
         settings are only valid together, e.g. from ``"auto"`` mini-batches to fixed ones with no budget)."""
-        old = self.settings
+        old = self.current_settings()  # checked with what the loss learned: a clamp below a learned scale
         new = old.replace(**changes)
         if new != old:
             self._use(new, old)
 
     def _use(self, new: EngineSettings, old: EngineSettings | None) -> None:
-        previous = self.__dict__.get("_settings")
         self.__dict__["_settings"] = new
         try:
             self._settings_changed(old, new)
         except BaseException:
-            if previous is not None:
-                self.__dict__["_settings"] = previous
-                self._settings_changed(new, previous)
+            if old is not None:
+                self.__dict__["_settings"] = old
+                self._settings_changed(new, old)
             raise
 
     def _settings_changed(self, old: EngineSettings | None, new: EngineSettings) -> None:
@@ -403,8 +421,8 @@ class CachedLoss(nn.Module):
     def get_config_dict(self) -> dict[str, Any]:
         """The loss's settings for the model card: sentence-transformers' keys, then our extras that differ
         from their defaults, in forms the constructor takes back (``type(loss)(model, **config)`` rebuilds
-        it)."""
-        return self.settings.config()
+        it), with what it learned (a learned scale as its ``scale``)."""
+        return self.current_settings().config()
 
     def _tag_model_card(self) -> None:
         """Once per loss: tag the model's card with this library and the loss this one equals."""
@@ -580,7 +598,7 @@ class CachedLoss(nn.Module):
         if self._warned_caching_off or not self.cache.fits_in_one(features):
             return
         # its flags only: the settings as set (a learned scale's value is not needed)
-        non_cached = self.non_cached_equivalent(self.__dict__["_settings"])
+        non_cached = self.non_cached_equivalent(self.settings)
         if non_cached is None:
             return
         self._warned_caching_off = True

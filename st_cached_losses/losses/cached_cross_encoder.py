@@ -295,7 +295,7 @@ class CachedCrossEncoderLoss(CachedLoss):
         )
 
     def build_stage(self) -> PairScores:
-        s = self.__dict__["_settings"]
+        s = self.settings
         return PairScores(owner=type(self).__name__, scale=s.scale, activation_fn=s.activation_fn)
 
     def stage_inputs(self, training: bool = False) -> dict[str, Tensor]:

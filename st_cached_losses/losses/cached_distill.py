@@ -380,7 +380,7 @@ class CachedDistillKLDivLoss(KLTemperatureAttributes, CachedLoss):
         )
 
     def build_stage(self) -> Stage:
-        s = self.__dict__["_settings"]
+        s = self.settings
         student, teacher = s.temperatures()
         distill = Distillation(
             owner=type(self).__name__,
@@ -487,7 +487,7 @@ class CachedMarginMSELoss(CachedLoss):
         )
 
     def build_stage(self) -> Stage:
-        s = self.__dict__["_settings"]
+        s = self.settings
         distill = Distillation(
             owner=type(self).__name__,
             objective="margin_mse",

@@ -385,7 +385,7 @@ class CachedEmbedDistillLoss(CachedLoss):
         return inputs
 
     def build_stage(self) -> Stage:
-        s = self.__dict__["_settings"]
+        s = self.settings
         teacher = None
         if s.teacher is not None:
             model = unwrap_model(self.model)

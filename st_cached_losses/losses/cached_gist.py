@@ -294,7 +294,7 @@ class CachedGISTLoss(LearnableScale):
         return GuideModel.must_retokenize(guide, unwrap_model(self.model), self._model_tokenizer)
 
     def build_stage(self) -> InfoNCE:
-        s = self.__dict__["_settings"]
+        s = self.settings
 
         terms = functools.partial(
             gist_terms,

@@ -359,4 +359,4 @@ class CachedMNRLoss(LearnableScale):
             raise ValueError(message)
 
     def build_stage(self) -> InfoNCE:
-        return ranking_stage(type(self).__name__, self.__dict__["_settings"], self.negative_bank)
+        return ranking_stage(type(self).__name__, self.settings, self.negative_bank)

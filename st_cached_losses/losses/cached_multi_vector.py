@@ -256,7 +256,7 @@ class CachedMultiVectorLoss(TokenScoreLoss):
         self.update_settings(score_mini_batch_size=value)
 
     def build_stage(self) -> InfoNCE:
-        s = self.__dict__["_settings"]
+        s = self.settings
 
         terms = functools.partial(mnrl_terms, ONE_DIRECTION, "joint", None, 0.0)
         return InfoNCE(

@@ -164,7 +164,7 @@ class MultiVectorMarginMSESettings(_MultiVectorDistill):
 
 
 def _stage(loss: TokenScoreLoss, objective: DistillObjective) -> Stage:
-    s = loss.__dict__["_settings"]
+    s = loss.settings
     score = loss.stage_score()
     student, teacher = s.temperatures() if objective == "kl" else (1.0, 1.0)
     distill = Distillation(

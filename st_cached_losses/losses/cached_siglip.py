@@ -284,22 +284,31 @@ class CachedSigLIPLoss(LearnableScale):
             ),
         )
 
+    learned_settings = frozenset({"scale", "temperature", "bias"})
+
+    def learned(self) -> dict[str, Any]:
+        """The learned scale and bias (``"scale"``, ``"bias"``) while learnable."""
+        learned = super().learned()
+        if learned and "logit_bias" in self._parameters:
+            learned["bias"] = float(self.logit_bias.detach())
+        return learned
+
     @property
-    def settings(self) -> Any:
-        """The loss's settings (frozen), the learned scale and bias in them when learnable."""
-        settings = super().settings
-        if settings.learnable and "logit_bias" in self._parameters:
-            learned = float(self.logit_bias.detach())
-            if learned != settings.bias:
-                settings = settings.replace(bias=learned)
-        return settings
+    def bias(self) -> float:
+        """The current bias: the learned value while learnable (a view of ``logit_bias``, which an assignment
+        sets), else the setting."""
+        return float(self.learned().get("bias", self.settings.bias))
+
+    @bias.setter
+    def bias(self, value: float) -> None:
+        self.update_settings(bias=value)
 
     def _settings_changed(self, old: Any, new: Any) -> None:
         super()._settings_changed(old, new)  # the scale's parameter
         was = old is not None and old.learnable and "logit_bias" in self._parameters
         if new.learnable and not was:
             self.logit_bias = nn.Parameter(torch.tensor(new.bias, dtype=torch.float32))
-        elif new.learnable and new.bias != old.bias:
+        elif new.learnable and new.bias != old.bias:  # (old: with the learned value)
             with torch.no_grad():
                 self.logit_bias.fill_(new.bias)
         elif not new.learnable and was:
@@ -309,12 +318,12 @@ class CachedSigLIPLoss(LearnableScale):
         """The learned scale (``exp(logit_scale)``, clamped on the parameter) and bias with their graphs to
         the parameters, as ``"scale"`` and ``"bias"`` (nothing when fixed)."""
         inputs = super().stage_inputs(training)
-        if self.__dict__["_settings"].learnable:
+        if self.settings.learnable:
             inputs["bias"] = self.logit_bias.float()
         return inputs
 
     def build_stage(self) -> Sigmoid:
-        s = self.__dict__["_settings"]
+        s = self.settings
         return Sigmoid(
             owner=type(self).__name__,
             similarity=s.similarity,

@@ -534,7 +534,7 @@ class CachedSparseLoss(CachedLoss):
         return ranking_stage(type(self).__name__, self.base_settings())
 
     def build_stage(self) -> Splade:
-        s = self.__dict__["_settings"]
+        s = self.settings
         first = 0 if s.use_document_regularizer_only else 1
         regularizers = [
             Regularizer(

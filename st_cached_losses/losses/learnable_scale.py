@@ -18,29 +18,28 @@ __all__ = ["LearnableScale"]
 
 class LearnableScale(CachedLoss):
     """A loss whose scale may be learned (``learnable_scale``): ``logit_scale`` is its parameter while it is,
-    ``scale`` reads the learned value (and its settings say it), and assigning ``scale`` sets the parameter.
+    the loss's state, not a setting: the settings keep the ``scale`` given (the initial value, or the learned
+    one when another setting last changed), ``loss.scale`` reads the learned value, and the config writes it.
+    Assigning ``scale`` sets the parameter; turning learning off keeps the learned value as the fixed scale.
     Turning it on after the optimizer was built leaves the new parameter out of it."""
 
     logit_scale: nn.Parameter
+    learned_settings = frozenset({"scale", "temperature"})
 
-    @property
-    def settings(self) -> Any:
-        """The loss's settings (frozen), the learned scale in them when learnable."""
-        settings = self.__dict__["_settings"]
-        if settings.learnable_scale and "logit_scale" in self._parameters:
-            learned = self._learned()
-            if learned != settings.scale:
-                settings = settings.replace(scale=learned)
-        return settings
+    def _learning(self) -> bool:
+        return bool(self.settings.learnable_scale) and "logit_scale" in self._parameters
 
-    def _learned(self) -> float:
-        return float(self.logit_scale.detach().exp().clamp(max=self.__dict__["_settings"].max_scale))
+    def learned(self) -> dict[str, Any]:
+        """The learned scale (``exp(logit_scale)`` clamped at ``max_scale``), as ``"scale"``, while learnable."""
+        if not self._learning():
+            return {}
+        return {"scale": float(self.logit_scale.detach().exp().clamp(max=self.settings.max_scale))}
 
     @property
     def scale(self) -> float:
-        """The current scale (1 / temperature), as a float; the learned value when learnable (a view of
-        ``logit_scale`` then, which an assignment sets)."""
-        return float(self.settings.scale)
+        """The current scale (1 / temperature), as a float: the learned value while learnable (a view of
+        ``logit_scale``, which an assignment sets), else the setting."""
+        return float(self.learned().get("scale", self.settings.scale))
 
     @scale.setter
     def scale(self, value: float) -> None:
@@ -52,10 +51,8 @@ class LearnableScale(CachedLoss):
         if new.learnable_scale and not was:
             # CLIP's parametrisation: the log of the scale is learned, the scale is clamped at max_scale
             self.logit_scale = nn.Parameter(torch.tensor(math.log(new.scale), dtype=torch.float32))
-        elif (
-            new.learnable_scale and new.scale != old.scale
-        ):  # (not rewritten through log(exp(x)), which rounds)
-            with torch.no_grad():
+        elif new.learnable_scale and new.scale != old.scale:  # (old: with the learned value; not through
+            with torch.no_grad():  # log(exp(x)), which rounds)
                 self.logit_scale.fill_(math.log(new.scale))
         elif not new.learnable_scale and was:
             del self.logit_scale
@@ -66,7 +63,7 @@ class LearnableScale(CachedLoss):
         A learnable scale is kept at most ``max_scale`` by clamping the parameter itself (as CLIP does after
         each optimizer step), not its image: a clamp inside the graph would have no gradient above the limit,
         so a scale that one step carried past it could never come back."""
-        settings = self.__dict__["_settings"]
+        settings = self.settings
         if not settings.learnable_scale:
             return {}
         if training:

@@ -5,6 +5,7 @@ it is spelled and in whatever order the settings are assigned, at construction a
 from __future__ import annotations
 
 import inspect
+import math
 
 import pytest
 import torch
@@ -231,3 +232,45 @@ def test_every_invalid_setting_is_named_at_once(model):
     # one bad setting: its own error, as it is
     with pytest.raises(ValueError, match=r"^mask_duplicates must be True or False"):
         st_cached_losses.CachedMNRLoss(model, mask_duplicates=1)
+
+
+@pytest.mark.parametrize("cls_name", ["CachedMNRLoss", "CachedGISTLoss", "CachedSigLIPLoss"])
+def test_a_learned_scale_is_state_not_a_setting(model, cls_name):
+    """Issue 59: the settings keep the value given; the loss's attribute, its views and its config read the
+    learned one; assigning the given value again still sets the parameter; turning learning off keeps the
+    learned value; the settings object is read without being rebuilt."""
+    cls = getattr(st_cached_losses, cls_name)
+    kwargs = {"guide": None} if cls_name == "CachedGISTLoss" else {}
+    learn = "learnable" if cls_name == "CachedSigLIPLoss" else "learnable_scale"
+    loss = cls(model, **kwargs, **{learn: True})
+    given = loss.settings
+    start = given.scale
+    with torch.no_grad():
+        loss.logit_scale.fill_(math.log(start * 0.5))
+    assert loss.settings is given and loss.settings.scale == start
+    assert loss.scale == pytest.approx(start * 0.5) and loss.temperature == pytest.approx(1 / (start * 0.5))
+    key = "temperature" if cls_name == "CachedGISTLoss" else "scale"
+    config = loss.get_config_dict()
+    assert config[key] == pytest.approx(start * 0.5 if key == "scale" else 1 / (start * 0.5))
+    rebuilt = cls(model, **{k: v for k, v in config.items() if k not in kwargs}, **kwargs)
+    assert rebuilt.scale == pytest.approx(loss.scale)
+    loss.scale = start  # the setting's own value: the parameter follows
+    assert float(loss.logit_scale.exp()) == pytest.approx(start)
+    with torch.no_grad():
+        loss.logit_scale.fill_(math.log(start * 0.25))
+    setattr(loss, learn, False)
+    assert "logit_scale" not in dict(loss.named_parameters())
+    assert loss.scale == pytest.approx(start * 0.25) and loss.settings.scale == pytest.approx(start * 0.25)
+
+
+def test_a_learned_bias_is_state_not_a_setting(model):
+    loss = st_cached_losses.CachedSigLIPLoss(model, bias=-10.0, learnable=True)
+    with torch.no_grad():
+        loss.logit_bias.fill_(-4.0)
+    assert loss.settings.bias == -10.0 and loss.bias == -4.0 and loss.get_config_dict()["bias"] == -4.0
+    loss.bias = -10.0
+    assert float(loss.logit_bias) == -10.0
+    with torch.no_grad():
+        loss.logit_bias.fill_(-3.0)
+    loss.learnable = False
+    assert "logit_bias" not in dict(loss.named_parameters()) and loss.bias == -3.0
