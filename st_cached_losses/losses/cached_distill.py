@@ -18,8 +18,14 @@ from torch import Tensor, nn
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses.base import CachedLoss, Stage
 from st_cached_losses.losses.citations import DISTILL_KL_CITATION, GRADCACHE_CITATION, MARGIN_MSE_CITATION
-from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings
-from st_cached_losses.losses.settings import LossStageSettings, check_scale, redefault, setting
+from st_cached_losses.losses.ranking import ONE_DIRECTION
+from st_cached_losses.losses.settings import (
+    LossStageSettings,
+    SharedSettings,
+    check_scale,
+    redefault,
+    setting,
+)
 from st_cached_losses.losses.similarity import PAIRWISE, SimilarityKind
 from st_cached_losses.losses.stages.distill import Distillation
 from st_cached_losses.losses.stages.infonce import InfoNCE
@@ -75,7 +81,7 @@ class DistillSettings(LossStageSettings):
         check=check_scale,
         config="never",
     )
-    gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
+    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
 
     def infonce_similarity(self) -> Any:
         """The InfoNCE term's in-batch score, or None where the loss's score has no matrix form."""

@@ -28,9 +28,9 @@ from st_cached_losses.losses.cached_distill import (
     refuse_idle_matmul_precision,
 )
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
-from st_cached_losses.losses.ranking import RankingSettings
 from st_cached_losses.losses.settings import (
     LossStageSettings,
+    SharedSettings,
     check_nonnegative,
     check_scale,
     redefault,
@@ -159,7 +159,7 @@ class EmbedDistillSettings(LossStageSettings):
     )
     infonce_weight: float = redefault(DistillSettings, "infonce_weight", 0.0)
     infonce_scale: float = redefault(DistillSettings, "infonce_scale", 20.0)
-    gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
+    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
 
     def validate(self) -> None:
         super().validate()

@@ -13,9 +13,11 @@ from st_cached_losses.engine.features import unwrap_model
 from st_cached_losses.functional.terms import gist_terms
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
-from st_cached_losses.losses.ranking import LearnableScaleSettings, RankingSettings
+from st_cached_losses.losses.ranking import RankingSettings
 from st_cached_losses.losses.settings import (
+    LearnableScaleSettings,
     LossStageSettings,
+    SharedSettings,
     check_bool,
     check_finite,
     check_max_scale,
@@ -83,7 +85,7 @@ class GISTSettings(LossStageSettings):
     contrast_positives: bool = setting(
         True, doc="Contrast each positive with the other positives.", check=check_bool, config="always"
     )
-    gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
+    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
     learnable_scale: bool = redefault(LearnableScaleSettings, "learnable_scale", False)
     max_scale: float = redefault(LearnableScaleSettings, "max_scale", 100.0)
     in_batch_negatives: bool = redefault(RankingSettings, "in_batch_negatives", True)

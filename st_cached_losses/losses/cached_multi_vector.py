@@ -17,8 +17,15 @@ from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses.base import CachedLoss
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
-from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings, ScaleSettings
-from st_cached_losses.losses.settings import LossStageSettings, redefault, setting, view
+from st_cached_losses.losses.ranking import ONE_DIRECTION
+from st_cached_losses.losses.settings import (
+    LossStageSettings,
+    ScaleSettings,
+    SharedSettings,
+    redefault,
+    setting,
+    view,
+)
 from st_cached_losses.losses.similarity import TOKENS, SimilarityKind, model_token_score
 from st_cached_losses.losses.stages.infonce import InfoNCE
 
@@ -91,7 +98,7 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
         check=check_positive_int,
         config="always",
     )
-    gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
+    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
 
     @view
     def similarity(self) -> MaxSim | XTR:

@@ -22,12 +22,14 @@ from st_cached_losses.functional.sigmoid import SigmoidOptions, sigmoid_loss_and
 from st_cached_losses.losses.base import Stage, StageInput, StageOutput
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, SIGLIP_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
-from st_cached_losses.losses.ranking import LearnableScaleSettings, RankingSettings, ScaleSettings
 from st_cached_losses.losses.settings import (
     DEFAULT_PLAN,
     PLAN_FIELDS,
+    LearnableScaleSettings,
     LossStageSettings,
     Plan,
+    ScaleSettings,
+    SharedSettings,
     check_bool,
     check_finite,
     check_max_scale,
@@ -67,8 +69,8 @@ class SigLIPSettings(ScaleSettings, LossStageSettings):
         config="never",
     )
     max_scale: float = redefault(LearnableScaleSettings, "max_scale", 100.0)
-    similarity_fct: Callable[..., Tensor] | str = redefault(RankingSettings, "similarity_fct", cos_sim)
-    gather_across_devices: bool = redefault(RankingSettings, "gather_across_devices", False)
+    similarity_fct: Callable[..., Tensor] | str = redefault(SharedSettings, "similarity_fct", cos_sim)
+    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
 
     @view
     def learnable_scale(self) -> bool:

@@ -18,16 +18,16 @@ from torch import Tensor
 from st_cached_losses.functional import Similarity
 from st_cached_losses.losses.citations import CONTACCUM_CITATION, GTE_CITATION, HARDNESS_CITATION
 from st_cached_losses.losses.settings import (
+    LearnableScaleSettings,
     LossStageSettings,
-    Settings,
+    SharedSettings,
     check_bool,
-    check_max_scale,
-    check_positive_number,
-    check_scale,
     closest_name_hint,
+    redefault,
     setting,
     view,
 )
+from st_cached_losses.losses.settings import ScaleSettings as ScaleSettings  # its home moved: settings
 from st_cached_losses.losses.similarity import EMBEDDING, SimilarityKind
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,7 @@ __all__ = [
     "VALID_HARDNESS_MODES",
     "VALID_PARTITION_MODES",
     "ConfigTuple",
-    "LearnableScaleSettings",
     "RankingSettings",
-    "ScaleSettings",
     "check_directions",
     "check_hardness",
     "check_in_batch_negatives",
@@ -229,65 +227,6 @@ def _hardness_strength(name: str, value: Any) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScaleSettings(Settings):
-    """The scale of an InfoNCE softmax (``1 / temperature``)."""
-
-    scale: float = setting(
-        20.0,
-        doc="Multiplies the similarities in the InfoNCE softmax: 1 / temperature (20 suits cosine similarity). "
-        "The initial value when learnable.",
-        check=check_scale,
-        config="always",
-    )
-
-    @view
-    def temperature(self) -> float:
-        """The temperature of the InfoNCE softmax, ``1 / scale``; setting it sets the scale."""
-        return 1.0 / self.scale
-
-    @temperature.changes
-    def _(self, value: Any) -> dict[str, Any]:
-        if value == self.temperature:
-            return {}  # unchanged: 1 / (1 / s) may round
-        return {"scale": 1.0 / check_scale("temperature", value)}
-
-
-@dataclass(frozen=True, kw_only=True)
-class LearnableScaleSettings(ScaleSettings):
-    """A scale that may be learned (CLIP's ``logit_scale``, clamped)."""
-
-    learnable_scale: bool = setting(
-        False,
-        doc="Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale; give the trainer "
-        "callbacks=[LossStateCallback(loss)] to save, restore and log it.",
-        check=check_bool,
-        config="never",
-    )
-    max_scale: float = setting(
-        100.0,
-        doc="The clamp of a learned scale (CLIP: 100).",
-        check=check_positive_number,
-        config="never",
-    )
-
-    def validate(self) -> None:
-        super().validate()
-        if self.learnable_scale:
-            check_max_scale(self.max_scale, self.scale)
-
-    def beyond_sentence_transformers(self) -> tuple[str, ...]:
-        """A learned scale (sentence-transformers' losses keep theirs fixed)."""
-        return (
-            *super().beyond_sentence_transformers(),
-            *(("learnable_scale",) if self.learnable_scale else ()),
-        )
-
-    def learned_config(self) -> dict[str, Any]:
-        """The config's entries of a learnable scale: ``learnable_scale`` and its clamp, when learnable."""
-        return {"learnable_scale": True, "max_scale": self.max_scale} if self.learnable_scale else {}
-
-
-@dataclass(frozen=True, kw_only=True)
 class RankingSettings(LearnableScaleSettings, LossStageSettings):
     """sentence-transformers' ``MultipleNegativesRankingLoss`` options and ours: the settings of
     [`CachedMNRLoss`][st_cached_losses.losses.cached_mnr.CachedMNRLoss] (and, with other defaults, of the
@@ -298,21 +237,8 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
     #: the kind of ``similarity_fct`` (its check, its config name, the arguments' names)
     similarity_kind: ClassVar[SimilarityKind] = EMBEDDING
 
-    similarity_fct: Callable[..., Tensor] | str = setting(
-        cos_sim,
-        doc="Similarity of embeddings: 'cosine' or 'dot' (dot product), sentence-transformers' cos_sim / "
-        "dot_score (GEMM tiles); any other function f(a, b) -> (len(a), len(b)) is scored exactly tile by tile "
-        "through autograd (slower).",
-        check=EMBEDDING,
-        config="always",
-    )
-    gather_across_devices: bool = setting(
-        False,
-        doc="Score each process's rows against every process's candidates (exact global-batch gradients across "
-        "processes); by ring exchange on the tiled path.",
-        check=check_bool,
-        config="always",
-    )
+    similarity_fct: Callable[..., Tensor] | str = redefault(SharedSettings, "similarity_fct", cos_sim)
+    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
     directions: tuple[str, ...] = setting(
         ONE_DIRECTION,
         doc="The similarity terms of each row, as sentence-transformers' MultipleNegativesRankingLoss: "

@@ -29,6 +29,8 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
+from sentence_transformers.util import cos_sim
+from torch import Tensor
 
 from st_cached_losses.engine.checks import (
     check_auto_budget,
@@ -39,15 +41,19 @@ from st_cached_losses.engine.checks import (
 )
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, LossPath, scale_value
 from st_cached_losses.functional.checks import check_matmul_precision, check_path, check_positive_int
+from st_cached_losses.losses.similarity import EMBEDDING
 
 __all__ = [
     "DEFAULT_PLAN",
     "PLAN_FIELDS",
     "ConfigMode",
     "EngineSettings",
+    "LearnableScaleSettings",
     "LossStageSettings",
     "Plan",
+    "ScaleSettings",
     "Settings",
+    "SharedSettings",
     "check_bool",
     "check_finite",
     "check_max_scale",
@@ -516,6 +522,91 @@ class LossStageSettings(EngineSettings):
         """What to do about the plan's ``name`` set where no part of the loss uses it (a loss adds the
         setting that would use it)."""
         return f"remove {name}"
+
+
+# ---------------------------------------------------------------------- the groups several losses share
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleSettings(Settings):
+    """The scale of an InfoNCE softmax (``1 / temperature``)."""
+
+    scale: float = setting(
+        20.0,
+        doc="Multiplies the similarities in the InfoNCE softmax: 1 / temperature (20 suits cosine similarity). "
+        "The initial value when learnable.",
+        check=check_scale,
+        config="always",
+    )
+
+    @view
+    def temperature(self) -> float:
+        """The temperature of the InfoNCE softmax, ``1 / scale``; setting it sets the scale."""
+        return 1.0 / self.scale
+
+    @temperature.changes
+    def _(self, value: Any) -> dict[str, Any]:
+        if value == self.temperature:
+            return {}  # unchanged: 1 / (1 / s) may round
+        return {"scale": 1.0 / check_scale("temperature", value)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LearnableScaleSettings(ScaleSettings):
+    """A scale that may be learned (CLIP's ``logit_scale``, clamped)."""
+
+    learnable_scale: bool = setting(
+        False,
+        doc="Learn the scale as CLIP's logit_scale = log(scale), clamped at max_scale; give the trainer "
+        "callbacks=[LossStateCallback(loss)] to save, restore and log it.",
+        check=check_bool,
+        config="never",
+    )
+    max_scale: float = setting(
+        100.0,
+        doc="The clamp of a learned scale (CLIP: 100).",
+        check=check_positive_number,
+        config="never",
+    )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.learnable_scale:
+            check_max_scale(self.max_scale, self.scale)
+
+    def beyond_sentence_transformers(self) -> tuple[str, ...]:
+        """A learned scale (sentence-transformers' losses keep theirs fixed)."""
+        return (
+            *super().beyond_sentence_transformers(),
+            *(("learnable_scale",) if self.learnable_scale else ()),
+        )
+
+    def learned_config(self) -> dict[str, Any]:
+        """The config's entries of a learnable scale: ``learnable_scale`` and its clamp, when learnable."""
+        return {"learnable_scale": True, "max_scale": self.max_scale} if self.learnable_scale else {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class SharedSettings(Settings):
+    """Settings that losses of several kinds take with one meaning (the ranking, sigmoid, multi-vector and
+    distillation losses), declared once here: a loss's settings class takes each with
+    [`redefault`][st_cached_losses.losses.settings.redefault] (its own default, the same meaning and check)."""
+
+    similarity_fct: Callable[..., Tensor] | str = setting(
+        cos_sim,
+        doc="Similarity of embeddings: 'cosine' or 'dot' (dot product), sentence-transformers' cos_sim / "
+        "dot_score (GEMM tiles); any other function f(a, b) -> (len(a), len(b)) is scored exactly tile by tile "
+        "through autograd (slower).",
+        check=EMBEDDING,
+        config="always",
+    )
+    gather_across_devices: bool = setting(
+        False,
+        doc="Score each process's rows against every process's candidates (exact global-batch gradients across "
+        "processes); by ring exchange on the tiled path.",
+        check=check_bool,
+        config="always",
+    )
 
 
 # ---------------------------------------------------------------------- the previous release's names

@@ -13,8 +13,8 @@ from torch import nn
 from st_cached_losses.functional.terms import TermSet, mnrl_terms
 from st_cached_losses.losses import CachedLoss
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION
-from st_cached_losses.losses.ranking import TWO_DIRECTIONS, RankingSettings, ScaleSettings, check_directions
-from st_cached_losses.losses.settings import LossStageSettings, redefault
+from st_cached_losses.losses.ranking import TWO_DIRECTIONS, RankingSettings, check_directions
+from st_cached_losses.losses.settings import LossStageSettings, ScaleSettings, redefault
 from st_cached_losses.losses.stages import InfoNCE
 
 
