@@ -41,7 +41,7 @@ def measure(rows: int, batch: int, repeats: int) -> dict[str, float]:
     import torch
 
     torch.set_num_threads(1)
-    from st_cached_losses import CachedDistillKLDivLoss, CachedGISTLoss, CachedMNRLoss
+    from st_cached_losses import CachedDistillKLDivLoss, CachedGISTLoss, CachedMNRLoss, CachedSigLIPLoss
     from tests.support.tiny_model import make_tiny_model, random_texts
 
     out: dict[str, float] = {}
@@ -60,6 +60,7 @@ def measure(rows: int, batch: int, repeats: int) -> dict[str, float]:
 
         out["stage-mnr"] = _median_time(stage(CachedMNRLoss(model)), repeats)
         out["stage-distill"] = _median_time(stage(CachedDistillKLDivLoss(model), teacher), repeats)
+        out["stage-siglip"] = _median_time(stage(CachedSigLIPLoss(model)), repeats)
 
         texts = [random_texts(batch, seed=s, min_words=5, max_words=30) for s in range(3)]
         features = [model.tokenize(t) for t in texts]
@@ -73,6 +74,10 @@ def measure(rows: int, batch: int, repeats: int) -> dict[str, float]:
 
         out["step-mnr"] = _median_time(step(CachedMNRLoss(model, mini_batch_size=16)), repeats)
         out["step-gist"] = _median_time(step(CachedGISTLoss(model, guide=None, mini_batch_size=16)), repeats)
+        learned = CachedMNRLoss(model, mini_batch_size=16, learnable_scale=True)
+        with torch.no_grad():  # a scale that moved: its settings read as a trained loss's are
+            learned.logit_scale.fill_(3.5)
+        out["step-mnr-learned"] = _median_time(step(learned), repeats)
     return out
 
 
