@@ -1,0 +1,71 @@
+"""Lists of hard negatives (0-4 per row) across 3 gloo processes (spawned from pytest) with unequal batches (2, 4
+and 3 rows), ``gather_across_devices=True``, one training step under DDP: the mean of the processes' losses and
+the DDP-averaged parameter gradients equal the one-process float64 reference on the global batch, one direction
+and symmetric, at a mini-batch that divides no process's batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.losses.test_lists import collate, make_rows, reference_step
+from tests.losses.test_losses import assert_grads_close
+from tests.support.dist_utils import run_distributed
+from tests.support.tiny_model import load_for_ddp, make_tiny_model
+
+SIZES = [2, 4, 3]
+#: name -> (class name, kwargs, symmetric)
+CONFIGS = {"mnr": ("CachedMNRLoss", {}, False), "clip": ("CachedCLIPLoss", {}, True)}
+
+
+def global_rows() -> dict[str, list]:
+    rows = make_rows(sum(SIZES), 4, seed=53)
+    rows["negative"][
+        SIZES[0]
+    ] = []  # the second process's first row has none, its last (the global last) four
+    return rows
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    base = tmp_path_factory.mktemp("lists_three_model")
+    make_tiny_model(base / "bert", dropout=0.0).save(str(base / "st"))
+    return str(base / "st")
+
+
+def _worker(rank: int, world: int, path: str) -> dict:
+    import st_cached_losses
+
+    assert torch.distributed.get_world_size() == world == len(SIZES)
+    start = sum(SIZES[:rank])
+    results = {}
+    for name, (cls_name, kwargs, _) in CONFIGS.items():
+        model = load_for_ddp(path)
+        loss = getattr(st_cached_losses, cls_name)(
+            model, mini_batch_size=3, gather_across_devices=True, **kwargs
+        )
+        loss.model = DDP(model)
+        mine = {k: v[start : start + SIZES[rank]] for k, v in global_rows().items()}
+        model.zero_grad(set_to_none=True)
+        value = loss(collate(model, mine), None)
+        value.backward()
+        grads = torch.cat(
+            [(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in model.parameters()]
+        )
+        results[name] = {"loss": value.item(), "grads": grads}
+    return results
+
+
+def test_lists_across_three_processes_equal_the_global_reference(model_dir):
+    per_rank = run_distributed(_worker, len(SIZES), model_dir)
+    model = load_for_ddp(model_dir)
+    for name, (_, _, symmetric) in CONFIGS.items():
+        ref, g_ref = reference_step(model, global_rows(), symmetric=symmetric)
+        losses = [r[name]["loss"] for r in per_rank]
+        torch.testing.assert_close(
+            torch.tensor(sum(losses) / len(losses), dtype=torch.float64), ref, rtol=1e-5, atol=1e-6
+        )
+        for other in per_rank[1:]:
+            torch.testing.assert_close(per_rank[0][name]["grads"], other[name]["grads"])  # DDP's average
+        assert_grads_close(per_rank[0][name]["grads"], g_ref)
