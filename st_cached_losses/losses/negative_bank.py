@@ -117,11 +117,17 @@ class NegativeBank(nn.Module):
 
     def push(self, anchors: Tensor, candidates: list[Tensor], with_anchors: bool) -> None:
         """Add one step's rows: every candidate column's embeddings row by row (row ``i``'s positive,
-        then its hard negatives: the newest rows are kept whole), and the anchors ``with_anchors``."""
+        then its hard negatives: the newest rows are kept whole), and the anchors ``with_anchors``. Columns of
+        other lengths (lists of hard negatives, each row its own number) are added column after column: the
+        positives, then the listed negatives."""
         if self.size == 0:
             return
         d = anchors.shape[1]
-        kinds = [("candidates", torch.stack(candidates, dim=1).flatten(0, 1))]  # (b * K, d), row-major
+        if len({len(c) for c in candidates}) == 1:
+            flat = torch.stack(candidates, dim=1).flatten(0, 1)  # (b * K, d), row-major
+        else:
+            flat = torch.cat(candidates)
+        kinds = [("candidates", flat)]
         if with_anchors:
             kinds.append(("anchors", anchors))
         for kind, rows in kinds:

@@ -61,3 +61,43 @@ def test_lists_inside_matryoshka_equal_the_reference(model, name, positives):
     ref, g_ref = _reference(model, rows, symmetric)
     torch.testing.assert_close(ours.double(), ref, rtol=1e-5, atol=1e-6)
     assert_grads_close(g_ours, g_ref)
+
+
+@pytest.mark.parametrize("name", ["mnr", "tiled"])
+def test_lists_with_the_negative_bank_equal_the_reference(model, name):
+    """Lists of negatives with ``negative_bank_size``: the third of three steps (no optimizer step between
+    them) scores every candidate of the first two (their positives and listed negatives, without gradient) as
+    extra negatives of every anchor: the reference gives them to one row's list, detached (every row's listed
+    negatives are candidates of every anchor). Not vacuous: the bank changes the loss."""
+    cls, kw, _ = CASES[name]
+    loss_fn = cls(model, mini_batch_size=3, negative_bank_size=200, **kw)
+    steps = [make_rows(B, 4, seed=70 + s) for s in range(3)]
+    for rows in steps[:2]:
+        model.zero_grad(set_to_none=True)
+        loss_fn(collate(model, rows), None).backward()
+    with torch.no_grad():
+        past = torch.cat(
+            [embed(model, [*r["positive"], *(t for neg in r["negative"] for t in neg)]) for r in steps[:2]]
+        )
+    assert loss_fn.negative_bank.stats()["negative_bank_rows"] == len(past)
+    model.zero_grad(set_to_none=True)
+    value = loss_fn(collate(model, steps[2]), None)
+    value.backward()
+    ours, g_ours = value.detach(), flat_grads(model).clone()
+
+    def reference(bank: torch.Tensor | None) -> torch.Tensor:
+        rows = steps[2]
+        anchors, positives = embed(model, rows["anchor"]), embed(model, rows["positive"])
+        negatives = list(
+            embed(model, [t for n in rows["negative"] for t in n]).split([len(n) for n in rows["negative"]])
+        )
+        if bank is not None:
+            negatives[0] = torch.cat([negatives[0], bank])
+        return reference_listed_infonce(anchors, list(positives.split(1)), negatives)
+
+    model.zero_grad(set_to_none=True)
+    ref = reference(past)
+    ref.backward()
+    torch.testing.assert_close(ours.double(), ref.detach(), rtol=1e-5, atol=1e-6)
+    assert_grads_close(g_ours, flat_grads(model))
+    assert abs(float(reference(None)) - float(ref)) > 1e-3
