@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_COUNTS", "ListColumns", "list_columns", "row_counts"]
+__all__ = ["ROW_COUNTS", "ListColumns", "check_list_columns", "list_columns", "row_counts"]
 
 #: the key of a list-valued column's per-row text counts ``(B,)`` (int64) in its features, after the
 #: column's name in the collated batch (``negative_row_counts``), as sentence-transformers' trainer splits it
@@ -71,3 +71,28 @@ def list_columns(inputs: Sequence[Any]) -> ListColumns:
         counts.append(None if bool((c == 1).all()) else c)
         kept.append(k)
     return ListColumns(columns, counts, kept, len(inputs))
+
+
+def check_list_columns(sizes: Sequence[int], lists: ListColumns, owner: str) -> None:
+    """Refuse a batch with lists whose columns a loss of (anchor, positive[, negatives...]) cannot read, before
+    any forward: ``sizes`` the rows of each kept column; the anchors (column 0) one text per row, every row at
+    least one positive (column 1), and each column as many texts as its per-row counts say."""
+    if lists.kept[:2] != [0, 1] or lists.counts[0] is not None:
+        raise ValueError(
+            f"{owner} takes lists (or None values) in its positive and hard-negative columns only: the "
+            "anchors (column 0) must hold one text per row, and every row at least one positive (column 1)."
+        )
+    positives = lists.counts[1]
+    if positives is not None and bool((positives < 1).any()):
+        raise ValueError(
+            f"{owner}: rows {(positives < 1).nonzero().flatten().tolist()} have no positive: every anchor needs "
+            "at least one positive (column 1)."
+        )
+    b = sizes[0]
+    for k, (n, counts) in enumerate(zip(sizes, lists.counts)):
+        expected = b if counts is None else int(counts.sum())
+        if (counts is not None and len(counts) != b) or n != expected:
+            raise ValueError(
+                f"{owner}: column {lists.kept[k]} has {n} texts for {b} anchors (its per-row counts say "
+                f"{expected}): every hard-negative column needs one entry (a list, or None) per anchor."
+            )

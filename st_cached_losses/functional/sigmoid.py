@@ -155,6 +155,7 @@ def _check(anchors: Tensor, cols: list[Tensor], opts: SigmoidOptions, sizes: lis
         symmetric=False,
         row_offset=opts.row_offset,
         check_finite=opts.check_finite and local,
+        listed=opts.listed_negatives,
     )
     bank = opts.bank
     if bank is not None:
@@ -172,6 +173,12 @@ def _check(anchors: Tensor, cols: list[Tensor], opts: SigmoidOptions, sizes: lis
             raise nonfinite_error("the bank")
     if sizes is None:
         return
+    if opts.listed_negatives:
+        raise ValueError(
+            "listed_negatives=True is taken on one process: across processes the sigmoid loss's strategies "
+            "exchange columns of one row per anchor. Give hard-negative columns of one text per row, or train on "
+            "one process."
+        )
     if opts.row_offset != 0:
         raise ValueError(
             "across processes the strategies place every process's rows themselves: leave row_offset at 0."

@@ -145,7 +145,7 @@ class PairBlocks:
 
 def solve_local(
     anchors: Tensor, cols: list[Tensor], bank: Tensor | None, *, score: Score, scale: float, bias: float,
-    row_offset: int, plan: Plan, factor: float, want: Wanted, grad_cols: Tensor | None = None,
+    row_offset: int, plan: Plan, factor: float, want: Wanted, grad_cols: Tensor | list[Tensor] | None = None,
 ) -> PairSums:  # fmt: skip
     """The rows ``anchors (B, d)`` against the candidate columns ``cols`` (``K`` of ``(N, d)``; row ``i``'s
     positive at ``cols[0][row_offset + i]``) and the negatives ``bank (n, d)``: the loss's sum and the
@@ -157,8 +157,10 @@ def solve_local(
         anchors, score, scale, bias, row_tile=plan.row_tile, col_tile=plan.col_tile, prenormalize=prenorm,
         want=want,
     )  # fmt: skip
-    if want.embeddings and grad_cols is None:
-        grad_cols = torch.zeros(len(cols), *cols[0].shape, dtype=blocks.rows.dtype, device=anchors.device)
+    if (
+        want.embeddings and grad_cols is None
+    ):  # one buffer per column: lists of negatives have their own length
+        grad_cols = [torch.zeros(c.shape, dtype=blocks.rows.dtype, device=anchors.device) for c in cols]
     for k, c in enumerate(cols):
         op = score.operand(c, 1.0, prenorm)
         g = grad_cols[k] if grad_cols is not None else None
@@ -168,5 +170,5 @@ def solve_local(
     if bank is not None and bank.shape[0]:
         blocks.visit(score.operand(bank, 1.0, prenorm), None, None)
     g_rows, g_s, g_b = blocks.finish(factor)
-    g_list = list(grad_cols.unbind(0)) if grad_cols is not None else []
+    g_list = list(grad_cols) if grad_cols is not None else []
     return PairSums(blocks.loss, g_rows, g_list, g_s, g_b)

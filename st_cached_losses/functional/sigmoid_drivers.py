@@ -91,7 +91,7 @@ def local_pairs(
     not read (one process)."""
     score = opts.score(anchors)
     n_bank = opts.bank.shape[0] if opts.bank is not None else 0
-    plan = block_plan(anchors.shape[0], max(cols[0].shape[0], n_bank), opts, score, want)
+    plan = block_plan(anchors.shape[0], max(*(c.shape[0] for c in cols), n_bank), opts, score, want)
     s, bias = scale_value(opts.scale), bias_value(opts.bias)
     return solve_local(
         anchors, cols, opts.bank, score=score, scale=s, bias=bias, row_offset=opts.row_offset, plan=plan,

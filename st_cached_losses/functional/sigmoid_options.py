@@ -58,6 +58,9 @@ class SigmoidOptions:
             it and refuse another value).
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs; across
             processes [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes] checks every process at once instead).
+        listed_negatives: the hard-negative columns (``candidates[1:]``) may have any number of rows, empty
+            too (lists of hard negatives, each row its own number, flattened into one column): every one is a
+            negative of every row, as a hard-negative column's rows are. One process only.
         matmul_precision: the precision of the similarity products, with
             ``torch.set_float32_matmul_precision``'s names: ``"highest"`` (fp32 products whatever torch's
             global setting, the exact path), ``"high"`` (TF32 on CUDA; fp32 on a CPU), ``"medium"`` (bf16
@@ -77,6 +80,7 @@ class SigmoidOptions:
     bank: Tensor | None = None
     row_offset: int = 0
     check_finite: bool = True
+    listed_negatives: bool = False
     matmul_precision: MatmulPrecision | None = None
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.engine.features import batch_size_of
-from st_cached_losses.engine.lists import ListColumns
+from st_cached_losses.engine.lists import ListColumns, check_list_columns
 from st_cached_losses.functional.distributed import is_distributed
 from st_cached_losses.functional.terms import mnrl_terms
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
@@ -332,26 +332,8 @@ class CachedMNRLoss(LearnableScale):
         """Lists: the anchors one text per row, the positives one or more per row, each other column its texts
         of every row (each row's count of them), and no option that reads a row's own hard negatives."""
         s, owner = self.settings, type(self).__name__
-        sizes = [batch_size_of(f) for f in features]
-        if lists.kept[:2] != [0, 1] or lists.counts[0] is not None:
-            raise ValueError(
-                f"{owner} takes lists (or None values) in its positive and hard-negative columns only: the "
-                "anchors (column 0) must hold one text per row, and every row at least one positive (column 1)."
-            )
+        check_list_columns([batch_size_of(f) for f in features], lists, owner)
         positives = lists.counts[1]
-        if positives is not None and bool((positives < 1).any()):
-            raise ValueError(
-                f"{owner}: rows {(positives < 1).nonzero().flatten().tolist()} have no positive: every anchor needs "
-                "at least one positive (column 1)."
-            )
-        b = sizes[0]
-        for k, (n, counts) in enumerate(zip(sizes, lists.counts)):
-            expected = b if counts is None else int(counts.sum())
-            if (counts is not None and len(counts) != b) or n != expected:
-                raise ValueError(
-                    f"{owner}: column {lists.kept[k]} has {n} texts for {b} anchors (its per-row counts say "
-                    f"{expected}): every hard-negative column needs one entry (a list, or None) per anchor."
-                )
         across = s.gather_across_devices and is_distributed()
         # across processes the settings are checked once every process knows whether any has lists (the stage)
         message = None if across else list_refusal(s, owner, positives is not None, False)

@@ -17,6 +17,8 @@ import torch
 from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
+from st_cached_losses.engine.features import batch_size_of
+from st_cached_losses.engine.lists import ListColumns, check_list_columns
 from st_cached_losses.functional.parallel import mean_scale_grad
 from st_cached_losses.functional.sigmoid import SigmoidOptions, sigmoid_loss_and_grad
 from st_cached_losses.losses.base import Stage, StageInput, StageOutput
@@ -136,7 +138,15 @@ class Sigmoid(Stage):
 
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
         embeddings, step = batch.embeddings, batch.step
-        sizes = batch.sizes(self.gather)  # also the finiteness check, agreed on by every process
+        listed = step.counts is not None  # lists of hard negatives: columns of their own lengths
+        # also the finiteness check, and whether any process has lists, agreed on by every process
+        sizes = batch.sizes(self.gather, tag=int(listed))
+        if sizes is not None and batch.tag(self.gather):  # every process raises, none waits
+            raise ValueError(
+                f"{self.owner}: lists of hard negatives (a column of lists, or None values) are taken on one "
+                "process: across processes (gather_across_devices) the sigmoid loss exchanges columns of one "
+                "text per row. Give hard-negative columns of one text per row, or train on one process."
+            )
         scale = step.inputs.get("scale", self.scale)
         bias = step.inputs.get("bias", self.bias)
         options = SigmoidOptions(
@@ -145,6 +155,7 @@ class Sigmoid(Stage):
             similarity=self.similarity,
             **self.plan.options(),
             check_finite=False,
+            listed_negatives=listed,
         )
         ring = sizes is not None and self.plan.path == "tiled"
         out = sigmoid_loss_and_grad(
@@ -323,6 +334,19 @@ class CachedSigLIPLoss(LearnableScale):
         if self.settings.learnable:
             inputs["bias"] = self.logit_bias.float()
         return inputs
+
+    def check_lists(self, features: list[Any], lists: ListColumns) -> None:
+        """Lists of hard negatives (each row its own number, empty allowed): every one a negative of every
+        anchor, as a hard-negative column's rows are; one positive per row (SigLIP's pair labels have one
+        positive pair per anchor)."""
+        owner = type(self).__name__
+        check_list_columns([batch_size_of(f) for f in features], lists, owner)
+        if lists.counts[1] is not None:
+            raise ValueError(
+                f"{owner} takes one positive per row (a pair's label is positive for its own anchor only): the "
+                "positive column holds lists. Give one positive per row (lists of hard negatives are taken), or "
+                "use CachedMNRLoss / CachedCLIPLoss, which take several positives per row."
+            )
 
     def build_stage(self) -> Sigmoid:
         s = self.settings
