@@ -12,6 +12,8 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from st_cached_losses.engine.cache_form import TokenRows
+from st_cached_losses.engine.features import batch_size_of
+from st_cached_losses.engine.lists import ListColumns, check_list_columns
 from st_cached_losses.functional.checks import check_positive_int
 from st_cached_losses.functional.multi_vector import XTR, MaxSim
 from st_cached_losses.functional.terms import mnrl_terms
@@ -120,6 +122,17 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
             "gather_across_devices": self.gather_across_devices,
         }
         return {**config, **self.changed(("tile_size", "matmul_precision")), **self.auto_config()}
+
+
+def _list_refusal(owner: str, several: bool, across: bool) -> str | None:
+    """Lists are taken on one process: across processes the token rows of lists are not exchanged yet."""
+    if not across:
+        return None
+    return (
+        f"{owner}: lists of hard negatives or of positives (a column of lists, or None values) are taken on one "
+        "process: across processes (gather_across_devices) the token rows of lists are not exchanged yet. Give "
+        "columns of one text per row, or train on one process."
+    )
 
 
 class CachedMultiVectorLoss(TokenScoreLoss):
@@ -262,6 +275,18 @@ class CachedMultiVectorLoss(TokenScoreLoss):
     def score_mini_batch_size(self, value: int | None) -> None:
         self.update_settings(score_mini_batch_size=value)
 
+    def check_lists(self, features: list[Any], lists: ListColumns) -> None:
+        """Lists of hard negatives (each row its own number, empty allowed), every one a candidate of every
+        query, as ``CachedMNRLoss`` takes them; one positive per row; on one process (across processes the
+        stage refuses them on every process at once)."""
+        owner = type(self).__name__
+        check_list_columns([batch_size_of(f) for f in features], lists, owner)
+        if lists.counts[1] is not None:
+            raise ValueError(
+                f"{owner} takes one positive per row: the positive column holds lists. Give one positive per row "
+                "(lists of hard negatives are taken), or CachedMNRLoss for several positives of dense embeddings."
+            )
+
     def build_stage(self) -> InfoNCE:
         s = self.settings
 
@@ -274,4 +299,5 @@ class CachedMultiVectorLoss(TokenScoreLoss):
             plan=s.plan(),
             gather=s.gather_across_devices,
             form=TokenRows(),
+            refuse_lists=functools.partial(_list_refusal, type(self).__name__),
         )

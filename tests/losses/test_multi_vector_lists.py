@@ -1,0 +1,69 @@
+"""Lists of hard negatives with CachedMultiVectorLoss (issue 60): a list-valued negative column (its texts
+flattened, ``row_counts`` per row) is scored as candidates of every query. Oracle: sentence-transformers'
+non-cached ``MultiVectorMultipleNegativesRankingLoss`` on the same texts with the listed negatives cut into
+columns of one text per row (InfoNCE over every candidate does not depend on which column holds one): the loss
+and every parameter gradient equal, MaxSim and MeanMaxSim, chunked and tiled, with ColBERT's query expansion as
+real checkpoints set it; several positives are refused by name."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
+from sentence_transformers.multi_vector_encoder.scoring import mean_colbert_scores
+
+from st_cached_losses import CachedMultiVectorLoss
+from st_cached_losses.engine.lists import ROW_COUNTS
+from tests.losses.test_cached_multi_vector import with_expansion
+from tests.losses.test_losses import assert_grads_close, param_grads
+from tests.support.tiny_model import make_tiny_multi_vector, random_texts
+
+B = 5
+
+
+@pytest.fixture(scope="module")
+def mv_model(tmp_path_factory):
+    return make_tiny_multi_vector(tmp_path_factory.mktemp("mv") / "bert")
+
+
+def _column(model, texts: list[str], task: str, counts: torch.Tensor | None = None) -> dict:
+    features = {**model.preprocess(texts, task=task), "task": task}
+    return {**features, ROW_COUNTS: counts} if counts is not None else features
+
+
+@pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
+@pytest.mark.parametrize(
+    ("similarity_fct", "scale"), [(None, 1.0), (mean_colbert_scores, 7.0)], ids=["maxsim", "meanmaxsim"]
+)
+@pytest.mark.parametrize(
+    ("mini_batch_size", "extra"), [(2, {}), (3, {"path": "tiled", "tile_size": 2})], ids=["mb2", "mb3-tiled2"]
+)
+def test_lists_of_negatives_equal_sentence_transformers(
+    mv_model, expansion, similarity_fct, scale, mini_batch_size, extra
+):
+    model = with_expansion(copy.deepcopy(mv_model), expansion)
+    counts = torch.tensor([0, 3, 1, 0, 6])  # 10 negatives: two columns of one per row for the oracle
+    q, p = random_texts(B, seed=1, max_words=12), random_texts(B, seed=2, max_words=12)
+    n = random_texts(int(counts.sum()), seed=3, max_words=12)
+    oracle = MultiVectorMultipleNegativesRankingLoss(model, scale=scale, similarity_fct=similarity_fct)
+    columns = [_column(model, q, "query"), _column(model, p, "document")]
+    ref, g_ref = param_grads(
+        model, oracle, [*columns, _column(model, n[:B], "document"), _column(model, n[B:], "document")]
+    )
+    ours = CachedMultiVectorLoss(
+        model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size, **extra
+    )
+    value, grads = param_grads(model, ours, [*columns, _column(model, n, "document", counts)])
+    torch.testing.assert_close(value, ref, rtol=1e-5, atol=1e-6)
+    assert_grads_close(grads, g_ref, rtol=1e-5)
+
+
+def test_several_positives_are_refused(mv_model):
+    model = copy.deepcopy(mv_model)
+    q = random_texts(3, seed=6)
+    p = random_texts(4, seed=7)
+    columns = [_column(model, q, "query"), _column(model, p, "document", torch.tensor([1, 2, 1]))]
+    with pytest.raises(ValueError, match="CachedMultiVectorLoss takes one positive per row"):
+        CachedMultiVectorLoss(model, mini_batch_size=2)(columns, None)
