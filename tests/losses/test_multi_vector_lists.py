@@ -3,7 +3,7 @@ flattened, ``row_counts`` per row) is scored as candidates of every query. Oracl
 non-cached ``MultiVectorMultipleNegativesRankingLoss`` on the same texts with the listed negatives cut into
 columns of one text per row (InfoNCE over every candidate does not depend on which column holds one): the loss
 and every parameter gradient equal, MaxSim and MeanMaxSim, chunked and tiled, with ColBERT's query expansion as
-real checkpoints set it; several positives are refused by name."""
+real checkpoints set it; XTR's scores and several positives are refused by name."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from sentence_transformers.multi_vector_encoder.losses import MultiVectorMultipleNegativesRankingLoss
-from sentence_transformers.multi_vector_encoder.scoring import mean_colbert_scores
+from sentence_transformers.multi_vector_encoder.scoring import XTRScores, mean_colbert_scores
 
 from st_cached_losses import CachedMultiVectorLoss
 from st_cached_losses.engine.lists import ROW_COUNTS
@@ -35,7 +35,9 @@ def _column(model, texts: list[str], task: str, counts: torch.Tensor | None = No
 
 @pytest.mark.parametrize("expansion", [False, True], ids=["plain", "expansion"])
 @pytest.mark.parametrize(
-    ("similarity_fct", "scale"), [(None, 1.0), (mean_colbert_scores, 7.0)], ids=["maxsim", "meanmaxsim"]
+    ("similarity_fct", "scale"),
+    [(None, 1.0), (mean_colbert_scores, 7.0)],
+    ids=["maxsim", "meanmaxsim"],
 )
 @pytest.mark.parametrize(
     ("mini_batch_size", "extra"), [(2, {}), (3, {"path": "tiled", "tile_size": 2})], ids=["mb2", "mb3-tiled2"]
@@ -67,3 +69,14 @@ def test_several_positives_are_refused(mv_model):
     columns = [_column(model, q, "query"), _column(model, p, "document", torch.tensor([1, 2, 1]))]
     with pytest.raises(ValueError, match="CachedMultiVectorLoss takes one positive per row"):
         CachedMultiVectorLoss(model, mini_batch_size=2)(columns, None)
+
+
+def test_xtr_scores_are_refused_with_lists(mv_model):
+    model = copy.deepcopy(mv_model)
+    columns = [
+        _column(model, random_texts(3, seed=8), "query"),
+        _column(model, random_texts(3, seed=9), "document"),
+        _column(model, random_texts(2, seed=10), "document", torch.tensor([0, 2, 0])),
+    ]
+    with pytest.raises(ValueError, match="XTR's scores retrieve"):
+        CachedMultiVectorLoss(model, similarity_fct=XTRScores(top_k=5), mini_batch_size=2)(columns, None)
