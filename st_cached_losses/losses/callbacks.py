@@ -329,7 +329,9 @@ class LossStateCallback(TrainerCallback):
         for key, bank in self._active_banks().items():  # its size and age, on this process
             scales.update({(k if key == "0" else f"{k}_{key}"): v for k, v in bank.stats().items()})
         for key, module in self._filters.items():  # the latest training step's, on this process
-            fraction = module.false_negative_fraction
+            fraction: Any = (
+                module.false_negative_fraction
+            )  # a property of the loss (nn.Module's getattr is untyped)
             if fraction is not None:
                 scales["false_negative_fraction" if key == "0" else f"false_negative_fraction_{key}"] = (
                     fraction
