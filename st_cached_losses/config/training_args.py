@@ -244,6 +244,8 @@ class CachedLossArguments(BaseTrainingArguments):
     negative_bank_size: int = loss_field("negative_bank_size")
     negative_bank_max_age: Optional[int] = loss_field("negative_bank_max_age")  # noqa: UP045
     in_batch_negatives: bool = loss_field("in_batch_negatives")
+    false_negative_filter: Optional[str] = loss_field("false_negative_filter")  # noqa: UP045
+    false_negative_margin: Optional[float] = loss_field("false_negative_margin")  # noqa: UP045
     loss_show_progress_bar: bool = loss_field("show_progress_bar")
     path: str = loss_field("path")
     matmul_precision: Optional[str] = loss_field("matmul_precision")  # noqa: UP045

@@ -22,12 +22,21 @@ from torch import Tensor
 from st_cached_losses.functional._kernels import LogSumExp, Operand, init_stats, raw_grad
 from st_cached_losses.functional.options import Bank, Guide, Keys, LossSpec
 from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.terms import Bound, PairKeys, Term, TermSet, guide_thresholds
+from st_cached_losses.functional.terms import (
+    Bound,
+    FalseNegatives,
+    PairKeys,
+    Term,
+    TermSet,
+    guide_thresholds,
+    positive_thresholds,
+)
 
 __all__ = [
     "Solution",
     "Sources",
     "bind",
+    "false_negatives",
     "finish_grads",
     "group_stats",
     "guide_sources",
@@ -118,10 +127,27 @@ def guide_sources(
     return gsrc, guide_thresholds(gsrc.q, gsrc.d, terms.margin_strategy or "absolute", terms.margin, tile)
 
 
-def transposed_pair(terms: TermSet, score: Score) -> tuple[Term, Term] | None:
+def false_negatives(
+    spec: LossSpec, src: Sources, row_offset: int, scale: float, tile: int
+) -> FalseNegatives | None:
+    """The call's false-negative filter bound to its rows (None without one): each row's threshold in logit units,
+    from its own positive's logit (``q_i`` against ``c0[row_offset + i]``; the positive -> anchors direction's
+    rows, the same pairs, share it), and the filter's tally."""
+    rule = spec.options.false_negatives
+    if rule is None:
+        return None
+    with torch.no_grad():
+        positive = spec.score.positives(src.q, src.cols["c0"], row_offset, tile, scale) / scale
+        thresholds = positive_thresholds(positive, rule.strategy, rule.gist_margin) * scale
+    return FalseNegatives(thresholds, rule.tally)
+
+
+def transposed_pair(terms: TermSet, score: Score, filtered: bool = False) -> tuple[Term, Term] | None:
     """The ``query_to_doc`` positives' term and the ``doc_to_query`` term whose tiles are its transposes
-    (both plain: no penalty, no guide; a GEMM score), if the loss has both."""
-    if not score.gemm:
+    (both plain: no penalty, no guide; a GEMM score), if the loss has both. Not with a false-negative filter
+    (``filtered``): a shared tile's entry would be judged against its row's threshold in one softmax and its
+    column's in the other."""
+    if not score.gemm or filtered:
         return None
     plain = [t for t in terms.terms if not (t.pen_off or t.pen_diag or t.guided)]
     fwd = [t for t in plain if (t.rows, t.cols, t.diag) == ("q", "c0", "positive")]
@@ -135,8 +161,10 @@ def bind(
     diag_offset: int | None,
     guide: Sources | None,
     thresholds: Tensor | None,
+    filtered: FalseNegatives | None = None,
 ) -> list[Bound]:
-    """``terms`` bound to ``src``'s operands, buffers and keys (and the guide's operands, when guided)."""
+    """``terms`` bound to ``src``'s operands, buffers and keys (and the guide's operands, when guided; the
+    false-negative filter, ``filtered``, on every term)."""
     out = []
     for t in terms:
         rows = src.q if t.rows == "q" else src.d
@@ -152,6 +180,7 @@ def bind(
                 thresholds,
                 src.keys[t.rows] if src.keys is not None else None,
                 src.keys.get(t.cols) if src.keys is not None else None,
+                false_negatives=filtered,
             )
         )  # fmt: skip
     return out

@@ -137,6 +137,7 @@ def _plain(b: Bound) -> bool:
         and t.diag in ("positive", "keep")
         and b.row_keys is None
         and b.guide_rows is None
+        and b.false_negatives is None
         and b.rows.x.dim() == 2
         and b.rows.x.shape[1] <= KERNEL_MAX_DIM
     )

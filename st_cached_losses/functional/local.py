@@ -18,6 +18,7 @@ from st_cached_losses.functional.binding import (
     Solution,
     Sources,
     bind,
+    false_negatives,
     finish_grads,
     group_stats,
     guide_sources,
@@ -46,7 +47,12 @@ class LocalCall:
         self.spec, self.s, self.b = spec, s, b
         self.anchors, self.cols, self.anchors_all = anchors, cols, anchors_all
         # the doc_to_query tiles are the transposes of query_to_doc's on one process (columns = these rows)
-        pair = transposed_pair(terms, spec.score) if anchors_all is None and cols[0].shape[0] == b else None
+        filtered = o.false_negatives is not None
+        pair = (
+            transposed_pair(terms, spec.score, filtered)
+            if anchors_all is None and cols[0].shape[0] == b
+            else None
+        )
         # sharing tiles needs two passes, 4 GEMMs per shared tile and per other term; the fused chunks
         # take 3 per term in one pass: with four terms or more, those are cheaper
         n_terms = len(terms.terms)
@@ -76,7 +82,8 @@ class LocalCall:
         gsrc, thr = guide_sources(o.guide, terms, o.row_offset, prenorm, self.plan.row_tile)
         self.m, self.ssum = group_stats(len(terms.weights), b, self.src.q)
         # a list of hard negatives may be empty (listed_negatives): its terms hold no logit
-        self.bound = [x for x in bind(terms.terms, self.src, o.row_offset, gsrc, thr) if x.cols.n > 0]
+        fn = false_negatives(spec, self.src, o.row_offset, s, self.plan.row_tile)
+        self.bound = [x for x in bind(terms.terms, self.src, o.row_offset, gsrc, thr, fn) if x.cols.n > 0]
         self.pair = pair
         if pair is not None:
             g_back = pair[1].group  # the columns are these rows: their statistics are the group's own

@@ -23,7 +23,16 @@ from st_cached_losses.functional.precision import MatmulPrecision, Products, glo
 from st_cached_losses.functional.score import Score, Similarity
 from st_cached_losses.functional.terms import PairKeys, TermSet, bank_terms, mnrl_terms
 
-__all__ = ["Bank", "Guide", "InfoNCEOptions", "Keys", "LossPath", "LossSpec"]
+__all__ = [
+    "FALSE_NEGATIVE_FILTERS",
+    "Bank",
+    "FalseNegativeFilter",
+    "Guide",
+    "InfoNCEOptions",
+    "Keys",
+    "LossPath",
+    "LossSpec",
+]
 
 LossPath = Literal["auto", "chunked", "tiled"]
 
@@ -35,6 +44,54 @@ class Guide:
 
     anchors: Tensor
     candidates: list[Tensor]
+
+
+#: the false-negative filters and each one's typical margin (NV-Retriever's TopK-PercPos, Qwen3-Embedding's)
+FALSE_NEGATIVE_FILTERS = {"relative": 0.95, "absolute": 0.1}
+
+
+@dataclass(frozen=True)
+class FalseNegativeFilter:
+    """Positive-aware false-negative filtering with the loss's own similarities as the judge: a candidate
+    (any entry of any term but the row's positive) is no negative of row ``i`` when its similarity to the
+    row exceeds, with ``p`` the row's positive similarity,
+
+    * ``"relative"`` (NV-Retriever's TopK-PercPos): ``margin * p`` (``margin`` in ``(0, 1]``, typically
+      0.95; for a negative ``p`` the threshold ``p - |p| (1 - margin)``, so that an entry rated above the
+      positive is always removed);
+    * ``"absolute"`` (Qwen3-Embedding): ``p + margin`` (``margin >= 0``, typically 0.1).
+
+    These are GIST's thresholds ([`positive_thresholds`][st_cached_losses.functional.terms.positive_thresholds])
+    with GIST's margin ``1 - margin`` (relative) and ``-margin`` (absolute). The mask is decided without
+    gradient from the logits the loss computes (so at each truncation of a MatryoshkaLoss from that
+    truncation's similarities); the row's positive is the one of the softmax being computed (with several
+    positives per row, each positive's own). ``tally``: an ``(2,)`` int64 tensor the call adds to (entries
+    removed, negatives seen), for monitoring."""
+
+    strategy: str
+    margin: float
+    tally: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.strategy not in FALSE_NEGATIVE_FILTERS:
+            raise ValueError(
+                f"false-negative filter must be 'relative' or 'absolute', got {self.strategy!r}."
+            )
+        m = self.margin
+        if (
+            isinstance(m, bool)
+            or not isinstance(m, (int, float))
+            or not (0.0 < m <= 1.0 if self.strategy == "relative" else 0.0 <= m < float("inf"))
+        ):
+            bounds = (
+                "in (0, 1], e.g. 0.95" if self.strategy == "relative" else "a finite number >= 0, e.g. 0.1"
+            )
+            raise ValueError(f"a {self.strategy} false-negative margin must be {bounds}; got {m!r}.")
+
+    @property
+    def gist_margin(self) -> float:
+        """The margin in GIST's form (``positive_thresholds``)."""
+        return 1.0 - float(self.margin) if self.strategy == "relative" else -float(self.margin)
 
 
 @dataclass
@@ -133,6 +190,10 @@ class InfoNCEOptions:
             negatives, no ``doc_to_doc``); a list column may be empty. Across processes they are gathered
             (each process's lists of its own length), not passed around the ring. Several positives per
             row: [`positives`][st_cached_losses.functional.positives].
+        false_negatives: a [`FalseNegativeFilter`][st_cached_losses.functional.options.FalseNegativeFilter]:
+            every candidate the loss's own similarities rate too close to (or above) the row's positive is
+            removed from the row's softmaxes, in every term and column source (the bank's too); None (default):
+            none. Its products are fp32, as with duplicate keys.
 
     ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
     against columns the caller gathered: the strategies of [`parallel`][st_cached_losses.functional.parallel] set them (and refuse the first
@@ -156,6 +217,7 @@ class InfoNCEOptions:
     bank: Bank | None = None
     matmul_precision: MatmulPrecision | None = None
     listed_negatives: bool = False
+    false_negatives: FalseNegativeFilter | None = None
 
     def __post_init__(self) -> None:
         Score(self.similarity)  # refuses anything but "cosine", "dot" or a function
@@ -257,7 +319,9 @@ class InfoNCEOptions:
         if anchors.dtype == torch.float64 or not score.gemm or score.packed:
             return Products()
         precision = self.matmul_precision or global_matmul_precision(anchors.device.type)
-        masked = self.guide is not None or keys is not None or terms.guided
+        masked = (
+            self.guide is not None or keys is not None or terms.guided or self.false_negatives is not None
+        )
         if precision == "highest" or masked or any(t.pen_off or t.pen_diag for t in terms.terms):
             return Products()
         kernels = all(t.diag in ("positive", "keep") for t in terms.terms) and kernels_enabled(anchors.device)

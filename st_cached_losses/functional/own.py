@@ -3,7 +3,8 @@ own hard negatives (FlagEmbedding's ``no_in_batch_neg_flag``), on one process an
 
 Row ``i``'s logits are ``(K,)``: ``s * sim(q_i, c_k[row_offset + i])`` for every candidate column ``k``,
 with the terms' hardness penalty on each own entry, GIST's guide mask on the own hard negatives (never the
-positive), and the duplicate keys' mask (a hard negative equal to the row's own positive). The loss is the
+positive), the duplicate keys' mask (a hard negative equal to the row's own positive) and a false-negative
+filter ([`FalseNegativeFilter`][st_cached_losses.functional.options.FalseNegativeFilter]). The loss is the
 mean of ``logsumexp_k - logit_0``. Nothing of size ``B x B`` is computed: the logits are ``B x K``, made by
 ``K`` row-wise products (cosine: each side normalised once), so the loss and its gradients (through autograd
 on this small graph) cost ``O(B K d)``. No other process's rows are read: across processes nothing is
@@ -29,7 +30,7 @@ from st_cached_losses.functional.checks import candidate_columns, validate_input
 from st_cached_losses.functional.options import InfoNCEOptions
 from st_cached_losses.functional.precision import accumulation_dtype, fp32_loss_stage
 from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.terms import TIE_TOLERANCE, Term, TermSet
+from st_cached_losses.functional.terms import Term, TermSet, positive_thresholds
 
 __all__ = ["OwnOutput", "in_batch_negatives", "own_candidates_infonce", "own_candidates_loss_and_grad"]
 
@@ -78,6 +79,18 @@ def _own_logits(anchors: Tensor, cols: Sequence[Tensor], opts: InfoNCEOptions, t
     if opts.candidate_keys is not None:
         keys = torch.stack([k[off : off + b] for k in opts.candidate_keys], dim=1)  # (b, K)
         mask[:, 1:] |= keys[:, 1:] == keys[:, :1]  # a hard negative that is the row's own positive
+    rule = opts.false_negatives
+    if rule is not None:  # the loss's own similarities judge, as on the tile path (never the positive)
+        with torch.no_grad():
+            plain = sim.detach()
+            filtered = plain > positive_thresholds(plain[:, 0], rule.strategy, rule.gist_margin)[:, None]
+            filtered[:, 0] = False
+            if rule.tally is not None:
+                live = ~mask
+                live[:, 0] = False
+                rule.tally[0] += (filtered & live).sum()
+                rule.tally[1] += live.sum()
+        mask = mask | filtered
     return logits.masked_fill(mask, -torch.inf)
 
 
@@ -103,10 +116,7 @@ def _guide_mask(
         ga = F.normalize(opts.guide.anchors.to(dtype), dim=-1, eps=NORM_EPS)
         gc = [F.normalize(c[off : off + b].to(dtype), dim=-1, eps=NORM_EPS) for c in opts.guide.candidates]
         rated = torch.stack([(ga * c).sum(-1) for c in gc], dim=1)  # (b, K)
-        pos = rated[:, 0]
-        margin = terms.margin
-        thr = pos - margin if terms.margin_strategy in (None, "absolute") else pos - pos.abs() * margin
-        mask = rated > (thr + TIE_TOLERANCE[dtype])[:, None]
+        mask = rated > positive_thresholds(rated[:, 0], terms.margin_strategy, terms.margin)[:, None]
         keep = torch.ones(k, dtype=torch.bool, device=mask.device)
         keep[guided] = False
         mask[:, keep] = False  # the positive, and any column whose term is not guided

@@ -15,6 +15,7 @@ from st_cached_losses.functional.binding import (
     Solution,
     Sources,
     bind,
+    false_negatives,
     finish_grads,
     group_stats,
     guide_sources,
@@ -70,12 +71,13 @@ def _ring_terms_solve(
     need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
     b = anchors.shape[0]
     k = len(cols)
-    pair = transposed_pair(terms, score)
+    pair = transposed_pair(terms, score, spec.options.false_negatives is not None)
     # a token score's logit costs q_tokens x d_tokens elements (the block plan's entry cost)
     cost = score.entry_cost(anchors, cols)
     tile = tile_side(spec.options.tile_size, spec.options.memory_budget, buffers=(3 + terms.guided) * cost)
     src = Sources.of(spec, anchors, cols, None, s, prenorm=False, with_grad=with_grad)
     gsrc, thr = guide_sources(guide, terms, 0, False, tile)
+    fn = false_negatives(spec, src, 0, s, tile)  # every row's positive is in this process's own columns
     banked = [t for t in terms.terms if t.cols.startswith("bank")]
     visiting = [t for t in terms.terms if t.cols != "q_local" and t not in banked]
     local = [t for t in terms.terms if t.cols == "q_local"]
@@ -128,11 +130,11 @@ def _ring_terms_solve(
                 {f"c{j}": Operand(gblk[:, j], True, 1.0, False) for j in range(k)}, {}, None
             )
         scored = [t for t in visiting if pair is None or t != pair[1]]  # the pair's back term rides along
-        bound = bind(scored, visit, 0 if owner == me else None, gvisit, thr)
+        bound = bind(scored, visit, 0 if owner == me else None, gvisit, thr, fn)
         if pair is not None:
             bound = pair_up(bound, pair, terms.weights, **col_state)
         if owner == me and local:
-            bound += bind(local, src, 0, gsrc, thr)
+            bound += bind(local, src, 0, gsrc, thr, fn)
         return bound
 
     def visit_stats(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
@@ -173,7 +175,7 @@ def _ring_terms_solve(
             ) -> None:
                 if tensors[0].shape[0]:
                     ops = {name: score.operand(tensors[0], 1.0, prenormalize=False)}
-                    visit_bound(bind(bank_t, src.with_columns(ops, row_grads, None), None, None, None))
+                    visit_bound(bind(bank_t, src.with_columns(ops, row_grads, None), None, None, None, fn))
 
             ring_exchange([block.contiguous()], [], shares, visit)
 

@@ -20,6 +20,12 @@ guide mask removes entries whose guide similarity exceeds the row's guide-rated 
 minus a margin (never the positive itself); guide tiles are computed next to logit tiles, never a
 ``B x C`` matrix.
 
+A false-negative filter ([`FalseNegatives`][st_cached_losses.functional.terms.FalseNegatives]) is GIST's rule with the
+loss's own similarities as the judge: an entry whose logit exceeds the row's threshold (from the row's own
+positive logit, [`positive_thresholds`][st_cached_losses.functional.terms.positive_thresholds]) is removed,
+in every term and every column source, never the positive itself; no second matrix is computed, the logit
+tile is its own judge.
+
 Duplicate keys (``mask_duplicates``) are a mask on every term: entry ``(i, j)`` is removed when the
 column entry belongs to a pair that shares row ``i``'s anchor or positive, or (a hard-negative column)
 its text is row ``i``'s positive; a row's own entry never is. The symmetric loss's two directions share
@@ -52,6 +58,7 @@ from st_cached_losses.functional.score import Score, TileGraph
 __all__ = [
     "TIE_TOLERANCE",
     "Bound",
+    "FalseNegatives",
     "PairKeys",
     "Term",
     "TermSet",
@@ -60,6 +67,7 @@ __all__ = [
     "gist_terms",
     "guide_thresholds",
     "mnrl_terms",
+    "positive_thresholds",
     "term_grads",
     "term_stats",
 ]
@@ -202,14 +210,35 @@ def bank_terms(terms: TermSet, candidates: bool, anchors: bool) -> TermSet:
 TIE_TOLERANCE = {torch.float32: 1e-6, torch.float64: 1e-12}
 
 
+def positive_thresholds(positive: Tensor, strategy: str | None, margin: float) -> Tensor:
+    """GISTEmbedLoss's rule, written once for every loss that filters false negatives: per row, the
+    similarity above which (``>``) an entry is removed, from the row's positive similarity ``g`` ``(B,)``:
+    ``g - margin`` (``"absolute"``, also None) or ``g - |g| * margin`` (``"relative"``), with ties within
+    [`TIE_TOLERANCE`][st_cached_losses.functional.terms.TIE_TOLERANCE] counted as equal (not above)."""
+    thr = positive - margin if strategy in (None, "absolute") else positive - positive.abs() * margin
+    return thr + TIE_TOLERANCE[positive.dtype]
+
+
 def guide_thresholds(guide_q: Operand, guide_d: Operand, strategy: str, margin: float, tile: int) -> Tensor:
-    """Per row: entries the guide rates above this are removed (GISTEmbedLoss's rule, ``>``, with ties
-    within [`TIE_TOLERANCE`][st_cached_losses.functional.terms.TIE_TOLERANCE] counted as equal)."""
+    """Per row: entries the guide rates above this are removed
+    ([`positive_thresholds`][st_cached_losses.functional.terms.positive_thresholds] of the guide-rated positive)."""
     g = torch.empty(guide_q.n, dtype=guide_q.dtype, device=guide_q.x.device)
     for r0, r1 in spans(guide_q.n, tile):
         g[r0:r1] = (guide_q.tile(r0, r1) * guide_d.tile(r0, r1)).sum(1)
-    thr = g - margin if strategy == "absolute" else g - g.abs() * margin
-    return thr + TIE_TOLERANCE[guide_q.dtype]
+    return positive_thresholds(g, strategy, margin)
+
+
+@dataclass
+class FalseNegatives:
+    """A call's false-negative filter, bound: ``thresholds`` ``(B,)`` in logit units (``scale`` times
+    [`positive_thresholds`][st_cached_losses.functional.terms.positive_thresholds] of each row's own positive
+    similarity, GIST's margin form); an entry whose logit (before any hardness penalty) exceeds its row's is
+    removed, except the row's positive. ``tally`` ``(2,)`` int64, if given, counts the statistics pass's
+    removed entries and the negatives they were drawn from (every entry still in a softmax after the other
+    masks, the positives excepted)."""
+
+    thresholds: Tensor
+    tally: Tensor | None = None
 
 
 @dataclass
@@ -259,14 +288,17 @@ class Bound:
     col_lse: LogSumExp | None = None
     col_weight: float = 0.0
     col_positive: bool = False  # the column softmax has its positive on the diagonal too
+    false_negatives: FalseNegatives | None = None
 
 
 def _logits(
-    b: Bound, q: Tensor, r0: int, r1: int, c0: int, c1: int, scale: float, keep_raw: bool, grads: bool = False
-):
+    b: Bound, q: Tensor, r0: int, r1: int, c0: int, c1: int, scale: float, keep_raw: bool, grads: bool = False,
+    count: bool = False,
+):  # fmt: skip
     """One tile's final logits (penalties added, removed entries at -inf), if asked the raw ``s * sim``
     (for the scale's gradient), the diagonal's entries, and with ``grads`` a function score's tile graph
-    ([`logits_with_graph`][st_cached_losses.functional.score.Score.logits_with_graph]; None for GEMM scores)."""
+    ([`logits_with_graph`][st_cached_losses.functional.score.Score.logits_with_graph]; None for GEMM scores).
+    ``count``: add the false-negative filter's removals to its tally (the statistics pass)."""
     t = b.term
     graph = None
     if grads and not b.score.gemm:
@@ -277,6 +309,12 @@ def _logits(
         block = b.score.logits(q, b.cols.tile(c0, c1), scale)  # (rows, cols)
     raw = block.clone() if keep_raw else None
     ij = diagonal_entries(r0, r1, c0, c1, b.diag, block.device)
+    filtered = None
+    if b.false_negatives is not None:  # judged on the plain logits, before any hardness penalty
+        with torch.no_grad():
+            filtered = block > b.false_negatives.thresholds[r0:r1, None]
+        if t.diag == "positive" and ij is not None:
+            filtered[ij] = False
     if t.pen_off or t.pen_diag:
         on_diag = block[ij] if ij is not None and t.pen_diag != t.pen_off else None
         if t.pen_off:
@@ -297,6 +335,17 @@ def _logits(
         block.masked_fill_(mask, -torch.inf)
     if t.diag == "exclude" and ij is not None:
         block[ij] = -torch.inf
+    if filtered is not None:
+        assert b.false_negatives is not None
+        tally = b.false_negatives.tally
+        if count and tally is not None:
+            with torch.no_grad():
+                live = block > -torch.inf  # the negatives the other masks left
+                if t.diag == "positive" and ij is not None:
+                    live[ij] = False
+                tally[0] += (filtered & live).sum()
+                tally[1] += live.sum()
+        block.masked_fill_(filtered, -torch.inf)
     return block, raw, ij, graph
 
 
@@ -316,7 +365,7 @@ def term_stats(
     into the running column statistics of a term with a column softmax."""
     scratch: Tensor | None = None
     for b, q, r0, r1, c0, c1 in _tiles(bound, row_tile, col_tile):
-        block, _, _, _ = _logits(b, q, r0, r1, c0, c1, scale, False)
+        block, _, _, _ = _logits(b, q, r0, r1, c0, c1, scale, False, count=True)
         if b.col_stats is not None:
             if scratch is None or scratch.shape != block.shape:
                 scratch = torch.empty_like(block)
@@ -383,7 +432,7 @@ def fused_chunk(
     for r0, r1 in spans(n_rows, chunk):
         qs = [b.rows.tile(r0, r1) for b in bound]
         tiles = [
-            _logits(b, q, r0, r1, 0, b.cols.n, scale, need_scale_grad, grads=need_grads)
+            _logits(b, q, r0, r1, 0, b.cols.n, scale, need_scale_grad, grads=need_grads, count=True)
             for b, q in zip(bound, qs)
         ]
         inv_z: dict[int, Tensor] = {}

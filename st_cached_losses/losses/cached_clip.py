@@ -55,6 +55,8 @@ class CachedCLIPLoss(CachedMNRLoss):
         mask_duplicates: bool = False,
         negative_bank_size: int = 0,
         negative_bank_max_age: int | None = None,
+        false_negative_filter: str | None = None,
+        false_negative_margin: float | None = None,
         **engine: Any,
     ) -> None:
         """
@@ -130,5 +132,7 @@ class CachedCLIPLoss(CachedMNRLoss):
             mask_duplicates=mask_duplicates,
             negative_bank_size=negative_bank_size,
             negative_bank_max_age=negative_bank_max_age,
+            false_negative_filter=false_negative_filter,
+            false_negative_margin=false_negative_margin,
             **engine,
         )

@@ -22,7 +22,7 @@ from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
 from st_cached_losses.losses.negative_bank import NegativeBank
 from st_cached_losses.losses.ranking import ONE_DIRECTION, RankingSettings
-from st_cached_losses.losses.stages.infonce import InfoNCE
+from st_cached_losses.losses.stages.infonce import FalseNegativeCount, InfoNCE
 
 __all__ = ["CachedMNRLoss", "ranking_stage"]
 
@@ -109,9 +109,15 @@ def list_refusal(settings: RankingSettings, owner: str, several: bool, across: b
     return None
 
 
-def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | None = None) -> InfoNCE:
+def ranking_stage(
+    owner: str,
+    settings: RankingSettings,
+    bank: NegativeBank | None = None,
+    false_negative_count: FalseNegativeCount | None = None,
+) -> InfoNCE:
     """The InfoNCE stage of sentence-transformers' ranking options (and ours) in ``settings``; ``bank``: the
-    loss's negative bank, used while ``negative_bank_size`` is set."""
+    loss's negative bank, used while ``negative_bank_size`` is set; ``false_negative_count``: where the
+    false-negative filter's training calls count what it removed."""
     s = settings
 
     terms = functools.partial(
@@ -135,6 +141,8 @@ def ranking_stage(owner: str, settings: RankingSettings, bank: NegativeBank | No
         # past anchors are negatives only of the terms that score against the anchors
         bank_anchors=bool({"query_to_query", "doc_to_query"} & set(s.directions)),
         refuse_lists=functools.partial(list_refusal, s, owner),
+        false_negatives=s.false_negatives(),
+        false_negative_count=false_negative_count,
     )
 
 
@@ -166,6 +174,8 @@ class CachedMNRLoss(LearnableScale):
         mask_duplicates: bool = False,
         negative_bank_size: int = 0,
         negative_bank_max_age: int | None = None,
+        false_negative_filter: str | None = None,
+        false_negative_margin: float | None = None,
         in_batch_negatives: bool = True,
         **engine: Any,
     ) -> None:
@@ -234,6 +244,22 @@ class CachedMNRLoss(LearnableScale):
                 ``mask_duplicates`` (the bank keeps no inputs to compare).
             negative_bank_max_age: drop bank entries added more than this many steps (training calls of the
                 loss: micro-batches under gradient accumulation) ago; None (default): the size alone decides.
+            false_negative_filter: remove from a row's negatives every candidate that the model itself rates
+                too close to the row's positive (its own similarity, the mask decided without gradient), on
+                every candidate source (in-batch, hard-negative columns, lists, other processes, the tiled path
+                and the ring, the negative bank): ``"relative"`` (NV-Retriever's TopK-PercPos) above
+                ``false_negative_margin`` times the positive's similarity, ``"absolute"`` (Qwen3-Embedding) above
+                the positive's similarity plus ``false_negative_margin``. The positive itself always stays, so a
+                row whose every negative is removed has a loss of 0. Several positives per row: each positive's
+                softmax against that positive. Inside ``MatryoshkaLoss``, each truncation's own similarities
+                judge. A candidate whose text equals the row's positive is ``mask_duplicates``'s. The fraction
+                removed by the last training step is ``loss.false_negative_fraction`` (logged by
+                [`LossStateCallback`][st_cached_losses.losses.callbacks.LossStateCallback]). None (default): no
+                filter, the loss as without it, bit for bit.
+            false_negative_margin: the filter's margin: ``"relative"`` in ``(0, 1]`` (None: 0.95), ``"absolute"``
+                ``>= 0`` (None: 0.1); a candidate rated above the positive is always removed (GIST's rule,
+                [`CachedGISTLoss`][st_cached_losses.losses.cached_gist.CachedGISTLoss], with the model as its own
+                guide: its ``margin`` is ``1 - margin`` relative, ``-margin`` absolute).
             in_batch_negatives: score each anchor against every row's candidates (default); False: against
                 its own positive and its own hard negatives only (FlagEmbedding's ``no_in_batch_neg_flag``),
                 across processes too (nothing is gathered then), e.g. for one dataset of a multi-dataset run
@@ -317,12 +343,26 @@ class CachedMNRLoss(LearnableScale):
                 mask_duplicates=mask_duplicates,
                 negative_bank_size=negative_bank_size,
                 negative_bank_max_age=negative_bank_max_age,
+                false_negative_filter=false_negative_filter,
+                false_negative_margin=false_negative_margin,
                 in_batch_negatives=in_batch_negatives,
                 **engine,
             ),
         )
 
+    @property
+    def false_negative_fraction(self) -> float | None:
+        """The fraction of this process's negative candidates that the false-negative filter
+        (``false_negative_filter``) removed in the latest training step (every call of it: a MatryoshkaLoss's
+        truncations summed): removed / all negative candidates, the positives not counted. None without a
+        filter, before the first training step, or where a step had no negative."""
+        if self.settings.false_negative_filter is None:
+            return None
+        return self.__dict__["_false_negative_count"].fraction
+
     def _settings_changed(self, old: Any, new: Any) -> None:
+        if "_false_negative_count" not in self.__dict__:
+            self.__dict__["_false_negative_count"] = FalseNegativeCount()
         if "negative_bank" not in self._modules:
             self.negative_bank = NegativeBank()
         self.negative_bank.resize(new.negative_bank_size, new.negative_bank_max_age)
@@ -341,4 +381,6 @@ class CachedMNRLoss(LearnableScale):
             raise ValueError(message)
 
     def build_stage(self) -> InfoNCE:
-        return ranking_stage(type(self).__name__, self.settings, self.negative_bank)
+        return ranking_stage(
+            type(self).__name__, self.settings, self.negative_bank, self.__dict__["_false_negative_count"]
+        )

@@ -26,7 +26,9 @@ into the checkpoint folder as ``BANK_FILE.format(rank)`` ([`BANK_FILE`][st_cache
 reads it back from the folder the trainer resumed from (found as for the scale's older checkpoints; where it
 cannot be told, or holds no bank file, the bank restarts empty, with a warning: the run then differs from an
 uninterrupted one for the next steps only, until the bank is full again). The logs get the bank's size and
-the mean and oldest age of its entries, in steps.
+the mean and oldest age of its entries, in steps. A loss that filters false negatives
+(``false_negative_filter``) has the fraction of its negatives the filter removed in the latest training step
+logged as ``false_negative_fraction`` (on this process's rows).
 
 The callback is given to the trainer explicitly: ``callbacks=[LossStateCallback(loss)]`` (the same
 loss, list or dict of losses as the trainer's ``loss``). The trainer hands a loss no reference to
@@ -77,6 +79,13 @@ def _banked(loss: nn.Module) -> list[NegativeBank]:
     return [m for m in loss.modules() if isinstance(m, NegativeBank)]
 
 
+def _filtering(loss: nn.Module) -> list[nn.Module]:
+    """The modules inside ``loss`` that can filter false negatives (``false_negative_filter``)."""
+    return [
+        m for m in loss.modules() if isinstance(getattr(type(m), "false_negative_fraction", None), property)
+    ]
+
+
 def _logit_bias(module: nn.Module) -> torch.Tensor | None:
     """A stateful loss's learned bias (SigLIP's ``logit_bias``), or None where it learns none."""
     return module._parameters.get("logit_bias")
@@ -117,11 +126,14 @@ class LossStateCallback(TrainerCallback):
         # after every step (a loss's submodules do not change once it is built)
         self._scaled: dict[str, nn.Module] = {}
         self._banks: dict[str, NegativeBank] = {}
+        self._filters: dict[str, nn.Module] = {}
         for name, loss in self.losses.items():
             for i, module in enumerate(_stateful(loss)):
                 self._scaled[f"{name}.{i}" if name else str(i)] = module
             for i, bank in enumerate(_banked(loss)):
                 self._banks[f"{name}.{i}" if name else str(i)] = bank
+            for i, module in enumerate(_filtering(loss)):
+                self._filters[f"{name}.{i}" if name else str(i)] = module
 
     def _active_banks(self) -> dict[str, NegativeBank]:
         """The banks in use (a loss's ``negative_bank_size`` may be set after the callback was built)."""
@@ -316,6 +328,14 @@ class LossStateCallback(TrainerCallback):
         )
         for key, bank in self._active_banks().items():  # its size and age, on this process
             scales.update({(k if key == "0" else f"{k}_{key}"): v for k, v in bank.stats().items()})
+        for key, module in self._filters.items():  # the latest training step's, on this process
+            fraction: Any = (
+                module.false_negative_fraction
+            )  # a property of the loss (nn.Module's getattr is untyped)
+            if fraction is not None:
+                scales["false_negative_fraction" if key == "0" else f"false_negative_fraction_{key}"] = (
+                    fraction
+                )
         logs.update(scales)
         # the trainer appended this log to its history just before calling back: keep them the same
         if state.log_history and all(

@@ -16,6 +16,7 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor
 
 from st_cached_losses.functional import Similarity
+from st_cached_losses.functional.options import FALSE_NEGATIVE_FILTERS, FalseNegativeFilter
 from st_cached_losses.losses.citations import CONTACCUM_CITATION, GTE_CITATION, HARDNESS_CITATION
 from st_cached_losses.losses.settings import (
     LearnableScaleSettings,
@@ -219,6 +220,24 @@ def _bank_max_age(name: str, value: Any) -> int | None:
     return value
 
 
+def _false_negative_filter(name: str, value: Any) -> str | None:
+    if value is not None and value not in FALSE_NEGATIVE_FILTERS:
+        names = list(FALSE_NEGATIVE_FILTERS)
+        raise ValueError(
+            f"{name} must be 'relative' (NV-Retriever's TopK-PercPos) or 'absolute' (Qwen3-Embedding), or None (no "
+            f"filter), got {value!r}.{closest_name_hint(str(value), names)}"
+        )
+    return value
+
+
+def _false_negative_margin(name: str, value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number or None (the filter's typical margin), got {value!r}.")
+    return float(value)
+
+
 def _hardness_strength(name: str, value: Any) -> Any:
     return value  # checked with hardness_mode, as sentence-transformers does (their words)
 
@@ -294,6 +313,21 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
         "alone decides.",
         check=_bank_max_age,
     )
+    false_negative_filter: str | None = setting(
+        None,
+        doc="Remove from a row's negatives every candidate the model itself rates too close to the row's positive "
+        "(its own similarity, without gradient): 'relative' (NV-Retriever's TopK-PercPos) above "
+        "false_negative_margin x the positive's similarity, 'absolute' (Qwen3-Embedding) above the positive's "
+        "similarity + false_negative_margin; on every candidate source (in-batch, hard negatives, lists, other "
+        "processes, the bank). None: no filter, the loss as without it.",
+        check=_false_negative_filter,
+    )
+    false_negative_margin: float | None = setting(
+        None,
+        doc="The false-negative filter's margin: for 'relative' in (0, 1] (None: 0.95), for 'absolute' >= 0 "
+        "(None: 0.1); a candidate rated above the positive is always removed.",
+        check=_false_negative_margin,
+    )
 
     @view
     def symmetric(self) -> bool:
@@ -322,21 +356,45 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
         check_hardness(self.hardness_mode, self.hardness_strength, owner)
         check_in_batch_negatives(self.in_batch_negatives, self.directions, self.hardness_mode, owner)
         check_negative_bank(self.negative_bank_size, self.mask_duplicates, self.in_batch_negatives)
+        self.false_negatives()
+
+    def false_negatives(self, tally: Tensor | None = None) -> FalseNegativeFilter | None:
+        """The core's false-negative filter of ``false_negative_filter`` and ``false_negative_margin`` (None
+        without one), counting into ``tally``; raises where the margin does not fit the filter."""
+        if self.false_negative_filter is None:
+            if self.false_negative_margin is not None:
+                raise ValueError(
+                    f"{self.owner}: false_negative_margin={self.false_negative_margin!r} is the margin of a "
+                    "false-negative filter, and false_negative_filter is None; set false_negative_filter='relative' "
+                    "or 'absolute', or leave the margin None."
+                )
+            return None
+        margin = self.false_negative_margin
+        if margin is None:
+            margin = FALSE_NEGATIVE_FILTERS[self.false_negative_filter]
+        try:
+            return FalseNegativeFilter(self.false_negative_filter, margin, tally)
+        except ValueError as error:
+            raise ValueError(
+                f"{self.owner}: false_negative_margin={margin!r} with false_negative_filter="
+                f"{self.false_negative_filter!r}: {error}"
+            ) from None
 
     def beyond_sentence_transformers(self) -> tuple[str, ...]:
-        """A learned scale, each row's own candidates only, duplicate masks, a negative bank: none is an option
-        of sentence-transformers' ``MultipleNegativesRankingLoss``."""
+        """A learned scale, each row's own candidates only, duplicate masks, a negative bank, a false-negative
+        filter: none is an option of sentence-transformers' ``MultipleNegativesRankingLoss``."""
         ours = (
             ("in_batch_negatives", not self.in_batch_negatives),
             ("mask_duplicates", self.mask_duplicates),
             ("negative_bank_size", bool(self.negative_bank_size)),
+            ("false_negative_filter", self.false_negative_filter is not None),
         )
         return (*super().beyond_sentence_transformers(), *(name for name, used in ours if used))
 
     def config(self) -> dict[str, Any]:
         """sentence-transformers' nine keys (the same values for the same settings; ``scale`` the current,
         learned one), then our extras that differ from their defaults (a learnable scale with its clamp, the
-        bank, in-batch negatives, duplicate masking, the tile size), and an ``"auto"`` loss's memory budget.
+        bank, in-batch negatives, duplicate masking, the false-negative filter, the tile size), and an ``"auto"`` loss's memory budget.
         With no extra in use it equals their config; every key is a constructor argument (the symmetric loss
         is said by ``directions`` and ``partition_mode``, as in theirs)."""
         config: dict[str, Any] = {
@@ -356,6 +414,8 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
                 "mask_duplicates",
                 "negative_bank_size",
                 "negative_bank_max_age",
+                "false_negative_filter",
+                "false_negative_margin",
                 "tile_size",
                 "matmul_precision",
             )

@@ -115,6 +115,8 @@ def _alternatives(name: str, models: dict[str, Any]) -> dict[str, tuple[Any, dic
         "hardness_strength": (2.0, {"hardness_mode": "all_negatives"}),
         "in_batch_negatives": (False, {}),
         "mask_duplicates": (True, {}),
+        "false_negative_filter": ("relative", {}),
+        "false_negative_margin": (0.9, {"false_negative_filter": "relative"}),
         "negative_bank_size": (4, {}),
         "negative_bank_max_age": (3, {"negative_bank_size": 4}),
         "guide": (models["other"], {}),

@@ -5,7 +5,8 @@ What a loss says of it: its terms (sentence-transformers' ranking options, GIST'
 its scale (a tensor in ``step.inputs["scale"]`` when learned, whose gradient the stage returns), the loss
 stage's plan, whether rows are scored against every row's candidates or their own only
 (``in_batch_negatives``, chosen once here: the terms and the column check), duplicate masks, a guide
-(a model's embeddings, or the step's own: self-guided GIST) and a negative bank."""
+(a model's embeddings, or the step's own: self-guided GIST), a negative bank and a false-negative filter (the
+loss's own similarities judging, with the count of what it removed)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from st_cached_losses.engine.features import input_ids_by_row, model_device
 from st_cached_losses.engine.multimodal import input_keys, media_inputs
 from st_cached_losses.functional import InfoNCEOptions, infonce
 from st_cached_losses.functional.distributed import is_distributed
-from st_cached_losses.functional.options import Bank, Guide
+from st_cached_losses.functional.options import Bank, FalseNegativeFilter, Guide
 from st_cached_losses.functional.parallel import (
     gathered_infonce,
     loss_and_grad,
@@ -36,7 +37,7 @@ from st_cached_losses.losses.negative_bank import NegativeBank
 from st_cached_losses.losses.ranking import check_own_candidates
 from st_cached_losses.losses.settings import DEFAULT_PLAN, PLAN_FIELDS, Plan
 
-__all__ = ["SELF_GUIDED", "GuideModel", "InfoNCE", "several_positives"]
+__all__ = ["SELF_GUIDED", "FalseNegativeCount", "GuideModel", "InfoNCE", "several_positives"]
 
 #: the guide of a self-guided GIST loss: the step's own embeddings
 SELF_GUIDED = "self"
@@ -45,6 +46,39 @@ SELF_GUIDED = "self"
 def several_positives(step: StepData) -> Tensor | None:
     """The positives' per-row counts ``(B,)`` when a row of the step has other than one positive, else None."""
     return step.counts[1] if step.counts is not None and len(step.counts) > 1 else None
+
+
+class FalseNegativeCount:
+    """A loss's count of what its false-negative filter removed in the current training step (every call of
+    the stage in the step, a MatryoshkaLoss's truncations included), on this process's rows: the stage adds
+    each call's tally; a training step's ``prepare`` starts a new count. Kept as a tensor on the embeddings'
+    device, read (one synchronisation) only when asked."""
+
+    def __init__(self) -> None:
+        self.tally: Tensor | None = None  # (2,) int64: removed, negatives seen
+        self._last: Tensor | None = None
+
+    def begin_step(self) -> None:
+        """A training step begins: the finished step's count is the one reported until this one is counted."""
+        if self.tally is not None:
+            self._last = self.tally
+        self.tally = None
+
+    def sink(self, device: torch.device) -> Tensor:
+        """The tally a call of the current step adds to."""
+        if self.tally is None:
+            self.tally = torch.zeros(2, dtype=torch.long, device=device)
+        return self.tally
+
+    @property
+    def fraction(self) -> float | None:
+        """Removed / seen negatives of the latest counted step (the current one once a call counted), None before
+        any (or with no negative seen)."""
+        tally = self.tally if self.tally is not None else self._last
+        if tally is None:
+            return None
+        removed, seen = tally.tolist()
+        return removed / seen if seen else None
 
 
 @dataclass(eq=False)
@@ -120,6 +154,10 @@ class InfoNCE(Stage):
         guide: a [`GuideModel`][st_cached_losses.losses.stages.infonce.GuideModel], ``"self"`` (the step's
             own embeddings, detached), or None (unguided terms).
         form: the engine's cache form the stage reads (token rows).
+        false_negatives: the false-negative filter
+            ([`FalseNegativeFilter`][st_cached_losses.functional.options.FalseNegativeFilter]) of every call, or
+            None; ``false_negative_count``: where its training calls count what it removed.
+        false_negative_count: see ``false_negatives``.
         refuse_lists: the loss takes list-valued columns: ``refuse_lists(several, across)`` is the message
             refusing a batch with lists (``several``: several positives per row; ``across``: across processes)
             under the loss's settings, None where they are taken. Across processes every process learns in the
@@ -140,6 +178,8 @@ class InfoNCE(Stage):
     bank_anchors: bool = False
     guide: GuideModel | str | None = None
     form: CacheForm | None = None
+    false_negatives: FalseNegativeFilter | None = None
+    false_negative_count: FalseNegativeCount | None = None
     refuse_lists: Callable[[bool, bool], str | None] | None = None
 
     def check(self, features: Sequence[Any]) -> None:
@@ -152,6 +192,8 @@ class InfoNCE(Stage):
     def prepare(self, loss: CachedLoss, features: list[Any], inputs: Sequence[Any]) -> StepData:
         if self.bank is not None and torch.is_grad_enabled():  # a training step begins: the bank ages
             self.bank.begin_step()
+        if self.false_negative_count is not None and torch.is_grad_enabled():
+            self.false_negative_count.begin_step()
         # false negatives are recognised by their token ids (embeddings differ under dropout)
         keys = [input_keys(f) for f in features] if self.mask_duplicates else None
         guide = self.guide.embed(loss, features) if isinstance(self.guide, GuideModel) else None
@@ -168,12 +210,23 @@ class InfoNCE(Stage):
         return step
 
     def options(
-        self, step: StepData, embeddings: list[Tensor], scale: float | Tensor, bank: Bank | None
+        self,
+        step: StepData,
+        embeddings: list[Tensor],
+        scale: float | Tensor,
+        bank: Bank | None,
+        count: bool = False,
     ) -> InfoNCEOptions:
         """The core's options of one call: the terms, the score, the scale, the plan, the keys of these rows
-        (a wrapper may call the stage on other rows: it masks nothing then), the guide and the bank."""
+        (a wrapper may call the stage on other rows: it masks nothing then), the guide, the bank and the
+        false-negative filter (``count``: a training call, whose removals the loss's count adds)."""
         n_rows, n_columns = len(embeddings[0]), len(embeddings) - 1
         keys = step.keys if step.keys is not None and len(step.keys[0]) == n_rows else None
+        false_negatives = self.false_negatives
+        if false_negatives is not None and count and self.false_negative_count is not None:
+            false_negatives = replace(
+                false_negatives, tally=self.false_negative_count.sink(embeddings[0].device)
+            )
         return InfoNCEOptions(
             scale=scale,
             similarity=self.similarity,
@@ -185,6 +238,7 @@ class InfoNCE(Stage):
             bank=bank,
             # lists of hard negatives (each row its own number): candidates of every row, no row's own
             listed_negatives=step.counts is not None,
+            false_negatives=false_negatives,
         )
 
     def _guide(self, step: StepData, embeddings: list[Tensor]) -> Guide | None:
@@ -232,7 +286,7 @@ class InfoNCE(Stage):
         bank = (
             self.bank.view(embeddings[0], self.bank_anchors) if with_grad and self.bank is not None else None
         )
-        options = replace(self.options(step, embeddings, scale, bank), listed_negatives=listed)
+        options = replace(self.options(step, embeddings, scale, bank, with_grad), listed_negatives=listed)
         ring = self.plan.path == "tiled"
         out = loss_and_grad(embeddings[0], embeddings[1:], sizes, options, ring=ring, with_grad=with_grad)
         if bank is not None:
@@ -289,7 +343,7 @@ class InfoNCE(Stage):
         assert counts is not None  # asked for
         batch.sizes(False)  # the finiteness check of the rows
         scale = step.inputs.get("scale", self.scale)
-        options = self.options(step, embeddings, scale, None)
+        options = self.options(step, embeddings, scale, None, with_grad)
         out = several_positives_loss_and_grad(
             embeddings[0], embeddings[1:], counts, options, with_grad=with_grad
         )
@@ -317,7 +371,7 @@ class InfoNCE(Stage):
         embeddings, step = batch.embeddings, batch.step
         sizes = batch.sizes(self.gather)
         scale = step.inputs.get("scale", self.scale)
-        options = self.options(step, embeddings, scale, None)
+        options = self.options(step, embeddings, scale, None, torch.is_grad_enabled())
         if sizes is None:
             if isinstance(scale, Tensor) and scale.requires_grad and is_distributed():
                 # each process's own rows: average the scale's gradient as DDP averages the model's
