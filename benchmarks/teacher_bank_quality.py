@@ -89,14 +89,24 @@ def bank_experiment(ns: argparse.Namespace, seeds: list[int], out_dir: str) -> l
         for n in ns.bank_sizes
         for age in ns.bank_max_age
     ]
+    if ns.false_negative_filter:  # each small-batch run again with the positive-aware filter (issue 60)
+        margin = ns.false_negative_margin
+        label = f" + filter {ns.false_negative_filter}" + (f" {margin}" if margin is not None else "")
+        runs += [
+            (name + label, batch, bank, age, ns.false_negative_filter) for name, batch, bank, age in runs
+        ]
     if ns.reference_factor > 1:
         runs.append((f"b={big} (reference)", big, 0, None))
     rows = [row("bank", "pretrained", "-") | evaluate(load_model(None, ns.max_seq_length), evaluator)]
     print(rows[-1], flush=True)
     for seed in seeds:
-        for name, batch, bank, max_age in runs:
+        for name, batch, bank, max_age, *filtered in runs:
             model = load_model(None, ns.max_seq_length)
             bank_options = {"negative_bank_size": bank, "negative_bank_max_age": max_age}
+            if filtered:
+                bank_options.update(
+                    false_negative_filter=filtered[0], false_negative_margin=ns.false_negative_margin
+                )
             args = training_args(out_dir, batch, ns.lr, seed, ns, loss="mnr", scale=ns.scale, **bank_options)
             _, seconds, steps = quality_train(model, args, dataset)
             rows.append(
@@ -272,6 +282,15 @@ def main() -> None:
         help="negative_bank_max_age of the bank runs, comma-separated, one run per size and age ('none': None)",
     )
     bank.add_argument("--lr", type=float, default=1e-4)
+    bank.add_argument(
+        "--false-negative-filter",
+        choices=("relative", "absolute"),
+        default=None,
+        help="also run each small-batch run with this false-negative filter (issue 60)",
+    )
+    bank.add_argument(
+        "--false-negative-margin", type=float, default=None, help="its margin (default: the loss's)"
+    )
     distill = parser.add_argument_group("--experiment distill")
     distill.add_argument("--distill-train-pairs", type=int, default=384)
     distill.add_argument("--distill-batch", type=int, default=16, help="queries a step")
