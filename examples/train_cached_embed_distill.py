@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> tuple[SentenceTransformerTrainer, dic
     # 2. The loss the arguments describe, here CachedEmbedDistillLoss; build_loss loads the frozen teacher
     # from args.teacher_model (none with --precompute_labels: the label column)
     loss = build_loss(student, args, train_dataset=train_dataset)
-    teacher = loss.teacher or teacher
+    teacher = loss.teacher if loss.teacher is not None else teacher
     teacher.max_seq_length = example_args.max_seq_length  # it reads the student's tokens: the same length
 
     # 3. Retrieval: each held-out summary must find its function's source among all held-out sources
