@@ -248,6 +248,58 @@ def test_example_runs_end_to_end(tmp_path, tiny_model, name, extra, loss_class, 
         assert '"query_expansion"' in (out / "sentence_bert_config.json").read_text()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("precompute", [False, True], ids=["live_teacher", "labels"])
+def test_embed_distill_example_runs_end_to_end(tmp_path, tiny_model, precompute):
+    """The student (the tiny model's first layer) distils the tiny model's embeddings: a live teacher loaded by
+    build_loss from --teacher_model, or (--precompute_labels) the teacher's embeddings in a label column."""
+    module = load_example("train_cached_embed_distill")
+    out = tmp_path / "out"
+    trainer, metrics = module.main(
+        ["--model_name_or_path", tiny_model, "--teacher_model", tiny_model, "--student_layers", "1",
+         "--precompute_labels", str(precompute).lower(), "--output_dir", str(out), *TINY]
+    )  # fmt: skip
+    loss = trainer.loss
+    assert type(loss).__name__ == "CachedEmbedDistillLoss" and trainer.state.global_step == 2
+    assert (loss.pointwise_weight, loss.listwise_weight, loss.listwise_scale) == (1.0, 1.0, 20.0)
+    assert len(trainer.model[0].auto_model.encoder.layer) == 1
+    columns = trainer.train_dataset.column_names
+    if precompute:
+        assert loss.teacher is None and columns == ["query", "document", "label"]
+        width = trainer.model.get_embedding_dimension()
+        assert [len(x) for x in trainer.train_dataset[0]["label"]] == [width, width]
+    else:
+        assert (
+            loss.teacher is not None
+            and loss.teacher is not trainer.model
+            and columns == ["query", "document"]
+        )
+        assert all(p.grad is None for p in loss.teacher.parameters())
+    assert set(metrics) == {"before", "after", "teacher"} and 0 <= metrics["after"]["MRR@10"] <= 1
+    card = (out / "README.md").read_text()
+    check_card(
+        card,
+        "CachedEmbedDistillLoss",
+        ["gao2021scaling", "kim2023embeddistill"],
+        {"loss": "embed_distill", "listwise_weight": 1.0},
+    )
+    assert "| teacher |" in card and (out / "model.safetensors").is_file()
+
+
+def test_embed_distill_example_yaml_is_its_defaults():
+    module = load_example("train_cached_embed_distill")
+    parser = CachedLossArgumentParser((module.ExampleArguments, CachedLossTrainingArguments))
+    example, args = parser.parse_command_line(
+        [str(EXAMPLES / "configs" / "cached_embed_distill.yaml")], module.DEFAULTS
+    )
+    example_defaults, defaults = parser.parse_command_line([], module.DEFAULTS)
+    assert example == example_defaults
+    assert (args.loss, args.teacher_model) == ("embed_distill", module.packaged_model_path())
+    for name in ("distance_metric", "pointwise_weight", "listwise_weight", "listwise_scale", "mini_batch_size",
+                 "per_device_train_batch_size", "learning_rate", "batch_sampler"):  # fmt: skip
+        assert getattr(args, name) == getattr(defaults, name), name
+
+
 def test_real_data_example_loads_the_hub_dataset_online(monkeypatch):
     """Online (no HF_HUB_OFFLINE), the example asks load_dataset for the first rows of the named dataset and
     keeps its first two columns (natural-questions: query, answer); offline it never calls it."""
@@ -402,6 +454,7 @@ def test_accelerate_example_two_processes(tmp_path, tiny_model):
         "train_cached_gist",
         "train_cached_sparse",
         "train_cached_multi_vector",
+        "train_cached_embed_distill",
         "train_accelerate",
         "train_multi_dataset",
         "train_real_data",
