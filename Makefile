@@ -138,6 +138,8 @@ model-cards: $(STAMP)
 	cp output/examples/cached_cross_encoder/README.md model_cards/cached_cross_encoder.md
 	$(PY) examples/train_negative_bank.py --disable_tqdm true
 	cp output/examples/negative_bank/README.md model_cards/negative_bank.md
+	$(PY) examples/train_real_data.py --disable_tqdm true
+	cp output/examples/real_data/README.md model_cards/real_data.md
 	$(PY) examples/train_cached_distill.py --disable_tqdm true --train_pairs 64 --eval_pairs 128
 	cp output/examples/cached_distill/README.md model_cards/cached_distill.md
 	$(ACCELERATE_2) examples/train_accelerate.py --disable_tqdm true

@@ -16,7 +16,8 @@ pairs found in Python's standard library instead, so the script runs anywhere.
     HF_HUB_OFFLINE=1 python examples/train_real_data.py                   # the standard-library pairs
 
 Every option is a field of CachedLossTrainingArguments or of ExampleArguments below (--help). Writes the
-model and its card to output/examples/real_data.
+model and its card to output/examples/real_data. Offline, its defaults take under a minute on two idle CPU
+cores (44 s, 24 s of them training); on a shared machine set OMP_NUM_THREADS=1.
 """
 
 from dataclasses import dataclass, field

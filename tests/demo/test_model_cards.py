@@ -49,6 +49,7 @@ CARDS: dict[str, tuple[str, type, str, list[str]]] = {
     ),
     "accelerate.md": ("examples/train_accelerate.py", CachedLossTrainingArguments, "dense", []),
     "negative_bank.md": ("examples/train_negative_bank.py", CachedLossTrainingArguments, "dense", []),
+    "real_data.md": ("examples/train_real_data.py", CachedLossTrainingArguments, "dense", []),
     "cached_distill.md": (
         "examples/train_cached_distill.py", CachedLossTrainingArguments, "dense", ["--train_pairs", "64", "--eval_pairs", "128"]
     ),
