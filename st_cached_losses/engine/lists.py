@@ -73,10 +73,14 @@ def list_columns(inputs: Sequence[Any]) -> ListColumns:
     return ListColumns(columns, counts, kept, len(inputs))
 
 
-def check_list_columns(sizes: Sequence[int], lists: ListColumns, owner: str) -> None:
+def check_list_columns(
+    sizes: Sequence[int], lists: ListColumns, owner: str, one_positive: str | None = None
+) -> None:
     """Refuse a batch with lists whose columns a loss of (anchor, positive[, negatives...]) cannot read, before
     any forward: ``sizes`` the rows of each kept column; the anchors (column 0) one text per row, every row at
-    least one positive (column 1), and each column as many texts as its per-row counts say."""
+    least one positive (column 1), and each column as many texts as its per-row counts say. ``one_positive``:
+    the loss takes one positive per row, and this says why and what to do instead (a positive column of lists
+    is refused with it)."""
     if lists.kept[:2] != [0, 1] or lists.counts[0] is not None:
         raise ValueError(
             f"{owner} takes lists (or None values) in its positive and hard-negative columns only: the "
@@ -87,6 +91,10 @@ def check_list_columns(sizes: Sequence[int], lists: ListColumns, owner: str) -> 
         raise ValueError(
             f"{owner}: rows {(positives < 1).nonzero().flatten().tolist()} have no positive: every anchor needs "
             "at least one positive (column 1)."
+        )
+    if positives is not None and one_positive is not None:
+        raise ValueError(
+            f"{owner} takes one positive per row: the positive column holds lists. {one_positive}"
         )
     b = sizes[0]
     for k, (n, counts) in enumerate(zip(sizes, lists.counts)):

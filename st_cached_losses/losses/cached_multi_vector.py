@@ -280,17 +280,18 @@ class CachedMultiVectorLoss(TokenScoreLoss):
         query, as ``CachedMNRLoss`` takes them; one positive per row; on one process (across processes the
         stage refuses them on every process at once)."""
         owner = type(self).__name__
-        check_list_columns([batch_size_of(f) for f in features], lists, owner)
+        check_list_columns(
+            [batch_size_of(f) for f in features],
+            lists,
+            owner,
+            one_positive="Give one positive per row (lists of hard negatives are taken), or CachedMNRLoss for "
+            "several positives of dense embeddings.",
+        )
         if isinstance(self.similarity, XTR):
             raise ValueError(
                 f"{owner}: XTR's scores retrieve each query's top tokens over a block of every row's columns, which "
                 "lists (each row its own number) do not make: use MaxSim or MeanMaxSim with lists of hard "
                 "negatives, or give columns of one text per row to XTR."
-            )
-        if lists.counts[1] is not None:
-            raise ValueError(
-                f"{owner} takes one positive per row: the positive column holds lists. Give one positive per row "
-                "(lists of hard negatives are taken), or CachedMNRLoss for several positives of dense embeddings."
             )
 
     def build_stage(self) -> InfoNCE:

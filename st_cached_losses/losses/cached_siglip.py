@@ -340,13 +340,13 @@ class CachedSigLIPLoss(LearnableScale):
         anchor, as a hard-negative column's rows are; one positive per row (SigLIP's pair labels have one
         positive pair per anchor)."""
         owner = type(self).__name__
-        check_list_columns([batch_size_of(f) for f in features], lists, owner)
-        if lists.counts[1] is not None:
-            raise ValueError(
-                f"{owner} takes one positive per row (a pair's label is positive for its own anchor only): the "
-                "positive column holds lists. Give one positive per row (lists of hard negatives are taken), or "
-                "use CachedMNRLoss / CachedCLIPLoss, which take several positives per row."
-            )
+        check_list_columns(
+            [batch_size_of(f) for f in features],
+            lists,
+            owner,
+            one_positive="A pair's label is positive for its own anchor only. Give one positive per row (lists of "
+            "hard negatives are taken), or use CachedMNRLoss / CachedCLIPLoss, which take several positives per row.",
+        )
 
     def build_stage(self) -> Sigmoid:
         s = self.settings
