@@ -130,12 +130,21 @@ def _activation(name: str, value: Any) -> Any:
     return value
 
 
+def _class_path(activation: Any) -> str:
+    """The activation as their config writes it: its class path, which the constructor takes back."""
+    from sentence_transformers.util import fullname
+
+    return fullname(activation)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CrossEncoderSettings(EngineSettings):
     """[`CachedCrossEncoderLoss`][st_cached_losses.losses.cached_cross_encoder.CachedCrossEncoderLoss]'s settings:
     sentence-transformers' cross-encoder ``CachedMultipleNegativesRankingLoss`` arguments."""
 
     owner: ClassVar[str] = "CachedCrossEncoderLoss"
+    #: sentence-transformers' keys, in their order
+    config_keys: ClassVar[tuple[str, ...]] = ("scale", "num_negatives", "activation_fn", "mini_batch_size")
 
     num_negatives: int | None = setting(
         4,
@@ -157,21 +166,9 @@ class CrossEncoderSettings(EngineSettings):
         "None: the raw score.",
         check=_activation,
         config="always",
+        config_form=lambda _, value: _class_path(value),
         module=True,
     )
-
-    def config(self) -> dict[str, Any]:
-        """sentence-transformers' keys, the same values for the same settings (the activation as its class path,
-        which the constructor takes back), and an ``"auto"`` loss's memory budget."""
-        from sentence_transformers.util import fullname
-
-        return {
-            "scale": self.scale,
-            "num_negatives": self.num_negatives,
-            "activation_fn": fullname(self.activation_fn),
-            "mini_batch_size": self.mini_batch_size,
-            **self.auto_config(),
-        }
 
 
 class CachedCrossEncoderLoss(CachedLoss):

@@ -81,7 +81,8 @@ class DistillSettings(LossStageSettings):
         check=check_scale,
         config="never",
     )
-    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
+    #: written by the config with the InfoNCE term only (``extras_config``)
+    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False, config="never")
 
     def infonce_similarity(self) -> Any:
         """The InfoNCE term's in-batch score, or None where the loss's score has no matrix form."""
@@ -112,15 +113,15 @@ class DistillSettings(LossStageSettings):
             *(("infonce_weight",) if self.infonce_weight else ()),
         )
 
-    def extras(self) -> dict[str, Any]:
-        """The config's extras: the InfoNCE term where it is on (with the gathering), the tile size, and an
-        ``"auto"`` loss's memory budget."""
+    def extras_config(self) -> dict[str, Any]:
+        """The InfoNCE term where it is on (with the gathering), then the plan's fields that differ from their
+        defaults."""
         extras: dict[str, Any] = {}
         if self.infonce_weight:
             extras.update(infonce_weight=self.infonce_weight, infonce_scale=self.infonce_scale)
             if self.gather_across_devices:
                 extras["gather_across_devices"] = True
-        return {**extras, **self.changed(("tile_size", "matmul_precision")), **self.auto_config()}
+        return {**extras, **super().extras_config()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,14 +172,20 @@ class KLTemperatures(DistillSettings):
         teacher = self.teacher_temperature if self.teacher_temperature is not None else self.temperature
         return student, teacher
 
-    def temperature_config(self) -> dict[str, Any]:
-        """sentence-transformers' keys: ``temperature``, and the student's / teacher's where they differ."""
+    def keys_config(self) -> dict[str, Any]:
+        """sentence-transformers' keys, ``temperature`` followed by the student's / teacher's where they
+        differ from it."""
         student, teacher = self.temperatures()
-        config: dict[str, Any] = {"temperature": self.temperature}
-        if student != self.temperature:
-            config["student_temperature"] = student
-        if teacher != self.temperature:
-            config["teacher_temperature"] = teacher
+        differing = {
+            name: value
+            for name, value in (("student_temperature", student), ("teacher_temperature", teacher))
+            if value != self.temperature
+        }
+        config: dict[str, Any] = {}
+        for name, value in super().keys_config().items():
+            config[name] = value
+            if name == "temperature":
+                config.update(differing)
         return config
 
 
@@ -187,11 +194,8 @@ class DistillKLDivSettings(_DenseScore, KLTemperatures):
     """[`CachedDistillKLDivLoss`][st_cached_losses.losses.cached_distill.CachedDistillKLDivLoss]'s settings."""
 
     owner: ClassVar[str] = "CachedDistillKLDivLoss"
-
-    def config(self) -> dict[str, Any]:
-        """sentence-transformers' keys (the temperatures that differ from ``temperature`` only), then ours."""
-        similarity = {"similarity_fct": PAIRWISE.config_name(self.similarity_fct)}
-        return {**similarity, **self.temperature_config(), **self.extras()}
+    #: sentence-transformers' keys (the temperatures that differ from ``temperature`` follow it)
+    config_keys: ClassVar[tuple[str, ...]] = ("similarity_fct", "temperature")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,14 +203,8 @@ class MarginMSESettings(_DenseScore):
     """[`CachedMarginMSELoss`][st_cached_losses.losses.cached_distill.CachedMarginMSELoss]'s settings."""
 
     owner: ClassVar[str] = "CachedMarginMSELoss"
-
-    def config(self) -> dict[str, Any]:
-        """sentence-transformers' keys, then ours."""
-        config = {
-            "similarity_fct": PAIRWISE.config_name(self.similarity_fct),
-            "mini_batch_size": self.mini_batch_size,
-        }
-        return {**config, **self.extras()}
+    #: sentence-transformers' keys
+    config_keys: ClassVar[tuple[str, ...]] = ("similarity_fct", "mini_batch_size")
 
 
 def refuse_idle_matmul_precision(settings: Any, kept: str) -> None:

@@ -109,6 +109,14 @@ class EmbedDistillSettings(LossStageSettings):
     across processes, the engine's knobs and the loss stage's plan."""
 
     owner: ClassVar[str] = "CachedEmbedDistillLoss"
+    #: sentence-transformers' keys (``distance_metric``, ``projection_dim``) and the mini-batches; what differs
+    #: from its default follows (the teacher, the terms' weights and scales, gathering, the plan)
+    config_keys: ClassVar[tuple[str, ...]] = (
+        "distance_metric",
+        "projection_dim",
+        "mini_batch_size",
+        "mini_batch_num_tokens",
+    )
 
     distance_metric: str = setting(
         "cosine",
@@ -157,9 +165,9 @@ class EmbedDistillSettings(LossStageSettings):
         "teacher candidate) (None: listwise_scale).",
         check=_teacher_scale,
     )
-    infonce_weight: float = redefault(DistillSettings, "infonce_weight", 0.0)
-    infonce_scale: float = redefault(DistillSettings, "infonce_scale", 20.0)
-    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
+    infonce_weight: float = redefault(DistillSettings, "infonce_weight", 0.0, config="changed")
+    infonce_scale: float = redefault(DistillSettings, "infonce_scale", 20.0, config="changed")
+    gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False, config="changed")
 
     def validate(self) -> None:
         super().validate()
@@ -184,31 +192,6 @@ class EmbedDistillSettings(LossStageSettings):
     def teacher_scale(self) -> float:
         """The listwise term's teacher scale, as used."""
         return self.listwise_teacher_scale if self.listwise_teacher_scale is not None else self.listwise_scale
-
-    def config(self) -> dict[str, Any]:
-        """sentence-transformers' keys (``distance_metric``, ``projection_dim``), the mini-batches, then what
-        differs from its default (the teacher, the terms' weights and scales, gathering, the tile size) and an
-        ``"auto"`` loss's memory budget: every key a constructor argument."""
-        config: dict[str, Any] = {
-            "distance_metric": self.distance_metric,
-            "projection_dim": self.projection_dim,
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-        }
-        extras = self.changed(
-            (
-                "teacher",
-                "pointwise_weight",
-                "listwise_weight",
-                "listwise_scale",
-                "listwise_teacher_scale",
-                "infonce_weight",
-                "infonce_scale",
-                "gather_across_devices",
-                "tile_size",
-            )
-        )
-        return {**config, **extras, **self.auto_config()}
 
 
 class CachedEmbedDistillLoss(CachedLoss):

@@ -51,6 +51,18 @@ class GISTSettings(LossStageSettings):
     ``CachedGISTEmbedLoss`` arguments (its ``temperature``: ``scale`` is a view of it) and ours."""
 
     owner: ClassVar[str] = "CachedGISTLoss"
+    #: sentence-transformers' ``CachedGISTEmbedLoss`` keys, in their order (the current, learned temperature)
+    config_keys: ClassVar[tuple[str, ...]] = (
+        "guide",
+        "temperature",
+        "mini_batch_size",
+        "mini_batch_num_tokens",
+        "margin_strategy",
+        "margin",
+        "contrast_anchors",
+        "contrast_positives",
+        "gather_across_devices",
+    )
 
     guide: nn.Module | None = setting(
         None,
@@ -128,27 +140,8 @@ class GISTSettings(LossStageSettings):
         )
         return (*super().beyond_sentence_transformers(), *(name for name, used in ours if used))
 
-    def config(self) -> dict[str, Any]:
-        """sentence-transformers' ``CachedGISTEmbedLoss`` keys, with the current values (the learned
-        temperature), then the extras that differ from their defaults."""
-        config = {
-            "guide": self.guide,
-            "temperature": self.temperature,
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "margin_strategy": self.margin_strategy,
-            "margin": self.margin,
-            "contrast_anchors": self.contrast_anchors,
-            "contrast_positives": self.contrast_positives,
-            "gather_across_devices": self.gather_across_devices,
-        }
-        learned = {"learnable_scale": True, "max_scale": self.max_scale} if self.learnable_scale else {}
-        return {
-            **config,
-            **learned,
-            **self.changed(("in_batch_negatives", "tile_size", "matmul_precision")),
-            **self.auto_config(),
-        }
+    #: a learnable scale's entries, as the ranking losses write them
+    learned_config = LearnableScaleSettings.learned_config
 
 
 class CachedGISTLoss(LearnableScale):

@@ -73,12 +73,28 @@ class TokenScoreLoss(CachedLoss):
         return with_tasks(list(inputs))
 
 
+def _score_chunk(mini_batch_size: Any, score_mini_batch_size: int | None) -> int | None:
+    """``score_mini_batch_size`` as their config writes it: the chunk in use (default ``mini_batch_size``), or
+    None where it follows an ``"auto"`` mini_batch_size (it rebuilds the same; their key takes a count)."""
+    score = score_mini_batch_size if score_mini_batch_size is not None else mini_batch_size
+    return None if score == "auto" else score
+
+
 @dataclass(frozen=True, kw_only=True)
 class MultiVectorSettings(ScaleSettings, LossStageSettings):
     """[`CachedMultiVectorLoss`][st_cached_losses.losses.cached_multi_vector.CachedMultiVectorLoss]'s settings:
     sentence-transformers' ``CachedMultiVectorMultipleNegativesRankingLoss`` arguments and ours."""
 
     owner: ClassVar[str] = "CachedMultiVectorLoss"
+    #: sentence-transformers' six keys, in their order
+    config_keys: ClassVar[tuple[str, ...]] = (
+        "scale",
+        "similarity_fct",
+        "mini_batch_size",
+        "mini_batch_num_tokens",
+        "score_mini_batch_size",
+        "gather_across_devices",
+    )
 
     scale: float = redefault(ScaleSettings, "scale", 1.0)
     #: the kind of ``similarity_fct`` (its check, its config name, the arguments' names)
@@ -99,6 +115,7 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
         "tiles are sized from memory_budget and never change the result.",
         check=check_positive_int,
         config="always",
+        config_form=lambda settings, value: _score_chunk(settings.mini_batch_size, value),
     )
     gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
 
@@ -107,21 +124,6 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
         """The core's tile score: [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] or ``XTR``
         (MaxSim for None; the loss's ``similarity`` is the model's own then)."""
         return self.resolved("similarity_fct")
-
-    def config(self) -> dict[str, Any]:
-        """sentence-transformers' six keys, the same values for the same settings, then the extras that
-        differ from their defaults."""
-        score = self.score_mini_batch_size if self.score_mini_batch_size is not None else self.mini_batch_size
-        config: dict[str, Any] = {
-            "scale": self.scale,
-            "similarity_fct": TOKENS.config_name(self.similarity_fct),
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            # None where it follows an "auto" mini_batch_size: it rebuilds the same (their key takes a count)
-            "score_mini_batch_size": None if score == "auto" else score,
-            "gather_across_devices": self.gather_across_devices,
-        }
-        return {**config, **self.changed(("tile_size", "matmul_precision")), **self.auto_config()}
 
 
 def _list_refusal(owner: str, several: bool, across: bool) -> str | None:

@@ -108,6 +108,7 @@ class _MultiVectorDistill(DistillSettings):
         "functions of the loss (colbert_kd_scores... for the KL loss, colbert_scores_pairwise... for the margin "
         "loss), or the core's MaxSim / XTR.",
         config="always",
+        config_form=lambda settings, value: settings.similarity_kind.config_name(value),
     )
 
     #: the kind of ``similarity_fct`` (the KL loss's or the margin loss's scores)
@@ -139,12 +140,8 @@ class MultiVectorDistillKLDivSettings(_MultiVectorDistill, KLTemperatures):
 
     owner: ClassVar[str] = "CachedMultiVectorDistillKLDivLoss"
     similarity_kind: ClassVar[PairwiseTokens] = PAIRWISE_TOKENS_KL
-
-    def config(self) -> dict[str, Any]:
-        """sentence-transformers' keys, then ours."""
-        similarity = {"similarity_fct": self.similarity_kind.config_name(self.similarity_fct)}
-        size = {"mini_batch_size": self.mini_batch_size}
-        return {**similarity, **self.temperature_config(), **size, **self.extras()}
+    #: sentence-transformers' keys (the temperatures that differ from ``temperature`` follow it)
+    config_keys: ClassVar[tuple[str, ...]] = ("similarity_fct", "temperature", "mini_batch_size")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -153,14 +150,8 @@ class MultiVectorMarginMSESettings(_MultiVectorDistill):
 
     owner: ClassVar[str] = "CachedMultiVectorMarginMSELoss"
     similarity_kind: ClassVar[PairwiseTokens] = PAIRWISE_TOKENS_MARGIN
-
-    def config(self) -> dict[str, Any]:
-        """sentence-transformers' two keys, then ours."""
-        config = {
-            "similarity_fct": self.similarity_kind.config_name(self.similarity_fct),
-            "mini_batch_size": self.mini_batch_size,
-        }
-        return {**config, **self.extras()}
+    #: sentence-transformers' two keys
+    config_keys: ClassVar[tuple[str, ...]] = ("similarity_fct", "mini_batch_size")
 
 
 def _stage(loss: TokenScoreLoss, objective: DistillObjective) -> Stage:

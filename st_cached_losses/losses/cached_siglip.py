@@ -51,6 +51,16 @@ class SigLIPSettings(ScaleSettings, LossStageSettings):
     processes, the engine's knobs and the loss stage's plan."""
 
     owner: ClassVar[str] = "CachedSigLIPLoss"
+    #: the config's first keys: the scale and the bias (the current, learned ones), the similarity by name,
+    #: the mini-batches and gathering
+    config_keys: ClassVar[tuple[str, ...]] = (
+        "scale",
+        "bias",
+        "similarity_fct",
+        "mini_batch_size",
+        "mini_batch_num_tokens",
+        "gather_across_devices",
+    )
     #: the kind of ``similarity_fct`` (its check, its config name, the arguments' names)
     similarity_kind: ClassVar[SimilarityKind] = EMBEDDING
 
@@ -94,20 +104,9 @@ class SigLIPSettings(ScaleSettings, LossStageSettings):
         if self.learnable:
             check_max_scale(self.max_scale, self.scale)
 
-    def config(self) -> dict[str, Any]:
-        """The scale and the bias (the current, learned ones), the similarity by name, the mini-batches and
-        gathering; then what differs from its default (learning, its clamp, the tile size) and an ``"auto"``
-        loss's memory budget: every key a constructor argument."""
-        config: dict[str, Any] = {
-            "scale": self.scale,
-            "bias": self.bias,
-            "similarity_fct": EMBEDDING.config_name(self.similarity_fct),
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "gather_across_devices": self.gather_across_devices,
-        }
-        learned = {"learnable": True, "max_scale": self.max_scale} if self.learnable else {}
-        return {**config, **learned, **self.changed(("tile_size", "matmul_precision")), **self.auto_config()}
+    def learned_config(self) -> dict[str, Any]:
+        """``learnable`` and its clamp, when the scale and the bias are learned."""
+        return {"learnable": True, "max_scale": self.max_scale} if self.learnable else {}
 
 
 @dataclass(eq=False, kw_only=True)

@@ -184,9 +184,10 @@ class SparseSettings(LossStageSettings):
                 f"loss is a {type(self.loss).__name__}. Set mask_duplicates=False."
             )
 
-    def config(self) -> dict[str, Any]:
-        """``SpladeLoss``'s keys (the base loss as a module, rendered with its own config by the model card) and
-        ``CachedSpladeLoss``'s ``mini_batch_size`` / ``mini_batch_num_tokens``, then our extras in use."""
+    def keys_config(self) -> dict[str, Any]:
+        """``SpladeLoss``'s keys, those of its optional arguments in use as it writes them (the base loss as a
+        module, rendered with its own config by the model card), and ``CachedSpladeLoss``'s
+        ``mini_batch_size`` / ``mini_batch_num_tokens``."""
         config: dict[str, Any] = {
             "loss": self.loss,
             "document_regularizer_weight": self.document_regularizer_weight,
@@ -204,11 +205,7 @@ class SparseSettings(LossStageSettings):
             config["use_document_regularizer_only"] = True
         config["mini_batch_size"] = self.mini_batch_size
         config["mini_batch_num_tokens"] = self.mini_batch_num_tokens
-        return {
-            **config,
-            **self.changed(("mask_duplicates", "tile_size", "matmul_precision")),
-            **self.auto_config(),
-        }
+        return config
 
     def beyond_sentence_transformers(self) -> tuple[str, ...]:
         """Duplicate masks (not an option of sentence-transformers' ``SpladeLoss`` or its base losses)."""

@@ -255,6 +255,20 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
 
     #: the kind of ``similarity_fct`` (its check, its config name, the arguments' names)
     similarity_kind: ClassVar[SimilarityKind] = EMBEDDING
+    #: sentence-transformers' nine keys, in their order (``scale`` the current, learned one; the symmetric loss
+    #: is said by ``directions`` and ``partition_mode``, as in theirs); with no extra in use the config equals
+    #: theirs
+    config_keys: ClassVar[tuple[str, ...]] = (
+        "scale",
+        "similarity_fct",
+        "mini_batch_size",
+        "mini_batch_num_tokens",
+        "gather_across_devices",
+        "directions",
+        "partition_mode",
+        "hardness_mode",
+        "hardness_strength",
+    )
 
     similarity_fct: Callable[..., Tensor] | str = redefault(SharedSettings, "similarity_fct", cos_sim)
     gather_across_devices: bool = redefault(SharedSettings, "gather_across_devices", False)
@@ -265,6 +279,7 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
         "positive against every anchor), doc_to_doc (the positive against every other row's documents).",
         check=_directions,
         config="always",
+        config_form=lambda _, value: ConfigTuple(value),
     )
     partition_mode: str = setting(
         "joint",
@@ -390,38 +405,6 @@ class RankingSettings(LearnableScaleSettings, LossStageSettings):
             ("false_negative_filter", self.false_negative_filter is not None),
         )
         return (*super().beyond_sentence_transformers(), *(name for name, used in ours if used))
-
-    def config(self) -> dict[str, Any]:
-        """sentence-transformers' nine keys (the same values for the same settings; ``scale`` the current,
-        learned one), then our extras that differ from their defaults (a learnable scale with its clamp, the
-        bank, in-batch negatives, duplicate masking, the false-negative filter, the tile size), and an ``"auto"`` loss's memory budget.
-        With no extra in use it equals their config; every key is a constructor argument (the symmetric loss
-        is said by ``directions`` and ``partition_mode``, as in theirs)."""
-        config: dict[str, Any] = {
-            "scale": self.scale,
-            "similarity_fct": EMBEDDING.config_name(self.similarity_fct),
-            "mini_batch_size": self.mini_batch_size,
-            "mini_batch_num_tokens": self.mini_batch_num_tokens,
-            "gather_across_devices": self.gather_across_devices,
-            "directions": ConfigTuple(self.directions),
-            "partition_mode": self.partition_mode,
-            "hardness_mode": self.hardness_mode,
-            "hardness_strength": self.hardness_strength,
-        }
-        extras = self.changed(
-            (
-                "in_batch_negatives",
-                "mask_duplicates",
-                "negative_bank_size",
-                "negative_bank_max_age",
-                "false_negative_filter",
-                "false_negative_margin",
-                "tile_size",
-                "matmul_precision",
-            )
-        )
-        extras = {k: v for k, v in extras.items() if k not in self.not_arguments}
-        return {**config, **self.learned_config(), **extras, **self.auto_config()}
 
     def citations(self) -> tuple[str, ...]:
         """The papers of the options in use (GTE's four directions, hardness weighting, the bank)."""

@@ -80,6 +80,7 @@ def setting(
     doc: str,
     check: Callable[[str, Any], Any] | None = None,
     config: ConfigMode = "changed",
+    config_form: Callable[[Any, Any], Any] | None = None,
     module: bool = False,
 ) -> Any:
     """A setting's declaration, as a dataclass field of a settings class.
@@ -91,18 +92,26 @@ def setting(
         check: ``check(name, value) -> value kept`` of the value alone (raises a ``ValueError`` naming the
             setting); the checks of settings that go together are the class's ``validate``.
         config: whether ``get_config_dict()`` lists it ([`ConfigMode`][st_cached_losses.losses.settings.ConfigMode]).
+        config_form: ``config_form(settings, value)``, the value as the config writes it where that is not the
+            value itself (a function's name, a class path); a setting whose ``check`` is a similarity kind is
+            written by its ``config_name`` without one.
         module: the value is a module (or None) that the loss registers as its submodule of the same name
             (its parameters trained and moved with the loss's, as sentence-transformers registers theirs).
     """
     return dataclasses.field(
-        default=default, metadata={"doc": doc, "check": check, "config": config, "module": module}
+        default=default,
+        metadata={"doc": doc, "check": check, "config": config, "config_form": config_form, "module": module},
     )
 
 
-def redefault(group: type[Settings], name: str, default: Any) -> Any:
+def redefault(group: type[Settings], name: str, default: Any, *, config: ConfigMode | None = None) -> Any:
     """The setting ``name`` of ``group`` (its meaning, check and config mode) with another default: a loss
-    whose default differs from the family's (the multi-vector loss's ``scale`` of 1.0)."""
-    return dataclasses.field(default=default, metadata=group.__dataclass_fields__[name].metadata)
+    whose default differs from the family's (the multi-vector loss's ``scale`` of 1.0); ``config``: another
+    config mode (a key of sentence-transformers' loss in one family, an extra of ours in another)."""
+    metadata = dict(group.__dataclass_fields__[name].metadata)
+    if config is not None:
+        metadata["config"] = config
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 class view:
@@ -138,6 +147,9 @@ class Settings:
     not_arguments: ClassVar[frozenset[str]] = frozenset()
     #: views its constructor takes as arguments (the tiled loss's ``symmetric``)
     view_arguments: ClassVar[frozenset[str]] = frozenset()
+    #: the config's first keys, sentence-transformers' in their order: every ``"always"`` field, and views
+    #: (None: the ``"always"`` fields in declaration order)
+    config_keys: ClassVar[tuple[str, ...] | None] = None
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         # a misspelt keyword names the closest setting (the dataclass's __init__ raises a TypeError naming none);
@@ -224,20 +236,69 @@ class Settings:
         return dataclasses.replace(self, **resolved)
 
     # ------------------------------------------------------------------ the model card's config
+    # Derived from the declarations: sentence-transformers' keys (``config_keys``), what was learned, our
+    # extras where they differ from their defaults, an "auto" loss's budget. Every key a constructor argument.
+
+    def config(self) -> dict[str, Any]:
+        """The loss's ``get_config_dict()``: sentence-transformers' keys
+        ([`keys_config`][st_cached_losses.losses.settings.Settings.keys_config]), what a learned value needs
+        (``learned_config``), our extras in use
+        ([`extras_config`][st_cached_losses.losses.settings.Settings.extras_config]) and an ``"auto"`` loss's
+        budget (``auto_config``), each in a form the constructor takes back."""
+        return {**self.keys_config(), **self.learned_config(), **self.extras_config(), **self.auto_config()}
+
+    def config_value(self, name: str) -> Any:
+        """The setting ``name`` as the config writes it: its declaration's ``config_form``, a similarity's
+        config name, or the value itself (a view's too)."""
+        value = getattr(self, name)
+        declared = type(self).__dataclass_fields__.get(name)
+        if declared is None:
+            return value
+        form = declared.metadata.get("config_form")
+        if form is not None:
+            return form(self, value)
+        config_name = getattr(declared.metadata.get("check"), "config_name", None)
+        return config_name(value) if config_name is not None else value
+
+    @classmethod
+    def key_names(cls) -> tuple[str, ...]:
+        """sentence-transformers' keys the config lists whatever their value, in their order."""
+        if cls.config_keys is not None:
+            return cls.config_keys
+        return tuple(f.name for f in fields(cls) if f.metadata.get("config") == "always")
+
+    def keys_config(self) -> dict[str, Any]:
+        """sentence-transformers' keys with these settings' values."""
+        return {name: self.config_value(name) for name in self.key_names()}
+
+    @classmethod
+    def extra_names(cls) -> tuple[str, ...]:
+        """Our extras: the ``"changed"`` fields a constructor takes, in declaration order."""
+        return tuple(
+            f.name
+            for f in fields(cls)
+            if f.metadata.get("config") == "changed" and f.name not in cls.not_arguments
+        )
+
+    def extras_config(self) -> dict[str, Any]:
+        """Our extras that differ from their defaults."""
+        return {name: self.config_value(name) for name in self.changed(self.extra_names())}
+
+    def learned_config(self) -> dict[str, Any]:
+        """What rebuilding a loss that learns a value needs besides it (``learnable_scale`` and its clamp)."""
+        return {}
+
+    def auto_config(self) -> dict[str, Any]:
+        """What an ``"auto"`` loss needs besides its sizes to be rebuilt."""
+        return {}
 
     def changed(self, names: Sequence[str] | None = None) -> dict[str, Any]:
         """The fields among ``names`` (default: every ``"changed"`` field) whose value differs from their
-        default, as they are (a form the constructor takes)."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            if (names is None and f.metadata.get("config") != "changed") or (
-                names is not None and f.name not in names
-            ):
-                continue
-            value = getattr(self, f.name)
-            if value != f.default:
-                out[f.name] = value
-        return out
+        default, as they are (a form the constructor takes), in the order of ``names``."""
+        declared = type(self).__dataclass_fields__
+        if names is None:
+            names = [f.name for f in fields(self) if f.metadata.get("config") == "changed"]
+        return {name: getattr(self, name) for name in names if getattr(self, name) != declared[name].default}
 
     def citations(self) -> tuple[str, ...]:
         """BibTeX entries of the options in use, added to the loss's own."""
@@ -248,12 +309,6 @@ class Settings:
         scale, a negative bank, duplicate masks, ...): with any, no loss of theirs gives this loss's result,
         cached or not (the caching-off warning then points to none). Each group adds its own."""
         return ()
-
-    def config(self) -> dict[str, Any]:
-        """The loss's ``get_config_dict()``: the ``"always"`` fields, then the changed ones (a loss's settings
-        class writes sentence-transformers' forms where theirs differ)."""
-        always = {f.name: getattr(self, f.name) for f in fields(self) if f.metadata.get("config") == "always"}
-        return {**always, **self.changed()}
 
 
 # ---------------------------------------------------------------------- values' checks

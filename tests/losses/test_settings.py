@@ -274,3 +274,48 @@ def test_a_learned_bias_is_state_not_a_setting(model):
         loss.logit_bias.fill_(-3.0)
     loss.learnable = False
     assert "logit_bias" not in dict(loss.named_parameters()) and loss.bias == -3.0
+
+
+def _settings_classes() -> list[type]:
+    from st_cached_losses.losses import registry
+
+    return sorted({cls.settings_class for cls in registry.losses().values()}, key=lambda c: c.__name__)
+
+
+@pytest.mark.parametrize("settings_class", _settings_classes(), ids=lambda c: c.__name__)
+def test_the_config_is_derived_from_the_declarations(settings_class):
+    """Issue 59: no settings class writes ``config()`` itself; its keys are settings of its loss (fields or
+    views), each listed once, and every ``"changed"`` field a constructor takes is an extra, not a key."""
+    from st_cached_losses.losses.settings import Settings
+
+    for klass in settings_class.__mro__:
+        if klass is not Settings and issubclass(klass, Settings):
+            assert "config" not in vars(klass), f"{klass.__name__} writes config() by hand"
+    keys = settings_class.key_names()
+    assert len(set(keys)) == len(keys)
+    assert set(keys) <= set(settings_class.names()), set(keys) - set(settings_class.names())
+    assert not set(keys) & set(settings_class.extra_names())
+    assert not set(settings_class.extra_names()) & settings_class.not_arguments
+
+
+def test_a_config_form_and_a_similarity_name_are_what_the_config_writes(tmp_path):
+    """The forms the declarations give: the reranker's activation as its class path, the multi-vector
+    scoring chunk following an ``"auto"`` mini-batch as None, a similarity by its name; with an extra in use it
+    follows sentence-transformers' keys."""
+    from sentence_transformers.util import dot_score
+
+    import st_cached_losses as s
+    from tests.support.tiny_model import make_tiny_cross_encoder, make_tiny_model, make_tiny_multi_vector
+
+    reranker = s.CachedCrossEncoderLoss(
+        make_tiny_cross_encoder(tmp_path / "ce"), activation_fn=torch.nn.Tanh()
+    )
+    assert reranker.get_config_dict()["activation_fn"] == "torch.nn.modules.activation.Tanh"
+    mv = s.CachedMultiVectorLoss(
+        make_tiny_multi_vector(tmp_path / "mv"), mini_batch_size="auto", mini_batch_memory_budget="1GiB"
+    )
+    assert mv.get_config_dict()["score_mini_batch_size"] is None
+    mnr = s.CachedMNRLoss(make_tiny_model(tmp_path / "d"), similarity_fct=dot_score, mask_duplicates=True)
+    config = mnr.get_config_dict()
+    assert config["similarity_fct"] == "dot_score"
+    assert list(config)[-1] == "mask_duplicates" and list(config)[:2] == ["scale", "similarity_fct"]
