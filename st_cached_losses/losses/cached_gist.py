@@ -286,7 +286,11 @@ class CachedGISTLoss(LearnableScale):
               arguments, on one process and with ``gather_across_devices``.
 
         Inputs:
-            (anchor, positive) pairs or (anchor, positive, negative, ...) columns; no labels.
+            (anchor, positive) pairs or (anchor, positive, negative, ...) columns; no labels. A ``negative``
+            column of lists (or ``negative_k`` columns with None), with the trainer's
+            ``data_collator=ListDataCollator(preprocess_fn=model.preprocess)``: every row's negatives are
+            candidates of every anchor, the guide embeds the same texts and rates them against each row's
+            positive; one positive per row (a positive column of lists is refused).
         """
         if not hasattr(model, "tokenizer"):
             raise ValueError(_NO_TOKENIZER)

@@ -368,7 +368,13 @@ class CachedSparseLoss(CachedLoss):
             |---|---|
             | (anchor, positive) pairs | none |
             | (anchor, positive, negative_1, ..., negative_n) | none |
+            | (anchor, positive[, negative]), lists of negatives / of positives per row (or None in negative_k) | none |
             | what another base loss takes | its |
+
+        Lists (with ``SparseMultipleNegativesRankingLoss``, and the trainer's
+        ``data_collator=ListDataCollator(preprocess_fn=model.preprocess)``): as ``CachedMNRLoss`` takes them, the
+        documents' regulariser over the documents that exist (every positive and list entry); another base loss
+        refuses them.
 
         Returns (forward):
             a dict of the loss's components, as sentence-transformers' ``SpladeLoss``: ``base_loss`` (or
