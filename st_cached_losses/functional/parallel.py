@@ -178,13 +178,14 @@ def _gathered(
             layout["anchors_all_keys"] = all_keys[:, -1]
     if opts.uses_anchors_all:
         layout["anchors_all"] = gather(anchors, sizes)
-    if opts.guide is not None:  # its anchors stay: rows are this process's
+    per_column = column_sizes(candidates, sizes, opts.listed_negatives)
+    if opts.guide is not None:  # its anchors stay: rows are this process's; its columns as the rows' (lists)
         layout["guide"] = Guide(
-            opts.guide.anchors, [all_gather_rows(c, sizes) for c in opts.guide.candidates]
+            opts.guide.anchors,
+            [all_gather_rows(c, n) if max(n) > 0 else c for c, n in zip(opts.guide.candidates, per_column)],
         )
     if opts.bank is not None:
         layout["bank"] = gathered_bank(opts.bank)
-    per_column = column_sizes(candidates, sizes, opts.listed_negatives)
     cols = [gather(c, n) if max(n) > 0 else c for c, n in zip(candidates, per_column)]
     return cols, replace(opts, **layout)
 

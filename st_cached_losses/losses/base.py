@@ -446,8 +446,9 @@ class CachedLoss(nn.Module):
         raise ValueError(
             f"{type(self).__name__} takes columns of one text per row: column(s) {lists.kept} (or a column left "
             "out) hold lists of texts or None values. Lists of hard negatives are taken by CachedMNRLoss, "
-            "CachedCLIPLoss, CachedTiledLoss, CachedSigLIPLoss and CachedMultiVectorLoss; otherwise give one text per "
-            "row in every column."
+            "CachedCLIPLoss, CachedTiledLoss, CachedGISTLoss, CachedSparseLoss (with "
+            "SparseMultipleNegativesRankingLoss), CachedSigLIPLoss and CachedMultiVectorLoss; otherwise give one "
+            "text per row in every column."
         )
 
     def forward(self, inputs: Iterable[Any], labels: Tensor | None = None, **call: Any) -> Any:

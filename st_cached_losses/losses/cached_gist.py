@@ -9,7 +9,9 @@ from typing import Any, ClassVar, cast
 
 from torch import nn
 
-from st_cached_losses.engine.features import unwrap_model
+from st_cached_losses.engine.features import batch_size_of, unwrap_model
+from st_cached_losses.engine.lists import ListColumns, check_list_columns
+from st_cached_losses.functional.distributed import is_distributed
 from st_cached_losses.functional.terms import gist_terms
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
@@ -28,7 +30,7 @@ from st_cached_losses.losses.settings import (
 )
 from st_cached_losses.losses.stages.infonce import SELF_GUIDED, GuideModel, InfoNCE
 
-__all__ = ["CachedGISTLoss", "GISTSettings"]
+__all__ = ["CachedGISTLoss", "GISTSettings", "gist_list_refusal"]
 
 _NO_TOKENIZER = "Both the training model and the guiding model must have a tokenizer attribute."
 
@@ -43,6 +45,38 @@ def _margin_strategy(name: str, value: Any) -> str:
     if value not in ("absolute", "relative"):
         raise ValueError(f"{name} must be 'absolute' or 'relative', got {value!r}.")
     return str(value)
+
+
+#: why GIST takes one positive per row (a positive column of lists is refused with it)
+ONE_POSITIVE = (
+    "GIST's guide rates each row's negatives against the row's one positive (the row's threshold), and its "
+    "anchor-anchor and positive-positive blocks hold one positive per row. Give one positive per row (one row per "
+    "(anchor, positive) pair; the guide then removes a row's other positives only where it rates them above the "
+    "pair's positive), or use CachedMNRLoss / CachedCLIPLoss with false_negative_filter (GIST's rule with the "
+    "model as its own guide), which take several positives per row."
+)
+
+
+def gist_list_refusal(settings: GISTSettings, owner: str, several: bool, across: bool) -> str | None:
+    """The message refusing a batch with lists (``several``: several positives per row) under GIST's
+    ``settings`` (``across``: gathered across processes), None where they are taken: lists of hard negatives,
+    every row's entries candidates of every anchor, rated by the guide as a hard-negative column's are."""
+    lists = "cannot take lists of hard negatives (a column of lists, or None values)"
+    if not settings.in_batch_negatives:
+        return (
+            f"{owner}: in_batch_negatives=False {lists}: each row would be scored against its own entries only, "
+            "and a list's entries hold no row's slot. Set in_batch_negatives=True, or give hard-negative columns "
+            "of one text per row."
+        )
+    if across and settings.path == "tiled":
+        return (
+            f"{owner}: path='tiled' {lists} across processes: the tiled path passes candidate blocks around a "
+            "ring, and lists are gathered, not passed around yet. Use path='auto' or 'chunked', or give "
+            "hard-negative columns of one text per row."
+        )
+    if several:
+        return f"{owner} takes one positive per row: the positive column holds lists. {ONE_POSITIVE}"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -245,7 +279,11 @@ class CachedGISTLoss(LearnableScale):
               arguments, on one process and with ``gather_across_devices``.
 
         Inputs:
-            (anchor, positive) pairs or (anchor, positive, negative, ...) columns; no labels.
+            (anchor, positive) pairs or (anchor, positive, negative, ...) columns; no labels. A ``negative``
+            column of lists (or ``negative_k`` columns with None), with the trainer's
+            ``data_collator=ListDataCollator(preprocess_fn=model.preprocess)``: every row's negatives are
+            candidates of every anchor, the guide embeds the same texts and rates them against each row's
+            positive; one positive per row (a positive column of lists is refused).
         """
         if not hasattr(model, "tokenizer"):
             raise ValueError(_NO_TOKENIZER)
@@ -313,4 +351,21 @@ class CachedGISTLoss(LearnableScale):
             gather=s.gather_across_devices,
             in_batch=s.in_batch_negatives,
             guide=guide,
+            refuse_lists=functools.partial(gist_list_refusal, s, type(self).__name__),
         )
+
+    def check_lists(self, features: list[Any], lists: ListColumns) -> None:
+        """Lists of hard negatives (the guide embeds the same existing texts, its thresholds from each row's
+        one positive); one positive per row; the guide's media check as for fixed columns."""
+        owner = type(self).__name__
+        across = self.settings.gather_across_devices and is_distributed()
+        # across processes the settings (and several positives) are refused once every process knows whether
+        # any has lists (the stage), so that every process raises
+        one_positive = None if across else ONE_POSITIVE
+        check_list_columns([batch_size_of(f) for f in features], lists, owner, one_positive=one_positive)
+        message = None if across else gist_list_refusal(self.settings, owner, False, False)
+        if message:
+            raise ValueError(message)
+        guide = getattr(self.stage, "guide", None)
+        if isinstance(guide, GuideModel):
+            guide.check(features, owner)

@@ -23,9 +23,11 @@ from sentence_transformers.sparse_encoder.losses import (
 )
 from torch import nn
 
+from st_cached_losses.engine.features import batch_size_of
+from st_cached_losses.engine.lists import ListColumns, check_list_columns
 from st_cached_losses.functional.distributed import is_distributed
 from st_cached_losses.losses.base import CachedLoss
-from st_cached_losses.losses.cached_mnr import ranking_stage
+from st_cached_losses.losses.cached_mnr import list_refusal, ranking_stage
 from st_cached_losses.losses.citations import FLOPS_CITATION, GRADCACHE_CITATION, SPLADE_CITATION
 from st_cached_losses.losses.ranking import RankingSettings, ranking_citations
 from st_cached_losses.losses.registry import Variant
@@ -363,7 +365,13 @@ class CachedSparseLoss(CachedLoss):
             |---|---|
             | (anchor, positive) pairs | none |
             | (anchor, positive, negative_1, ..., negative_n) | none |
+            | (anchor, positive[, negative]), lists of negatives / of positives per row (or None in negative_k) | none |
             | what another base loss takes | its |
+
+        Lists (with ``SparseMultipleNegativesRankingLoss``, and the trainer's
+        ``data_collator=ListDataCollator(preprocess_fn=model.preprocess)``): as ``CachedMNRLoss`` takes them, the
+        documents' regulariser over the documents that exist (every positive and list entry); another base loss
+        refuses them.
 
         Returns (forward):
             a dict of the loss's components, as sentence-transformers' ``SpladeLoss``: ``base_loss`` (or
@@ -526,6 +534,27 @@ class CachedSparseLoss(CachedLoss):
             and bool(self.base_settings().gather_across_devices)
             and is_distributed()
         )
+
+    def check_lists(self, features: list[Any], lists: ListColumns) -> None:
+        """Lists with the core's base loss (``SparseMultipleNegativesRankingLoss``) only: its options checked as
+        ``CachedMNRLoss``'s (lists of hard negatives; several positives per row on one process); the documents'
+        regulariser then reads the documents that exist (every list entry, none for a missing one)."""
+        owner, base = type(self).__name__, self.settings.loss
+        if not on_core(base):
+            raise ValueError(
+                f"{owner}: the base loss {type(base).__name__} reads columns of one text per row (its "
+                f"compute_loss_from_embeddings knows no lists): column(s) {lists.kept} (or a column left out) hold "
+                "lists of texts or None values. Lists of hard negatives and several positives per row are taken "
+                "with SparseMultipleNegativesRankingLoss as the base loss; otherwise give one text per row in "
+                "every column."
+            )
+        check_list_columns([batch_size_of(f) for f in features], lists, owner)
+        settings = self.base_settings()
+        across = settings.gather_across_devices and is_distributed()
+        # across processes the options are checked once every process knows whether any has lists (the stage)
+        message = None if across else list_refusal(settings, owner, lists.counts[1] is not None, False)
+        if message:
+            raise ValueError(message)
 
     def _ranking(self) -> InfoNCE:
         return ranking_stage(type(self).__name__, self.base_settings())

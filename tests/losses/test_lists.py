@@ -223,10 +223,10 @@ def test_lists_in_the_anchor_column_and_other_losses_are_refused(model):
     swapped = {"anchor": [[a, a] for a in rows["anchor"]], "positive": rows["positive"]}
     with pytest.raises(ValueError, match="anchors \\(column 0\\) must hold one text per row"):
         CachedMNRLoss(model)(collate(model, swapped))
-    from st_cached_losses import CachedGISTLoss
+    from st_cached_losses import CachedMarginMSELoss
 
-    with pytest.raises(ValueError, match="CachedGISTLoss takes columns of one text per row"):
-        CachedGISTLoss(model, guide=None)(collate(model, rows))
+    with pytest.raises(ValueError, match="CachedMarginMSELoss takes columns of one text per row"):
+        CachedMarginMSELoss(model)(collate(model, rows))
 
 
 def assert_one_sgd_step_equals_the_reference(tmp_path, cls, kw, symmetric, rows):

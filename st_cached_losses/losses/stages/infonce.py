@@ -268,7 +268,9 @@ class InfoNCE(Stage):
                 counts: list[Tensor | None] = [None] * len(full)
                 for k, c in zip(kept, step.counts):
                     counts[k] = c
-                inner = replace(step, kept=None, counts=counts)
+                inner = replace(
+                    step, kept=None, counts=counts, guide=self._every_guide(step.guide, kept, len(full))
+                )
                 every = self(StageInput(full, batch.labels, inner, batch.owner), with_grad)
                 step.parts = inner.parts
                 if every.grads is not None:
@@ -335,6 +337,18 @@ class InfoNCE(Stage):
         for k, e in zip(step.kept, batch.embeddings):
             full[k] = e
         return full, step.kept
+
+    @staticmethod
+    def _every_guide(guide: list[Tensor] | None, kept: list[int], given: int) -> list[Tensor] | None:
+        """A guide's embeddings of the embedded columns (``kept``) with a ``(0, d)`` one where a list column was
+        not embedded, as [`_every_column`][st_cached_losses.losses.stages.infonce.InfoNCE._every_column] gives
+        the rows (None, or another length: as given)."""
+        if guide is None or len(guide) != len(kept):
+            return guide
+        full = [guide[0].new_zeros((0, *guide[0].shape[1:])) for _ in range(given)]
+        for k, g in zip(kept, guide):
+            full[k] = g
+        return full
 
     def _several_positives(self, batch: StageInput, with_grad: bool) -> StageOutput:
         """Several positives per row ([`positives`][st_cached_losses.functional.positives]), on one process."""
