@@ -29,7 +29,10 @@ from st_cached_losses.functional.parallel import (
     mean_scale_grad,
     pad_to_common_tokens,
 )
-from st_cached_losses.functional.positives import several_positives_loss_and_grad
+from st_cached_losses.functional.positives import (
+    gathered_several_positives_loss_and_grad,
+    several_positives_loss_and_grad,
+)
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import TermSet
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
@@ -276,6 +279,8 @@ class InfoNCE(Stage):
                 return every
             sizes = batch.sizes(self.gather, self._lists_tag(step))
             listed = self._check_agreed_lists(batch.tag(self.gather))
+            if batch.tag(self.gather) & 2:  # several positives on some process: every process scores pairs
+                return self._several_positives(batch, with_grad, sizes)
         else:
             if several_positives(step) is not None:
                 return self._several_positives(batch, with_grad)
@@ -336,21 +341,34 @@ class InfoNCE(Stage):
             full[k] = e
         return full, step.kept
 
-    def _several_positives(self, batch: StageInput, with_grad: bool) -> StageOutput:
-        """Several positives per row ([`positives`][st_cached_losses.functional.positives]), on one process."""
+    def _several_positives(
+        self, batch: StageInput, with_grad: bool, sizes: list[int] | None = None
+    ) -> StageOutput:
+        """Several positives per row ([`positives`][st_cached_losses.functional.positives]): on one process, or
+        across processes (``sizes``: every process's row count, agreed on) against every process's candidates,
+        a process whose rows have one positive each scoring them as pairs too."""
         embeddings, step = batch.embeddings, batch.step
         counts = several_positives(step)
-        assert counts is not None  # asked for
-        batch.sizes(False)  # the finiteness check of the rows
+        if counts is None:  # one positive per row here, several on another process
+            counts = torch.ones(len(embeddings[0]), dtype=torch.long)
+        if sizes is None:
+            batch.sizes(False)  # the finiteness check of the rows
         scale = step.inputs.get("scale", self.scale)
         options = self.options(step, embeddings, scale, None, with_grad)
-        out = several_positives_loss_and_grad(
-            embeddings[0], embeddings[1:], counts, options, with_grad=with_grad
-        )
+        if sizes is None:
+            out = several_positives_loss_and_grad(
+                embeddings[0], embeddings[1:], counts, options, with_grad=with_grad
+            )
+        else:
+            out = gathered_several_positives_loss_and_grad(
+                embeddings[0], embeddings[1:], counts, sizes, options, with_grad=with_grad
+            )
         if not with_grad:
             return StageOutput(out.loss)
         assert out.grad_anchors is not None  # asked for
-        grad_scale = mean_scale_grad(out.grad_scale)
+        # each process's own rows: average the scale's gradient as DDP averages the model's (the gathered
+        # strategy averages it itself)
+        grad_scale = mean_scale_grad(out.grad_scale) if sizes is None else out.grad_scale
         input_grads = {"scale": grad_scale} if grad_scale is not None else {}
         return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
 
