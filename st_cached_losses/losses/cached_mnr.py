@@ -40,6 +40,11 @@ _POSITIVES_REFUSALS = {
         "duplicates are masked in the anchor -> candidates direction only for them. Drop 'doc_to_query' or "
         "mask_duplicates, or give one positive per row."
     ),
+    "path": (
+        "across processes the tiled path passes candidate blocks around a ring, and several positives are "
+        "gathered, not passed around it yet. Use path='auto' or 'chunked' (CachedMNRLoss, CachedCLIPLoss), or "
+        "give one positive per row."
+    ),
 }
 
 #: why an option cannot take lists of hard negatives (each row its own number, every row's a candidate of every
@@ -62,11 +67,6 @@ _LIST_REFUSALS = {
         "across processes the lists' duplicate keys are not gathered yet. Set mask_duplicates=False, train on one "
         "process, or give hard-negative columns of one text per row."
     ),
-    "path": (
-        "across processes the tiled path passes candidate blocks around a ring, and lists are gathered, not passed "
-        "around yet. Use path='auto' or 'chunked' (CachedMNRLoss, CachedCLIPLoss), or give hard-negative columns "
-        "of one text per row."
-    ),
 }
 
 
@@ -79,7 +79,6 @@ def list_refusal(settings: RankingSettings, owner: str, several: bool, across: b
         "directions": "doc_to_doc" in s.directions,
         "in_batch_negatives": not s.in_batch_negatives,
         "mask_duplicates": s.mask_duplicates and across,
-        "path": s.path == "tiled" and across,
     }
     for name, refused in refusals.items():
         if refused:
@@ -94,6 +93,7 @@ def list_refusal(settings: RankingSettings, owner: str, several: bool, across: b
         "partition_mode": s.partition_mode == "joint" and "doc_to_query" in s.directions,
         "negative_bank_size": bool(s.negative_bank_size),
         "mask_duplicates": s.mask_duplicates and "doc_to_query" in s.directions,
+        "path": s.path == "tiled" and across,
     }
     for name, refused in refused_several.items():
         if refused:

@@ -23,6 +23,15 @@ CONFIGS = {
     # the first process's negative_1 has no None (a fixed column there), the second's has: every process
     # learns in the step's first collective that one has lists, and all score them as lists
     "mixed": ("CachedMNRLoss", {}, "mixed", False),
+    # the ring (path="tiled"): each process's lists travel at their own lengths (the first process's empty)
+    "tiled_ring": ("CachedTiledLoss", {"tile_size": 2}, "list", False),
+    "tiled_ring_symmetric_none_padded": (
+        "CachedTiledLoss",
+        {"tile_size": 3, "symmetric": True},
+        "none_padded",
+        True,
+    ),
+    "mnr_ring_mixed": ("CachedMNRLoss", {"path": "tiled", "tile_size": 2}, "mixed", False),
     # several positives per row: the first process's rows one each (its positive column a fixed one), the
     # second's one to three; each process's positives are candidates of every anchor, and target their anchor
     "mnr_several": ("CachedMNRLoss", {}, "several", False),
@@ -123,12 +132,11 @@ def _refusing_worker(rank: int, world: int, path: str) -> dict:
     assert torch.distributed.get_world_size() == world
     model = load_model(path)
     start = sum(SIZES[:rank])
-    rows = global_rows()
     several = make_rows(sum(SIZES), 2, seed=5, max_positives=2)
     several["positive"][: SIZES[0]] = [p[:1] for p in several["positive"][: SIZES[0]]]
     several["positive"][-1] = several["positive"][-1] + ["w1 w2"]
     cases = {
-        "ring": ("CachedTiledLoss", rows, {}),
+        "ring_several_positives": ("CachedTiledLoss", several, {}),
         "several_positives_bank": ("CachedMNRLoss", several, {"negative_bank_size": 4}),
     }
     messages = {}
@@ -148,5 +156,5 @@ def _refusing_worker(rank: int, world: int, path: str) -> dict:
 def test_what_is_not_exchanged_yet_is_refused_on_every_process(model_dir):
     per_rank = run_distributed(_refusing_worker, len(SIZES), model_dir)
     for messages in per_rank:
-        assert "path='tiled'" in messages["ring"]
+        assert "path='tiled' cannot take several positives" in messages["ring_several_positives"]
         assert "negative_bank_size=4 cannot take several positives" in messages["several_positives_bank"]

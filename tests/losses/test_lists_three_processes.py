@@ -1,7 +1,8 @@
 """Lists of hard negatives (0-4 per row), and several positives (1-3 per row), across 3 gloo processes (spawned
 from pytest) with unequal batches (2, 4 and 3 rows), ``gather_across_devices=True``, one training step under DDP:
 the mean of the processes' losses and the DDP-averaged parameter gradients equal the one-process float64
-reference on the global batch, one direction and symmetric, at a mini-batch that divides no process's batch."""
+reference on the global batch, one direction and symmetric, gathered and on the ring (``path="tiled"``), at a
+mini-batch that divides no process's batch."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ SIZES = [2, 4, 3]
 CONFIGS = {
     "mnr": ("CachedMNRLoss", {}, False, 0),
     "clip": ("CachedCLIPLoss", {}, True, 0),
+    # the ring: every process's lists pass every other process at their own lengths
+    "tiled_ring_symmetric": ("CachedTiledLoss", {"tile_size": 2, "symmetric": True}, True, 0),
     # several positives (1 to 3) per row on every process
     "clip_several": ("CachedCLIPLoss", {}, True, 3),
     "mnr_several_dot": ("CachedMNRLoss", {"similarity_fct": "dot", "scale": 1.0}, False, 3),
