@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.features import input_ids_by_row, model_device
+from st_cached_losses.engine.lists import every_column
 from st_cached_losses.engine.multimodal import input_keys, media_inputs
 from st_cached_losses.functional import InfoNCEOptions, infonce
 from st_cached_losses.functional.distributed import is_distributed
@@ -332,14 +333,7 @@ class InfoNCE(Stage):
     def _every_column(batch: StageInput) -> tuple[list[Tensor], list[int] | None]:
         """The step's columns with a ``(0, d)`` one where a list column was not embedded on this process (none
         of its rows here holds a text), and the embedded columns' indices among them (None: every column)."""
-        step = batch.step
-        if step.kept is None or len(step.kept) == step.given:
-            return batch.embeddings, None
-        like = batch.embeddings[0]
-        full = [like.new_zeros((0, *like.shape[1:])) for _ in range(step.given)]
-        for k, e in zip(step.kept, batch.embeddings):
-            full[k] = e
-        return full, step.kept
+        return every_column(batch.embeddings, batch.step.kept, batch.step.given)
 
     def _several_positives(
         self, batch: StageInput, with_grad: bool, sizes: list[int] | None = None
