@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ROW_COUNTS", "ListColumns", "check_list_columns", "list_columns", "row_counts"]
+__all__ = ["ROW_COUNTS", "ListColumns", "check_list_columns", "every_column", "list_columns", "row_counts"]
 
 #: the key of a list-valued column's per-row text counts ``(B,)`` (int64) in its features, after the
 #: column's name in the collated batch (``negative_row_counts``), as sentence-transformers' trainer splits it
@@ -104,3 +104,19 @@ def check_list_columns(
                 f"{owner}: column {lists.kept[k]} has {n} texts for {b} anchors (its per-row counts say "
                 f"{expected}): every hard-negative column needs one entry (a list, or None) per anchor."
             )
+
+
+def every_column(
+    embeddings: Sequence[Tensor], kept: Sequence[int] | None, given: int
+) -> tuple[list[Tensor], list[int] | None]:
+    """A step's embedded columns with a ``(0, ...)`` one in place of each list column that was not embedded
+    (no row of this process holds a text of it: [`list_columns`][st_cached_losses.engine.lists.list_columns]
+    left it out), so that every process has every column across processes; and the embedded columns'
+    indices among them (None: every column was embedded)."""
+    if kept is None or len(kept) == given:
+        return list(embeddings), None
+    like = embeddings[0]
+    full = [like.new_zeros((0, *like.shape[1:])) for _ in range(given)]
+    for k, e in zip(kept, embeddings):
+        full[k] = e
+    return full, list(kept)

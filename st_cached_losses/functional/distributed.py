@@ -8,7 +8,7 @@ how many calls and bytes one step costs."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -244,10 +244,12 @@ def gather_with_grad(x: Tensor, sizes: list[int]) -> Tensor:
     return _GatherWithSummedGrad.apply(x, sizes)
 
 
-def _pass_on(blocks: list[Tensor], rows_in: int, nxt: int, prv: int, reqs: list[dist.Work]) -> list[Tensor]:
-    """Start sending ``blocks`` to the next rank and receiving the previous rank's (``rows_in`` rows
-    each) into new buffers; the requests are appended to ``reqs``."""
-    received = [b.new_empty((rows_in, *b.shape[1:])) for b in blocks]
+def _pass_on(
+    blocks: list[Tensor], rows_in: list[int], nxt: int, prv: int, reqs: list[dist.Work]
+) -> list[Tensor]:
+    """Start sending ``blocks`` to the next rank and receiving the previous rank's (``rows_in[i]`` rows for
+    block ``i``) into new buffers; the requests are appended to ``reqs``."""
+    received = [b.new_empty((n, *b.shape[1:])) for b, n in zip(blocks, rows_in)]
     for b, r in zip(blocks, received):
         b = b.contiguous()
         STATS.add("ring_send", b.nbytes)
@@ -257,11 +259,21 @@ def _pass_on(blocks: list[Tensor], rows_in: int, nxt: int, prv: int, reqs: list[
     return received
 
 
+def _block_rows(
+    blocks: list[Tensor], given: Sequence[list[int] | None] | None, sizes: list[int]
+) -> list[list[int]]:
+    """Every rank's rows of each block: ``given[i]`` where given and not None, else ``sizes``."""
+    given = given or []
+    return [(given[i] or sizes) if i < len(given) else sizes for i in range(len(blocks))]
+
+
 def ring_exchange(
     static: list[Tensor],
     carried: list[Tensor],
     sizes: list[int],
     visit: Callable[[int, list[Tensor], list[Tensor]], None],
+    static_sizes: Sequence[list[int] | None] | None = None,
+    carried_sizes: Sequence[list[int] | None] | None = None,
 ) -> list[Tensor]:
     """Pass every rank's blocks around the ring so that each rank visits every rank's blocks once.
 
@@ -272,7 +284,10 @@ def ring_exchange(
     after a full circle they are back with their owner, who gets them as the return value.
 
     ``visit(owner_rank, static_blocks, carried_blocks)`` is called ``W`` times, first with this rank's
-    own blocks, then its predecessor's, and so on. Memory: own blocks plus one set in flight."""
+    own blocks, then its predecessor's, and so on. Memory: own blocks plus one set in flight.
+
+    Every block has ``sizes[r]`` rows on rank ``r``, unless ``static_sizes`` / ``carried_sizes`` give a block
+    (by its index; None or past their end: ``sizes``) every rank's rows of its own."""
     w = len(sizes)
     if w == 1:
         visit(0, static, carried)
@@ -280,14 +295,18 @@ def ring_exchange(
     me = rank()
     nxt, prv = (me + 1) % w, (me - 1) % w
     owner = me
+    static_rows = _block_rows(static, static_sizes, sizes)
+    carried_rows = _block_rows(carried, carried_sizes, sizes)
     for step in range(w):
         incoming = (owner - 1) % w
         reqs: list[dist.Work] = []
         # the static blocks need W - 1 hops: the next set is in flight while this one is visited
-        recv_static = _pass_on(static, sizes[incoming], nxt, prv, reqs) if step < w - 1 else []
+        recv_static = (
+            _pass_on(static, [n[incoming] for n in static_rows], nxt, prv, reqs) if step < w - 1 else []
+        )
         visit(owner, static, carried)
         # the accumulators move on after this rank's contribution; after the W-th hop they are home
-        recv_carried = _pass_on(carried, sizes[incoming], nxt, prv, reqs)
+        recv_carried = _pass_on(carried, [n[incoming] for n in carried_rows], nxt, prv, reqs)
         for req in reqs:
             req.wait()
         static, carried, owner = recv_static, recv_carried, incoming

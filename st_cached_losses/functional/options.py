@@ -187,9 +187,9 @@ class InfoNCEOptions:
             of rows (every row's own number of negatives, flattened; a column of ``None`` where a row has
             none holds the rows that have one), and each of their entries is a candidate of every row and
             no row's own, so no term may treat their diagonal apart (no hardness penalty on a row's own hard
-            negatives, no ``doc_to_doc``); a list column may be empty. Across processes they are gathered
-            (each process's lists of its own length), not passed around the ring. Several positives per
-            row: [`positives`][st_cached_losses.functional.positives].
+            negatives, no ``doc_to_doc``); a list column may be empty. Across processes they are gathered,
+            or passed around the ring, at each process's own lengths (no duplicate keys or guide on the ring).
+            Several positives per row: [`positives`][st_cached_losses.functional.positives].
         false_negatives: a [`FalseNegativeFilter`][st_cached_losses.functional.options.FalseNegativeFilter]:
             every candidate the loss's own similarities rate too close to (or above) the row's positive is
             removed from the row's softmaxes, in every term and column source (the bank's too); None (default):

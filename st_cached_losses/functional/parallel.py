@@ -266,12 +266,6 @@ def loss_and_grad(
     if not in_batch_negatives(opts):
         return _own_loss_and_grad(anchors, candidates, sizes, opts, with_grad)
     if sizes is not None:
-        if opts.listed_negatives and ring:
-            raise ValueError(
-                "listed_negatives=True (lists of hard negatives, each row its own number) is gathered across "
-                "processes, not passed around the ring yet: use the gathered strategy (ring=False), or hard-negative "
-                "columns with one row per anchor."
-            )
         strategy = ring_loss_and_grad if ring else gathered_loss_and_grad
         return strategy(anchors, candidates, sizes, opts, with_grad=with_grad)
     opts = replace(opts, check_finite=False)
@@ -387,8 +381,9 @@ def ring_loss_and_grad(
             cols = score.fn.with_column_data(cols, sum(sizes[: rank()]), sum(sizes))  # type: ignore[union-attr]
             rows = _ring_row_data(score, rows, cols, sizes, opts.memory_budget)
         loss, g_a, g_c, g_all, g_s = ring_terms_solve(
-            spec, rows, cols, sizes, scale=opts.scale, with_grad=with_grad, bank_shares=shares
-        )
+            spec, rows, cols, sizes, scale=opts.scale, with_grad=with_grad, bank_shares=shares,
+            list_sizes=column_sizes(given, sizes, True)[1:] if opts.listed_negatives else None,
+        )  # fmt: skip
     if g_a is not None:
         if row_state is not None:  # rows carrying data of their own (XTR's retrieved tokens)
             g_a = score.fn.without_row_data(g_a).to(anchors.dtype)  # type: ignore[union-attr]

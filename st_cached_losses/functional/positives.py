@@ -8,8 +8,13 @@ positives ``m`` (the pairs of the rows with ``m`` positives, sorted so that thei
 positive column: the core's ``row_offset``), each call's loss and gradients weighed by ``1 / (B m)`` per pair;
 the row's other positives are masked by duplicate keys (pairs of one anchor share its key). The symmetric
 direction is called once per ``(m, k)``: the ``k``-th positives of the rows with ``m``, against the anchors
-sorted so that those rows' anchors are one span. One process; the hard-negative columns are lists
-(``listed_negatives``: every entry a candidate of every pair)."""
+sorted so that those rows' anchors are one span. The hard-negative columns are lists (``listed_negatives``:
+every entry a candidate of every pair).
+
+Across processes ([`gathered_several_positives_loss_and_grad`][st_cached_losses.functional.positives.gathered_several_positives_loss_and_grad])
+every process's per-row counts, columns (each at its own length), anchors (for the symmetric direction) and
+keys are all-gathered; each process scores its own rows' pairs against them, its pairs the first of every span
+of the sorted columns, and the gradients wrt the gathered rows are summed over processes."""
 
 from __future__ import annotations
 
@@ -19,11 +24,13 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
+from st_cached_losses.functional.distributed import all_gather_rows, all_reduce_sum, own_rows, rank
 from st_cached_losses.functional.infonce import InfoNCEOutput, infonce, infonce_loss_and_grad
 from st_cached_losses.functional.options import InfoNCEOptions
+from st_cached_losses.functional.parallel import column_sizes, mean_scale_grad
 from st_cached_losses.functional.terms import Term, TermSet, mnrl_terms
 
-__all__ = ["several_positives_loss_and_grad"]
+__all__ = ["gathered_several_positives_loss_and_grad", "several_positives_loss_and_grad"]
 
 
 def _split_terms(terms: TermSet) -> tuple[TermSet, float, TermSet | None, float]:
@@ -89,20 +96,101 @@ def several_positives_loss_and_grad(
     Returns:
         [`InfoNCEOutput`][st_cached_losses.functional.infonce.InfoNCEOutput]: the loss, the gradients wrt the
         anchors and every column (and a tensor scale's)."""
+    _check_own_layout(options, "on one process")
+    anchors = anchors.detach()
+    counts = counts.to(device=anchors.device, dtype=torch.long)
+    out, _ = _pairs_loss_and_grad(
+        anchors, [c.detach() for c in candidates], counts, 0, anchors.shape[0], options, None, with_grad
+    )
+    return out
+
+
+def gathered_several_positives_loss_and_grad(
+    anchors: Tensor,
+    candidates: Sequence[Tensor],
+    counts: Tensor,
+    sizes: list[int],
+    options: InfoNCEOptions,
+    *,
+    with_grad: bool = True,
+) -> InfoNCEOutput:
+    """This process's share of the loss with several positives per row across processes, against every
+    process's candidates (all-gathered), and its gradients wrt this process's rows: the arguments of
+    [`several_positives_loss_and_grad`][st_cached_losses.functional.positives.several_positives_loss_and_grad]
+    (this process's rows, counts and columns, each at its own length) and ``sizes``, every process's row count
+    in rank order. Every process's per-row counts are gathered (so each knows where every row's positives are),
+    the columns at their own lengths, the anchors when the positive -> anchors term reads them, and the
+    duplicate keys. Weighting as the gathered strategy's: process ``r`` returns ``W / B_global`` times the sum
+    of its rows' losses, so the mean over processes is the global loss; the gradients wrt the gathered rows are
+    summed over processes (each keeps its own), a tensor scale's averaged."""
+    _check_own_layout(options, "across processes, which places every process's rows itself")
+    w, me = len(sizes), rank()
+    anchors = anchors.detach()
+    device = anchors.device
+    counts = counts.to(device=device, dtype=torch.long)
+    counts_all = all_gather_rows(counts, sizes)
+    row_sizes = [int(c.sum()) for c in counts_all.split(sizes)]
+    per_column = [row_sizes, *column_sizes(candidates, sizes, True)[1:]]
+    cols = [
+        all_gather_rows(c.detach(), n) if max(n) > 0 else c.detach() for c, n in zip(candidates, per_column)
+    ]
+    layout: dict = {"check_finite": False}
+    if options.candidate_keys is not None:
+        layout["candidate_keys"] = [
+            all_gather_rows(k, n) if max(n) > 0 else k for k, n in zip(options.candidate_keys, per_column)
+        ]
+        if options.anchor_keys is not None:
+            layout["anchor_keys"] = all_gather_rows(options.anchor_keys, sizes)
+    first, total = sum(sizes[:me]), sum(sizes)
+    anchors_all = all_gather_rows(anchors, sizes) if options.uses_anchors_all else None
+    out, g_all = _pairs_loss_and_grad(
+        anchors, cols, counts_all, first, total / w, replace(options, **layout), anchors_all, with_grad
+    )
+    if not with_grad:
+        return out
+    assert out.grad_anchors is not None  # asked for
+    g_cols = [
+        own_rows(all_reduce_sum(g.contiguous(), "all_reduce_grad"), n) if max(n) > 0 else g
+        for g, n in zip(out.grad_candidates, per_column)
+    ]
+    g_anchors = out.grad_anchors
+    if g_all is not None:  # the positive -> anchors term's, wrt every process's anchors
+        g_own = own_rows(all_reduce_sum(g_all, "all_reduce_grad"), sizes)
+        g_anchors = (g_anchors.to(g_own.dtype) + g_own).to(anchors.dtype)
+    return InfoNCEOutput(out.loss, g_anchors, g_cols, None, mean_scale_grad(out.grad_scale, w))
+
+
+def _check_own_layout(options: InfoNCEOptions, where: str) -> None:
     if options.bank is not None or options.anchors_all is not None or options.row_offset:
         raise ValueError(
-            "several positives per row are scored on one process without a negative bank: pass bank=None, no "
+            f"several positives per row are scored {where} without a negative bank: pass bank=None, no "
             "anchors_all and row_offset=0."
         )
-    cols = [c.detach() for c in candidates]
-    anchors = anchors.detach()
+
+
+def _pairs_loss_and_grad(
+    anchors: Tensor,
+    cols: list[Tensor],
+    counts: Tensor,
+    first: int,
+    divisor: float,
+    options: InfoNCEOptions,
+    anchors_all: Tensor | None,
+    with_grad: bool,
+) -> tuple[InfoNCEOutput, Tensor | None]:
+    """The pairs of this process's rows (``anchors``, the rows ``first ... first + b`` of every row) against
+    ``cols`` (every row's positives, row after row as ``counts`` ``(N,)`` says, then the negative columns),
+    each pair weighed ``1 / (divisor m)``; the positive -> anchors term scores this process's positives against
+    ``anchors_all`` ``(N, d)`` (None: ``anchors``, every row being this process's). Keys (``options``) are every
+    row's and every column's. Returns the output (the gradients wrt this process's anchors and every column) and
+    the gradient wrt ``anchors_all`` (None without that term, or without ``anchors_all``)."""
     b, device = anchors.shape[0], anchors.device
-    counts = counts.to(device=device, dtype=torch.long)
-    m_total = int(counts.sum())
-    if counts.shape != (b,) or bool((counts < 1).any()) or cols[0].shape[0] != m_total:
+    n_rows, m_total = counts.shape[0], int(counts.sum())
+    mine_rows = counts[first : first + b]
+    if counts.dim() != 1 or bool((counts < 1).any()) or cols[0].shape[0] != m_total or mine_rows.numel() != b:
         raise ValueError(
-            f"several positives: counts must give each of the {b} anchors at least one positive and sum to the "
-            f"{cols[0].shape[0]} positives; got {counts.tolist()}."
+            f"several positives: counts must give each of the {n_rows} anchors at least one positive and sum to "
+            f"the {cols[0].shape[0]} positives; got {counts.tolist()}."
         )
     terms = options.terms
     if terms is None:
@@ -115,8 +203,9 @@ def several_positives_loss_and_grad(
             "direction only; drop doc_to_query or mask_duplicates."
         )
 
-    owner = torch.repeat_interleave(torch.arange(b, device=device), counts)  # (M,) each positive's row
+    owner = torch.repeat_interleave(torch.arange(n_rows, device=device), counts)  # (M,) each positive's row
     per_pair = counts[owner]  # (M,) its row's number of positives
+    not_mine = ((owner < first) | (owner >= first + b)).long()
     # duplicate keys: pairs of one anchor share its key, so a row's other positives are masked (its own pair
     # never is); without the loss's keys, keys that make no other duplicate (positives and negatives distinct)
     if options.candidate_keys is not None:
@@ -128,20 +217,25 @@ def several_positives_loss_and_grad(
         pos_keys = torch.arange(m_total, device=device)
         starts = torch.tensor([0, *[len(c) for c in cols[1:]]], device=device).cumsum(0)
         neg_keys = [m_total + starts[k] + torch.arange(len(c), device=device) for k, c in enumerate(cols[1:])]
-    order = torch.argsort(per_pair, stable=True)  # pairs by their row's number of positives
+    # pairs by their row's number of positives, this process's first among those of each number (one span)
+    order = torch.argsort(per_pair * 2 + not_mine, stable=True)
     base = replace(options, terms=fwd_terms, symmetric=False, listed_negatives=True, bank=None)
     sorted_cols = [cols[0][order], *cols[1:]]
     sorted_keys = [pos_keys[order], *neg_keys]
-    q_pairs, a_sorted = anchors[owner[order]], a_keys[order]
+    pair_rows, a_sorted = owner[order], a_keys[order]
+    sizes, sorted_mine = per_pair[order], not_mine[order] == 0
 
     loss = torch.zeros((), dtype=torch.float64, device=device)
     acc = torch.float64 if anchors.dtype == torch.float64 else torch.float32  # gradients summed over calls
     g_anchors = torch.zeros(anchors.shape, dtype=acc, device=device)
+    # the positive -> anchors term's gradients wrt every row's anchors (this process's own on one process)
+    g_all = g_anchors
+    if anchors_all is not None and back_terms is not None:
+        g_all = torch.zeros(anchors_all.shape, dtype=acc, device=device)
     g_cols = [torch.zeros(c.shape, dtype=acc, device=device) for c in cols]
     g_scale: Tensor | None = None
-    sizes = per_pair[order]
-    for m in torch.unique(counts).tolist():
-        span = (sizes == m).nonzero().flatten()
+    for m in torch.unique(mine_rows).tolist():
+        span = ((sizes == m) & sorted_mine).nonzero().flatten()
         o, n = int(span[0]), int(span.numel())
         opts = replace(
             base,
@@ -150,46 +244,55 @@ def several_positives_loss_and_grad(
             candidate_keys=sorted_keys,
             anchors_all_keys=a_sorted,
         )
-        out = _call(q_pairs[o : o + n], sorted_cols, opts, w_fwd * n / (b * m), with_grad)
+        local = pair_rows[o : o + n] - first
+        out = _call(anchors[local], sorted_cols, opts, w_fwd * n / (divisor * m), with_grad)
         loss += out.loss.double()
         if with_grad:
             assert out.grad_anchors is not None
-            g_anchors.index_add_(0, owner[order[o : o + n]], out.grad_anchors.to(g_anchors.dtype))
-            g_cols[0].index_add_(0, order, out.grad_candidates[0].to(g_anchors.dtype))
+            g_anchors.index_add_(0, local, out.grad_anchors.to(acc))
+            g_cols[0].index_add_(0, order, out.grad_candidates[0].to(acc))
             for k in range(1, len(cols)):
-                g_cols[k] += out.grad_candidates[k].to(g_anchors.dtype)
+                g_cols[k] += out.grad_candidates[k].to(acc)
             if out.grad_scale is not None:
                 g_scale = out.grad_scale if g_scale is None else g_scale + out.grad_scale
 
     if back_terms is not None:
         back = replace(options, terms=back_terms, symmetric=False, listed_negatives=False, bank=None)
         back = replace(back, anchor_keys=None, candidate_keys=None, anchors_all_keys=None)
-        by_count = torch.argsort(counts, stable=True)  # anchors by their number of positives
+        rows = torch.arange(n_rows, device=device)
+        row_not_mine = ((rows < first) | (rows >= first + b)).long()
+        # the anchors by their row's number of positives, this process's rows first among those of each number
+        by_count = torch.argsort(counts * 2 + row_not_mine, stable=True)
         firsts = counts.cumsum(0) - counts  # each row's first positive in the column
-        q_sorted = anchors[by_count]
-        n_sorted = counts[by_count]
-        for m in torch.unique(counts).tolist():
-            span = (n_sorted == m).nonzero().flatten()
+        q_sorted = (anchors_all if anchors_all is not None else anchors)[by_count]
+        n_sorted, mine_sorted = counts[by_count], row_not_mine[by_count] == 0
+        for m in torch.unique(mine_rows).tolist():
+            span = ((n_sorted == m) & mine_sorted).nonzero().flatten()
             o, n = int(span[0]), int(span.numel())
             for k in range(m):
                 picked = firsts[by_count[o : o + n]] + k  # the k-th positive of each of these rows
                 out = _call(
-                    cols[0][picked], [q_sorted], replace(back, row_offset=o), w_back * n / (b * m), with_grad
+                    cols[0][picked],
+                    [q_sorted],
+                    replace(back, row_offset=o),
+                    w_back * n / (divisor * m),
+                    with_grad,
                 )
                 loss += out.loss.double()
                 if with_grad:
                     assert out.grad_anchors is not None
-                    g_cols[0].index_add_(0, picked, out.grad_anchors.to(g_anchors.dtype))
-                    g_anchors.index_add_(0, by_count, out.grad_candidates[0].to(g_anchors.dtype))
+                    g_cols[0].index_add_(0, picked, out.grad_anchors.to(acc))
+                    g_all.index_add_(0, by_count, out.grad_candidates[0].to(acc))
                     if out.grad_scale is not None:
                         g_scale = out.grad_scale if g_scale is None else g_scale + out.grad_scale
 
     if not with_grad:
-        return InfoNCEOutput(loss.to(acc), None, [], None, None)
-    return InfoNCEOutput(
+        return InfoNCEOutput(loss.to(acc), None, [], None, None), None
+    grads = InfoNCEOutput(
         loss.to(acc),
         g_anchors.to(anchors.dtype),
         [g.to(c.dtype) for g, c in zip(g_cols, cols)],
         None,
         g_scale,
     )
+    return grads, g_all if anchors_all is not None and back_terms is not None else None

@@ -35,18 +35,26 @@ __all__ = ["ring_terms_solve"]
 def ring_terms_solve(
     spec: LossSpec, anchors: Tensor, cols: Sequence[Tensor], sizes: list[int], *, scale: float | Tensor,
     with_grad: bool, bank_shares: tuple[list[int], list[int]] | None = None,
+    list_sizes: list[list[int]] | None = None,
 ) -> Solution:  # fmt: skip
     """``_ring_terms_solve`` (below) with torch's GEMMs at the
     call's product precision."""
     with spec.score.products.pinned(anchors.device):
         return _ring_terms_solve(
-            spec, anchors, cols, sizes, scale=scale, with_grad=with_grad, bank_shares=bank_shares
-        )
+            spec, anchors, cols, sizes, scale=scale, with_grad=with_grad, bank_shares=bank_shares,
+            list_sizes=list_sizes,
+        )  # fmt: skip
+
+
+def _pad_rows(x: Tensor, n: int) -> Tensor:
+    """``x`` with zero rows appended up to ``n`` rows."""
+    return x if x.shape[0] == n else torch.cat([x, x.new_zeros(n - x.shape[0], *x.shape[1:])])
 
 
 def _ring_terms_solve(
     spec: LossSpec, anchors: Tensor, cols: Sequence[Tensor], sizes: list[int], *, scale: float | Tensor,
     with_grad: bool, bank_shares: tuple[list[int], list[int]] | None = None,
+    list_sizes: list[list[int]] | None = None,
 ) -> Solution:  # fmt: skip
     """This process's share of the global loss (``W / B_global * sum`` over its rows) by ring exchange:
     every process's columns (its candidates, its anchors when a term reads ``q_all``, its guide
@@ -63,7 +71,13 @@ def _ring_terms_solve(
     A negative bank (``spec.options.bank``, this process's share; ``bank_shares``: every process's rows of
     it, candidates and anchors) travels around a ring of its own in each pass, after the columns: its
     blocks feed the rows' statistics and gradients only (no gradient goes to the bank, no column softmax
-    runs down it), so nothing travels with them."""
+    runs down it), so nothing travels with them.
+
+    Lists of hard negatives (``spec.options.listed_negatives``; ``list_sizes``: every process's rows of each
+    hard-negative column, ``cols[1:]``): those columns have a length of their own on each process, so they
+    travel apart from the row-aligned ones, side by side in one block padded to the longest list column of
+    every process (zeros that no term reads: each visiting column is cut back to its owner's rows), their
+    gradient block travelling with them; a column no process has an entry of travels not at all."""
     terms, score, guide, keys = spec.terms, spec.score, spec.options.guide, spec.keys
     me, w = rank(), len(sizes)
     cols = list(cols)
@@ -82,9 +96,17 @@ def _ring_terms_solve(
     visiting = [t for t in terms.terms if t.cols != "q_local" and t not in banked]
     local = [t for t in terms.terms if t.cols == "q_local"]
     reads_q_all = any(t.cols == "q_all" and (pair is None or t != pair[1]) for t in visiting)
-    names = [f"c{j}" for j in range(k)] + (["q_all"] if reads_q_all else [])
-    # what travels: the columns side by side (b, K', *row_shape); the guide's (b, K, g); the keys (b, K + 1)
-    travelling = [*cols, anchors][: len(names)]
+    listed = spec.options.listed_negatives and k > 1
+    if listed and (guide is not None or keys is not None):
+        raise ValueError(
+            "listed_negatives=True on the ring: the lists travel without a guide's embeddings or duplicate keys "
+            "yet; drop the guide and the keys (mask_duplicates), or use the gathered strategy."
+        )
+    aligned = [0] if listed else list(range(k))  # the columns of one row per anchor
+    names = [f"c{j}" for j in aligned] + (["q_all"] if reads_q_all else [])
+    # what travels: the columns side by side (b, K', *row_shape); the guide's (b, K, g); the keys (b, K + 1);
+    # lists of hard negatives side by side, padded to the longest (L, K - 1, *row_shape)
+    travelling = [*[cols[j] for j in aligned], anchors][: len(names)]
     row_shape = travelling[0].shape[1:]
     if any(t.shape[1:] != row_shape for t in travelling):
         raise ValueError(
@@ -93,6 +115,21 @@ def _ring_terms_solve(
             "common width first)."
         )
     own = [torch.stack(travelling, dim=1).contiguous()]
+    static_sizes: list[list[int] | None] = [None]
+    list_names = [f"c{j}" for j in range(1, k)] if listed else []
+    lists_own: list[int] = [len(cols[j]) for j in range(1, k)] if listed else []
+    longest = 0
+    if listed:
+        if list_sizes is None or len(list_sizes) != k - 1:
+            raise ValueError(
+                "listed_negatives=True on the ring needs every process's rows of each list column."
+            )
+        longest = max(max(n) for n in list_sizes)
+    lsizes = list_sizes or []
+    if longest:
+        padded = [_pad_rows(cols[j], longest) for j in range(1, k)]
+        own.append(torch.stack(padded, dim=1).contiguous())
+        static_sizes.append([longest] * w)
     if guide is not None:
         own.append(torch.stack(guide.candidates, dim=1).contiguous())
     if keys is not None:
@@ -105,24 +142,34 @@ def _ring_terms_solve(
     release = getattr(score.fn, "release", None) or (lambda: None)
 
     def bind_block(
-        owner: int, tensors: list[Tensor], g_block: Tensor | None, **col_state: Any
+        owner: int,
+        tensors: list[Tensor],
+        g_block: Tensor | None,
+        *,
+        g_lists: Tensor | None = None,
+        **col_state: Any,
     ) -> list[Bound]:
         """The terms against a visiting block (and, for this process's own block, the local terms)."""
         blk, rest = tensors[0], tensors[1:]
+        lst = None
+        if longest:
+            lst, rest = rest[0], rest[1:]
         grads = {}
         if g_block is not None:  # this process's rows keep theirs; the block's travel with it
             grads = {r: g for r, g in src.grads.items() if r in ("q", "d")}
             grads.update({n: g_block[:, j] for j, n in enumerate(names)})
+            if g_lists is not None:
+                grads.update({n: g_lists[: lsizes[j][owner], j] for j, n in enumerate(list_names)})
         col_keys = None
         if keys is not None:
             kb = rest[-1]
             anchor = kb[:, k] if keys.anchors is not None else None
             col_keys = Keys(anchor, [kb[:, j] for j in range(k)]).sources(0, kb.shape[0])
-        visit = src.with_columns(
-            {n: score.operand(blk[:, j], 1.0, prenormalize=False) for j, n in enumerate(names)},
-            grads,
-            col_keys,
-        )
+        operands = {n: score.operand(blk[:, j], 1.0, prenormalize=False) for j, n in enumerate(names)}
+        for j, n in enumerate(list_names):  # each list column cut back to its owner's rows
+            rows_j = lst[: lsizes[j][owner], j] if lst is not None else blk[:0, 0]
+            operands[n] = score.operand(rows_j, 1.0, prenormalize=False)
+        visit = src.with_columns(operands, grads, col_keys)
         gvisit = None
         if gsrc is not None:
             gblk = rest[0]
@@ -131,6 +178,8 @@ def _ring_terms_solve(
             )
         scored = [t for t in visiting if pair is None or t != pair[1]]  # the pair's back term rides along
         bound = bind(scored, visit, 0 if owner == me else None, gvisit, thr, fn)
+        if listed:  # a list column the owner has no entry of holds no logit
+            bound = [x for x in bound if x.cols.n > 0]
         if pair is not None:
             bound = pair_up(bound, pair, terms.weights, **col_state)
         if owner == me and local:
@@ -138,7 +187,9 @@ def _ring_terms_solve(
         return bound
 
     def visit_stats(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
-        col_state = {"col_stats": (carried[0][:, 0], carried[0][:, 1])} if pair is not None else {}
+        col_state: dict[str, Any] = (
+            {"col_stats": (carried[0][:, 0], carried[0][:, 1])} if pair is not None else {}
+        )
         flash.stats_or_tiles(
             bind_block(owner, tensors, None, **col_state), m, ssum, scale=s, row_tile=tile, col_tile=tile
         )
@@ -146,7 +197,7 @@ def _ring_terms_solve(
 
     # the column softmax's statistics of each block's positives travel with it and come home complete
     col_acc = [torch.stack(init_stats(b, src.q), dim=1)] if pair is not None else []
-    col_acc = ring_exchange(own, col_acc, sizes, visit_stats)
+    col_acc = ring_exchange(own, col_acc, sizes, visit_stats, static_sizes)
     if pair is not None:
         g_back = pair[1].group  # joint with this process's own terms of the group, or alone
         merge_stats(m[g_back], ssum[g_back], col_acc[0][:, 0], col_acc[0][:, 1])
@@ -192,14 +243,20 @@ def _ring_terms_solve(
     def visit_grads(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
         nonlocal gs_total
         col_state = {"col_lse": LogSumExp.unstack(tensors[-1])} if pair is not None else {}
-        bound = bind_block(owner, tensors[:-1] if pair is not None else tensors, carried[0], **col_state)
+        g_lists = carried[1] if longest else None
+        bound = bind_block(
+            owner, tensors[:-1] if pair is not None else tensors, carried[0], g_lists=g_lists, **col_state
+        )
         gs_total += flash.grads_or_tiles(
             bound, lse, terms.weights, scale=s, row_tile=tile, col_tile=tile, need_scale_grad=need_scale_grad
         )
         release()
 
     g_block = torch.zeros(b, len(names), *row_shape, dtype=src.q.dtype, device=anchors.device)
-    (g_block,) = ring_exchange(own, [g_block], sizes, visit_grads)
+    carried = [g_block]
+    if longest:  # the lists' gradients travel with them
+        carried.append(g_block.new_zeros(longest, k - 1, *row_shape))
+    g_block, *g_lists = ring_exchange(own, carried, sizes, visit_grads, static_sizes, static_sizes)
 
     def bank_grads(bound: list[Bound]) -> None:
         nonlocal gs_total
@@ -210,6 +267,9 @@ def _ring_terms_solve(
     bank_ring(bank_grads)
     for j, n in enumerate(names):
         src.grads[n if n != "q_all" else "q_local"].add_(g_block[:, j])
+    for j, n in enumerate(list_names):
+        if g_lists:
+            src.grads[n].add_(g_lists[0][: lists_own[j], j])
     g_a, g_c, _ = finish_grads(src, anchors, cols, None, s, factor, tile)
     g_s = None
     if need_scale_grad:

@@ -173,18 +173,12 @@ def _check(anchors: Tensor, cols: list[Tensor], opts: SigmoidOptions, sizes: lis
             raise nonfinite_error("the bank")
     if sizes is None:
         return
-    if opts.listed_negatives:
-        raise ValueError(
-            "listed_negatives=True is taken on one process: across processes the sigmoid loss's strategies "
-            "exchange columns of one row per anchor. Give hard-negative columns of one text per row, or train on "
-            "one process."
-        )
     if opts.row_offset != 0:
         raise ValueError(
             "across processes the strategies place every process's rows themselves: leave row_offset at 0."
         )
     b = anchors.shape[0]
-    if len(sizes) != world_size() or sizes[rank()] != b or cols[0].shape[0] != b:
+    if len(sizes) != world_size() or sizes[rank()] != b or cols[0].shape[0] != b:  # lists: column 0
         raise ValueError(
             f"sizes={sizes} must be every process's row count in rank order (this is rank {rank()} of "
             f"{world_size()}, with {b} anchors and {cols[0].shape[0]} candidate rows): get them from "

@@ -33,6 +33,7 @@ from torch import Tensor
 from st_cached_losses.functional._kernels import Operand, Plan, plan_blocks
 from st_cached_losses.functional.checks import bias_value, scale_value
 from st_cached_losses.functional.distributed import all_gather_rows, all_reduce_sum, rank, ring_exchange
+from st_cached_losses.functional.parallel import column_sizes
 from st_cached_losses.functional.precision import accumulation_dtype
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.sigmoid_blocks import PairBlocks, PairSums, Wanted, solve_local
@@ -118,6 +119,8 @@ def gathered_pairs(
     Collectives: one all-gather of the columns (and, with a bank, one of its shares' sizes and one of the
     shares); with gradients, one all-reduce of the columns' gradients and one of the scale's and bias's."""
     assert sizes is not None  # across processes
+    if opts.listed_negatives:
+        return _gathered_lists(anchors, cols, sizes, opts, factor=factor, want=want)
     me, w = rank(), len(sizes)
     score = opts.score(anchors)
     start = sum(sizes[:me])
@@ -148,6 +151,53 @@ def gathered_pairs(
     return sums
 
 
+def _gathered_lists(
+    anchors: Tensor,
+    cols: list[Tensor],
+    sizes: list[int],
+    opts: SigmoidOptions,
+    *,
+    factor: float,
+    want: Wanted,
+) -> PairSums:
+    """[`gathered_pairs`][st_cached_losses.functional.sigmoid_drivers.gathered_pairs] with lists of hard
+    negatives (``cols[1:]`` of each process's own lengths, agreed in one small all-gather): each column
+    gathered at every process's lengths, the gradients of every column summed over processes in one
+    all-reduce."""
+    me, w = rank(), len(sizes)
+    score = opts.score(anchors)
+    start = sum(sizes[:me])
+    per_column = column_sizes(cols, sizes, True)
+    cols_all = [all_gather_rows(c, n) if max(n) > 0 else c for c, n in zip(cols, per_column)]
+    bank = opts.bank
+    shares = _bank_shares(bank, w)
+    if bank is not None and max(shares) > 0:
+        bank = all_gather_rows(bank, shares)
+    longest = max(*(c.shape[0] for c in cols_all), bank.shape[0] if bank is not None else 0)
+    plan = block_plan(anchors.shape[0], longest, opts, score, want)
+    g_cols = None
+    if want.embeddings:  # one buffer, each column's rows a span of it: one collective for all
+        dtype = accumulation_dtype(anchors)
+        flat = torch.zeros(
+            sum(c.shape[0] for c in cols_all), anchors.shape[1], dtype=dtype, device=anchors.device
+        )
+        g_cols = list(flat.split([c.shape[0] for c in cols_all]))
+    s, bias = scale_value(opts.scale), bias_value(opts.bias)
+    sums = solve_local(
+        anchors, cols_all, bank, score=score, scale=s, bias=bias, row_offset=start, plan=plan, factor=factor,
+        want=want, grad_cols=g_cols,
+    )  # fmt: skip
+    if g_cols is not None:
+        # every process scored everyone's columns: sum their gradients, keep this process's rows
+        all_reduce_sum(flat, "all_reduce_grad")
+        sums.grad_cols = [
+            g[sum(n[:me]) : sum(n[: me + 1])]
+            for g, n in zip(flat.split([c.shape[0] for c in cols_all]), per_column)
+        ]
+    mean_over_processes(sums, w)
+    return sums
+
+
 def ring_pairs(
     anchors: Tensor,
     cols: list[Tensor],
@@ -169,10 +219,15 @@ def ring_pairs(
     assert sizes is not None  # across processes
     me, w = rank(), len(sizes)
     score = opts.score(anchors)
-    k = len(cols)
+    # lists of hard negatives: those columns (each process's own lengths) travel apart, side by side in one
+    # block padded to the longest of every process, their gradient block with them
+    list_sizes = column_sizes(cols, sizes, True)[1:] if opts.listed_negatives else []
+    longest = max((max(n) for n in list_sizes), default=0)
+    aligned = cols[:1] if opts.listed_negatives else cols
+    k = len(aligned)
     bank = opts.bank
     shares = _bank_shares(bank, w)
-    plan = block_plan(anchors.shape[0], max(max(sizes), max(shares)), opts, score, want)
+    plan = block_plan(anchors.shape[0], max(max(sizes), max(shares), longest), opts, score, want)
     prenorm = plan.path == "chunked"
     s, bias = scale_value(opts.scale), bias_value(opts.bias)
     blocks = PairBlocks(
@@ -185,14 +240,25 @@ def ring_pairs(
         for j in range(k):
             g = carried[0][:, j] if carried else None  # (b_owner, d), strided
             blocks.visit(score.operand(block[:, j], 1.0, prenorm), g, 0 if j == 0 and owner == me else None)
+        for j, n in enumerate(list_sizes):  # each list column cut back to its owner's rows
+            if n[owner]:
+                g = carried[1][: n[owner], j] if carried else None
+                blocks.visit(score.operand(tensors[1][: n[owner], j], 1.0, prenorm), g, None)
 
-    travelling = [torch.stack(cols, dim=1).contiguous()]
+    travelling = [torch.stack(aligned, dim=1).contiguous()]
+    block_sizes: list[list[int] | None] = [None]
+    if longest:
+        padded = [torch.cat([c, c.new_zeros(longest - c.shape[0], *c.shape[1:])]) for c in cols[1:]]
+        travelling.append(torch.stack(padded, dim=1).contiguous())
+        block_sizes.append([longest] * w)
     g_home: list[Tensor] = []
     if want.embeddings:
         g_home = [
             torch.zeros(anchors.shape[0], k, anchors.shape[1], dtype=blocks.rows.dtype, device=anchors.device)
         ]
-    g_home = ring_exchange(travelling, g_home, sizes, visit)
+        if longest:
+            g_home.append(g_home[0].new_zeros(longest, len(list_sizes), anchors.shape[1]))
+    g_home = ring_exchange(travelling, g_home, sizes, visit, block_sizes, block_sizes)
     if bank is not None and max(shares) > 0:
 
         def visit_bank(owner: int, tensors: list[Tensor], carried: list[Tensor]) -> None:
@@ -203,7 +269,10 @@ def ring_pairs(
     grad_cols = []
     if g_home:  # wrt this process's own columns, complete: every process's rows scored them
         own = [Operand(c, score.cosine, 1.0, prenormalize=False) for c in cols]
-        grad_cols = [blocks.column_grad(op, g_home[0][:, j], factor) for j, op in enumerate(own)]
+        grad_cols = [blocks.column_grad(op, g_home[0][:, j], factor) for j, op in enumerate(own[:k])]
+        for j, op in enumerate(own[k:]):
+            g = g_home[1][: cols[k + j].shape[0], j] if longest else cols[k + j].new_zeros(cols[k + j].shape)
+            grad_cols.append(blocks.column_grad(op, g, factor))
     g_rows, g_s, g_b = blocks.finish(factor)
     sums = PairSums(blocks.loss, g_rows, grad_cols, g_s, g_b)
     mean_over_processes(sums, w)

@@ -36,13 +36,14 @@ _POSITIVES_REFUSALS = {
     "negative_bank_size": (
         "the bank is not kept for them yet. Set negative_bank_size=0, or give one positive per row."
     ),
-    "gather_across_devices": (
-        "they are scored on one process (each process's own candidates) yet. Set gather_across_devices=False, train "
-        "on one process, or give one positive per row."
-    ),
     "mask_duplicates": (
         "duplicates are masked in the anchor -> candidates direction only for them. Drop 'doc_to_query' or "
         "mask_duplicates, or give one positive per row."
+    ),
+    "path": (
+        "across processes the tiled path passes candidate blocks around a ring, and several positives are "
+        "gathered, not passed around it yet. Use path='auto' or 'chunked' (CachedMNRLoss, CachedCLIPLoss), or "
+        "give one positive per row."
     ),
 }
 
@@ -66,11 +67,6 @@ _LIST_REFUSALS = {
         "across processes the lists' duplicate keys are not gathered yet. Set mask_duplicates=False, train on one "
         "process, or give hard-negative columns of one text per row."
     ),
-    "path": (
-        "across processes the tiled path passes candidate blocks around a ring, and lists are gathered, not passed "
-        "around yet. Use path='auto' or 'chunked' (CachedMNRLoss, CachedCLIPLoss), or give hard-negative columns "
-        "of one text per row."
-    ),
 }
 
 
@@ -83,7 +79,6 @@ def list_refusal(settings: RankingSettings, owner: str, several: bool, across: b
         "directions": "doc_to_doc" in s.directions,
         "in_batch_negatives": not s.in_batch_negatives,
         "mask_duplicates": s.mask_duplicates and across,
-        "path": s.path == "tiled" and across,
     }
     for name, refused in refusals.items():
         if refused:
@@ -98,7 +93,7 @@ def list_refusal(settings: RankingSettings, owner: str, several: bool, across: b
         "partition_mode": s.partition_mode == "joint" and "doc_to_query" in s.directions,
         "negative_bank_size": bool(s.negative_bank_size),
         "mask_duplicates": s.mask_duplicates and "doc_to_query" in s.directions,
-        "gather_across_devices": across,
+        "path": s.path == "tiled" and across,
     }
     for name, refused in refused_several.items():
         if refused:
@@ -297,7 +292,8 @@ class CachedMNRLoss(LearnableScale):
         candidate that is not a positive of its row, averaged over the row's positives, then the mean over the
         anchors (the symmetric direction: each positive against the anchors, its row's the target). Options
         that read a row's own hard negatives (``hardness_mode`` ``"hard_negatives"`` / ``"in_batch_negatives"``,
-        ``doc_to_doc``, ``in_batch_negatives=False``) and gathering across processes are refused with lists.
+        ``doc_to_doc``, ``in_batch_negatives=False``) are refused with lists. Across processes
+        (``gather_across_devices``) every process's lists and positives are gathered at their own lengths.
 
         Recommendations:
             - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.

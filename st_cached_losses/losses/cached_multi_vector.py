@@ -127,14 +127,10 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
 
 
 def _list_refusal(owner: str, several: bool, across: bool) -> str | None:
-    """Lists are taken on one process: across processes the token rows of lists are not exchanged yet."""
-    if not across:
-        return None
-    return (
-        f"{owner}: lists of hard negatives or of positives (a column of lists, or None values) are taken on one "
-        "process: across processes (gather_across_devices) the token rows of lists are not exchanged yet. Give "
-        "columns of one text per row, or train on one process."
-    )
+    """Lists of hard negatives are taken on one process and across processes (each process's token rows
+    gathered, or passed around the ring, at their own lengths and widths); several positives are refused with
+    the columns (``check_lists``), before any forward."""
+    return None
 
 
 class CachedMultiVectorLoss(TokenScoreLoss):
@@ -279,8 +275,8 @@ class CachedMultiVectorLoss(TokenScoreLoss):
 
     def check_lists(self, features: list[Any], lists: ListColumns) -> None:
         """Lists of hard negatives (each row its own number, empty allowed), every one a candidate of every
-        query, as ``CachedMNRLoss`` takes them; one positive per row; on one process (across processes the
-        stage refuses them on every process at once)."""
+        query, as ``CachedMNRLoss`` takes them, on one process and across processes (gathered, or on the ring);
+        one positive per row."""
         owner = type(self).__name__
         check_list_columns(
             [batch_size_of(f) for f in features],

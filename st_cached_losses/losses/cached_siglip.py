@@ -18,7 +18,8 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor, nn
 
 from st_cached_losses.engine.features import batch_size_of
-from st_cached_losses.engine.lists import ListColumns, check_list_columns
+from st_cached_losses.engine.lists import ListColumns, check_list_columns, every_column
+from st_cached_losses.functional.distributed import is_distributed
 from st_cached_losses.functional.parallel import mean_scale_grad
 from st_cached_losses.functional.sigmoid import SigmoidOptions, sigmoid_loss_and_grad
 from st_cached_losses.losses.base import Stage, StageInput, StageOutput
@@ -138,14 +139,17 @@ class Sigmoid(Stage):
     def __call__(self, batch: StageInput, with_grad: bool) -> StageOutput:
         embeddings, step = batch.embeddings, batch.step
         listed = step.counts is not None  # lists of hard negatives: columns of their own lengths
-        # also the finiteness check, and whether any process has lists, agreed on by every process
+        kept = None
+        if self.gather and is_distributed():
+            # a list column this process did not embed: (0, d) rows, as every process has it
+            embeddings, kept = every_column(embeddings, step.kept, step.given)
+            if kept is not None:
+                batch = StageInput(embeddings, batch.labels, step, batch.owner)
+        # also the finiteness check, and whether any process has lists, agreed on by every process (all then
+        # score them as lists, each process's columns gathered or passed around the ring at their own lengths)
         sizes = batch.sizes(self.gather, tag=int(listed))
-        if sizes is not None and batch.tag(self.gather):  # every process raises, none waits
-            raise ValueError(
-                f"{self.owner}: lists of hard negatives (a column of lists, or None values) are taken on one "
-                "process: across processes (gather_across_devices) the sigmoid loss exchanges columns of one "
-                "text per row. Give hard-negative columns of one text per row, or train on one process."
-            )
+        if sizes is not None:
+            listed = bool(batch.tag(self.gather))
         scale = step.inputs.get("scale", self.scale)
         bias = step.inputs.get("bias", self.bias)
         options = SigmoidOptions(
@@ -163,6 +167,9 @@ class Sigmoid(Stage):
         if not with_grad:
             return StageOutput(out.loss)
         assert out.grad_anchors is not None  # asked for
+        grads = [out.grad_anchors, *out.grad_candidates]
+        if kept is not None:  # the embedded columns' only
+            grads = [grads[k] for k in kept]
         input_grads: dict[str, Tensor] = {}
         for name, grad in (("scale", out.grad_scale), ("bias", out.grad_bias)):
             if grad is None:
@@ -174,7 +181,7 @@ class Sigmoid(Stage):
                 grad = mean_scale_grad(grad)
             assert grad is not None
             input_grads[name] = grad
-        return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
+        return StageOutput(out.loss, grads, input_grads)
 
 
 class CachedSigLIPLoss(LearnableScale):
@@ -258,7 +265,12 @@ class CachedSigLIPLoss(LearnableScale):
             | (anchor, positive) pairs | none |
             | (anchor, positive, negative) triplets | none |
             | (anchor, positive, negative_1, ..., negative_n) | none |
+            | (anchor, positive, negative), a list of negatives per row (or None in negative_k) | none |
             | (image, caption) pairs | none |
+
+        Lists (the trainer's ``data_collator=ListDataCollator(preprocess_fn=model.preprocess)``): every listed
+        negative is a negative pair of every anchor, on one process and across processes (each process's lists
+        gathered, or passed around the ring with ``path="tiled"``, at their own lengths); one positive per row.
 
         Relations:
             - [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss] is the softmax (InfoNCE)

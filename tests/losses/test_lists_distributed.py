@@ -23,10 +23,30 @@ CONFIGS = {
     # the first process's negative_1 has no None (a fixed column there), the second's has: every process
     # learns in the step's first collective that one has lists, and all score them as lists
     "mixed": ("CachedMNRLoss", {}, "mixed", False),
+    # the ring (path="tiled"): each process's lists travel at their own lengths (the first process's empty)
+    "tiled_ring": ("CachedTiledLoss", {"tile_size": 2}, "list", False),
+    "tiled_ring_symmetric_none_padded": (
+        "CachedTiledLoss",
+        {"tile_size": 3, "symmetric": True},
+        "none_padded",
+        True,
+    ),
+    "mnr_ring_mixed": ("CachedMNRLoss", {"path": "tiled", "tile_size": 2}, "mixed", False),
+    # several positives per row: the first process's rows one each (its positive column a fixed one), the
+    # second's one to three; each process's positives are candidates of every anchor, and target their anchor
+    "mnr_several": ("CachedMNRLoss", {}, "several", False),
+    "clip_several": ("CachedCLIPLoss", {}, "several", True),
+    # a learned scale: its gradient (outside DDP) averaged over the processes, the reference's
+    "clip_several_learnable": ("CachedCLIPLoss", {"scale": 12.0, "learnable_scale": True}, "several", True),
 }
 
 
 def global_rows(layout: str = "list") -> dict[str, list]:
+    if layout == "several":
+        rows = make_rows(sum(SIZES), 4, seed=37, max_positives=3)
+        rows["positive"][: SIZES[0]] = [p[:1] for p in rows["positive"][: SIZES[0]]]
+        rows["negative"][: SIZES[0]] = [[] for _ in range(SIZES[0])]
+        return rows
     rows = make_rows(sum(SIZES), 4, seed=31)
     for i in range(SIZES[0]):  # the first process's lists are all empty
         rows["negative"][i] = [] if layout != "mixed" else rows["negative"][-1][:1]
@@ -62,7 +82,7 @@ def _worker(rank: int, world: int, path: str) -> dict:
         )
         loss.model = ddp
         mine = {k: v[start : start + SIZES[rank]] for k, v in rows.items()}
-        columns = mine if layout == "list" else as_columns(mine, 4 if layout != "mixed" else 1)
+        columns = mine if layout in ("list", "several") else as_columns(mine, 4 if layout != "mixed" else 1)
         model.zero_grad(set_to_none=True)
         value = loss(collate(model, columns), None)
         value.backward()
@@ -72,6 +92,7 @@ def _worker(rank: int, world: int, path: str) -> dict:
         results[name] = {
             "loss": value.item(),
             "grads": grads,
+            "scale_grad": [p.grad.item() for p in loss.parameters() if p.grad is not None and p.numel() == 1],
             "embedded": len(collate(model, columns)[2]["input_ids"]),
         }
     return results
@@ -80,8 +101,9 @@ def _worker(rank: int, world: int, path: str) -> dict:
 def test_lists_across_two_processes_equal_the_global_reference(model_dir):
     per_rank = run_distributed(_worker, len(SIZES), model_dir)
     model = load_model(model_dir)
-    for name, (_, _, layout, symmetric) in CONFIGS.items():
-        ref, g_ref = reference_step(model, global_rows(layout), symmetric=symmetric)
+    for name, (_, kwargs, layout, symmetric) in CONFIGS.items():
+        logit_scale = torch.tensor(kwargs.get("scale", 20.0), dtype=torch.float64).log().requires_grad_()
+        ref, g_ref = reference_step(model, global_rows(layout), symmetric=symmetric, scale=logit_scale.exp())
         losses = [r[name]["loss"] for r in per_rank]
         # the first process had no negative to embed (mixed: one per row, a fixed column)
         assert per_rank[0][name]["embedded"] == (SIZES[0] if layout == "mixed" else 0)
@@ -90,27 +112,38 @@ def test_lists_across_two_processes_equal_the_global_reference(model_dir):
         )
         torch.testing.assert_close(per_rank[0][name]["grads"], per_rank[1][name]["grads"])  # DDP's average
         assert_grads_close(per_rank[0][name]["grads"], g_ref)
+        if kwargs.get("learnable_scale"):
+            assert logit_scale.grad is not None and logit_scale.grad.abs() > 0
+            for r in per_rank:
+                (ours,) = r[name]["scale_grad"]
+                torch.testing.assert_close(
+                    torch.tensor(ours, dtype=torch.float64), logit_scale.grad, rtol=1e-5, atol=1e-7
+                )
+        else:
+            assert all(r[name]["scale_grad"] == [] for r in per_rank)
 
 
 def _refusing_worker(rank: int, world: int, path: str) -> dict:
-    """What is not exchanged across processes yet is refused on every process, with the option named (several
-    positives: the first process's rows have one positive each, the second's several)."""
+    """What is not exchanged across processes yet, or has no meaning for several positives, is refused on every
+    process, with the option named (several positives: the first process's rows have one positive each, the
+    second's several, so the first learns of them in the step's first collective)."""
     import st_cached_losses
 
     assert torch.distributed.get_world_size() == world
     model = load_model(path)
     start = sum(SIZES[:rank])
-    rows = global_rows()
     several = make_rows(sum(SIZES), 2, seed=5, max_positives=2)
     several["positive"][: SIZES[0]] = [p[:1] for p in several["positive"][: SIZES[0]]]
     several["positive"][-1] = several["positive"][-1] + ["w1 w2"]
     cases = {
-        "ring": ("CachedTiledLoss", rows),
-        "several_positives": ("CachedMNRLoss", several),
+        "ring_several_positives": ("CachedTiledLoss", several, {}),
+        "several_positives_bank": ("CachedMNRLoss", several, {"negative_bank_size": 4}),
     }
     messages = {}
-    for name, (cls_name, batch) in cases.items():
-        loss = getattr(st_cached_losses, cls_name)(model, mini_batch_size=2, gather_across_devices=True)
+    for name, (cls_name, batch, kwargs) in cases.items():
+        loss = getattr(st_cached_losses, cls_name)(
+            model, mini_batch_size=2, gather_across_devices=True, **kwargs
+        )
         mine = {k: v[start : start + SIZES[rank]] for k, v in batch.items()}
         try:
             loss(collate(model, mine), None)
@@ -123,5 +156,5 @@ def _refusing_worker(rank: int, world: int, path: str) -> dict:
 def test_what_is_not_exchanged_yet_is_refused_on_every_process(model_dir):
     per_rank = run_distributed(_refusing_worker, len(SIZES), model_dir)
     for messages in per_rank:
-        assert "path='tiled'" in messages["ring"]
-        assert "gather_across_devices=True" in messages["several_positives"]
+        assert "path='tiled' cannot take several positives" in messages["ring_several_positives"]
+        assert "negative_bank_size=4 cannot take several positives" in messages["several_positives_bank"]

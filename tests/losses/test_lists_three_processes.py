@@ -1,7 +1,8 @@
-"""Lists of hard negatives (0-4 per row) across 3 gloo processes (spawned from pytest) with unequal batches (2, 4
-and 3 rows), ``gather_across_devices=True``, one training step under DDP: the mean of the processes' losses and
-the DDP-averaged parameter gradients equal the one-process float64 reference on the global batch, one direction
-and symmetric, at a mini-batch that divides no process's batch."""
+"""Lists of hard negatives (0-4 per row), and several positives (1-3 per row), across 3 gloo processes (spawned
+from pytest) with unequal batches (2, 4 and 3 rows), ``gather_across_devices=True``, one training step under DDP:
+the mean of the processes' losses and the DDP-averaged parameter gradients equal the one-process float64
+reference on the global batch, one direction and symmetric, gathered and on the ring (``path="tiled"``), at a
+mini-batch that divides no process's batch."""
 
 from __future__ import annotations
 
@@ -15,12 +16,20 @@ from tests.support.dist_utils import run_distributed
 from tests.support.tiny_model import load_for_ddp, make_tiny_model
 
 SIZES = [2, 4, 3]
-#: name -> (class name, kwargs, symmetric)
-CONFIGS = {"mnr": ("CachedMNRLoss", {}, False), "clip": ("CachedCLIPLoss", {}, True)}
+#: name -> (class name, kwargs, symmetric, max positives per row)
+CONFIGS = {
+    "mnr": ("CachedMNRLoss", {}, False, 0),
+    "clip": ("CachedCLIPLoss", {}, True, 0),
+    # the ring: every process's lists pass every other process at their own lengths
+    "tiled_ring_symmetric": ("CachedTiledLoss", {"tile_size": 2, "symmetric": True}, True, 0),
+    # several positives (1 to 3) per row on every process
+    "clip_several": ("CachedCLIPLoss", {}, True, 3),
+    "mnr_several_dot": ("CachedMNRLoss", {"similarity_fct": "dot", "scale": 1.0}, False, 3),
+}
 
 
-def global_rows() -> dict[str, list]:
-    rows = make_rows(sum(SIZES), 4, seed=53)
+def global_rows(max_positives: int = 0) -> dict[str, list]:
+    rows = make_rows(sum(SIZES), 4, seed=53, max_positives=max_positives)
     rows["negative"][
         SIZES[0]
     ] = []  # the second process's first row has none, its last (the global last) four
@@ -40,13 +49,13 @@ def _worker(rank: int, world: int, path: str) -> dict:
     assert torch.distributed.get_world_size() == world == len(SIZES)
     start = sum(SIZES[:rank])
     results = {}
-    for name, (cls_name, kwargs, _) in CONFIGS.items():
+    for name, (cls_name, kwargs, _, max_positives) in CONFIGS.items():
         model = load_for_ddp(path)
         loss = getattr(st_cached_losses, cls_name)(
             model, mini_batch_size=3, gather_across_devices=True, **kwargs
         )
         loss.model = DDP(model)
-        mine = {k: v[start : start + SIZES[rank]] for k, v in global_rows().items()}
+        mine = {k: v[start : start + SIZES[rank]] for k, v in global_rows(max_positives).items()}
         model.zero_grad(set_to_none=True)
         value = loss(collate(model, mine), None)
         value.backward()
@@ -60,8 +69,9 @@ def _worker(rank: int, world: int, path: str) -> dict:
 def test_lists_across_three_processes_equal_the_global_reference(model_dir):
     per_rank = run_distributed(_worker, len(SIZES), model_dir)
     model = load_for_ddp(model_dir)
-    for name, (_, _, symmetric) in CONFIGS.items():
-        ref, g_ref = reference_step(model, global_rows(), symmetric=symmetric)
+    for name, (_, kwargs, symmetric, max_positives) in CONFIGS.items():
+        options = {"similarity": "dot", "scale": 1.0} if "similarity_fct" in kwargs else {}
+        ref, g_ref = reference_step(model, global_rows(max_positives), symmetric=symmetric, **options)
         losses = [r[name]["loss"] for r in per_rank]
         torch.testing.assert_close(
             torch.tensor(sum(losses) / len(losses), dtype=torch.float64), ref, rtol=1e-5, atol=1e-6

@@ -80,3 +80,97 @@ def test_xtr_scores_are_refused_with_lists(mv_model):
     ]
     with pytest.raises(ValueError, match="XTR's scores retrieve"):
         CachedMultiVectorLoss(model, similarity_fct=XTRScores(top_k=5), mini_batch_size=2)(columns, None)
+
+
+# --------------------------------------------------------------------------- across processes
+
+#: (name, loss options) run in one spawn per world size; "tiled" across processes is the ring
+ACROSS = [
+    ("maxsim-gathered", {}),
+    ("maxsim-ring", {"path": "tiled", "tile_size": 2}),
+    (
+        "meanmaxsim-ring",
+        {"similarity_fct": mean_colbert_scores, "scale": 5.0, "path": "tiled", "tile_size": 2},
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def mv_lists_dir(tmp_path_factory) -> str:
+    base = tmp_path_factory.mktemp("mv_lists_dist")
+    make_tiny_multi_vector(base / "bert", seed=1).save_pretrained(str(base / "mve"))
+    return str(base / "mve")
+
+
+def _global_rows(sizes: list[int]) -> tuple[list[str], list[str], list[str], list[int]]:
+    """Queries, positives, and 2 B negatives in lists of 0-5 per row (the first process's rows none, so its list
+    column is not embedded there), of ragged lengths (the processes' token widths differ)."""
+    b = sum(sizes)
+    counts = [0] * sizes[0] + [(3 * i) % 6 for i in range(b - sizes[0])]
+    counts[-1] += 2 * b - sum(counts)
+    q = random_texts(b, seed=11, min_words=1, max_words=12)
+    p = random_texts(b, seed=12, min_words=1, max_words=4)
+    n = random_texts(2 * b, seed=13, min_words=1, max_words=16)
+    return q, p, n, counts
+
+
+def _lists_worker(rank: int, world: int, path: str, sizes: list[int]) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from st_cached_losses.distributed import STATS
+    from tests.losses.test_cached_multi_vector import _load_mv
+
+    q, p, n, counts = _global_rows(sizes)
+    start = sum(sizes[:rank])
+    mine = slice(start, start + sizes[rank])
+    first = sum(counts[:start])
+    mine_n = n[first : first + sum(counts[mine])]
+    out = {}
+    for name, kwargs in ACROSS:
+        model = _load_mv(path)
+        ddp = DDP(model)
+        loss = CachedMultiVectorLoss(model, mini_batch_size=2, gather_across_devices=True, **kwargs)
+        loss.model = ddp
+        columns = [
+            _column(model, q[mine], "query"),
+            _column(model, p[mine], "document"),
+            # the first process: no negative (counts all 0, a placeholder text): the column is left out there
+            _column(model, mine_n or ["unused"], "document", torch.tensor(counts[mine])),
+        ]
+        ddp.zero_grad(set_to_none=True)
+        STATS.reset()
+        value = loss(columns, None)
+        value.backward()
+        grads = torch.cat(
+            [(g.grad if g.grad is not None else torch.zeros_like(g)).flatten() for g in model.parameters()]
+        )
+        out[name] = {"loss": value.item(), "grads": grads, "kinds": sorted(STATS.calls)}
+    return out
+
+
+@pytest.mark.parametrize("sizes", [[2, 3], [2, 3, 2]], ids=["w2", "w3"])
+def test_lists_across_processes_equal_sentence_transformers(mv_lists_dir, sizes):
+    """2 and 3 gloo processes with unequal batches and token widths, the lists gathered or passed around the ring
+    (``path="tiled"``), MaxSim and MeanMaxSim: the mean of the processes' losses and DDP's gradients equal
+    sentence-transformers' non-cached loss on the global batch, the listed negatives cut into two columns."""
+    from tests.losses.test_cached_multi_vector import _load_mv
+    from tests.support.dist_utils import run_distributed
+
+    per_rank = run_distributed(_lists_worker, len(sizes), mv_lists_dir, sizes, timeout=600)
+    q, p, n, _ = _global_rows(sizes)
+    b = sum(sizes)
+    for name, kwargs in ACROSS:
+        model = _load_mv(mv_lists_dir)
+        st_kwargs = {k: v for k, v in kwargs.items() if k in ("similarity_fct", "scale")}
+        oracle = MultiVectorMultipleNegativesRankingLoss(model, **st_kwargs)
+        columns = [_column(model, q, "query"), _column(model, p, "document")]
+        columns += [_column(model, n[:b], "document"), _column(model, n[b:], "document")]
+        ref, g_ref = param_grads(model, oracle, columns)
+        results = [r[name] for r in per_rank]
+        ring = "-ring" in name
+        for r in results:  # the ring sends blocks and gathers no embedding
+            assert ("ring_send" in r["kinds"]) is ring, name
+        mean_loss = sum(r["loss"] for r in results) / len(results)
+        assert mean_loss == pytest.approx(ref.item(), rel=1e-5), name
+        for r in results:
+            assert_grads_close(r["grads"], g_ref, rtol=1e-5)

@@ -3,7 +3,9 @@ empty allowed) and ``negative_1 ... negative_K`` columns with None, collated by 
 negative is a negative pair of every anchor: the loss and every parameter gradient equal a float64 dense
 reference of the pairwise sigmoid loss over every row's candidates flattened, chunked and tiled, fixed and
 learned scale and bias, at mini-batches that do not divide the batch; one negative per row as lists is the
-loss of a column bit for bit; several positives are refused by name."""
+loss of a column bit for bit; several positives are refused by name. Across 2 and 3 gloo processes with unequal
+batches, gathered and on the ring, the processes' mean loss and the DDP-averaged gradients equal the reference of
+the global batch."""
 
 from __future__ import annotations
 
@@ -90,27 +92,83 @@ def test_several_positives_are_refused(model):
         CachedSigLIPLoss(model, mini_batch_size=3)(collate(model, rows), None)
 
 
-def _refusing_worker(rank: int, world: int, path: str) -> str:
-    """Gathered across 2 processes, lists on the first process only: every process raises (none waits in a
-    collective), naming what to do."""
+#: per-process batches of the runs across processes (unequal)
+SPLITS = {2: [3, 5], 3: [2, 4, 3]}
+#: name -> (kwargs, which rows: "list", "first_empty" (the first process's lists all empty: its list column
+#: is not embedded there) or "mixed" (one negative or none per row; the last process's column has no None, a
+#: fixed column there))
+ACROSS = {
+    "gathered": ({"path": "chunked"}, "first_empty"),
+    "ring": ({"path": "tiled", "tile_size": 2}, "list"),
+    "ring_first_empty_learned": ({"path": "tiled", "tile_size": 3, "learnable": True}, "first_empty"),
+    "gathered_mixed": ({}, "mixed"),
+}
+
+
+def across_rows(sizes: list[int], layout: str) -> dict[str, list]:
+    rows = make_rows(sum(sizes), 4, seed=41 + len(sizes))
+    if layout == "first_empty":
+        rows["negative"][: sizes[0]] = [[] for _ in range(sizes[0])]
+    if layout == "mixed":
+        rows["negative"] = [n[:1] for n in rows["negative"]]
+        rows["negative"][-sizes[-1] :] = [n or ["a text"] for n in rows["negative"][-sizes[-1] :]]
+    return rows
+
+
+def _across_worker(rank: int, world: int, path: str) -> dict:
+    """One training step under DDP per configuration, gathered or on the ring, with this process's rows."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     from tests.support.tiny_model import load_for_ddp
 
-    model = load_for_ddp(path)
-    rows = make_rows(6, 3, seed=9)
-    mine = {k: v[3 * rank : 3 * rank + 3] for k, v in rows.items()}
-    if rank == 1:  # one negative per row: a fixed column there
-        mine["negative"] = [(n or ["a text"])[0] for n in mine["negative"]]
-    loss = CachedSigLIPLoss(model, mini_batch_size=2, gather_across_devices=True)
-    try:
-        loss(collate(model, mine), None)
-    except ValueError as exc:
-        return str(exc)
-    return ""
+    sizes = SPLITS[world]
+    start = sum(sizes[:rank])
+    results = {}
+    for name, (kwargs, layout) in ACROSS.items():
+        model = load_for_ddp(path)
+        loss = CachedSigLIPLoss(model, 7.0, -2.0, mini_batch_size=2, gather_across_devices=True, **kwargs)
+        loss.model = DDP(model)
+        mine = {k: v[start : start + sizes[rank]] for k, v in across_rows(sizes, layout).items()}
+        if layout == "mixed":
+            mine = as_columns(mine, 1)
+        model.zero_grad(set_to_none=True)
+        value = loss(collate(model, mine), None)
+        value.backward()
+        results[name] = {
+            "loss": value.item(),
+            "grads": flat_grads(model).clone(),
+            "learned": [p.grad.item() for p in loss.parameters() if p.numel() == 1 and p.grad is not None],
+        }
+    return results
 
 
-def test_lists_across_processes_are_refused_on_every_process(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_lists_across_processes_equal_the_reference(tmp_path, world):
+    """Gathered (``path="chunked"``) and on the ring (``path="tiled"``) across 2 and 3 gloo processes with unequal
+    batches: the mean of the processes' losses, the DDP-averaged parameter gradients and a learned scale's and
+    bias's gradients (averaged over processes) equal the float64 reference of the global batch."""
     from tests.support.dist_utils import run_distributed
+    from tests.support.tiny_model import load_for_ddp
 
     make_tiny_model(tmp_path / "bert", dropout=0.0).save(str(tmp_path / "st"))
-    for message in run_distributed(_refusing_worker, 2, str(tmp_path / "st")):
-        assert "taken on one process" in message
+    per_rank = run_distributed(_across_worker, world, str(tmp_path / "st"))
+    model = load_for_ddp(str(tmp_path / "st"))
+    for name, (kwargs, layout) in ACROSS.items():
+        log_scale = torch.tensor(7.0, dtype=torch.float64).log().requires_grad_()
+        bias = torch.tensor(-2.0, dtype=torch.float64, requires_grad=True)
+        model.zero_grad(set_to_none=True)
+        ref = reference(model, across_rows(SPLITS[world], layout), log_scale.exp(), bias)
+        ref.backward()
+        losses = [r[name]["loss"] for r in per_rank]
+        torch.testing.assert_close(
+            torch.tensor(sum(losses) / world, dtype=torch.float64), ref.detach(), rtol=1e-5, atol=1e-6
+        )
+        for r in per_rank:
+            assert_grads_close(r[name]["grads"], flat_grads(model))
+            if kwargs.get("learnable"):
+                expected = torch.stack([log_scale.grad, bias.grad])
+                torch.testing.assert_close(
+                    torch.tensor(r[name]["learned"], dtype=torch.float64), expected, rtol=1e-4, atol=1e-6
+                )
+            else:
+                assert r[name]["learned"] == []

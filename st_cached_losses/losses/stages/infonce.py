@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.cache_form import CacheForm
 from st_cached_losses.engine.features import input_ids_by_row, model_device
+from st_cached_losses.engine.lists import every_column
 from st_cached_losses.engine.multimodal import input_keys, media_inputs
 from st_cached_losses.functional import InfoNCEOptions, infonce
 from st_cached_losses.functional.distributed import is_distributed
@@ -29,7 +30,10 @@ from st_cached_losses.functional.parallel import (
     mean_scale_grad,
     pad_to_common_tokens,
 )
-from st_cached_losses.functional.positives import several_positives_loss_and_grad
+from st_cached_losses.functional.positives import (
+    gathered_several_positives_loss_and_grad,
+    several_positives_loss_and_grad,
+)
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.terms import TermSet
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
@@ -278,6 +282,8 @@ class InfoNCE(Stage):
                 return every
             sizes = batch.sizes(self.gather, self._lists_tag(step))
             listed = self._check_agreed_lists(batch.tag(self.gather))
+            if batch.tag(self.gather) & 2:  # several positives on some process: every process scores pairs
+                return self._several_positives(batch, with_grad, sizes)
         else:
             if several_positives(step) is not None:
                 return self._several_positives(batch, with_grad)
@@ -329,14 +335,7 @@ class InfoNCE(Stage):
     def _every_column(batch: StageInput) -> tuple[list[Tensor], list[int] | None]:
         """The step's columns with a ``(0, d)`` one where a list column was not embedded on this process (none
         of its rows here holds a text), and the embedded columns' indices among them (None: every column)."""
-        step = batch.step
-        if step.kept is None or len(step.kept) == step.given:
-            return batch.embeddings, None
-        like = batch.embeddings[0]
-        full = [like.new_zeros((0, *like.shape[1:])) for _ in range(step.given)]
-        for k, e in zip(step.kept, batch.embeddings):
-            full[k] = e
-        return full, step.kept
+        return every_column(batch.embeddings, batch.step.kept, batch.step.given)
 
     @staticmethod
     def _every_guide(guide: list[Tensor] | None, kept: list[int], given: int) -> list[Tensor] | None:
@@ -345,26 +344,36 @@ class InfoNCE(Stage):
         the rows (None, or another length: as given)."""
         if guide is None or len(guide) != len(kept):
             return guide
-        full = [guide[0].new_zeros((0, *guide[0].shape[1:])) for _ in range(given)]
-        for k, g in zip(kept, guide):
-            full[k] = g
-        return full
+        return every_column(guide, kept, given)[0]
 
-    def _several_positives(self, batch: StageInput, with_grad: bool) -> StageOutput:
-        """Several positives per row ([`positives`][st_cached_losses.functional.positives]), on one process."""
+    def _several_positives(
+        self, batch: StageInput, with_grad: bool, sizes: list[int] | None = None
+    ) -> StageOutput:
+        """Several positives per row ([`positives`][st_cached_losses.functional.positives]): on one process, or
+        across processes (``sizes``: every process's row count, agreed on) against every process's candidates,
+        a process whose rows have one positive each scoring them as pairs too."""
         embeddings, step = batch.embeddings, batch.step
         counts = several_positives(step)
-        assert counts is not None  # asked for
-        batch.sizes(False)  # the finiteness check of the rows
+        if counts is None:  # one positive per row here, several on another process
+            counts = torch.ones(len(embeddings[0]), dtype=torch.long)
+        if sizes is None:
+            batch.sizes(False)  # the finiteness check of the rows
         scale = step.inputs.get("scale", self.scale)
         options = self.options(step, embeddings, scale, None, with_grad)
-        out = several_positives_loss_and_grad(
-            embeddings[0], embeddings[1:], counts, options, with_grad=with_grad
-        )
+        if sizes is None:
+            out = several_positives_loss_and_grad(
+                embeddings[0], embeddings[1:], counts, options, with_grad=with_grad
+            )
+        else:
+            out = gathered_several_positives_loss_and_grad(
+                embeddings[0], embeddings[1:], counts, sizes, options, with_grad=with_grad
+            )
         if not with_grad:
             return StageOutput(out.loss)
         assert out.grad_anchors is not None  # asked for
-        grad_scale = mean_scale_grad(out.grad_scale)
+        # each process's own rows: average the scale's gradient as DDP averages the model's (the gathered
+        # strategy averages it itself)
+        grad_scale = mean_scale_grad(out.grad_scale) if sizes is None else out.grad_scale
         input_grads = {"scale": grad_scale} if grad_scale is not None else {}
         return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
 
