@@ -10,6 +10,7 @@ that read and set the base loss's, and are checked again at every step, however 
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar, cast
@@ -537,7 +538,7 @@ class CachedSparseLoss(CachedLoss):
 
     def check_lists(self, features: list[Any], lists: ListColumns) -> None:
         """Lists with the core's base loss (``SparseMultipleNegativesRankingLoss``) only: its options checked as
-        ``CachedMNRLoss``'s (lists of hard negatives; several positives per row on one process); the documents'
+        ``CachedMNRLoss``'s (lists of hard negatives, several positives per row); the documents'
         regulariser then reads the documents that exist (every list entry, none for a missing one)."""
         owner, base = type(self).__name__, self.settings.loss
         if not on_core(base):
@@ -557,7 +558,24 @@ class CachedSparseLoss(CachedLoss):
             raise ValueError(message)
 
     def _ranking(self) -> InfoNCE:
-        return ranking_stage(type(self).__name__, self.base_settings())
+        stage = ranking_stage(type(self).__name__, self.base_settings())
+        stage.refuse_lists = functools.partial(self._list_refusal, stage.refuse_lists)
+        return stage
+
+    def _list_refusal(self, ranking: Any, several: bool, across: bool) -> str | None:
+        """The ranking options' refusal of lists (``ranking(several, across)``), and several positives per row
+        across processes where this step's embeddings are kept compact (packed rows are exchanged as such by
+        the gathered and ring paths of one positive per row only); the processes agree on the form, so every
+        process refuses alike."""
+        message = ranking(several, across) if ranking is not None else None
+        if message or not (several and across and getattr(self.cache.form, "compact", False)):
+            return message
+        return (
+            f"{type(self).__name__}: gather_across_devices=True (the base loss's) cannot take several positives "
+            "per row (a positive column of lists) with this step's embeddings kept compact (a SPLADE model's "
+            "packed rows: only the dense form is gathered pair by pair). Give one positive per row, or set "
+            "gather_across_devices=False on the base loss."
+        )
 
     def build_stage(self) -> Splade:
         s = self.settings

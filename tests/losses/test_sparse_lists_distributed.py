@@ -4,7 +4,8 @@ list column not embedded there), with the packed (compact) cache and the dense o
 the mean of the processes' components and the DDP-averaged parameter gradients equal the one-process float64
 reference of the global batch (the documents' FLOPS over every process's existing documents together). Without
 gathering, several positives per row: the mean of each process's own reference, as sentence-transformers under
-DDP. The ring and several positives gathered are refused on every process."""
+DDP. Several positives gathered (the dense cache), and lists on the ring of processes (``path="tiled"``), equal the
+reference too; several positives gathered with the packed cache are refused on every process."""
 
 from __future__ import annotations
 
@@ -18,11 +19,14 @@ from tests.support.dist_utils import run_distributed
 from tests.support.tiny_model import make_tiny_splade
 
 SIZES = [3, 5]
-#: name -> (model, layout, gather, several positives)
+#: name -> (model, layout, gather, several positives, the loss's plan)
 CONFIGS = {
-    "gathered_packed": ("packed", "list", True, False),
-    "gathered_dense_none_padded": ("dense", "none_padded", True, False),
-    "local_several_positives": ("packed", "list", False, True),
+    "gathered_packed": ("packed", "list", True, False, {}),
+    "gathered_dense_none_padded": ("dense", "none_padded", True, False, {}),
+    "local_several_positives": ("packed", "list", False, True, {}),
+    "gathered_several_positives_dense": ("dense", "list", True, True, {}),
+    "ring_packed": ("packed", "list", True, False, {"path": "tiled", "tile_size": 3}),
+    "ring_dense_none_padded": ("dense", "none_padded", True, False, {"path": "tiled", "tile_size": 3}),
 }
 
 
@@ -63,9 +67,9 @@ def _worker(rank: int, world: int, paths: dict[str, str]) -> dict:
 
     assert torch.distributed.get_world_size() == world
     results = {}
-    for name, (kind, layout, gather, several) in CONFIGS.items():
+    for name, (kind, layout, gather, several, plan) in CONFIGS.items():
         model = SparseEncoder(paths[kind], device="cpu")
-        loss = _loss(model, gather)
+        loss = _loss(model, gather, **plan)
         loss.model = DDP(model)  # what the trainer does
         mine = share(global_rows(several), rank)
         columns = mine if layout == "list" else as_columns(mine, 4)
@@ -89,7 +93,7 @@ def test_lists_across_two_processes_equal_the_reference(paths):
     from sentence_transformers.sparse_encoder import SparseEncoder
 
     per_rank = run_distributed(_worker, len(SIZES), paths, timeout=240)
-    for name, (kind, _, gather, several) in CONFIGS.items():
+    for name, (kind, _, gather, several, _plan) in CONFIGS.items():
         model = SparseEncoder(paths[kind], device="cpu")
         rows = global_rows(several)
         if gather:
@@ -108,26 +112,23 @@ def test_lists_across_two_processes_equal_the_reference(paths):
 
 
 def _refusing_worker(rank: int, world: int, paths: dict[str, str]) -> dict:
-    """The ring with lists, and several positives gathered (the first process's rows one positive each, the
-    second's several), are refused on every process, the setting named."""
+    """Several positives gathered with the packed cache (the first process's rows one positive each, the
+    second's several) are refused on every process, the setting named."""
     from sentence_transformers.sparse_encoder import SparseEncoder
 
-    model = SparseEncoder(paths["dense"], device="cpu")
-    several = global_rows(several=True)
-    several["positive"][: SIZES[0]] = [p[:1] for p in several["positive"][: SIZES[0]]]
-    cases = {"ring": ({"path": "tiled"}, global_rows()), "several_positives": ({}, several)}
-    messages = {}
-    for name, (kw, rows) in cases.items():
-        try:
-            _loss(model, True, **kw)(collate(model, share(rows, rank)), None)
-            messages[name] = ""
-        except ValueError as exc:
-            messages[name] = str(exc)
-    return messages
+    model = SparseEncoder(paths["packed"], device="cpu")
+    rows = global_rows(several=True)
+    rows["positive"][: SIZES[0]] = [p[:1] for p in rows["positive"][: SIZES[0]]]
+    loss = _loss(model, True)
+    try:
+        loss(collate(model, share(rows, rank)), None)
+    except ValueError as exc:
+        return {"message": str(exc), "compact": loss.cache.form.compact}
+    return {"message": "", "compact": loss.cache.form.compact}
 
 
-def test_what_is_not_exchanged_is_refused_on_every_process(paths):
+def test_several_positives_gathered_packed_are_refused_on_every_process(paths):
     per_rank = run_distributed(_refusing_worker, len(SIZES), paths, timeout=240)
-    for messages in per_rank:
-        assert "path='tiled'" in messages["ring"]
-        assert "gather_across_devices=True" in messages["several_positives"]
+    for result in per_rank:
+        assert result["compact"]
+        assert "gather_across_devices=True" in result["message"] and "compact" in result["message"]
