@@ -259,9 +259,12 @@ def test_inside_matryoshka_each_truncation_judges_itself(model):
 
 @pytest.mark.parametrize("kind", ["lists", "none_padded", "positives"])
 @pytest.mark.parametrize("margin", [0.95, 1e-3], ids=["some", "every"])
-def test_a_learnable_scale_stays_finite(model, kind, margin):
+def test_a_learnable_scale_stays_finite(tmp_path, kind, margin):
     """Empty lists, None-padded columns, several positives; with margin 1e-3 nearly every softmax loses every
-    negative; the loss, the model's and the scale's gradients stay finite and equal the reference."""
+    negative; the loss, the model's and the scale's gradients stay finite and equal the reference. A model of
+    its own: with margin 1e-3 whether a candidate stays depends on the weights, which the module's shared
+    model holds as the tests before left them: a subset of the file, or another order, emptied every softmax)."""
+    model = make_tiny_model(tmp_path / "bert", dropout=0.0)
     rows, columns = rows_of(kind, seed=9)
     loss_fn = CachedCLIPLoss(
         model,
@@ -289,8 +292,10 @@ def test_a_learnable_scale_stays_finite(model, kind, margin):
     assert removed > 0 and loss_fn.false_negative_fraction == pytest.approx(removed / seen)
     if margin == 1e-3:  # most softmaxes hold their target alone (a candidate of cosine <= 0 may stay)
         assert emptied >= B, emptied
-    # nearly emptied softmaxes: their gradients are small differences of fp32 probabilities from 1
-    assert_grads_close(g_model, flat_grads(model), rtol=1e-4 if margin == 1e-3 else 1e-5)
+    if margin == 1e-3:  # emptied softmaxes: their gradients are 0, or small differences of fp32 probabilities
+        torch.testing.assert_close(g_model.double(), flat_grads(model).double(), rtol=1e-4, atol=1e-7)
+    else:
+        assert_grads_close(g_model, flat_grads(model), rtol=1e-5)
     torch.testing.assert_close(g_scale.double(), logit_scale.grad, rtol=1e-5, atol=1e-7)
     # a step of the scale from there stays finite too
     torch.optim.SGD(loss_fn.parameters(), lr=0.1).step()
