@@ -101,7 +101,7 @@ def main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from st_cached_losses.functional import triton_kernels as kernels
+    from st_cached_losses.functional.kernels import triton_kernels as kernels
 
     print(f"kernels from {kernels.__file__}")
     if args.dump:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, cast
 from torch import nn
 
 from st_cached_losses.engine.features import unwrap_model
-from st_cached_losses.functional.terms import gist_terms
+from st_cached_losses.functional.softmax.terms import gist_terms
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
 from st_cached_losses.losses.ranking import RankingSettings

@@ -1,5 +1,5 @@
 """A loss's negative bank (ContAccum-style): the embeddings of this process's last rows, kept without
-gradient and scored by the next steps as extra negatives ([`Bank`][st_cached_losses.functional.options.Bank]).
+gradient and scored by the next steps as extra negatives ([`Bank`][st_cached_losses.functional.softmax.options.Bank]).
 
 Gradient accumulation gives a small batch the memory of a large one but not its negatives: each
 micro-batch sees only its own rows. A bank adds the last ``size`` candidate embeddings (positives and hard
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.functional.options import Bank
+from st_cached_losses.functional.softmax.options import Bank
 
 __all__ = ["NegativeBank"]
 
@@ -102,7 +102,7 @@ class NegativeBank(nn.Module):
 
     def view(self, like: Tensor, with_anchors: bool) -> Bank:
         """This process's entries at the width of ``like`` (``(b, d)`` embeddings) as the core's
-        [`Bank`][st_cached_losses.functional.options.Bank], in ``like``'s dtype and device (empty: no
+        [`Bank`][st_cached_losses.functional.softmax.options.Bank], in ``like``'s dtype and device (empty: no
         entries yet); the anchors only ``with_anchors``."""
 
         def rows(kind: str) -> Tensor:

@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from st_cached_losses.functional import flash, infonce_loss_and_grad
-from st_cached_losses.functional.options import Bank
+from st_cached_losses.functional import infonce_loss_and_grad
+from st_cached_losses.functional.softmax import flash
+from st_cached_losses.functional.softmax.options import Bank
 from tests.support.reference import reference_infonce
 
 

@@ -1,6 +1,6 @@
-"""The loss stage's autograd Functions: InfoNCE's ([`infonce`][st_cached_losses.functional.infonce.infonce]: statistics in forward, tiles
+"""The loss stage's autograd Functions: InfoNCE's ([`infonce`][st_cached_losses.functional.softmax.loss.infonce]: statistics in forward, tiles
 recomputed in backward) and that of a loss whose gradients come out of the pass that computes it
-([`sigmoid_loss`][st_cached_losses.functional.sigmoid.sigmoid_loss])."""
+([`sigmoid_loss`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss])."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from st_cached_losses.functional.binding import row_lse
 from st_cached_losses.functional.checks import scale_value
-from st_cached_losses.functional.local import LocalCall
-from st_cached_losses.functional.options import LossSpec
 from st_cached_losses.functional.precision import fp32_loss_stage
+from st_cached_losses.functional.softmax.binding import row_lse
+from st_cached_losses.functional.softmax.local import LocalCall
+from st_cached_losses.functional.softmax.options import LossSpec
 
 __all__ = ["InfoNCEFunction", "OnePassFunction", "OnePassSolve"]
 

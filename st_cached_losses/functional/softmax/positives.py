@@ -19,9 +19,9 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional.infonce import InfoNCEOutput, infonce, infonce_loss_and_grad
-from st_cached_losses.functional.options import InfoNCEOptions
-from st_cached_losses.functional.terms import Term, TermSet, mnrl_terms
+from st_cached_losses.functional.softmax.loss import InfoNCEOutput, infonce, infonce_loss_and_grad
+from st_cached_losses.functional.softmax.options import InfoNCEOptions
+from st_cached_losses.functional.softmax.terms import Term, TermSet, mnrl_terms
 
 __all__ = ["several_positives_loss_and_grad"]
 
@@ -87,7 +87,7 @@ def several_positives_loss_and_grad(
         with_grad: also the gradients (else the loss only).
 
     Returns:
-        [`InfoNCEOutput`][st_cached_losses.functional.infonce.InfoNCEOutput]: the loss, the gradients wrt the
+        [`InfoNCEOutput`][st_cached_losses.functional.softmax.loss.InfoNCEOutput]: the loss, the gradients wrt the
         anchors and every column (and a tensor scale's)."""
     if options.bank is not None or options.anchors_all is not None or options.row_offset:
         raise ValueError(

@@ -2,12 +2,12 @@
 
 Two strategies behind one signature: both take this process's embeddings and every process's row
 count ``sizes`` (rank order), and return this process's share of the loss with its gradients wrt this
-process's embeddings, as an [`InfoNCEOutput`][st_cached_losses.functional.infonce.InfoNCEOutput]:
+process's embeddings, as an [`InfoNCEOutput`][st_cached_losses.functional.softmax.loss.InfoNCEOutput]:
 
-* [`gathered_loss_and_grad`][st_cached_losses.functional.parallel.gathered_loss_and_grad]: the candidates (and, symmetric, the anchors) are all-gathered once;
+* [`gathered_loss_and_grad`][st_cached_losses.functional.softmax.parallel.gathered_loss_and_grad]: the candidates (and, symmetric, the anchors) are all-gathered once;
   every process's gradients wrt the gathered rows are summed over processes (the gather's true
   backward, seed 002) and each keeps its own slice. Memory ``O(B_global x d)`` per process.
-* [`ring_loss_and_grad`][st_cached_losses.functional.parallel.ring_loss_and_grad]: candidate blocks travel around a ring (Inf-CL); nothing is gathered.
+* [`ring_loss_and_grad`][st_cached_losses.functional.softmax.parallel.ring_loss_and_grad]: candidate blocks travel around a ring (Inf-CL); nothing is gathered.
   Memory ``O(local B x d)`` per process, whatever the number of processes.
 
 Packed rows (a score of 3-D rows: MaxSim / MeanMaxSim / XTR token rows ``(n, t, d + 1)``, SparseDot's
@@ -20,8 +20,8 @@ Weighting: process ``r`` returns ``W / B_global * sum_{i in r} loss_i``, so the 
 the global mean loss and DDP's gradient average is the exact full-batch gradient, even when processes
 hold different numbers of rows. A tensor scale lives outside DDP: its gradient is averaged here.
 
-[`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes] is the step's first collective (row counts, shapes and finiteness in one small
-all-gather); [`gathered_infonce`][st_cached_losses.functional.parallel.gathered_infonce] is the gathered loss with autograd."""
+[`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes] is the step's first collective (row counts, shapes and finiteness in one small
+all-gather); [`gathered_infonce`][st_cached_losses.functional.softmax.parallel.gathered_infonce] is the gathered loss with autograd."""
 
 from __future__ import annotations
 
@@ -45,18 +45,18 @@ from st_cached_losses.functional.distributed import (
     ring_exchange,
     world_size,
 )
-from st_cached_losses.functional.infonce import InfoNCEOutput, infonce, infonce_loss_and_grad
-from st_cached_losses.functional.multi_vector import pad_tokens
-from st_cached_losses.functional.options import Bank, Guide, InfoNCEOptions
-from st_cached_losses.functional.own import (
+from st_cached_losses.functional.precision import fp32_loss_stage
+from st_cached_losses.functional.representations.multi_vector import pad_tokens
+from st_cached_losses.functional.score import Score
+from st_cached_losses.functional.softmax.loss import InfoNCEOutput, infonce, infonce_loss_and_grad
+from st_cached_losses.functional.softmax.options import Bank, Guide, InfoNCEOptions
+from st_cached_losses.functional.softmax.own import (
     in_batch_negatives,
     own_candidates_infonce,
     own_candidates_loss_and_grad,
 )
-from st_cached_losses.functional.precision import fp32_loss_stage
-from st_cached_losses.functional.ring import ring_terms_solve
-from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.terms import bank_terms
+from st_cached_losses.functional.softmax.ring import ring_terms_solve
+from st_cached_losses.functional.softmax.terms import bank_terms
 
 __all__ = [
     "agree_on_sizes",
@@ -85,7 +85,7 @@ def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[in
 def agree_on_sizes_and_tag(
     columns: Sequence[Tensor], across_processes: bool, tag: int = 0
 ) -> tuple[list[int] | None, int]:
-    """[`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes], and ``tag`` (bits saying what kind of
+    """[`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes], and ``tag`` (bits saying what kind of
     batch this process has, e.g. lists) OR-ed over the processes, in the same collective (this process's own
     outside a group)."""
     flags = nonfinite_columns(columns)
@@ -125,8 +125,8 @@ def gathered_bank(bank: Bank) -> Bank:
 
 
 def pad_to_common_tokens(columns: Sequence[Tensor]) -> list[Tensor]:
-    """Packed columns (token rows ``(b, t_k, d + 1)``, [`multi_vector`][st_cached_losses.functional.multi_vector]; sparse rows ``(b, k, 2)``,
-    [`sparse`][st_cached_losses.functional.sparse]) padded on the right with zeros to the widest ``t_k`` of every process, column by
+    """Packed columns (token rows ``(b, t_k, d + 1)``, [`multi_vector`][st_cached_losses.functional.representations.multi_vector]; sparse rows ``(b, k, 2)``,
+    [`sparse`][st_cached_losses.functional.representations.sparse]) padded on the right with zeros to the widest ``t_k`` of every process, column by
     column, so that they can be gathered (see the module's notes on packed rows)."""
     return [pad_tokens(c, w) for c, w in zip(columns, _widest(columns))]
 
@@ -213,8 +213,8 @@ def gathered_loss_and_grad(
 
     Args:
         anchors: ``(b, d)`` this process's anchors; ``candidates``: ``K x (b, d)``, its positives then
-            hard negatives; ``sizes``: every process's ``b`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]).
-        options: the loss's options ([`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions]; ``keywords`` replace its fields)
+            hard negatives; ``sizes``: every process's ``b`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes]).
+        options: the loss's options ([`InfoNCEOptions`][st_cached_losses.functional.softmax.options.InfoNCEOptions]; ``keywords`` replace its fields)
             but where the rows are, which this sets; the keys and the guide's embeddings are gathered with
             the embeddings, and a tensor scale's gradient is averaged over processes.
         with_grad: also the gradients wrt this process's embeddings; else the loss only.
@@ -258,8 +258,8 @@ def loss_and_grad(
     **keywords: Any,
 ) -> InfoNCEOutput:
     """The loss stage wherever the rows are: one process (``sizes`` None: ``infonce_loss_and_grad``),
-    gathered, or by ring exchange (``ring``); ``options`` / ``keywords``: [`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions].
-    Finiteness must have been checked by [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]."""
+    gathered, or by ring exchange (``ring``); ``options`` / ``keywords``: [`InfoNCEOptions`][st_cached_losses.functional.softmax.options.InfoNCEOptions].
+    Finiteness must have been checked by [`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes]."""
     opts = InfoNCEOptions.of(options, keywords)
     anchors, candidates = anchors.detach(), [c.detach() for c in candidates]
     if not in_batch_negatives(opts):
@@ -288,7 +288,7 @@ def _own_loss_and_grad(
     opts: InfoNCEOptions,
     with_grad: bool,
 ) -> InfoNCEOutput:
-    """Each row against its own candidates ([`own`][st_cached_losses.functional.own]): across processes nothing is
+    """Each row against its own candidates ([`own`][st_cached_losses.functional.softmax.own]): across processes nothing is
     gathered, each process weighs its rows' mean as the module says and averages a tensor scale's gradient."""
     factor = 1.0
     if sizes is not None:
@@ -322,7 +322,7 @@ def gathered_infonce(
     options: InfoNCEOptions | None = None,
     **keywords: Any,
 ) -> Tensor:
-    """[`gathered_loss_and_grad`][st_cached_losses.functional.parallel.gathered_loss_and_grad]'s loss with autograd: the gather's backward sums over processes,
+    """[`gathered_loss_and_grad`][st_cached_losses.functional.softmax.parallel.gathered_loss_and_grad]'s loss with autograd: the gather's backward sums over processes,
     and a tensor scale's gradient is averaged over processes by a hook."""
     opts = InfoNCEOptions.of(options, keywords)
     w, b = len(sizes), anchors.shape[0]
@@ -350,15 +350,15 @@ def ring_loss_and_grad(
     with_grad: bool = True,
     **keywords: Any,
 ) -> InfoNCEOutput:
-    """[`gathered_loss_and_grad`][st_cached_losses.functional.parallel.gathered_loss_and_grad] by ring exchange (same arguments; ``path`` must be "auto" or
+    """[`gathered_loss_and_grad`][st_cached_losses.functional.softmax.parallel.gathered_loss_and_grad] by ring exchange (same arguments; ``path`` must be "auto" or
     "tiled": the ring is tiled by construction): each process keeps its rows, and every process's column
-    blocks visit it ([`ring_terms_solve`][st_cached_losses.functional.ring.ring_terms_solve]). A score whose rows carry data computed from every
+    blocks visit it ([`ring_terms_solve`][st_cached_losses.functional.softmax.ring.ring_terms_solve]). A score whose rows carry data computed from every
     column (XTR: each query token's top-``k`` over every process's document tokens) gets it from a first
     pass of the column blocks around the ring (`_ring_row_data`), after XTR's columns numbered
     their documents over every process's rows.
 
     No finiteness check inside: a process raising on its own NaN in the middle of the ring would leave
-    its peers blocked in a send / receive; [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes] checks every process first."""
+    its peers blocked in a send / receive; [`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes] checks every process first."""
     opts = InfoNCEOptions.of(options, keywords)
     if opts.path not in ("auto", "tiled"):
         raise ValueError(
@@ -400,7 +400,7 @@ def _ring_row_data(
     score: Score, rows: Tensor, cols: list[Tensor], sizes: list[int], memory_budget: int
 ) -> Tensor:
     """The rows with the data a score computes from every process's columns, by a first ring pass: each
-    visiting block of columns updates the rows' running state ([`row_state`][st_cached_losses.functional.multi_vector.XTR.row_state])."""
+    visiting block of columns updates the rows' running state ([`row_state`][st_cached_losses.functional.representations.multi_vector.XTR.row_state])."""
     fn: Any = score.fn
     state: Any = None
 
