@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.features import batch_size_of
 from st_cached_losses.engine.lists import ListColumns, check_list_columns
+from st_cached_losses.functional.placement import mean_scale_grad, ring_path
 from st_cached_losses.functional.sigmoid.loss import SigmoidOptions, sigmoid_loss_and_grad
-from st_cached_losses.functional.softmax.parallel import mean_scale_grad
 from st_cached_losses.losses.base import Stage, StageInput, StageOutput
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, SIGLIP_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
@@ -157,7 +157,7 @@ class Sigmoid(Stage):
             check_finite=False,
             listed_negatives=listed,
         )
-        ring = sizes is not None and self.plan.path == "tiled"
+        ring = sizes is not None and ring_path(self.plan.path)
         out = sigmoid_loss_and_grad(
             embeddings[0], embeddings[1:], options, sizes=sizes, ring=ring, with_grad=with_grad
         )

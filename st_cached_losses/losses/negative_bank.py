@@ -32,12 +32,13 @@ logs its size and age."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.functional.softmax.options import Bank
+if TYPE_CHECKING:
+    from st_cached_losses.functional.softmax.options import Bank
 
 __all__ = ["NegativeBank"]
 
@@ -112,6 +113,10 @@ class NegativeBank(nn.Module):
             if entries.rows.device != like.device:  # restored from a checkpoint onto the CPU: moved once
                 entries.rows, entries.added = entries.rows.to(like.device), entries.added.to(like.device)
             return entries.rows.to(like.dtype)
+
+        # imported here: the callbacks checkpoint banks for every loss, and a loss outside the InfoNCE family
+        # (SigLIP's) loads nothing of that family
+        from st_cached_losses.functional.softmax.options import Bank
 
         return Bank(rows("candidates"), rows("anchors") if with_anchors else None)
 

@@ -12,11 +12,37 @@ import pytest
 from st_cached_losses.functional.old_paths import MOVED, PREFIX
 
 #: ``functional/``'s modules before the rooms
-BEFORE = (
-    "__init__ _kernels autograd binding checks distill distributed embed_distill flash flops infonce keys listwise "
-    "local multi_vector options own parallel positives precision ring score sigmoid sigmoid_blocks "
-    "sigmoid_drivers sigmoid_options sparse terms triton_kernels"
-).split()
+BEFORE = [
+    "__init__",
+    "_kernels",
+    "autograd",
+    "binding",
+    "checks",
+    "distill",
+    "distributed",
+    "embed_distill",
+    "flash",
+    "flops",
+    "infonce",
+    "keys",
+    "listwise",
+    "local",
+    "multi_vector",
+    "options",
+    "own",
+    "parallel",
+    "positives",
+    "precision",
+    "ring",
+    "score",
+    "sigmoid",
+    "sigmoid_blocks",
+    "sigmoid_drivers",
+    "sigmoid_options",
+    "sparse",
+    "terms",
+    "triton_kernels",
+]
 #: still where they were: the package's face, the shared floor, and the two packages named as the modules were
 STAYED = {"__init__", "checks", "distributed", "keys", "precision", "score", "sigmoid", "distill"}
 

@@ -1,4 +1,4 @@
-"""The general InfoNCE (``functional.terms``): sentence-transformers' ``directions`` / ``partition_mode``
+"""The general InfoNCE (``functional.softmax.terms``): sentence-transformers' ``directions`` / ``partition_mode``
 / hardness options and GIST's guide masks, against sentence-transformers' own non-cached losses as the
 oracle, in fp64: one process (chunked, tiled, autograd and loss-and-gradient entry points), and across
 2 and 3 gloo processes with unequal batches (gathered and ring, each equal to the one-process oracle on

@@ -1,4 +1,4 @@
-"""One check of the loss stage's Triton kernels (``functional/flash.py``), shared by the interpreter's run on a
+"""One check of the loss stage's Triton kernels (``functional/softmax/flash.py``), shared by the interpreter's run on a
 CPU (a subprocess with ``TRITON_INTERPRET=1``, which must be set before Triton is imported) and the native
 run on CUDA (in the test's own process): the kernels' loss and gradients against float64 and against the
 torch tiles at the same precision, with the kernels' launches counted (a silent fallback cannot pass) and,

@@ -23,7 +23,7 @@ again, which changes nothing).
 
 Across processes every process must call with the same options and ask for the same gradients (the
 collectives must match); finiteness and shapes are agreed on first by
-[`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes]."""
+[`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]."""
 
 from __future__ import annotations
 

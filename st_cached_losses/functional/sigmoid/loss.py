@@ -21,7 +21,7 @@ Two entry points, one set of options ([`SigmoidOptions`][st_cached_losses.functi
   the gradients too and keeps them, its backward only scales them).
 
 Both run on one process (``sizes=None``) or across processes (``sizes``: every process's row count in rank
-order, from [`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes]), gathered or by ring exchange (``ring=True``), each process
+order, from [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]), gathered or by ring exchange (``ring=True``), each process
 returning its share of the global loss ([`sigmoid_drivers`][st_cached_losses.functional.sigmoid.drivers] says why that share makes DDP's
 gradient average the full-batch gradient). Similarities are computed in fp32 whatever the input dtype
 (fp64 for fp64 inputs; autocast is off inside), their products at ``matmul_precision`` (bf16 operands for
@@ -38,11 +38,12 @@ from torch import Tensor
 
 from st_cached_losses.functional.checks import candidate_columns, nonfinite_error, validate_inputs
 from st_cached_losses.functional.distributed import rank, world_size
+from st_cached_losses.functional.placement import placement
 from st_cached_losses.functional.precision import accumulation_dtype, fp32_loss_stage
+from st_cached_losses.functional.sigmoid.autograd import OnePassFunction
 from st_cached_losses.functional.sigmoid.blocks import Wanted
 from st_cached_losses.functional.sigmoid.drivers import gathered_pairs, local_pairs, ring_pairs
 from st_cached_losses.functional.sigmoid.options import SigmoidOptions, SigmoidOutput
-from st_cached_losses.functional.softmax.autograd import OnePassFunction
 
 __all__ = ["SigmoidOptions", "SigmoidOutput", "sigmoid_loss", "sigmoid_loss_and_grad"]
 
@@ -68,7 +69,7 @@ def sigmoid_loss_and_grad(
             one of its negatives. Across processes: this process's ``(B, d)`` columns.
         options: the loss's options, [`SigmoidOptions`][st_cached_losses.functional.sigmoid.options.SigmoidOptions]; ``keywords``, its fields, replace those of
             ``options`` (``scale=10.0, bias=-10.0, path="tiled"``).
-        sizes: every process's ``B`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes]) to score this process's rows
+        sizes: every process's ``B`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]) to score this process's rows
             against every process's candidates; None (default): this process alone.
         ring: across processes, pass the candidate blocks around a ring instead of gathering them
             (memory flat in the number of processes).
@@ -127,7 +128,9 @@ def _solve(
     anchors, cols = anchors.detach(), [c.detach() for c in cols]
     # one process: the mean over its rows; across processes its share, W / B_global times its rows' sum
     row_weight = 1.0 / anchors.shape[0] if sizes is None else len(sizes) / sum(sizes)
-    driver = local_pairs if sizes is None else ring_pairs if ring else gathered_pairs
+    driver = {"local": local_pairs, "gathered": gathered_pairs, "ring": ring_pairs}[
+        placement(sizes, ring=ring)
+    ]
     # torch's fp32 GEMMs held at the products' precision for the call ("highest": fp32 whatever torch's
     # global setting), every sum fp32 whatever it is
     with torch.no_grad(), opts.products(anchors).pinned(anchors.device):
@@ -146,7 +149,7 @@ def _like(grad: Tensor | None, value: float | Tensor) -> Tensor | None:
 def _check(anchors: Tensor, cols: list[Tensor], opts: SigmoidOptions, sizes: list[int] | None) -> None:
     """The inputs, the bank and, across processes, where the rows are. Across processes finiteness is not
     checked here: a process raising alone would leave the others waiting in a collective
-    ([`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes] checks every process first)."""
+    ([`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes] checks every process first)."""
     local = sizes is None
     validate_inputs(
         anchors,
@@ -188,5 +191,5 @@ def _check(anchors: Tensor, cols: list[Tensor], opts: SigmoidOptions, sizes: lis
         raise ValueError(
             f"sizes={sizes} must be every process's row count in rank order (this is rank {rank()} of "
             f"{world_size()}, with {b} anchors and {cols[0].shape[0]} candidate rows): get them from "
-            "st_cached_losses.functional.softmax.parallel.agree_on_sizes."
+            "st_cached_losses.functional.placement.agree_on_sizes."
         )

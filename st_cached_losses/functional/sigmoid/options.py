@@ -17,9 +17,9 @@ from st_cached_losses.functional.checks import (
     scale_value,
 )
 from st_cached_losses.functional.kernels.tiles import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional.placement import LossPath
 from st_cached_losses.functional.precision import MatmulPrecision, Products, global_matmul_precision
 from st_cached_losses.functional.score import Score, Similarity
-from st_cached_losses.functional.softmax.options import LossPath
 
 __all__ = ["SigmoidOptions", "SigmoidOutput"]
 
@@ -57,7 +57,7 @@ class SigmoidOptions:
             caller who gathered the columns itself (0 on one process; the strategies across processes set
             it and refuse another value).
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs; across
-            processes [`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes] checks every process at once instead).
+            processes [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes] checks every process at once instead).
         listed_negatives: the hard-negative columns (``candidates[1:]``) may have any number of rows, empty
             too (lists of hard negatives, each row its own number, flattened into one column): every one is a
             negative of every row, as a hard-negative column's rows are. One process only.

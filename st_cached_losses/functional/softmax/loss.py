@@ -26,6 +26,7 @@ from torch import Tensor
 
 from st_cached_losses.functional.checks import candidate_columns, validate_inputs
 from st_cached_losses.functional.kernels.tiles import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional.placement import placement
 from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.score import Score, Similarity
 from st_cached_losses.functional.softmax.autograd import InfoNCEFunction
@@ -83,7 +84,7 @@ def infonce_loss_and_grad(
     Returns:
         [`InfoNCEOutput`][st_cached_losses.functional.softmax.loss.InfoNCEOutput] with the mean loss and gradients of ``grad_output * loss``."""
     opts = InfoNCEOptions.of(options, keywords)
-    if not in_batch_negatives(opts):  # each row's own candidates: B x K logits
+    if placement(None, in_batch=in_batch_negatives(opts)) == "own":  # each row's own candidates: B x K logits
         own = own_candidates_loss_and_grad(anchors, candidates, opts, grad_output=grad_output)
         return InfoNCEOutput(own.loss, own.grad_anchors, own.grad_candidates, None, own.grad_scale)
     with torch.no_grad():
@@ -117,7 +118,7 @@ def infonce(
     requires grad, the forward keeps the inputs and each row's ``O(B)`` log-sum-exp statistics, and the
     backward recomputes each logit tile once; without one, only the loss is computed."""
     opts = InfoNCEOptions.of(options, keywords)
-    if not in_batch_negatives(opts):  # each row's own candidates: B x K logits, with autograd
+    if placement(None, in_batch=in_batch_negatives(opts)) == "own":  # B x K logits, with autograd
         return own_candidates_infonce(anchors, candidates, opts)
     rows, cols, spec = _prepared(anchors, candidates, opts)
     scale = opts.scale

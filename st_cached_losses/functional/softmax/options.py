@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -18,6 +18,7 @@ from st_cached_losses.functional.checks import (
     validate_keys,
 )
 from st_cached_losses.functional.kernels.tiles import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional.placement import LossPath
 from st_cached_losses.functional.precision import MatmulPrecision, Products, global_matmul_precision
 from st_cached_losses.functional.score import Score, Similarity
 from st_cached_losses.functional.softmax.flash import kernels_enabled
@@ -33,8 +34,6 @@ __all__ = [
     "LossPath",
     "LossSpec",
 ]
-
-LossPath = Literal["auto", "chunked", "tiled"]
 
 
 @dataclass
@@ -197,7 +196,7 @@ class InfoNCEOptions:
 
     ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
     against columns the caller gathered: the strategies of [`parallel`][st_cached_losses.functional.softmax.parallel] set them (and refuse the first
-    three); their finiteness check is [`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes]."""
+    three); their finiteness check is [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]."""
 
     scale: float | Tensor = 20.0
     similarity: Similarity = "cosine"

@@ -20,7 +20,7 @@ Weighting: process ``r`` returns ``W / B_global * sum_{i in r} loss_i``, so the 
 the global mean loss and DDP's gradient average is the exact full-batch gradient, even when processes
 hold different numbers of rows. A tensor scale lives outside DDP: its gradient is averaged here.
 
-[`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes] is the step's first collective (row counts, shapes and finiteness in one small
+[`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes] is the step's first collective (row counts, shapes and finiteness in one small
 all-gather); [`gathered_infonce`][st_cached_losses.functional.softmax.parallel.gathered_infonce] is the gathered loss with autograd."""
 
 from __future__ import annotations
@@ -32,18 +32,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite
 from st_cached_losses.functional.distributed import (
     all_gather_rows,
     all_reduce_min,
     all_reduce_sum,
-    exchange_tagged_shapes,
     gather_with_grad,
     is_distributed,
     own_rows,
     rank,
     ring_exchange,
     world_size,
+)
+from st_cached_losses.functional.placement import (
+    agree_on_sizes,
+    agree_on_sizes_and_tag,
+    mean_scale_grad,
+    placement,
 )
 from st_cached_losses.functional.precision import fp32_loss_stage
 from st_cached_losses.functional.representations.multi_vector import pad_tokens
@@ -70,34 +74,6 @@ __all__ = [
     "pad_to_common_tokens",
     "ring_loss_and_grad",
 ]
-
-
-def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[int] | None:
-    """Every process's row count (``across_processes`` in a group of more than one process), else None;
-    on every path, the check that the embeddings ``columns`` (``K + 1`` of ``(b, d)``) are finite (NaN /
-    inf give a NaN loss and gradients with no other symptom). Across processes the check rides on the
-    shape exchange, the step's first collective, so every process raises the same ``ValueError`` naming
-    the culprits before any other collective (a process raising alone would leave the others waiting;
-    the ring would spread the NaN silently)."""
-    return agree_on_sizes_and_tag(columns, across_processes)[0]
-
-
-def agree_on_sizes_and_tag(
-    columns: Sequence[Tensor], across_processes: bool, tag: int = 0
-) -> tuple[list[int] | None, int]:
-    """[`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes], and ``tag`` (bits saying what kind of
-    batch this process has, e.g. lists) OR-ed over the processes, in the same collective (this process's own
-    outside a group)."""
-    flags = nonfinite_columns(columns)
-    if not across_processes or not is_distributed():
-        raise_if_nonfinite([int(flags)])
-        return None, tag
-    b, d = columns[0].shape[0], columns[0].shape[-1]
-    sizes, all_flags, tags = exchange_tagged_shapes(
-        b, [len(columns), d], columns[0].device, "the number of columns and the embedding dim", flags, tag
-    )
-    raise_if_nonfinite(all_flags)
-    return sizes, tags
 
 
 def bank_sizes(bank: Bank) -> tuple[list[int], list[int]]:
@@ -213,7 +189,7 @@ def gathered_loss_and_grad(
 
     Args:
         anchors: ``(b, d)`` this process's anchors; ``candidates``: ``K x (b, d)``, its positives then
-            hard negatives; ``sizes``: every process's ``b`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes]).
+            hard negatives; ``sizes``: every process's ``b`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]).
         options: the loss's options ([`InfoNCEOptions`][st_cached_losses.functional.softmax.options.InfoNCEOptions]; ``keywords`` replace its fields)
             but where the rows are, which this sets; the keys and the guide's embeddings are gathered with
             the embeddings, and a tensor scale's gradient is averaged over processes.
@@ -259,19 +235,20 @@ def loss_and_grad(
 ) -> InfoNCEOutput:
     """The loss stage wherever the rows are: one process (``sizes`` None: ``infonce_loss_and_grad``),
     gathered, or by ring exchange (``ring``); ``options`` / ``keywords``: [`InfoNCEOptions`][st_cached_losses.functional.softmax.options.InfoNCEOptions].
-    Finiteness must have been checked by [`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes]."""
+    Finiteness must have been checked by [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]."""
     opts = InfoNCEOptions.of(options, keywords)
     anchors, candidates = anchors.detach(), [c.detach() for c in candidates]
-    if not in_batch_negatives(opts):
+    where = placement(sizes, ring=ring, in_batch=in_batch_negatives(opts))
+    if where == "own":
         return _own_loss_and_grad(anchors, candidates, sizes, opts, with_grad)
-    if sizes is not None:
-        if opts.listed_negatives and ring:
+    if sizes is not None:  # gathered or ring
+        if opts.listed_negatives and where == "ring":
             raise ValueError(
                 "listed_negatives=True (lists of hard negatives, each row its own number) is gathered across "
                 "processes, not passed around the ring yet: use the gathered strategy (ring=False), or hard-negative "
                 "columns with one row per anchor."
             )
-        strategy = ring_loss_and_grad if ring else gathered_loss_and_grad
+        strategy = ring_loss_and_grad if where == "ring" else gathered_loss_and_grad
         return strategy(anchors, candidates, sizes, opts, with_grad=with_grad)
     opts = replace(opts, check_finite=False)
     if with_grad:
@@ -301,19 +278,6 @@ def _own_loss_and_grad(
     return InfoNCEOutput(out.loss, out.grad_anchors, out.grad_candidates, None, grad_scale)
 
 
-def mean_scale_grad(grad: Tensor | None, w: int | None = None) -> Tensor | None:
-    """The gradient of a tensor the loss owns (a scale, a learnable activation's weights), of any shape,
-    averaged over the ``w`` processes (default: the process group's size).
-
-    Such a tensor lives outside DDP / FSDP / DeepSpeed (it belongs to the loss), so nobody else averages its
-    gradient: without this, each process would step it by its own rows' gradient and the processes would
-    drift apart. One all-reduce; nothing outside a process group of more than one process."""
-    if grad is None or not is_distributed():
-        return grad
-    summed = all_reduce_sum(grad.reshape(-1).clone(), "all_reduce_scale")
-    return summed.reshape(grad.shape) / (w or world_size())
-
-
 @fp32_loss_stage
 def gathered_infonce(
     anchors: Tensor,
@@ -328,7 +292,7 @@ def gathered_infonce(
     w, b = len(sizes), anchors.shape[0]
     if isinstance(opts.scale, Tensor) and opts.scale.requires_grad:
         opts.scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
-    if not in_batch_negatives(opts):  # each row's own candidates: nothing to gather
+    if placement(sizes, in_batch=in_batch_negatives(opts)) == "own":  # nothing to gather
         _own_rows_only(opts)
         return own_candidates_infonce(
             anchors, candidates, replace(opts, check_finite=False), w / sum(sizes) * b
@@ -358,7 +322,7 @@ def ring_loss_and_grad(
     their documents over every process's rows.
 
     No finiteness check inside: a process raising on its own NaN in the middle of the ring would leave
-    its peers blocked in a send / receive; [`agree_on_sizes`][st_cached_losses.functional.softmax.parallel.agree_on_sizes] checks every process first."""
+    its peers blocked in a send / receive; [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes] checks every process first."""
     opts = InfoNCEOptions.of(options, keywords)
     if opts.path not in ("auto", "tiled"):
         raise ValueError(

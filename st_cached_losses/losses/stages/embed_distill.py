@@ -15,7 +15,7 @@ from torch import Tensor
 
 from st_cached_losses.functional.distill.embed import embed_distill_loss_and_grad
 from st_cached_losses.functional.distill.listwise import listwise_kl_loss_and_grad, listwise_tile_size
-from st_cached_losses.functional.softmax.parallel import mean_scale_grad
+from st_cached_losses.functional.placement import mean_scale_grad, ring_path
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
 from st_cached_losses.losses.settings import DEFAULT_PLAN, Plan
 from st_cached_losses.losses.stages.infonce import GuideModel
@@ -203,7 +203,7 @@ class EmbedDistill(Stage):
                 scale=self.listwise_scale,
                 teacher_scale=self.teacher_scale,
                 candidate_sizes=candidate_counts,
-                ring=self.plan.path == "tiled",
+                ring=ring_path(self.plan.path),
                 row_weight=row_weight,
                 tile_size=tile,
                 with_grad=with_grad,

@@ -22,12 +22,12 @@ from st_cached_losses.engine.features import input_ids_by_row, model_device
 from st_cached_losses.engine.multimodal import input_keys, media_inputs
 from st_cached_losses.functional import InfoNCEOptions, infonce
 from st_cached_losses.functional.distributed import is_distributed
+from st_cached_losses.functional.placement import mean_scale_grad, ring_path
 from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.softmax.options import Bank, FalseNegativeFilter, Guide
 from st_cached_losses.functional.softmax.parallel import (
     gathered_infonce,
     loss_and_grad,
-    mean_scale_grad,
     pad_to_common_tokens,
 )
 from st_cached_losses.functional.softmax.positives import several_positives_loss_and_grad
@@ -287,7 +287,7 @@ class InfoNCE(Stage):
             self.bank.view(embeddings[0], self.bank_anchors) if with_grad and self.bank is not None else None
         )
         options = replace(self.options(step, embeddings, scale, bank, with_grad), listed_negatives=listed)
-        ring = self.plan.path == "tiled"
+        ring = ring_path(self.plan.path)
         out = loss_and_grad(embeddings[0], embeddings[1:], sizes, options, ring=ring, with_grad=with_grad)
         if bank is not None:
             assert self.bank is not None
