@@ -3,7 +3,7 @@
 The listwise term: per anchor, the KL divergence of the student's softmax over every candidate of the batch
 from the teacher's, logits ``scale * cos`` of the student's rows (d = ``--student-dim``, 384) and of the
 teacher's (``--teacher-dim``, 768). Its loss stage is
-[`listwise_kl_loss_and_grad`][st_cached_losses.functional.listwise.listwise_kl_loss_and_grad]: the loss and its
+[`listwise_kl_loss_and_grad`][st_cached_losses.functional.distill.listwise.listwise_kl_loss_and_grad]: the loss and its
 gradient wrt the student's anchors and candidates, from the cached embeddings. Random embeddings (neither
 memory nor time depends on their values): B anchors and, with ``--negative-columns 0`` (the default), one
 positive column, so C = B candidates (each further hard-negative column adds B).
@@ -42,7 +42,7 @@ from _common import ROOT
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.functional.listwise import listwise_kl_loss_and_grad, listwise_tile_size
+from st_cached_losses.functional.distill.listwise import listwise_kl_loss_and_grad, listwise_tile_size
 from tests.support.memory import PeakMemory
 from tests.support.reference import reference_listwise_kl
 

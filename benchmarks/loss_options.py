@@ -36,8 +36,8 @@ from _common import ROOT
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from st_cached_losses.functional import DEFAULT_MEMORY_BUDGET, infonce_loss_and_grad
-from st_cached_losses.functional.options import Guide
-from st_cached_losses.functional.terms import gist_terms, mnrl_terms
+from st_cached_losses.functional.softmax.options import Guide
+from st_cached_losses.functional.softmax.terms import gist_terms, mnrl_terms
 from tests.support.memory import PeakMemory
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")

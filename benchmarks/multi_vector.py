@@ -34,7 +34,7 @@ from _common import ROOT
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from st_cached_losses.functional import infonce_loss_and_grad
-from st_cached_losses.functional.multi_vector import MaxSim, pack_tokens
+from st_cached_losses.functional.representations.multi_vector import MaxSim, pack_tokens
 from tests.support.memory import PeakMemory
 
 

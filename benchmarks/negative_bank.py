@@ -32,7 +32,7 @@ import torch
 from _common import ROOT
 
 from st_cached_losses.functional import infonce_loss_and_grad
-from st_cached_losses.functional.options import Bank
+from st_cached_losses.functional.softmax.options import Bank
 
 D = 384
 

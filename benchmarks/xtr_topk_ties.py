@@ -17,7 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from st_cached_losses.functional.multi_vector import _TOKEN_BITS, XTR, pack_tokens, xtr_top_keys
+from st_cached_losses.functional.representations.multi_vector import (
+    _TOKEN_BITS,
+    XTR,
+    pack_tokens,
+    xtr_top_keys,
+)
 
 H, QUERY_TOKENS, DOC_TOKENS = 16, 4, 6
 BATCHES = (2, 4, 8, 16, 32)

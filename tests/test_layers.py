@@ -19,7 +19,11 @@ HEAVY = ("sentence_transformers", "transformers", "accelerate", "datasets")
 
 @pytest.mark.parametrize(
     "module",
-    ["st_cached_losses.functional", "st_cached_losses.functional.parallel", "st_cached_losses.distributed"],
+    [
+        "st_cached_losses.functional",
+        "st_cached_losses.functional.softmax.parallel",
+        "st_cached_losses.distributed",
+    ],
 )
 def test_pure_torch_layers_import_only_torch(module):
     # also no module of ours above the functional layer (``st_cached_losses.distributed`` re-exports its collectives)
@@ -187,11 +191,11 @@ def test_functional_holds_one_autograd_function():
             if isinstance(node, ast.ClassDef) and any(
                 ast.unparse(base).endswith("autograd.Function") for base in node.bases
             ):
-                functions.append(f"{path.name}:{node.name}")
-    assert functions == [
-        "autograd.py:InfoNCEFunction",
-        "autograd.py:OnePassFunction",
+                functions.append(f"{path.relative_to(PACKAGE / 'functional').as_posix()}:{node.name}")
+    assert sorted(functions) == [
         "distributed.py:_GatherWithSummedGrad",
+        "sigmoid/autograd.py:OnePassFunction",
+        "softmax/autograd.py:InfoNCEFunction",
     ]
 
 
@@ -370,3 +374,53 @@ def test_mini_batch_size_reaches_the_planner(tmp_path):
         [*argv, "--mini_batch_size", "auto", "--use_cpu", "true", "--mini_batch_memory_budget", "64MB"]
     )
     assert build_loss(model, auto).mini_batch_size == "auto"
+
+
+#: the functional layer's rooms of one family each: neither imports the other
+FAMILIES = ("st_cached_losses.functional.softmax", "st_cached_losses.functional.sigmoid")
+
+
+def test_functional_holds_at_most_fourteen_entries():
+    """``functional/``'s top: the face, the shared floor and the rooms (folders), 14 at most (files and folders)."""
+    entries = sorted(p.name for p in (PACKAGE / "functional").iterdir() if p.name != "__pycache__")
+    assert len(entries) <= 14, entries
+
+
+def test_the_families_do_not_import_each_other():
+    """Every module a family's module imports, directly or through others (``TYPE_CHECKING`` imports included),
+    is of its own family or below both: the shared floor, the kernels, the representations."""
+    graph = _import_graph()
+    for family in FAMILIES:
+        other = next(f for f in FAMILIES if f != family)
+        for start in (m for m in graph if m == family or m.startswith(family + ".")):
+            seen, todo = set(), [start]
+            while todo:
+                for target in graph[todo.pop()] - seen:
+                    seen.add(target)
+                    todo.append(target)
+            crossing = sorted(m for m in seen if m == other or m.startswith(other + "."))
+            assert not crossing, f"{start} imports {crossing}"
+
+
+@pytest.mark.parametrize(
+    ("module", "not_loaded"),
+    [
+        ("st_cached_losses.functional.sigmoid", "st_cached_losses.functional.softmax"),
+        ("st_cached_losses.functional.softmax.parallel", "st_cached_losses.functional.sigmoid"),
+        ("st_cached_losses.losses.cached_siglip", "st_cached_losses.functional.softmax"),
+        ("st_cached_losses.losses.cached_mnr", "st_cached_losses.functional.sigmoid"),
+    ],
+)
+def test_a_loss_imports_stop_at_its_own_family(module, not_loaded):
+    """Importing a family, or a loss with what it imports, loads nothing of the other family. The losses'
+    package face imports every loss (the registry's order), so a loss is imported here with the face left out."""
+    code = (
+        "import sys, types, st_cached_losses\n"
+        "face = types.ModuleType('st_cached_losses.losses')\n"
+        "face.__path__ = [st_cached_losses.__path__[0] + '/losses']\n"
+        "sys.modules['st_cached_losses.losses'] = face\n"
+        f"import {module}\n"
+        f"print(' '.join(m for m in sys.modules if m == {not_loaded!r} or m.startswith({not_loaded!r} + '.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"import {module} also loaded: {out.stdout.strip()}"

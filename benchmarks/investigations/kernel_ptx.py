@@ -1,5 +1,5 @@
 """The loss stage's Triton kernels compiled for sm_90 (H100 / H200) on a machine without a GPU: one PTX
-fingerprint per kernel and configuration, to show that a change to ``functional/triton_kernels.py`` leaves the
+fingerprint per kernel and configuration, to show that a change to ``functional/kernels/triton_kernels.py`` leaves the
 compiled code as it was (or to see what it changed) before any GPU is lent.
 
 Each kernel is compiled at D = 384 (3 chunks of 128 lanes) for the autotuner's first bf16 stats and
@@ -101,7 +101,7 @@ def main() -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from st_cached_losses.functional import triton_kernels as kernels
+    from st_cached_losses.functional.kernels import triton_kernels as kernels
 
     print(f"kernels from {kernels.__file__}")
     if args.dump:

@@ -22,7 +22,7 @@ import torch
 import st_cached_losses
 from st_cached_losses import CachedMNRLoss
 from st_cached_losses.functional import infonce_loss_and_grad
-from st_cached_losses.functional.options import InfoNCEOptions
+from st_cached_losses.functional.softmax.options import InfoNCEOptions
 from tests.support.tiny_model import make_tiny_model, random_texts
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.functional.multi_vector import pack_tokens, pad_tokens, unpack_tokens
+from st_cached_losses.functional.representations.multi_vector import pack_tokens, pad_tokens, unpack_tokens
 
 __all__ = ["CacheForm", "TokenRows", "pad_packed"]
 
@@ -77,7 +77,7 @@ class CacheForm:
 class TokenRows(CacheForm):
     """A multi-vector model's rows: the model is called with the column's ``task`` and its token embeddings
     and scoring mask are packed as ``(m, t, d + 1)``
-    ([`pack_tokens`][st_cached_losses.functional.multi_vector.pack_tokens]), each mini-batch trimmed to its
+    ([`pack_tokens`][st_cached_losses.functional.representations.multi_vector.pack_tokens]), each mini-batch trimmed to its
     own longest row; a column's parts are padded on the right to the column's widest (the padding is masked
     out), and a mini-batch's gradient is cut back to its own width (the padding never has one)."""
 

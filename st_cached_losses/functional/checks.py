@@ -189,8 +189,8 @@ def validate_inputs(
             if tokens:
                 raise ValueError(
                     f"{name} must be a 3-D tensor of packed rows for this score: (rows, tokens, dim + 1) packed "
-                    f"token embeddings for a multi-vector score (st_cached_losses.functional.multi_vector."
-                    f"pack_tokens), (rows, k, 2) for SparseDot (functional.sparse.pack_rows); got {shape}."
+                    f"token embeddings for a multi-vector score (st_cached_losses.functional.representations.multi_vector."
+                    f"pack_tokens), (rows, k, 2) for SparseDot (functional.representations.sparse.pack_rows); got {shape}."
                 )
             raise ValueError(f"{name} must be a 2-D (rows, dim) tensor of embeddings, got {shape}.")
         if not t.is_floating_point():

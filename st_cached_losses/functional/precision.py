@@ -142,7 +142,7 @@ class Products:
 
     Whatever the products, maxima, log-sum-exps, sums of probabilities and every accumulated gradient are
     fp32. ``kernels``: the plain GEMM-scored terms may run the Triton kernels
-    ([`flash`][st_cached_losses.functional.flash]); the other terms of such a call, and every pass whose
+    ([`flash`][st_cached_losses.functional.softmax.flash]); the other terms of such a call, and every pass whose
     kernels cannot run, use the torch tiles at the same precision."""
 
     precision: str = "highest"

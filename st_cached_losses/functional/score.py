@@ -7,10 +7,10 @@ the scale, and a tile's logit gradient ``G`` meets the operands in two more GEMM
 ``scale * f(a, c)`` on the raw embeddings, and its gradient is the vector-Jacobian product of ``f`` with
 ``G``, recomputed per tile (memory bounded by the tile, about 2-4x the GEMM path's time on CPU for
 ``cdist``-based functions). This class is where the scores of other embedding kinds plug in: a function
-with ``token_score = True`` ([`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim]) reads packed ``(n, tokens, d + 1)`` token
+with ``token_score = True`` ([`MaxSim`][st_cached_losses.functional.representations.multi_vector.MaxSim]) reads packed ``(n, tokens, d + 1)`` token
 operands (rows sliced like any other operand) and costs ``q_tokens x d_tokens`` per logit, which the
 block plan accounts for ([`Score.entry_cost`][st_cached_losses.functional.score.Score.entry_cost]). A function with ``packed_rows = True``
-([`SparseDot`][st_cached_losses.functional.sparse.SparseDot]) reads other packed ``(n, k, c)`` rows the same way and states its own
+([`SparseDot`][st_cached_losses.functional.representations.sparse.SparseDot]) reads other packed ``(n, k, c)`` rows the same way and states its own
 ``entry_cost``; a function with a ``vjp(g, a, c, rows, cols)`` method gives a tile's gradients in closed form
 instead of through autograd, and with a ``scores_and_state(a, c)`` method it keeps what that ``vjp`` needs
 of a scored tile (MaxSim: the max's winners) so that the gradient does not score the tile again."""
@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import Operand, spans
+from st_cached_losses.functional.kernels.tiles import Operand, spans
 from st_cached_losses.functional.precision import Products
 
 __all__ = ["Score", "ScoreFn", "Similarity", "TileGraph"]
@@ -77,7 +77,7 @@ class Score:
 
     @property
     def tokens(self) -> bool:
-        """Operands are packed ``(n, tokens, d + 1)`` multi-vector rows ([`multi_vector`][st_cached_losses.functional.multi_vector])."""
+        """Operands are packed ``(n, tokens, d + 1)`` multi-vector rows ([`multi_vector`][st_cached_losses.functional.representations.multi_vector])."""
         return bool(getattr(self.fn, "token_score", False))
 
     @property

@@ -32,7 +32,7 @@ from st_cached_losses.engine.features import batch_size_of, check_splittable, un
 from st_cached_losses.engine.gradcache import GradCache
 from st_cached_losses.engine.lists import ListColumns, list_columns
 from st_cached_losses.functional.distributed import is_distributed, warn_no_process_group_once
-from st_cached_losses.functional.parallel import agree_on_sizes_and_tag
+from st_cached_losses.functional.placement import agree_on_sizes_and_tag
 from st_cached_losses.losses import registry
 from st_cached_losses.losses.citations import GRADCACHE_CITATION
 from st_cached_losses.losses.guards import check_model_kind

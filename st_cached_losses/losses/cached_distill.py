@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 from sentence_transformers.util import pairwise_dot_score
 from torch import Tensor, nn
 
-from st_cached_losses.functional.terms import mnrl_terms
+from st_cached_losses.functional.softmax.terms import mnrl_terms
 from st_cached_losses.losses.base import CachedLoss, Stage
 from st_cached_losses.losses.citations import DISTILL_KL_CITATION, GRADCACHE_CITATION, MARGIN_MSE_CITATION
 from st_cached_losses.losses.ranking import ONE_DIRECTION

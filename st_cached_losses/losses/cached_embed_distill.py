@@ -3,10 +3,10 @@
 ``EmbedDistillLoss``, the teacher's embeddings in the labels or from a live frozen teacher), its settings
 ([`EmbedDistillSettings`][st_cached_losses.losses.cached_embed_distill.EmbedDistillSettings]) and its stage
 ([`EmbedDistill`][st_cached_losses.losses.stages.embed_distill.EmbedDistill]): the pointwise distance of each
-student embedding to the teacher's ([`embed_distill_loss_and_grad`][st_cached_losses.functional.embed_distill.embed_distill_loss_and_grad],
+student embedding to the teacher's ([`embed_distill_loss_and_grad`][st_cached_losses.functional.distill.embed.embed_distill_loss_and_grad],
 through a learned projection where the widths differ) plus, with a weight, the listwise KL of the teacher's
 softmax over every candidate of the global batch to the student's
-([`listwise_kl_loss_and_grad`][st_cached_losses.functional.listwise.listwise_kl_loss_and_grad]).
+([`listwise_kl_loss_and_grad`][st_cached_losses.functional.distill.listwise.listwise_kl_loss_and_grad]).
 
 Each row's pointwise term is its own, so that part of the stage is per row; the listwise term is a softmax per
 anchor over every candidate, computed in tiles with running log-sum-exps."""
@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from torch import Tensor, nn
 
 from st_cached_losses.engine.features import model_device, unwrap_model
-from st_cached_losses.functional.embed_distill import EMBED_DISTANCES
+from st_cached_losses.functional.distill.embed import EMBED_DISTANCES
 from st_cached_losses.losses.base import CachedLoss, Stage
 from st_cached_losses.losses.cached_distill import (
     DistillSettings,

@@ -12,7 +12,7 @@ from torch import nn
 from st_cached_losses.engine.features import batch_size_of, unwrap_model
 from st_cached_losses.engine.lists import ListColumns, check_list_columns
 from st_cached_losses.functional.distributed import is_distributed
-from st_cached_losses.functional.terms import gist_terms
+from st_cached_losses.functional.softmax.terms import gist_terms
 from st_cached_losses.losses.citations import GIST_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
 from st_cached_losses.losses.ranking import RankingSettings

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from st_cached_losses.engine.features import batch_size_of
 from st_cached_losses.engine.lists import ListColumns, check_list_columns
 from st_cached_losses.functional.distributed import is_distributed
-from st_cached_losses.functional.terms import mnrl_terms
+from st_cached_losses.functional.softmax.terms import mnrl_terms
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
 from st_cached_losses.losses.negative_bank import NegativeBank

@@ -15,8 +15,8 @@ from st_cached_losses.engine.cache_form import TokenRows
 from st_cached_losses.engine.features import batch_size_of
 from st_cached_losses.engine.lists import ListColumns, check_list_columns
 from st_cached_losses.functional.checks import check_positive_int
-from st_cached_losses.functional.multi_vector import XTR, MaxSim
-from st_cached_losses.functional.terms import mnrl_terms
+from st_cached_losses.functional.representations.multi_vector import XTR, MaxSim
+from st_cached_losses.functional.softmax.terms import mnrl_terms
 from st_cached_losses.losses.base import CachedLoss
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, MNRL_CITATION
 from st_cached_losses.losses.ranking import ONE_DIRECTION
@@ -121,7 +121,7 @@ class MultiVectorSettings(ScaleSettings, LossStageSettings):
 
     @view
     def similarity(self) -> MaxSim | XTR:
-        """The core's tile score: [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] or ``XTR``
+        """The core's tile score: [`MaxSim`][st_cached_losses.functional.representations.multi_vector.MaxSim] or ``XTR``
         (MaxSim for None; the loss's ``similarity`` is the model's own then)."""
         return self.resolved("similarity_fct")
 

@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.cache_form import TokenRows
 from st_cached_losses.engine.checks import check_mini_batch_size
-from st_cached_losses.functional.distill import DistillObjective
-from st_cached_losses.functional.multi_vector import XTR, MaxSim
+from st_cached_losses.functional.distill.scores import DistillObjective
+from st_cached_losses.functional.representations.multi_vector import XTR, MaxSim
 from st_cached_losses.losses.base import Stage
 from st_cached_losses.losses.cached_distill import (
     DistillSettings,

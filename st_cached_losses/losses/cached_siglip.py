@@ -1,7 +1,7 @@
 """SigLIP's pairwise sigmoid loss with GradCache: [`CachedSigLIPLoss`][st_cached_losses.losses.cached_siglip.CachedSigLIPLoss],
 its settings ([`SigLIPSettings`][st_cached_losses.losses.cached_siglip.SigLIPSettings]) and its stage
 ([`Sigmoid`][st_cached_losses.losses.cached_siglip.Sigmoid], the functional core's
-[`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.sigmoid_loss_and_grad]): the first loss added as
+[`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss_and_grad]): the first loss added as
 ``docs/development.md`` says a loss is added, in one file.
 
 Every pair's term is independent (no softmax), so the loss stage needs no statistics: row chunks, tiles and a
@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from st_cached_losses.engine.features import batch_size_of
 from st_cached_losses.engine.lists import ListColumns, check_list_columns, every_column
 from st_cached_losses.functional.distributed import is_distributed
-from st_cached_losses.functional.parallel import mean_scale_grad
-from st_cached_losses.functional.sigmoid import SigmoidOptions, sigmoid_loss_and_grad
+from st_cached_losses.functional.placement import mean_scale_grad, ring_path
+from st_cached_losses.functional.sigmoid.loss import SigmoidOptions, sigmoid_loss_and_grad
 from st_cached_losses.losses.base import Stage, StageInput, StageOutput
 from st_cached_losses.losses.citations import GRADCACHE_CITATION, SIGLIP_CITATION
 from st_cached_losses.losses.learnable_scale import LearnableScale
@@ -160,7 +160,7 @@ class Sigmoid(Stage):
             check_finite=False,
             listed_negatives=listed,
         )
-        ring = sizes is not None and self.plan.path == "tiled"
+        ring = sizes is not None and ring_path(self.plan.path)
         out = sigmoid_loss_and_grad(
             embeddings[0], embeddings[1:], options, sizes=sizes, ring=ring, with_grad=with_grad
         )
@@ -275,7 +275,7 @@ class CachedSigLIPLoss(LearnableScale):
         Relations:
             - [`CachedCLIPLoss`][st_cached_losses.losses.cached_clip.CachedCLIPLoss] is the softmax (InfoNCE)
               counterpart: its loss is normalised over the batch, both directions.
-            - [`sigmoid_loss`][st_cached_losses.functional.sigmoid.sigmoid_loss] computes this loss on
+            - [`sigmoid_loss`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss] computes this loss on
               embeddings from any training loop.
 
         Example:

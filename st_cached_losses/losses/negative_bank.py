@@ -1,5 +1,5 @@
 """A loss's negative bank (ContAccum-style): the embeddings of this process's last rows, kept without
-gradient and scored by the next steps as extra negatives ([`Bank`][st_cached_losses.functional.options.Bank]).
+gradient and scored by the next steps as extra negatives ([`Bank`][st_cached_losses.functional.softmax.options.Bank]).
 
 Gradient accumulation gives a small batch the memory of a large one but not its negatives: each
 micro-batch sees only its own rows. A bank adds the last ``size`` candidate embeddings (positives and hard
@@ -32,12 +32,13 @@ logs its size and age."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.functional.options import Bank
+if TYPE_CHECKING:
+    from st_cached_losses.functional.softmax.options import Bank
 
 __all__ = ["NegativeBank"]
 
@@ -102,7 +103,7 @@ class NegativeBank(nn.Module):
 
     def view(self, like: Tensor, with_anchors: bool) -> Bank:
         """This process's entries at the width of ``like`` (``(b, d)`` embeddings) as the core's
-        [`Bank`][st_cached_losses.functional.options.Bank], in ``like``'s dtype and device (empty: no
+        [`Bank`][st_cached_losses.functional.softmax.options.Bank], in ``like``'s dtype and device (empty: no
         entries yet); the anchors only ``with_anchors``."""
 
         def rows(kind: str) -> Tensor:
@@ -112,6 +113,10 @@ class NegativeBank(nn.Module):
             if entries.rows.device != like.device:  # restored from a checkpoint onto the CPU: moved once
                 entries.rows, entries.added = entries.rows.to(like.device), entries.added.to(like.device)
             return entries.rows.to(like.dtype)
+
+        # imported here: the callbacks checkpoint banks for every loss, and a loss outside the InfoNCE family
+        # (SigLIP's) loads nothing of that family
+        from st_cached_losses.functional.softmax.options import Bank
 
         return Bank(rows("candidates"), rows("anchors") if with_anchors else None)
 

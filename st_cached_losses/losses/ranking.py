@@ -16,7 +16,7 @@ from sentence_transformers.util import cos_sim
 from torch import Tensor
 
 from st_cached_losses.functional import Similarity
-from st_cached_losses.functional.options import FALSE_NEGATIVE_FILTERS, FalseNegativeFilter
+from st_cached_losses.functional.softmax.options import FALSE_NEGATIVE_FILTERS, FalseNegativeFilter
 from st_cached_losses.losses.citations import CONTACCUM_CITATION, GTE_CITATION, HARDNESS_CITATION
 from st_cached_losses.losses.settings import (
     LearnableScaleSettings,

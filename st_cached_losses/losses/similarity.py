@@ -35,7 +35,7 @@ from packaging.version import Version
 from torch import Tensor
 
 from st_cached_losses.functional import Similarity
-from st_cached_losses.functional.multi_vector import XTR, MaxSim
+from st_cached_losses.functional.representations.multi_vector import XTR, MaxSim
 
 __all__ = [
     "EMBEDDING",
@@ -262,7 +262,7 @@ class Tokens(SimilarityKind):
     ``length_normalize`` and ``chunk_elements``, the latter a memory knob the tiles make moot), ``xtr_scores``
     / ``XTRScores(top_k)`` / ``"xtr"`` -> XTR (a partial of ``xtr_scores`` may bind ``top_k`` and
     ``chunk_elements``; ``top_k`` 256 by default, as theirs), a config's string of any of them
-    (``"xtr_scores(top_k=5)"``), or the core's [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] /
+    (``"xtr_scores(top_k=5)"``), or the core's [`MaxSim`][st_cached_losses.functional.representations.multi_vector.MaxSim] /
     ``XTR``. ``XTRKDScores`` is refused: it scores each query's own documents only (a distillation score)."""
 
     arguments: ClassVar[dict[str, str]] = {
@@ -315,7 +315,7 @@ class Tokens(SimilarityKind):
                 "takes sentence_transformers.multi_vector_encoder.scoring.colbert_scores (MaxSim, the default), "
                 "mean_colbert_scores (MeanMaxSim) or xtr_scores / XTRScores (XTR), optionally as a "
                 "functools.partial binding length_normalize / chunk_elements (top_k / chunk_elements for "
-                "xtr_scores), or st_cached_losses.functional.multi_vector.MaxSim / XTR."
+                "xtr_scores), or st_cached_losses.functional.representations.multi_vector.MaxSim / XTR."
             )
         return MaxSim(bool(keywords.get("length_normalize", defaults[fn])))
 
@@ -344,7 +344,7 @@ class PairwiseTokens(SimilarityKind):
     ``xtr_scores_pairwise`` (XTR's top-k over each column's documents); a ``functools.partial`` may bind
     ``length_normalize`` / ``top_k`` and ``chunk_elements`` (a memory knob the chunks make moot); a config's
     string of any of them; ``"maxsim"`` / ``"meanmaxsim"`` / ``"xtr"``; or a
-    [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] / ``XTR``."""
+    [`MaxSim`][st_cached_losses.functional.representations.multi_vector.MaxSim] / ``XTR``."""
 
     def __init__(self, kl: bool) -> None:
         self.kl = kl
@@ -396,7 +396,7 @@ class PairwiseTokens(SimilarityKind):
             f"similarity_fct={value!r} is not supported: the cached loss scores row chunks with the core's "
             f"MaxSim / XTR, so it takes sentence_transformers.multi_vector_encoder.scoring's {self._names_text()} "
             "(optionally a functools.partial binding length_normalize / top_k and chunk_elements), 'maxsim', "
-            "'meanmaxsim' or 'xtr', or st_cached_losses.functional.multi_vector.MaxSim / XTR."
+            "'meanmaxsim' or 'xtr', or st_cached_losses.functional.representations.multi_vector.MaxSim / XTR."
         )
 
     def _names_text(self) -> str:
@@ -438,7 +438,7 @@ def model_token_score(model: Any) -> MaxSim:
             ``similarity_fn_name`` is followed.
 
     Returns:
-        The core's [`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim], length-normalised or not.
+        The core's [`MaxSim`][st_cached_losses.functional.representations.multi_vector.MaxSim], length-normalised or not.
     """
     return MaxSim(MODEL_SCORE_DEFAULT and getattr(model, "similarity_fn_name", None) == "meanmaxsim")
 

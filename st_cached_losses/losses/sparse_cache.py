@@ -1,5 +1,5 @@
 """The sparse loss's cache form ([`CacheForm`][st_cached_losses.engine.cache_form.CacheForm]): SPLADE embeddings
-kept as their non-zero entries (packed rows, [`st_cached_losses.functional.sparse`][st_cached_losses.functional.sparse]), and the gradients
+kept as their non-zero entries (packed rows, [`st_cached_losses.functional.representations.sparse`][st_cached_losses.functional.representations.sparse]), and the gradients
 wrt them on the same entries.
 
 Exactness. Only zeros are dropped from the embeddings, so the loss stage reads the same numbers. The
@@ -19,7 +19,7 @@ bytes (an index and a value per kept entry, padded to the widest row); otherwise
 before. A packed mini-batch is never made dense again unless another one of the step was too dense.
 Across processes (the loss stage gathers the rows, or passes them around a ring), every process must read
 the same form: the step's decision is then one all-reduce (the minimum of each process's "every mini-batch
-packed" flag, [`agree_packed`][st_cached_losses.functional.sparse.agree_packed]), so that one process's dense
+packed" flag, [`agree_packed`][st_cached_losses.functional.representations.sparse.agree_packed]), so that one process's dense
 mini-batch keeps every process's step dense. Processes' packed rows may differ in width (their densest row):
 the loss stage pads them to a common one.
 """
@@ -33,7 +33,12 @@ from torch import Tensor, nn
 
 from st_cached_losses.engine.cache_form import CacheForm, pad_packed
 from st_cached_losses.engine.features import unwrap_model
-from st_cached_losses.functional.sparse import MAX_PACKED_DIM, agree_packed, dense_rows, pack_rows
+from st_cached_losses.functional.representations.sparse import (
+    MAX_PACKED_DIM,
+    agree_packed,
+    dense_rows,
+    pack_rows,
+)
 
 __all__ = ["MAX_DENSITY", "CompactSparseRows", "zero_gradient_at_zero"]
 

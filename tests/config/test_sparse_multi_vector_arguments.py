@@ -92,7 +92,7 @@ def test_multi_vector_loss_from_the_arguments(tmp_path, source):
     )
 
     from st_cached_losses import CachedMultiVectorLoss
-    from st_cached_losses.functional.multi_vector import XTR, MaxSim
+    from st_cached_losses.functional.representations.multi_vector import XTR, MaxSim
     from tests.support.tiny_model import make_tiny_multi_vector
 
     model = make_tiny_multi_vector(tmp_path / "mv")

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
-from st_cached_losses.functional.options import Guide
-from st_cached_losses.functional.terms import gist_terms, mnrl_terms
+from st_cached_losses.functional.softmax.options import Guide
+from st_cached_losses.functional.softmax.terms import gist_terms, mnrl_terms
 from tests.functional.test_terms import st_gist_loss, st_mnrl_loss
 from tests.support.reference import reference_infonce
 from tests.support.tiny_model import make_tiny_model, random_texts

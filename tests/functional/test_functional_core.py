@@ -528,7 +528,7 @@ def test_gathered_anchor_keys_need_every_positives_anchor():
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_ring_masks_duplicates_like_reference_one_process(symmetric, device):
     """The ring's own-block path (no process group: one visit) under the same rule."""
-    from st_cached_losses.functional.parallel import ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import ring_loss_and_grad
 
     anchors, cols, a_keys, c_keys = duplicate_case(1, 1, device=device)
     scale = torch.tensor(7.0, dtype=torch.float64, requires_grad=True, device=device)
@@ -546,7 +546,7 @@ def test_ring_masks_duplicates_like_reference_one_process(symmetric, device):
 
 
 def _ring_duplicates_worker(rank: int, world: int, symmetric: bool):
-    from st_cached_losses.functional.parallel import ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import ring_loss_and_grad
 
     anchors, cols, a_keys, c_keys = duplicate_case(world, 1)
     b = anchors.shape[0] // world

@@ -1,4 +1,4 @@
-"""The listwise distillation kernel (``st_cached_losses.functional.listwise``) against the dense float64
+"""The listwise distillation kernel (``st_cached_losses.functional.distill.listwise``) against the dense float64
 reference (``reference_listwise_kl``): values and gradients wrt the student's anchors and candidates, tiles that
 do not divide the batch, B = 1, scales 1 to 100 (the teacher's softmax underflowing), cosines near 1, teacher
 and student of different widths; fp64 gradcheck; the pointwise kernel against autograd."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from st_cached_losses.functional.embed_distill import embed_distill_loss_and_grad
-from st_cached_losses.functional.listwise import listwise_kl_loss_and_grad, listwise_tile_size
+from st_cached_losses.functional.distill.embed import embed_distill_loss_and_grad
+from st_cached_losses.functional.distill.listwise import listwise_kl_loss_and_grad, listwise_tile_size
 from tests.support.reference import reference_listwise_kl
 
 

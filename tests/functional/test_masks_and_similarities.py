@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from sentence_transformers import util
 
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
-from st_cached_losses.functional.terms import mnrl_terms
+from st_cached_losses.functional.softmax.terms import mnrl_terms
 from tests.functional.test_terms import _slices, grads_of, st_mnrl_loss
 
 ALL = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
@@ -73,7 +73,7 @@ def test_masks_compose_with_four_directions_and_hardness(path):
 
 
 def _masked_worker(rank: int, world: int, sizes: list[int], ring: bool):
-    from st_cached_losses.functional.parallel import gathered_loss_and_grad, ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import gathered_loss_and_grad, ring_loss_and_grad
 
     own = _slices(sizes)[rank]
     q, cols, a_keys, c_keys = masked_case(sum(sizes))
@@ -151,7 +151,7 @@ def test_losses_take_any_similarity_function_like_sentence_transformers(name):
 
 
 def _positive_keys_worker(rank: int, world: int, sizes: list[int], ring: bool):
-    from st_cached_losses.functional.parallel import gathered_loss_and_grad, ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import gathered_loss_and_grad, ring_loss_and_grad
 
     own = _slices(sizes)[rank]
     q, cols, _, c_keys = masked_case(sum(sizes))

@@ -12,8 +12,8 @@ import torch
 from st_cached_losses.functional import InfoNCEOptions, infonce, infonce_loss_and_grad
 from st_cached_losses.functional.precision import Products, global_matmul_precision
 from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.sigmoid import SigmoidOptions, sigmoid_loss_and_grad
-from st_cached_losses.functional.terms import mnrl_terms
+from st_cached_losses.functional.sigmoid.loss import SigmoidOptions, sigmoid_loss_and_grad
+from st_cached_losses.functional.softmax.terms import mnrl_terms
 from tests.support.reference import reference_infonce, reference_sigmoid
 
 
@@ -174,7 +174,7 @@ def test_a_wrong_precision_is_refused():
 def _ring_worker(rank, world_size, sizes, symmetric, ring):
     import torch.distributed as dist
 
-    from st_cached_losses.functional.parallel import gathered_loss_and_grad, ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import gathered_loss_and_grad, ring_loss_and_grad
 
     assert dist.get_world_size() == len(sizes)
     r = dist.get_rank()

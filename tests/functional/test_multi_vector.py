@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
-from st_cached_losses.functional.multi_vector import (
+from st_cached_losses.functional.representations.multi_vector import (
     XTR,
     MaxSim,
     pack_tokens,

@@ -1,4 +1,4 @@
-"""The negative bank of the core ([`Bank`][st_cached_losses.functional.options.Bank]): earlier rows' embeddings
+"""The negative bank of the core ([`Bank`][st_cached_losses.functional.softmax.options.Bank]): earlier rows' embeddings
 scored as extra negative columns, without gradient. Against the naive reference that concatenates them as
 extra columns (``tests/support/reference.py``), in fp64: one process (chunked, tiled, autograd and
 loss-and-gradient entry points, one- and two-directional, a learnable scale), and across 2 and 3 gloo
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
-from st_cached_losses.functional.options import Bank
-from st_cached_losses.functional.terms import mnrl_terms
+from st_cached_losses.functional.softmax.options import Bank
+from st_cached_losses.functional.softmax.terms import mnrl_terms
 from tests.support.reference import reference_infonce
 
 
@@ -95,7 +95,7 @@ def test_bank_refusals():
 def _bank_worker(rank, world_size, sizes, shares_c, shares_q, symmetric, ring):
     import torch.distributed as dist
 
-    from st_cached_losses.functional.parallel import gathered_loss_and_grad, ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import gathered_loss_and_grad, ring_loss_and_grad
 
     assert dist.get_world_size() == len(sizes)
     r = dist.get_rank()

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from st_cached_losses.functional import infonce_loss_and_grad
-from st_cached_losses.functional.flops import flops_loss_and_grad
-from st_cached_losses.functional.multi_vector import XTR, MaxSim
-from st_cached_losses.functional.sparse import SparseDot, dense_rows, pack_rows
+from st_cached_losses.functional.representations.flops import flops_loss_and_grad
+from st_cached_losses.functional.representations.multi_vector import XTR, MaxSim
+from st_cached_losses.functional.representations.sparse import SparseDot, dense_rows, pack_rows
 from tests.functional.test_multi_vector import tied_case, token_case
 from tests.functional.test_sparse_rows import V, sparse_rows
 
@@ -61,7 +61,7 @@ def _inputs(case: str, sizes: list[int], rank: int) -> tuple[list[torch.Tensor],
 
 
 def _worker(rank: int, world: int, sizes: list[int]) -> dict:
-    from st_cached_losses.functional.parallel import gathered_loss_and_grad, ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import gathered_loss_and_grad, ring_loss_and_grad
 
     out = {}
     for case in CASES:
@@ -157,7 +157,7 @@ def test_packed_ring_and_gather_equal_single_process(sizes):
 def test_ring_of_one_process_equals_the_local_loss(case):
     """Without a process group the ring is one visit of this process's own block: the local core's loss
     and gradients, at each column's own width (the columns differ in width: padded to one, cut back)."""
-    from st_cached_losses.functional.parallel import ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import ring_loss_and_grad
 
     rows, opts = _inputs(case, [7], 0)
     assert len({r.shape[1] for r in rows[1:]}) > 1
@@ -175,7 +175,7 @@ def test_ring_of_one_process_equals_the_local_loss(case):
 
 
 def test_xtr_ring_refuses_terms_that_score_documents_against_anchors():
-    from st_cached_losses.functional.parallel import ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import ring_loss_and_grad
 
     rows, _ = _inputs("xtr", [5], 0)
     with pytest.raises(ValueError, match="scores queries against documents only"):

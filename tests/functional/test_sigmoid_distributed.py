@@ -37,7 +37,7 @@ def _worker(rank, world_size, sizes, shares, ring, path, dtype):
 
     from st_cached_losses.functional import sigmoid_loss, sigmoid_loss_and_grad
     from st_cached_losses.functional.distributed import STATS
-    from st_cached_losses.functional.parallel import agree_on_sizes
+    from st_cached_losses.functional.placement import agree_on_sizes
 
     assert dist.get_world_size() == len(sizes) == world_size
     own = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))

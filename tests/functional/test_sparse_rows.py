@@ -1,4 +1,4 @@
-"""Packed sparse rows (:mod:`st_cached_losses.functional.sparse`): exact round trip, ``SparseDot`` against
+"""Packed sparse rows (:mod:`st_cached_losses.functional.representations.sparse`): exact round trip, ``SparseDot`` against
 the dense dot product (values, gradients on the kept entries, gradcheck), the core on packed rows against
 the core on dense rows (chunked and tiled, blocks not dividing the batch), and the FLOPS regulariser from
 packed rows against the dense one."""
@@ -9,8 +9,14 @@ import pytest
 import torch
 
 from st_cached_losses.functional import infonce_loss_and_grad
-from st_cached_losses.functional.flops import flops_loss_and_grad
-from st_cached_losses.functional.sparse import SparseDot, dense_rows, kept, pack_rows, scatter_columns
+from st_cached_losses.functional.representations.flops import flops_loss_and_grad
+from st_cached_losses.functional.representations.sparse import (
+    SparseDot,
+    dense_rows,
+    kept,
+    pack_rows,
+    scatter_columns,
+)
 
 V = 97
 

@@ -1,4 +1,4 @@
-"""The general InfoNCE (``functional.terms``): sentence-transformers' ``directions`` / ``partition_mode``
+"""The general InfoNCE (``functional.softmax.terms``): sentence-transformers' ``directions`` / ``partition_mode``
 / hardness options and GIST's guide masks, against sentence-transformers' own non-cached losses as the
 oracle, in fp64: one process (chunked, tiled, autograd and loss-and-gradient entry points), and across
 2 and 3 gloo processes with unequal batches (gathered and ring, each equal to the one-process oracle on
@@ -17,8 +17,8 @@ from sentence_transformers.sentence_transformer.losses.multiple_negatives_rankin
 from sentence_transformers.util import cos_sim, dot_score
 
 from st_cached_losses.functional import infonce, infonce_loss_and_grad
-from st_cached_losses.functional.options import Guide
-from st_cached_losses.functional.terms import gist_terms, mnrl_terms
+from st_cached_losses.functional.softmax.options import Guide
+from st_cached_losses.functional.softmax.terms import gist_terms, mnrl_terms
 
 DIRECTIONS = [
     ("query_to_doc", *extra)
@@ -187,7 +187,7 @@ def _slices(sizes):
 
 
 def _general_worker(rank: int, world: int, sizes: list[int], kind: str, ring: bool):
-    from st_cached_losses.functional.parallel import gathered_loss_and_grad, ring_loss_and_grad
+    from st_cached_losses.functional.softmax.parallel import gathered_loss_and_grad, ring_loss_and_grad
 
     own = _slices(sizes)[rank]
     if kind == "gist":

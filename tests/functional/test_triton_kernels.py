@@ -1,4 +1,4 @@
-"""The Triton kernels of the loss stage (``functional/flash.py``) under Triton's interpreter on a CPU, and
+"""The Triton kernels of the loss stage (``functional/softmax/flash.py``) under Triton's interpreter on a CPU, and
 natively on CUDA (``--device cuda``; ``make gpu-check``). On a CPU each case runs in a subprocess with
 ``TRITON_INTERPRET=1`` (it must be set before Triton is imported) and ``ST_CACHED_LOSSES_KERNELS=1``, tiny
 shapes (the interpreter is slow), blocks of 16 rows so that the batches cut into uneven tiles; CUDA adds the

@@ -27,7 +27,7 @@ from sentence_transformers.multi_vector_encoder.scoring import (
 from sentence_transformers.util.similarity import maxsim
 
 from st_cached_losses import CachedMultiVectorLoss
-from st_cached_losses.functional.multi_vector import XTR, MaxSim
+from st_cached_losses.functional.representations.multi_vector import XTR, MaxSim
 from tests.losses.test_losses import assert_grads_close, param_grads
 from tests.support.tiny_model import make_tiny_multi_vector, random_texts
 
@@ -674,7 +674,12 @@ def test_xtr_flat_row_is_theirs_bitwise(batch, top_k):
     """The tied query tokens' rows, rebuilt block by block (``_flat_rows``), hold bitwise the values of
     their one-product grid (a row computed alone does not: the BLAS computes the ragged last rows by
     another kernel), and their topk picks the same tokens as theirs over the whole grid."""
-    from st_cached_losses.functional.multi_vector import _TOKEN_BITS, _flat_rows, _flat_topk_keys, pack_tokens
+    from st_cached_losses.functional.representations.multi_vector import (
+        _TOKEN_BITS,
+        _flat_rows,
+        _flat_topk_keys,
+        pack_tokens,
+    )
 
     cols = _shared_negative_columns(batch, seed=batch + top_k)
     grid, qm, docs = _flat_scores(cols)

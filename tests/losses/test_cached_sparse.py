@@ -13,7 +13,7 @@ from sentence_transformers.sparse_encoder import losses as sparse_losses
 from sentence_transformers.util import cos_sim
 
 from st_cached_losses import CachedSparseLoss
-from st_cached_losses.functional.flops import flops_loss_and_grad
+from st_cached_losses.functional.representations.flops import flops_loss_and_grad
 from tests.losses.test_losses import assert_grads_close, flat_grads
 from tests.support.tiny_model import make_tiny_splade, random_texts
 

@@ -27,7 +27,7 @@ from st_cached_losses import (
     CachedSparseLoss,
     CachedTiledLoss,
 )
-from st_cached_losses.functional.multi_vector import XTR, MaxSim
+from st_cached_losses.functional.representations.multi_vector import XTR, MaxSim
 from tests.support.tiny_model import make_tiny_model, make_tiny_multi_vector, make_tiny_splade
 
 TWO = ("query_to_doc", "doc_to_query")

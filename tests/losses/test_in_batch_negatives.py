@@ -17,9 +17,9 @@ from sentence_transformers.util import euclidean_sim
 
 from st_cached_losses import CachedCLIPLoss, CachedGISTLoss, CachedMNRLoss, CachedTiledLoss
 from st_cached_losses.functional import InfoNCEOptions, infonce, infonce_loss_and_grad
-from st_cached_losses.functional.options import Guide
-from st_cached_losses.functional.parallel import loss_and_grad
-from st_cached_losses.functional.terms import gist_terms, mnrl_terms
+from st_cached_losses.functional.softmax.options import Guide
+from st_cached_losses.functional.softmax.parallel import loss_and_grad
+from st_cached_losses.functional.softmax.terms import gist_terms, mnrl_terms
 from tests.losses.test_losses import assert_grads_close, flat_grads, param_grads
 from tests.support.dist_utils import run_distributed
 from tests.support.tiny_model import make_tiny_model, random_texts
@@ -113,7 +113,7 @@ def test_no_tile_of_the_in_batch_drivers_is_computed(monkeypatch):
 
     from st_cached_losses.functional.score import Score
 
-    infonce_module = importlib.import_module("st_cached_losses.functional.infonce")
+    infonce_module = importlib.import_module("st_cached_losses.functional.softmax.loss")
 
     def refuse(*args, **kwargs):
         raise AssertionError("a B x C tile driver ran")

@@ -44,7 +44,7 @@ def _worker(rank: int, world: int, path: str, sizes: list[int]) -> dict:
 
     from st_cached_losses import CachedSparseLoss
     from st_cached_losses.distributed import STATS
-    from st_cached_losses.functional.sparse import pack_rows
+    from st_cached_losses.functional.representations.sparse import pack_rows
 
     assert torch.distributed.get_world_size() == world == len(sizes)
     results = {}

@@ -27,7 +27,7 @@ from sentence_transformers.sentence_transformer.losses import (
 from torch import nn
 
 from st_cached_losses import CachedGISTLoss, CachedMNRLoss, CachedMultiVectorLoss
-from st_cached_losses.functional.multi_vector import MaxSim
+from st_cached_losses.functional.representations.multi_vector import MaxSim
 from tests.losses.test_losses import assert_grads_close, param_grads
 from tests.support.st_version import ST_6_3, ST_VERSION
 from tests.support.tiny_model import make_tiny_model, make_tiny_multi_vector, random_texts

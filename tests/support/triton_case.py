@@ -1,4 +1,4 @@
-"""One check of the loss stage's Triton kernels (``functional/flash.py``), shared by the interpreter's run on a
+"""One check of the loss stage's Triton kernels (``functional/softmax/flash.py``), shared by the interpreter's run on a
 CPU (a subprocess with ``TRITON_INTERPRET=1``, which must be set before Triton is imported) and the native
 run on CUDA (in the test's own process): the kernels' loss and gradients against float64 and against the
 torch tiles at the same precision, with the kernels' launches counted (a silent fallback cannot pass) and,
@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from st_cached_losses.functional import flash, infonce_loss_and_grad
-from st_cached_losses.functional.options import Bank
+from st_cached_losses.functional import infonce_loss_and_grad
+from st_cached_losses.functional.softmax import flash
+from st_cached_losses.functional.softmax.options import Bank
 from tests.support.reference import reference_infonce
 
 

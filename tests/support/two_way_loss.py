@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from st_cached_losses.functional.terms import TermSet, mnrl_terms
+from st_cached_losses.functional.softmax.terms import TermSet, mnrl_terms
 from st_cached_losses.losses import CachedLoss
 from st_cached_losses.losses.citations import CLIP_CITATION, GRADCACHE_CITATION
 from st_cached_losses.losses.ranking import TWO_DIRECTIONS, RankingSettings, check_directions

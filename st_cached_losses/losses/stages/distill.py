@@ -1,7 +1,7 @@
 """The distillation stage: the student's pairwise scores of each query against its own candidates, and the KL
 divergence to the teacher's softmax (``DistillKLDivLoss``) or the mean squared error of the margins
 (``MarginMSELoss``) against the teacher's scores in the labels, in row chunks
-([`distill_loss_and_grad`][st_cached_losses.functional.distill.distill_loss_and_grad])."""
+([`distill_loss_and_grad`][st_cached_losses.functional.distill.scores.distill_loss_and_grad])."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.engine.cache_form import CacheForm
-from st_cached_losses.functional.distill import DistillObjective, distill_loss_and_grad, margin_targets
+from st_cached_losses.functional.distill.scores import DistillObjective, distill_loss_and_grad, margin_targets
 from st_cached_losses.losses.base import Stage, StageInput, StageOutput
 from st_cached_losses.losses.settings import DEFAULT_PLAN, Plan
 

@@ -1,8 +1,8 @@
 """The embedding-distillation stage of [`CachedEmbedDistillLoss`][st_cached_losses.losses.cached_embed_distill.CachedEmbedDistillLoss]:
 the teacher's embeddings (from the labels, or a live teacher's, embedded in ``prepare``) against the student's,
-pointwise ([`embed_distill_loss_and_grad`][st_cached_losses.functional.embed_distill.embed_distill_loss_and_grad],
+pointwise ([`embed_distill_loss_and_grad`][st_cached_losses.functional.distill.embed.embed_distill_loss_and_grad],
 through the loss's projection, handed in as ``step.inputs``) and listwise
-([`listwise_kl_loss_and_grad`][st_cached_losses.functional.listwise.listwise_kl_loss_and_grad])."""
+([`listwise_kl_loss_and_grad`][st_cached_losses.functional.distill.listwise.listwise_kl_loss_and_grad])."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional.embed_distill import embed_distill_loss_and_grad
-from st_cached_losses.functional.listwise import listwise_kl_loss_and_grad, listwise_tile_size
-from st_cached_losses.functional.parallel import mean_scale_grad
+from st_cached_losses.functional.distill.embed import embed_distill_loss_and_grad
+from st_cached_losses.functional.distill.listwise import listwise_kl_loss_and_grad, listwise_tile_size
+from st_cached_losses.functional.placement import mean_scale_grad, ring_path
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
 from st_cached_losses.losses.settings import DEFAULT_PLAN, Plan
 from st_cached_losses.losses.stages.infonce import GuideModel
@@ -203,7 +203,7 @@ class EmbedDistill(Stage):
                 scale=self.listwise_scale,
                 teacher_scale=self.teacher_scale,
                 candidate_sizes=candidate_counts,
-                ring=self.plan.path == "tiled",
+                ring=ring_path(self.plan.path),
                 row_weight=row_weight,
                 tile_size=tile,
                 with_grad=with_grad,

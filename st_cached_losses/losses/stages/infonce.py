@@ -23,19 +23,19 @@ from st_cached_losses.engine.lists import every_column
 from st_cached_losses.engine.multimodal import input_keys, media_inputs
 from st_cached_losses.functional import InfoNCEOptions, infonce
 from st_cached_losses.functional.distributed import is_distributed
-from st_cached_losses.functional.options import Bank, FalseNegativeFilter, Guide
-from st_cached_losses.functional.parallel import (
+from st_cached_losses.functional.placement import mean_scale_grad, ring_path
+from st_cached_losses.functional.score import Score
+from st_cached_losses.functional.softmax.options import Bank, FalseNegativeFilter, Guide
+from st_cached_losses.functional.softmax.parallel import (
     gathered_infonce,
     loss_and_grad,
-    mean_scale_grad,
     pad_to_common_tokens,
 )
-from st_cached_losses.functional.positives import (
+from st_cached_losses.functional.softmax.positives import (
     gathered_several_positives_loss_and_grad,
     several_positives_loss_and_grad,
 )
-from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.terms import TermSet
+from st_cached_losses.functional.softmax.terms import TermSet
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData, check_columns
 from st_cached_losses.losses.negative_bank import NegativeBank
 from st_cached_losses.losses.ranking import check_own_candidates
@@ -143,7 +143,7 @@ class InfoNCE(Stage):
     Args:
         owner: the loss's class name, for messages.
         terms: ``terms(n_columns=...)``: the logit terms of a step with ``n_columns`` candidate columns
-            ([`st_cached_losses.functional.terms`][st_cached_losses.functional.terms]; a ``functools.partial`` of
+            ([`st_cached_losses.functional.softmax.terms`][st_cached_losses.functional.softmax.terms]; a ``functools.partial`` of
             ``mnrl_terms`` / ``gist_terms``, which a loss's stage keeps picklable).
         similarity: the core's score (``"cosine"``, ``"dot"``, a function, a token score).
         scale: the scale when it is not learned (``step.inputs["scale"]`` otherwise).
@@ -159,7 +159,7 @@ class InfoNCE(Stage):
             own embeddings, detached), or None (unguided terms).
         form: the engine's cache form the stage reads (token rows).
         false_negatives: the false-negative filter
-            ([`FalseNegativeFilter`][st_cached_losses.functional.options.FalseNegativeFilter]) of every call, or
+            ([`FalseNegativeFilter`][st_cached_losses.functional.softmax.options.FalseNegativeFilter]) of every call, or
             None; ``false_negative_count``: where its training calls count what it removed.
         false_negative_count: see ``false_negatives``.
         refuse_lists: the loss takes list-valued columns: ``refuse_lists(several, across)`` is the message
@@ -295,7 +295,7 @@ class InfoNCE(Stage):
             self.bank.view(embeddings[0], self.bank_anchors) if with_grad and self.bank is not None else None
         )
         options = replace(self.options(step, embeddings, scale, bank, with_grad), listed_negatives=listed)
-        ring = self.plan.path == "tiled"
+        ring = ring_path(self.plan.path)
         out = loss_and_grad(embeddings[0], embeddings[1:], sizes, options, ring=ring, with_grad=with_grad)
         if bank is not None:
             assert self.bank is not None
@@ -349,9 +349,9 @@ class InfoNCE(Stage):
     def _several_positives(
         self, batch: StageInput, with_grad: bool, sizes: list[int] | None = None
     ) -> StageOutput:
-        """Several positives per row ([`positives`][st_cached_losses.functional.positives]): on one process, or
-        across processes (``sizes``: every process's row count, agreed on) against every process's candidates,
-        a process whose rows have one positive each scoring them as pairs too."""
+        """Several positives per row ([`positives`][st_cached_losses.functional.softmax.positives]): on one
+        process, or across processes (``sizes``: every process's row count, agreed on) against every process's
+        candidates, a process whose rows have one positive each scoring them as pairs too."""
         embeddings, step = batch.embeddings, batch.step
         counts = several_positives(step)
         if counts is None:  # one positive per row here, several on another process

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from st_cached_losses.functional.distributed import is_distributed, world_size
-from st_cached_losses.functional.parallel import agree_on_sizes, mean_scale_grad
+from st_cached_losses.functional.placement import agree_on_sizes, mean_scale_grad
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData
 
 __all__ = ["PairScores"]

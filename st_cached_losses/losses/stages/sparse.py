@@ -8,11 +8,11 @@ as sentence-transformers' ``SpladeLoss`` returns them.
   base loss with ``compute_loss_from_embeddings`` through autograd on the whole batch, as
   sentence-transformers computes it.
 * The FLOPS regularisers (their ``FlopsLoss``, thresholds included) from column sums, with their analytic
-  gradient ([`st_cached_losses.functional.flops`][st_cached_losses.functional.flops]); another regulariser
+  gradient ([`st_cached_losses.functional.representations.flops`][st_cached_losses.functional.representations.flops]); another regulariser
   through autograd.
 
 Packed rows (the engine's compact cache, ``(B, k, 2)`` indices and values of the non-zero entries) are read
-packed: the core scores them with [`SparseDot`][st_cached_losses.functional.sparse.SparseDot], FLOPS by
+packed: the core scores them with [`SparseDot`][st_cached_losses.functional.representations.sparse.SparseDot], FLOPS by
 scatter-add, and nothing ``B x V`` is built."""
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from st_cached_losses.functional.flops import flops_loss_and_grad
-from st_cached_losses.functional.sparse import SparseDot
+from st_cached_losses.functional.representations.flops import flops_loss_and_grad
+from st_cached_losses.functional.representations.sparse import SparseDot
 from st_cached_losses.losses.base import CachedLoss, Stage, StageInput, StageOutput, StepData
 from st_cached_losses.losses.settings import Plan
 from st_cached_losses.losses.sparse_cache import CompactSparseRows

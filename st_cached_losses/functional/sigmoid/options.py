@@ -1,5 +1,5 @@
-"""What a call of the sigmoid loss is given and what it returns: [`SigmoidOptions`][st_cached_losses.functional.sigmoid_options.SigmoidOptions], the options of every
-entry point of [`sigmoid`][st_cached_losses.functional.sigmoid], written once, and [`SigmoidOutput`][st_cached_losses.functional.sigmoid_options.SigmoidOutput]."""
+"""What a call of the sigmoid loss is given and what it returns: [`SigmoidOptions`][st_cached_losses.functional.sigmoid.options.SigmoidOptions], the options of every
+entry point of [`sigmoid`][st_cached_losses.functional.sigmoid.loss], written once, and [`SigmoidOutput`][st_cached_losses.functional.sigmoid.options.SigmoidOutput]."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import DEFAULT_MEMORY_BUDGET
 from st_cached_losses.functional.checks import (
     bias_value,
     check_matmul_precision,
@@ -17,7 +16,8 @@ from st_cached_losses.functional.checks import (
     check_positive_int,
     scale_value,
 )
-from st_cached_losses.functional.options import LossPath
+from st_cached_losses.functional.kernels.tiles import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional.placement import LossPath
 from st_cached_losses.functional.precision import MatmulPrecision, Products, global_matmul_precision
 from st_cached_losses.functional.score import Score, Similarity
 
@@ -26,8 +26,8 @@ __all__ = ["SigmoidOptions", "SigmoidOutput"]
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class SigmoidOptions:
-    """The options of every entry point of the sigmoid loss ([`sigmoid_loss`][st_cached_losses.functional.sigmoid.sigmoid_loss],
-    [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.sigmoid_loss_and_grad]), as keywords
+    """The options of every entry point of the sigmoid loss ([`sigmoid_loss`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss],
+    [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss_and_grad]), as keywords
     (``sigmoid_loss(a, c, scale=10.0, bias=-10.0)``) or as one object whose fields the keywords replace.
     Checked when made.
 
@@ -35,7 +35,7 @@ class SigmoidOptions:
         scale: ``t`` in ``t * sim + b``: a positive float or a 0-d tensor (its gradient is returned when it
             requires grad). SigLIP learns it through its log (``scale = t'.exp()``, ``t'`` initialised to
             ``log 10``): pass ``log_scale.exp()``; its gradient then reaches ``log_scale`` through autograd,
-            or, from [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.sigmoid_loss_and_grad], is ``grad_scale * scale``.
+            or, from [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss_and_grad], is ``grad_scale * scale``.
         bias: ``b`` in ``t * sim + b``: a finite float or a 0-d tensor (its gradient is returned when it
             requires grad). SigLIP starts it at -10, so that the many negative pairs do not dominate the
             first steps.
@@ -57,7 +57,7 @@ class SigmoidOptions:
             caller who gathered the columns itself (0 on one process; the strategies across processes set
             it and refuse another value).
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs; across
-            processes [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes] checks every process at once instead).
+            processes [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes] checks every process at once instead).
         listed_negatives: the hard-negative columns (``candidates[1:]``) may have any number of rows, empty
             too (lists of hard negatives, each row its own number, flattened into one column): every one is a
             negative of every row, as a hard-negative column's rows are. One process only.
@@ -121,7 +121,7 @@ class SigmoidOptions:
 
     def score(self, anchors: Tensor) -> Score:
         """The blocks' score for a call on ``anchors``: the similarity, its products at
-        [`products`][st_cached_losses.functional.sigmoid_options.SigmoidOptions.products]'s precision."""
+        [`products`][st_cached_losses.functional.sigmoid.options.SigmoidOptions.products]'s precision."""
         return Score(self.similarity, self.products(anchors))
 
     @property
@@ -135,7 +135,7 @@ class SigmoidOptions:
 
 @dataclass
 class SigmoidOutput:
-    """What [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.sigmoid_loss_and_grad] returns. Gradients are of ``grad_output * loss``."""
+    """What [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss_and_grad] returns. Gradients are of ``grad_output * loss``."""
 
     loss: Tensor  #: 0-d, detached; fp32 (fp64 for fp64 inputs); across processes this process's share
     grad_anchors: Tensor | None  #: ``(B, d)`` in the anchors' dtype (None when only the loss was asked for)

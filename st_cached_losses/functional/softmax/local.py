@@ -1,7 +1,7 @@
 """The local driver: this process's rows against the given (possibly gathered) columns. The chunked path
 holds, for a chunk of rows, the logits of every term against every column at once (one pass: loss and
 gradients, nothing recomputed); the tiled path, and the chunked one when a softmax runs down the columns
-(the symmetric loss sharing its tiles, [`binding`][st_cached_losses.functional.binding]), makes a statistics pass and a gradient pass,
+(the symmetric loss sharing its tiles, [`binding`][st_cached_losses.functional.softmax.binding]), makes a statistics pass and a gradient pass,
 ``O((B + N) d)`` memory plus a few blocks."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional import flash
-from st_cached_losses.functional._kernels import LogSumExp, plan_blocks
-from st_cached_losses.functional.binding import (
+from st_cached_losses.functional.checks import scale_value
+from st_cached_losses.functional.kernels.tiles import LogSumExp, plan_blocks
+from st_cached_losses.functional.softmax import flash
+from st_cached_losses.functional.softmax.binding import (
     Solution,
     Sources,
     bind,
@@ -27,9 +28,8 @@ from st_cached_losses.functional.binding import (
     row_lse,
     transposed_pair,
 )
-from st_cached_losses.functional.checks import scale_value
-from st_cached_losses.functional.options import LossSpec
-from st_cached_losses.functional.terms import fused_chunk
+from st_cached_losses.functional.softmax.options import LossSpec
+from st_cached_losses.functional.softmax.terms import fused_chunk
 
 __all__ = ["LocalCall", "terms_solve"]
 

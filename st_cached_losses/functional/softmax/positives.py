@@ -11,7 +11,7 @@ direction is called once per ``(m, k)``: the ``k``-th positives of the rows with
 sorted so that those rows' anchors are one span. The hard-negative columns are lists (``listed_negatives``:
 every entry a candidate of every pair).
 
-Across processes ([`gathered_several_positives_loss_and_grad`][st_cached_losses.functional.positives.gathered_several_positives_loss_and_grad])
+Across processes ([`gathered_several_positives_loss_and_grad`][st_cached_losses.functional.softmax.positives.gathered_several_positives_loss_and_grad])
 every process's per-row counts, columns (each at its own length), anchors (for the symmetric direction) and
 keys are all-gathered; each process scores its own rows' pairs against them, its pairs the first of every span
 of the sorted columns, and the gradients wrt the gathered rows are summed over processes."""
@@ -25,10 +25,10 @@ import torch
 from torch import Tensor
 
 from st_cached_losses.functional.distributed import all_gather_rows, all_reduce_sum, own_rows, rank
-from st_cached_losses.functional.infonce import InfoNCEOutput, infonce, infonce_loss_and_grad
-from st_cached_losses.functional.options import InfoNCEOptions
-from st_cached_losses.functional.parallel import column_sizes, mean_scale_grad
-from st_cached_losses.functional.terms import Term, TermSet, mnrl_terms
+from st_cached_losses.functional.placement import column_sizes, mean_scale_grad
+from st_cached_losses.functional.softmax.loss import InfoNCEOutput, infonce, infonce_loss_and_grad
+from st_cached_losses.functional.softmax.options import InfoNCEOptions
+from st_cached_losses.functional.softmax.terms import Term, TermSet, mnrl_terms
 
 __all__ = ["gathered_several_positives_loss_and_grad", "several_positives_loss_and_grad"]
 
@@ -94,7 +94,7 @@ def several_positives_loss_and_grad(
         with_grad: also the gradients (else the loss only).
 
     Returns:
-        [`InfoNCEOutput`][st_cached_losses.functional.infonce.InfoNCEOutput]: the loss, the gradients wrt the
+        [`InfoNCEOutput`][st_cached_losses.functional.softmax.loss.InfoNCEOutput]: the loss, the gradients wrt the
         anchors and every column (and a tensor scale's)."""
     _check_own_layout(options, "on one process")
     anchors = anchors.detach()
@@ -116,7 +116,7 @@ def gathered_several_positives_loss_and_grad(
 ) -> InfoNCEOutput:
     """This process's share of the loss with several positives per row across processes, against every
     process's candidates (all-gathered), and its gradients wrt this process's rows: the arguments of
-    [`several_positives_loss_and_grad`][st_cached_losses.functional.positives.several_positives_loss_and_grad]
+    [`several_positives_loss_and_grad`][st_cached_losses.functional.softmax.positives.several_positives_loss_and_grad]
     (this process's rows, counts and columns, each at its own length) and ``sizes``, every process's row count
     in rank order. Every process's per-row counts are gathered (so each knows where every row's positives are),
     the columns at their own lengths, the anchors when the positive -> anchors term reads them, and the

@@ -11,7 +11,7 @@ Each chunk's loss goes through autograd on leaves of its own rows, so any pairwi
 
 Shapes: ``B`` rows, ``N`` candidate columns (the positive first, then the hard negatives), ``b`` rows of a
 chunk; an embedding row is ``(d,)``, or a packed token row ``(t, d + 1)`` (see
-[`multi_vector`][st_cached_losses.functional.multi_vector])."""
+[`multi_vector`][st_cached_losses.functional.representations.multi_vector])."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ DistillObjective = Literal["kl", "margin_mse"]
 
 @dataclass
 class DistillOutput:
-    """What [`distill_loss_and_grad`][st_cached_losses.functional.distill.distill_loss_and_grad] returns."""
+    """What [`distill_loss_and_grad`][st_cached_losses.functional.distill.scores.distill_loss_and_grad] returns."""
 
     #: 0-d, detached: the loss (this process's share of it, with ``row_weight``)
     loss: Tensor
@@ -92,7 +92,7 @@ def distill_loss_and_grad(
             returned separately, one per tensor.
         columns: ``N`` candidate columns ``(B, ...)``, the positive first.
         targets: the teacher: ``(B, N)`` scores (``"kl"``) or ``(B, N - 1)`` margins (``"margin_mse"``,
-            see [`margin_targets`][st_cached_losses.functional.distill.margin_targets]); no gradient.
+            see [`margin_targets`][st_cached_losses.functional.distill.scores.margin_targets]); no gradient.
         pairwise: ``f(q, c) -> (b,)``, the score of row ``i`` of ``q`` against row ``i`` of ``c``.
         objective: ``"kl"``: ``student_temperature**2 * KL(softmax(targets / teacher_temperature) ||
             softmax(scores / student_temperature))`` per row (sentence-transformers' ``DistillKLDivLoss``);
@@ -105,7 +105,7 @@ def distill_loss_and_grad(
         with_grad: also return the gradients.
 
     Returns:
-        [`DistillOutput`][st_cached_losses.functional.distill.DistillOutput].
+        [`DistillOutput`][st_cached_losses.functional.distill.scores.DistillOutput].
     """
     n_rows = columns[0].shape[0]
     if len(queries) not in (1, len(columns)):

@@ -1,13 +1,13 @@
 """Exact InfoNCE (one- and two-directional) without a ``rows x candidates`` matrix.
 
-Every loss is a set of logit terms ([`terms`][st_cached_losses.functional.terms]): the one-directional loss is ``query_to_doc``, the
+Every loss is a set of logit terms ([`terms`][st_cached_losses.functional.softmax.terms]): the one-directional loss is ``query_to_doc``, the
 symmetric one ``query_to_doc`` and ``doc_to_query`` per direction, sentence-transformers' other options
 and GIST are other term sets, and duplicate keys mask every term. Two entry points share one driver
-([`local`][st_cached_losses.functional.local]) and one set of options ([`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions]):
+([`local`][st_cached_losses.functional.softmax.local]) and one set of options ([`InfoNCEOptions`][st_cached_losses.functional.softmax.options.InfoNCEOptions]):
 
-* [`infonce`][st_cached_losses.functional.infonce.infonce] -- an autograd-capable loss (one ``torch.autograd.Function``: the forward computes the
+* [`infonce`][st_cached_losses.functional.softmax.loss.infonce] -- an autograd-capable loss (one ``torch.autograd.Function``: the forward computes the
   loss and keeps the inputs and each row's log-sum-exp statistics, the backward recomputes the tiles);
-* [`infonce_loss_and_grad`][st_cached_losses.functional.infonce.infonce_loss_and_grad] -- the loss together with its gradient wrt every embedding, for the
+* [`infonce_loss_and_grad`][st_cached_losses.functional.softmax.loss.infonce_loss_and_grad] -- the loss together with its gradient wrt every embedding, for the
   cache stage of GradCache, where the loss is the last node of its own graph.
 
 Row ``i``'s loss is ``logsumexp_c(s * <q_i, c>) - s * <q_i, p_{row_offset + i}>`` over every candidate
@@ -24,18 +24,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import DEFAULT_MEMORY_BUDGET
-from st_cached_losses.functional.autograd import InfoNCEFunction
 from st_cached_losses.functional.checks import candidate_columns, validate_inputs
-from st_cached_losses.functional.local import terms_solve
-from st_cached_losses.functional.options import Guide, InfoNCEOptions, LossPath, LossSpec
-from st_cached_losses.functional.own import (
+from st_cached_losses.functional.kernels.tiles import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional.placement import placement
+from st_cached_losses.functional.precision import fp32_loss_stage
+from st_cached_losses.functional.score import Score, Similarity
+from st_cached_losses.functional.softmax.autograd import InfoNCEFunction
+from st_cached_losses.functional.softmax.local import terms_solve
+from st_cached_losses.functional.softmax.options import Guide, InfoNCEOptions, LossPath, LossSpec
+from st_cached_losses.functional.softmax.own import (
     in_batch_negatives,
     own_candidates_infonce,
     own_candidates_loss_and_grad,
 )
-from st_cached_losses.functional.precision import fp32_loss_stage
-from st_cached_losses.functional.score import Score, Similarity
 
 __all__ = [
     "DEFAULT_MEMORY_BUDGET",
@@ -51,7 +52,7 @@ __all__ = [
 
 @dataclass
 class InfoNCEOutput:
-    """What [`infonce_loss_and_grad`][st_cached_losses.functional.infonce.infonce_loss_and_grad] returns. Gradients are of ``grad_output * loss``."""
+    """What [`infonce_loss_and_grad`][st_cached_losses.functional.softmax.loss.infonce_loss_and_grad] returns. Gradients are of ``grad_output * loss``."""
 
     loss: Tensor  #: 0-d, detached; fp32 (fp64 for fp64 inputs)
     grad_anchors: Tensor | None  #: ``(B, d)``, the anchors' dtype (None when only the loss was asked for)
@@ -76,14 +77,14 @@ def infonce_loss_and_grad(
         candidates: ``(N, d)`` or a sequence of ``(N, d)``: positives first, then hard negatives.
             Row ``i``'s positive is ``candidates[0][row_offset + i]``; every row of every column is a
             candidate for every anchor.
-        options: the loss's options, [`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions]; ``keywords``, its fields, replace
+        options: the loss's options, [`InfoNCEOptions`][st_cached_losses.functional.softmax.options.InfoNCEOptions]; ``keywords``, its fields, replace
             those of ``options`` (``scale=20.0, path="tiled"``).
         grad_output: multiplies every gradient (the incoming gradient of the loss).
 
     Returns:
-        [`InfoNCEOutput`][st_cached_losses.functional.infonce.InfoNCEOutput] with the mean loss and gradients of ``grad_output * loss``."""
+        [`InfoNCEOutput`][st_cached_losses.functional.softmax.loss.InfoNCEOutput] with the mean loss and gradients of ``grad_output * loss``."""
     opts = InfoNCEOptions.of(options, keywords)
-    if not in_batch_negatives(opts):  # each row's own candidates: B x K logits
+    if placement(None, in_batch=in_batch_negatives(opts)) == "own":  # each row's own candidates: B x K logits
         own = own_candidates_loss_and_grad(anchors, candidates, opts, grad_output=grad_output)
         return InfoNCEOutput(own.loss, own.grad_anchors, own.grad_candidates, None, own.grad_scale)
     with torch.no_grad():
@@ -112,12 +113,12 @@ def infonce(
     """Mean InfoNCE loss as an autograd-capable 0-d tensor: fp32 for fp32, bf16 and fp16 anchors
     (the similarities and log-sum-exps are computed in fp32), fp64 for fp64 anchors.
 
-    Same arguments as [`infonce_loss_and_grad`][st_cached_losses.functional.infonce.infonce_loss_and_grad], without ``grad_output``. Gradients flow to ``anchors``,
+    Same arguments as [`infonce_loss_and_grad`][st_cached_losses.functional.softmax.loss.infonce_loss_and_grad], without ``grad_output``. Gradients flow to ``anchors``,
     every candidate column, ``anchors_all`` and a tensor ``scale``, each in its own dtype. When an input
     requires grad, the forward keeps the inputs and each row's ``O(B)`` log-sum-exp statistics, and the
     backward recomputes each logit tile once; without one, only the loss is computed."""
     opts = InfoNCEOptions.of(options, keywords)
-    if not in_batch_negatives(opts):  # each row's own candidates: B x K logits, with autograd
+    if placement(None, in_batch=in_batch_negatives(opts)) == "own":  # B x K logits, with autograd
         return own_candidates_infonce(anchors, candidates, opts)
     rows, cols, spec = _prepared(anchors, candidates, opts)
     scale = opts.scale

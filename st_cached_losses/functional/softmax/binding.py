@@ -1,6 +1,6 @@
 """One call's terms bound to their operands: the sources (the rows ``q`` and ``d``, the column sources
 ``c<k>``, ``q_all`` and ``q_local``) with their fp32 gradient buffers and duplicate keys, the guide's
-sources, the [`Bound`][st_cached_losses.functional.terms.Bound] terms, and the pieces the local and the ring drivers share (the
+sources, the [`Bound`][st_cached_losses.functional.softmax.terms.Bound] terms, and the pieces the local and the ring drivers share (the
 statistics, the loss's sum, the gradients mapped back onto the caller's tensors).
 
 Tile sharing: where the documents of a ``doc_to_query`` term are the very columns of the ``query_to_doc``
@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import LogSumExp, Operand, init_stats, raw_grad
-from st_cached_losses.functional.options import Bank, Guide, Keys, LossSpec
+from st_cached_losses.functional.kernels.tiles import LogSumExp, Operand, init_stats, raw_grad
 from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.terms import (
+from st_cached_losses.functional.softmax.options import Bank, Guide, Keys, LossSpec
+from st_cached_losses.functional.softmax.terms import (
     Bound,
     FalseNegatives,
     PairKeys,
@@ -116,7 +116,7 @@ class Sources:
 def guide_sources(
     guide: Guide | None, terms: TermSet, row_offset: int, prenorm: bool, tile: int
 ) -> tuple[Sources | None, Tensor | None]:
-    """The guide's sources (cosine, no gradient) and each row's threshold ([`guide_thresholds`][st_cached_losses.functional.terms.guide_thresholds])."""
+    """The guide's sources (cosine, no gradient) and each row's threshold ([`guide_thresholds`][st_cached_losses.functional.softmax.terms.guide_thresholds])."""
     if guide is None:
         return None, None
     gsrc = Sources(

@@ -26,7 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import FLUSH_BELOW, Operand, Plan, diagonal_entries, raw_grad, spans
+from st_cached_losses.functional.kernels.tiles import (
+    FLUSH_BELOW,
+    Operand,
+    Plan,
+    diagonal_entries,
+    raw_grad,
+    spans,
+)
 from st_cached_losses.functional.score import Score
 
 __all__ = ["PairBlocks", "PairSums", "Wanted", "solve_local"]

@@ -1,5 +1,5 @@
 """The loss stage's Triton kernels (FlashAttention-style): per-row log-sum-exps and gradient rows of
-``S = X Y^T`` without ever holding ``S``. Imported only by [`flash`][st_cached_losses.functional.flash], and only
+``S = X Y^T`` without ever holding ``S``. Imported only by [`flash`][st_cached_losses.functional.softmax.flash], and only
 when Triton is installed: the functional layer stays importable with torch alone.
 
 Two kernels, each a program per block of ``BM`` rows of ``X (n_x, D)`` streaming ``Y (n_y, D)`` in blocks

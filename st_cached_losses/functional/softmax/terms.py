@@ -3,7 +3,7 @@ penalties and guide-model masks. It covers sentence-transformers' ``MultipleNega
 options (``directions``, ``partition_mode``, ``hardness_mode``) and ``GISTEmbedLoss``.
 
 Row ``i`` of this process owns two local vectors: its query ``q_i`` (the anchor) and its document
-``d_i`` (its positive, ``candidates[0][row_offset + i]``). A [`Term`][st_cached_losses.functional.terms.Term] scores one of them against
+``d_i`` (its positive, ``candidates[0][row_offset + i]``). A [`Term`][st_cached_losses.functional.softmax.terms.Term] scores one of them against
 one source of columns: the gathered candidate columns ``c0 .. c{K-1}``, the gathered anchors
 ``q_all``, or this process's anchors ``q_local``. Entry ``(i, offset + i)`` of a term is row ``i``'s
 *diagonal* (its own document, its own query): the positive, removed, or kept. The loss of row ``i`` is
@@ -20,9 +20,9 @@ guide mask removes entries whose guide similarity exceeds the row's guide-rated 
 minus a margin (never the positive itself); guide tiles are computed next to logit tiles, never a
 ``B x C`` matrix.
 
-A false-negative filter ([`FalseNegatives`][st_cached_losses.functional.terms.FalseNegatives]) is GIST's rule with the
+A false-negative filter ([`FalseNegatives`][st_cached_losses.functional.softmax.terms.FalseNegatives]) is GIST's rule with the
 loss's own similarities as the judge: an entry whose logit exceeds the row's threshold (from the row's own
-positive logit, [`positive_thresholds`][st_cached_losses.functional.terms.positive_thresholds]) is removed,
+positive logit, [`positive_thresholds`][st_cached_losses.functional.softmax.terms.positive_thresholds]) is removed,
 in every term and every column source, never the positive itself; no second matrix is computed, the logit
 tile is its own judge.
 
@@ -32,9 +32,9 @@ its text is row ``i``'s positive; a row's own entry never is. The symmetric loss
 their tiles where the columns of one are the rows of the other (one process, and the ring): a bound
 term then also feeds a softmax that runs down its columns.
 
-Kernels here work on bound terms (operands and gradient buffers attached, [`binding`][st_cached_losses.functional.binding]) one tile at
-a time; the drivers bind them on one process or against gathered columns ([`local`][st_cached_losses.functional.local]), or for each
-block visiting in a ring ([`ring`][st_cached_losses.functional.ring])."""
+Kernels here work on bound terms (operands and gradient buffers attached, [`binding`][st_cached_losses.functional.softmax.binding]) one tile at
+a time; the drivers bind them on one process or against gathered columns ([`local`][st_cached_losses.functional.softmax.local]), or for each
+block visiting in a ring ([`ring`][st_cached_losses.functional.softmax.ring])."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import (
+from st_cached_losses.functional.kernels.tiles import (
     LogSumExp,
     Operand,
     diagonal_entries,
@@ -93,7 +93,7 @@ class Term:
 class TermSet:
     """A loss: its terms, each group's weight, and the guide margin (GIST) when guided. ``in_batch=False``:
     each row is scored against its own entries of the candidate columns only (no in-batch negatives), a loss
-    of ``B x K`` logits computed by [`own`][st_cached_losses.functional.own], not by the tile drivers."""
+    of ``B x K`` logits computed by [`own`][st_cached_losses.functional.softmax.own], not by the tile drivers."""
 
     terms: tuple[Term, ...]
     weights: tuple[float, ...]
@@ -172,7 +172,7 @@ def gist_terms(
 
 
 def bank_terms(terms: TermSet, candidates: bool, anchors: bool) -> TermSet:
-    """``terms`` with a negative bank's columns ([`Bank`][st_cached_losses.functional.options.Bank]) scored
+    """``terms`` with a negative bank's columns ([`Bank`][st_cached_losses.functional.softmax.options.Bank]) scored
     as extra negatives: each group that scores rows against the candidate columns (``c<k>``) also scores them
     against the bank's candidates (``bank_c``), and each group that scores them against the anchors
     (``q_all`` / ``q_local``) also against the bank's anchors (``bank_q``). A bank entry is never a row's
@@ -214,14 +214,14 @@ def positive_thresholds(positive: Tensor, strategy: str | None, margin: float) -
     """GISTEmbedLoss's rule, written once for every loss that filters false negatives: per row, the
     similarity above which (``>``) an entry is removed, from the row's positive similarity ``g`` ``(B,)``:
     ``g - margin`` (``"absolute"``, also None) or ``g - |g| * margin`` (``"relative"``), with ties within
-    [`TIE_TOLERANCE`][st_cached_losses.functional.terms.TIE_TOLERANCE] counted as equal (not above)."""
+    [`TIE_TOLERANCE`][st_cached_losses.functional.softmax.terms.TIE_TOLERANCE] counted as equal (not above)."""
     thr = positive - margin if strategy in (None, "absolute") else positive - positive.abs() * margin
     return thr + TIE_TOLERANCE[positive.dtype]
 
 
 def guide_thresholds(guide_q: Operand, guide_d: Operand, strategy: str, margin: float, tile: int) -> Tensor:
     """Per row: entries the guide rates above this are removed
-    ([`positive_thresholds`][st_cached_losses.functional.terms.positive_thresholds] of the guide-rated positive)."""
+    ([`positive_thresholds`][st_cached_losses.functional.softmax.terms.positive_thresholds] of the guide-rated positive)."""
     g = torch.empty(guide_q.n, dtype=guide_q.dtype, device=guide_q.x.device)
     for r0, r1 in spans(guide_q.n, tile):
         g[r0:r1] = (guide_q.tile(r0, r1) * guide_d.tile(r0, r1)).sum(1)
@@ -231,7 +231,7 @@ def guide_thresholds(guide_q: Operand, guide_d: Operand, strategy: str, margin: 
 @dataclass
 class FalseNegatives:
     """A call's false-negative filter, bound: ``thresholds`` ``(B,)`` in logit units (``scale`` times
-    [`positive_thresholds`][st_cached_losses.functional.terms.positive_thresholds] of each row's own positive
+    [`positive_thresholds`][st_cached_losses.functional.softmax.terms.positive_thresholds] of each row's own positive
     similarity, GIST's margin form); an entry whose logit (before any hardness penalty) exceeds its row's is
     removed, except the row's positive. ``tally`` ``(2,)`` int64, if given, counts the statistics pass's
     removed entries and the negatives they were drawn from (every entry still in a softmax after the other

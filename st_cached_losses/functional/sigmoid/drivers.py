@@ -1,13 +1,13 @@
 """Where the rows are: the sigmoid loss's three drivers, one signature (this process's embeddings, every
 process's row count ``sizes`` in rank order or None, the options, the weight of the sum in the gradients and
-the gradients wanted), each returning [`PairSums`][st_cached_losses.functional.sigmoid_blocks.PairSums] of this process's rows:
+the gradients wanted), each returning [`PairSums`][st_cached_losses.functional.sigmoid.blocks.PairSums] of this process's rows:
 
-* [`local_pairs`][st_cached_losses.functional.sigmoid_drivers.local_pairs]: one process, its rows against the given columns (and the bank).
-* [`gathered_pairs`][st_cached_losses.functional.sigmoid_drivers.gathered_pairs]: the candidate columns of every process are all-gathered once (side by
+* [`local_pairs`][st_cached_losses.functional.sigmoid.drivers.local_pairs]: one process, its rows against the given columns (and the bank).
+* [`gathered_pairs`][st_cached_losses.functional.sigmoid.drivers.gathered_pairs]: the candidate columns of every process are all-gathered once (side by
   side, one collective), this process's positives sit at its row offset, and every process's gradients wrt
   the gathered columns are summed over processes (one all-reduce: the gather's true backward) before each
   keeps its own rows. Memory ``O(B_global x K x d)`` per process.
-* [`ring_pairs`][st_cached_losses.functional.sigmoid_drivers.ring_pairs]: the candidate blocks travel around a ring of processes (asynchronous send /
+* [`ring_pairs`][st_cached_losses.functional.sigmoid.drivers.ring_pairs]: the candidate blocks travel around a ring of processes (asynchronous send /
   receive, the next block in flight while the current one is scored); a visiting block's gradient travels
   with it and is home, complete, after the circle (SigLIP's own scheme: no statistics have to travel, as
   every pair's term is independent). Memory ``O(local B x K x d)`` per process, whatever the number of
@@ -23,21 +23,21 @@ again, which changes nothing).
 
 Across processes every process must call with the same options and ask for the same gradients (the
 collectives must match); finiteness and shapes are agreed on first by
-[`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]."""
+[`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import Operand, Plan, plan_blocks
 from st_cached_losses.functional.checks import bias_value, scale_value
 from st_cached_losses.functional.distributed import all_gather_rows, all_reduce_sum, rank, ring_exchange
-from st_cached_losses.functional.parallel import column_sizes
+from st_cached_losses.functional.kernels.tiles import Operand, Plan, plan_blocks
+from st_cached_losses.functional.placement import column_sizes
 from st_cached_losses.functional.precision import accumulation_dtype
 from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.sigmoid_blocks import PairBlocks, PairSums, Wanted, solve_local
-from st_cached_losses.functional.sigmoid_options import SigmoidOptions
+from st_cached_losses.functional.sigmoid.blocks import PairBlocks, PairSums, Wanted, solve_local
+from st_cached_losses.functional.sigmoid.options import SigmoidOptions
 
 __all__ = ["block_plan", "gathered_pairs", "local_pairs", "mean_over_processes", "ring_pairs"]
 
@@ -160,7 +160,7 @@ def _gathered_lists(
     factor: float,
     want: Wanted,
 ) -> PairSums:
-    """[`gathered_pairs`][st_cached_losses.functional.sigmoid_drivers.gathered_pairs] with lists of hard
+    """[`gathered_pairs`][st_cached_losses.functional.sigmoid.drivers.gathered_pairs] with lists of hard
     negatives (``cols[1:]`` of each process's own lengths, agreed in one small all-gather): each column
     gathered at every process's lengths, the gradients of every column summed over processes in one
     all-reduce."""
@@ -207,7 +207,7 @@ def ring_pairs(
     factor: float,
     want: Wanted,
 ) -> PairSums:
-    """[`gathered_pairs`][st_cached_losses.functional.sigmoid_drivers.gathered_pairs] by ring exchange (same arguments): the columns of every process visit this
+    """[`gathered_pairs`][st_cached_losses.functional.sigmoid.drivers.gathered_pairs] by ring exchange (same arguments): the columns of every process visit this
     process's rows once, side by side as one ``(b_r, K, d)`` block in the inputs' dtype, the next block in
     flight while the current one is scored; the block's gradient ``(b_r, K, d)`` (fp32) travels with it and
     comes home complete. A bank's shares go round a ring of their own after the columns, nothing travelling

@@ -42,7 +42,7 @@ __all__ = ["ListwiseOutput", "listwise_kl_loss_and_grad", "listwise_tile_size"]
 
 @dataclass
 class ListwiseOutput:
-    """What [`listwise_kl_loss_and_grad`][st_cached_losses.functional.listwise.listwise_kl_loss_and_grad]
+    """What [`listwise_kl_loss_and_grad`][st_cached_losses.functional.distill.listwise.listwise_kl_loss_and_grad]
     returns."""
 
     #: 0-d, detached: the loss (this process's share of the global mean across processes), fp32 (fp64 for fp64
@@ -164,7 +164,7 @@ def listwise_kl_loss_and_grad(
         with_grad: also return the gradients.
 
     Returns:
-        [`ListwiseOutput`][st_cached_losses.functional.listwise.ListwiseOutput].
+        [`ListwiseOutput`][st_cached_losses.functional.distill.listwise.ListwiseOutput].
     """
     n_anchors = anchors.shape[0]
     if candidates.shape[0] != teacher_candidates.shape[0] or n_anchors != teacher_anchors.shape[0]:

@@ -4,12 +4,12 @@ A vocabulary-sized SPLADE row ``(V,)`` has a few hundred non-zero entries out of
 *packed* form is one ``(n, k, 2)`` tensor per block of ``n`` rows: for each row its non-zero entries'
 vocabulary indices (channel 0, stored as floats: exact up to ``2 ** 24``) and values (channel 1), ``k`` the
 largest count of the block, shorter rows padded with index 0 and value 0. Only zeros are dropped, so
-[`dense_rows`][st_cached_losses.functional.sparse.dense_rows] gives back the dense rows bit for bit (a padding entry adds ``+0.0``). [`SparseDot`][st_cached_losses.functional.sparse.SparseDot]
+[`dense_rows`][st_cached_losses.functional.representations.sparse.dense_rows] gives back the dense rows bit for bit (a padding entry adds ``+0.0``). [`SparseDot`][st_cached_losses.functional.representations.sparse.SparseDot]
 is their dot product as a similarity function of [`score`][st_cached_losses.functional.score].
 
 Why padded rows and not CSR: the packed tensor is an ordinary dense tensor with rows on dim 0, so it
 travels through every tile slice, ``index_select`` (the engine's mini-batch rows) and gradient buffer of the
-core unchanged, as the multi-vector rows do ([`multi_vector`][st_cached_losses.functional.multi_vector]); a tile's rows are densified with one
+core unchanged, as the multi-vector rows do ([`multi_vector`][st_cached_losses.functional.representations.multi_vector]); a tile's rows are densified with one
 ``scatter_add_``. Its cost is the padding (``k`` is the block's largest count): the caller compares the
 bytes before choosing it. A gradient wrt a packed tensor has the packed shape: the value channel holds
 the gradient wrt each kept entry, the index channel is 0 (an index has no gradient).
@@ -128,12 +128,12 @@ def _csr_t(packed: Tensor, dim: int) -> Tensor:
 
 @dataclass(unsafe_hash=True)
 class SparseDot:
-    """The dot product of packed sparse rows ([`pack_rows`][st_cached_losses.functional.sparse.pack_rows]) of dimension ``dim``, as a similarity
+    """The dot product of packed sparse rows ([`pack_rows`][st_cached_losses.functional.representations.sparse.pack_rows]) of dimension ``dim``, as a similarity
     function ``f(a (b, ka, 2), c (t, kc, 2)) -> (b, t)`` of [`score`][st_cached_losses.functional.score]: the same scores as ``"dot"`` on the
     dense rows, exactly (``<a, c> = sum_m c_val[m] * a[c_idx[m]]`` over ``c``'s kept entries). A tile of rows
     is densified (``(b, V)``) and its columns become a sparse CSR matrix: ``O(b V + t k)`` memory and
     ``t k b`` multiply-adds instead of a ``t V b`` GEMM. The gradient of each kept entry comes from
-    [`vjp`][st_cached_losses.functional.sparse.SparseDot.vjp] (in closed form: no autograd graph of a tile; wrt the columns, a sampled product at their
+    [`vjp`][st_cached_losses.functional.representations.sparse.SparseDot.vjp] (in closed form: no autograd graph of a tile; wrt the columns, a sampled product at their
     kept entries)."""
 
     dim: int
@@ -165,7 +165,7 @@ class SparseDot:
     @torch.no_grad()
     def __call__(self, a: Tensor, c: Tensor) -> Tensor:
         """``(b, t)`` dot products of packed rows ``a (b, ka, 2)`` and packed columns ``c (t, kc, 2)``, without
-        a graph: the gradient is [`vjp`][st_cached_losses.functional.sparse.SparseDot.vjp]'s (the core calls it for each tile)."""
+        a graph: the gradient is [`vjp`][st_cached_losses.functional.representations.sparse.SparseDot.vjp]'s (the core calls it for each tile)."""
         # (t, V) sparse @ (V, b) -> (t, b)
         return torch.sparse.mm(self._csr_of(c, False), dense_rows(a, self.dim).T).T
 

@@ -32,7 +32,7 @@ EMBED_DISTANCES: tuple[str, ...] = ("mse", "l2", "cosine")
 
 @dataclass
 class EmbedDistillOutput:
-    """What [`embed_distill_loss_and_grad`][st_cached_losses.functional.embed_distill.embed_distill_loss_and_grad]
+    """What [`embed_distill_loss_and_grad`][st_cached_losses.functional.distill.embed.embed_distill_loss_and_grad]
     returns."""
 
     #: 0-d, detached: the loss (this process's share of it, with ``row_weight``)
@@ -73,7 +73,7 @@ def embed_distill_loss_and_grad(
         students: ``K`` student columns ``(B, d_s)``.
         teachers: the teacher's rows of each column ``(B, d_t)`` (no gradient); ``d_t == d_s`` without a
             projection.
-        metric: ``"cosine"``, ``"l2"`` or ``"mse"`` ([`EmbedDistance`][st_cached_losses.functional.embed_distill.EmbedDistance]).
+        metric: ``"cosine"``, ``"l2"`` or ``"mse"`` ([`EmbedDistance`][st_cached_losses.functional.distill.embed.EmbedDistance]).
         weight: the projection's weight ``(d_t, d_s)`` (None: no projection); the student rows are mapped by
             ``s @ weight.T + bias`` before the distance.
         bias: the projection's bias ``(d_t,)`` or None.
@@ -83,7 +83,7 @@ def embed_distill_loss_and_grad(
         with_grad: also return the gradients.
 
     Returns:
-        [`EmbedDistillOutput`][st_cached_losses.functional.embed_distill.EmbedDistillOutput].
+        [`EmbedDistillOutput`][st_cached_losses.functional.distill.embed.EmbedDistillOutput].
     """
     if metric not in EMBED_DISTANCES:
         raise ValueError(f"distance_metric must be one of 'mse', 'l2', 'cosine', but got '{metric}'.")

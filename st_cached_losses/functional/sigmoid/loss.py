@@ -10,19 +10,19 @@ L = -(1 / B) * sum_i sum_j log sigmoid(z_ij * (scale * sim(x_i, y_j) + bias))
 ``z_ij = +1`` for row ``i``'s own positive and -1 otherwise; ``sim`` is the cosine (embeddings normalised
 once) or the dot product. One sum over every pair: the loss is symmetric by construction (no directions).
 Every pair's term is independent, so one pass over blocks of pairs gives the loss and every gradient (the
-embeddings', the scale's, the bias's) at once ([`sigmoid_blocks`][st_cached_losses.functional.sigmoid_blocks]):
+embeddings', the scale's, the bias's) at once ([`sigmoid_blocks`][st_cached_losses.functional.sigmoid.blocks]):
 memory ``O((B + C) d)`` plus two blocks, never the ``B x C`` matrix.
 
-Two entry points, one set of options ([`SigmoidOptions`][st_cached_losses.functional.sigmoid_options.SigmoidOptions]):
+Two entry points, one set of options ([`SigmoidOptions`][st_cached_losses.functional.sigmoid.options.SigmoidOptions]):
 
-* [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.sigmoid_loss_and_grad] -- the loss and its gradients without a graph (GradCache's loss stage,
+* [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss_and_grad] -- the loss and its gradients without a graph (GradCache's loss stage,
   where the loss is the last node of its own graph);
-* [`sigmoid_loss`][st_cached_losses.functional.sigmoid.sigmoid_loss] -- the loss as an autograd-capable tensor (any training loop: its forward computes
+* [`sigmoid_loss`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss] -- the loss as an autograd-capable tensor (any training loop: its forward computes
   the gradients too and keeps them, its backward only scales them).
 
 Both run on one process (``sizes=None``) or across processes (``sizes``: every process's row count in rank
-order, from [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]), gathered or by ring exchange (``ring=True``), each process
-returning its share of the global loss ([`sigmoid_drivers`][st_cached_losses.functional.sigmoid_drivers] says why that share makes DDP's
+order, from [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]), gathered or by ring exchange (``ring=True``), each process
+returning its share of the global loss ([`sigmoid_drivers`][st_cached_losses.functional.sigmoid.drivers] says why that share makes DDP's
 gradient average the full-batch gradient). Similarities are computed in fp32 whatever the input dtype
 (fp64 for fp64 inputs; autocast is off inside), their products at ``matmul_precision`` (bf16 operands for
 ``"medium"``, TF32 on CUDA for ``"high"``, fp32 for ``"highest"`` whatever torch's global setting); the terms,
@@ -36,13 +36,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional.autograd import OnePassFunction
 from st_cached_losses.functional.checks import candidate_columns, nonfinite_error, validate_inputs
 from st_cached_losses.functional.distributed import rank, world_size
+from st_cached_losses.functional.placement import placement
 from st_cached_losses.functional.precision import accumulation_dtype, fp32_loss_stage
-from st_cached_losses.functional.sigmoid_blocks import Wanted
-from st_cached_losses.functional.sigmoid_drivers import gathered_pairs, local_pairs, ring_pairs
-from st_cached_losses.functional.sigmoid_options import SigmoidOptions, SigmoidOutput
+from st_cached_losses.functional.sigmoid.autograd import OnePassFunction
+from st_cached_losses.functional.sigmoid.blocks import Wanted
+from st_cached_losses.functional.sigmoid.drivers import gathered_pairs, local_pairs, ring_pairs
+from st_cached_losses.functional.sigmoid.options import SigmoidOptions, SigmoidOutput
 
 __all__ = ["SigmoidOptions", "SigmoidOutput", "sigmoid_loss", "sigmoid_loss_and_grad"]
 
@@ -66,9 +67,9 @@ def sigmoid_loss_and_grad(
         candidates: ``(N, d)`` or a sequence of ``(N, d)``: the positives first, then hard negatives. Row
             ``i``'s positive is ``candidates[0][row_offset + i]``; every other entry of every column is
             one of its negatives. Across processes: this process's ``(B, d)`` columns.
-        options: the loss's options, [`SigmoidOptions`][st_cached_losses.functional.sigmoid_options.SigmoidOptions]; ``keywords``, its fields, replace those of
+        options: the loss's options, [`SigmoidOptions`][st_cached_losses.functional.sigmoid.options.SigmoidOptions]; ``keywords``, its fields, replace those of
             ``options`` (``scale=10.0, bias=-10.0, path="tiled"``).
-        sizes: every process's ``B`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]) to score this process's rows
+        sizes: every process's ``B`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]) to score this process's rows
             against every process's candidates; None (default): this process alone.
         ring: across processes, pass the candidate blocks around a ring instead of gathering them
             (memory flat in the number of processes).
@@ -76,7 +77,7 @@ def sigmoid_loss_and_grad(
         with_grad: also the gradients; else the loss only.
 
     Returns:
-        [`SigmoidOutput`][st_cached_losses.functional.sigmoid_options.SigmoidOutput]: the loss (across processes, this process's share: ``W / B_global`` times
+        [`SigmoidOutput`][st_cached_losses.functional.sigmoid.options.SigmoidOutput]: the loss (across processes, this process's share: ``W / B_global`` times
         its rows' sum, so that the processes' mean is the global loss) and the gradients of
         ``grad_output * loss``; across processes the scale's and the bias's are averaged over processes."""
     opts = SigmoidOptions.of(options, keywords)
@@ -95,7 +96,7 @@ def sigmoid_loss(
     **keywords: Any,
 ) -> Tensor:
     """The sigmoid loss as an autograd-capable 0-d tensor: fp32 for fp32, bf16 and fp16 embeddings, fp64 for
-    fp64 ones. Same arguments as [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.sigmoid_loss_and_grad], without ``grad_output`` and ``with_grad``.
+    fp64 ones. Same arguments as [`sigmoid_loss_and_grad`][st_cached_losses.functional.sigmoid.loss.sigmoid_loss_and_grad], without ``grad_output`` and ``with_grad``.
 
     Gradients flow to the anchors, every candidate column and a tensor ``scale`` and ``bias`` (SigLIP's
     learnable ``scale = log_scale.exp()`` included), each in its own dtype. Forward computes them with the
@@ -127,7 +128,9 @@ def _solve(
     anchors, cols = anchors.detach(), [c.detach() for c in cols]
     # one process: the mean over its rows; across processes its share, W / B_global times its rows' sum
     row_weight = 1.0 / anchors.shape[0] if sizes is None else len(sizes) / sum(sizes)
-    driver = local_pairs if sizes is None else ring_pairs if ring else gathered_pairs
+    driver = {"local": local_pairs, "gathered": gathered_pairs, "ring": ring_pairs}[
+        placement(sizes, ring=ring)
+    ]
     # torch's fp32 GEMMs held at the products' precision for the call ("highest": fp32 whatever torch's
     # global setting), every sum fp32 whatever it is
     with torch.no_grad(), opts.products(anchors).pinned(anchors.device):
@@ -146,7 +149,7 @@ def _like(grad: Tensor | None, value: float | Tensor) -> Tensor | None:
 def _check(anchors: Tensor, cols: list[Tensor], opts: SigmoidOptions, sizes: list[int] | None) -> None:
     """The inputs, the bank and, across processes, where the rows are. Across processes finiteness is not
     checked here: a process raising alone would leave the others waiting in a collective
-    ([`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes] checks every process first)."""
+    ([`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes] checks every process first)."""
     local = sizes is None
     validate_inputs(
         anchors,
@@ -182,5 +185,5 @@ def _check(anchors: Tensor, cols: list[Tensor], opts: SigmoidOptions, sizes: lis
         raise ValueError(
             f"sizes={sizes} must be every process's row count in rank order (this is rank {rank()} of "
             f"{world_size()}, with {b} anchors and {cols[0].shape[0]} candidate rows): get them from "
-            "st_cached_losses.functional.parallel.agree_on_sizes."
+            "st_cached_losses.functional.placement.agree_on_sizes."
         )

@@ -2,12 +2,12 @@
 
 Two strategies behind one signature: both take this process's embeddings and every process's row
 count ``sizes`` (rank order), and return this process's share of the loss with its gradients wrt this
-process's embeddings, as an [`InfoNCEOutput`][st_cached_losses.functional.infonce.InfoNCEOutput]:
+process's embeddings, as an [`InfoNCEOutput`][st_cached_losses.functional.softmax.loss.InfoNCEOutput]:
 
-* [`gathered_loss_and_grad`][st_cached_losses.functional.parallel.gathered_loss_and_grad]: the candidates (and, symmetric, the anchors) are all-gathered once;
+* [`gathered_loss_and_grad`][st_cached_losses.functional.softmax.parallel.gathered_loss_and_grad]: the candidates (and, symmetric, the anchors) are all-gathered once;
   every process's gradients wrt the gathered rows are summed over processes (the gather's true
   backward, seed 002) and each keeps its own slice. Memory ``O(B_global x d)`` per process.
-* [`ring_loss_and_grad`][st_cached_losses.functional.parallel.ring_loss_and_grad]: candidate blocks travel around a ring (Inf-CL); nothing is gathered.
+* [`ring_loss_and_grad`][st_cached_losses.functional.softmax.parallel.ring_loss_and_grad]: candidate blocks travel around a ring (Inf-CL); nothing is gathered.
   Memory ``O(local B x d)`` per process, whatever the number of processes.
 
 Packed rows (a score of 3-D rows: MaxSim / MeanMaxSim / XTR token rows ``(n, t, d + 1)``, SparseDot's
@@ -20,8 +20,8 @@ Weighting: process ``r`` returns ``W / B_global * sum_{i in r} loss_i``, so the 
 the global mean loss and DDP's gradient average is the exact full-batch gradient, even when processes
 hold different numbers of rows. A tensor scale lives outside DDP: its gradient is averaged here.
 
-[`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes] is the step's first collective (row counts, shapes and finiteness in one small
-all-gather); [`gathered_infonce`][st_cached_losses.functional.parallel.gathered_infonce] is the gathered loss with autograd."""
+[`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes] is the step's first collective (row counts, shapes and finiteness in one small
+all-gather); [`gathered_infonce`][st_cached_losses.functional.softmax.parallel.gathered_infonce] is the gathered loss with autograd."""
 
 from __future__ import annotations
 
@@ -32,12 +32,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional.checks import nonfinite_columns, raise_if_nonfinite
 from st_cached_losses.functional.distributed import (
     all_gather_rows,
     all_reduce_min,
     all_reduce_sum,
-    exchange_tagged_shapes,
     gather_with_grad,
     is_distributed,
     own_rows,
@@ -45,18 +43,25 @@ from st_cached_losses.functional.distributed import (
     ring_exchange,
     world_size,
 )
-from st_cached_losses.functional.infonce import InfoNCEOutput, infonce, infonce_loss_and_grad
-from st_cached_losses.functional.multi_vector import pad_tokens
-from st_cached_losses.functional.options import Bank, Guide, InfoNCEOptions
-from st_cached_losses.functional.own import (
+from st_cached_losses.functional.placement import (
+    agree_on_sizes,
+    agree_on_sizes_and_tag,
+    column_sizes,
+    mean_scale_grad,
+    placement,
+)
+from st_cached_losses.functional.precision import fp32_loss_stage
+from st_cached_losses.functional.representations.multi_vector import pad_tokens
+from st_cached_losses.functional.score import Score
+from st_cached_losses.functional.softmax.loss import InfoNCEOutput, infonce, infonce_loss_and_grad
+from st_cached_losses.functional.softmax.options import Bank, Guide, InfoNCEOptions
+from st_cached_losses.functional.softmax.own import (
     in_batch_negatives,
     own_candidates_infonce,
     own_candidates_loss_and_grad,
 )
-from st_cached_losses.functional.precision import fp32_loss_stage
-from st_cached_losses.functional.ring import ring_terms_solve
-from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.terms import bank_terms
+from st_cached_losses.functional.softmax.ring import ring_terms_solve
+from st_cached_losses.functional.softmax.terms import bank_terms
 
 __all__ = [
     "agree_on_sizes",
@@ -70,34 +75,6 @@ __all__ = [
     "pad_to_common_tokens",
     "ring_loss_and_grad",
 ]
-
-
-def agree_on_sizes(columns: Sequence[Tensor], across_processes: bool) -> list[int] | None:
-    """Every process's row count (``across_processes`` in a group of more than one process), else None;
-    on every path, the check that the embeddings ``columns`` (``K + 1`` of ``(b, d)``) are finite (NaN /
-    inf give a NaN loss and gradients with no other symptom). Across processes the check rides on the
-    shape exchange, the step's first collective, so every process raises the same ``ValueError`` naming
-    the culprits before any other collective (a process raising alone would leave the others waiting;
-    the ring would spread the NaN silently)."""
-    return agree_on_sizes_and_tag(columns, across_processes)[0]
-
-
-def agree_on_sizes_and_tag(
-    columns: Sequence[Tensor], across_processes: bool, tag: int = 0
-) -> tuple[list[int] | None, int]:
-    """[`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes], and ``tag`` (bits saying what kind of
-    batch this process has, e.g. lists) OR-ed over the processes, in the same collective (this process's own
-    outside a group)."""
-    flags = nonfinite_columns(columns)
-    if not across_processes or not is_distributed():
-        raise_if_nonfinite([int(flags)])
-        return None, tag
-    b, d = columns[0].shape[0], columns[0].shape[-1]
-    sizes, all_flags, tags = exchange_tagged_shapes(
-        b, [len(columns), d], columns[0].device, "the number of columns and the embedding dim", flags, tag
-    )
-    raise_if_nonfinite(all_flags)
-    return sizes, tags
 
 
 def bank_sizes(bank: Bank) -> tuple[list[int], list[int]]:
@@ -125,8 +102,8 @@ def gathered_bank(bank: Bank) -> Bank:
 
 
 def pad_to_common_tokens(columns: Sequence[Tensor]) -> list[Tensor]:
-    """Packed columns (token rows ``(b, t_k, d + 1)``, [`multi_vector`][st_cached_losses.functional.multi_vector]; sparse rows ``(b, k, 2)``,
-    [`sparse`][st_cached_losses.functional.sparse]) padded on the right with zeros to the widest ``t_k`` of every process, column by
+    """Packed columns (token rows ``(b, t_k, d + 1)``, [`multi_vector`][st_cached_losses.functional.representations.multi_vector]; sparse rows ``(b, k, 2)``,
+    [`sparse`][st_cached_losses.functional.representations.sparse]) padded on the right with zeros to the widest ``t_k`` of every process, column by
     column, so that they can be gathered (see the module's notes on packed rows)."""
     return [pad_tokens(c, w) for c, w in zip(columns, _widest(columns))]
 
@@ -190,16 +167,6 @@ def _gathered(
     return cols, replace(opts, **layout)
 
 
-def column_sizes(candidates: Sequence[Tensor], sizes: list[int], listed: bool) -> list[list[int]]:
-    """Every process's row count of each candidate column: ``sizes`` for each, or with ``listed`` (lists of hard
-    negatives, each process its own number) the hard-negative columns' own, agreed in one small all-gather."""
-    if not listed or len(sizes) == 1:
-        return [sizes] * len(candidates) if not listed else [sizes] + [[len(c)] for c in candidates[1:]]
-    own = torch.tensor([[len(c) for c in candidates[1:]]], dtype=torch.long, device=candidates[0].device)
-    every = all_gather_rows(own, [1] * len(sizes)).cpu()  # (W, K - 1)
-    return [sizes] + [every[:, k].tolist() for k in range(len(candidates) - 1)]
-
-
 @fp32_loss_stage
 def gathered_loss_and_grad(
     anchors: Tensor,
@@ -214,8 +181,8 @@ def gathered_loss_and_grad(
 
     Args:
         anchors: ``(b, d)`` this process's anchors; ``candidates``: ``K x (b, d)``, its positives then
-            hard negatives; ``sizes``: every process's ``b`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]).
-        options: the loss's options ([`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions]; ``keywords`` replace its fields)
+            hard negatives; ``sizes``: every process's ``b`` in rank order ([`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]).
+        options: the loss's options ([`InfoNCEOptions`][st_cached_losses.functional.softmax.options.InfoNCEOptions]; ``keywords`` replace its fields)
             but where the rows are, which this sets; the keys and the guide's embeddings are gathered with
             the embeddings, and a tensor scale's gradient is averaged over processes.
         with_grad: also the gradients wrt this process's embeddings; else the loss only.
@@ -259,14 +226,15 @@ def loss_and_grad(
     **keywords: Any,
 ) -> InfoNCEOutput:
     """The loss stage wherever the rows are: one process (``sizes`` None: ``infonce_loss_and_grad``),
-    gathered, or by ring exchange (``ring``); ``options`` / ``keywords``: [`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions].
-    Finiteness must have been checked by [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]."""
+    gathered, or by ring exchange (``ring``); ``options`` / ``keywords``: [`InfoNCEOptions`][st_cached_losses.functional.softmax.options.InfoNCEOptions].
+    Finiteness must have been checked by [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]."""
     opts = InfoNCEOptions.of(options, keywords)
     anchors, candidates = anchors.detach(), [c.detach() for c in candidates]
-    if not in_batch_negatives(opts):
+    where = placement(sizes, ring=ring, in_batch=in_batch_negatives(opts))
+    if where == "own":
         return _own_loss_and_grad(anchors, candidates, sizes, opts, with_grad)
-    if sizes is not None:
-        strategy = ring_loss_and_grad if ring else gathered_loss_and_grad
+    if sizes is not None:  # gathered or ring
+        strategy = ring_loss_and_grad if where == "ring" else gathered_loss_and_grad
         return strategy(anchors, candidates, sizes, opts, with_grad=with_grad)
     opts = replace(opts, check_finite=False)
     if with_grad:
@@ -283,7 +251,7 @@ def _own_loss_and_grad(
     opts: InfoNCEOptions,
     with_grad: bool,
 ) -> InfoNCEOutput:
-    """Each row against its own candidates ([`own`][st_cached_losses.functional.own]): across processes nothing is
+    """Each row against its own candidates ([`own`][st_cached_losses.functional.softmax.own]): across processes nothing is
     gathered, each process weighs its rows' mean as the module says and averages a tensor scale's gradient."""
     factor = 1.0
     if sizes is not None:
@@ -296,19 +264,6 @@ def _own_loss_and_grad(
     return InfoNCEOutput(out.loss, out.grad_anchors, out.grad_candidates, None, grad_scale)
 
 
-def mean_scale_grad(grad: Tensor | None, w: int | None = None) -> Tensor | None:
-    """The gradient of a tensor the loss owns (a scale, a learnable activation's weights), of any shape,
-    averaged over the ``w`` processes (default: the process group's size).
-
-    Such a tensor lives outside DDP / FSDP / DeepSpeed (it belongs to the loss), so nobody else averages its
-    gradient: without this, each process would step it by its own rows' gradient and the processes would
-    drift apart. One all-reduce; nothing outside a process group of more than one process."""
-    if grad is None or not is_distributed():
-        return grad
-    summed = all_reduce_sum(grad.reshape(-1).clone(), "all_reduce_scale")
-    return summed.reshape(grad.shape) / (w or world_size())
-
-
 @fp32_loss_stage
 def gathered_infonce(
     anchors: Tensor,
@@ -317,13 +272,13 @@ def gathered_infonce(
     options: InfoNCEOptions | None = None,
     **keywords: Any,
 ) -> Tensor:
-    """[`gathered_loss_and_grad`][st_cached_losses.functional.parallel.gathered_loss_and_grad]'s loss with autograd: the gather's backward sums over processes,
+    """[`gathered_loss_and_grad`][st_cached_losses.functional.softmax.parallel.gathered_loss_and_grad]'s loss with autograd: the gather's backward sums over processes,
     and a tensor scale's gradient is averaged over processes by a hook."""
     opts = InfoNCEOptions.of(options, keywords)
     w, b = len(sizes), anchors.shape[0]
     if isinstance(opts.scale, Tensor) and opts.scale.requires_grad:
         opts.scale.register_hook(lambda g: all_reduce_sum(g.clone(), "all_reduce_scale") / w)
-    if not in_batch_negatives(opts):  # each row's own candidates: nothing to gather
+    if placement(sizes, in_batch=in_batch_negatives(opts)) == "own":  # nothing to gather
         _own_rows_only(opts)
         return own_candidates_infonce(
             anchors, candidates, replace(opts, check_finite=False), w / sum(sizes) * b
@@ -345,15 +300,15 @@ def ring_loss_and_grad(
     with_grad: bool = True,
     **keywords: Any,
 ) -> InfoNCEOutput:
-    """[`gathered_loss_and_grad`][st_cached_losses.functional.parallel.gathered_loss_and_grad] by ring exchange (same arguments; ``path`` must be "auto" or
+    """[`gathered_loss_and_grad`][st_cached_losses.functional.softmax.parallel.gathered_loss_and_grad] by ring exchange (same arguments; ``path`` must be "auto" or
     "tiled": the ring is tiled by construction): each process keeps its rows, and every process's column
-    blocks visit it ([`ring_terms_solve`][st_cached_losses.functional.ring.ring_terms_solve]). A score whose rows carry data computed from every
+    blocks visit it ([`ring_terms_solve`][st_cached_losses.functional.softmax.ring.ring_terms_solve]). A score whose rows carry data computed from every
     column (XTR: each query token's top-``k`` over every process's document tokens) gets it from a first
     pass of the column blocks around the ring (`_ring_row_data`), after XTR's columns numbered
     their documents over every process's rows.
 
     No finiteness check inside: a process raising on its own NaN in the middle of the ring would leave
-    its peers blocked in a send / receive; [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes] checks every process first."""
+    its peers blocked in a send / receive; [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes] checks every process first."""
     opts = InfoNCEOptions.of(options, keywords)
     if opts.path not in ("auto", "tiled"):
         raise ValueError(
@@ -396,7 +351,7 @@ def _ring_row_data(
     score: Score, rows: Tensor, cols: list[Tensor], sizes: list[int], memory_budget: int
 ) -> Tensor:
     """The rows with the data a score computes from every process's columns, by a first ring pass: each
-    visiting block of columns updates the rows' running state ([`row_state`][st_cached_losses.functional.multi_vector.XTR.row_state])."""
+    visiting block of columns updates the rows' running state ([`row_state`][st_cached_losses.functional.representations.multi_vector.XTR.row_state])."""
     fn: Any = score.fn
     state: Any = None
 

@@ -22,7 +22,7 @@ over processes (one all-reduce of ``V + 1`` numbers), so every process returns t
 row's gradient times the number of processes: DDP's gradient average then gives the exact gradient of the
 global regulariser, whatever each process's number of rows.
 
-Blocks may also be packed sparse rows (``(n_k, k, 2)``, [`sparse`][st_cached_losses.functional.sparse]: only the non-zero entries): the
+Blocks may also be packed sparse rows (``(n_k, k, 2)``, [`sparse`][st_cached_losses.functional.representations.sparse]: only the non-zero entries): the
 column sums are then a scatter-add of the kept entries, the row counts those of the kept entries (only
 zeros were dropped: the same counts), and the gradient is returned on each row's kept entries only,
 packed like the block (index channel 0). That is the whole gradient wherever the encoder's Jacobian is
@@ -38,14 +38,14 @@ from torch import Tensor
 
 from st_cached_losses.functional.distributed import all_reduce_sum, is_distributed, world_size
 from st_cached_losses.functional.precision import accumulation_dtype
-from st_cached_losses.functional.sparse import kept, packed_index, scatter_columns
+from st_cached_losses.functional.representations.sparse import kept, packed_index, scatter_columns
 
 __all__ = ["FlopsOutput", "flops_loss_and_grad", "row_mask"]
 
 
 @dataclass
 class FlopsOutput:
-    """What [`flops_loss_and_grad`][st_cached_losses.functional.flops.flops_loss_and_grad] returns."""
+    """What [`flops_loss_and_grad`][st_cached_losses.functional.representations.flops.flops_loss_and_grad] returns."""
 
     loss: Tensor  #: 0-d, detached, ``grad_output * flops``; fp32 (fp64 for fp64 inputs)
     grads: list[Tensor]  #: per block ``(n_k, V)`` the gradient of ``loss`` (empty when not asked for)

@@ -1,27 +1,21 @@
-"""The loss stage's autograd Functions: InfoNCE's ([`infonce`][st_cached_losses.functional.infonce.infonce]: statistics in forward, tiles
-recomputed in backward) and that of a loss whose gradients come out of the pass that computes it
-([`sigmoid_loss`][st_cached_losses.functional.sigmoid.sigmoid_loss])."""
+"""InfoNCE's autograd Function ([`infonce`][st_cached_losses.functional.softmax.loss.infonce]): statistics in forward,
+tiles recomputed in backward. (A loss whose gradients come out of the pass that computes it, the sigmoid loss, has
+its own: [`OnePassFunction`][st_cached_losses.functional.sigmoid.autograd.OnePassFunction].)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
-from st_cached_losses.functional.binding import row_lse
 from st_cached_losses.functional.checks import scale_value
-from st_cached_losses.functional.local import LocalCall
-from st_cached_losses.functional.options import LossSpec
 from st_cached_losses.functional.precision import fp32_loss_stage
+from st_cached_losses.functional.softmax.binding import row_lse
+from st_cached_losses.functional.softmax.local import LocalCall
+from st_cached_losses.functional.softmax.options import LossSpec
 
-__all__ = ["InfoNCEFunction", "OnePassFunction", "OnePassSolve"]
-
-#: ``solve(needs) -> (loss, grads)``: the loss and, for each input whose ``needs`` entry is True, the gradient
-#: of the loss wrt it (None for the others), computed together
-OnePassSolve = Callable[[tuple[bool, ...]], tuple[Tensor, list[Tensor | None]]]
+__all__ = ["InfoNCEFunction"]
 
 
 class InfoNCEFunction(torch.autograd.Function):
@@ -62,29 +56,3 @@ class InfoNCEFunction(torch.autograd.Function):
             gs = call.grads(lse, scale_grad)
         g_a, g_c, g_all, g_s = call.finish(float(grad_loss), gs, ctx.scale_dtype if scale_grad else None)
         return (None, g_s, g_a, g_all, *g_c)
-
-
-class OnePassFunction(torch.autograd.Function):
-    """A loss whose gradients are computed in the pass that computes it: the sigmoid loss, whose pairs'
-    terms are independent, so that a block's gradient needs no statistics of other blocks. Forward calls
-    ``solve`` once, for the loss and the gradients of the inputs that need one, and saves those gradients
-    (``O((B + C) d)``, what backward would allocate anyway; nothing of the blocks); backward multiplies them
-    by the incoming gradient. No block is computed twice; not twice differentiable."""
-
-    @staticmethod
-    def forward(ctx: Any, solve: OnePassSolve, *inputs: Tensor) -> Tensor:
-        loss, grads = solve(tuple(ctx.needs_input_grad[1:]))
-        ctx.present = [g is not None for g in grads]
-        ctx.save_for_backward(*[g for g in grads if g is not None])
-        return loss
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_loss: Tensor) -> tuple[Tensor | None, ...]:
-        saved = iter(ctx.saved_tensors)
-        grads: list[Tensor | None] = [None]  # the solve
-        for present in ctx.present:
-            g = next(saved) if present else None
-            # a new tensor, in the gradient's dtype (a 0-d scale's dtype may differ from the loss's)
-            grads.append((g * grad_loss).to(g.dtype) if g is not None else None)
-        return tuple(grads)

@@ -1,27 +1,28 @@
-"""What a call of the loss stage is given besides the embeddings: [`InfoNCEOptions`][st_cached_losses.functional.options.InfoNCEOptions], the options of
-every entry point, written once, and [`LossSpec`][st_cached_losses.functional.options.LossSpec], what the drivers read: the options resolved for a
+"""What a call of the loss stage is given besides the embeddings: [`InfoNCEOptions`][st_cached_losses.functional.softmax.options.InfoNCEOptions], the options of
+every entry point, written once, and [`LossSpec`][st_cached_losses.functional.softmax.options.LossSpec], what the drivers read: the options resolved for a
 call."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import DEFAULT_MEMORY_BUDGET
 from st_cached_losses.functional.checks import (
     check_matmul_precision,
     check_path,
     check_positive_int,
     validate_keys,
 )
-from st_cached_losses.functional.flash import kernels_enabled
+from st_cached_losses.functional.kernels.tiles import DEFAULT_MEMORY_BUDGET
+from st_cached_losses.functional.placement import LossPath
 from st_cached_losses.functional.precision import MatmulPrecision, Products, global_matmul_precision
 from st_cached_losses.functional.score import Score, Similarity
-from st_cached_losses.functional.terms import PairKeys, TermSet, bank_terms, mnrl_terms
+from st_cached_losses.functional.softmax.flash import kernels_enabled
+from st_cached_losses.functional.softmax.terms import PairKeys, TermSet, bank_terms, mnrl_terms
 
 __all__ = [
     "FALSE_NEGATIVE_FILTERS",
@@ -33,8 +34,6 @@ __all__ = [
     "LossPath",
     "LossSpec",
 ]
-
-LossPath = Literal["auto", "chunked", "tiled"]
 
 
 @dataclass
@@ -61,7 +60,7 @@ class FalseNegativeFilter:
       positive is always removed);
     * ``"absolute"`` (Qwen3-Embedding): ``p + margin`` (``margin >= 0``, typically 0.1).
 
-    These are GIST's thresholds ([`positive_thresholds`][st_cached_losses.functional.terms.positive_thresholds])
+    These are GIST's thresholds ([`positive_thresholds`][st_cached_losses.functional.softmax.terms.positive_thresholds])
     with GIST's margin ``1 - margin`` (relative) and ``-margin`` (absolute). The mask is decided without
     gradient from the logits the loss computes (so at each truncation of a MatryoshkaLoss from that
     truncation's similarities); the row's positive is the one of the softmax being computed (with several
@@ -126,7 +125,7 @@ class Keys:
     anchors_all: Tensor | None = None
 
     def sources(self, row_offset: int, b: int) -> dict[str, PairKeys]:
-        """The keys of every row and column source (see [`PairKeys`][st_cached_losses.functional.terms.PairKeys])."""
+        """The keys of every row and column source (see [`PairKeys`][st_cached_losses.functional.softmax.terms.PairKeys])."""
         pos = self.candidates[0]
         pair_anchor = self.anchors_all if self.anchors_all is not None else self.anchors
         rows = PairKeys(pos[row_offset : row_offset + b], self.anchors)
@@ -138,8 +137,8 @@ class Keys:
 
 @dataclass(frozen=True, kw_only=True, eq=False)
 class InfoNCEOptions:
-    """The options of every InfoNCE entry point ([`infonce`][st_cached_losses.functional.infonce.infonce],
-    [`infonce_loss_and_grad`][st_cached_losses.functional.infonce.infonce_loss_and_grad] and the strategies of [`parallel`][st_cached_losses.functional.parallel]). An entry point takes
+    """The options of every InfoNCE entry point ([`infonce`][st_cached_losses.functional.softmax.loss.infonce],
+    [`infonce_loss_and_grad`][st_cached_losses.functional.softmax.loss.infonce_loss_and_grad] and the strategies of [`parallel`][st_cached_losses.functional.softmax.parallel]). An entry point takes
     them as keywords (``infonce(a, c, scale=20.0, path="tiled")``) or as one object (``infonce(a, c,
     options)``, keywords replacing its fields). Checked when made.
 
@@ -148,7 +147,7 @@ class InfoNCEOptions:
         similarity: ``"cosine"`` (embeddings normalised once), ``"dot"``, or a function
             ``f(a (b, d), c (t, d)) -> (b, t)`` scored exactly tile by tile through autograd (slower).
         symmetric: also score each of this process's positives against every anchor, and average.
-        terms: the loss as logit terms ([`st_cached_losses.functional.terms`][st_cached_losses.functional.terms]: sentence-transformers'
+        terms: the loss as logit terms ([`st_cached_losses.functional.softmax.terms`][st_cached_losses.functional.softmax.terms]: sentence-transformers'
             ``directions`` / ``partition_mode`` / hardness options, or GIST's terms, built by
             ``mnrl_terms`` / ``gist_terms``); replaces ``symmetric``. Across processes, pass the
             gathered anchors as ``anchors_all`` when a term reads them (``terms.uses_anchors_all``).
@@ -172,7 +171,7 @@ class InfoNCEOptions:
         anchors_all: ``(N, d)`` gathered anchors, for ``symmetric=True`` across processes.
         row_offset: index of this process's first positive in the (gathered) candidate columns.
         check_finite: raise ``ValueError`` on NaN / inf embeddings (one cheap pass over the inputs).
-        bank: a negative bank ([`Bank`][st_cached_losses.functional.options.Bank]): earlier rows' embeddings
+        bank: a negative bank ([`Bank`][st_cached_losses.functional.softmax.options.Bank]): earlier rows' embeddings
             scored as extra negatives, without gradient; None (default) or an empty bank: none.
         matmul_precision: the precision of the similarity products, with
             ``torch.set_float32_matmul_precision``'s names: ``"highest"`` (fp32, the exact path), ``"high"``
@@ -180,7 +179,7 @@ class InfoNCEOptions:
             compute); None (default): ``torch.get_float32_matmul_precision()`` at the call. Maxima,
             log-sum-exps, sums of probabilities and accumulated gradients are fp32 whatever it says. On CUDA
             with Triton installed, ``"high"`` and ``"medium"`` run FlashAttention-style kernels
-            ([`flash`][st_cached_losses.functional.flash]). Losses with a guide (GIST), duplicate keys or a
+            ([`flash`][st_cached_losses.functional.softmax.flash]). Losses with a guide (GIST), duplicate keys or a
             hardness penalty, a similarity function, packed (multi-vector, sparse) rows and fp64 inputs keep
             fp32 products (see [`Products`][st_cached_losses.functional.precision.Products]).
         listed_negatives: the hard-negative columns (``candidates[1:]``) are lists: each may have any number
@@ -189,15 +188,15 @@ class InfoNCEOptions:
             no row's own, so no term may treat their diagonal apart (no hardness penalty on a row's own hard
             negatives, no ``doc_to_doc``); a list column may be empty. Across processes they are gathered,
             or passed around the ring, at each process's own lengths (no duplicate keys or guide on the ring).
-            Several positives per row: [`positives`][st_cached_losses.functional.positives].
-        false_negatives: a [`FalseNegativeFilter`][st_cached_losses.functional.options.FalseNegativeFilter]:
+            Several positives per row: [`positives`][st_cached_losses.functional.softmax.positives].
+        false_negatives: a [`FalseNegativeFilter`][st_cached_losses.functional.softmax.options.FalseNegativeFilter]:
             every candidate the loss's own similarities rate too close to (or above) the row's positive is
             removed from the row's softmaxes, in every term and column source (the bank's too); None (default):
             none. Its products are fp32, as with duplicate keys.
 
     ``anchors_all``, ``row_offset``, ``anchors_all_keys`` and ``check_finite`` describe one process's rows
-    against columns the caller gathered: the strategies of [`parallel`][st_cached_losses.functional.parallel] set them (and refuse the first
-    three); their finiteness check is [`agree_on_sizes`][st_cached_losses.functional.parallel.agree_on_sizes]."""
+    against columns the caller gathered: the strategies of [`parallel`][st_cached_losses.functional.softmax.parallel] set them (and refuse the first
+    three); their finiteness check is [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]."""
 
     scale: float | Tensor = 20.0
     similarity: Similarity = "cosine"
@@ -274,7 +273,7 @@ class InfoNCEOptions:
         if terms is not None and not terms.in_batch:
             raise ValueError(
                 "terms without in-batch negatives (in_batch=False) are each row's own candidates, computed by "
-                "st_cached_losses.functional.own: call infonce / infonce_loss_and_grad / loss_and_grad, which "
+                "st_cached_losses.functional.softmax.own: call infonce / infonce_loss_and_grad / loss_and_grad, which "
                 "send them there, not a tile driver."
             )
         if terms is None:

@@ -9,9 +9,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional import flash
-from st_cached_losses.functional._kernels import LogSumExp, Operand, init_stats, merge_stats, tile_side
-from st_cached_losses.functional.binding import (
+from st_cached_losses.functional.checks import scale_value
+from st_cached_losses.functional.distributed import all_reduce_sum, rank, ring_exchange
+from st_cached_losses.functional.kernels.tiles import LogSumExp, Operand, init_stats, merge_stats, tile_side
+from st_cached_losses.functional.softmax import flash
+from st_cached_losses.functional.softmax.binding import (
     Solution,
     Sources,
     bind,
@@ -24,10 +26,8 @@ from st_cached_losses.functional.binding import (
     row_lse,
     transposed_pair,
 )
-from st_cached_losses.functional.checks import scale_value
-from st_cached_losses.functional.distributed import all_reduce_sum, rank, ring_exchange
-from st_cached_losses.functional.options import Keys, LossSpec
-from st_cached_losses.functional.terms import Bound
+from st_cached_losses.functional.softmax.options import Keys, LossSpec
+from st_cached_losses.functional.softmax.terms import Bound
 
 __all__ = ["ring_terms_solve"]
 
@@ -66,7 +66,7 @@ def _ring_terms_solve(
     Rows are ``(b, *row_shape)``: embeddings ``(b, d)``, or packed rows (token rows ``(b, t, d + 1)``,
     sparse rows ``(b, k, 2)``). Every travelling tensor (the candidate columns, and the anchors when a term
     reads them) must have the same row shape on every process (the caller pads packed rows to a common
-    width: [`ring_loss_and_grad`][st_cached_losses.functional.parallel.ring_loss_and_grad]); the rows (anchors) may have a shape of their own.
+    width: [`ring_loss_and_grad`][st_cached_losses.functional.softmax.parallel.ring_loss_and_grad]); the rows (anchors) may have a shape of their own.
 
     A negative bank (``spec.options.bank``, this process's share; ``bank_shares``: every process's rows of
     it, candidates and anchors) travels around a ring of its own in each pass, after the columns: its

@@ -6,11 +6,11 @@ reads it *packed*: one ``(n, t, d + 1)`` tensor whose last channel is the mask (
 through every tile slice, gather and gradient buffer of the core without any of them knowing. The
 gradient wrt a packed tensor is 0 in the mask channel.
 
-[`MaxSim`][st_cached_losses.functional.multi_vector.MaxSim] (ColBERT, MeanMaxSim) and [`XTR`][st_cached_losses.functional.multi_vector.XTR] are similarity functions in the sense of [`score`][st_cached_losses.functional.score]
+[`MaxSim`][st_cached_losses.functional.representations.multi_vector.MaxSim] (ColBERT, MeanMaxSim) and [`XTR`][st_cached_losses.functional.representations.multi_vector.XTR] are similarity functions in the sense of [`score`][st_cached_losses.functional.score]
 (``f(a, c) -> (len(a), len(c))``): the core scores them tile by tile, rows x columns, so the largest
 intermediate is one tile's ``(b, t, q_tokens, d_tokens)`` token similarities, never the
 ``(Q, Q*N, q_tokens, d_tokens)`` tensor. XTR's retrieval depends on the whole batch: the core numbers the
-documents first, and the rows carry what each query token retrieves (see [`XTR`][st_cached_losses.functional.multi_vector.XTR]).
+documents first, and the rows carry what each query token retrieves (see [`XTR`][st_cached_losses.functional.representations.multi_vector.XTR]).
 
 Shapes: ``b`` rows of a tile, ``t`` columns of a tile, ``tq`` / ``td`` query / document tokens, ``d``
 the token embedding dimension."""
@@ -71,9 +71,9 @@ class MaxSim:
     """``sum_i max_j <q_i, d_j>`` over a query's scored tokens ``i`` and a document's scored tokens ``j``
     (ColBERT), divided by the query's token count (at least 1) when ``length_normalize`` (MeanMaxSim): the
     score of sentence-transformers' ``colbert_scores`` / ``mean_colbert_scores`` (their ``maxsim``) for
-    every (query, document) pair, on packed operands ([`pack_tokens`][st_cached_losses.functional.multi_vector.pack_tokens]). Padded document tokens are
+    every (query, document) pair, on packed operands ([`pack_tokens`][st_cached_losses.functional.representations.multi_vector.pack_tokens]). Padded document tokens are
     excluded from the max, padded query tokens from the sum, and a document without any token scores
-    [`EMPTY_DOCUMENT_SCORE`][st_cached_losses.functional.multi_vector.EMPTY_DOCUMENT_SCORE]. A tile's gradient is exact and in closed form ([`vjp`][st_cached_losses.functional.multi_vector.MaxSim.vjp]), ties in the
+    [`EMPTY_DOCUMENT_SCORE`][st_cached_losses.functional.representations.multi_vector.EMPTY_DOCUMENT_SCORE]. A tile's gradient is exact and in closed form ([`vjp`][st_cached_losses.functional.representations.multi_vector.MaxSim.vjp]), ties in the
     max resolved as ``torch.max`` resolves them."""
 
     length_normalize: bool = False
@@ -92,7 +92,7 @@ class MaxSim:
 
     @torch.no_grad()
     def scores_and_state(self, queries: Tensor, documents: Tensor) -> tuple[Tensor, Tensor]:
-        """`__call__` without a graph, and what [`vjp`][st_cached_losses.functional.multi_vector.MaxSim.vjp] needs of the tile: the index of the
+        """`__call__` without a graph, and what [`vjp`][st_cached_losses.functional.representations.multi_vector.MaxSim.vjp] needs of the tile: the index of the
         document token that wins each query token's max, ``(b, t, tq)`` (ties as ``torch.max`` resolves
         them, as autograd through `__call__` would route the gradient)."""
         q, q_mask = unpack_tokens(queries)
@@ -113,7 +113,7 @@ class MaxSim:
         """The gradients of ``sum(g * self(queries, documents))`` (``g``: ``(b, t)``) wrt the packed
         ``queries`` (if ``rows``) and ``documents`` (if ``cols``), 0 in the mask channel, in closed form:
         each query token's max passes its weight ``w = g * mask (/ token count)`` to the one document token
-        that wins it (``state``: the winners from [`scores_and_state`][st_cached_losses.functional.multi_vector.MaxSim.scores_and_state], else found again), so
+        that wins it (``state``: the winners from [`scores_and_state`][st_cached_losses.functional.representations.multi_vector.MaxSim.scores_and_state], else found again), so
 
             d/dq_as = sum_b w_abs c_b[win_abs],    d/dc_bj = sum_(a, s: win_abs = j) w_abs q_as
 
@@ -184,7 +184,7 @@ _NO_KEY = torch.iinfo(torch.int64).max
 
 
 def document_ids(documents: Tensor) -> Tensor:
-    """``(n,)`` int64 ids of packed documents whose mask channel carries ``id + 1`` ([`XTR.with_column_data`][st_cached_losses.functional.multi_vector.XTR.with_column_data]);
+    """``(n,)`` int64 ids of packed documents whose mask channel carries ``id + 1`` ([`XTR.with_column_data`][st_cached_losses.functional.representations.multi_vector.XTR.with_column_data]);
     -1 for a document without any scored token."""
     return documents[..., -1].detach().amax(-1).to(torch.int64) - 1
 
@@ -200,7 +200,7 @@ def xtr_top_keys(
     """The ``top_k`` document tokens each query token retrieves, as ``torch.topk`` picks them over
     sentence-transformers' flat ``documents x tokens`` layout: ``(values, keys)``, both ``(B, tq, top_k)``,
     of packed ``queries (B, tq, d + 1)`` over the scored tokens of the id-carrying document ``columns``
-    ([`XTR.with_column_data`][st_cached_losses.functional.multi_vector.XTR.with_column_data], each ``(n, td_k, d + 1)``), merged with a running ``state`` from other
+    ([`XTR.with_column_data`][st_cached_losses.functional.representations.multi_vector.XTR.with_column_data], each ``(n, td_k, d + 1)``), merged with a running ``state`` from other
     columns (another process's documents). fp32 values (fp64 kept), no graph.
 
     Exactly ``top_k`` per query token (fewer when fewer tokens are scored: the empty slots have the key
@@ -342,21 +342,21 @@ def _merge_top(values: Tensor, keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
 @dataclass(unsafe_hash=True)
 class XTR:
     """sentence-transformers' ``xtr_scores`` / ``XTRScores(top_k)`` (Lee et al. 2023) for every (query,
-    document) pair, on packed documents that carry their ids ([`with_column_data`][st_cached_losses.functional.multi_vector.XTR.with_column_data], in
+    document) pair, on packed documents that carry their ids ([`with_column_data`][st_cached_losses.functional.representations.multi_vector.XTR.with_column_data], in
     sentence-transformers' query-major order) and packed queries that carry the document tokens each of
-    their tokens retrieves ([`with_row_data`][st_cached_losses.functional.multi_vector.XTR.with_row_data], from a streaming pass over every column,
-    [`xtr_top_keys`][st_cached_losses.functional.multi_vector.xtr_top_keys]; the core calls both once per loss call, with every document column; in the ring,
-    each visiting block of documents is merged into the running top-``k``, [`row_state`][st_cached_losses.functional.multi_vector.XTR.row_state], before the rows
-    take it, [`with_row_state`][st_cached_losses.functional.multi_vector.XTR.with_row_state]).
+    their tokens retrieves ([`with_row_data`][st_cached_losses.functional.representations.multi_vector.XTR.with_row_data], from a streaming pass over every column,
+    [`xtr_top_keys`][st_cached_losses.functional.representations.multi_vector.xtr_top_keys]; the core calls both once per loss call, with every document column; in the ring,
+    each visiting block of documents is merged into the running top-``k``, [`row_state`][st_cached_losses.functional.representations.multi_vector.XTR.row_state], before the rows
+    take it, [`with_row_state`][st_cached_losses.functional.representations.multi_vector.XTR.with_row_state]).
 
     Per query token ``s`` and document ``j``: the retrieved tokens are those of the query token's ``top_k``
-    over every in-batch document token ([`xtr_top_keys`][st_cached_losses.functional.multi_vector.xtr_top_keys]: exactly ``top_k``; exact ties at the
+    over every in-batch document token ([`xtr_top_keys`][st_cached_losses.functional.representations.multi_vector.xtr_top_keys]: exactly ``top_k``; exact ties at the
     ``top_k``-th similarity resolved as ``ties`` says: by default the tied query tokens' flat rows are
     rebuilt as sentence-transformers lays them out and handed to ``torch.topk``, their choice, on one
     process or gathered; in the ring, and with ``ties="lowest"``, the lowest (document, token) index, which
     ``torch.topk`` often does not pick, see there) that belong to ``j``; ``m_s`` is the largest retrieved similarity, or 0 when none is
     retrieved (``alpha_s`` = whether one is). The score is ``sum_s m_s / max(1, sum_s alpha_s)`` over the
-    query's scored tokens; a document without any scored token scores [`EMPTY_DOCUMENT_SCORE`][st_cached_losses.functional.multi_vector.EMPTY_DOCUMENT_SCORE]. The
+    query's scored tokens; a document without any scored token scores [`EMPTY_DOCUMENT_SCORE`][st_cached_losses.functional.representations.multi_vector.EMPTY_DOCUMENT_SCORE]. The
     retrieval is decided once, by the first pass, and looked up by key in every tile (never by comparing
     a tile's recomputed similarities with a threshold, which a different rounding in another tile shape
     could tip). The gradient is exact: through the max to the retrieved token that wins it (ties as
@@ -411,7 +411,7 @@ class XTR:
     def with_row_data(self, queries: Tensor, columns: list[Tensor], memory_budget: int) -> Tensor:
         """Packed ``queries (B, tq, d + 1)`` as ``(B, tq, d + 2 top_k + 1)``: the embeddings, the ids and
         positions of the document tokens each query token retrieves from the id-carrying ``columns``
-        ([`with_column_data`][st_cached_losses.functional.multi_vector.XTR.with_column_data]), then the mask; the result keeps ``queries``' graph (the retrieval
+        ([`with_column_data`][st_cached_losses.functional.representations.multi_vector.XTR.with_column_data]), then the mask; the result keeps ``queries``' graph (the retrieval
         channels get no gradient)."""
         state = xtr_top_keys(queries, columns, self.top_k, memory_budget, flat_ties=self.ties == "topk")
         return self.with_row_state(queries, state)
@@ -425,11 +425,11 @@ class XTR:
     ) -> tuple[Tensor, Tensor]:
         """What the rows' data is made of, over the id-carrying ``columns`` and a previous ``state`` (other
         columns: the blocks of other processes visiting in a ring): each query token's running top-k
-        values and keys ([`xtr_top_keys`][st_cached_losses.functional.multi_vector.xtr_top_keys])."""
+        values and keys ([`xtr_top_keys`][st_cached_losses.functional.representations.multi_vector.xtr_top_keys])."""
         return xtr_top_keys(queries, columns, self.top_k, memory_budget, state)
 
     def with_row_state(self, queries: Tensor, state: tuple[Tensor, Tensor]) -> Tensor:
-        """[`with_row_data`][st_cached_losses.functional.multi_vector.XTR.with_row_data] from a finished [`row_state`][st_cached_losses.functional.multi_vector.XTR.row_state] (every column of every process seen)."""
+        """[`with_row_data`][st_cached_losses.functional.representations.multi_vector.XTR.with_row_data] from a finished [`row_state`][st_cached_losses.functional.representations.multi_vector.XTR.row_state] (every column of every process seen)."""
         keys = state[1]
         found = keys != _NO_KEY
         acc = accumulation_dtype(queries)  # ids and positions exact (fp32 at least)
@@ -439,7 +439,7 @@ class XTR:
         return torch.cat([queries[..., :-1], doc, pos, queries[..., -1:]], dim=-1)
 
     def without_row_data(self, x: Tensor) -> Tensor:
-        """A tensor laid out as [`with_row_data`][st_cached_losses.functional.multi_vector.XTR.with_row_data]'s (rows or their gradient) back as ``(B, tq, d + 1)``:
+        """A tensor laid out as [`with_row_data`][st_cached_losses.functional.representations.multi_vector.XTR.with_row_data]'s (rows or their gradient) back as ``(B, tq, d + 1)``:
         the retrieval channels dropped."""
         return torch.cat([x[..., : -2 * self.top_k - 1], x[..., -1:]], dim=-1)
 

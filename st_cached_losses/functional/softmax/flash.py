@@ -1,14 +1,14 @@
-"""The loss stage's passes on the Triton kernels ([`triton_kernels`][st_cached_losses.functional.triton_kernels]):
+"""The loss stage's passes on the Triton kernels ([`triton_kernels`][st_cached_losses.functional.kernels.triton_kernels]):
 the statistics, the gradients and the fused one-direction pass of bound terms
-([`Bound`][st_cached_losses.functional.terms.Bound]) whose products are TF32 or bf16 (``matmul_precision``
+([`Bound`][st_cached_losses.functional.softmax.terms.Bound]) whose products are TF32 or bf16 (``matmul_precision``
 ``"high"`` / ``"medium"``, [`Products`][st_cached_losses.functional.precision.Products]), never a ``rows x
 columns`` block in memory.
 
 A term runs here when it is plain: a GEMM score (cosine or dot, normalised and scaled once), no hardness
 penalty, guide or duplicate mask, and its diagonal entry the positive or kept (not removed). Each pass
 returns None where it cannot run (a term that is not plain, Triton missing, a kernel that failed to
-compile), and the driver then runs the torch tiles ([`term_stats`][st_cached_losses.functional.terms.term_stats],
-[`term_grads`][st_cached_losses.functional.terms.term_grads], [`fused_chunk`][st_cached_losses.functional.terms.fused_chunk]) at the same precision.
+compile), and the driver then runs the torch tiles ([`term_stats`][st_cached_losses.functional.softmax.terms.term_stats],
+[`term_grads`][st_cached_losses.functional.softmax.terms.term_grads], [`fused_chunk`][st_cached_losses.functional.softmax.terms.fused_chunk]) at the same precision.
 
 What the kernels compute and what stays here, in torch, ``O((B + N) d)``:
 
@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import LogSumExp, Operand, merge_stats, spans
-from st_cached_losses.functional.terms import Bound, term_grads, term_stats
+from st_cached_losses.functional.kernels.tiles import LogSumExp, Operand, merge_stats, spans
+from st_cached_losses.functional.softmax.terms import Bound, term_grads, term_stats
 
 __all__ = ["KERNEL_MAX_DIM", "fused", "grads", "grads_or_tiles", "kernels_enabled", "stats", "stats_or_tiles"]
 
@@ -63,7 +63,7 @@ def _module() -> Any | None:
         return None
     if _state["module"] is None:
         try:
-            _state["module"] = importlib.import_module("st_cached_losses.functional.triton_kernels")
+            _state["module"] = importlib.import_module("st_cached_losses.functional.kernels.triton_kernels")
         except Exception as e:  # not installed, or an install that does not import
             _state["broken"] = f"Triton could not be imported ({type(e).__name__}: {e})"
             if not isinstance(e, ImportError):
@@ -278,7 +278,7 @@ def _usable(bound: Sequence[Bound], variants: set[tuple]) -> bool:
 
 
 def stats(bound: Sequence[Bound], m: Tensor, ssum: Tensor) -> bool:
-    """[`term_stats`][st_cached_losses.functional.terms.term_stats] on the kernels: fold every term's row
+    """[`term_stats`][st_cached_losses.functional.softmax.terms.term_stats] on the kernels: fold every term's row
     statistics into the per-group ``(m, ssum)`` ``(groups, B)``, and a column softmax's into its running
     statistics. False (nothing done) where the kernels cannot run these terms."""
     if not _usable(bound, {("stats", False, None)}):
@@ -317,7 +317,7 @@ def _grad_variants(b: Bound, need_scale_grad: bool, diag: int | None) -> set[tup
 def grads(
     bound: Sequence[Bound], lse: Sequence[LogSumExp], weights: Sequence[float], *, need_scale_grad: bool
 ) -> Tensor | None:
-    """[`term_grads`][st_cached_losses.functional.terms.term_grads] on the kernels: each term's row and column
+    """[`term_grads`][st_cached_losses.functional.softmax.terms.term_grads] on the kernels: each term's row and column
     gradients into its buffers; returns ``sum(G * S)`` (fp64, 0 when not needed), or None (nothing done)
     where the kernels cannot run these terms."""
     variants: set[tuple] = set()
@@ -356,8 +356,8 @@ def grads(
 def stats_or_tiles(
     bound: Sequence[Bound], m: Tensor, ssum: Tensor, *, scale: float, row_tile: int, col_tile: int
 ) -> None:
-    """A statistics pass: on the kernels where these terms allow ([`stats`][st_cached_losses.functional.flash.stats]),
-    else on torch tiles ([`term_stats`][st_cached_losses.functional.terms.term_stats])."""
+    """A statistics pass: on the kernels where these terms allow ([`stats`][st_cached_losses.functional.softmax.flash.stats]),
+    else on torch tiles ([`term_stats`][st_cached_losses.functional.softmax.terms.term_stats])."""
     if not stats(bound, m, ssum):
         term_stats(bound, m, ssum, scale=scale, row_tile=row_tile, col_tile=col_tile)
 
@@ -366,8 +366,8 @@ def grads_or_tiles(
     bound: Sequence[Bound], lse: Sequence[LogSumExp], weights: Sequence[float], *, scale: float, row_tile: int,
     col_tile: int, need_scale_grad: bool,
 ) -> Tensor:  # fmt: skip
-    """A gradient pass: on the kernels where these terms allow ([`grads`][st_cached_losses.functional.flash.grads]),
-    else on torch tiles ([`term_grads`][st_cached_losses.functional.terms.term_grads]); returns ``sum(G * S)``."""
+    """A gradient pass: on the kernels where these terms allow ([`grads`][st_cached_losses.functional.softmax.flash.grads]),
+    else on torch tiles ([`term_grads`][st_cached_losses.functional.softmax.terms.term_grads]); returns ``sum(G * S)``."""
     gs = grads(bound, lse, weights, need_scale_grad=need_scale_grad)
     if gs is not None:
         return gs
@@ -385,7 +385,7 @@ def grads_or_tiles(
 def fused(
     bound: Sequence[Bound], weights: Sequence[float], *, n_rows: int, need_grads: bool, need_scale_grad: bool
 ) -> tuple[Tensor, Tensor] | None:
-    """[`fused_chunk`][st_cached_losses.functional.terms.fused_chunk] on the kernels (no term has a column
+    """[`fused_chunk`][st_cached_losses.functional.softmax.terms.fused_chunk] on the kernels (no term has a column
     softmax): every group's log-sum-exp per row ``(G, n_rows)`` fp64 and ``sum(G * S)``; the row gradients
     come out of the statistics' kernel (FlashAttention's forward, the columns as its values), the column
     gradients from a second kernel. None (nothing done) where the kernels cannot run these terms."""

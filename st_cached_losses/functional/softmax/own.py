@@ -4,16 +4,16 @@ own hard negatives (FlagEmbedding's ``no_in_batch_neg_flag``), on one process an
 Row ``i``'s logits are ``(K,)``: ``s * sim(q_i, c_k[row_offset + i])`` for every candidate column ``k``,
 with the terms' hardness penalty on each own entry, GIST's guide mask on the own hard negatives (never the
 positive), the duplicate keys' mask (a hard negative equal to the row's own positive) and a false-negative
-filter ([`FalseNegativeFilter`][st_cached_losses.functional.options.FalseNegativeFilter]). The loss is the
+filter ([`FalseNegativeFilter`][st_cached_losses.functional.softmax.options.FalseNegativeFilter]). The loss is the
 mean of ``logsumexp_k - logit_0``. Nothing of size ``B x B`` is computed: the logits are ``B x K``, made by
 ``K`` row-wise products (cosine: each side normalised once), so the loss and its gradients (through autograd
 on this small graph) cost ``O(B K d)``. No other process's rows are read: across processes nothing is
 gathered, and each process returns its share of the global mean (``W / B_global * sum of its rows``,
-[`parallel`][st_cached_losses.functional.parallel]'s weighting).
+[`parallel`][st_cached_losses.functional.softmax.parallel]'s weighting).
 
-A term set says it is of this kind with ``in_batch=False`` ([`TermSet`][st_cached_losses.functional.terms.TermSet]); the
-entry points ([`infonce`][st_cached_losses.functional.infonce.infonce], [`infonce_loss_and_grad`][st_cached_losses.functional.infonce.infonce_loss_and_grad],
-[`loss_and_grad`][st_cached_losses.functional.parallel.loss_and_grad], [`gathered_infonce`][st_cached_losses.functional.parallel.gathered_infonce]) send it here,
+A term set says it is of this kind with ``in_batch=False`` ([`TermSet`][st_cached_losses.functional.softmax.terms.TermSet]); the
+entry points ([`infonce`][st_cached_losses.functional.softmax.loss.infonce], [`infonce_loss_and_grad`][st_cached_losses.functional.softmax.loss.infonce_loss_and_grad],
+[`loss_and_grad`][st_cached_losses.functional.softmax.parallel.loss_and_grad], [`gathered_infonce`][st_cached_losses.functional.softmax.parallel.gathered_infonce]) send it here,
 and the tile drivers refuse it. Only the terms of a row's query against the candidate columns (``"q"`` rows,
 ``"c<k>"`` columns) are read: the others score a row against other rows, which this loss has none of."""
 
@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from st_cached_losses.functional._kernels import NORM_EPS
 from st_cached_losses.functional.checks import candidate_columns, validate_inputs
-from st_cached_losses.functional.options import InfoNCEOptions
+from st_cached_losses.functional.kernels.tiles import NORM_EPS
 from st_cached_losses.functional.precision import accumulation_dtype, fp32_loss_stage
 from st_cached_losses.functional.score import Score
-from st_cached_losses.functional.terms import Term, TermSet, positive_thresholds
+from st_cached_losses.functional.softmax.options import InfoNCEOptions
+from st_cached_losses.functional.softmax.terms import Term, TermSet, positive_thresholds
 
 __all__ = ["OwnOutput", "in_batch_negatives", "own_candidates_infonce", "own_candidates_loss_and_grad"]
 
@@ -159,7 +159,7 @@ def own_candidates_infonce(
 
 
 class OwnOutput:
-    """``(loss, grad_anchors, grad_candidates, grad_scale)`` of [`own_candidates_loss_and_grad`][st_cached_losses.functional.own.own_candidates_loss_and_grad]:
+    """``(loss, grad_anchors, grad_candidates, grad_scale)`` of [`own_candidates_loss_and_grad`][st_cached_losses.functional.softmax.own.own_candidates_loss_and_grad]:
     the gradients of ``grad_output * loss`` in the inputs' dtypes (a column's rows other than the own ones get
     zeros), the scale's None unless it is a tensor that requires grad."""
 
