@@ -24,7 +24,10 @@ the median and the range over the seeds, and whether a run's range lies above, b
 model's MRR@10 (which does not depend on the seed) and CLIP's range.
 
 Run: ``.venv/bin/python benchmarks/siglip_quality.py --seeds 0,1`` (``--quick``: a smoke run; ``--render``:
-the table again from the JSON). Writes ``benchmarks/results/<--name>.{md,json}`` (default ``siglip_quality``).
+the tables again from the JSON, training nothing). Writes ``benchmarks/results/<--name>.{md,json}`` (default
+``siglip_quality``; the ``.md`` with every column, the table between section markers that the SigLIP guide's
+"All columns" block includes) and ``<--name>_compact.md``: the same text around a table of the columns the guide
+quotes, narrow enough for the guide's text column at 1,400 px (``tests/docs/test_table_width.py``).
 """
 
 from __future__ import annotations
@@ -195,15 +198,17 @@ def compare(low: float, high: float, other_low: float, other_high: float) -> str
 def write_results(result: dict, name: str) -> str:
     """Write ``result`` (the setting, the pretrained model's cosines, the command and every run's row per
     seed) to ``benchmarks/results/<name>.{md,json}``, the table with each run's median and range over the
-    seeds and whether its range lies above, below or across the pretrained model's MRR@10 and CLIP's range;
-    the table's text."""
+    seeds and whether its range lies above, below or across the pretrained model's MRR@10 and CLIP's range,
+    every column; and ``<name>_compact.md``, the same text around the columns the SigLIP guide quotes (the
+    start, MRR@10's median and range, the two comparisons, recall@1) and a line with the learned scales and
+    biases. Returns the compact text."""
     rows, gap = result["rows"], result["similarity_gap"]
     metrics = ("recall@1", "recall@10", "NDCG@10")
     base = rows[0]["MRR@10"]
     names = list(dict.fromkeys(r["run"] for r in rows[1:]))
     ranges = {n: summarize([r["MRR@10"] for r in rows if r["run"] == n]) for n in names}
     clip = ranges.get("clip")
-    lines = [
+    intro = [
         result["setting"],
         "",
         f"Pretrained model on the first {gap['pairs']} training pairs: mean positive cosine "
@@ -213,6 +218,15 @@ def write_results(result: dict, name: str) -> str:
         "against the pretrained model and against `clip`: the run's range over the seeds lies above, below, "
         "or overlaps (no difference beyond the seeds' spread).",
         "",
+    ]
+    # the guide's table (docs/guides/siglip.md): six columns, the ones its text quotes
+    compact = [
+        "| run | start: scale / bias | MRR@10 median (range) | vs pretrained | vs clip | recall@1 median |",
+        "|---" * 6 + "|",
+        f"| pretrained | - | {base:.4f} | - | - | {rows[0]['recall@1']:.4f} |",
+    ]
+    learned = []  # "run: scale / bias at the end, per seed" of the runs whose scale or bias moved
+    lines = [
         "| run | loss | start: scale / bias | optimizer steps | train (s), median | scale / bias at the end | "
         "MRR@10 per seed | MRR@10 median (range) | vs pretrained | vs clip | "
         + " | ".join(f"{m} median" for m in metrics)
@@ -239,6 +253,18 @@ def write_results(result: dict, name: str) -> str:
             {"run": name_, "MRR@10": {"median": median, "min": low, "max": high}, "vs_pretrained": vs_base,
              "vs_clip": vs_clip}
         )  # fmt: skip
+        compact.append(
+            f"| {name_} | {' / '.join(f'{v:.4g}' for v in runs[0]['start'].values())} | "
+            f"{median:.4f} ({low:.4f}-{high:.4f}) | {vs_base} | {vs_clip} | "
+            f"{summarize([r['recall@1'] for r in runs])[0]:.4f} |"
+        )
+        if final != "as at the start":
+            learned.append(
+                f"`{name_}` "
+                + ", ".join(
+                    f"{' / '.join(f'{v:.4g}' for v in r['final'].values())} (seed {r['seed']})" for r in runs
+                )
+            )
         lines.append(
             f"| {name_} | {runs[0]['loss']} | {start} | {runs[0]['steps']} | "
             f"{summarize([r['train_s'] for r in runs])[0]:.0f} | {final} | "
@@ -247,13 +273,24 @@ def write_results(result: dict, name: str) -> str:
             + " | ".join(f"{summarize([r[m] for r in runs])[0]:.4f}" for m in metrics)
             + " |"
         )
-    lines += ["", f"Command: `{result['command']}` ({result['date']})."]
+    command = ["", f"Command: `{result['command']}` ({result['date']})."]
+    steps = sorted({r["steps"] for r in rows[1:]})
+    compact += [
+        "",
+        (f"Scale / bias at the end, where learned: {'; '.join(learned)}. " if learned else "")
+        + (f"Every trained run: {steps[0]} optimizer steps. " if len(steps) == 1 else "")
+        + "Every column (the loss, the optimizer steps, the training time, the scale and bias at the end, "
+        f"MRR@10 per seed, recall@10, NDCG@10): `benchmarks/results/{name}.md`.",
+    ]
+    # the full table between snippet section markers: the guide's "All columns" block includes it alone
+    lines = [*intro, "<!-- --8<-- [start:all-columns] -->", *lines, "<!-- --8<-- [end:all-columns] -->"]
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (RESULTS / f"{name}.md").write_text("\n".join(lines + command) + "\n", encoding="utf-8")
+    (RESULTS / f"{name}_compact.md").write_text("\n".join(intro + compact + command) + "\n", encoding="utf-8")
     (RESULTS / f"{name}.json").write_text(
         json.dumps({**result, "summary": summary}, indent=2) + "\n", encoding="utf-8"
     )
-    return "\n".join(lines)
+    return "\n".join(intro + compact + command)
 
 
 if __name__ == "__main__":

@@ -262,6 +262,21 @@ def test_the_table_check_can_fail():
     assert columns == 3 and len(max(cells, key=len)) > WIDE_TABLE_CELL
 
 
+def test_the_siglip_guide_shows_compact_tables_and_collapses_the_full_ones(site):
+    """Rendered: outside the collapsed "All columns" blocks (``<details>``) the SigLIP guide's tables have
+    at most ``MAX_COLUMNS`` columns (tests/docs/test_table_width.py checks the Markdown and says why)."""
+    from tests.docs.test_table_width import MAX_COLUMNS
+
+    page = (site / "guides" / "siglip" / "index.html").read_text()
+    details = re.findall(r"<details\b.*?</details>", page, re.S)
+    shown = _tables(re.sub(r"<details\b.*?</details>", " ", page, flags=re.S))
+    assert [columns for columns, _ in shown] == [5, 6, 6, 6], [columns for columns, _ in shown]
+    assert all(columns <= MAX_COLUMNS for columns, _ in shown)
+    assert sum("start: scale / bias" in cells for _, cells in shown) == 3
+    full = [columns for block in details if "All columns" in block for columns, _ in _tables(block)]
+    assert full == [13, 13, 13], full
+
+
 def _text(page: Path) -> str:
     return " ".join(html.unescape(TAG.sub(" ", page.read_text())).split())
 
