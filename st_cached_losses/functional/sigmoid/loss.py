@@ -10,7 +10,7 @@ L = -(1 / B) * sum_i sum_j log sigmoid(z_ij * (scale * sim(x_i, y_j) + bias))
 ``z_ij = +1`` for row ``i``'s own positive and -1 otherwise; ``sim`` is the cosine (embeddings normalised
 once) or the dot product. One sum over every pair: the loss is symmetric by construction (no directions).
 Every pair's term is independent, so one pass over blocks of pairs gives the loss and every gradient (the
-embeddings', the scale's, the bias's) at once ([`sigmoid_blocks`][st_cached_losses.functional.sigmoid.blocks]):
+embeddings', the scale's, the bias's) at once ([`sigmoid.blocks`][st_cached_losses.functional.sigmoid.blocks]):
 memory ``O((B + C) d)`` plus two blocks, never the ``B x C`` matrix.
 
 Two entry points, one set of options ([`SigmoidOptions`][st_cached_losses.functional.sigmoid.options.SigmoidOptions]):
@@ -22,7 +22,7 @@ Two entry points, one set of options ([`SigmoidOptions`][st_cached_losses.functi
 
 Both run on one process (``sizes=None``) or across processes (``sizes``: every process's row count in rank
 order, from [`agree_on_sizes`][st_cached_losses.functional.placement.agree_on_sizes]), gathered or by ring exchange (``ring=True``), each process
-returning its share of the global loss ([`sigmoid_drivers`][st_cached_losses.functional.sigmoid.drivers] says why that share makes DDP's
+returning its share of the global loss ([`sigmoid.drivers`][st_cached_losses.functional.sigmoid.drivers] says why that share makes DDP's
 gradient average the full-batch gradient). Similarities are computed in fp32 whatever the input dtype
 (fp64 for fp64 inputs; autocast is off inside), their products at ``matmul_precision`` (bf16 operands for
 ``"medium"``, TF32 on CUDA for ``"high"``, fp32 for ``"highest"`` whatever torch's global setting); the terms,
