@@ -40,11 +40,6 @@ _POSITIVES_REFUSALS = {
         "duplicates are masked in the anchor -> candidates direction only for them. Drop 'doc_to_query' or "
         "mask_duplicates, or give one positive per row."
     ),
-    "path": (
-        "across processes the tiled path passes candidate blocks around a ring, and several positives are "
-        "gathered, not passed around it yet. Use path='auto' or 'chunked' (CachedMNRLoss, CachedCLIPLoss), or "
-        "give one positive per row."
-    ),
 }
 
 #: why an option cannot take lists of hard negatives (each row its own number, every row's a candidate of every
@@ -63,22 +58,19 @@ _LIST_REFUSALS = {
         "each row would be scored against its own entries only, and a list's entries hold no row's slot. Set "
         "in_batch_negatives=True, or give hard-negative columns of one text per row."
     ),
-    "mask_duplicates": (
-        "across processes the lists' duplicate keys are not gathered yet. Set mask_duplicates=False, train on one "
-        "process, or give hard-negative columns of one text per row."
-    ),
 }
 
 
 def list_refusal(settings: RankingSettings, owner: str, several: bool, across: bool) -> str | None:
     """The message refusing a batch with lists (``several``: several positives per row) under ``settings``
-    (``across``: gathered across processes), None where they are taken."""
+    (``across``: gathered across processes), None where they are taken. Nothing is refused for being across
+    processes: lists, several positives and their duplicate keys are gathered, or passed around the ring
+    (``path="tiled"``), at their own lengths; ``across`` is the stage's signature (other losses read it)."""
     s = settings
     refusals = {
         "hardness_mode": s.hardness_mode in ("hard_negatives", "in_batch_negatives"),
         "directions": "doc_to_doc" in s.directions,
         "in_batch_negatives": not s.in_batch_negatives,
-        "mask_duplicates": s.mask_duplicates and across,
     }
     for name, refused in refusals.items():
         if refused:
@@ -93,7 +85,6 @@ def list_refusal(settings: RankingSettings, owner: str, several: bool, across: b
         "partition_mode": s.partition_mode == "joint" and "doc_to_query" in s.directions,
         "negative_bank_size": bool(s.negative_bank_size),
         "mask_duplicates": s.mask_duplicates and "doc_to_query" in s.directions,
-        "path": s.path == "tiled" and across,
     }
     for name, refused in refused_several.items():
         if refused:
@@ -293,7 +284,8 @@ class CachedMNRLoss(LearnableScale):
         anchors (the symmetric direction: each positive against the anchors, its row's the target). Options
         that read a row's own hard negatives (``hardness_mode`` ``"hard_negatives"`` / ``"in_batch_negatives"``,
         ``doc_to_doc``, ``in_batch_negatives=False``) are refused with lists. Across processes
-        (``gather_across_devices``) every process's lists and positives are gathered at their own lengths.
+        (``gather_across_devices``) every process's lists, positives and duplicate keys are gathered, or passed
+        around the ring (``path="tiled"``), at their own lengths.
 
         Recommendations:
             - ``batch_sampler=BatchSamplers.NO_DUPLICATES`` so no in-batch negative duplicates an anchor's positive.

@@ -2,7 +2,10 @@
 unequal per-process batches (3 and 5 rows): one training step under DDP, each process's lists gathered at their
 own lengths (one process's lists all empty, so its list column is not embedded there; a ``None``-padded layout
 too). The mean of the processes' losses and the DDP-averaged parameter gradients equal the one-process float64
-reference on the global batch (``reference_listed_infonce``)."""
+reference on the global batch (``reference_listed_infonce``): several positives gathered and on the ring
+(``path="tiled"``), and ``mask_duplicates`` with lists (list entries that repeat another row's positive, on another
+process and on the same one: the keys travel with each list column at its own lengths), gathered and on the
+ring."""
 
 from __future__ import annotations
 
@@ -38,7 +41,46 @@ CONFIGS = {
     "clip_several": ("CachedCLIPLoss", {}, "several", True),
     # a learned scale: its gradient (outside DDP) averaged over the processes, the reference's
     "clip_several_learnable": ("CachedCLIPLoss", {"scale": 12.0, "learnable_scale": True}, "several", True),
+    # several positives on the ring: each process's sorted positives, lists and keys travel, one ring per count
+    "tiled_several": ("CachedTiledLoss", {"tile_size": 2}, "several", False),
+    "clip_ring_several_learnable": (
+        "CachedCLIPLoss",
+        {"path": "tiled", "tile_size": 3, "scale": 12.0, "learnable_scale": True},
+        "several",
+        True,
+    ),
+    # duplicates in the lists (with_duplicates): masked out of that positive's softmax, gathered and on the ring
+    "mnr_mask_duplicates": ("CachedMNRLoss", {"mask_duplicates": True}, "list", False),
+    "clip_mask_duplicates_none_padded": ("CachedCLIPLoss", {"mask_duplicates": True}, "none_padded", True),
+    "tiled_ring_mask_duplicates": (
+        "CachedTiledLoss",
+        {"tile_size": 2, "mask_duplicates": True},
+        "list",
+        False,
+    ),
+    "mnr_several_mask_duplicates": ("CachedMNRLoss", {"mask_duplicates": True}, "several", False),
+    "mnr_ring_several_mask_duplicates": (
+        "CachedMNRLoss",
+        {"path": "tiled", "tile_size": 2, "mask_duplicates": True},
+        "several",
+        False,
+    ),
 }
+
+
+def with_duplicates(rows: dict[str, list]) -> tuple[dict[str, list], list[tuple[int, int, int]]]:
+    """``rows`` with two list entries that repeat another row's positive: the first row's (the first process's)
+    appended to the last row's list, the last row's last positive to the row before's (both on the last
+    process); and the reference's masked ``(row, positive, flat negative)`` triples (``mask_duplicates`` takes
+    each out of that positive's softmax, and out of no other's)."""
+    rows = {k: list(v) for k, v in rows.items()}
+    b = len(rows["anchor"])
+    as_list = [p if isinstance(p, list) else [p] for p in rows["positive"]]
+    last = len(as_list[-1]) - 1
+    rows["negative"][-1] = [*rows["negative"][-1], as_list[0][0]]
+    rows["negative"][-2] = [*rows["negative"][-2], as_list[-1][last]]
+    flat = [sum(len(n) for n in rows["negative"][: r + 1]) - 1 for r in range(b)]  # each row's last entry
+    return rows, [(0, 0, flat[-1]), (b - 1, last, flat[-2])]
 
 
 def global_rows(layout: str = "list") -> dict[str, list]:
@@ -75,6 +117,8 @@ def _worker(rank: int, world: int, path: str) -> dict:
     results = {}
     for name, (cls_name, kwargs, layout, _) in CONFIGS.items():
         rows = global_rows(layout)
+        if kwargs.get("mask_duplicates"):
+            rows, _ = with_duplicates(rows)
         model = load_model(path)
         ddp = DDP(model)
         loss = getattr(st_cached_losses, cls_name)(
@@ -82,7 +126,8 @@ def _worker(rank: int, world: int, path: str) -> dict:
         )
         loss.model = ddp
         mine = {k: v[start : start + SIZES[rank]] for k, v in rows.items()}
-        columns = mine if layout in ("list", "several") else as_columns(mine, 4 if layout != "mixed" else 1)
+        widest = max(len(n) for n in rows["negative"])  # every process's columns alike
+        columns = mine if layout in ("list", "several") else as_columns(mine, widest)
         model.zero_grad(set_to_none=True)
         value = loss(collate(model, columns), None)
         value.backward()
@@ -103,7 +148,12 @@ def test_lists_across_two_processes_equal_the_global_reference(model_dir):
     model = load_model(model_dir)
     for name, (_, kwargs, layout, symmetric) in CONFIGS.items():
         logit_scale = torch.tensor(kwargs.get("scale", 20.0), dtype=torch.float64).log().requires_grad_()
-        ref, g_ref = reference_step(model, global_rows(layout), symmetric=symmetric, scale=logit_scale.exp())
+        rows, masked = global_rows(layout), []
+        if kwargs.get("mask_duplicates"):
+            rows, masked = with_duplicates(rows)
+        ref, g_ref = reference_step(
+            model, rows, symmetric=symmetric, scale=logit_scale.exp(), masked_negatives=masked
+        )
         losses = [r[name]["loss"] for r in per_rank]
         # the first process had no negative to embed (mixed: one per row, a fixed column)
         assert per_rank[0][name]["embedded"] == (SIZES[0] if layout == "mixed" else 0)
@@ -124,8 +174,7 @@ def test_lists_across_two_processes_equal_the_global_reference(model_dir):
 
 
 def _refusing_worker(rank: int, world: int, path: str) -> dict:
-    """What is not exchanged across processes yet, or has no meaning for several positives, is refused on every
-    process, with the option named (several positives: the first process's rows have one positive each, the
+    """What is not kept for several positives is refused on every process, with the option named (several positives: the first process's rows have one positive each, the
     second's several, so the first learns of them in the step's first collective)."""
     import st_cached_losses
 
@@ -136,7 +185,6 @@ def _refusing_worker(rank: int, world: int, path: str) -> dict:
     several["positive"][: SIZES[0]] = [p[:1] for p in several["positive"][: SIZES[0]]]
     several["positive"][-1] = several["positive"][-1] + ["w1 w2"]
     cases = {
-        "ring_several_positives": ("CachedTiledLoss", several, {}),
         "several_positives_bank": ("CachedMNRLoss", several, {"negative_bank_size": 4}),
     }
     messages = {}
@@ -153,8 +201,7 @@ def _refusing_worker(rank: int, world: int, path: str) -> dict:
     return messages
 
 
-def test_what_is_not_exchanged_yet_is_refused_on_every_process(model_dir):
+def test_what_is_not_kept_for_several_positives_is_refused_on_every_process(model_dir):
     per_rank = run_distributed(_refusing_worker, len(SIZES), model_dir)
     for messages in per_rank:
-        assert "path='tiled' cannot take several positives" in messages["ring_several_positives"]
         assert "negative_bank_size=4 cannot take several positives" in messages["several_positives_bank"]

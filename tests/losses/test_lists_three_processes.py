@@ -1,8 +1,9 @@
 """Lists of hard negatives (0-4 per row), and several positives (1-3 per row), across 3 gloo processes (spawned
 from pytest) with unequal batches (2, 4 and 3 rows), ``gather_across_devices=True``, one training step under DDP:
 the mean of the processes' losses and the DDP-averaged parameter gradients equal the one-process float64
-reference on the global batch, one direction and symmetric, gathered and on the ring (``path="tiled"``), at a
-mini-batch that divides no process's batch."""
+reference on the global batch, one direction and symmetric, gathered and on the ring (``path="tiled"``), with
+``mask_duplicates`` (list entries repeating another row's positive), at a mini-batch that divides no process's
+batch."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from tests.losses.test_lists import collate, make_rows, reference_step
+from tests.losses.test_lists_distributed import with_duplicates
 from tests.losses.test_losses import assert_grads_close
 from tests.support.dist_utils import run_distributed
 from tests.support.tiny_model import load_for_ddp, make_tiny_model
@@ -25,15 +27,26 @@ CONFIGS = {
     # several positives (1 to 3) per row on every process
     "clip_several": ("CachedCLIPLoss", {}, True, 3),
     "mnr_several_dot": ("CachedMNRLoss", {"similarity_fct": "dot", "scale": 1.0}, False, 3),
+    # several positives on the ring, symmetric: one ring per count of positives (and per positive backwards)
+    "tiled_several_symmetric": ("CachedTiledLoss", {"tile_size": 2, "symmetric": True}, True, 3),
+    # duplicates in the lists, gathered and on the ring (several positives on the ring too)
+    "clip_mask_duplicates": ("CachedCLIPLoss", {"mask_duplicates": True}, True, 0),
+    "mnr_ring_several_mask_duplicates": (
+        "CachedMNRLoss",
+        {"path": "tiled", "tile_size": 3, "mask_duplicates": True},
+        False,
+        3,
+    ),
 }
 
 
-def global_rows(max_positives: int = 0) -> dict[str, list]:
+def global_rows(max_positives: int = 0, duplicates: bool = False) -> tuple[dict[str, list], list]:
+    """The global batch and, with ``duplicates``, the reference's masked triples (``with_duplicates``)."""
     rows = make_rows(sum(SIZES), 4, seed=53, max_positives=max_positives)
     rows["negative"][
         SIZES[0]
     ] = []  # the second process's first row has none, its last (the global last) four
-    return rows
+    return with_duplicates(rows) if duplicates else (rows, [])
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +68,8 @@ def _worker(rank: int, world: int, path: str) -> dict:
             model, mini_batch_size=3, gather_across_devices=True, **kwargs
         )
         loss.model = DDP(model)
-        mine = {k: v[start : start + SIZES[rank]] for k, v in global_rows(max_positives).items()}
+        rows, _ = global_rows(max_positives, bool(kwargs.get("mask_duplicates")))
+        mine = {k: v[start : start + SIZES[rank]] for k, v in rows.items()}
         model.zero_grad(set_to_none=True)
         value = loss(collate(model, mine), None)
         value.backward()
@@ -71,7 +85,8 @@ def test_lists_across_three_processes_equal_the_global_reference(model_dir):
     model = load_for_ddp(model_dir)
     for name, (_, kwargs, symmetric, max_positives) in CONFIGS.items():
         options = {"similarity": "dot", "scale": 1.0} if "similarity_fct" in kwargs else {}
-        ref, g_ref = reference_step(model, global_rows(max_positives), symmetric=symmetric, **options)
+        rows, masked = global_rows(max_positives, bool(kwargs.get("mask_duplicates")))
+        ref, g_ref = reference_step(model, rows, symmetric=symmetric, masked_negatives=masked, **options)
         losses = [r[name]["loss"] for r in per_rank]
         torch.testing.assert_close(
             torch.tensor(sum(losses) / len(losses), dtype=torch.float64), ref, rtol=1e-5, atol=1e-6

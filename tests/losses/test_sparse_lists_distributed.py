@@ -4,8 +4,8 @@ list column not embedded there), with the packed (compact) cache and the dense o
 the mean of the processes' components and the DDP-averaged parameter gradients equal the one-process float64
 reference of the global batch (the documents' FLOPS over every process's existing documents together). Without
 gathering, several positives per row: the mean of each process's own reference, as sentence-transformers under
-DDP. Several positives gathered (the dense cache), and lists on the ring of processes (``path="tiled"``), equal the
-reference too; several positives gathered with the packed cache are refused on every process."""
+DDP. Several positives gathered and on the ring (the dense cache), and lists on the ring of processes
+(``path="tiled"``), equal the reference too; several positives gathered with the packed cache are refused on every process."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ CONFIGS = {
     "gathered_dense_none_padded": ("dense", "none_padded", True, False, {}),
     "local_several_positives": ("packed", "list", False, True, {}),
     "gathered_several_positives_dense": ("dense", "list", True, True, {}),
+    "ring_several_positives_dense": ("dense", "list", True, True, {"path": "tiled", "tile_size": 3}),
     "ring_packed": ("packed", "list", True, False, {"path": "tiled", "tile_size": 3}),
     "ring_dense_none_padded": ("dense", "none_padded", True, False, {"path": "tiled", "tile_size": 3}),
 }

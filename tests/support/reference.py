@@ -6,7 +6,7 @@ with the package. Computes in the inputs' dtype (so a bf16 call shows the naive 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -163,6 +163,7 @@ def reference_listed_infonce(
     similarity: str = "cosine",
     symmetric: bool = False,
     all_negatives_penalty: float = 0.0,
+    masked_negatives: Collection[tuple[int, int, int]] = (),
 ) -> Tensor:
     """InfoNCE with lists, in float64, one (anchor, positive) pair at a time: ``anchors`` ``(B, d)``;
     ``positives[i]`` ``(m_i, d)`` (``m_i >= 1``) and ``negatives[i]`` ``(n_i, d)`` (``n_i >= 0``) row ``i``'s.
@@ -172,7 +173,9 @@ def reference_listed_infonce(
     negatives); ``-s <q_i, p> + logsumexp``, averaged over the row's positives, then the mean over the rows.
     Symmetric: each positive ``p`` of row ``i`` also against every anchor, its target ``q_i``, averaged the same
     way, and the two directions averaged. ``all_negatives_penalty``: sentence-transformers' ``all_negatives``
-    hardness (``alpha * stop_grad(sim)`` added to every logit but the positive's, not scaled)."""
+    hardness (``alpha * stop_grad(sim)`` added to every logit but the positive's, not scaled).
+    ``masked_negatives``: ``(i, j, n)``, the ``n``-th negative (every row's flattened) is no candidate of row ``i``'s
+    ``j``-th positive's softmax (a duplicate of that positive, as ``mask_duplicates`` finds it)."""
     q = _prep(anchors.double(), similarity)
     pos = [_prep(p.double(), similarity) for p in positives]
     negs = [_prep(n.double(), similarity) for n in negatives]
@@ -189,7 +192,11 @@ def reference_listed_infonce(
         for j in range(len(pos[i])):
             p = pos[i][j]
             others = all_pos[owner != i]
-            cands = torch.cat([p[None], others, all_neg])  # the positive first
+            keep = torch.ones(len(all_neg), dtype=torch.bool)
+            for mi, mj, mn in masked_negatives:
+                if (mi, mj) == (i, j):
+                    keep[mn] = False
+            cands = torch.cat([p[None], others, all_neg[keep]])  # the positive first
             sims = cands @ q[i]
             logits = s * sims
             if all_negatives_penalty:

@@ -232,7 +232,7 @@ def finish_grads(
 def group_stats(n_groups: int, b: int, like: Operand) -> tuple[Tensor, Tensor]:
     """Every group's running ``(m, s)`` statistics, each ``(groups, b)``."""
     m, ssum = init_stats(n_groups * b, like)
-    return m.view(-1, b), ssum.view(-1, b)
+    return m.view(n_groups, b), ssum.view(n_groups, b)  # b may be 0 (a process with no row of a call)
 
 
 def row_lse(m: Tensor, ssum: Tensor) -> tuple[Tensor, list[LogSumExp]]:

@@ -141,21 +141,23 @@ def _gathered(
     keys (every column's in one collective) and the guide's candidates."""
     _own_rows_only(opts)
     layout: dict[str, Any] = {"row_offset": sum(sizes[: rank()]), "check_finite": False}  # agree_on_sizes's
-    if opts.candidate_keys is not None and opts.listed_negatives:
-        raise ValueError(
-            "listed_negatives=True with duplicate keys across processes: the lists' keys are not gathered yet; "
-            "drop the keys (mask_duplicates) or train on one process."
-        )
+    per_column = column_sizes(candidates, sizes, opts.listed_negatives)
     if opts.candidate_keys is not None:
-        # without anchor keys the pairs are compared by their positives only, as on one process and the ring
-        keys = [*opts.candidate_keys] + ([opts.anchor_keys] if opts.anchor_keys is not None else [])
+        # without anchor keys the pairs are compared by their positives only, as on one process and the ring;
+        # the row-aligned keys in one collective, each list column's at its own lengths
+        n_aligned = 1 if opts.listed_negatives else len(opts.candidate_keys)
+        keys = [*opts.candidate_keys[:n_aligned]] + (
+            [opts.anchor_keys] if opts.anchor_keys is not None else []
+        )
         all_keys = all_gather_rows(torch.stack(keys, dim=1), sizes)
-        layout["candidate_keys"] = [all_keys[:, j] for j in range(len(opts.candidate_keys))]
+        layout["candidate_keys"] = [all_keys[:, j] for j in range(n_aligned)] + [
+            all_gather_rows(k, n) if max(n) > 0 else k
+            for k, n in zip(opts.candidate_keys[n_aligned:], per_column[n_aligned:])
+        ]
         if opts.anchor_keys is not None:
             layout["anchors_all_keys"] = all_keys[:, -1]
     if opts.uses_anchors_all:
         layout["anchors_all"] = gather(anchors, sizes)
-    per_column = column_sizes(candidates, sizes, opts.listed_negatives)
     if opts.guide is not None:  # its anchors stay: rows are this process's; its columns as the rows' (lists)
         layout["guide"] = Guide(
             opts.guide.anchors,

@@ -14,7 +14,15 @@ every entry a candidate of every pair).
 Across processes ([`gathered_several_positives_loss_and_grad`][st_cached_losses.functional.softmax.positives.gathered_several_positives_loss_and_grad])
 every process's per-row counts, columns (each at its own length), anchors (for the symmetric direction) and
 keys are all-gathered; each process scores its own rows' pairs against them, its pairs the first of every span
-of the sorted columns, and the gradients wrt the gathered rows are summed over processes."""
+of the sorted columns, and the gradients wrt the gathered rows are summed over processes.
+
+On the ring ([`ring_several_positives_loss_and_grad`][st_cached_losses.functional.softmax.positives.ring_several_positives_loss_and_grad])
+nothing of ``d`` per row is gathered: only the per-row counts, so that every process walks the same rings. Each
+process sorts its own positives by their row's number of positives; one ring per number ``m`` (of any process)
+passes every process's sorted positives, lists and keys around, this process's pairs with ``m`` positives the
+rows, their positives one span of its own block; the symmetric direction one ring per ``(m, k)``, every
+process's anchors (sorted by their count) travelling. A process with no row of some ``m`` scores no row in that
+ring, and passes its blocks on all the same. Memory ``O(local B x d)`` per process, as the ring's."""
 
 from __future__ import annotations
 
@@ -26,11 +34,18 @@ from torch import Tensor
 
 from st_cached_losses.functional.distributed import all_gather_rows, all_reduce_sum, own_rows, rank
 from st_cached_losses.functional.placement import column_sizes, mean_scale_grad
+from st_cached_losses.functional.precision import fp32_loss_stage
+from st_cached_losses.functional.score import Score
 from st_cached_losses.functional.softmax.loss import InfoNCEOutput, infonce, infonce_loss_and_grad
 from st_cached_losses.functional.softmax.options import InfoNCEOptions
+from st_cached_losses.functional.softmax.ring import ring_terms_solve
 from st_cached_losses.functional.softmax.terms import Term, TermSet, mnrl_terms
 
-__all__ = ["gathered_several_positives_loss_and_grad", "several_positives_loss_and_grad"]
+__all__ = [
+    "gathered_several_positives_loss_and_grad",
+    "ring_several_positives_loss_and_grad",
+    "several_positives_loss_and_grad",
+]
 
 
 def _split_terms(terms: TermSet) -> tuple[TermSet, float, TermSet | None, float]:
@@ -59,6 +74,33 @@ def _split_terms(terms: TermSet) -> tuple[TermSet, float, TermSet | None, float]
     b = back[0]
     back_set = TermSet((Term("q", "c0", 0, "positive", b.pen_off, b.pen_diag),), (1.0,))
     return fwd_set, terms.weights[g], back_set, terms.weights[b.group]
+
+
+def _directions(options: InfoNCEOptions, n_columns: int) -> tuple[TermSet, float, TermSet | None, float]:
+    """``_split_terms`` of the options' terms (the one-directional or symmetric loss's when None); refuses
+    duplicate keys with the positive -> anchors term."""
+    terms = options.terms
+    if terms is None:
+        directions = ("query_to_doc", "doc_to_query") if options.symmetric else ("query_to_doc",)
+        terms = mnrl_terms(directions, "per_direction", None, 0.0, n_columns)
+    split = _split_terms(terms)
+    if split[2] is not None and options.candidate_keys is not None:
+        raise ValueError(
+            "several positives per row with duplicate keys (mask_duplicates) take the anchor -> candidates "
+            "direction only; drop doc_to_query or mask_duplicates."
+        )
+    return split
+
+
+def _check_counts(counts: Tensor, n_rows: int, n_positives: int, last: int) -> None:
+    """``counts`` (the rows' numbers of positives, the first ``last`` of them up to this process's) give each of
+    the ``n_rows`` rows one or more and sum to ``n_positives``."""
+    bad = counts.dim() != 1 or counts.numel() != n_rows or last > n_rows
+    if bad or bool((counts < 1).any()) or int(counts.sum()) != n_positives:
+        raise ValueError(
+            f"several positives: counts must give each of the {n_rows} anchors at least one positive and sum to "
+            f"the {n_positives} positives; got {counts.tolist()}."
+        )
 
 
 def _call(
@@ -187,21 +229,8 @@ def _pairs_loss_and_grad(
     b, device = anchors.shape[0], anchors.device
     n_rows, m_total = counts.shape[0], int(counts.sum())
     mine_rows = counts[first : first + b]
-    if counts.dim() != 1 or bool((counts < 1).any()) or cols[0].shape[0] != m_total or mine_rows.numel() != b:
-        raise ValueError(
-            f"several positives: counts must give each of the {n_rows} anchors at least one positive and sum to "
-            f"the {cols[0].shape[0]} positives; got {counts.tolist()}."
-        )
-    terms = options.terms
-    if terms is None:
-        directions = ("query_to_doc", "doc_to_query") if options.symmetric else ("query_to_doc",)
-        terms = mnrl_terms(directions, "per_direction", None, 0.0, len(cols))
-    fwd_terms, w_fwd, back_terms, w_back = _split_terms(terms)
-    if back_terms is not None and options.candidate_keys is not None:
-        raise ValueError(
-            "several positives per row with duplicate keys (mask_duplicates) take the anchor -> candidates "
-            "direction only; drop doc_to_query or mask_duplicates."
-        )
+    _check_counts(counts, n_rows, cols[0].shape[0], b + first)
+    fwd_terms, w_fwd, back_terms, w_back = _directions(options, len(cols))
 
     owner = torch.repeat_interleave(torch.arange(n_rows, device=device), counts)  # (M,) each positive's row
     per_pair = counts[owner]  # (M,) its row's number of positives
@@ -296,3 +325,135 @@ def _pairs_loss_and_grad(
         g_scale,
     )
     return grads, g_all if anchors_all is not None and back_terms is not None else None
+
+
+@fp32_loss_stage
+def ring_several_positives_loss_and_grad(
+    anchors: Tensor,
+    candidates: Sequence[Tensor],
+    counts: Tensor,
+    sizes: list[int],
+    options: InfoNCEOptions,
+    *,
+    with_grad: bool = True,
+) -> InfoNCEOutput:
+    """[`gathered_several_positives_loss_and_grad`][st_cached_losses.functional.softmax.positives.gathered_several_positives_loss_and_grad]
+    by ring exchange (same arguments and weighting; ``options.path`` "auto" or "tiled"): nothing of size
+    ``B_global x d`` is gathered, every process's sorted positives, lists and keys pass around the ring (see the
+    module's notes). Collectives: one all-gather of the per-row counts and one of the lists' lengths, then per
+    number of positives ``m`` of any process one ring of two passes (and with the positive -> anchors term ``m``
+    more), each averaging a tensor scale's gradient."""
+    _check_own_layout(options, "across processes, which places every process's rows itself")
+    if options.path not in ("auto", "tiled"):
+        raise ValueError(
+            f"the ring exchange is tiled by construction: path must be 'auto' or 'tiled', got {options.path!r}."
+        )
+    w, me = len(sizes), rank()
+    anchors, cols = anchors.detach(), [c.detach() for c in candidates]
+    b, device = anchors.shape[0], anchors.device
+    counts = counts.to(device=device, dtype=torch.long)
+    _check_counts(counts, b, cols[0].shape[0], b)
+    fwd_terms, w_fwd, back_terms, w_back = _directions(options, len(cols))
+    counts_all = all_gather_rows(counts, sizes)  # every process walks the rings of every number of positives
+    ms = torch.unique(counts_all).tolist()
+    first, total = sum(sizes[:me]), sum(sizes)
+    row_sizes = [int(c.sum()) for c in counts_all.split(sizes)]  # every process's positives
+    list_sizes = column_sizes(cols, sizes, True)[1:]
+    score = Score(options.similarity)
+
+    owner = torch.repeat_interleave(torch.arange(b, device=device), counts)  # (M,) each positive's local row
+    per_pair = counts[owner]
+    order = torch.argsort(per_pair, stable=True)  # the pairs of each number of positives one span
+    # keys: pairs of one anchor share its key, so a row's other positives are masked (its own pair never is);
+    # without the loss's keys, keys unique over processes that make no other duplicate (negatives' never equal
+    # a positive's)
+    if options.candidate_keys is not None:
+        given = list(options.candidate_keys)
+        a_keys = options.anchor_keys[owner] if options.anchor_keys is not None else first + owner
+        pos_keys, neg_keys = given[0], given[1:]
+    else:
+        a_keys = first + owner
+        pos_keys = sum(row_sizes[:me]) + torch.arange(len(owner), device=device)
+        neg_keys = [torch.full((len(c),), -1, dtype=torch.long, device=device) for c in cols[1:]]
+    sorted_cols = [cols[0][order], *cols[1:]]
+    sorted_keys = [pos_keys[order], *neg_keys]
+    a_sorted, pair_rows, m_sorted = a_keys[order], owner[order], per_pair[order]
+    base = replace(
+        options, terms=fwd_terms, symmetric=False, listed_negatives=True, bank=None, check_finite=False
+    )
+
+    loss = torch.zeros((), dtype=torch.float64, device=device)
+    acc = torch.float64 if anchors.dtype == torch.float64 else torch.float32  # gradients summed over calls
+    g_anchors = torch.zeros(anchors.shape, dtype=acc, device=device)
+    g_cols = [torch.zeros(c.shape, dtype=acc, device=device) for c in cols]
+    g_scale: list[Tensor] = []
+
+    def ring(
+        rows: Tensor,
+        columns: list[Tensor],
+        opts: InfoNCEOptions,
+        block_sizes: list[int],
+        weight: float,
+        lists: list[list[int]] | None,
+    ) -> tuple[Tensor | None, list[Tensor]]:
+        """One ring of ``rows`` against every process's ``columns``, each row's loss weighed ``weight``."""
+        nonlocal loss
+        spec = opts.spec(rows, columns, score)
+        out, g_rows, g_columns, _, g_s = ring_terms_solve(
+            spec, rows, columns, block_sizes, scale=options.scale, with_grad=with_grad, list_sizes=lists,
+            factor=weight * w / total,
+        )  # fmt: skip
+        loss += out.double()
+        if g_s is not None:
+            g_scale.append(g_s)
+        return g_rows, g_columns
+
+    for m in ms:  # the anchor -> candidates term: this process's pairs whose row has m positives
+        o, n = int((m_sorted < m).sum()), int((m_sorted == m).sum())
+        opts = replace(
+            base,
+            row_offset=o,
+            anchor_keys=a_sorted[o : o + n],
+            candidate_keys=sorted_keys,
+            anchors_all_keys=a_sorted,
+        )
+        rows = pair_rows[o : o + n]
+        g_rows, g_columns = ring(anchors[rows], sorted_cols, opts, row_sizes, w_fwd / m, list_sizes)
+        if with_grad:
+            assert g_rows is not None  # asked for
+            g_anchors.index_add_(0, rows, g_rows.to(acc))
+            g_cols[0].index_add_(0, order, g_columns[0].to(acc))
+            for k in range(1, len(cols)):
+                g_cols[k] += g_columns[k].to(acc)
+
+    if back_terms is not None:  # each positive against every anchor: every process's anchors travel
+        back = replace(
+            options, terms=back_terms, symmetric=False, listed_negatives=False, bank=None, anchor_keys=None,
+            candidate_keys=None, anchors_all_keys=None, check_finite=False,
+        )  # fmt: skip
+        by_count = torch.argsort(counts, stable=True)  # this process's anchors, those of each count one span
+        firsts = counts.cumsum(0) - counts  # each row's first positive
+        q_sorted, n_sorted = anchors[by_count], counts[by_count]
+        for m in ms:
+            o, n = int((n_sorted < m).sum()), int((n_sorted == m).sum())
+            for k in range(m):
+                picked = firsts[by_count[o : o + n]] + k  # the k-th positive of each of these rows
+                g_rows, g_columns = ring(
+                    cols[0][picked], [q_sorted], replace(back, row_offset=o), sizes, w_back / m, None
+                )
+                if with_grad:
+                    assert g_rows is not None  # asked for
+                    g_cols[0].index_add_(0, picked, g_rows.to(acc))
+                    g_anchors.index_add_(0, by_count, g_columns[0].to(acc))
+
+    if not with_grad:
+        return InfoNCEOutput(loss.to(acc), None, [], None, None)
+    # each ring averaged its scale gradient over the processes already
+    grad_scale = torch.stack(g_scale).sum(0) if g_scale else None
+    return InfoNCEOutput(
+        loss.to(acc),
+        g_anchors.to(anchors.dtype),
+        [g.to(c.dtype) for g, c in zip(g_cols, cols)],
+        None,
+        grad_scale,
+    )

@@ -35,14 +35,14 @@ __all__ = ["ring_terms_solve"]
 def ring_terms_solve(
     spec: LossSpec, anchors: Tensor, cols: Sequence[Tensor], sizes: list[int], *, scale: float | Tensor,
     with_grad: bool, bank_shares: tuple[list[int], list[int]] | None = None,
-    list_sizes: list[list[int]] | None = None,
+    list_sizes: list[list[int]] | None = None, factor: float | None = None,
 ) -> Solution:  # fmt: skip
     """``_ring_terms_solve`` (below) with torch's GEMMs at the
     call's product precision."""
     with spec.score.products.pinned(anchors.device):
         return _ring_terms_solve(
             spec, anchors, cols, sizes, scale=scale, with_grad=with_grad, bank_shares=bank_shares,
-            list_sizes=list_sizes,
+            list_sizes=list_sizes, factor=factor,
         )  # fmt: skip
 
 
@@ -54,7 +54,7 @@ def _pad_rows(x: Tensor, n: int) -> Tensor:
 def _ring_terms_solve(
     spec: LossSpec, anchors: Tensor, cols: Sequence[Tensor], sizes: list[int], *, scale: float | Tensor,
     with_grad: bool, bank_shares: tuple[list[int], list[int]] | None = None,
-    list_sizes: list[list[int]] | None = None,
+    list_sizes: list[list[int]] | None = None, factor: float | None = None,
 ) -> Solution:  # fmt: skip
     """This process's share of the global loss (``W / B_global * sum`` over its rows) by ring exchange:
     every process's columns (its candidates, its anchors when a term reads ``q_all``, its guide
@@ -77,35 +77,45 @@ def _ring_terms_solve(
     hard-negative column, ``cols[1:]``): those columns have a length of their own on each process, so they
     travel apart from the row-aligned ones, side by side in one block padded to the longest list column of
     every process (zeros that no term reads: each visiting column is cut back to its owner's rows), their
-    gradient block travelling with them; a column no process has an entry of travels not at all."""
+    gradient block travelling with them (and their duplicate keys when masking, padded the same way); a column
+    no process has an entry of travels not at all.
+
+    Rows other than the block's (several positives per row,
+    [`ring_several_positives_loss_and_grad`][st_cached_losses.functional.softmax.positives.ring_several_positives_loss_and_grad]):
+    ``sizes`` are every process's rows of the row-aligned columns, and this call's rows (``anchors``, any number,
+    none too) have their positives at ``spec.options.row_offset`` onwards in this process's own block; the keys'
+    ``anchors_all`` (each column row's anchor key) travel with the block then. ``factor``: the weight of this
+    process's sum of row losses (default ``W / sum(sizes)``, the module's weighting)."""
     terms, score, guide, keys = spec.terms, spec.score, spec.options.guide, spec.keys
     me, w = rank(), len(sizes)
     cols = list(cols)
     s = scale_value(scale)
     need_scale_grad = with_grad and isinstance(scale, Tensor) and scale.requires_grad
-    b = anchors.shape[0]
+    b, offset = anchors.shape[0], spec.options.row_offset
     k = len(cols)
     pair = transposed_pair(terms, score, spec.options.false_negatives is not None)
+    if offset or b != sizes[me]:  # the rows are not the block's: no softmax runs down its columns
+        pair = None
     # a token score's logit costs q_tokens x d_tokens elements (the block plan's entry cost)
     cost = score.entry_cost(anchors, cols)
     tile = tile_side(spec.options.tile_size, spec.options.memory_budget, buffers=(3 + terms.guided) * cost)
     src = Sources.of(spec, anchors, cols, None, s, prenorm=False, with_grad=with_grad)
     gsrc, thr = guide_sources(guide, terms, 0, False, tile)
-    fn = false_negatives(spec, src, 0, s, tile)  # every row's positive is in this process's own columns
+    fn = false_negatives(spec, src, offset, s, tile)  # every row's positive is in this process's own columns
     banked = [t for t in terms.terms if t.cols.startswith("bank")]
     visiting = [t for t in terms.terms if t.cols != "q_local" and t not in banked]
     local = [t for t in terms.terms if t.cols == "q_local"]
     reads_q_all = any(t.cols == "q_all" and (pair is None or t != pair[1]) for t in visiting)
     listed = spec.options.listed_negatives and k > 1
-    if listed and (guide is not None or keys is not None):
+    if listed and guide is not None:
         raise ValueError(
-            "listed_negatives=True on the ring: the lists travel without a guide's embeddings or duplicate keys "
-            "yet; drop the guide and the keys (mask_duplicates), or use the gathered strategy."
+            "listed_negatives=True on the ring: the lists travel without a guide's embeddings yet; drop the guide, "
+            "or use the gathered strategy."
         )
     aligned = [0] if listed else list(range(k))  # the columns of one row per anchor
     names = [f"c{j}" for j in aligned] + (["q_all"] if reads_q_all else [])
-    # what travels: the columns side by side (b, K', *row_shape); the guide's (b, K, g); the keys (b, K + 1);
-    # lists of hard negatives side by side, padded to the longest (L, K - 1, *row_shape)
+    # what travels: the columns side by side (b, K', *row_shape); lists of hard negatives side by side, padded
+    # to the longest (L, K - 1, *row_shape); the guide's (b, K, g); the keys (b, K' + 1); the lists' (L, K - 1)
     travelling = [*[cols[j] for j in aligned], anchors][: len(names)]
     row_shape = travelling[0].shape[1:]
     if any(t.shape[1:] != row_shape for t in travelling):
@@ -132,9 +142,19 @@ def _ring_terms_solve(
         static_sizes.append([longest] * w)
     if guide is not None:
         own.append(torch.stack(guide.candidates, dim=1).contiguous())
+        static_sizes.append(None)
     if keys is not None:
-        key_anchor = keys.anchors if keys.anchors is not None else torch.full_like(keys.candidates[0], -1)
-        own.append(torch.stack([*keys.candidates, key_anchor], dim=1).contiguous())
+        # each block row's anchor key: the rows' own, or (rows other than the block's) each positive's anchor's
+        key_anchor = keys.anchors_all if keys.anchors_all is not None else keys.anchors
+        if key_anchor is None:
+            key_anchor = torch.full_like(keys.candidates[0], -1)
+        own.append(torch.stack([*[keys.candidates[j] for j in aligned], key_anchor], dim=1).contiguous())
+        static_sizes.append(None)
+        if longest:
+            own.append(
+                torch.stack([_pad_rows(keys.candidates[j], longest) for j in range(1, k)], 1).contiguous()
+            )
+            static_sizes.append([longest] * w)
     n_groups = len(terms.weights)
     m, ssum = group_stats(n_groups, b, src.q)
     # a score that keeps per-block data (SparseDot's CSR forms) forgets a visiting block once scored:
@@ -150,10 +170,12 @@ def _ring_terms_solve(
         **col_state: Any,
     ) -> list[Bound]:
         """The terms against a visiting block (and, for this process's own block, the local terms)."""
-        blk, rest = tensors[0], tensors[1:]
-        lst = None
-        if longest:
-            lst, rest = rest[0], rest[1:]
+        rest = iter(tensors)
+        blk = next(rest)
+        lst = next(rest) if longest else None
+        gblk = next(rest) if guide is not None else None
+        kb = next(rest) if keys is not None else None
+        list_kb = next(rest) if keys is not None and longest else None
         grads = {}
         if g_block is not None:  # this process's rows keep theirs; the block's travel with it
             grads = {r: g for r, g in src.grads.items() if r in ("q", "d")}
@@ -161,23 +183,24 @@ def _ring_terms_solve(
             if g_lists is not None:
                 grads.update({n: g_lists[: lsizes[j][owner], j] for j, n in enumerate(list_names)})
         col_keys = None
-        if keys is not None:
-            kb = rest[-1]
-            anchor = kb[:, k] if keys.anchors is not None else None
-            col_keys = Keys(anchor, [kb[:, j] for j in range(k)]).sources(0, kb.shape[0])
+        if kb is not None:
+            anchor = kb[:, len(aligned)] if keys is not None and keys.anchors is not None else None
+            block_keys = [kb[:, j] for j in range(len(aligned))]
+            for j in range(len(list_names)):  # each list column's keys cut back to its owner's rows
+                block_keys.append(list_kb[: lsizes[j][owner], j] if list_kb is not None else kb[:0, 0])
+            col_keys = Keys(anchor, block_keys).sources(0, kb.shape[0])
         operands = {n: score.operand(blk[:, j], 1.0, prenormalize=False) for j, n in enumerate(names)}
         for j, n in enumerate(list_names):  # each list column cut back to its owner's rows
             rows_j = lst[: lsizes[j][owner], j] if lst is not None else blk[:0, 0]
             operands[n] = score.operand(rows_j, 1.0, prenormalize=False)
         visit = src.with_columns(operands, grads, col_keys)
         gvisit = None
-        if gsrc is not None:
-            gblk = rest[0]
+        if gsrc is not None and gblk is not None:
             gvisit = gsrc.with_columns(
                 {f"c{j}": Operand(gblk[:, j], True, 1.0, False) for j in range(k)}, {}, None
             )
         scored = [t for t in visiting if pair is None or t != pair[1]]  # the pair's back term rides along
-        bound = bind(scored, visit, 0 if owner == me else None, gvisit, thr, fn)
+        bound = bind(scored, visit, offset if owner == me else None, gvisit, thr, fn)
         if listed:  # a list column the owner has no entry of holds no logit
             bound = [x for x in bound if x.cols.n > 0]
         if pair is not None:
@@ -232,8 +255,8 @@ def _ring_terms_solve(
 
     bank_ring(lambda bound: flash.stats_or_tiles(bound, m, ssum, scale=s, row_tile=tile, col_tile=tile))
     rows_lse, lse = row_lse(m, ssum)
-    factor = w / sum(sizes)
-    loss = (loss_sum(terms, rows_lse, src, 0, tile, s) * factor).to(src.q.dtype)
+    factor = w / sum(sizes) if factor is None else factor
+    loss = (loss_sum(terms, rows_lse, src, offset, tile, s) * factor).to(src.q.dtype)
     if not with_grad:
         return loss, None, [], None, None
     gs_total = torch.zeros((), dtype=torch.float64, device=anchors.device)
@@ -252,7 +275,7 @@ def _ring_terms_solve(
         )
         release()
 
-    g_block = torch.zeros(b, len(names), *row_shape, dtype=src.q.dtype, device=anchors.device)
+    g_block = torch.zeros(sizes[me], len(names), *row_shape, dtype=src.q.dtype, device=anchors.device)
     carried = [g_block]
     if longest:  # the lists' gradients travel with them
         carried.append(g_block.new_zeros(longest, k - 1, *row_shape))

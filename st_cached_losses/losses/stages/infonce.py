@@ -33,6 +33,7 @@ from st_cached_losses.functional.softmax.parallel import (
 )
 from st_cached_losses.functional.softmax.positives import (
     gathered_several_positives_loss_and_grad,
+    ring_several_positives_loss_and_grad,
     several_positives_loss_and_grad,
 )
 from st_cached_losses.functional.softmax.terms import TermSet
@@ -273,7 +274,11 @@ class InfoNCE(Stage):
                 for k, c in zip(kept, step.counts):
                     counts[k] = c
                 inner = replace(
-                    step, kept=None, counts=counts, guide=self._every_guide(step.guide, kept, len(full))
+                    step,
+                    kept=None,
+                    counts=counts,
+                    guide=self._every_guide(step.guide, kept, len(full)),
+                    keys=self._every_keys(step.keys, kept, len(full)),
                 )
                 every = self(StageInput(full, batch.labels, inner, batch.owner), with_grad)
                 step.parts = inner.parts
@@ -346,6 +351,18 @@ class InfoNCE(Stage):
             return guide
         return every_column(guide, kept, given)[0]
 
+    @staticmethod
+    def _every_keys(keys: list[Tensor] | None, kept: list[int], given: int) -> list[Tensor] | None:
+        """The duplicate keys of the embedded columns (``kept``) with none (``(0,)``) where a list column was not
+        embedded, as [`_every_column`][st_cached_losses.losses.stages.infonce.InfoNCE._every_column] gives the
+        rows (None, or another length: as given)."""
+        if keys is None or len(keys) != len(kept):
+            return keys
+        full = [keys[0][:0] for _ in range(given)]
+        for k, key in zip(kept, keys):
+            full[k] = key
+        return full
+
     def _several_positives(
         self, batch: StageInput, with_grad: bool, sizes: list[int] | None = None
     ) -> StageOutput:
@@ -364,15 +381,18 @@ class InfoNCE(Stage):
             out = several_positives_loss_and_grad(
                 embeddings[0], embeddings[1:], counts, options, with_grad=with_grad
             )
-        else:
-            out = gathered_several_positives_loss_and_grad(
-                embeddings[0], embeddings[1:], counts, sizes, options, with_grad=with_grad
+        else:  # against every process's candidates, all-gathered or passed around the ring
+            strategy = (
+                ring_several_positives_loss_and_grad
+                if ring_path(self.plan.path)
+                else gathered_several_positives_loss_and_grad
             )
+            out = strategy(embeddings[0], embeddings[1:], counts, sizes, options, with_grad=with_grad)
         if not with_grad:
             return StageOutput(out.loss)
         assert out.grad_anchors is not None  # asked for
         # each process's own rows: average the scale's gradient as DDP averages the model's (the gathered
-        # strategy averages it itself)
+        # and ring strategies average it themselves)
         grad_scale = mean_scale_grad(out.grad_scale) if sizes is None else out.grad_scale
         input_grads = {"scale": grad_scale} if grad_scale is not None else {}
         return StageOutput(out.loss, [out.grad_anchors, *out.grad_candidates], input_grads)
